@@ -1,0 +1,157 @@
+"""The `strata-stream` command: pack, inspect and verify pack files; run the demo."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from strata_stream.errors import PackError, StrataError
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    # Imported here so `strata-stream --help` stays fast and free of numpy import errors.
+    from strata_stream.pack.header import WEIGHT_FORMATS
+    from strata_stream.pack.presets import PRESETS
+
+    parser = argparse.ArgumentParser(
+        prog="strata-stream",
+        description="Stream mixture-of-experts expert weights from an SSD pack file.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    pack = sub.add_parser("pack", help="write a pack file")
+    source = pack.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--synthetic",
+        metavar="PRESET",
+        choices=list(PRESETS),
+        help=f"random weights with a preset geometry: {', '.join(PRESETS)}",
+    )
+    pack.add_argument("out", metavar="OUT", help="pack file to write")
+    pack.add_argument(
+        "--format",
+        choices=WEIGHT_FORMATS,
+        default=None,
+        help="weight format (default: the preset's)",
+    )
+    pack.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    pack.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    inspect = sub.add_parser("inspect", help="print a pack's geometry, format and layout")
+    inspect.add_argument("pack", metavar="PACK")
+
+    verify = sub.add_parser("verify", help="check every record checksum of a pack")
+    verify.add_argument("pack", metavar="PACK")
+    verify.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    # add_help=False: `demo --help` and every other option belong to the demo's own parser.
+    sub.add_parser(
+        "demo", help="run the streaming demo (demo --help for its options)", add_help=False
+    )
+    return parser
+
+
+def _pack(args: argparse.Namespace) -> int:
+    from strata_stream.pack.presets import pack_preset
+
+    path = pack_preset(
+        args.synthetic,
+        args.out,
+        weight_format=args.format,
+        seed=args.seed,
+        progress=not args.quiet,
+    )
+    print(f"wrote {path} ({path.stat().st_size:,} bytes)")
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from strata_stream.pack.header import MATRICES, ROLES
+    from strata_stream.pack.reader import ExpertPack
+
+    with ExpertPack.open(args.pack) as pack:
+        g = pack.geometry
+        meta = pack.metadata
+        quant = (
+            f", group_size {pack.group_size}, scales {pack.scale_dtype}" if pack.group_size else ""
+        )
+        lines = [
+            f"pack           {pack.path}",
+            f"architecture   {meta['architecture']}",
+            f"source         {meta['source']}",
+            f"geometry       {g.n_layers} layers x {g.n_experts} experts, top-{g.top_k}, "
+            f"hidden {g.hidden}, moe_intermediate {g.moe_intermediate}",
+            f"routing        {g.routing}, norm_topk_prob {str(g.norm_topk_prob).lower()}",
+            f"weight format  {pack.weight_format}{quant}",
+            f"records        {pack.n_records:,} x {pack.record_bytes:,} bytes "
+            f"(stride {pack.record_stride:,}) at offset {pack.records_offset:,}",
+            f"routers        {pack.header.router_bytes:,} bytes at offset "
+            f"{pack.header.router_offset:,}",
+            f"file size      {pack.file_bytes:,} bytes ({_human(pack.file_bytes)})",
+            "record layout",
+        ]
+        for t in pack.tensors:
+            lines.append(
+                f"  {MATRICES[t.matrix]:<4} {ROLES[t.role]:<7} {t.dtype:<4} "
+                f"[{t.rows}, {t.cols}]  +{t.offset:,} ({t.nbytes:,} bytes)"
+            )
+    print("\n".join(lines))
+    return 0
+
+
+def _human(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from strata_stream.pack.reader import ExpertPack
+
+    with ExpertPack.open(args.pack) as pack:
+        try:
+            n = pack.verify(progress=not args.quiet)
+        except PackError as e:
+            # The file opened fine but its data is corrupt: exit 1, distinct from "cannot read".
+            print(f"strata-stream: verify failed: {e}", file=sys.stderr)
+            return 1
+    print(f"ok: {n} records")
+    return 0
+
+
+def _demo(rest: list[str]) -> int:
+    try:
+        from strata_stream.demo import main as demo_main  # type: ignore[import-not-found,unused-ignore]
+    except ImportError as e:
+        print(f"strata-stream: error: the demo is unavailable: {e}", file=sys.stderr)
+        return 2
+    return int(demo_main(rest))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `strata-stream`; returns the exit status (2 for errors)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command != "demo" and rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        if args.command == "pack":
+            return _pack(args)
+        if args.command == "inspect":
+            return _inspect(args)
+        if args.command == "verify":
+            return _verify(args)
+        return _demo(rest)
+    except (StrataError, OSError) as e:
+        print(f"strata-stream: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("strata-stream: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

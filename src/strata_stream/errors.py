@@ -1,0 +1,46 @@
+"""The exceptions strata-stream raises: one small hierarchy, each naming its cause.
+
+Every error derives from `StrataError`; each also derives from the builtin a caller would
+naturally catch (ValueError for bad input, OSError for IO), so generic handlers still work.
+"""
+
+from __future__ import annotations
+
+
+class StrataError(Exception):
+    """Base of every strata-stream error."""
+
+
+class ConfigError(StrataError, ValueError):
+    """A configuration value, environment flag or arena size that cannot work."""
+
+
+class PackError(StrataError, ValueError):
+    """A pack file that is malformed: bad magic, version, metadata, size or checksum."""
+
+
+class ExpertReadError(StrataError, OSError):
+    """An urgent expert read failed (EIO, short read, checksum); the stream stays usable."""
+
+
+class StreamClosedError(StrataError, RuntimeError):
+    """An operation on an ExpertStream (or Window) after close()."""
+
+
+class StreamTimeoutError(StrataError, TimeoutError):
+    """A bounded wait inside the engine ran out (a read that never finished)."""
+
+
+class ArenaFullError(StrataError, RuntimeError):
+    """An urgent request found no slot it may use: every slot is protected or in flight."""
+
+
+__all__ = [
+    "ArenaFullError",
+    "ConfigError",
+    "ExpertReadError",
+    "PackError",
+    "StrataError",
+    "StreamClosedError",
+    "StreamTimeoutError",
+]

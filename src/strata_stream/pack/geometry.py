@@ -1,0 +1,99 @@
+"""The shape of a mixture-of-experts model as far as the pack is concerned."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from strata_stream.errors import ConfigError
+
+# Qwen3-MoE / OLMoE softmax over all experts then pick the top k; Mixtral picks the top k logits
+# then softmaxes over just those. The header stores the index into this tuple.
+ROUTINGS = ("softmax_topk", "topk_softmax")
+
+# The header stores every dimension as u32.
+_U32_MAX = 2**32 - 1
+
+_INT_FIELDS = ("n_layers", "n_experts", "top_k", "hidden", "moe_intermediate")
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Layers, experts and widths of an MoE model, plus its routing rule.
+
+    Expert matrices are gate and up ``[moe_intermediate, hidden]`` and down
+    ``[hidden, moe_intermediate]``; routers are ``[n_experts, hidden]``.
+    """
+
+    n_layers: int
+    n_experts: int
+    top_k: int
+    hidden: int
+    moe_intermediate: int
+    routing: str = "softmax_topk"
+    norm_topk_prob: bool = True
+
+    def __post_init__(self) -> None:
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            # bool is an int subclass; True layers is a bug, not a 1.
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise ConfigError(
+                    f"Geometry.{name} must be an int, got {type(value).__name__} {value!r}"
+                )
+            if not 1 <= value <= _U32_MAX:
+                raise ConfigError(f"Geometry.{name} must be in 1..{_U32_MAX}, got {value}")
+            # Normalise numpy ints so equality, hashing and JSON behave like plain ints.
+            object.__setattr__(self, name, int(value))
+        if self.top_k > self.n_experts:
+            raise ConfigError(
+                f"Geometry.top_k {self.top_k} exceeds Geometry.n_experts {self.n_experts}"
+            )
+        if self.routing not in ROUTINGS:
+            raise ConfigError(
+                f"Geometry.routing must be one of {', '.join(ROUTINGS)}, got {self.routing!r}"
+            )
+        if not isinstance(self.norm_topk_prob, (bool, np.bool_)):
+            raise ConfigError(
+                f"Geometry.norm_topk_prob must be a bool, got "
+                f"{type(self.norm_topk_prob).__name__} {self.norm_topk_prob!r}"
+            )
+        object.__setattr__(self, "norm_topk_prob", bool(self.norm_topk_prob))
+
+    @property
+    def n_records(self) -> int:
+        """Number of expert records in a pack: one per (layer, expert)."""
+        return self.n_layers * self.n_experts
+
+    def matrix_shapes(self) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
+        """Logical (rows, cols) of gate, up and down."""
+        gate = (self.moe_intermediate, self.hidden)
+        return gate, gate, (self.hidden, self.moe_intermediate)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "n_layers": self.n_layers,
+            "n_experts": self.n_experts,
+            "top_k": self.top_k,
+            "hidden": self.hidden,
+            "moe_intermediate": self.moe_intermediate,
+            "routing": self.routing,
+            "norm_topk_prob": self.norm_topk_prob,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Geometry:
+        missing = [k for k in (*_INT_FIELDS, "routing", "norm_topk_prob") if k not in d]
+        if missing:
+            raise ConfigError(f"Geometry is missing field(s): {', '.join(missing)}")
+        return cls(
+            n_layers=d["n_layers"],
+            n_experts=d["n_experts"],
+            top_k=d["top_k"],
+            hidden=d["hidden"],
+            moe_intermediate=d["moe_intermediate"],
+            routing=d["routing"],
+            norm_topk_prob=d["norm_topk_prob"],
+        )

@@ -1,0 +1,468 @@
+"""The fixed 4096-byte pack header, its tensor table and JSON metadata (docs/pack-format.md).
+
+The layout of a pack is a pure function of (geometry, weight format, group size, scale dtype,
+metadata length); `PackHeader` computes it once so the writer and the reader cannot disagree,
+and `read_header` rejects any file whose stored fields differ from that canonical layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from strata_stream.errors import ConfigError, PackError
+from strata_stream.pack.geometry import ROUTINGS, Geometry
+
+MAGIC = b"STRATAPK"
+VERSION = 1
+HEADER_BYTES = 4096
+META_OFFSET = HEADER_BYTES
+# Apple's SSD page and O_DIRECT-safe on Linux: sections and records start on this boundary.
+SECTION_ALIGN = 16384
+RECORD_ALIGN = 16384
+# Tensors inside a record start on this boundary so every tensor is aligned for SIMD/GPU loads.
+TENSOR_ALIGN = 256
+
+WEIGHT_FORMATS = ("f32", "f16", "bf16", "q4", "q8")
+SCALE_FORMATS = ("f32", "f16", "bf16")
+FLOAT_FORMATS = ("f32", "f16", "bf16")
+QUANT_FORMAT_BITS = {"q4": 4, "q8": 8}
+GROUP_SIZES = (32, 64, 128)
+MATRICES = ("gate", "up", "down")
+ROLES = ("weight", "scales", "biases")
+# Bytes per stored element and the dtype name the JSON metadata uses for it.
+_ELEM_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "u32": 4}
+_JSON_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "u32": "uint32"}
+
+# magic, 12 x u32 (version .. scale_format), 10 x u64 (record_bytes .. file_bytes),
+# n_tensors, meta_crc: 144 bytes, then the tensor table.
+_FIXED = struct.Struct("<8s12I10Q2I")
+_FIXED_FIELDS = (
+    "magic", "version", "header_bytes", "n_layers", "n_experts", "top_k", "hidden",
+    "moe_intermediate", "routing", "norm_topk_prob", "weight_format", "group_size",
+    "scale_format", "record_bytes", "record_stride", "meta_offset", "meta_bytes",
+    "router_offset", "router_bytes", "checksum_offset", "checksum_bytes", "records_offset",
+    "file_bytes", "n_tensors", "meta_crc",
+)  # fmt: skip
+# Fields a reader recomputes from the others and requires to match.
+_DERIVED_FIELDS = (
+    "record_bytes", "record_stride", "meta_offset", "router_offset", "router_bytes",
+    "checksum_offset", "checksum_bytes", "records_offset", "file_bytes", "n_tensors",
+)  # fmt: skip
+_TENSOR = struct.Struct("<IIQQII")
+_TABLE_OFFSET = _FIXED.size
+ROUTER_CRC_OFFSET = 4088
+HEADER_CRC_OFFSET = 4092
+_U32 = struct.Struct("<I")
+assert _TABLE_OFFSET == 144 and _TENSOR.size == 32 and len(_FIXED_FIELDS) == 25
+
+
+def align_up(n: int, alignment: int) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a record: where it sits and what it holds."""
+
+    matrix: int  # index into MATRICES
+    role: int  # index into ROLES
+    offset: int  # inside the record, a multiple of TENSOR_ALIGN
+    nbytes: int
+    rows: int
+    cols: int  # in stored elements (u32 words for packed q4/q8)
+    dtype: str  # "f32", "f16", "bf16" or "u32"; implied by the header, not stored
+
+    @property
+    def name(self) -> str:
+        return f"{MATRICES[self.matrix]}.{ROLES[self.role]}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "matrix": MATRICES[self.matrix],
+            "role": ROLES[self.role],
+            "offset": self.offset,
+            "nbytes": self.nbytes,
+            "dtype": _JSON_DTYPES[self.dtype],
+            "shape": [self.rows, self.cols],
+        }
+
+
+def normalize_format(
+    geometry: Geometry, weight_format: str, group_size: int, scale_dtype: str | None
+) -> tuple[int, str | None]:
+    """Check a weight format against a geometry; returns the (group_size, scale_dtype) to store.
+
+    Float formats have no groups or scales, so they store group_size 0 and scale_dtype None
+    whatever the caller passed.
+    """
+    if weight_format not in WEIGHT_FORMATS:
+        raise ConfigError(
+            f"weight_format must be one of {', '.join(WEIGHT_FORMATS)}, got {weight_format!r}"
+        )
+    if weight_format in FLOAT_FORMATS:
+        return 0, None
+    if group_size not in GROUP_SIZES:
+        raise ConfigError(f"group_size must be 32, 64 or 128 for {weight_format}, got {group_size}")
+    if scale_dtype not in SCALE_FORMATS:
+        raise ConfigError(
+            f"scale_dtype must be one of {', '.join(SCALE_FORMATS)} for {weight_format}, "
+            f"got {scale_dtype!r}"
+        )
+    for name in ("hidden", "moe_intermediate"):
+        value = getattr(geometry, name)
+        if value % group_size:
+            raise ConfigError(
+                f"Geometry.{name} {value} is not a multiple of group_size {group_size}, "
+                f"which {weight_format} needs"
+            )
+    return group_size, scale_dtype
+
+
+def record_layout(
+    geometry: Geometry, weight_format: str, group_size: int, scale_dtype: str | None
+) -> tuple[tuple[TensorEntry, ...], int]:
+    """Tensor table and payload size of one record, for an already normalized format."""
+    entries: list[TensorEntry] = []
+    offset = 0
+
+    def add(matrix: int, role: int, rows: int, cols: int, dtype: str) -> None:
+        nonlocal offset
+        offset = align_up(offset, TENSOR_ALIGN)
+        nbytes = rows * cols * _ELEM_BYTES[dtype]
+        entries.append(TensorEntry(matrix, role, offset, nbytes, rows, cols, dtype))
+        offset += nbytes
+
+    for m, (rows, cols) in enumerate(geometry.matrix_shapes()):
+        if weight_format in FLOAT_FORMATS:
+            add(m, 0, rows, cols, weight_format)
+        else:
+            assert scale_dtype is not None
+            bits = QUANT_FORMAT_BITS[weight_format]
+            add(m, 0, rows, cols * bits // 32, "u32")
+            add(m, 1, rows, cols // group_size, scale_dtype)
+            add(m, 2, rows, cols // group_size, scale_dtype)
+    # record_bytes is the end of the last tensor: the checksum covers no trailing padding.
+    return tuple(entries), offset
+
+
+@dataclass(frozen=True)
+class PackHeader:
+    """Everything in the fixed header. Offsets and sizes are derived, never chosen freely."""
+
+    geometry: Geometry
+    weight_format: str
+    group_size: int
+    scale_dtype: str | None
+    meta_bytes: int
+    meta_crc: int = 0
+    router_crc: int = 0
+    tensors: tuple[TensorEntry, ...] = field(init=False)
+    record_bytes: int = field(init=False)
+    record_stride: int = field(init=False)
+    router_offset: int = field(init=False)
+    router_bytes: int = field(init=False)
+    checksum_offset: int = field(init=False)
+    checksum_bytes: int = field(init=False)
+    records_offset: int = field(init=False)
+    file_bytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        gs, sd = normalize_format(
+            self.geometry, self.weight_format, self.group_size, self.scale_dtype
+        )
+        g = self.geometry
+        tensors, record_bytes = record_layout(g, self.weight_format, gs, sd)
+        router_offset = align_up(META_OFFSET + self.meta_bytes, SECTION_ALIGN)
+        router_bytes = g.n_records * g.hidden * 4
+        checksum_offset = align_up(router_offset + router_bytes, SECTION_ALIGN)
+        checksum_bytes = g.n_records * 4
+        records_offset = align_up(checksum_offset + checksum_bytes, SECTION_ALIGN)
+        record_stride = align_up(record_bytes, RECORD_ALIGN)
+        derived = {
+            "group_size": gs,
+            "scale_dtype": sd,
+            "tensors": tensors,
+            "record_bytes": record_bytes,
+            "record_stride": record_stride,
+            "router_offset": router_offset,
+            "router_bytes": router_bytes,
+            "checksum_offset": checksum_offset,
+            "checksum_bytes": checksum_bytes,
+            "records_offset": records_offset,
+            "file_bytes": records_offset + g.n_records * record_stride,
+        }
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
+
+    @property
+    def meta_offset(self) -> int:
+        return META_OFFSET
+
+    @property
+    def n_records(self) -> int:
+        return self.geometry.n_records
+
+    def record_offset(self, layer: int, expert: int) -> int:
+        index = layer * self.geometry.n_experts + expert
+        return self.records_offset + index * self.record_stride
+
+    def to_bytes(self) -> bytes:
+        g = self.geometry
+        values = {
+            "magic": MAGIC,
+            "version": VERSION,
+            "header_bytes": HEADER_BYTES,
+            "n_layers": g.n_layers,
+            "n_experts": g.n_experts,
+            "top_k": g.top_k,
+            "hidden": g.hidden,
+            "moe_intermediate": g.moe_intermediate,
+            "routing": ROUTINGS.index(g.routing),
+            "norm_topk_prob": int(g.norm_topk_prob),
+            "weight_format": WEIGHT_FORMATS.index(self.weight_format),
+            "group_size": self.group_size,
+            "scale_format": SCALE_FORMATS.index(self.scale_dtype) if self.scale_dtype else 0,
+            "record_bytes": self.record_bytes,
+            "record_stride": self.record_stride,
+            "meta_offset": self.meta_offset,
+            "meta_bytes": self.meta_bytes,
+            "router_offset": self.router_offset,
+            "router_bytes": self.router_bytes,
+            "checksum_offset": self.checksum_offset,
+            "checksum_bytes": self.checksum_bytes,
+            "records_offset": self.records_offset,
+            "file_bytes": self.file_bytes,
+            "n_tensors": len(self.tensors),
+            "meta_crc": self.meta_crc,
+        }
+        buf = bytearray(HEADER_BYTES)
+        _FIXED.pack_into(buf, 0, *(values[name] for name in _FIXED_FIELDS))
+        for i, t in enumerate(self.tensors):
+            at = _TABLE_OFFSET + i * _TENSOR.size
+            _TENSOR.pack_into(buf, at, t.matrix, t.role, t.offset, t.nbytes, t.rows, t.cols)
+        _U32.pack_into(buf, ROUTER_CRC_OFFSET, self.router_crc)
+        _U32.pack_into(buf, HEADER_CRC_OFFSET, zlib.crc32(buf[:HEADER_CRC_OFFSET]))
+        return bytes(buf)
+
+    def metadata(self, architecture: str, source: str) -> dict[str, Any]:
+        """The JSON metadata object for this header (docs/pack-format.md, "JSON metadata")."""
+        return {
+            "format": "strata-pack",
+            "version": VERSION,
+            "architecture": architecture,
+            "geometry": self.geometry.to_dict(),
+            "weight_format": self.weight_format,
+            "group_size": self.group_size,
+            "scale_dtype": self.scale_dtype,
+            "record_bytes": self.record_bytes,
+            "record_stride": self.record_stride,
+            "offsets": {
+                "router": self.router_offset,
+                "checksums": self.checksum_offset,
+                "records": self.records_offset,
+            },
+            "record_layout": [t.to_json() for t in self.tensors],
+            "source": source,
+        }
+
+
+def encode_metadata(meta: dict[str, Any]) -> bytes:
+    return json.dumps(meta, indent=1).encode("utf-8")
+
+
+def build_header(
+    geometry: Geometry,
+    weight_format: str,
+    group_size: int,
+    scale_dtype: str | None,
+    architecture: str,
+    source: str,
+) -> tuple[PackHeader, bytes]:
+    """Header and metadata bytes for a new pack (router_crc still 0)."""
+    # The JSON records the router offset, which depends on the JSON's own length; iterate to
+    # the fixed point (one or two rounds: only the digits of a few offsets can change).
+    meta_bytes = 0
+    for _ in range(8):
+        header = PackHeader(geometry, weight_format, group_size, scale_dtype, meta_bytes)
+        blob = encode_metadata(header.metadata(architecture, source))
+        if len(blob) == meta_bytes:
+            break
+        meta_bytes = len(blob)
+    else:  # pragma: no cover - would need offsets whose length oscillates
+        raise AssertionError("metadata length did not converge")
+    header = PackHeader(
+        geometry, weight_format, group_size, scale_dtype, meta_bytes, zlib.crc32(blob)
+    )
+    return header, blob
+
+
+def _tensor_dtype(role: int, weight_format: str, scale_dtype: str | None) -> str:
+    if weight_format in FLOAT_FORMATS:
+        return weight_format
+    return "u32" if role == 0 else (scale_dtype or "f32")
+
+
+def parse_header(buf: bytes, where: str) -> PackHeader:
+    """Decode and validate the 4096 header bytes; `where` prefixes every error ("pack X")."""
+    if len(buf) < HEADER_BYTES:
+        raise PackError(
+            f"{where}: file is {len(buf)} bytes, shorter than the {HEADER_BYTES}-byte header "
+            "(truncated?)"
+        )
+    f = dict(zip(_FIXED_FIELDS, _FIXED.unpack_from(buf, 0), strict=True))
+    magic, version = f["magic"], f["version"]
+    if magic != MAGIC:
+        raise PackError(f"{where}: bad magic {magic!r} (expected {MAGIC!r})")
+    if version != VERSION:
+        raise PackError(f"{where}: version {version} not supported (this reader knows {VERSION})")
+    (stored_crc,) = _U32.unpack_from(buf, HEADER_CRC_OFFSET)
+    actual_crc = zlib.crc32(buf[:HEADER_CRC_OFFSET])
+    if stored_crc != actual_crc:
+        raise PackError(
+            f"{where}: header_crc mismatch (stored {stored_crc:#010x}, computed {actual_crc:#010x})"
+        )
+    if f["header_bytes"] != HEADER_BYTES:
+        raise PackError(
+            f"{where}: header field header_bytes is {f['header_bytes']} (expected {HEADER_BYTES})"
+        )
+    for name, names in (
+        ("routing", ROUTINGS),
+        ("weight_format", WEIGHT_FORMATS),
+        ("scale_format", SCALE_FORMATS),
+    ):
+        value = f[name]
+        if value >= len(names):
+            raise PackError(
+                f"{where}: header field {name} is {value} "
+                f"(known: {', '.join(f'{i} {n}' for i, n in enumerate(names))})"
+            )
+    if f["norm_topk_prob"] > 1:
+        raise PackError(
+            f"{where}: header field norm_topk_prob is {f['norm_topk_prob']} (expected 0 or 1)"
+        )
+    fmt = WEIGHT_FORMATS[f["weight_format"]]
+    if fmt in FLOAT_FORMATS and (f["group_size"] != 0 or f["scale_format"] != 0):
+        raise PackError(
+            f"{where}: header fields group_size {f['group_size']} and scale_format "
+            f"{f['scale_format']} must be 0 for weight_format {fmt}"
+        )
+    try:
+        geometry = Geometry(
+            n_layers=f["n_layers"],
+            n_experts=f["n_experts"],
+            top_k=f["top_k"],
+            hidden=f["hidden"],
+            moe_intermediate=f["moe_intermediate"],
+            routing=ROUTINGS[f["routing"]],
+            norm_topk_prob=bool(f["norm_topk_prob"]),
+        )
+        header = PackHeader(
+            geometry,
+            fmt,
+            f["group_size"],
+            None if fmt in FLOAT_FORMATS else SCALE_FORMATS[f["scale_format"]],
+            f["meta_bytes"],
+            f["meta_crc"],
+            _U32.unpack_from(buf, ROUTER_CRC_OFFSET)[0],
+        )
+    except ConfigError as e:
+        raise PackError(f"{where}: bad header: {e}") from None
+
+    for name in _DERIVED_FIELDS:
+        value = f[name]
+        expected = len(header.tensors) if name == "n_tensors" else getattr(header, name)
+        if value != expected:
+            raise PackError(
+                f"{where}: header field {name} is {value} but the geometry and format imply "
+                f"{expected}"
+            )
+    for i, t in enumerate(header.tensors):
+        m, r, off, nb, rows, cols = _TENSOR.unpack_from(buf, _TABLE_OFFSET + i * _TENSOR.size)
+        got = TensorEntry(m, r, off, nb, rows, cols, _tensor_dtype(r, fmt, header.scale_dtype))
+        if got != t:
+            raise PackError(
+                f"{where}: tensor table entry {i} is (matrix {m}, role {r}, offset {off}, "
+                f"nbytes {nb}, rows {rows}, cols {cols}) but the geometry and format imply "
+                f"(matrix {t.matrix}, role {t.role}, offset {t.offset}, nbytes {t.nbytes}, "
+                f"rows {t.rows}, cols {t.cols})"
+            )
+    return header
+
+
+def _first_difference(got: Any, expected: Any, path: str) -> str | None:
+    """Dotted path and values of the first place `got` differs from `expected`, or None."""
+    if isinstance(expected, dict):
+        if not isinstance(got, dict):
+            return f"field {path} is {type(got).__name__}, expected an object"
+        for key, value in expected.items():
+            sub = f"{path}.{key}" if path else key
+            if key not in got:
+                return f"field {sub} is missing"
+            diff = _first_difference(got[key], value, sub)
+            if diff:
+                return diff
+        return None
+    if isinstance(expected, list):
+        if not isinstance(got, list) or len(got) != len(expected):
+            return f"field {path} {json.dumps(got)} vs {json.dumps(expected)}"
+        for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+            diff = _first_difference(g, e, f"{path}[{i}]")
+            if diff:
+                return diff
+        return None
+    # type() too: JSON true must not pass for header 1, nor 1.0 for 1.
+    if type(got) is not type(expected) or got != expected:
+        return f"field {path} {json.dumps(got)} vs {json.dumps(expected)}"
+    return None
+
+
+def check_metadata(blob: bytes, header: PackHeader, where: str) -> dict[str, Any]:
+    """Parse the JSON metadata and check it repeats the header exactly."""
+    crc = zlib.crc32(blob)
+    if crc != header.meta_crc:
+        raise PackError(
+            f"{where}: meta_crc mismatch (header says {header.meta_crc:#010x}, "
+            f"metadata bytes give {crc:#010x})"
+        )
+    try:
+        meta = json.loads(blob.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PackError(f"{where}: JSON metadata is not valid UTF-8 JSON: {e}") from None
+    if not isinstance(meta, dict):
+        raise PackError(f"{where}: JSON metadata is {type(meta).__name__}, expected an object")
+    for key in ("architecture", "source"):
+        if not isinstance(meta.get(key), str):
+            raise PackError(f"{where}: JSON metadata field {key} must be a string")
+    expected = header.metadata(meta["architecture"], meta["source"])
+    diff = _first_difference(meta, expected, "")
+    if diff:
+        raise PackError(f"{where}: JSON metadata disagrees with header: {diff} (json vs header)")
+    return meta
+
+
+def read_header(f: BinaryIO, path: Path) -> tuple[PackHeader, dict[str, Any]]:
+    """Read and fully validate the header and metadata of an open pack file."""
+    where = f"pack {path}"
+    size = os.fstat(f.fileno()).st_size
+    f.seek(0)
+    buf = f.read(HEADER_BYTES)
+    head = buf[: len(MAGIC)]
+    if head != MAGIC[: len(head)]:
+        # A wrong file is more likely than a truncated one: say so first.
+        raise PackError(f"{where}: bad magic {head!r} (expected {MAGIC!r})")
+    header = parse_header(buf, where)
+    if size != header.file_bytes:
+        hint = "truncated?" if size < header.file_bytes else "trailing data?"
+        raise PackError(
+            f"{where}: file is {size} bytes but header field file_bytes says "
+            f"{header.file_bytes} ({hint})"
+        )
+    f.seek(header.meta_offset)
+    blob = f.read(header.meta_bytes)
+    return header, check_metadata(blob, header, where)

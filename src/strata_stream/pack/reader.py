@@ -1,0 +1,280 @@
+"""Read a pack file: validated header, routers, individual expert records, checksum scan."""
+
+from __future__ import annotations
+
+import operator
+import os
+import zlib
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from tqdm import tqdm
+
+from strata_stream.errors import PackError
+from strata_stream.pack.geometry import Geometry
+from strata_stream.pack.header import (
+    FLOAT_FORMATS,
+    QUANT_FORMAT_BITS,
+    PackHeader,
+    TensorEntry,
+    read_header,
+)
+from strata_stream.pack.quant import QuantizedMatrix, bf16_bits_to_f32, dequantize
+
+F32Array = npt.NDArray[np.float32]
+StoredMatrix = npt.NDArray[Any] | QuantizedMatrix
+
+# Bytes of routers read per step of the router checksum, to keep verify's memory flat.
+_ROUTER_CHUNK = 64 << 20
+_NUMPY_DTYPES = {"f32": "<f4", "f16": "<f2", "bf16": "<u2", "u32": "<u4"}
+
+
+class ExpertPack:
+    """An open pack file. Reads are positional (pread), so one ExpertPack is thread-safe.
+
+    Use `ExpertPack.open(path)`; close it (or use it as a context manager) when done.
+    """
+
+    def __init__(self, path: Path, fd: int, header: PackHeader, metadata: dict[str, Any]):
+        self.path = path
+        self.header = header
+        self.metadata = metadata
+        self._fd: int | None = fd
+        self._checksums = np.frombuffer(
+            self._pread(header.checksum_offset, header.checksum_bytes, "checksum table"),
+            dtype="<u4",
+        )
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str]) -> ExpertPack:
+        """Open and validate a pack (header, metadata, size); raises PackError naming the field."""
+        p = Path(path)
+        f = open(p, "rb", buffering=0)  # noqa: SIM115 - ownership passes to the ExpertPack
+        try:
+            header, metadata = read_header(f, p)
+            fd = os.dup(f.fileno())
+        finally:
+            f.close()
+        try:
+            return cls(p, fd, header, metadata)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    # -- lifetime ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    @property
+    def closed(self) -> bool:
+        return self._fd is None
+
+    def __enter__(self) -> ExpertPack:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # A forgotten close must not leak the descriptor; getattr: __init__ may not have run.
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            os.close(fd)
+
+    def __repr__(self) -> str:
+        g = self.geometry
+        return (
+            f"ExpertPack({str(self.path)!r}, {g.n_layers}x{g.n_experts} experts, "
+            f"{self.weight_format}{', closed' if self.closed else ''})"
+        )
+
+    # -- layout -----------------------------------------------------------------------------
+
+    @property
+    def geometry(self) -> Geometry:
+        return self.header.geometry
+
+    @property
+    def weight_format(self) -> str:
+        return self.header.weight_format
+
+    @property
+    def group_size(self) -> int:
+        """Quantization group size; 0 for float formats."""
+        return self.header.group_size
+
+    @property
+    def scale_dtype(self) -> str | None:
+        """Dtype of scales and biases ("f32", "f16", "bf16"); None for float formats."""
+        return self.header.scale_dtype
+
+    @property
+    def record_bytes(self) -> int:
+        return self.header.record_bytes
+
+    @property
+    def record_stride(self) -> int:
+        return self.header.record_stride
+
+    @property
+    def records_offset(self) -> int:
+        return self.header.records_offset
+
+    @property
+    def file_bytes(self) -> int:
+        return self.header.file_bytes
+
+    @property
+    def n_records(self) -> int:
+        return self.header.n_records
+
+    @property
+    def tensors(self) -> tuple[TensorEntry, ...]:
+        return self.header.tensors
+
+    def _check(self, layer: int, expert: int | None = None) -> tuple[int, int]:
+        g = self.geometry
+        layer = operator.index(layer)
+        if not 0 <= layer < g.n_layers:
+            raise IndexError(f"layer {layer} out of range 0..{g.n_layers - 1}")
+        if expert is None:
+            return layer, 0
+        expert = operator.index(expert)
+        if not 0 <= expert < g.n_experts:
+            raise IndexError(f"expert {expert} out of range 0..{g.n_experts - 1}")
+        return layer, expert
+
+    def record_offset(self, layer: int, expert: int) -> int:
+        """File offset of record (layer, expert); a multiple of 16384."""
+        return self.header.record_offset(*self._check(layer, expert))
+
+    def checksum(self, layer: int, expert: int) -> int:
+        """The crc32 the checksum table holds for record (layer, expert)."""
+        layer, expert = self._check(layer, expert)
+        return int(self._checksums[layer * self.geometry.n_experts + expert])
+
+    # -- reads ------------------------------------------------------------------------------
+
+    def _pread(self, offset: int, n: int, what: str) -> bytes:
+        fd = self._fd
+        if fd is None:
+            raise ValueError(f"pack {self.path} is closed")
+        data = os.pread(fd, n, offset)
+        if len(data) != n:
+            raise PackError(
+                f"pack {self.path}: short read of {what} at offset {offset}: got {len(data)} "
+                f"of {n} bytes (file truncated while open?)"
+            )
+        return data
+
+    def router_weights(self, layer: int) -> F32Array:
+        """Router of `layer` as float32 ``[n_experts, hidden]``."""
+        layer, _ = self._check(layer)
+        g = self.geometry
+        n = g.n_experts * g.hidden * 4
+        data = self._pread(self.header.router_offset + layer * n, n, f"router of layer {layer}")
+        return np.frombuffer(data, dtype="<f4").astype(np.float32).reshape(g.n_experts, g.hidden)
+
+    def read_record(self, layer: int, expert: int) -> bytes:
+        """The checksummed payload (record_bytes, no padding) of record (layer, expert)."""
+        off = self.record_offset(layer, expert)
+        return self._pread(off, self.record_bytes, f"record (layer {layer}, expert {expert})")
+
+    def stored_weights(
+        self, layer: int, expert: int
+    ) -> tuple[StoredMatrix, StoredMatrix, StoredMatrix]:
+        """(gate, up, down) as stored: float arrays (bf16 as uint16 bits) or QuantizedMatrix."""
+        record = self.read_record(layer, expert)
+        arrays = [_tensor(record, t) for t in self.tensors]
+        if self.weight_format in FLOAT_FORMATS:
+            return arrays[0], arrays[1], arrays[2]
+        bits = QUANT_FORMAT_BITS[self.weight_format]
+        q = [
+            QuantizedMatrix(arrays[i], arrays[i + 1], arrays[i + 2], bits, self.group_size)
+            for i in (0, 3, 6)
+        ]
+        return q[0], q[1], q[2]
+
+    def expert_weights(self, layer: int, expert: int) -> tuple[F32Array, F32Array, F32Array]:
+        """(gate, up, down) of one expert as float32, dequantized; shapes as in write_pack."""
+        gate, up, down = (self._to_f32(m) for m in self.stored_weights(layer, expert))
+        return gate, up, down
+
+    def _to_f32(self, m: StoredMatrix) -> F32Array:
+        if isinstance(m, QuantizedMatrix):
+            return dequantize(m)
+        if self.weight_format == "bf16":
+            return bf16_bits_to_f32(m)
+        return m.astype(np.float32)
+
+    # -- integrity --------------------------------------------------------------------------
+
+    def verify(
+        self,
+        progress: bool = True,
+        on_record: Callable[[int, int], None] | None = None,
+        workers: int | None = None,
+    ) -> int:
+        """Check the router checksum and every record's crc32; returns the number of records.
+
+        Raises PackError naming the first bad record (in file order). `on_record(layer, expert)`
+        is called after each good record. Reads run on `workers` threads (pread and crc32
+        release the GIL) so an SSD's queue depth is used.
+        """
+        self._verify_routers()
+        g = self.geometry
+        n_workers = workers or min(8, 2 * (os.cpu_count() or 1))
+        bar = tqdm(
+            total=g.n_records, unit="rec", desc=f"verify {self.path.name}", disable=not progress
+        )
+        with bar, ThreadPoolExecutor(n_workers, thread_name_prefix="strata-verify") as pool:
+            results: Iterator[int] = pool.map(self._record_crc, range(g.n_records))
+            for index, actual in enumerate(results):
+                layer, expert = divmod(index, g.n_experts)
+                expected = int(self._checksums[index])
+                if actual != expected:
+                    raise PackError(
+                        f"pack {self.path}: record (layer {layer}, expert {expert}) at offset "
+                        f"{self.header.record_offset(layer, expert)} fails its checksum: "
+                        f"expected crc32 {expected:#010x}, actual {actual:#010x}"
+                    )
+                if on_record is not None:
+                    on_record(layer, expert)
+                bar.update(1)
+        return g.n_records
+
+    def _record_crc(self, index: int) -> int:
+        layer, expert = divmod(index, self.geometry.n_experts)
+        return zlib.crc32(self.read_record(layer, expert))
+
+    def _verify_routers(self) -> None:
+        h = self.header
+        crc = 0
+        for start in range(0, h.router_bytes, _ROUTER_CHUNK):
+            n = min(_ROUTER_CHUNK, h.router_bytes - start)
+            crc = zlib.crc32(self._pread(h.router_offset + start, n, "routers"), crc)
+        if crc != h.router_crc:
+            raise PackError(
+                f"pack {self.path}: routers at offset {h.router_offset} fail their checksum: "
+                f"expected crc32 {h.router_crc:#010x} (header router_crc), actual {crc:#010x}"
+            )
+
+
+def _tensor(record: bytes, t: TensorEntry) -> npt.NDArray[Any]:
+    count = t.rows * t.cols
+    arr = np.frombuffer(record, dtype=_NUMPY_DTYPES[t.dtype], count=count, offset=t.offset)
+    # Native byte order so callers (and mlx) get ordinary arrays.
+    return arr.astype(arr.dtype.newbyteorder("="), copy=False).reshape(t.rows, t.cols)

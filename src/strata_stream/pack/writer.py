@@ -1,0 +1,271 @@
+"""Write a pack file from routers and per-expert matrices (docs/pack-format.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import os
+import shutil
+import zlib
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+import numpy.typing as npt
+from tqdm import tqdm
+
+from strata_stream.pack.geometry import Geometry
+from strata_stream.pack.header import (
+    FLOAT_FORMATS,
+    MATRICES,
+    QUANT_FORMAT_BITS,
+    PackHeader,
+    TensorEntry,
+    build_header,
+)
+from strata_stream.pack.quant import (
+    QuantizedMatrix,
+    dequantize,
+    f32_to_bf16_bits,
+    quantize,
+    scale_values_f32,
+    to_scale_dtype,
+)
+
+ExpertMatrix = npt.ArrayLike | QuantizedMatrix
+ExpertFn = Callable[[int, int], Sequence[ExpertMatrix]]
+RouterSource = Sequence[npt.ArrayLike] | Callable[[int], npt.ArrayLike]
+
+# Records in flight between the producer (caller's experts() + filling) and the writer thread;
+# three lets generation, checksum+write and the next generation overlap without much memory.
+_BUFFERS = 3
+
+
+def write_pack(
+    path: str | os.PathLike[str],
+    geometry: Geometry,
+    routers: RouterSource,
+    experts: ExpertFn,
+    weight_format: str = "f32",
+    group_size: int = 64,
+    scale_dtype: str = "f16",
+    architecture: str = "synthetic",
+    source: str = "",
+    progress: bool = True,
+) -> Path:
+    """Write a pack to `path` atomically and return the path.
+
+    routers: ``routers[l]`` or ``routers(l)``, a float array ``[n_experts, hidden]``.
+    experts: ``experts(l, e) -> (gate, up, down)``, float arrays of shapes
+    ``[moe_intermediate, hidden]``, ``[moe_intermediate, hidden]``, ``[hidden, moe_intermediate]``.
+    For q4/q8 a matrix may be a `QuantizedMatrix` with the pack's bits and group size; its words
+    are copied verbatim (scales converted only if their dtype differs from `scale_dtype`). A
+    QuantizedMatrix given for a float format is dequantized. `experts` is called once per record
+    in file order (layer-major), so a generator may prefetch ahead.
+
+    group_size and scale_dtype apply to q4/q8 only. The file appears at `path` only once it is
+    complete (written to a temporary file in the same directory, then renamed).
+    """
+    if not isinstance(geometry, Geometry):
+        raise TypeError(f"geometry must be a Geometry, got {type(geometry).__name__}")
+    path = Path(path)
+    header, meta_blob = build_header(
+        geometry, weight_format, group_size, scale_dtype, architecture, source
+    )
+    _check_free_space(path, header.file_bytes)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb", buffering=0) as f:
+            # The header goes last: it carries the router checksum, known only after writing.
+            f.write(bytes(header.meta_offset))
+            f.write(meta_blob)
+            _pad_to(f, header.router_offset)
+            router_crc = _write_routers(f, header, routers)
+            _pad_to(f, header.records_offset)
+            checksums = _write_records(f, header, experts, path, progress)
+            f.seek(header.checksum_offset)
+            f.write(checksums.astype("<u4").tobytes())
+            f.seek(0)
+            f.write(dataclasses.replace(header, router_crc=router_crc).to_bytes())
+            f.seek(0, os.SEEK_END)
+            if f.tell() != header.file_bytes:  # pragma: no cover - a writer bug, not user error
+                raise AssertionError(f"wrote {f.tell()} bytes, expected {header.file_bytes}")
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _check_free_space(path: Path, nbytes: int) -> None:
+    # Fail before writing gigabytes rather than on the last record.
+    try:
+        free = shutil.disk_usage(path.parent).free
+    except OSError:
+        return
+    if free < nbytes:
+        raise OSError(
+            errno.ENOSPC,
+            f"pack needs {nbytes} bytes but only {free} are free on its filesystem",
+            str(path),
+        )
+
+
+def _write_all(f: BinaryIO, data: bytes | bytearray | memoryview) -> None:
+    # Raw (unbuffered) writes may be short; loop so no byte is silently dropped.
+    view = memoryview(data).cast("B")
+    while view:
+        n = f.write(view)
+        if n is None or n <= 0:
+            raise OSError(errno.EIO, "short write", getattr(f, "name", None))
+        view = view[n:]
+
+
+def _pad_to(f: BinaryIO, offset: int) -> None:
+    gap = offset - f.tell()
+    assert gap >= 0
+    if gap:
+        _write_all(f, bytes(gap))
+
+
+def _write_routers(f: BinaryIO, header: PackHeader, routers: RouterSource) -> int:
+    g = header.geometry
+    if not callable(routers) and len(routers) != g.n_layers:
+        raise ValueError(f"routers has {len(routers)} layers, expected n_layers {g.n_layers}")
+    crc = 0
+    for layer in range(g.n_layers):
+        raw = routers(layer) if callable(routers) else routers[layer]
+        arr = np.asarray(raw)
+        if arr.dtype.kind != "f":
+            raise TypeError(f"router of layer {layer}: expected a float array, got {arr.dtype}")
+        expected = (g.n_experts, g.hidden)
+        if arr.shape != expected:
+            raise ValueError(
+                f"router of layer {layer}: expected shape {expected} [n_experts, hidden], "
+                f"got {arr.shape}"
+            )
+        data = np.ascontiguousarray(arr, dtype="<f4").data.cast("B")
+        crc = zlib.crc32(data, crc)
+        _write_all(f, data)
+    return crc
+
+
+class _RecordFiller:
+    """Puts one expert's matrices into a record buffer in the pack's stored encoding."""
+
+    def __init__(self, header: PackHeader) -> None:
+        self.header = header
+        self.fmt = header.weight_format
+        self.bits = QUANT_FORMAT_BITS.get(self.fmt, 0)
+        self.shapes = header.geometry.matrix_shapes()
+
+    def views(self, buf: bytearray) -> list[npt.NDArray[Any]]:
+        return [_view(buf, t) for t in self.header.tensors]
+
+    def fill(self, views: list[npt.NDArray[Any]], layer: int, expert: int, mats: Any) -> None:
+        if not isinstance(mats, (tuple, list)) or len(mats) != 3:
+            raise TypeError(
+                f"experts({layer}, {expert}) must return (gate, up, down), got "
+                f"{type(mats).__name__}"
+            )
+        per = 1 if self.fmt in FLOAT_FORMATS else 3
+        for m, mat in enumerate(mats):
+            where = f"layer {layer} expert {expert} {MATRICES[m]}"
+            dst = views[m * per : (m + 1) * per]
+            if self.fmt in FLOAT_FORMATS:
+                self._fill_float(dst[0], mat, self.shapes[m], where)
+            else:
+                self._fill_quant(dst, mat, self.shapes[m], where)
+
+    def _fill_float(
+        self, dst: npt.NDArray[Any], mat: Any, shape: tuple[int, int], where: str
+    ) -> None:
+        if isinstance(mat, QuantizedMatrix):
+            _check_shape(mat.shape, shape, where)
+            arr: npt.NDArray[Any] = dequantize(mat)
+        else:
+            arr = _float_array(mat, where)
+            _check_shape(arr.shape, shape, where)
+        if self.fmt == "bf16":
+            dst[...] = f32_to_bf16_bits(arr)
+        else:
+            np.copyto(dst, arr, casting="same_kind")
+
+    def _fill_quant(
+        self, dst: list[npt.NDArray[Any]], mat: Any, shape: tuple[int, int], where: str
+    ) -> None:
+        gs, sd = self.header.group_size, self.header.scale_dtype
+        assert sd is not None
+        if isinstance(mat, QuantizedMatrix):
+            if mat.bits != self.bits or mat.group_size != gs:
+                raise ValueError(
+                    f"{where}: QuantizedMatrix has {mat.bits} bits, group {mat.group_size}; "
+                    f"this {self.fmt} pack needs {self.bits} bits, group {gs}"
+                )
+            _check_shape(mat.shape, shape, where)
+            qm = mat
+        else:
+            arr = _float_array(mat, where)
+            _check_shape(arr.shape, shape, where)
+            qm = quantize(arr, gs, self.bits, sd)
+        dst[0][...] = qm.weight
+        for view, values in ((dst[1], qm.scales), (dst[2], qm.biases)):
+            if qm.scale_dtype == sd:
+                view[...] = values  # same dtype: a byte copy, as converters expect
+            else:
+                view[...] = to_scale_dtype(scale_values_f32(values), sd)
+
+
+def _view(buf: bytearray, t: TensorEntry) -> npt.NDArray[Any]:
+    dtype = {"f32": "<f4", "f16": "<f2", "bf16": "<u2", "u32": "<u4"}[t.dtype]
+    arr = np.frombuffer(buf, dtype=dtype, count=t.rows * t.cols, offset=t.offset)
+    return arr.reshape(t.rows, t.cols)
+
+
+def _float_array(mat: Any, where: str) -> npt.NDArray[Any]:
+    arr = np.asarray(mat)
+    if arr.dtype.kind != "f":
+        raise TypeError(f"{where}: expected a float array or QuantizedMatrix, got {arr.dtype}")
+    return arr
+
+
+def _check_shape(got: tuple[int, ...], expected: tuple[int, int], where: str) -> None:
+    if tuple(got) != expected:
+        raise ValueError(f"{where}: expected shape {expected}, got {tuple(got)}")
+
+
+def _write_records(
+    f: BinaryIO, header: PackHeader, experts: ExpertFn, path: Path, progress: bool
+) -> npt.NDArray[np.uint32]:
+    g = header.geometry
+    filler = _RecordFiller(header)
+    # Tensor gaps and the tail padding are never written into, so they stay zero across reuse.
+    buffers = [bytearray(header.record_stride) for _ in range(_BUFFERS)]
+    views = [filler.views(b) for b in buffers]
+    checksums = np.zeros(g.n_records, dtype=np.uint32)
+    pending: list[Future[None] | None] = [None] * _BUFFERS
+
+    def flush(index: int, buf: bytearray) -> None:
+        # zlib.crc32 and file writes release the GIL, so this overlaps the next fill.
+        checksums[index] = zlib.crc32(memoryview(buf)[: header.record_bytes])
+        _write_all(f, buf)
+
+    bar = tqdm(total=g.n_records, unit="rec", desc=f"pack {path.name}", disable=not progress)
+    # One writer thread keeps writes in file order.
+    with bar, ThreadPoolExecutor(max_workers=1, thread_name_prefix="strata-pack") as pool:
+        for index in range(g.n_records):
+            slot = index % _BUFFERS
+            previous = pending[slot]
+            if previous is not None:
+                previous.result()
+            layer, expert = divmod(index, g.n_experts)
+            filler.fill(views[slot], layer, expert, experts(layer, expert))
+            pending[slot] = pool.submit(flush, index, buffers[slot])
+            bar.update(1)
+        for fut in pending:
+            if fut is not None:
+                fut.result()
+    return checksums

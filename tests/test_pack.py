@@ -1,0 +1,343 @@
+"""Pack writer/reader round trips, layout against docs/pack-format.md, argument validation."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from strata_stream.errors import ConfigError
+from strata_stream.pack import (
+    PRESETS,
+    ExpertPack,
+    Geometry,
+    QuantizedMatrix,
+    pack_preset,
+    quantize,
+    write_pack,
+)
+from strata_stream.pack.header import PackHeader
+
+# hidden and moe_intermediate divisible by every group size, small enough to be instant.
+GEOM = Geometry(n_layers=2, n_experts=3, top_k=2, hidden=256, moe_intermediate=128)
+
+
+def float_experts(geometry: Geometry, seed: int = 0) -> Any:
+    def experts(layer: int, expert: int) -> tuple[npt.NDArray[np.float32], ...]:
+        rng = np.random.default_rng((seed, layer, expert))
+        return tuple(
+            rng.standard_normal(shape).astype(np.float32) for shape in geometry.matrix_shapes()
+        )
+
+    return experts
+
+
+def float_routers(geometry: Geometry, seed: int = 0) -> npt.NDArray[np.float32]:
+    rng = np.random.default_rng((seed, 99))
+    shape = (geometry.n_layers, geometry.n_experts, geometry.hidden)
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def write(tmp_path: Path, name: str = "p.strpk", **kw: Any) -> Path:
+    geometry = kw.pop("geometry", GEOM)
+    return write_pack(
+        tmp_path / name,
+        geometry,
+        kw.pop("routers", float_routers(geometry)),
+        kw.pop("experts", float_experts(geometry)),
+        progress=False,
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("fmt", ["f32", "f16", "bf16"])
+def test_float_round_trip(tmp_path: Path, fmt: str) -> None:
+    path = write(tmp_path, weight_format=fmt)
+    ref = float_experts(GEOM)
+    with ExpertPack.open(path) as pack:
+        assert (pack.weight_format, pack.group_size, pack.scale_dtype) == (fmt, 0, None)
+        for layer in range(GEOM.n_layers):
+            np.testing.assert_array_equal(pack.router_weights(layer), float_routers(GEOM)[layer])
+            for expert in range(GEOM.n_experts):
+                got = pack.expert_weights(layer, expert)
+                for g, w in zip(got, ref(layer, expert), strict=True):
+                    assert g.dtype == np.float32 and g.shape == w.shape
+                    if fmt == "f32":
+                        np.testing.assert_array_equal(g, w)
+                    else:
+                        # Round-to-nearest: half an ulp (eps/2 relative), or half of f16's
+                        # subnormal step 2^-24 near zero.
+                        eps = 2.0**-10 if fmt == "f16" else 2.0**-7
+                        tol = np.abs(w) * eps / 2 + (2.0**-25 if fmt == "f16" else 0)
+                        assert (np.abs(g - w) <= tol).all()
+        assert pack.verify(progress=False) == GEOM.n_records
+
+
+def _quant_tolerance(qm: QuantizedMatrix) -> npt.NDArray[np.float64]:
+    """Per-element bound on |dequantized - input| implied by the stored scales and biases.
+
+    MLX's scheme makes the larger-magnitude edge of a group exact and the other edge may clip
+    by less than one step, so the error is under one |scale|; storing scales/biases in a
+    narrower dtype adds their rounding times the largest q.
+    """
+    from strata_stream.pack.quant import scale_values_f32
+
+    s = np.abs(scale_values_f32(qm.scales).astype(np.float64))
+    b = np.abs(scale_values_f32(qm.biases).astype(np.float64))
+    eps = {"f32": 2.0**-23, "f16": 2.0**-10, "bf16": 2.0**-7}[qm.scale_dtype]
+    n_bins = (1 << qm.bits) - 1
+    per_group = s * (1 + 1e-5) + (n_bins * s + b) * eps + 1e-6
+    return np.repeat(per_group, qm.group_size, axis=1)
+
+
+@pytest.mark.parametrize("scale_dtype", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+def test_quantized_round_trip(tmp_path: Path, fmt: str, group_size: int, scale_dtype: str) -> None:
+    path = write(tmp_path, weight_format=fmt, group_size=group_size, scale_dtype=scale_dtype)
+    ref = float_experts(GEOM)
+    with ExpertPack.open(path) as pack:
+        assert (pack.weight_format, pack.group_size, pack.scale_dtype) == (
+            fmt,
+            group_size,
+            scale_dtype,
+        )
+        np.testing.assert_array_equal(pack.router_weights(1), float_routers(GEOM)[1])
+        for layer, expert in [(0, 0), (1, 2)]:
+            got = pack.expert_weights(layer, expert)
+            stored = pack.stored_weights(layer, expert)
+            for g, w, qm in zip(got, ref(layer, expert), stored, strict=True):
+                assert isinstance(qm, QuantizedMatrix)
+                assert g.shape == w.shape == qm.shape
+                assert (np.abs(g - w) <= _quant_tolerance(qm)).all()
+                # The writer's quantization is the quant module's, byte for byte.
+                expect = quantize(w, group_size, qm.bits, scale_dtype)
+                np.testing.assert_array_equal(qm.weight, expect.weight)
+                np.testing.assert_array_equal(qm.scales, expect.scales)
+        assert pack.verify(progress=False) == GEOM.n_records
+
+
+def test_quantized_matrices_are_copied_verbatim(tmp_path: Path) -> None:
+    mats = {}
+
+    def experts(layer: int, expert: int) -> tuple[QuantizedMatrix, ...]:
+        rng = np.random.default_rng((layer, expert))
+        out = []
+        for rows, cols in GEOM.matrix_shapes():
+            out.append(
+                QuantizedMatrix(
+                    rng.integers(0, 2**32, (rows, cols // 8), dtype=np.uint32),
+                    rng.standard_normal((rows, cols // 64)).astype(np.float16),
+                    rng.standard_normal((rows, cols // 64)).astype(np.float16),
+                    bits=4,
+                    group_size=64,
+                )
+            )
+        mats[layer, expert] = out
+        return tuple(out)
+
+    path = write(tmp_path, experts=experts, weight_format="q4", group_size=64, scale_dtype="f16")
+    with ExpertPack.open(path) as pack:
+        for key, ref in mats.items():
+            for got, want in zip(pack.stored_weights(*key), ref, strict=True):
+                assert isinstance(got, QuantizedMatrix)
+                for a, b in [(got.weight, want.weight), (got.scales, want.scales)]:
+                    assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+                assert got.biases.tobytes() == want.biases.tobytes()
+
+
+def test_quantized_matrix_scale_dtype_converted_and_float_format_dequantized(
+    tmp_path: Path,
+) -> None:
+    w = float_experts(GEOM)(0, 0)
+    q = tuple(quantize(m, 64, 4, "f32") for m in w)
+    bf = write(
+        tmp_path, "bf.strpk", experts=lambda layer, e: q, weight_format="q4", scale_dtype="bf16"
+    )
+    f32 = write(tmp_path, "f.strpk", experts=lambda layer, e: q, weight_format="f32")
+    from strata_stream.pack.quant import dequantize, f32_to_bf16_bits
+
+    with ExpertPack.open(bf) as a, ExpertPack.open(f32) as b:
+        for got_q, got_f, src in zip(
+            a.stored_weights(1, 1), b.expert_weights(1, 1), q, strict=True
+        ):
+            assert isinstance(got_q, QuantizedMatrix)
+            np.testing.assert_array_equal(got_q.weight, src.weight)
+            np.testing.assert_array_equal(got_q.scales, f32_to_bf16_bits(src.scales))
+            np.testing.assert_array_equal(got_f, dequantize(src))
+
+
+def test_routers_as_callable_and_tiny_preset(tmp_path: Path) -> None:
+    routers = float_routers(GEOM)
+    path = write(tmp_path, routers=lambda layer: routers[layer].astype(np.float64))
+    with ExpertPack.open(path) as pack:
+        np.testing.assert_array_equal(pack.router_weights(0), routers[0])
+
+
+def test_layout_matches_spec_offsets(tmp_path: Path) -> None:
+    # Decode with the offsets written in docs/pack-format.md, independently of header.py.
+    path = write(tmp_path, weight_format="q4", group_size=32, scale_dtype="f16")
+    data = path.read_bytes()
+    assert data[:8] == b"STRATAPK"
+
+    def u32(off: int) -> int:
+        return int(struct.unpack_from("<I", data, off)[0])
+
+    def u64(off: int) -> int:
+        return int(struct.unpack_from("<Q", data, off)[0])
+
+    assert [u32(o) for o in range(8, 56, 4)] == [1, 4096, 2, 3, 2, 256, 128, 0, 1, 3, 32, 1]
+    record_bytes, stride = u64(56), u64(64)
+    meta_off, meta_bytes, router_off, router_bytes = u64(72), u64(80), u64(88), u64(96)
+    cks_off, cks_bytes, rec_off, file_bytes = u64(104), u64(112), u64(120), u64(128)
+    assert (meta_off, router_bytes, cks_bytes) == (4096, 6 * 256 * 4, 6 * 4)
+    assert file_bytes == len(data) == rec_off + 6 * stride
+    assert stride % 16384 == 0 and stride - 16384 < record_bytes <= stride
+    assert router_off % 16384 == cks_off % 16384 == rec_off % 16384 == 0
+    assert u32(136) == 9 and u32(140) == zlib.crc32(data[meta_off : meta_off + meta_bytes])
+    assert u32(4092) == zlib.crc32(data[:4092])
+    assert u32(4088) == zlib.crc32(data[router_off : router_off + router_bytes])
+    table = [struct.unpack_from("<IIQQII", data, 144 + 32 * i) for i in range(9)]
+    # gate weight: [128 rows, 256 cols * 4 bits / 32 = 32 words]; scales [128, 256 / 32].
+    assert table[0] == (0, 0, 0, 128 * 32 * 4, 128, 32)
+    assert table[1] == (0, 1, 16384, 128 * 8 * 2, 128, 8)
+    assert table[8][:2] == (2, 2) and table[8][4:] == (256, 4)
+    assert all(t[2] % 256 == 0 for t in table)
+    assert record_bytes == table[8][2] + table[8][3]
+    for i in range(6):
+        rec = data[rec_off + i * stride : rec_off + i * stride + record_bytes]
+        assert zlib.crc32(rec) == u32(cks_off + 4 * i)
+        assert not any(data[rec_off + i * stride + record_bytes : rec_off + (i + 1) * stride])
+
+
+def test_qwen3_layout_is_one_exact_stride() -> None:
+    p = PRESETS["qwen3-30b-a3b"]
+    h = PackHeader(p.geometry, "q4", 64, "f16", meta_bytes=3000)
+    assert h.record_bytes == h.record_stride == 2654208  # 162 SSD pages, no padding
+    assert h.file_bytes > 16e9
+
+
+def test_reader_api(tmp_path: Path) -> None:
+    path = write(tmp_path, weight_format="f16")
+    pack = ExpertPack.open(path)
+    assert pack.geometry == GEOM and pack.path == path
+    assert pack.metadata["format"] == "strata-pack"
+    assert pack.record_offset(1, 2) == pack.records_offset + 5 * pack.record_stride
+    assert len(pack.read_record(0, 1)) == pack.record_bytes
+    assert pack.checksum(0, 1) == zlib.crc32(pack.read_record(0, 1))
+    seen: list[tuple[int, int]] = []
+    pack.verify(progress=False, on_record=lambda layer, e: seen.append((layer, e)))
+    assert seen == [(layer, e) for layer in range(2) for e in range(3)]
+    with pytest.raises(IndexError, match=r"layer 2 out of range 0\.\.1"):
+        pack.expert_weights(2, 0)
+    with pytest.raises(IndexError, match=r"expert -1 out of range 0\.\.2"):
+        pack.record_offset(0, -1)
+    with pytest.raises(IndexError, match="layer 5"):
+        pack.router_weights(5)
+    pack.close()
+    pack.close()
+    assert pack.closed
+    with pytest.raises(ValueError, match="closed"):
+        pack.read_record(0, 0)
+
+
+def test_write_is_atomic_on_error(tmp_path: Path) -> None:
+    def experts(layer: int, expert: int) -> Any:
+        if layer == 1:
+            raise RuntimeError("boom")
+        return float_experts(GEOM)(layer, expert)
+
+    with pytest.raises(RuntimeError, match="boom"):
+        write(tmp_path, experts=experts)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"n_layers": 0}, "n_layers"),
+        ({"n_experts": -1}, "n_experts"),
+        ({"top_k": 5}, "top_k"),
+        ({"hidden": 2.0}, "hidden"),
+        ({"moe_intermediate": True}, "moe_intermediate"),
+        ({"routing": "softmax"}, "routing"),
+        ({"norm_topk_prob": 1}, "norm_topk_prob"),
+        ({"n_layers": 2**32}, "n_layers"),
+    ],
+)
+def test_geometry_validation(kwargs: dict[str, Any], field: str) -> None:
+    base: dict[str, Any] = dict(n_layers=2, n_experts=4, top_k=2, hidden=64, moe_intermediate=32)
+    with pytest.raises(ConfigError, match=f"Geometry.{field}"):
+        Geometry(**{**base, **kwargs})
+
+
+def test_geometry_accepts_numpy_ints() -> None:
+    g = Geometry(np.int64(2), 4, 2, 64, 32, "topk_softmax", np.bool_(False))  # type: ignore[arg-type]
+    assert type(g.n_layers) is int and g.norm_topk_prob is False
+    assert Geometry.from_dict(g.to_dict()) == g
+
+
+def test_shape_and_dtype_errors(tmp_path: Path) -> None:
+    good = float_experts(GEOM)
+
+    def bad_shape(layer: int, expert: int) -> Any:
+        gate, up, down = good(layer, expert)
+        return (gate, up, down.T) if (layer, expert) == (1, 2) else (gate, up, down)
+
+    msg = r"layer 1 expert 2 down: expected shape \(256, 128\), got \(128, 256\)"
+    with pytest.raises(ValueError, match=msg):
+        write(tmp_path, experts=bad_shape)
+    with pytest.raises(TypeError, match="layer 0 expert 0 gate: expected a float array"):
+        write(tmp_path, experts=lambda layer, e: tuple(m.astype(np.int32) for m in good(layer, e)))
+    with pytest.raises(TypeError, match=r"experts\(0, 0\) must return \(gate, up, down\)"):
+        write(tmp_path, experts=lambda layer, e: good(layer, e)[:2])
+    with pytest.raises(ValueError, match=r"router of layer 0: expected shape \(3, 256\)"):
+        write(tmp_path, routers=float_routers(GEOM).transpose(0, 2, 1))
+    with pytest.raises(ValueError, match="routers has 1 layers"):
+        write(tmp_path, routers=float_routers(GEOM)[:1])
+    q8 = tuple(quantize(m, 64, 8) for m in good(0, 0))
+    msg = "has 8 bits, group 64; this q4 pack needs 4 bits, group 64"
+    with pytest.raises(ValueError, match=msg):
+        write(tmp_path, experts=lambda layer, e: q8, weight_format="q4", group_size=64)
+    with pytest.raises(ConfigError, match="weight_format"):
+        write(tmp_path, weight_format="q3")
+    with pytest.raises(ConfigError, match="group_size"):
+        write(tmp_path, weight_format="q4", group_size=16)
+    odd = Geometry(1, 2, 1, 96, 64)
+    with pytest.raises(ConfigError, match="hidden 96 is not a multiple of group_size 64"):
+        write(tmp_path, geometry=odd, weight_format="q8", group_size=64)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_presets_are_deterministic(tmp_path: Path) -> None:
+    a = pack_preset("tiny", tmp_path / "a.strpk", progress=False)
+    b = pack_preset("tiny", tmp_path / "b.strpk", progress=False)
+    c = pack_preset("tiny", tmp_path / "c.strpk", seed=1, progress=False)
+    assert a.read_bytes() == b.read_bytes() != c.read_bytes()
+    with ExpertPack.open(a) as pack:
+        assert pack.geometry == PRESETS["tiny"].geometry and pack.weight_format == "f16"
+
+
+@pytest.mark.parametrize("fmt", ["q4", "q8", "bf16"])
+def test_preset_formats_have_sane_weights(tmp_path: Path, fmt: str) -> None:
+    path = pack_preset("tiny", tmp_path / "t.strpk", weight_format=fmt, progress=False)
+    with ExpertPack.open(path) as pack:
+        assert pack.verify(progress=False) == pack.n_records
+        w = np.concatenate([m.ravel() for m in pack.expert_weights(3, 15)])
+        assert 0.01 < w.std() < 0.04 and abs(w.mean()) < 0.005
+        r = pack.router_weights(0)
+        assert abs(r.std() * np.sqrt(pack.geometry.hidden) - 1) < 0.2
+
+
+def test_pack_preset_rejects_bad_arguments(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown preset 'nope'; known presets: tiny"):
+        pack_preset("nope", tmp_path / "x")
+    with pytest.raises(ConfigError, match="seed"):
+        pack_preset("tiny", tmp_path / "x", seed=-1)
+    with pytest.raises(ConfigError, match="weight_format"):
+        pack_preset("tiny", tmp_path / "x", weight_format="int4")

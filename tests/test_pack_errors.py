@@ -1,0 +1,198 @@
+"""Every way a pack can be malformed is reported as a PackError naming the file and the field."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import struct
+import zlib
+from pathlib import Path
+
+import pytest
+
+from strata_stream.cli import main
+from strata_stream.errors import PackError
+from strata_stream.pack import ExpertPack, pack_preset
+
+
+@pytest.fixture(scope="module")
+def good_pack(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return pack_preset("tiny", tmp_path_factory.mktemp("good") / "tiny.strpk", progress=False)
+
+
+@pytest.fixture
+def pack(good_pack: Path, tmp_path: Path) -> Path:
+    """A private copy of the tiny pack, free to corrupt."""
+    return Path(shutil.copy(good_pack, tmp_path / "bad.strpk"))
+
+
+def patch(path: Path, offset: int, data: bytes, fix_header_crc: bool = True) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+        if fix_header_crc:
+            f.seek(0)
+            head = f.read(4092)
+            f.write(struct.pack("<I", zlib.crc32(head)))
+
+
+def u64(path: Path, offset: int) -> int:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return int(struct.unpack("<Q", f.read(8))[0])
+
+
+def expect(path: Path, message: str) -> None:
+    with pytest.raises(PackError, match=f"^pack {re.escape(str(path))}: {message}"):
+        ExpertPack.open(path)
+
+
+def test_bad_magic(pack: Path) -> None:
+    patch(pack, 0, b"XXXXXXXX")
+    expect(pack, re.escape("bad magic b'XXXXXXXX' (expected b'STRATAPK')"))
+
+
+def test_not_a_pack_at_all(tmp_path: Path) -> None:
+    p = tmp_path / "notes.txt"
+    p.write_text("hello")
+    expect(p, "bad magic b'hello'")
+
+
+def test_bad_version(pack: Path) -> None:
+    patch(pack, 8, struct.pack("<I", 2))
+    expect(pack, re.escape("version 2 not supported (this reader knows 1)"))
+
+
+def test_header_crc_mismatch(pack: Path) -> None:
+    patch(pack, 16, struct.pack("<I", 5), fix_header_crc=False)
+    expect(pack, "header_crc mismatch")
+
+
+def test_truncated_file(pack: Path) -> None:
+    size = pack.stat().st_size
+    os.truncate(pack, size - 100)
+    expect(pack, f"file is {size - 100} bytes but header field file_bytes says {size} \\(truncated")
+
+
+def test_trailing_data(pack: Path) -> None:
+    size = pack.stat().st_size
+    with open(pack, "ab") as f:
+        f.write(b"\0" * 10)
+    expect(pack, f"file is {size + 10} bytes but header field file_bytes says {size} \\(trailing")
+
+
+def test_shorter_than_header(pack: Path) -> None:
+    os.truncate(pack, 1000)
+    expect(pack, "file is 1000 bytes, shorter than the 4096-byte header")
+
+
+def test_file_bytes_field_disagrees(pack: Path) -> None:
+    size = pack.stat().st_size
+    patch(pack, 128, struct.pack("<Q", size - 16384))
+    msg = f"header field file_bytes is {size - 16384} but the geometry and format imply {size}"
+    expect(pack, msg)
+
+
+@pytest.mark.parametrize(
+    ("offset", "value", "message"),
+    [
+        (88, 8192, "header field router_offset is 8192"),
+        (64, 4096, "header field record_stride is 4096"),
+        (44, 9, "header field weight_format is 9"),
+        (36, 2, "header field routing is 2"),
+        (12, 512, "header field header_bytes is 512"),
+        (24, 17, "bad header: Geometry.top_k 17 exceeds Geometry.n_experts 16"),
+        (48, 64, "header fields group_size 64 and scale_format 0 must be 0 for weight_format f16"),
+        (144 + 32 + 8, 1, "tensor table entry 1 is .*offset 1,"),
+    ],
+)
+def test_bad_header_fields(pack: Path, offset: int, value: int, message: str) -> None:
+    width = 8 if offset in (64, 88, 144 + 32 + 8) else 4
+    patch(pack, offset, value.to_bytes(width, "little"))
+    expect(pack, message)
+
+
+def _rewrite_metadata(path: Path, blob: bytes) -> None:
+    # Same length (so no offsets move), with meta_crc and header_crc made consistent again.
+    assert len(blob) == u64(path, 80)
+    patch(path, 4096, blob, fix_header_crc=False)
+    patch(path, 140, struct.pack("<I", zlib.crc32(blob)))
+
+
+def _metadata(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(4096)
+        return f.read(u64(path, 80))
+
+
+def test_metadata_crc_mismatch(pack: Path) -> None:
+    blob = bytearray(_metadata(pack))
+    blob[5] ^= 0x20
+    patch(pack, 4096, bytes(blob), fix_header_crc=False)
+    expect(pack, "meta_crc mismatch")
+
+
+def test_metadata_json_corrupt(pack: Path) -> None:
+    blob = _metadata(pack)
+    _rewrite_metadata(pack, b"{" + blob[1:-1] + b"!")
+    expect(pack, "JSON metadata is not valid UTF-8 JSON")
+
+
+def test_metadata_disagrees_with_header(pack: Path) -> None:
+    blob = _metadata(pack).replace(b'"n_layers": 4', b'"n_layers": 5')
+    _rewrite_metadata(pack, blob)
+    expect(pack, "JSON metadata disagrees with header: field geometry.n_layers 5 vs 4")
+
+
+def test_metadata_type_disagrees(pack: Path) -> None:
+    blob = _metadata(pack).replace(b'"norm_topk_prob": true', b'"norm_topk_prob": 1   ')
+    assert json.loads(blob)["geometry"]["norm_topk_prob"] == 1
+    _rewrite_metadata(pack, blob)
+    expect(pack, "JSON metadata disagrees with header: field geometry.norm_topk_prob 1 vs true")
+
+
+def test_metadata_missing_field(pack: Path) -> None:
+    blob = _metadata(pack).replace(b'"record_stride"', b'"record_strid_"')
+    _rewrite_metadata(pack, blob)
+    expect(pack, "JSON metadata disagrees with header: field record_stride is missing")
+
+
+def test_record_checksum_mismatch(pack: Path) -> None:
+    with ExpertPack.open(pack) as p:
+        offset = p.record_offset(2, 5)
+        expected = p.checksum(2, 5)
+    patch(pack, offset + 100, b"\xff\xfe", fix_header_crc=False)
+    with ExpertPack.open(pack) as p:  # opening does not read records
+        with pytest.raises(PackError) as info:
+            p.verify(progress=False)
+        # Records before the bad one still read fine.
+        assert p.expert_weights(2, 4)[0].shape == (32, 64)
+    msg = str(info.value)
+    assert f"pack {pack}: record (layer 2, expert 5) at offset {offset}" in msg
+    assert f"expected crc32 {expected:#010x}, actual 0x" in msg
+
+
+def test_router_checksum_mismatch(pack: Path) -> None:
+    patch(pack, u64(pack, 88) + 4, b"\x01\x02\x03\x04", fix_header_crc=False)
+    with ExpertPack.open(pack) as p, pytest.raises(PackError, match="routers at offset 16384"):
+        p.verify(progress=False)
+
+
+def test_cli_verify_names_bad_record(pack: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with ExpertPack.open(pack) as p:
+        offset = p.record_offset(3, 0)
+    patch(pack, offset, b"\x00\x00\x00\x01", fix_header_crc=False)
+    assert main(["verify", "--quiet", str(pack)]) == 1
+    err = capsys.readouterr().err
+    assert "verify failed" in err and "record (layer 3, expert 0)" in err
+    assert err.count("\n") == 1
+
+
+def test_cli_verify_unreadable_pack(pack: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    patch(pack, 0, b"NOTAPACK")
+    assert main(["verify", str(pack)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("strata-stream: error: pack ") and "bad magic" in err
+    assert "Traceback" not in err
