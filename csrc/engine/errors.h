@@ -1,0 +1,34 @@
+// Engine exceptions. Each carries a Kind so the Python bindings can map it onto the
+// strata_stream.errors hierarchy without parsing messages.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+namespace strata {
+
+enum class ErrorKind { Pack, Config, ExpertRead, Closed, Timeout, ArenaFull, Interrupted };
+
+class EngineError : public std::runtime_error {
+ public:
+  EngineError(ErrorKind kind, const std::string& what) : std::runtime_error(what), kind_(kind) {}
+  ErrorKind kind() const noexcept { return kind_; }
+
+ private:
+  ErrorKind kind_;
+};
+
+// A failed urgent read: names what the user needs to find the bad bytes.
+class ExpertReadError : public EngineError {
+ public:
+  ExpertReadError(const std::string& what, int layer, int expert, unsigned long long offset,
+                  int err)
+      : EngineError(ErrorKind::ExpertRead, what),
+        layer(layer), expert(expert), offset(offset), err(err) {}
+  int layer;
+  int expert;
+  unsigned long long offset;
+  int err;  // errno, or 0 for a short read / checksum mismatch
+};
+
+}  // namespace strata

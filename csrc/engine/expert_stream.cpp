@@ -1,0 +1,820 @@
+#include "expert_stream.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <sstream>
+
+#include "check.h"
+#include "errors.h"
+
+namespace strata {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::uint64_t ns_since(Clock::time_point t0) {
+  return std::uint64_t(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
+}
+
+// Every smap access goes through these two, so the device side never races the host.
+inline void smap_store(std::uint32_t* smap, std::uint32_t key, std::uint32_t v) {
+  std::atomic_ref<std::uint32_t>(smap[key]).store(v, std::memory_order_release);
+}
+inline std::uint32_t smap_load(const std::uint32_t* smap, std::uint32_t key) {
+  return std::atomic_ref<const std::uint32_t>(smap[key]).load(std::memory_order_acquire);
+}
+
+}  // namespace
+
+const char* to_string(ReadClass c) {
+  switch (c) {
+    case ReadClass::Urgent: return "urgent";
+    case ReadClass::Pred1: return "pred1";
+    case ReadClass::Pred2: return "pred2";
+    case ReadClass::Profile: return "profile";
+  }
+  return "?";
+}
+
+void ExpertStream::SmapFree::operator()(std::uint32_t* p) const { std::free(p); }
+
+ExpertStream::ExpertStream(const std::string& pack_path, const StreamOptions& options)
+    : opt_(options) {
+  if (opt_.part_bytes == 0 || opt_.part_bytes % kPage)
+    throw EngineError(ErrorKind::Config, "part_bytes must be a positive multiple of 16384, got " +
+                                             std::to_string(opt_.part_bytes));
+  if (!(opt_.io_timeout_s > 0))
+    throw EngineError(ErrorKind::Config, "io_timeout_s must be positive");
+  file_ = std::make_unique<PackFile>(pack_path, opt_.direct_io);
+  const PackLayout& L = file_->layout();
+
+  std::uint64_t stride = L.record_stride;
+  std::uint64_t want = opt_.arena_bytes / stride;
+  std::uint32_t need = min_slots(L);
+  if (want < need) {
+    std::ostringstream m;
+    m << "arena_bytes " << opt_.arena_bytes << " holds " << want << " expert slots of " << stride
+      << " bytes; at least " << need << " slots (" << need * stride
+      << " bytes) are needed: one layer's top-" << L.top_k
+      << " plus the next layer's, whose router may already be running";
+    throw EngineError(ErrorKind::Config, m.str());
+  }
+  // More slots than experts would never be used.
+  std::uint32_t n_slots = std::uint32_t(std::min<std::uint64_t>(want, L.n_keys()));
+  arena_ = std::make_unique<Arena>(n_slots, stride);
+
+  read_span_ = (L.record_bytes + kDirectAlign - 1) / kDirectAlign * kDirectAlign;
+  n_parts_ = std::uint32_t((read_span_ + opt_.part_bytes - 1) / opt_.part_bytes);
+  if (n_parts_ > 0xFFFF) throw EngineError(ErrorKind::Config, "part_bytes too small");
+
+  // Page-aligned so a backend can wrap it without a copy.
+  std::size_t smap_bytes = (std::size_t(L.n_keys()) * 4 + kPage - 1) / kPage * kPage;
+  void* p = nullptr;
+  if (posix_memalign(&p, kPage, smap_bytes) != 0) throw std::bad_alloc();
+  smap_.reset(static_cast<std::uint32_t*>(p));
+  std::fill_n(smap_.get(), smap_bytes / 4, kAbsent);
+
+  slots_ = std::vector<Slot>(n_slots);
+  where_.assign(L.n_keys(), -1);
+  free_.reserve(n_slots);
+  for (std::uint32_t s = n_slots; s-- > 0;) free_.push_back(s);  // slot 0 handed out first
+
+  threads_.reserve(opt_.io_threads);
+  for (std::uint32_t i = 0; i < opt_.io_threads; ++i) threads_.emplace_back([this] { io_loop(); });
+}
+
+ExpertStream::~ExpertStream() { close(); }
+
+void ExpertStream::close() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (closing_ && threads_.empty()) return;
+    closing_ = true;
+  }
+  io_cv_.notify_all();
+  done_cv_.notify_all();
+  for (auto& t : threads_) t.join();
+  threads_.clear();
+}
+
+bool ExpertStream::closed() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return closing_;
+}
+
+void ExpertStream::require_open() const {
+  if (closing_) throw EngineError(ErrorKind::Closed, "ExpertStream is closed");
+}
+
+void ExpertStream::check_layer(std::uint32_t layer) const {
+  if (layer >= layout().n_layers)
+    throw std::out_of_range("layer " + std::to_string(layer) + " out of range [0, " +
+                            std::to_string(layout().n_layers) + ")");
+}
+
+// ---- slot transitions (all under mu_) ------------------------------------------------------
+
+void ExpertStream::assign(std::uint32_t s, std::uint32_t key, ReadClass cls) {
+  Slot& sl = slots_[s];
+  STRATA_ASSERT(sl.load() == SlotState::Free && sl.key == kNoKey, "assign takes a free slot");
+  STRATA_ASSERT(where_[key] < 0, "a key lives in at most one slot");
+  sl.key = key;
+  sl.cls = cls;
+  sl.parts_total = std::uint16_t(n_parts_);
+  sl.parts_started = sl.parts_done = 0;
+  sl.failed_part = sl.published = false;
+  sl.used = cls == ReadClass::Urgent;
+  sl.err = 0;
+  sl.err_offset = 0;
+  sl.last_use = ++clock_;
+  sl.state.store(SlotState::Queued, std::memory_order_release);
+  where_[key] = std::int32_t(s);
+  enqueue_parts(s);
+}
+
+void ExpertStream::enqueue_parts(std::uint32_t s) {
+  Slot& sl = slots_[s];
+  for (std::uint16_t p = sl.parts_started; p < sl.parts_total; ++p)
+    queue_.push(IoJob{s, sl.gen, p, sl.cls});
+  io_cv_.notify_all();
+}
+
+void ExpertStream::publish_slot(std::uint32_t s) {
+  Slot& sl = slots_[s];
+  STRATA_ASSERT(sl.load() == SlotState::Complete, "I1: only complete slots are published");
+  STRATA_ASSERT(where_[sl.key] == std::int32_t(s), "I1: published slot holds its key");
+  if (sl.published) return;
+  smap_store(smap_.get(), sl.key, s);
+  sl.published = true;
+}
+
+void ExpertStream::unpublish(std::uint32_t s) {
+  Slot& sl = slots_[s];
+  if (!sl.published) return;
+  smap_store(smap_.get(), sl.key, kAbsent);
+  sl.published = false;
+}
+
+// I5: the maps forget the key before the slot's bytes can be reused.
+void ExpertStream::recycle(std::uint32_t s) {
+  Slot& sl = slots_[s];
+  STRATA_ASSERT(!sl.in_flight(), "I7: never recycle a slot with a read in flight");
+  STRATA_ASSERT(sl.pins == 0, "I8: never recycle a plan-resident slot");
+  if (sl.load() == SlotState::Limbo) --limbo_count_;
+  if (sl.load() == SlotState::Queued || sl.load() == SlotState::Limbo) queue_.drop_slot(s);
+  if (sl.key != kNoKey) {
+    unpublish(s);
+    where_[sl.key] = -1;
+  }
+  sl.key = kNoKey;
+  ++sl.gen;
+  sl.parts_total = sl.parts_started = sl.parts_done = 0;
+  sl.failed_part = sl.published = sl.used = false;
+  sl.state.store(SlotState::Free, std::memory_order_release);
+  free_.push_back(s);
+}
+
+// I7: an unchosen speculative slot leaves the device's view and waits for its reads to finish.
+void ExpertStream::park(std::uint32_t s) {
+  Slot& sl = slots_[s];
+  SlotState st = sl.load();
+  STRATA_ASSERT(st == SlotState::Queued || st == SlotState::Reading || st == SlotState::Complete,
+                "park takes queued, reading or complete slots");
+  if (st == SlotState::Queued) {
+    // No part has begun: drop its jobs now; revive() re-queues them if the expert returns.
+    queue_.drop_slot(s);
+    sl.parts_total = std::uint16_t(n_parts_);
+    sl.parts_started = sl.parts_done = 0;
+    ++sl.gen;
+  }
+  unpublish(s);
+  sl.state.store(SlotState::Limbo, std::memory_order_release);
+  ++limbo_count_;
+  stats_.limbo.fetch_add(1, std::memory_order_relaxed);
+}
+
+void ExpertStream::revive(std::uint32_t s, ReadClass cls) {
+  Slot& sl = slots_[s];
+  STRATA_ASSERT(sl.load() == SlotState::Limbo, "revive takes a limbo slot");
+  --limbo_count_;
+  sl.cls = cls;
+  stats_.revived.fetch_add(1, std::memory_order_relaxed);
+  if (sl.parts_started == 0) {
+    sl.state.store(SlotState::Queued, std::memory_order_release);
+    enqueue_parts(s);
+  } else if (!sl.reads_finished()) {
+    sl.state.store(SlotState::Reading, std::memory_order_release);
+    if (cls == ReadClass::Urgent) queue_.promote(s, cls);
+  } else if (sl.failed_part) {
+    sl.state.store(SlotState::Failed, std::memory_order_release);
+  } else {
+    sl.state.store(SlotState::Complete, std::memory_order_release);
+  }
+}
+
+void ExpertStream::make_urgent(std::uint32_t s) {
+  Slot& sl = slots_[s];
+  if (sl.cls != ReadClass::Urgent) {
+    sl.cls = ReadClass::Urgent;
+    queue_.promote(s, ReadClass::Urgent);
+  }
+  if (!sl.used) {
+    sl.used = true;
+    stats_.spec_hits.fetch_add(1, std::memory_order_relaxed);
+  }
+}
+
+// ---- protections and victims -----------------------------------------------------------------
+
+bool ExpertStream::is_protected(std::uint32_t layer, bool speculative) const {
+  if (executing_ >= 0 && layer == executing_) return true;  // I4: executing layer
+  if (next_protected_ >= 0 && layer == next_protected_) return true;  // I4: next router
+  // I9: speculation never evicts the current or the next layer.
+  if (speculative && executing_ >= 0 && std::int64_t(layer) == executing_ + 1) return true;
+  return false;
+}
+
+std::int32_t ExpertStream::pick_victim(bool speculative) const {
+  const std::uint32_t E = layout().n_experts;
+  std::int32_t best = -1;
+  std::uint64_t best_use = ~0ull;
+  for (std::uint32_t s = 0; s < slots_.size(); ++s) {
+    const Slot& sl = slots_[s];
+    SlotState st = sl.load();
+    if (st != SlotState::Complete && st != SlotState::Failed) continue;
+    if (sl.in_flight() || sl.pins) continue;  // I4: reads in flight, plan-resident
+    if (is_protected(sl.key / E, speculative)) continue;
+    if (sl.last_use < best_use) {
+      best_use = sl.last_use;
+      best = std::int32_t(s);
+    }
+  }
+  return best;
+}
+
+std::int32_t ExpertStream::pick_queued_speculative() const {
+  const std::uint32_t E = layout().n_experts;
+  std::int32_t best = -1;
+  std::uint64_t best_use = ~0ull;
+  for (std::uint32_t s = 0; s < slots_.size(); ++s) {
+    const Slot& sl = slots_[s];
+    if (sl.load() != SlotState::Queued || sl.cls == ReadClass::Urgent) continue;
+    if (is_protected(sl.key / E, false)) continue;
+    if (sl.last_use < best_use) {
+      best_use = sl.last_use;
+      best = std::int32_t(s);
+    }
+  }
+  return best;
+}
+
+// A slot for a new read: free, then finished limbo, then the LRU victim, then (urgent only) a
+// queued speculative read cancelled so urgent work never waits behind speculation.
+std::int32_t ExpertStream::take_slot(bool speculative) {
+  if (free_.empty() && limbo_count_ > 0) {
+    for (std::uint32_t s = 0; s < slots_.size(); ++s) {
+      const Slot& sl = slots_[s];
+      if (sl.load() == SlotState::Limbo && !sl.in_flight() &&
+          (sl.reads_finished() || sl.parts_started == 0)) {
+        recycle(s);
+        stats_.limbo_released.fetch_add(1, std::memory_order_relaxed);
+        break;
+      }
+    }
+  }
+  if (free_.empty()) {
+    std::int32_t v = pick_victim(speculative);
+    if (v >= 0) {
+      recycle(std::uint32_t(v));
+      stats_.evicted.fetch_add(1, std::memory_order_relaxed);
+    } else if (!speculative) {
+      std::int32_t q = pick_queued_speculative();
+      if (q >= 0) {
+        recycle(std::uint32_t(q));
+        stats_.cancelled.fetch_add(1, std::memory_order_relaxed);
+      }
+    }
+  }
+  if (free_.empty()) return -1;
+  std::uint32_t s = free_.back();
+  free_.pop_back();
+  return std::int32_t(s);
+}
+
+std::string ExpertStream::describe_full() const {
+  std::ostringstream m;
+  std::uint32_t counts[6] = {};
+  for (const auto& sl : slots_) ++counts[int(sl.load())];
+  m << "no arena slot available for an urgent read: " << slots_.size() << " slots, "
+    << counts[int(SlotState::Complete)] << " complete but protected (executing layer "
+    << executing_ << ", next-router layer " << next_protected_ << ", " << pinned_.size()
+    << " plan-pinned), " << counts[int(SlotState::Queued)] + counts[int(SlotState::Reading)]
+    << " loading, " << counts[int(SlotState::Limbo)] << " in limbo; a larger arena or fewer "
+    << "experts per call is needed (minimum " << min_slots(layout()) << " slots per top-k call)";
+  return m.str();
+}
+
+// ---- requests ----------------------------------------------------------------------------
+
+RequestResult ExpertStream::request(std::uint32_t layer, const std::int32_t* experts,
+                                    std::size_t n, ReadClass cls, const InterruptCheck& interrupt) {
+  check_layer(layer);
+  const std::uint32_t E = layout().n_experts;
+  for (std::size_t i = 0; i < n; ++i)
+    if (experts[i] < 0 || std::uint32_t(experts[i]) >= E)
+      throw std::out_of_range("expert " + std::to_string(experts[i]) + " out of range [0, " +
+                              std::to_string(E) + ")");
+  const bool speculative = cls != ReadClass::Urgent;
+  RequestResult r;
+  Lock lk(mu_);
+  require_open();
+  auto deadline = Clock::now() + std::chrono::duration<double>(opt_.io_timeout_s);
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::uint32_t key = layer * E + std::uint32_t(experts[i]);
+    for (;;) {
+      std::int32_t s = where_[key];
+      if (s >= 0) {
+        Slot& sl = slots_[std::uint32_t(s)];
+        if (sl.load() == SlotState::Limbo) revive(std::uint32_t(s), cls);
+        if (sl.load() == SlotState::Failed && !speculative) {
+          recycle(std::uint32_t(s));  // retry a failed read rather than report it twice
+        } else {
+          sl.last_use = ++clock_;
+          if (!speculative) {
+            make_urgent(std::uint32_t(s));
+            // A speculative read that completed before this handshake: publish it now.
+            if (sl.load() == SlotState::Complete) publish_slot(std::uint32_t(s));
+            ++r.hits;
+          }
+          break;
+        }
+      }
+      std::int32_t slot = take_slot(speculative);
+      if (slot >= 0) {
+        assign(std::uint32_t(slot), key, cls);
+        if (speculative)
+          stats_.spec_requests.fetch_add(1, std::memory_order_relaxed);
+        else
+          ++r.misses;
+        break;
+      }
+      if (speculative) {  // I9: no space, so prediction stops here
+        r.dropped = std::uint32_t(n - i);
+        stats_.spec_dropped.fetch_add(n - i, std::memory_order_relaxed);
+        i = n;
+        break;
+      }
+      // Urgent and every slot busy: wait for a read in flight to land, if one can free a slot.
+      bool something_moves = false;
+      for (const auto& sl : slots_) {
+        SlotState st = sl.load();
+        if (sl.in_flight() || st == SlotState::Queued || st == SlotState::Reading) {
+          something_moves = true;
+          break;
+        }
+      }
+      if (!something_moves || threads_.empty())
+        throw EngineError(ErrorKind::ArenaFull, describe_full());
+      if (Clock::now() > deadline)
+        throw EngineError(ErrorKind::Timeout, "timed out waiting for a free arena slot");
+      done_cv_.wait_for(lk, std::chrono::milliseconds(20));
+      if (interrupt) {
+        lk.unlock();
+        interrupt();
+        lk.lock();
+      }
+      require_open();
+    }
+  }
+  if (!speculative) {
+    stats_.hits.fetch_add(r.hits, std::memory_order_relaxed);
+    stats_.misses.fetch_add(r.misses, std::memory_order_relaxed);
+  }
+  return r;
+}
+
+void ExpertStream::throw_read_error(std::uint32_t s) {
+  Slot& sl = slots_[s];
+  const std::uint32_t E = layout().n_experts;
+  std::uint32_t layer = sl.key / E, expert = sl.key % E;
+  int err = sl.err;
+  std::uint64_t off = sl.err_offset;
+  std::ostringstream m;
+  m << "expert read failed: layer " << layer << " expert " << expert << " at file offset " << off
+    << " of " << file_->path() << ": ";
+  if (err > 0)
+    m << std::strerror(err) << " (errno " << err << ")";
+  else if (err == kChecksumMismatch)
+    m << "checksum mismatch (errno 0)";
+  else
+    m << "short read (errno 0)";
+  recycle(s);
+  stats_.failed.fetch_add(1, std::memory_order_relaxed);
+  throw ExpertReadError(m.str(), int(layer), int(expert), off, err > 0 ? err : 0);
+}
+
+void ExpertStream::wait(std::uint32_t layer, const std::int32_t* experts, std::size_t n,
+                        const InterruptCheck& interrupt) {
+  check_layer(layer);
+  const std::uint32_t E = layout().n_experts;
+  {
+    // Anything not yet requested (or dropped) is requested now.
+    std::vector<std::int32_t> missing;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      require_open();
+      for (std::size_t i = 0; i < n; ++i) {
+        if (experts[i] < 0 || std::uint32_t(experts[i]) >= E)
+          throw std::out_of_range("expert " + std::to_string(experts[i]) + " out of range [0, " +
+                                  std::to_string(E) + ")");
+        std::int32_t s = where_[layer * E + std::uint32_t(experts[i])];
+        if (s < 0 || slots_[std::uint32_t(s)].cls != ReadClass::Urgent ||
+            slots_[std::uint32_t(s)].load() == SlotState::Limbo)
+          missing.push_back(experts[i]);
+      }
+    }
+    if (!missing.empty()) request(layer, missing.data(), missing.size(), ReadClass::Urgent, interrupt);
+  }
+  Lock lk(mu_);
+  auto t0 = Clock::now();
+  auto last_progress = t0;
+  std::uint64_t seen_done = stats_.bytes_read.load(std::memory_order_relaxed);
+  bool blocked = false;
+  for (;;) {
+    require_open();
+    bool all = true;
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::uint32_t key = layer * E + std::uint32_t(experts[i]);
+      std::int32_t s = where_[key];
+      if (s < 0) {  // recycled under us (cannot happen with one host thread): re-request
+        lk.unlock();
+        request(layer, &experts[i], 1, ReadClass::Urgent, interrupt);
+        lk.lock();
+        all = false;
+        break;
+      }
+      SlotState st = slots_[std::uint32_t(s)].load();
+      if (st == SlotState::Failed && !slots_[std::uint32_t(s)].in_flight()) {
+        if (blocked) stats_.stall_ns.fetch_add(ns_since(t0), std::memory_order_relaxed);
+        throw_read_error(std::uint32_t(s));
+      }
+      if (st != SlotState::Complete) {
+        all = false;
+        if (threads_.empty()) {
+          bool ran = false;
+          // Manual IO: run this slot's next pending part inline, in queue order.
+          auto jobs = queue_.snapshot();
+          for (std::size_t j = 0; j < jobs.size(); ++j)
+            if (jobs[j].slot == std::uint32_t(s)) {
+              IoJob job = queue_.take(j);
+              execute_job(lk, job);
+              ran = true;
+              break;
+            }
+          if (!ran)
+            throw EngineError(ErrorKind::Timeout, "manual IO: slot " + std::to_string(s) +
+                                                      " is loading but has no pending read");
+        }
+        break;
+      }
+      STRATA_ASSERT(slots_[std::uint32_t(s)].published, "I1: waited-for urgent slot published");
+    }
+    if (all) break;
+    if (threads_.empty()) continue;
+    blocked = true;
+    done_cv_.wait_for(lk, std::chrono::milliseconds(50));
+    std::uint64_t now_done = stats_.bytes_read.load(std::memory_order_relaxed);
+    if (now_done != seen_done) {
+      seen_done = now_done;
+      last_progress = Clock::now();
+    } else if (Clock::now() - last_progress > std::chrono::duration<double>(opt_.io_timeout_s)) {
+      stats_.stall_ns.fetch_add(ns_since(t0), std::memory_order_relaxed);
+      throw EngineError(ErrorKind::Timeout,
+                        "timed out after " + std::to_string(opt_.io_timeout_s) +
+                            " s with no read progress waiting for layer " + std::to_string(layer));
+    }
+    if (interrupt) {
+      lk.unlock();
+      try {
+        interrupt();
+      } catch (...) {
+        stats_.stall_ns.fetch_add(ns_since(t0), std::memory_order_relaxed);
+        throw;
+      }
+      lk.lock();
+    }
+  }
+  if (blocked) stats_.stall_ns.fetch_add(ns_since(t0), std::memory_order_relaxed);
+}
+
+// ---- handshake ---------------------------------------------------------------------------
+
+std::uint32_t ExpertStream::publish(std::uint32_t layer) {
+  check_layer(layer);
+  std::lock_guard<std::mutex> lk(mu_);
+  require_open();
+  if (!opt_.publish_prefetch) return 0;
+  const PackLayout& L = layout();
+  const std::uint32_t first = (layer + 1) * L.n_experts;
+  // I10: the last two layers scan only what exists.
+  const std::uint32_t last = std::min<std::uint32_t>((layer + 3) * L.n_experts, L.n_keys());
+  std::uint32_t n = 0;
+  for (std::uint32_t key = first; key < last; ++key) {  // I2: <= 2 * n_experts entries
+    std::int32_t s = where_[key];
+    if (s < 0) continue;
+    Slot& sl = slots_[std::uint32_t(s)];
+    if (sl.published || sl.load() != SlotState::Complete) continue;
+    publish_slot(std::uint32_t(s));
+    ++n;
+  }
+  stats_.published.fetch_add(n, std::memory_order_relaxed);
+  return n;
+}
+
+void ExpertStream::enter_layer(std::uint32_t layer) {
+  check_layer(layer);
+  std::lock_guard<std::mutex> lk(mu_);
+  executing_ = layer;
+  next_protected_ = -1;
+}
+
+void ExpertStream::after_layer(std::uint32_t layer) {
+  check_layer(layer);
+  std::lock_guard<std::mutex> lk(mu_);
+  executing_ = layer;
+  // After the last layer the next router to run is the next token's layer 0.
+  next_protected_ = layer + 1 < layout().n_layers ? layer + 1 : 0;
+}
+
+void ExpertStream::end_turn() {
+  std::lock_guard<std::mutex> lk(mu_);
+  executing_ = -1;
+  next_protected_ = -1;
+}
+
+void ExpertStream::plan(std::uint32_t layer, const std::int32_t* experts, std::size_t n,
+                        std::uint8_t* resident) {
+  check_layer(layer);
+  const std::uint32_t E = layout().n_experts;
+  std::lock_guard<std::mutex> lk(mu_);
+  require_open();
+  for (std::size_t i = 0; i < n; ++i) {
+    if (experts[i] < 0 || std::uint32_t(experts[i]) >= E)
+      throw std::out_of_range("expert " + std::to_string(experts[i]) + " out of range");
+    const std::uint32_t key = layer * E + std::uint32_t(experts[i]);
+    std::uint32_t s = smap_load(smap_.get(), key);
+    resident[i] = s != kAbsent;
+    if (s != kAbsent) {
+      ++slots_[s].pins;
+      pinned_.push_back(s);
+    }
+  }
+}
+
+void ExpertStream::release_plan() {
+  std::lock_guard<std::mutex> lk(mu_);
+  for (std::uint32_t s : pinned_) {
+    STRATA_ASSERT(slots_[s].pins > 0, "pin count underflow");
+    --slots_[s].pins;
+  }
+  pinned_.clear();
+}
+
+// ---- lifecycle primitives ------------------------------------------------------------------
+
+bool ExpertStream::cancel(std::uint32_t layer, std::uint32_t expert) {
+  check_layer(layer);
+  if (expert >= layout().n_experts) throw std::out_of_range("expert out of range");
+  std::lock_guard<std::mutex> lk(mu_);
+  require_open();
+  std::int32_t s = where_[layer * layout().n_experts + expert];
+  if (s < 0) return false;
+  Slot& sl = slots_[std::uint32_t(s)];
+  if (sl.load() != SlotState::Queued || sl.parts_started != 0) return false;  // I6
+  recycle(std::uint32_t(s));
+  stats_.cancelled.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
+std::uint32_t ExpertStream::retire_unused_pre(std::uint32_t layer, const std::int32_t* chosen,
+                                              std::size_t n) {
+  check_layer(layer);
+  const std::uint32_t E = layout().n_experts;
+  std::vector<bool> keep(E, false);
+  for (std::size_t i = 0; i < n; ++i)
+    if (chosen[i] >= 0 && std::uint32_t(chosen[i]) < E) keep[std::uint32_t(chosen[i])] = true;
+  std::lock_guard<std::mutex> lk(mu_);
+  require_open();
+  std::uint32_t parked = 0;
+  for (std::uint32_t e = 0; e < E; ++e) {
+    if (keep[e]) continue;
+    std::int32_t s = where_[layer * E + e];
+    if (s < 0) continue;
+    Slot& sl = slots_[std::uint32_t(s)];
+    SlotState st = sl.load();
+    if (sl.cls == ReadClass::Urgent || sl.used || sl.pins) continue;
+    if (st != SlotState::Queued && st != SlotState::Reading && st != SlotState::Complete) continue;
+    park(std::uint32_t(s));
+    ++parked;
+  }
+  return parked;
+}
+
+std::uint32_t ExpertStream::release_limbo() {
+  std::lock_guard<std::mutex> lk(mu_);
+  std::uint32_t n = 0;
+  if (limbo_count_ == 0) return 0;
+  for (std::uint32_t s = 0; s < slots_.size(); ++s) {
+    const Slot& sl = slots_[s];
+    if (sl.load() != SlotState::Limbo || sl.in_flight()) continue;
+    if (!(sl.reads_finished() || sl.parts_started == 0)) continue;  // parts still queued
+    recycle(s);
+    ++n;
+  }
+  stats_.limbo_released.fetch_add(n, std::memory_order_relaxed);
+  return n;
+}
+
+std::int32_t ExpertStream::victim(bool speculative) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return pick_victim(speculative);
+}
+
+std::int32_t ExpertStream::evict_one() {
+  std::lock_guard<std::mutex> lk(mu_);
+  require_open();
+  std::int32_t v = pick_victim(false);
+  if (v >= 0) {
+    recycle(std::uint32_t(v));
+    stats_.evicted.fetch_add(1, std::memory_order_relaxed);
+  }
+  return v;
+}
+
+// ---- IO ----------------------------------------------------------------------------------------
+
+void ExpertStream::io_loop() {
+  Lock lk(mu_);
+  for (;;) {
+    io_cv_.wait(lk, [this] { return closing_ || !queue_.empty(); });
+    if (closing_) return;
+    IoJob job = queue_.pop();
+    execute_job(lk, job);
+  }
+}
+
+void ExpertStream::execute_job(Lock& lk, const IoJob& job) {
+  Slot& sl = slots_[job.slot];
+  STRATA_ASSERT(sl.gen == job.gen, "queued jobs are dropped when their slot is recycled");
+  SlotState st = sl.load();
+  STRATA_ASSERT(st == SlotState::Queued || st == SlotState::Reading || st == SlotState::Limbo,
+                "a job runs only for a loading slot");
+  if (st == SlotState::Queued) sl.state.store(SlotState::Reading, std::memory_order_release);
+  ++sl.parts_started;
+  const std::uint32_t key = sl.key;
+  const std::uint64_t rel = std::uint64_t(job.part) * opt_.part_bytes;
+  const std::uint64_t len = std::min<std::uint64_t>(opt_.part_bytes, read_span_ - rel);
+  const std::uint64_t offset = layout().record_offset(key) + rel;
+  unsigned char* dst = arena_->slot(job.slot) + rel;
+  lk.unlock();
+
+  int err = 0;
+  std::size_t got = 0;
+  Fault fault;
+  auto t0 = Clock::now();
+  if (faults_.take(key, job.part, &fault)) {
+    err = fault.kind == FaultKind::Errno ? fault.err : kShortRead;
+  } else {
+    err = file_->read_fully(offset, dst, std::size_t(len), &got);
+  }
+  std::uint64_t dt = ns_since(t0);
+
+  lk.lock();
+  stats_.read_ns.fetch_add(dt, std::memory_order_relaxed);
+  stats_.bytes_read.fetch_add(got, std::memory_order_relaxed);
+  ++sl.parts_done;
+  if (err != 0 && !sl.failed_part) {
+    sl.failed_part = true;
+    sl.err = err;
+    sl.err_offset = offset;
+  }
+  if (sl.reads_finished()) on_reads_finished(job.slot);
+  done_cv_.notify_all();
+}
+
+void ExpertStream::on_reads_finished(std::uint32_t s) {
+  Slot& sl = slots_[s];
+  if (!sl.failed_part && opt_.verify_reads) {
+    std::uint32_t crc = crc32_bytes(arena_->slot(s), std::size_t(layout().record_bytes));
+    if (crc != file_->checksums()[sl.key]) {
+      sl.failed_part = true;
+      sl.err = kChecksumMismatch;
+      sl.err_offset = layout().record_offset(sl.key);
+    }
+  }
+  if (sl.load() == SlotState::Limbo) return;  // release_limbo recycles it
+  STRATA_ASSERT(sl.load() == SlotState::Reading, "reads finish on a reading slot");
+  if (sl.failed_part) {
+    if (sl.cls == ReadClass::Urgent) {
+      sl.state.store(SlotState::Failed, std::memory_order_release);  // wait() reports it
+    } else {
+      stats_.spec_failed.fetch_add(1, std::memory_order_relaxed);  // dropped, counted
+      if (sl.pins == 0) recycle(s);
+      else sl.state.store(SlotState::Failed, std::memory_order_release);
+    }
+    return;
+  }
+  // Release order: the bytes written by every part's pread happen-before this store.
+  sl.state.store(SlotState::Complete, std::memory_order_release);
+  stats_.reads_completed.fetch_add(1, std::memory_order_relaxed);
+  // I2: only urgent completions publish from the IO side; speculation waits for publish(l).
+  if (sl.cls == ReadClass::Urgent) publish_slot(s);
+}
+
+std::vector<JobInfo> ExpertStream::pending_jobs() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  std::vector<JobInfo> out;
+  for (const IoJob& j : queue_.snapshot())
+    out.push_back(JobInfo{j.slot, slots_[j.slot].key, j.part, j.cls});
+  return out;
+}
+
+bool ExpertStream::run_job(std::size_t index) {
+  Lock lk(mu_);
+  require_open();
+  if (!threads_.empty())
+    throw EngineError(ErrorKind::Config, "run_job is for manual IO (io_threads = 0)");
+  if (index >= queue_.size()) return false;
+  IoJob job = queue_.take(index);
+  execute_job(lk, job);
+  return true;
+}
+
+// ---- views -------------------------------------------------------------------------------------
+
+std::uint32_t ExpertStream::smap_at(std::uint32_t key) const {
+  if (key >= layout().n_keys()) throw std::out_of_range("key out of range");
+  return smap_load(smap_.get(), key);
+}
+
+std::int32_t ExpertStream::where(std::uint32_t key) const {
+  if (key >= layout().n_keys()) throw std::out_of_range("key out of range");
+  std::lock_guard<std::mutex> lk(mu_);
+  return where_[key];
+}
+
+std::vector<SlotInfo> ExpertStream::slots() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  std::vector<SlotInfo> out;
+  out.reserve(slots_.size());
+  for (std::uint32_t s = 0; s < slots_.size(); ++s) {
+    const Slot& sl = slots_[s];
+    out.push_back(SlotInfo{s, sl.key, sl.load(), sl.cls, sl.parts_total, sl.parts_started,
+                           sl.parts_done, sl.published, sl.failed_part, sl.pins, sl.last_use});
+  }
+  return out;
+}
+
+std::string ExpertStream::check_invariants() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  const std::uint32_t K = layout().n_keys();
+  std::ostringstream m;
+  std::uint32_t limbo = 0;
+  for (std::uint32_t key = 0; key < K; ++key) {
+    std::uint32_t s = smap_load(smap_.get(), key);
+    if (s == kAbsent) continue;
+    if (s >= slots_.size()) return "I1: smap[" + std::to_string(key) + "] out of range";
+    const Slot& sl = slots_[s];
+    if (sl.load() != SlotState::Complete || sl.key != key || !sl.published)
+      return "I1: smap[" + std::to_string(key) + "] = " + std::to_string(s) + " but that slot is " +
+             to_string(sl.load()) + " holding key " + std::to_string(sl.key);
+  }
+  for (std::uint32_t s = 0; s < slots_.size(); ++s) {
+    const Slot& sl = slots_[s];
+    SlotState st = sl.load();
+    if (st == SlotState::Limbo) ++limbo;
+    if (st == SlotState::Free) {
+      if (sl.key != kNoKey || sl.published) return "free slot " + std::to_string(s) + " holds a key";
+      continue;
+    }
+    if (sl.key >= K || where_[sl.key] != std::int32_t(s))
+      return "I5: slot " + std::to_string(s) + " and where_ disagree";
+    if (sl.published != (smap_load(smap_.get(), sl.key) == s))
+      return "I1: slot " + std::to_string(s) + " published flag disagrees with smap";
+    if (st == SlotState::Limbo && sl.published) return "I7: limbo slot published";
+  }
+  for (std::uint32_t key = 0; key < K; ++key) {
+    std::int32_t s = where_[key];
+    if (s >= 0 && slots_[std::uint32_t(s)].key != key)
+      return "where_[" + std::to_string(key) + "] points at a slot holding another key";
+  }
+  if (limbo != limbo_count_) return "limbo count drifted";
+  return "";
+}
+
+}  // namespace strata

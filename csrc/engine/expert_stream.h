@@ -1,0 +1,185 @@
+// ExpertStream: owns expert lifetime, pending IO and slot residency (DESIGN.md section 4).
+//
+// Concurrency. One mutex, mu_, guards every slot field, where_, the free list, the IO queue and
+// the protection state. IO threads take mu_ only to pop a job and to record a part's completion;
+// the pread itself runs unlocked straight into the slot's bytes. smap is a plain uint32 array so
+// a device can map it; the host writes it only under mu_ and every access goes through
+// std::atomic_ref (release on store, acquire on load), so a device thread reading it
+// concurrently is race-free.
+//
+// Invariants I1-I10 of DESIGN.md are asserted in debug builds (check_invariants) and driven by
+// tests/test_stream_state_machine.py.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "arena.h"
+#include "fault_injection.h"
+#include "io_queue.h"
+#include "pack_file.h"
+#include "slot.h"
+#include "stats.h"
+
+namespace strata {
+
+struct StreamOptions {
+  std::uint64_t arena_bytes = 1ull << 30;
+  std::uint32_t io_threads = 4;  // 0 = manual IO: tests run each part read with run_job()
+  std::uint64_t part_bytes = 1ull << 20;
+  bool direct_io = true;
+  bool verify_reads = false;
+  double io_timeout_s = 60.0;
+  bool publish_prefetch = true;  // STRATA_METAL_PUBLISH_PREFETCH
+};
+
+struct RequestResult {
+  std::uint32_t hits = 0;
+  std::uint32_t misses = 0;
+  std::uint32_t dropped = 0;  // speculative requests that found no space
+};
+
+struct SlotInfo {
+  std::uint32_t slot, key;
+  SlotState state;
+  ReadClass cls;
+  std::uint16_t parts_total, parts_started, parts_done;
+  bool published, failed;
+  std::uint32_t pins;
+  std::uint64_t last_use;
+};
+
+struct JobInfo {
+  std::uint32_t slot, key, part;
+  ReadClass cls;
+};
+
+// Called (without mu_) while a wait blocks; returns normally or throws to abort the wait.
+using InterruptCheck = std::function<void()>;
+
+// Error codes kept in a failed slot besides errno values.
+constexpr int kShortRead = -1;
+constexpr int kChecksumMismatch = -2;
+
+class ExpertStream {
+ public:
+  ExpertStream(const std::string& pack_path, const StreamOptions& options);
+  ~ExpertStream();
+  ExpertStream(const ExpertStream&) = delete;
+  ExpertStream& operator=(const ExpertStream&) = delete;
+
+  // Stops the IO threads after their current part; queued reads are dropped. Idempotent.
+  void close();
+  bool closed() const;
+
+  const PackLayout& layout() const { return file_->layout(); }
+  const PackFile& file() const { return *file_; }
+  std::uint32_t n_slots() const { return arena_->n_slots(); }
+  const Arena& arena() const { return *arena_; }
+  const StreamOptions& options() const { return opt_; }
+  // One layer's top-k being executed plus the next layer's, whose router may be running.
+  static std::uint32_t min_slots(const PackLayout& L) { return 2 * L.top_k; }
+
+  // ---- requests -------------------------------------------------------------------------
+  // Urgent: every expert becomes resident or loading, evicting if needed (waits, bounded, for an
+  // in-flight read when every slot is busy). Speculative: takes only free or evictable slots,
+  // never of the executing or next layer; stops at the first that finds none (I9).
+  RequestResult request(std::uint32_t layer, const std::int32_t* experts, std::size_t n,
+                        ReadClass cls, const InterruptCheck& interrupt = {});
+  // Blocks until every listed expert is complete and published. Throws ExpertReadError for a
+  // failed read (and recycles that slot), EngineError(Timeout) after io_timeout_s with no
+  // progress. Experts not yet requested are requested urgently first.
+  void wait(std::uint32_t layer, const std::int32_t* experts, std::size_t n,
+            const InterruptCheck& interrupt = {});
+
+  // ---- handshake pieces -----------------------------------------------------------------
+  // Publishes completed, non-limbo slots of layers l+1..l+2 (I2); scans <= 2 * n_experts keys.
+  std::uint32_t publish(std::uint32_t layer);
+  void enter_layer(std::uint32_t layer);  // layer's slots protected until the next enter/end
+  void after_layer(std::uint32_t layer);  // additionally protect layer+1 (its router may run)
+  void end_turn();                        // no device work in flight: drop layer protections
+  // Snapshots which experts are resident (published) and pins their slots until release_plan (I8).
+  void plan(std::uint32_t layer, const std::int32_t* experts, std::size_t n, std::uint8_t* resident);
+  void release_plan();
+
+  // ---- lifecycle primitives -------------------------------------------------------------
+  bool cancel(std::uint32_t layer, std::uint32_t expert);  // queued only (I6)
+  // Parks this layer's speculative slots whose expert is not in `chosen` in limbo (I7).
+  std::uint32_t retire_unused_pre(std::uint32_t layer, const std::int32_t* chosen, std::size_t n);
+  std::uint32_t release_limbo();  // recycles limbo slots whose reads finished
+  std::int32_t victim(bool speculative = false) const;  // the slot eviction would pick, or -1
+  std::int32_t evict_one();                              // evicts victim(), returns it or -1
+
+  // ---- manual IO (io_threads == 0) ------------------------------------------------------
+  std::vector<JobInfo> pending_jobs() const;
+  bool run_job(std::size_t index);  // runs the index-th pending part read, in priority order
+  FaultInjector& faults() { return faults_; }
+
+  // ---- views ----------------------------------------------------------------------------
+  const std::uint32_t* smap() const { return smap_.get(); }
+  std::uint32_t smap_at(std::uint32_t key) const;
+  std::int32_t where(std::uint32_t key) const;
+  std::vector<SlotInfo> slots() const;
+  const StreamStats& stats() const { return stats_; }
+  // Debug: verifies I1, I3-I7 over the whole table; returns "" or the first violation.
+  std::string check_invariants() const;
+
+ private:
+  using Lock = std::unique_lock<std::mutex>;
+
+  void io_loop();
+  void execute_job(Lock& lk, const IoJob& job);
+  void on_reads_finished(std::uint32_t s);
+  std::int32_t take_slot(bool speculative);
+  std::int32_t pick_victim(bool speculative) const;
+  std::int32_t pick_queued_speculative() const;
+  bool is_protected(std::uint32_t layer, bool speculative) const;
+  void assign(std::uint32_t s, std::uint32_t key, ReadClass cls);
+  void enqueue_parts(std::uint32_t s);
+  void recycle(std::uint32_t s);
+  void park(std::uint32_t s);
+  void revive(std::uint32_t s, ReadClass cls);
+  void publish_slot(std::uint32_t s);
+  void unpublish(std::uint32_t s);
+  void make_urgent(std::uint32_t s);
+  void require_open() const;
+  void check_layer(std::uint32_t layer) const;
+  [[noreturn]] void throw_read_error(std::uint32_t s);
+  std::string describe_full() const;
+
+  StreamOptions opt_;
+  std::unique_ptr<PackFile> file_;
+  std::unique_ptr<Arena> arena_;
+  std::uint32_t n_parts_ = 0;   // immutable after construction
+  std::uint64_t read_span_ = 0;  // record_bytes rounded up to the O_DIRECT granularity
+
+  struct SmapFree { void operator()(std::uint32_t* p) const; };
+  std::unique_ptr<std::uint32_t[], SmapFree> smap_;  // writes under mu_, atomic_ref access
+
+  mutable std::mutex mu_;
+  std::condition_variable io_cv_;    // jobs queued or closing
+  std::condition_variable done_cv_;  // a part finished
+  std::vector<Slot> slots_;          // mu_
+  std::vector<std::int32_t> where_;  // mu_: key -> slot in any state, -1 absent
+  std::vector<std::uint32_t> free_;  // mu_: free slots (stack)
+  IoQueue queue_;                    // mu_
+  std::uint64_t clock_ = 0;          // mu_: LRU clock
+  std::int64_t executing_ = -1;      // mu_: layer whose slots are protected
+  std::int64_t next_protected_ = -1; // mu_: layer l+1 during after-layer work
+  std::vector<std::uint32_t> pinned_;  // mu_: slots pinned by the current plan
+  std::uint32_t limbo_count_ = 0;    // mu_
+  bool closing_ = false;             // mu_
+  std::vector<std::thread> threads_;  // owned by the constructing thread; joined in close()
+  FaultInjector faults_;
+  StreamStats stats_;
+};
+
+const char* to_string(ReadClass c);
+
+}  // namespace strata

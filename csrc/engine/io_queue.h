@@ -1,0 +1,97 @@
+// Pending part reads, one FIFO per ReadClass so that speculative work always yields to urgent
+// work at part granularity. Not thread-safe: guarded by ExpertStream::mu_.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <vector>
+
+#include "slot.h"
+
+namespace strata {
+
+struct IoJob {
+  std::uint32_t slot;
+  std::uint32_t gen;  // the slot generation the job was issued for
+  std::uint16_t part;
+  ReadClass cls;
+};
+
+class IoQueue {
+ public:
+  void push(const IoJob& j) { q_[static_cast<int>(j.cls)].push_back(j); }
+  bool empty() const {
+    for (const auto& q : q_)
+      if (!q.empty()) return false;
+    return true;
+  }
+  std::size_t size() const {
+    std::size_t n = 0;
+    for (const auto& q : q_) n += q.size();
+    return n;
+  }
+  // Highest-priority job first.
+  IoJob pop() {
+    for (auto& q : q_)
+      if (!q.empty()) {
+        IoJob j = q.front();
+        q.pop_front();
+        return j;
+      }
+    return IoJob{kNoKey, 0, 0, ReadClass::Urgent};
+  }
+  // Removes every job of `slot` (used by cancel and by parking a queued slot).
+  std::size_t drop_slot(std::uint32_t slot) {
+    std::size_t n = 0;
+    for (auto& q : q_)
+      for (auto it = q.begin(); it != q.end();)
+        if (it->slot == slot) {
+          it = q.erase(it);
+          ++n;
+        } else {
+          ++it;
+        }
+    return n;
+  }
+  // Moves a slot's queued jobs to another class (a speculative read that became urgent).
+  void promote(std::uint32_t slot, ReadClass to) {
+    std::vector<IoJob> moved;
+    for (auto& q : q_)
+      for (auto it = q.begin(); it != q.end();)
+        if (it->slot == slot) {
+          moved.push_back(*it);
+          it = q.erase(it);
+        } else {
+          ++it;
+        }
+    for (auto j : moved) {
+      j.cls = to;
+      push(j);
+    }
+  }
+  // In priority order (the order pop() would return them).
+  std::vector<IoJob> snapshot() const {
+    std::vector<IoJob> out;
+    for (const auto& q : q_) out.insert(out.end(), q.begin(), q.end());
+    return out;
+  }
+  // Removes and returns the i-th job in priority order (manual IO test hook).
+  IoJob take(std::size_t i) {
+    for (auto& q : q_) {
+      if (i < q.size()) {
+        IoJob j = q[i];
+        q.erase(q.begin() + std::ptrdiff_t(i));
+        return j;
+      }
+      i -= q.size();
+    }
+    return IoJob{kNoKey, 0, 0, ReadClass::Urgent};
+  }
+
+ private:
+  std::array<std::deque<IoJob>, kReadClasses> q_;
+};
+
+}  // namespace strata

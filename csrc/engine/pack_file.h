@@ -1,0 +1,92 @@
+// The pack file as the engine sees it: the fixed binary header (docs/pack-format.md) and an
+// open file descriptor for part reads. The JSON metadata is for people and Python; the engine
+// needs only the header, so it carries no JSON parser.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace strata {
+
+constexpr std::uint64_t kPage = 16384;       // Apple SSD page; O_DIRECT-safe on Linux
+constexpr std::uint64_t kDirectAlign = 4096;  // O_DIRECT length/offset granularity
+constexpr std::uint32_t kHeaderBytes = 4096;
+constexpr std::uint32_t kPackVersion = 1;
+
+enum class WeightFormat : std::uint32_t { F32 = 0, F16 = 1, BF16 = 2, Q4 = 3, Q8 = 4 };
+enum class Routing : std::uint32_t { SoftmaxTopk = 0, TopkSoftmax = 1 };
+
+struct TensorEntry {
+  std::uint32_t matrix;  // 0 gate, 1 up, 2 down
+  std::uint32_t role;    // 0 weight, 1 scales, 2 biases
+  std::uint64_t offset;  // inside the record
+  std::uint64_t nbytes;
+  std::uint32_t rows;
+  std::uint32_t cols;
+};
+
+struct PackLayout {
+  std::uint32_t n_layers = 0, n_experts = 0, top_k = 0, hidden = 0, moe_intermediate = 0;
+  Routing routing = Routing::SoftmaxTopk;
+  bool norm_topk_prob = false;
+  WeightFormat weight_format = WeightFormat::F32;
+  std::uint32_t group_size = 0, scale_format = 0;
+  std::uint64_t record_bytes = 0, record_stride = 0;
+  std::uint64_t meta_offset = 0, meta_bytes = 0;
+  std::uint64_t router_offset = 0, router_bytes = 0;
+  std::uint64_t checksum_offset = 0, checksum_bytes = 0;
+  std::uint64_t records_offset = 0, file_bytes = 0;
+  std::vector<TensorEntry> tensors;
+
+  std::uint32_t n_keys() const { return n_layers * n_experts; }
+  std::uint64_t record_offset(std::uint32_t key) const {
+    return records_offset + std::uint64_t(key) * record_stride;
+  }
+};
+
+// Parses and validates the header of `path`. Throws EngineError(Pack) naming the file and the
+// field on bad magic, version, crc, inconsistent offsets or a file size that disagrees.
+PackLayout read_pack_layout(const std::string& path);
+
+// Decodes a header from bytes already in memory (used by read_pack_layout and the tests).
+PackLayout parse_pack_header(const unsigned char* header, std::size_t n, const std::string& path,
+                             std::uint64_t actual_file_bytes);
+
+// An open pack: RAII file descriptor, O_DIRECT when asked and allowed (falls back, and says why).
+class PackFile {
+ public:
+  PackFile(const std::string& path, bool want_direct);
+  ~PackFile();
+  PackFile(const PackFile&) = delete;
+  PackFile& operator=(const PackFile&) = delete;
+
+  const std::string& path() const { return path_; }
+  const PackLayout& layout() const { return layout_; }
+  bool direct() const { return direct_; }
+  const std::string& direct_note() const { return direct_note_; }
+
+  // Reads exactly `len` bytes at `offset` into `dst` (retrying short reads and EINTR).
+  // Returns 0, or an errno; `*got` is the bytes read before a failure or EOF (EOF -> EIO-free
+  // short read reported as error code -1).
+  int read_fully(std::uint64_t offset, void* dst, std::size_t len, std::size_t* got) const;
+
+  // The stored crc32 of every record, [n_layers * n_experts].
+  const std::vector<std::uint32_t>& checksums() const { return checksums_; }
+
+  // Reads a layer's router weights as float32 [n_experts, hidden].
+  std::vector<float> read_router(std::uint32_t layer) const;
+
+ private:
+  std::string path_;
+  PackLayout layout_;
+  int fd_ = -1;
+  bool direct_ = false;
+  std::string direct_note_;
+  std::vector<std::uint32_t> checksums_;
+};
+
+std::uint32_t crc32_bytes(const void* data, std::size_t n);
+
+}  // namespace strata

@@ -1,0 +1,61 @@
+// One arena slot and its state machine.
+//
+//   Free --assign--> Queued --first part starts--> Reading --last part ok--> Complete
+//                      |                              \--last part failed--> Failed
+//                      +--cancel (no part begun)--> Free
+//   Queued | Reading | Complete --park (unchosen speculative)--> Limbo --revive--> (by progress)
+//   Complete | Failed | Limbo (no part in flight) --recycle--> Free
+//
+// Every field is owned by ExpertStream::mu_; `state` is additionally an atomic so that a reader
+// outside the lock (the device thread's debug checks, stats) sees a completed slot's bytes: the
+// last part's completion stores Complete with release order after all parts' preads.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+
+namespace strata {
+
+constexpr std::uint32_t kAbsent = 0xFFFFFFFFu;  // smap value for "not published"
+constexpr std::uint32_t kNoKey = 0xFFFFFFFFu;
+
+enum class SlotState : std::uint8_t { Free, Queued, Reading, Complete, Limbo, Failed };
+
+// Why a read was issued; urgent work always runs first, then pred1, pred2, profile.
+enum class ReadClass : std::uint8_t { Urgent = 0, Pred1 = 1, Pred2 = 2, Profile = 3 };
+constexpr int kReadClasses = 4;
+
+inline const char* to_string(SlotState s) {
+  switch (s) {
+    case SlotState::Free: return "free";
+    case SlotState::Queued: return "queued";
+    case SlotState::Reading: return "reading";
+    case SlotState::Complete: return "complete";
+    case SlotState::Limbo: return "limbo";
+    case SlotState::Failed: return "failed";
+  }
+  return "?";
+}
+
+struct Slot {
+  std::uint32_t key = kNoKey;  // layer * n_experts + expert, kNoKey when free
+  std::atomic<SlotState> state{SlotState::Free};
+  ReadClass cls = ReadClass::Urgent;
+  std::uint16_t parts_total = 0;
+  std::uint16_t parts_started = 0;
+  std::uint16_t parts_done = 0;
+  bool failed_part = false;     // some part failed; the slot ends Failed (or is dropped)
+  bool published = false;       // mirrors smap[key] == this slot
+  bool used = false;            // an urgent request touched it (for prediction accounting)
+  std::int32_t err = 0;         // errno of the first failed part (0 = short read / checksum)
+  std::uint64_t err_offset = 0; // file offset of the first failed part
+  std::uint64_t last_use = 0;   // LRU clock
+  std::uint32_t pins = 0;       // plan-resident pins (I8)
+  std::uint32_t gen = 0;        // bumped by every recycle/cancel; IO jobs carry it
+
+  bool in_flight() const { return parts_started != parts_done; }
+  bool reads_finished() const { return parts_done == parts_total; }
+  SlotState load() const { return state.load(std::memory_order_acquire); }
+};
+
+}  // namespace strata

@@ -1,0 +1,53 @@
+// Always-on counters. Relaxed atomics: each is an independent tally, read as a snapshot for
+// reporting; nothing synchronizes through them.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <string>
+
+namespace strata {
+
+struct StreamStats {
+  std::atomic<std::uint64_t> hits{0};            // urgent request found the expert resident/loading
+  std::atomic<std::uint64_t> misses{0};          // urgent request had to start a read
+  std::atomic<std::uint64_t> spec_requests{0};   // speculative reads started
+  std::atomic<std::uint64_t> spec_hits{0};       // urgent request served by a speculative read
+  std::atomic<std::uint64_t> spec_dropped{0};    // speculative request found no space (I9)
+  std::atomic<std::uint64_t> spec_failed{0};     // speculative read failed and was dropped
+  std::atomic<std::uint64_t> failed{0};          // urgent read failures reported to the caller
+  std::atomic<std::uint64_t> bytes_read{0};
+  std::atomic<std::uint64_t> reads_completed{0};  // records fully read
+  std::atomic<std::uint64_t> read_ns{0};          // sum over IO threads of time inside pread
+  std::atomic<std::uint64_t> stall_ns{0};         // host time blocked in wait()
+  std::atomic<std::uint64_t> cancelled{0};
+  std::atomic<std::uint64_t> limbo{0};            // slots parked in limbo
+  std::atomic<std::uint64_t> limbo_released{0};
+  std::atomic<std::uint64_t> published{0};        // speculative slots published at a handshake
+  std::atomic<std::uint64_t> evicted{0};
+  std::atomic<std::uint64_t> revived{0};          // limbo slots taken back by a request
+
+  std::map<std::string, double> snapshot() const {
+    auto g = [](const std::atomic<std::uint64_t>& a) { return double(a.load(std::memory_order_relaxed)); };
+    return {{"hits", g(hits)},
+            {"misses", g(misses)},
+            {"spec_requests", g(spec_requests)},
+            {"spec_hits", g(spec_hits)},
+            {"spec_dropped", g(spec_dropped)},
+            {"spec_failed", g(spec_failed)},
+            {"failed", g(failed)},
+            {"bytes_read", g(bytes_read)},
+            {"reads_completed", g(reads_completed)},
+            {"read_seconds", g(read_ns) * 1e-9},
+            {"stall_seconds", g(stall_ns) * 1e-9},
+            {"cancelled", g(cancelled)},
+            {"limbo", g(limbo)},
+            {"limbo_released", g(limbo_released)},
+            {"published", g(published)},
+            {"evicted", g(evicted)},
+            {"revived", g(revived)}};
+  }
+};
+
+}  // namespace strata

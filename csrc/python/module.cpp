@@ -1,0 +1,254 @@
+// strata_stream._core: the pybind11 face of the engine. Thin on purpose: argument conversion,
+// GIL release around every wait, and errors mapped onto strata_stream.errors.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+
+#include "errors.h"
+#include "expert_stream.h"
+
+namespace py = pybind11;
+using namespace strata;
+
+namespace {
+
+// Polled by blocking waits (without the engine lock): lets Ctrl-C interrupt them.
+void check_signals() {
+  py::gil_scoped_acquire gil;
+  if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+}
+
+using IntArray = py::array_t<std::int32_t, py::array::c_style | py::array::forcecast>;
+
+struct Stream {
+  std::unique_ptr<ExpertStream> s;
+
+  ExpertStream& get() {
+    if (!s) throw EngineError(ErrorKind::Closed, "ExpertStream is closed");
+    return *s;
+  }
+};
+
+py::dict layout_dict(const PackLayout& L) {
+  py::dict d;
+  d["n_layers"] = L.n_layers;
+  d["n_experts"] = L.n_experts;
+  d["top_k"] = L.top_k;
+  d["hidden"] = L.hidden;
+  d["moe_intermediate"] = L.moe_intermediate;
+  d["routing"] = L.routing == Routing::SoftmaxTopk ? "softmax_topk" : "topk_softmax";
+  d["norm_topk_prob"] = L.norm_topk_prob;
+  d["weight_format"] = static_cast<std::uint32_t>(L.weight_format);
+  d["group_size"] = L.group_size;
+  d["record_bytes"] = L.record_bytes;
+  d["record_stride"] = L.record_stride;
+  d["records_offset"] = L.records_offset;
+  d["file_bytes"] = L.file_bytes;
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "strata-stream engine (C++)";
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const ExpertReadError& e) {
+      py::module_ errors = py::module_::import("strata_stream.errors");
+      py::object exc = errors.attr("ExpertReadError")(e.err, e.what());
+      exc.attr("layer") = e.layer;
+      exc.attr("expert") = e.expert;
+      exc.attr("offset") = e.offset;
+      PyErr_SetObject(errors.attr("ExpertReadError").ptr(), exc.ptr());
+    } catch (const EngineError& e) {
+      const char* name = "StrataError";
+      switch (e.kind()) {
+        case ErrorKind::Pack: name = "PackError"; break;
+        case ErrorKind::Config: name = "ConfigError"; break;
+        case ErrorKind::ExpertRead: name = "ExpertReadError"; break;
+        case ErrorKind::Closed: name = "StreamClosedError"; break;
+        case ErrorKind::Timeout: name = "StreamTimeoutError"; break;
+        case ErrorKind::ArenaFull: name = "ArenaFullError"; break;
+        case ErrorKind::Interrupted: name = "StrataError"; break;
+      }
+      py::object cls = py::module_::import("strata_stream.errors").attr(name);
+      PyErr_SetString(cls.ptr(), e.what());
+    }
+  });
+
+  m.attr("ABSENT") = kAbsent;
+  m.def("crc32", [](py::buffer b) {
+    py::buffer_info info = b.request();
+    return crc32_bytes(info.ptr, std::size_t(info.size * info.itemsize));
+  });
+  m.def("read_layout", [](const std::string& path) { return layout_dict(read_pack_layout(path)); });
+
+  py::class_<Stream>(m, "Stream")
+      .def(py::init([](const std::string& path, std::uint64_t arena_bytes, std::uint32_t io_threads,
+                       std::uint64_t part_bytes, bool direct_io, bool verify_reads,
+                       double io_timeout_s, bool publish_prefetch) {
+             StreamOptions o;
+             o.arena_bytes = arena_bytes;
+             o.io_threads = io_threads;
+             o.part_bytes = part_bytes;
+             o.direct_io = direct_io;
+             o.verify_reads = verify_reads;
+             o.io_timeout_s = io_timeout_s;
+             o.publish_prefetch = publish_prefetch;
+             py::gil_scoped_release nogil;
+             return Stream{std::make_unique<ExpertStream>(path, o)};
+           }),
+           py::arg("path"), py::arg("arena_bytes"), py::arg("io_threads"), py::arg("part_bytes"),
+           py::arg("direct_io"), py::arg("verify_reads"), py::arg("io_timeout_s"),
+           py::arg("publish_prefetch"))
+      .def("close",
+           [](Stream& self) {
+             if (!self.s) return;
+             py::gil_scoped_release nogil;
+             self.s->close();
+           })
+      .def_property_readonly("closed", [](Stream& self) { return !self.s || self.s->closed(); })
+      .def_property_readonly("n_slots", [](Stream& self) { return self.get().n_slots(); })
+      .def_property_readonly("n_parts", [](Stream& self) {
+        auto& s = self.get();
+        return (s.layout().record_bytes + 4095) / 4096 * 4096 / s.options().part_bytes +
+               (((s.layout().record_bytes + 4095) / 4096 * 4096) % s.options().part_bytes != 0);
+      })
+      .def_property_readonly("layout", [](Stream& self) { return layout_dict(self.get().layout()); })
+      .def_property_readonly("direct_io", [](Stream& self) { return self.get().file().direct(); })
+      .def_property_readonly("direct_note",
+                             [](Stream& self) { return self.get().file().direct_note(); })
+      .def("request",
+           [](Stream& self, std::uint32_t layer, IntArray experts, int cls) {
+             auto& s = self.get();
+             if (cls < 0 || cls >= kReadClasses) throw std::invalid_argument("bad read class");
+             RequestResult r;
+             {
+               py::gil_scoped_release nogil;
+               r = s.request(layer, experts.data(), std::size_t(experts.size()),
+                             static_cast<ReadClass>(cls), check_signals);
+             }
+             return py::make_tuple(r.hits, r.misses, r.dropped);
+           })
+      .def("wait",
+           [](Stream& self, std::uint32_t layer, IntArray experts) {
+             auto& s = self.get();
+             py::gil_scoped_release nogil;
+             s.wait(layer, experts.data(), std::size_t(experts.size()), check_signals);
+           })
+      .def("publish",
+           [](Stream& self, std::uint32_t layer) {
+             auto& s = self.get();
+             py::gil_scoped_release nogil;
+             return s.publish(layer);
+           })
+      .def("enter_layer", [](Stream& self, std::uint32_t l) { self.get().enter_layer(l); })
+      .def("after_layer", [](Stream& self, std::uint32_t l) { self.get().after_layer(l); })
+      .def("end_turn", [](Stream& self) { self.get().end_turn(); })
+      .def("plan",
+           [](Stream& self, std::uint32_t layer, IntArray experts) {
+             py::array_t<std::uint8_t> out(experts.size());
+             self.get().plan(layer, experts.data(), std::size_t(experts.size()),
+                             out.mutable_data());
+             return out;
+           })
+      .def("release_plan", [](Stream& self) { self.get().release_plan(); })
+      .def("cancel", [](Stream& self, std::uint32_t l, std::uint32_t e) { return self.get().cancel(l, e); })
+      .def("retire_unused_pre",
+           [](Stream& self, std::uint32_t layer, IntArray chosen) {
+             return self.get().retire_unused_pre(layer, chosen.data(), std::size_t(chosen.size()));
+           })
+      .def("release_limbo", [](Stream& self) { return self.get().release_limbo(); })
+      .def("victim", [](Stream& self, bool spec) { return self.get().victim(spec); },
+           py::arg("speculative") = false)
+      .def("evict_one", [](Stream& self) { return self.get().evict_one(); })
+      .def("pending_jobs",
+           [](Stream& self) {
+             py::list out;
+             for (const JobInfo& j : self.get().pending_jobs())
+               out.append(py::make_tuple(j.slot, j.key, j.part, int(j.cls)));
+             return out;
+           })
+      .def("run_job",
+           [](Stream& self, std::size_t i) {
+             auto& s = self.get();
+             py::gil_scoped_release nogil;
+             return s.run_job(i);
+           })
+      .def("inject_fault",
+           [](Stream& self, std::uint32_t key, int part, bool short_read, int err, int count) {
+             Fault f;
+             f.kind = short_read ? FaultKind::ShortRead : FaultKind::Errno;
+             f.err = err;
+             f.remaining = count;
+             self.get().faults().add(key, part, f);
+           })
+      .def("clear_faults", [](Stream& self) { self.get().faults().clear(); })
+      .def_property_readonly("smap",
+                             [](py::object obj) {
+                               Stream& self = obj.cast<Stream&>();
+                               auto& s = self.get();
+                               py::array_t<std::uint32_t> a(
+                                   {py::ssize_t(s.layout().n_keys())}, {sizeof(std::uint32_t)},
+                                   s.smap(), obj);
+                               py::detail::array_proxy(a.ptr())->flags &=
+                                   ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
+                               return a;
+                             })
+      .def("where", [](Stream& self, std::uint32_t key) { return self.get().where(key); })
+      .def("slot_bytes",
+           [](py::object obj, std::uint32_t slot) {
+             Stream& self = obj.cast<Stream&>();
+             auto& s = self.get();
+             if (slot >= s.n_slots()) throw std::out_of_range("slot out of range");
+             py::array_t<std::uint8_t> a({py::ssize_t(s.layout().record_bytes)}, {1},
+                                         s.arena().slot(slot), obj);
+             py::detail::array_proxy(a.ptr())->flags &=
+                 ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
+             return a;
+           })
+      .def("slots",
+           [](Stream& self) {
+             auto v = self.get().slots();
+             std::size_t n = v.size();
+             py::array_t<std::uint32_t> key(n), pins(n);
+             py::array_t<std::uint8_t> state(n), cls(n), published(n), failed(n);
+             py::array_t<std::uint16_t> total(n), started(n), done(n);
+             py::array_t<std::uint64_t> last_use(n);
+             for (std::size_t i = 0; i < n; ++i) {
+               key.mutable_at(i) = v[i].key;
+               pins.mutable_at(i) = v[i].pins;
+               state.mutable_at(i) = std::uint8_t(v[i].state);
+               cls.mutable_at(i) = std::uint8_t(v[i].cls);
+               published.mutable_at(i) = v[i].published;
+               failed.mutable_at(i) = v[i].failed;
+               total.mutable_at(i) = v[i].parts_total;
+               started.mutable_at(i) = v[i].parts_started;
+               done.mutable_at(i) = v[i].parts_done;
+               last_use.mutable_at(i) = v[i].last_use;
+             }
+             py::dict d;
+             d["key"] = key; d["state"] = state; d["cls"] = cls; d["published"] = published;
+             d["failed"] = failed; d["pins"] = pins; d["parts_total"] = total;
+             d["parts_started"] = started; d["parts_done"] = done; d["last_use"] = last_use;
+             return d;
+           })
+      .def("stats",
+           [](Stream& self) {
+             auto& s = self.get();
+             auto snap = s.stats().snapshot();
+             py::dict d;
+             for (auto& [k, v] : snap) {
+               if (k == "read_seconds" || k == "stall_seconds")
+                 d[py::str(k)] = v;
+               else
+                 d[py::str(k)] = std::uint64_t(v);
+             }
+             return d;
+           })
+      .def("check_invariants", [](Stream& self) { return self.get().check_invariants(); });
+}

@@ -1,0 +1,161 @@
+"""StreamConfig: every knob of the engine in one frozen dataclass.
+
+The seed's environment flags (DESIGN.md section 6) keep their names and defaults; `from_env`
+reads them so a deployment can flip a policy without touching code, and keyword overrides win
+over the environment so tests stay hermetic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from strata_stream.errors import ConfigError
+
+PAGE = 16384  # Apple SSD page; also satisfies O_DIRECT alignment on Linux.
+PRED2_MAX_LIMIT = 512
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+# field name -> environment variable. The STRATA_METAL_* names are the seed's.
+ENV_FLAGS: dict[str, str] = {
+    "arena_bytes": "STRATA_ARENA_BYTES",
+    "io_threads": "STRATA_IO_THREADS",
+    "part_bytes": "STRATA_PART_BYTES",
+    "direct_io": "STRATA_DIRECT_IO",
+    "verify_reads": "STRATA_VERIFY_READS",
+    "publish_prefetch": "STRATA_METAL_PUBLISH_PREFETCH",
+    "prompt_pred2": "STRATA_METAL_PROMPT_PRED2",
+    "prompt_pred2_max": "STRATA_METAL_PROMPT_PRED2_MAX",
+    "prompt_start_layers": "STRATA_METAL_PROMPT_START_LAYERS",
+    "prompt_buf_reuse": "STRATA_METAL_PROMPT_BUF_REUSE",
+    "decode_prefetch2": "STRATA_METAL_PREFETCH2",
+}
+
+
+def parse_size(text: str, what: str) -> int:
+    """'2GiB', '512m', '1048576' -> bytes; anything else is a ConfigError naming `what`."""
+    match = _SIZE.match(text)
+    if not match:
+        raise ConfigError(f"{what}: cannot read {text!r} as a size (e.g. 4096, 512MiB, 2G)")
+    number, unit, _ = match.groups()
+    return int(float(number) * _SIZE_UNITS[unit.lower()])
+
+
+def _parse_bool(text: str, what: str) -> bool:
+    low = text.strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ConfigError(f"{what}: expected 0/1/true/false, got {text!r}")
+
+
+def _parse_int(text: str, what: str) -> int:
+    try:
+        return int(text.strip(), 0)
+    except ValueError:
+        raise ConfigError(f"{what}: expected an integer, got {text!r}") from None
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """How an ExpertStream (and the Window above it) runs.
+
+    arena_bytes bounds the expert memory: it becomes arena_bytes // record_stride slots.
+    """
+
+    arena_bytes: int = 1 << 30
+    io_threads: int = 4
+    part_bytes: int = 1 << 20
+    direct_io: bool = True
+    verify_reads: bool = False
+    io_timeout_s: float = 60.0
+    publish_prefetch: bool = True
+    prompt_pred2: bool = False
+    prompt_pred2_max: int = 64
+    prompt_start_layers: int = 1
+    prompt_buf_reuse: bool = False
+    decode_prefetch2: bool = False
+    extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in (
+            "arena_bytes",
+            "io_threads",
+            "part_bytes",
+            "prompt_pred2_max",
+            "prompt_start_layers",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"StreamConfig.{name}: expected int, got {value!r}")
+        for name in (
+            "direct_io",
+            "verify_reads",
+            "publish_prefetch",
+            "prompt_pred2",
+            "prompt_buf_reuse",
+            "decode_prefetch2",
+        ):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(
+                    f"StreamConfig.{name}: expected bool, got {getattr(self, name)!r}"
+                )
+        if self.arena_bytes <= 0:
+            raise ConfigError(f"StreamConfig.arena_bytes: must be positive, got {self.arena_bytes}")
+        if not 0 <= self.io_threads <= 256:
+            raise ConfigError(
+                f"StreamConfig.io_threads: must be 0..256 (0 = manual IO for tests), "
+                f"got {self.io_threads}"
+            )
+        if self.part_bytes <= 0 or self.part_bytes % PAGE:
+            raise ConfigError(
+                f"StreamConfig.part_bytes: must be a positive multiple of {PAGE}, "
+                f"got {self.part_bytes}"
+            )
+        if not self.io_timeout_s > 0:
+            raise ConfigError(
+                f"StreamConfig.io_timeout_s: must be positive, got {self.io_timeout_s}"
+            )
+        if self.prompt_start_layers < 0:
+            raise ConfigError(
+                f"StreamConfig.prompt_start_layers: must be >= 0, got {self.prompt_start_layers}"
+            )
+        # The seed clamps PRED2_MAX rather than rejecting it; keep that contract.
+        clamped = min(max(self.prompt_pred2_max, 0), PRED2_MAX_LIMIT)
+        object.__setattr__(self, "prompt_pred2_max", clamped)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> StreamConfig:
+        """Defaults, then the environment flags, then keyword overrides."""
+        source = os.environ if env is None else env
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - names)
+        if unknown:
+            raise ConfigError(f"StreamConfig has no field {', '.join(unknown)}")
+        values: dict[str, Any] = {}
+        types = {f.name: f.type for f in dataclasses.fields(cls)}
+        for name, var in ENV_FLAGS.items():
+            text = source.get(var)
+            if text is None or name in overrides:
+                continue
+            kind = types[name]
+            if name in ("arena_bytes", "part_bytes"):
+                values[name] = parse_size(text, var)
+            elif kind in ("bool", bool):
+                values[name] = _parse_bool(text, var)
+            else:
+                values[name] = _parse_int(text, var)
+        values.update(overrides)
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> StreamConfig:
+        return dataclasses.replace(self, **changes)

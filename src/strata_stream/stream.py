@@ -1,0 +1,270 @@
+"""ExpertStream: the Python face of the C++ residency engine (DESIGN.md section 4).
+
+The engine owns the arena, the IO threads and the slot map; this wrapper checks arguments,
+names read classes, and converts engine errors into strata_stream.errors (the extension does
+that already; see csrc/python/module.cpp). Every blocking call releases the GIL and can be
+interrupted with Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Iterable
+from enum import IntEnum
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from strata_stream.config import StreamConfig
+from strata_stream.errors import StreamClosedError
+
+ABSENT = 0xFFFFFFFF
+
+
+class ReadClass(IntEnum):
+    """Why a read was issued; the IO queue serves lower values first."""
+
+    URGENT = 0
+    PRED1 = 1
+    PRED2 = 2
+    PROFILE = 3
+
+
+class SlotState(IntEnum):
+    FREE = 0
+    QUEUED = 1
+    READING = 2
+    COMPLETE = 3
+    LIMBO = 4
+    FAILED = 5
+
+
+def _core() -> Any:
+    # The compiled extension, imported on first use so that the pure-Python parts (pack
+    # writer, CLI inspect/verify) work even where the extension failed to build.
+    return importlib.import_module("strata_stream._core")
+
+
+def _experts(experts: int | Iterable[int] | npt.ArrayLike, what: str) -> npt.NDArray[np.int32]:
+    arr = np.asarray(experts)
+    if arr.ndim == 0:
+        arr = arr.reshape(1)
+    if arr.ndim != 1:
+        raise ValueError(f"{what}: expected a 1-D list of expert ids, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"{what}: expert ids must be integers, got dtype {arr.dtype}")
+    return np.ascontiguousarray(arr, dtype=np.int32)
+
+
+class ExpertStream:
+    """Streams a pack's experts into a bounded arena.
+
+    `ExpertStream(pack_or_path, config)`; use as a context manager or call close().
+    """
+
+    def __init__(self, pack: str | os.PathLike[str] | Any, config: StreamConfig | None = None):
+        self.config = config if config is not None else StreamConfig.from_env()
+        path = getattr(pack, "path", pack)
+        self.path = Path(path)
+        c = self.config
+        self._s = _core().Stream(
+            str(self.path),
+            c.arena_bytes,
+            c.io_threads,
+            c.part_bytes,
+            c.direct_io,
+            c.verify_reads,
+            c.io_timeout_s,
+            c.publish_prefetch,
+        )
+        layout = self._s.layout
+        self.n_layers: int = int(layout["n_layers"])
+        self.n_experts: int = int(layout["n_experts"])
+        self.top_k: int = int(layout["top_k"])
+        self.record_stride: int = int(layout["record_stride"])
+        self.record_bytes: int = int(layout["record_bytes"])
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def close(self) -> None:
+        self._s.close()
+
+    @property
+    def closed(self) -> bool:
+        return bool(self._s.closed)
+
+    def __enter__(self) -> ExpertStream:
+        return self
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def _check_layer(self, layer: int) -> int:
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+            raise TypeError(f"layer must be an int, got {type(layer).__name__}")
+        if not 0 <= int(layer) < self.n_layers:
+            raise IndexError(f"layer {layer} out of range [0, {self.n_layers})")
+        return int(layer)
+
+    def _ids(self, experts: Any, what: str) -> npt.NDArray[np.int32]:
+        ids = _experts(experts, what)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.n_experts):
+            bad = ids[(ids < 0) | (ids >= self.n_experts)][0]
+            raise IndexError(f"{what}: expert {bad} out of range [0, {self.n_experts})")
+        return ids
+
+    # ---- geometry ----------------------------------------------------------------------------
+    @property
+    def n_slots(self) -> int:
+        return int(self._s.n_slots)
+
+    @property
+    def n_parts(self) -> int:
+        """Part reads per expert record."""
+        return int(self._s.n_parts)
+
+    @property
+    def direct_io(self) -> bool:
+        """Whether reads really bypass the page cache (O_DIRECT / F_NOCACHE)."""
+        return bool(self._s.direct_io)
+
+    @property
+    def direct_note(self) -> str:
+        return str(self._s.direct_note)
+
+    def key(self, layer: int, expert: int) -> int:
+        return self._check_layer(layer) * self.n_experts + int(expert)
+
+    # ---- requests and waits ------------------------------------------------------------------
+    def request(
+        self, layer: int, experts: Any, urgent: bool = True, cls: ReadClass | None = None
+    ) -> tuple[int, int, int]:
+        """Makes experts resident or loading. Returns (hits, misses, dropped).
+
+        Urgent requests evict as needed; speculative ones (urgent=False, cls PRED1 by default)
+        take only free or evictable slots and stop when none is left.
+        """
+        read_class = cls if cls is not None else (ReadClass.URGENT if urgent else ReadClass.PRED1)
+        if urgent and cls is not None and cls != ReadClass.URGENT:
+            raise ValueError("urgent=True contradicts a speculative cls")
+        ids = self._ids(experts, "request")
+        h, m, d = self._s.request(self._check_layer(layer), ids, int(read_class))
+        return int(h), int(m), int(d)
+
+    def wait(self, layer: int, experts: Any) -> None:
+        """Blocks until the experts are complete and published (requesting any not requested)."""
+        self._s.wait(self._check_layer(layer), self._ids(experts, "wait"))
+
+    def publish(self, layer: int) -> int:
+        """Handshake publication for layers layer+1..layer+2; returns how many were published."""
+        return int(self._s.publish(self._check_layer(layer)))
+
+    # ---- protections -------------------------------------------------------------------------
+    def enter_layer(self, layer: int) -> None:
+        self._s.enter_layer(self._check_layer(layer))
+
+    def after_layer(self, layer: int) -> None:
+        self._s.after_layer(self._check_layer(layer))
+
+    def end_turn(self) -> None:
+        self._s.end_turn()
+
+    def plan(self, layer: int, experts: Any) -> npt.NDArray[np.bool_]:
+        """Which experts are resident now; pins them until release_plan() (I8)."""
+        mask = self._s.plan(self._check_layer(layer), self._ids(experts, "plan"))
+        return np.asarray(mask, dtype=bool)
+
+    def release_plan(self) -> None:
+        self._s.release_plan()
+
+    # ---- lifecycle primitives ----------------------------------------------------------------
+    def cancel(self, layer: int, expert: int) -> bool:
+        """Cancels a queued read (no part begun). False when it is not cancellable."""
+        return bool(self._s.cancel(self._check_layer(layer), int(expert)))
+
+    def retire_unused_pre(self, layer: int, chosen: Any) -> int:
+        """Parks this layer's unchosen speculative slots in limbo; returns how many."""
+        return int(self._s.retire_unused_pre(self._check_layer(layer), self._ids(chosen, "chosen")))
+
+    def release_limbo(self) -> int:
+        return int(self._s.release_limbo())
+
+    def victim(self, speculative: bool = False) -> int | None:
+        v = int(self._s.victim(speculative))
+        return None if v < 0 else v
+
+    def evict(self) -> int | None:
+        v = int(self._s.evict_one())
+        return None if v < 0 else v
+
+    # ---- views -------------------------------------------------------------------------------
+    @property
+    def smap(self) -> npt.NDArray[np.uint32]:
+        """Read-only view of the device-visible slot map (ABSENT = 0xFFFFFFFF)."""
+        return self._s.smap  # type: ignore[no-any-return]
+
+    def where(self, layer: int, expert: int) -> int | None:
+        s = int(self._s.where(self.key(layer, expert)))
+        return None if s < 0 else s
+
+    def slot_table(self) -> dict[str, npt.NDArray[Any]]:
+        return dict(self._s.slots())
+
+    def slot_bytes(self, slot: int) -> npt.NDArray[np.uint8]:
+        """Read-only view of a slot's record bytes (for tests and tools)."""
+        return self._s.slot_bytes(int(slot))  # type: ignore[no-any-return]
+
+    def expert_bytes(self, layer: int, expert: int) -> npt.NDArray[np.uint8] | None:
+        """The record bytes of a published expert, or None when it is not published."""
+        s = int(self.smap[self.key(layer, expert)])
+        return None if s == ABSENT else self.slot_bytes(s)
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self._s.stats())
+        out["n_slots"] = self.n_slots
+        out["direct_io"] = self.direct_io
+        return out
+
+    def check_invariants(self) -> str:
+        """'' when the engine's own invariant scan (I1, I3-I7) passes, else the violation."""
+        return str(self._s.check_invariants())
+
+    # ---- test hooks --------------------------------------------------------------------------
+    def pending_io(self) -> list[tuple[int, int, int, ReadClass]]:
+        """Queued part reads in the order the IO threads would take them: (slot, key, part, cls)."""
+        return [(s, k, p, ReadClass(c)) for s, k, p, c in self._s.pending_jobs()]
+
+    def run_io(self, index: int = 0) -> bool:
+        """Manual IO (io_threads=0): performs the index-th pending part read now."""
+        return bool(self._s.run_job(int(index)))
+
+    def inject_fault(
+        self,
+        layer: int,
+        expert: int,
+        part: int = -1,
+        kind: str = "eio",
+        count: int = 1,
+        errno_value: int = 5,
+    ) -> None:
+        """Makes the next `count` reads of a record part (-1: any part) fail: 'eio' or 'short'."""
+        if kind not in ("eio", "short"):
+            raise ValueError(f"fault kind must be 'eio' or 'short', got {kind!r}")
+        self._s.inject_fault(
+            self.key(layer, expert), int(part), kind == "short", int(errno_value), int(count)
+        )
+
+    def clear_faults(self) -> None:
+        self._s.clear_faults()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{self.n_slots} slots"
+        return f"ExpertStream({str(self.path)!r}, {state})"
+
+
+__all__ = ["ABSENT", "ExpertStream", "ReadClass", "SlotState", "StreamClosedError"]

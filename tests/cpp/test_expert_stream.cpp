@@ -1,0 +1,138 @@
+#include <catch2/catch.hpp>
+
+#include <cstdio>
+
+#include "errors.h"
+#include "stream_test_util.h"
+
+using namespace strata;
+using namespace strata::test;
+
+TEST_CASE("urgent reads land, publish and match the file") {
+  TestGeometry g;
+  auto path = build_test_pack(g, "urgent");
+  PackLayout L = read_pack_layout(path);
+  ExpertStream s(path, small_options(8, L, 3));
+  std::int32_t ex[] = {1, 5, 7};
+  auto r = s.request(2, ex, 3, ReadClass::Urgent);
+  CHECK(r.misses == 3);
+  s.wait(2, ex, 3);
+  for (auto e : ex) CHECK(slot_matches(s, g, 2, std::uint32_t(e)));
+  r = s.request(2, ex, 3, ReadClass::Urgent);
+  CHECK(r.hits == 3);
+  CHECK(s.check_invariants().empty());
+  std::remove(path.c_str());
+}
+
+TEST_CASE("an arena below the minimum is a config error naming the minimum") {
+  TestGeometry g;
+  auto path = build_test_pack(g, "small");
+  PackLayout L = read_pack_layout(path);
+  try {
+    ExpertStream s(path, small_options(3, L, 1));
+    FAIL("expected a config error");
+  } catch (const EngineError& e) {
+    CHECK(e.kind() == ErrorKind::Config);
+    CHECK(std::string(e.what()).find("at least 4 slots") != std::string::npos);
+  }
+  std::remove(path.c_str());
+}
+
+TEST_CASE("speculative reads publish only at the handshake (I2) and limbo is never published (I7)") {
+  TestGeometry g;
+  auto path = build_test_pack(g, "spec");
+  PackLayout L = read_pack_layout(path);
+  ExpertStream s(path, small_options(8, L, 0));  // manual IO
+  std::int32_t ex[] = {3, 4};
+  s.enter_layer(0);
+  s.request(1, ex, 2, ReadClass::Pred1);
+  while (s.run_job(0)) {
+  }
+  CHECK(s.smap_at(1 * g.n_experts + 3) == kAbsent);  // complete but unpublished
+  CHECK(s.publish(0) == 2);
+  CHECK(slot_matches(s, g, 1, 3));
+  s.enter_layer(1);
+  std::int32_t chosen[] = {4};
+  CHECK(s.retire_unused_pre(1, chosen, 1) == 1);
+  CHECK(s.smap_at(1 * g.n_experts + 3) == kAbsent);
+  CHECK(s.check_invariants().empty());
+  CHECK(s.release_limbo() == 1);
+  CHECK(s.where(1 * g.n_experts + 3) < 0);
+  std::remove(path.c_str());
+}
+
+TEST_CASE("victim never picks protected slots (I4) and cancel only queued (I6)") {
+  TestGeometry g;
+  auto path = build_test_pack(g, "victim");
+  PackLayout L = read_pack_layout(path);
+  ExpertStream s(path, small_options(4, L, 0));
+  std::int32_t a[] = {0, 1};
+  s.request(0, a, 2, ReadClass::Urgent);
+  s.wait(0, a, 2);
+  s.request(1, a, 2, ReadClass::Urgent);
+  s.wait(1, a, 2);
+  s.enter_layer(0);
+  std::int32_t v = s.victim();
+  REQUIRE(v >= 0);
+  CHECK(s.slots()[std::uint32_t(v)].key / g.n_experts == 1);
+  s.after_layer(0);  // layer 1's router may run now: both layers protected
+  CHECK(s.victim() == -1);
+  // Speculation finds no space and stops (I9).
+  std::int32_t b[] = {5};
+  CHECK(s.request(2, b, 1, ReadClass::Pred2).dropped == 1);
+  s.end_turn();
+  std::uint8_t res[2];
+  s.plan(1, a, 2, res);
+  CHECK(res[0] == 1);
+  CHECK(res[1] == 1);
+  std::int32_t v2 = s.victim();
+  REQUIRE(v2 >= 0);
+  CHECK(s.slots()[std::uint32_t(v2)].key / g.n_experts == 0);  // plan-pinned layer 1 kept (I8)
+  s.release_plan();
+  // cancel: only a queued read
+  s.request(3, b, 1, ReadClass::Urgent);
+  CHECK(s.cancel(3, 5));
+  CHECK(s.where(3 * g.n_experts + 5) < 0);
+  s.request(3, b, 1, ReadClass::Urgent);
+  s.run_job(0);
+  CHECK_FALSE(s.cancel(3, 5));
+  CHECK(s.check_invariants().empty());
+  std::remove(path.c_str());
+}
+
+TEST_CASE("a failed urgent read names layer, expert, offset and errno; the stream stays usable") {
+  TestGeometry g;
+  auto path = build_test_pack(g, "fault");
+  PackLayout L = read_pack_layout(path);
+  ExpertStream s(path, small_options(8, L, 2));
+  Fault f;
+  f.err = 5;
+  s.faults().add(2 * g.n_experts + 6, 1, f);
+  std::int32_t ex[] = {6};
+  s.request(2, ex, 1, ReadClass::Urgent);
+  try {
+    s.wait(2, ex, 1);
+    FAIL("expected an ExpertReadError");
+  } catch (const ExpertReadError& e) {
+    CHECK(e.layer == 2);
+    CHECK(e.expert == 6);
+    CHECK(e.err == 5);
+    CHECK(e.offset == L.record_offset(2 * g.n_experts + 6) + kPage);
+    CHECK(std::string(e.what()).find("layer 2 expert 6") != std::string::npos);
+  }
+  CHECK(s.where(2 * g.n_experts + 6) < 0);
+  s.wait(2, ex, 1);  // the fault was one-shot: a retry succeeds
+  CHECK(slot_matches(s, g, 2, 6));
+  // A short speculative read is dropped and counted.
+  Fault sr;
+  sr.kind = FaultKind::ShortRead;
+  s.faults().add(3 * g.n_experts + 1, -1, sr);
+  std::int32_t p[] = {1};
+  s.request(3, p, 1, ReadClass::Pred1);
+  for (int i = 0; i < 200 && s.stats().spec_failed.load() == 0; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  CHECK(s.stats().spec_failed.load() == 1);
+  CHECK(s.where(3 * g.n_experts + 1) < 0);
+  CHECK(s.check_invariants().empty());
+  std::remove(path.c_str());
+}

@@ -1,0 +1,193 @@
+"""ExpertStream through its Python API: residency, publication, errors, stats."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import PackFactory, record_bytes_of
+from strata_stream import ExpertStream, ReadClass, StreamConfig
+from strata_stream.errors import (
+    ArenaFullError,
+    ConfigError,
+    ExpertReadError,
+    PackError,
+    StreamClosedError,
+)
+from strata_stream.stream import ABSENT
+
+
+def config(n_slots: int, stride: int, **kw: object) -> StreamConfig:
+    base = dict(arena_bytes=n_slots * stride, io_threads=2, part_bytes=16384, direct_io=False)
+    base.update(kw)
+    return StreamConfig(**base)  # type: ignore[arg-type]
+
+
+def stride_of(path: object) -> int:
+    from strata_stream import ExpertPack
+
+    with ExpertPack.open(path) as p:  # type: ignore[arg-type]
+        return p.record_stride
+
+
+def test_urgent_request_reads_the_records(make_pack: PackFactory) -> None:
+    path = make_pack()
+    with ExpertStream(path, config(8, stride_of(path))) as s:
+        assert s.request(1, [3, 9]) == (0, 2, 0)
+        s.wait(1, [3, 9])
+        layout = s._s.layout
+        for e in (3, 9):
+            got = s.expert_bytes(1, e)
+            assert got is not None
+            assert got.tobytes() == record_bytes_of(path, layout, s.key(1, e))
+        assert s.request(1, [3]) == (1, 0, 0)
+        st = s.stats()
+        assert st["misses"] == 2 and st["hits"] == 1
+        assert st["bytes_read"] >= 2 * s.record_bytes
+        assert s.check_invariants() == ""
+
+
+def test_smap_is_a_read_only_view(make_pack: PackFactory) -> None:
+    path = make_pack()
+    with ExpertStream(path, config(8, stride_of(path))) as s:
+        view = s.smap
+        assert view.dtype == np.uint32 and view.shape == (s.n_layers * s.n_experts,)
+        assert (view == ABSENT).all()
+        with pytest.raises(ValueError):
+            view[0] = 1
+        s.wait(0, [5])
+        assert view[s.key(0, 5)] != ABSENT  # a live view, not a copy
+
+
+def test_every_expert_through_a_small_arena(make_pack: PackFactory) -> None:
+    path = make_pack(n_layers=3, n_experts=8)
+    with ExpertStream(path, config(4, stride_of(path), io_threads=3)) as s:
+        layout = s._s.layout
+        for layer in range(3):  # no layer protection: same-layer experts evict each other
+            for e in range(0, 8, 2):
+                s.wait(layer, [e, e + 1])
+                for x in (e, e + 1):
+                    got = s.expert_bytes(layer, x)
+                    assert got is not None
+                    assert got.tobytes() == record_bytes_of(path, layout, s.key(layer, x))
+                assert s.check_invariants() == ""
+        assert s.stats()["evicted"] > 0
+
+
+def test_arena_too_small_names_the_minimum(make_pack: PackFactory) -> None:
+    path = make_pack(top_k=2)
+    with pytest.raises(ConfigError, match="at least 4 slots"):
+        ExpertStream(path, config(3, stride_of(path)))
+
+
+def test_urgent_request_larger_than_the_unprotected_arena(make_pack: PackFactory) -> None:
+    path = make_pack()
+    with ExpertStream(path, config(4, stride_of(path))) as s:
+        s.enter_layer(0)
+        with pytest.raises(ArenaFullError, match="no arena slot"):
+            s.request(0, [0, 1, 2, 3, 4])
+        s.end_turn()
+        s.wait(0, [0, 1])  # still usable
+
+
+def test_bad_arguments_raise_clear_errors(make_pack: PackFactory) -> None:
+    path = make_pack()
+    with ExpertStream(path, config(8, stride_of(path))) as s:
+        with pytest.raises(IndexError, match="layer 4 out of range"):
+            s.request(4, [0])
+        with pytest.raises(IndexError, match="expert 16 out of range"):
+            s.request(0, [16])
+        with pytest.raises(TypeError, match="integers"):
+            s.request(0, [1.5])
+        with pytest.raises(ValueError, match="1-D"):
+            s.request(0, [[1, 2]])
+        with pytest.raises(ValueError, match="contradicts"):
+            s.request(0, [1], urgent=True, cls=ReadClass.PRED1)
+        with pytest.raises(ValueError, match="fault kind"):
+            s.inject_fault(0, 1, kind="boom")
+        s.wait(0, [1])
+
+
+def test_closed_stream_raises(make_pack: PackFactory) -> None:
+    path = make_pack()
+    s = ExpertStream(path, config(8, stride_of(path)))
+    s.close()
+    s.close()  # idempotent
+    assert s.closed
+    with pytest.raises(StreamClosedError):
+        s.request(0, [1])
+
+
+def test_missing_and_corrupt_pack(make_pack: PackFactory, tmp_path: object) -> None:
+    with pytest.raises(PackError, match="cannot open"):
+        ExpertStream("/nonexistent/pack.strpk", StreamConfig())
+    bad = tmp_path / "bad.strpk"  # type: ignore[operator]
+    bad.write_bytes(b"NOTAPACK" + bytes(8000))
+    with pytest.raises(PackError, match="bad magic"):
+        ExpertStream(bad, StreamConfig())
+
+
+@pytest.mark.parametrize("kind", ["eio", "short"])
+def test_urgent_read_failure_names_layer_expert_offset_errno(
+    make_pack: PackFactory, kind: str
+) -> None:
+    path = make_pack()
+    with ExpertStream(path, config(8, stride_of(path))) as s:
+        s.inject_fault(2, 7, part=1, kind=kind)
+        with pytest.raises(ExpertReadError) as info:
+            s.wait(2, [7])
+        err = info.value
+        assert err.layer == 2 and err.expert == 7  # type: ignore[attr-defined]
+        layout = s._s.layout
+        assert err.offset == layout["records_offset"] + s.key(2, 7) * s.record_stride + 16384  # type: ignore[attr-defined]
+        assert err.errno == (5 if kind == "eio" else 0)
+        assert f"layer 2 expert 7 at file offset {err.offset}" in str(err)  # type: ignore[attr-defined]
+        assert s.where(2, 7) is None
+        assert s.stats()["failed"] == 1
+        s.wait(2, [7])  # one-shot fault: the retry reads it
+        got = s.expert_bytes(2, 7)
+        assert got is not None and got.tobytes() == record_bytes_of(path, layout, s.key(2, 7))
+        assert s.check_invariants() == ""
+
+
+def test_speculative_failure_is_dropped_and_counted(make_pack: PackFactory) -> None:
+    path = make_pack()
+    with ExpertStream(path, config(8, stride_of(path), io_threads=0)) as s:
+        s.inject_fault(1, 4, kind="eio")
+        s.request(1, [4], urgent=False)
+        while s.run_io(0):
+            pass
+        assert s.stats()["spec_failed"] == 1
+        assert s.where(1, 4) is None
+        s.wait(1, [4])
+        assert s.expert_bytes(1, 4) is not None
+
+
+def test_checksum_mismatch_on_read(make_pack: PackFactory, tmp_path: object) -> None:
+    import shutil
+
+    src = make_pack()
+    path = tmp_path / "flipped.strpk"  # type: ignore[operator]
+    shutil.copy(src, path)
+    stride = stride_of(path)
+    with ExpertStream(path, config(8, stride)) as s:
+        off = s._s.layout["records_offset"] + s.key(1, 2) * stride + 100
+    with open(path, "r+b") as f:
+        f.seek(off)
+        byte = f.read(1)
+        f.seek(off)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with ExpertStream(path, config(8, stride, verify_reads=True)) as s:
+        with pytest.raises(ExpertReadError, match="checksum mismatch"):
+            s.wait(1, [2])
+        s.wait(1, [3])  # other records still fine
+
+
+def test_direct_io_is_reported(make_pack: PackFactory) -> None:
+    path = make_pack()
+    with ExpertStream(path, config(8, stride_of(path), direct_io=True)) as s:
+        assert isinstance(s.direct_io, bool)
+        if not s.direct_io:
+            assert "O_DIRECT" in s.direct_note
+        s.wait(0, [0, 1])
+        assert s.stats()["direct_io"] == s.direct_io

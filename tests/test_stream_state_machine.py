@@ -1,0 +1,404 @@
+"""A hypothesis state machine drives ExpertStream's primitives in random orders, with manual IO
+so that the test decides the order in which part reads land, and checks DESIGN.md's invariants
+I1-I10 after every step against a small pure-Python model of the rules.
+
+The model does not re-implement slot choice (that is the engine's business); it keeps what the
+rules fix: which keys are published, protected, pinned, parked, and what each step may change.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from conftest import record_bytes_of
+from strata_stream import ExpertStream, ReadClass, SlotState, StreamConfig
+from strata_stream.errors import ArenaFullError, ExpertReadError
+from strata_stream.stream import ABSENT
+
+L, E, K = 4, 8, 2  # layers, experts, top-k of the pack below
+
+
+class StreamMachine(RuleBasedStateMachine):
+    pack_path: Path
+
+    @initialize(
+        n_slots=st.integers(2 * K, 12),
+        publish_prefetch=st.booleans(),
+    )
+    def start(self, n_slots: int, publish_prefetch: bool) -> None:
+        stride = _stride(self.pack_path)
+        self.s = ExpertStream(
+            self.pack_path,
+            StreamConfig(
+                arena_bytes=n_slots * stride,
+                io_threads=0,
+                part_bytes=16384,
+                direct_io=False,
+                publish_prefetch=publish_prefetch,
+            ),
+        )
+        self.publish_prefetch = publish_prefetch
+        self.layout = self.s._s.layout
+        self.executing: int | None = None
+        self.next_protected: int | None = None
+        self.pinned: dict[int, int] = {}  # key -> slot pinned by the current plan
+        self.records: dict[int, bytes] = {}
+
+    def teardown(self) -> None:
+        if hasattr(self, "s"):
+            self.s.close()
+
+    # ---- helpers -------------------------------------------------------------------------
+    def table(self) -> dict[str, np.ndarray]:
+        return self.s.slot_table()
+
+    def published(self) -> dict[int, int]:
+        smap = self.s.smap
+        return {int(k): int(smap[k]) for k in np.flatnonzero(smap != ABSENT)}
+
+    def present(self) -> dict[int, int]:
+        t = self.table()
+        return {int(k): i for i, k in enumerate(t["key"]) if t["state"][i] != SlotState.FREE}
+
+    def protected_layers(self, speculative: bool) -> set[int]:
+        out = set()
+        if self.executing is not None:
+            out.add(self.executing)
+            if speculative and self.executing + 1 < L:
+                out.add(self.executing + 1)
+        if self.next_protected is not None:
+            out.add(self.next_protected)
+        return out
+
+    def protected_resident(self, speculative: bool) -> dict[int, int]:
+        """key -> slot of every resident key that eviction must not touch (I4, I8, I9)."""
+        t = self.table()
+        layers = self.protected_layers(speculative)
+        keep = {}
+        for i, k in enumerate(t["key"]):
+            state = t["state"][i]
+            if state in (SlotState.FREE, SlotState.LIMBO):  # limbo is unpublished: fair game
+                continue
+            in_flight = t["parts_started"][i] != t["parts_done"][i]
+            if (
+                int(k) // E in layers
+                or in_flight
+                or t["pins"][i]
+                or state in (SlotState.QUEUED, SlotState.READING)
+                and t["cls"][i] == ReadClass.URGENT
+            ):
+                keep[int(k)] = i
+        return keep
+
+    def record(self, key: int) -> bytes:
+        if key not in self.records:
+            self.records[key] = record_bytes_of(self.pack_path, self.layout, key)
+        return self.records[key]
+
+    # ---- rules ---------------------------------------------------------------------------
+    @rule(
+        layer=st.integers(0, L - 1),
+        experts=st.lists(st.integers(0, E - 1), min_size=1, max_size=K, unique=True),
+    )
+    def urgent_request(self, layer: int, experts: list[int]) -> None:
+        before_pub = self.published()
+        keep = self.protected_resident(speculative=False)
+        try:
+            self.s.request(layer, experts)
+        except ArenaFullError:
+            return
+        now = self.present()
+        t = self.table()
+        for e in experts:  # requested keys are present, urgent, not in limbo
+            k = layer * E + e
+            assert k in now
+            assert t["cls"][now[k]] == ReadClass.URGENT
+            assert t["state"][now[k]] != SlotState.LIMBO
+        for k, slot in keep.items():  # I4/I8: protected residents untouched
+            assert now.get(k) == slot, f"protected key {k} was evicted"
+        pub = self.published()
+        for k, slot in before_pub.items():  # I3: stays published unless recycled
+            if k in pub:
+                assert pub[k] == slot
+            else:
+                assert k not in now or now[k] != slot
+
+    @rule(
+        layer=st.integers(0, L - 1),
+        experts=st.lists(st.integers(0, E - 1), min_size=1, max_size=4, unique=True),
+        cls=st.sampled_from([ReadClass.PRED1, ReadClass.PRED2, ReadClass.PROFILE]),
+    )
+    def speculative_request(self, layer: int, experts: list[int], cls: ReadClass) -> None:
+        before_pub = self.published()
+        keep = self.protected_resident(speculative=True)
+        self.s.request(layer, experts, urgent=False, cls=cls)
+        now = self.present()
+        for k, slot in keep.items():  # I9: never evicts the current or next layer
+            assert now.get(k) == slot, f"speculation evicted protected key {k}"
+        assert (
+            self.published().items()
+            >= {k: v for k, v in before_pub.items() if now.get(k) == v}.items()
+        )
+        # I2: a speculative request publishes nothing new.
+        assert set(self.published()) <= set(before_pub)
+
+    def _complete(self, index: int) -> None:
+        slot, key, _part, cls = self.s.pending_io()[index]
+        before_pub = self.published()
+        self.s.run_io(index)
+        pub = self.published()
+        t = self.table()
+        if cls != ReadClass.URGENT:  # I2: IO threads never publish speculative reads
+            assert pub == before_pub
+        elif t["state"][slot] == SlotState.COMPLETE:
+            assert pub.get(key) == slot  # an urgent completion publishes
+
+    @rule(data=st.data())
+    def complete_a_part(self, data: st.DataObject) -> None:
+        jobs = self.s.pending_io()
+        if jobs:
+            self._complete(data.draw(st.integers(0, len(jobs) - 1), label="job"))
+
+    @rule(order=st.randoms(use_true_random=False))
+    def complete_everything(self, order: random.Random) -> None:
+        """Every pending read lands, in an order hypothesis picks."""
+        while jobs := self.s.pending_io():
+            self._complete(order.randrange(len(jobs)))
+
+    @rule(layer=st.integers(0, L - 1))
+    def publish(self, layer: int) -> None:
+        t = self.table()
+        expect = set(self.published())
+        if self.publish_prefetch:
+            for i, k in enumerate(t["key"]):
+                if t["state"][i] == SlotState.COMPLETE and layer + 1 <= int(k) // E <= layer + 2:
+                    expect.add(int(k))
+        before = set(self.published())
+        n = self.s.publish(layer)
+        after = set(self.published())
+        assert after == expect  # exactly the l+1..l+2 completions; I10 at the last layers
+        assert n == len(after - before)
+
+    @rule(
+        layer=st.integers(0, L - 1),
+        experts=st.lists(st.integers(0, E - 1), min_size=1, max_size=K, unique=True),
+        distance=st.sampled_from([1, 2]),
+        predicted=st.lists(st.integers(0, E - 1), min_size=1, max_size=K, unique=True),
+        order=st.randoms(use_true_random=False),
+    )
+    def handshake(
+        self,
+        layer: int,
+        experts: list[int],
+        distance: int,
+        predicted: list[int],
+        order: random.Random,
+    ) -> None:
+        """The Window's at_layer(l) order: urgent ids, publish, then speculation for l+d, with
+        earlier speculation landing first so that publication has something to publish."""
+        self.enter_layer(layer)
+        self.urgent_request(layer, experts)
+        self.complete_everything(order)
+        self.publish(layer)
+        target = layer + distance
+        if target < L:  # I10: nothing is requested beyond the last layer
+            cls = ReadClass.PRED1 if distance == 1 else ReadClass.PRED2
+            self.speculative_request(target, predicted, cls)
+            self.complete_everything(order)
+            self.publish(layer)
+
+    @rule(layer=st.integers(0, L - 1), expert=st.integers(0, E - 1))
+    def cancel(self, layer: int, expert: int) -> None:
+        key = layer * E + expert
+        t = self.table()
+        slot = self.present().get(key)
+        cancellable = (
+            slot is not None
+            and t["state"][slot] == SlotState.QUEUED
+            and t["parts_started"][slot] == 0
+        )
+        assert self.s.cancel(layer, expert) == cancellable  # I6: queued only
+        if cancellable:
+            assert self.s.where(layer, expert) is None
+            assert self.s.smap[key] == ABSENT
+
+    @rule(
+        layer=st.integers(0, L - 1), chosen=st.lists(st.integers(0, E - 1), max_size=K, unique=True)
+    )
+    def retire_unused_pre(self, layer: int, chosen: list[int]) -> None:
+        t = self.table()
+        expect = set()
+        for i, k in enumerate(t["key"]):
+            if (
+                t["state"][i] in (SlotState.QUEUED, SlotState.READING, SlotState.COMPLETE)
+                and int(k) // E == layer
+                and int(k) % E not in chosen
+                and t["cls"][i] != ReadClass.URGENT
+                and not t["pins"][i]
+            ):
+                expect.add(i)
+        assert self.s.retire_unused_pre(layer, chosen) == len(expect)
+        t = self.table()
+        smap = self.s.smap
+        for i in expect:  # I7: parked and never published
+            assert t["state"][i] == SlotState.LIMBO
+            assert smap[int(t["key"][i])] == ABSENT
+
+    @rule()
+    def release_limbo(self) -> None:
+        t = self.table()
+        releasable = {
+            i
+            for i in range(len(t["key"]))
+            if t["state"][i] == SlotState.LIMBO
+            and t["parts_started"][i] == t["parts_done"][i]
+            and (t["parts_done"][i] == t["parts_total"][i] or t["parts_started"][i] == 0)
+        }
+        assert self.s.release_limbo() == len(releasable)
+        t = self.table()
+        for i in releasable:  # I5/I7: recycled only after its reads finished
+            assert t["state"][i] == SlotState.FREE
+
+    @rule()
+    def victim(self) -> None:
+        v = self.s.victim()
+        t = self.table()
+        if v is None:
+            return
+        k = int(t["key"][v])
+        assert k // E not in self.protected_layers(False)  # I4
+        assert t["parts_started"][v] == t["parts_done"][v]  # no read in flight
+        assert t["pins"][v] == 0  # I8
+        assert t["state"][v] in (SlotState.COMPLETE, SlotState.FAILED)
+        evicted = self.s.evict()
+        assert evicted == v
+        assert self.s.smap[k] == ABSENT and self.s.where(k // E, k % E) is None  # I5
+
+    @rule(layer=st.integers(0, L - 1))
+    def enter_layer(self, layer: int) -> None:
+        self.s.release_plan()
+        self.pinned.clear()
+        self.s.enter_layer(layer)
+        self.executing, self.next_protected = layer, None
+
+    @precondition(lambda self: self.executing is not None)
+    @rule()
+    def after_layer(self) -> None:
+        assert self.executing is not None
+        self.s.after_layer(self.executing)
+        self.next_protected = self.executing + 1 if self.executing + 1 < L else 0
+
+    @rule()
+    def end_turn(self) -> None:
+        self.s.release_plan()
+        self.pinned.clear()
+        self.s.end_turn()
+        self.executing = self.next_protected = None
+
+    @rule(
+        layer=st.integers(0, L - 1),
+        experts=st.lists(st.integers(0, E - 1), min_size=1, max_size=K, unique=True),
+    )
+    def plan(self, layer: int, experts: list[int]) -> None:
+        smap = self.s.smap
+        resident = self.s.plan(layer, experts)
+        for e, r in zip(experts, resident, strict=True):
+            key = layer * E + e
+            assert r == (smap[key] != ABSENT)
+            if r:
+                self.pinned[key] = int(smap[key])
+
+    @rule(
+        layer=st.integers(0, L - 1),
+        experts=st.lists(st.integers(0, E - 1), min_size=1, max_size=K, unique=True),
+    )
+    def wait(self, layer: int, experts: list[int]) -> None:
+        try:
+            self.s.wait(layer, experts)
+        except ArenaFullError:
+            return
+        for e in experts:  # waited-for experts are published with the file's bytes
+            got = self.s.expert_bytes(layer, e)
+            assert got is not None
+            assert got.tobytes() == self.record(layer * E + e)
+
+    @rule(layer=st.integers(0, L - 1), expert=st.integers(0, E - 1))
+    def failing_wait(self, layer: int, expert: int) -> None:
+        if self.s.where(layer, expert) is not None:
+            return
+        self.s.inject_fault(layer, expert, kind="eio")
+        try:
+            self.s.wait(layer, [expert])
+        except ArenaFullError:
+            self.s.clear_faults()
+            return
+        except ExpertReadError as err:
+            assert (err.layer, err.expert) == (layer, expert)  # type: ignore[attr-defined]
+            assert self.s.where(layer, expert) is None
+        self.s.clear_faults()
+
+    # ---- invariants after every step ------------------------------------------------------
+    @invariant()
+    def engine_invariants(self) -> None:
+        if hasattr(self, "s"):
+            assert self.s.check_invariants() == ""
+
+    @invariant()
+    def published_slots_hold_their_bytes(self) -> None:  # I1, from outside the engine
+        if not hasattr(self, "s"):
+            return
+        t = self.table()
+        for key, slot in self.published().items():
+            assert t["state"][slot] == SlotState.COMPLETE and int(t["key"][slot]) == key
+            assert self.s.slot_bytes(slot).tobytes() == self.record(key)
+
+    @invariant()
+    def pinned_stay_put(self) -> None:  # I8
+        if not hasattr(self, "s"):
+            return
+        smap = self.s.smap
+        for key, slot in self.pinned.items():
+            assert smap[key] == slot, f"plan-resident key {key} moved"
+
+    @invariant()
+    def nothing_beyond_the_last_layer(self) -> None:  # I10
+        if hasattr(self, "s"):
+            assert len(self.s.smap) == L * E
+
+
+def _stride(path: Path) -> int:
+    from strata_stream import ExpertPack
+
+    with ExpertPack.open(path) as p:
+        return p.record_stride
+
+
+@pytest.fixture(scope="module")
+def machine_pack(make_pack):  # type: ignore[no-untyped-def]
+    # hidden 64 x 48 f32 matrices: a ~37 KiB record, so three 16 KiB parts per expert.
+    return make_pack(n_layers=L, n_experts=E, top_k=K, hidden=64, moe_intermediate=48)
+
+
+def test_stream_state_machine(machine_pack: Path) -> None:
+    StreamMachine.pack_path = machine_pack
+    run = StreamMachine.TestCase()
+    run.settings = settings(
+        max_examples=120,
+        stateful_step_count=40,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    run.runTest()
