@@ -191,3 +191,47 @@ def test_direct_io_is_reported(make_pack: PackFactory) -> None:
             assert "O_DIRECT" in s.direct_note
         s.wait(0, [0, 1])
         assert s.stats()["direct_io"] == s.direct_io
+
+
+def test_a_stuck_read_times_out_and_the_stream_recovers(make_pack: PackFactory) -> None:
+    import time
+
+    from strata_stream.errors import StreamTimeoutError
+
+    path = make_pack()
+    with ExpertStream(path, config(8, stride_of(path), io_timeout_s=0.2)) as s:
+        s.inject_fault(0, 3, part=0, kind="delay", delay_s=1.0)
+        with pytest.raises(StreamTimeoutError, match="no read progress"):
+            s.wait(0, [3])
+        s.wait(0, [4])  # other reads go on; the slow one lands eventually
+        time.sleep(1.0)
+        s.wait(0, [3])
+        assert s.check_invariants() == ""
+
+
+def test_ctrl_c_interrupts_a_wait(make_pack: PackFactory) -> None:
+    import os
+    import signal
+    import threading
+    import time
+
+    path = make_pack()
+    with ExpertStream(path, config(8, stride_of(path))) as s:
+        s.inject_fault(1, 2, part=0, kind="delay", delay_s=1.5)
+        timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        t0 = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            s.wait(1, [2])
+        assert time.monotonic() - t0 < 1.4  # interrupted, not waited out
+        timer.join()
+        s.wait(1, [2])
+        assert s.check_invariants() == ""
+
+
+def test_demo_streams_the_tiny_preset(tmp_path: object) -> None:
+    from strata_stream.demo import main
+
+    pack = tmp_path / "tiny.strpk"  # type: ignore[operator]
+    assert main(["--preset", "tiny", "--pack", str(pack)]) == 0
+    assert pack.exists()

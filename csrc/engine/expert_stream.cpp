@@ -687,11 +687,15 @@ void ExpertStream::execute_job(Lock& lk, const IoJob& job) {
   std::size_t got = 0;
   Fault fault;
   auto t0 = Clock::now();
-  if (faults_.take(key, job.part, &fault)) {
-    err = fault.kind == FaultKind::Errno ? fault.err : kShortRead;
-  } else {
-    err = file_->read_fully(offset, dst, std::size_t(len), &got);
+  bool injected = faults_.take(key, job.part, &fault);
+  if (injected && fault.kind == FaultKind::Delay) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(fault.delay_ms));
+    injected = false;
   }
+  if (injected)
+    err = fault.kind == FaultKind::Errno ? fault.err : kShortRead;
+  else
+    err = file_->read_fully(offset, dst, std::size_t(len), &got);
   std::uint64_t dt = ns_since(t0);
 
   lk.lock();

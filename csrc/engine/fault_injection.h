@@ -9,11 +9,13 @@
 
 namespace strata {
 
-enum class FaultKind : std::uint8_t { Errno, ShortRead };
+// Delay stalls the read (then performs it): the timeout and Ctrl-C paths need a slow disk.
+enum class FaultKind : std::uint8_t { Errno, ShortRead, Delay };
 
 struct Fault {
   FaultKind kind = FaultKind::Errno;
   int err = 5;        // EIO
+  int delay_ms = 0;   // for Delay
   int remaining = 1;  // how many reads it still hits; < 0 = forever
 };
 

@@ -180,10 +180,13 @@ PYBIND11_MODULE(_core, m) {
              return s.run_job(i);
            })
       .def("inject_fault",
-           [](Stream& self, std::uint32_t key, int part, bool short_read, int err, int count) {
+           [](Stream& self, std::uint32_t key, int part, int kind, int err, int count,
+              int delay_ms) {
+             if (kind < 0 || kind > 2) throw std::invalid_argument("bad fault kind");
              Fault f;
-             f.kind = short_read ? FaultKind::ShortRead : FaultKind::Errno;
+             f.kind = static_cast<FaultKind>(kind);
              f.err = err;
+             f.delay_ms = delay_ms;
              f.remaining = count;
              self.get().faults().add(key, part, f);
            })

@@ -251,12 +251,20 @@ class ExpertStream:
         kind: str = "eio",
         count: int = 1,
         errno_value: int = 5,
+        delay_s: float = 0.0,
     ) -> None:
-        """Makes the next `count` reads of a record part (-1: any part) fail: 'eio' or 'short'."""
-        if kind not in ("eio", "short"):
-            raise ValueError(f"fault kind must be 'eio' or 'short', got {kind!r}")
+        """Makes the next `count` reads of a record part (-1: any part) misbehave: 'eio' fails
+        with errno_value, 'short' returns short, 'delay' stalls delay_s and then reads."""
+        kinds = {"eio": 0, "short": 1, "delay": 2}
+        if kind not in kinds:
+            raise ValueError(f"fault kind must be one of {sorted(kinds)}, got {kind!r}")
         self._s.inject_fault(
-            self.key(layer, expert), int(part), kind == "short", int(errno_value), int(count)
+            self.key(layer, expert),
+            int(part),
+            kinds[kind],
+            int(errno_value),
+            int(count),
+            int(delay_s * 1000),
         )
 
     def clear_faults(self) -> None:

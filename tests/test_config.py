@@ -1,0 +1,104 @@
+"""StreamConfig: defaults, environment flags with the seed's names, and every ConfigError."""
+
+from __future__ import annotations
+
+import pytest
+
+from strata_stream import StreamConfig
+from strata_stream.config import ENV_FLAGS, parse_size
+from strata_stream.errors import ConfigError
+
+
+def test_defaults_are_the_seed_defaults() -> None:
+    c = StreamConfig.from_env(env={})
+    assert c.publish_prefetch is True
+    assert c.prompt_pred2 is False
+    assert c.prompt_pred2_max == 64
+    assert c.prompt_start_layers == 1
+    assert c.prompt_buf_reuse is False
+    assert c.decode_prefetch2 is False
+
+
+def test_environment_flags_are_read_by_their_names() -> None:
+    env = {
+        "STRATA_METAL_PUBLISH_PREFETCH": "0",
+        "STRATA_METAL_PROMPT_PRED2": "1",
+        "STRATA_METAL_PROMPT_PRED2_MAX": "100",
+        "STRATA_METAL_PROMPT_START_LAYERS": "4",
+        "STRATA_METAL_PROMPT_BUF_REUSE": "true",
+        "STRATA_METAL_PREFETCH2": "on",
+        "STRATA_ARENA_BYTES": "2GiB",
+        "STRATA_IO_THREADS": "8",
+        "STRATA_PART_BYTES": "512k",
+        "STRATA_DIRECT_IO": "no",
+    }
+    c = StreamConfig.from_env(env=env)
+    assert (c.publish_prefetch, c.prompt_pred2, c.prompt_pred2_max) == (False, True, 100)
+    assert (c.prompt_start_layers, c.prompt_buf_reuse, c.decode_prefetch2) == (4, True, True)
+    assert c.arena_bytes == 2 << 30 and c.io_threads == 8 and c.part_bytes == 512 << 10
+    assert c.direct_io is False
+
+
+def test_overrides_win_over_the_environment() -> None:
+    c = StreamConfig.from_env(env={"STRATA_IO_THREADS": "8"}, io_threads=2)
+    assert c.io_threads == 2
+
+
+@pytest.mark.parametrize(("value", "clamped"), [("-5", 0), ("600", 512), ("512", 512)])
+def test_pred2_max_is_clamped_as_the_seed_does(value: str, clamped: int) -> None:
+    c = StreamConfig.from_env(env={"STRATA_METAL_PROMPT_PRED2_MAX": value})
+    assert c.prompt_pred2_max == clamped
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "match"),
+    [
+        ("STRATA_METAL_PROMPT_PRED2", "maybe", "STRATA_METAL_PROMPT_PRED2"),
+        ("STRATA_METAL_PUBLISH_PREFETCH", "2", "STRATA_METAL_PUBLISH_PREFETCH"),
+        ("STRATA_METAL_PROMPT_PRED2_MAX", "lots", "STRATA_METAL_PROMPT_PRED2_MAX"),
+        ("STRATA_METAL_PROMPT_START_LAYERS", "-1", "prompt_start_layers"),
+        ("STRATA_ARENA_BYTES", "big", "STRATA_ARENA_BYTES"),
+        ("STRATA_ARENA_BYTES", "0", "arena_bytes"),
+        ("STRATA_PART_BYTES", "1000", "part_bytes"),
+        ("STRATA_IO_THREADS", "x", "STRATA_IO_THREADS"),
+        ("STRATA_IO_THREADS", "1000", "io_threads"),
+    ],
+)
+def test_bad_environment_values_name_the_variable_or_field(
+    var: str, value: str, match: str
+) -> None:
+    with pytest.raises(ConfigError, match=match):
+        StreamConfig.from_env(env={var: value})
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("arena_bytes", -1),
+        ("io_threads", 1.5),
+        ("direct_io", "yes"),
+        ("part_bytes", 0),
+        ("io_timeout_s", 0.0),
+        ("publish_prefetch", 1),
+    ],
+)
+def test_bad_field_values_name_the_field(field: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=field):
+        StreamConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_unknown_override_is_named() -> None:
+    with pytest.raises(ConfigError, match="no field arena_size"):
+        StreamConfig.from_env(env={}, arena_size=1)
+
+
+def test_every_flag_has_a_field() -> None:
+    names = set(StreamConfig.__dataclass_fields__)
+    assert set(ENV_FLAGS) <= names
+
+
+def test_parse_size() -> None:
+    assert parse_size("4096", "x") == 4096
+    assert parse_size("1.5 GiB", "x") == 3 << 29
+    with pytest.raises(ConfigError, match="what"):
+        parse_size("-3", "what")
