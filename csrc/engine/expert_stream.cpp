@@ -232,7 +232,7 @@ void ExpertStream::make_urgent(std::uint32_t s) {
 // ---- protections and victims -----------------------------------------------------------------
 
 bool ExpertStream::is_protected(std::uint32_t layer, bool speculative) const {
-  if (executing_ >= 0 && layer == executing_) return true;  // I4: executing layer
+  if (executing_ >= 0 && layer == executing_ && layer_protected_) return true;  // I4
   if (next_protected_ >= 0 && layer == next_protected_) return true;  // I4: next router
   // I9: speculation never evicts the current or the next layer.
   if (speculative && executing_ >= 0 && std::int64_t(layer) == executing_ + 1) return true;
@@ -536,10 +536,11 @@ std::uint32_t ExpertStream::publish(std::uint32_t layer) {
   return n;
 }
 
-void ExpertStream::enter_layer(std::uint32_t layer) {
+void ExpertStream::enter_layer(std::uint32_t layer, bool protect_layer) {
   check_layer(layer);
   std::lock_guard<std::mutex> lk(mu_);
   executing_ = layer;
+  layer_protected_ = protect_layer;
   next_protected_ = -1;
 }
 
@@ -547,6 +548,7 @@ void ExpertStream::after_layer(std::uint32_t layer) {
   check_layer(layer);
   std::lock_guard<std::mutex> lk(mu_);
   executing_ = layer;
+  layer_protected_ = true;
   // After the last layer the next router to run is the next token's layer 0.
   next_protected_ = layer + 1 < layout().n_layers ? layer + 1 : 0;
 }
@@ -554,6 +556,7 @@ void ExpertStream::after_layer(std::uint32_t layer) {
 void ExpertStream::end_turn() {
   std::lock_guard<std::mutex> lk(mu_);
   executing_ = -1;
+  layer_protected_ = true;
   next_protected_ = -1;
 }
 

@@ -101,7 +101,10 @@ class ExpertStream {
   // ---- handshake pieces -----------------------------------------------------------------
   // Publishes completed, non-limbo slots of layers l+1..l+2 (I2); scans <= 2 * n_experts keys.
   std::uint32_t publish(std::uint32_t layer);
-  void enter_layer(std::uint32_t layer);  // layer's slots protected until the next enter/end
+  // The executing layer's slots are protected until the next enter/end (I4). A prompt call whose
+  // experts do not fit at once runs in waves: it passes protect_layer = false and pins each wave
+  // with plan() instead, so that finished waves can make room for the next.
+  void enter_layer(std::uint32_t layer, bool protect_layer = true);
   void after_layer(std::uint32_t layer);  // additionally protect layer+1 (its router may run)
   void end_turn();                        // no device work in flight: drop layer protections
   // Snapshots which experts are resident (published) and pins their slots until release_plan (I8).
@@ -170,7 +173,8 @@ class ExpertStream {
   std::vector<std::uint32_t> free_;  // mu_: free slots (stack)
   IoQueue queue_;                    // mu_
   std::uint64_t clock_ = 0;          // mu_: LRU clock
-  std::int64_t executing_ = -1;      // mu_: layer whose slots are protected
+  std::int64_t executing_ = -1;      // mu_: the layer the device is executing
+  bool layer_protected_ = true;      // mu_: executing_'s slots are protected (false in waves)
   std::int64_t next_protected_ = -1; // mu_: layer l+1 during after-layer work
   std::vector<std::uint32_t> pinned_;  // mu_: slots pinned by the current plan
   std::uint32_t limbo_count_ = 0;    // mu_

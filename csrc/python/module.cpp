@@ -8,6 +8,7 @@
 
 #include "errors.h"
 #include "expert_stream.h"
+#include "window.h"
 
 namespace py = pybind11;
 using namespace strata;
@@ -254,4 +255,68 @@ PYBIND11_MODULE(_core, m) {
              return d;
            })
       .def("check_invariants", [](Stream& self) { return self.get().check_invariants(); });
+
+  py::class_<Window>(m, "Window")
+      .def(py::init([](Stream& stream, const std::string& backend, bool lookahead,
+                       bool split_turn, std::uint32_t max_rows, std::uint32_t decode_rows,
+                       double device_timeout_s, unsigned threads) {
+             if (backend != "cpu")
+               throw EngineError(ErrorKind::Config, "backend '" + backend +
+                                                        "' is not available here (have: cpu)");
+             WindowOptions o;
+             o.lookahead = lookahead;
+             o.split_turn = split_turn;
+             o.max_rows = max_rows;
+             o.decode_rows = decode_rows;
+             o.device_timeout_s = device_timeout_s;
+             ExpertStream& es = stream.get();
+             py::gil_scoped_release nogil;
+             return std::make_unique<Window>(es, make_cpu_backend(threads), o);
+           }),
+           py::keep_alive<1, 2>(), py::arg("stream"), py::arg("backend"), py::arg("lookahead"),
+           py::arg("split_turn"), py::arg("max_rows"), py::arg("decode_rows"),
+           py::arg("device_timeout_s"), py::arg("threads") = 0)
+      .def("moe",
+           [](Window& w, std::uint32_t layer,
+              py::array_t<float, py::array::c_style> x) {
+             const std::uint32_t rows = std::uint32_t(x.shape(0));
+             py::array_t<float> out({py::ssize_t(rows), py::ssize_t(x.shape(1))});
+             const float* src = x.data();
+             float* dst = out.mutable_data();
+             {
+               py::gil_scoped_release nogil;
+               w.moe(layer, src, rows, dst, check_signals);
+             }
+             return out;
+           })
+      .def("begin_turn", &Window::begin_turn)
+      .def("end_turn",
+           [](Window& w) {
+             py::gil_scoped_release nogil;
+             w.end_turn();
+           })
+      .def_property_readonly("in_turn", &Window::in_turn)
+      .def_property_readonly("next_layer", &Window::next_layer)
+      .def_property_readonly("backend", &Window::backend_name)
+      .def_property_readonly("scratch_bytes", &Window::scratch_bytes)
+      .def("reset_stats", &Window::reset_stats)
+      .def("layer_stats", [](Window& w) {
+        py::list out;
+        for (const LayerStats& s : w.layer_stats()) {
+          py::dict d;
+          d["calls"] = s.calls;
+          d["tokens"] = s.tokens;
+          d["hits"] = s.hits;
+          d["misses"] = s.misses;
+          d["bytes_read"] = s.bytes_read;
+          d["stall_seconds"] = double(s.stall_ns) * 1e-9;
+          d["handshake_seconds"] = double(s.handshake_ns) * 1e-9;
+          d["waves"] = s.waves;
+          d["pred_correct"] = s.pred_correct;
+          d["pred_predicted"] = s.pred_predicted;
+          d["pred_actual"] = s.pred_actual;
+          out.append(d);
+        }
+        return out;
+      });
 }

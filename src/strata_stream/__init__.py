@@ -8,6 +8,7 @@ from strata_stream import errors
 from strata_stream.config import StreamConfig
 from strata_stream.pack import ExpertPack, Geometry, write_pack
 from strata_stream.stream import ExpertStream, ReadClass, SlotState
+from strata_stream.window import Window
 
 __version__ = "0.1.0"
 
@@ -18,6 +19,7 @@ __all__ = [
     "ReadClass",
     "SlotState",
     "StreamConfig",
+    "Window",
     "errors",
     "write_pack",
 ]

@@ -37,6 +37,9 @@ ENV_FLAGS: dict[str, str] = {
     "prompt_start_layers": "STRATA_METAL_PROMPT_START_LAYERS",
     "prompt_buf_reuse": "STRATA_METAL_PROMPT_BUF_REUSE",
     "decode_prefetch2": "STRATA_METAL_PREFETCH2",
+    "lookahead": "STRATA_LOOKAHEAD",
+    "split_turn": "STRATA_SPLIT_TURN",
+    "max_rows": "STRATA_MAX_ROWS",
 }
 
 
@@ -84,6 +87,11 @@ class StreamConfig:
     prompt_start_layers: int = 1
     prompt_buf_reuse: bool = False
     decode_prefetch2: bool = False
+    lookahead: bool = True
+    split_turn: bool = False
+    max_rows: int = 1024
+    decode_rows: int = 4
+    device_timeout_s: float = 600.0
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -120,6 +128,14 @@ class StreamConfig:
             raise ConfigError(
                 f"StreamConfig.part_bytes: must be a positive multiple of {PAGE}, "
                 f"got {self.part_bytes}"
+            )
+        if not 1 <= self.max_rows <= 1 << 20:
+            raise ConfigError(f"StreamConfig.max_rows: must be 1..{1 << 20}, got {self.max_rows}")
+        if self.decode_rows < 0:
+            raise ConfigError(f"StreamConfig.decode_rows: must be >= 0, got {self.decode_rows}")
+        if not self.device_timeout_s > 0:
+            raise ConfigError(
+                f"StreamConfig.device_timeout_s: must be positive, got {self.device_timeout_s}"
             )
         if not self.io_timeout_s > 0:
             raise ConfigError(

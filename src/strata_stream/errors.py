@@ -31,6 +31,10 @@ class StreamTimeoutError(StrataError, TimeoutError):
     """A bounded wait inside the engine ran out (a read that never finished)."""
 
 
+class TurnError(StrataError, RuntimeError):
+    """A Window layer call out of turn order (layers run 0..L-1, then 0 again)."""
+
+
 class ArenaFullError(StrataError, RuntimeError):
     """An urgent request found no slot it may use: every slot is protected or in flight."""
 
@@ -43,4 +47,5 @@ __all__ = [
     "StrataError",
     "StreamClosedError",
     "StreamTimeoutError",
+    "TurnError",
 ]

@@ -1,0 +1,83 @@
+// The backend interface: what a device (the CPU reference, or Metal on macOS) provides to the
+// Window. Buffers are bound once, without copies; commands carry only scalars and run in
+// submission order; SharedEvents let a submission wait for the host and the host wait for it.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "pack_file.h"
+#include "shared_event.h"
+
+namespace strata {
+
+// Everything a kernel may touch. Host and device share these bytes (CPU memory here; on macOS
+// no-copy MTLBuffers over the same pages).
+struct DeviceBuffers {
+  const PackLayout* layout = nullptr;
+  const unsigned char* arena = nullptr;  // n_slots x record_stride
+  std::uint64_t slot_bytes = 0;
+  std::uint32_t n_slots = 0;
+  const std::uint32_t* smap = nullptr;  // n_layers * n_experts, read with acquire loads
+  const float* routers = nullptr;       // [n_layers][n_experts][hidden]
+  // Scratch, sized for max_rows tokens.
+  std::uint32_t max_rows = 0;
+  float* x = nullptr;                // [max_rows, hidden] layer input
+  std::int32_t* ids = nullptr;       // [max_rows, top_k] routed experts
+  float* weights = nullptr;          // [max_rows, top_k] their mixture weights
+  std::int32_t* pred_ids[2] = {};    // [max_rows, top_k] router l+1 / l+2 on layer l's input
+  float* logits = nullptr;           // [max_rows, n_experts] router scratch (reused by every route)
+  std::uint32_t* plan = nullptr;     // [max_rows, top_k] slot snapshot, ABSENT = missing
+  float* h = nullptr;                // [max_rows * top_k, moe_intermediate]
+  float* y = nullptr;                // [max_rows * top_k, hidden] weighted expert outputs
+  float* out = nullptr;              // [max_rows, hidden]
+  std::int32_t* wave = nullptr;      // [n_experts] experts of the current prompt wave
+  std::uint32_t* wave_n = nullptr;   // [1] how many: written by the host before each release
+};
+
+enum class Op : std::uint8_t {
+  Route,         // ids, weights <- route(x, router[layer])
+  RoutePredict,  // pred_ids[distance-1] <- top-k of router[layer] on x (layer = l + distance)
+  Plan,          // plan <- smap snapshot of every routed expert
+  GateUp,        // h <- silu(gate x) * (up x) for entries of one plan class (pass)
+  Down,          // y <- w * (down h) for the same entries
+  MoeMM,         // gate_up + down grouped per expert, for the *wave_n experts listed in `wave`
+  Combine,       // out[t] <- sum_j y[t, j], in j order (deterministic)
+  Signal,        // event <- value
+  Wait,          // block until event >= value
+};
+
+enum class Pass : std::uint8_t { Resident = 0, Missing = 1 };
+
+struct Command {
+  Op op;
+  std::uint32_t layer = 0;
+  std::uint32_t rows = 0;      // T
+  std::uint32_t distance = 0;  // RoutePredict: 1 or 2
+  Pass pass = Pass::Resident;
+  SharedEvent* event = nullptr;
+  std::uint64_t value = 0;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;
+  virtual void bind(const DeviceBuffers& buffers) = 0;
+  // Runs asynchronously, in order, after everything submitted before it.
+  virtual void submit(std::vector<Command> commands) = 0;
+  // Blocks until every submitted command has run.
+  virtual void synchronize() = 0;
+  // Makes the device skip the rest of what is queued (Wait commands included) until
+  // synchronize() returns; used when the host abandons a layer call (IO error, Ctrl-C).
+  virtual void abort_pending() = 0;
+  // A kernel found something impossible (a missing-pass expert still absent from smap):
+  // returns and clears the message, "" when none.
+  virtual std::string take_device_error() = 0;
+};
+
+std::unique_ptr<Backend> make_cpu_backend(unsigned threads = 0);
+
+}  // namespace strata

@@ -1,0 +1,242 @@
+// The CPU backend: a device thread runs submitted command lists in order and blocks on event
+// waits exactly as a GPU would, concurrently with the host and the IO threads; kernels fan out
+// over a small worker pool. This is the reference every other backend is checked against.
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "backend.h"
+#include "check.h"
+#include "cpu_kernels.h"
+
+namespace strata {
+namespace {
+
+// Persistent workers for ParallelFor. The caller (the device thread) works too.
+class WorkerPool {
+ public:
+  explicit WorkerPool(unsigned workers) {
+    for (unsigned i = 0; i < workers; ++i) threads_.emplace_back([this] { loop(); });
+  }
+  ~WorkerPool() {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+
+  // Runs fn over [0, n) in chunks; returns when all chunks ran.
+  void run(std::uint32_t n, const std::function<void(std::uint32_t, std::uint32_t)>& fn) {
+    if (n == 0) return;
+    const std::uint32_t parts = std::uint32_t(threads_.size()) + 1;
+    const std::uint32_t chunk = (n + parts * 4 - 1) / (parts * 4);
+    if (threads_.empty() || n <= chunk) {
+      fn(0, n);
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      job_ = &fn;
+      n_ = n;
+      chunk_ = chunk;
+      next_.store(0);
+      pending_ = std::uint32_t(threads_.size());
+      ++epoch_;
+    }
+    cv_.notify_all();
+    work();
+    std::unique_lock<std::mutex> lk(mu_);
+    done_cv_.wait(lk, [&] { return pending_ == 0; });
+    job_ = nullptr;
+  }
+
+ private:
+  void work() {
+    for (;;) {
+      std::uint32_t start = next_.fetch_add(chunk_);
+      if (start >= n_) return;
+      (*job_)(start, std::min(n_, start + chunk_));
+    }
+  }
+  void loop() {
+    std::uint64_t seen = 0;
+    std::unique_lock<std::mutex> lk(mu_);
+    for (;;) {
+      cv_.wait(lk, [&] { return stop_ || epoch_ != seen; });
+      if (stop_) return;
+      seen = epoch_;
+      lk.unlock();
+      work();
+      lk.lock();
+      if (--pending_ == 0) done_cv_.notify_all();
+    }
+  }
+
+  std::vector<std::thread> threads_;
+  std::mutex mu_;
+  std::condition_variable cv_, done_cv_;
+  // The job being run: written under mu_ before epoch_ changes, read by workers after they see
+  // the new epoch (so the lock orders them); next_ hands out chunks.
+  const std::function<void(std::uint32_t, std::uint32_t)>* job_ = nullptr;
+  std::uint32_t n_ = 0, chunk_ = 1;
+  std::atomic<std::uint32_t> next_{0};
+  std::uint32_t pending_ = 0;  // mu_
+  std::uint64_t epoch_ = 0;    // mu_
+  bool stop_ = false;          // mu_
+};
+
+class CpuBackend final : public Backend {
+ public:
+  explicit CpuBackend(unsigned threads)
+      : pool_(threads > 1 ? threads - 1 : 0), device_([this] { device_loop(); }) {}
+
+  ~CpuBackend() override {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stop_ = true;
+      abort_ = true;
+    }
+    cv_.notify_all();
+    device_.join();
+  }
+
+  std::string name() const override { return "cpu"; }
+
+  void bind(const DeviceBuffers& buffers) override {
+    synchronize();
+    std::lock_guard<std::mutex> lk(mu_);
+    buffers_ = buffers;  // CPU memory is already shared with the host: nothing to wrap
+  }
+
+  void submit(std::vector<Command> commands) override {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      for (auto& c : commands) queue_.push_back(c);
+    }
+    cv_.notify_all();
+  }
+
+  void synchronize() override {
+    std::unique_lock<std::mutex> lk(mu_);
+    idle_cv_.wait(lk, [&] { return queue_.empty() && !running_; });
+    abort_ = false;
+  }
+
+  void abort_pending() override {
+    SharedEvent* ev;
+    std::uint64_t v;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      abort_ = true;
+      ev = parked_event_;
+      v = parked_value_;
+    }
+    // A device thread parked on a Wait must wake: its event gets the value it waits for.
+    if (ev) ev->signal(v);
+    cv_.notify_all();
+  }
+
+  std::string take_device_error() override {
+    std::lock_guard<std::mutex> lk(mu_);
+    std::string e;
+    e.swap(error_);
+    return e;
+  }
+
+ private:
+  void device_loop() {
+    cpu::ParallelFor pf = [this](std::uint32_t n,
+                                 const std::function<void(std::uint32_t, std::uint32_t)>& fn) {
+      pool_.run(n, fn);
+    };
+    std::unique_lock<std::mutex> lk(mu_);
+    for (;;) {
+      cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
+      if (stop_ && queue_.empty()) return;
+      Command c = queue_.front();
+      queue_.pop_front();
+      if (abort_) {  // skip everything until the host synchronizes
+        if (queue_.empty()) idle_cv_.notify_all();
+        continue;
+      }
+      running_ = true;
+      if (c.op == Op::Wait) {
+        parked_event_ = c.event;
+        parked_value_ = c.value;
+      }
+      DeviceBuffers b = buffers_;
+      lk.unlock();
+      std::string err = execute(c, b, pf);
+      lk.lock();
+      parked_event_ = nullptr;
+      running_ = false;
+      if (!err.empty() && error_.empty()) error_ = err;
+      if (queue_.empty()) idle_cv_.notify_all();
+    }
+  }
+
+  std::string execute(const Command& c, const DeviceBuffers& b, const cpu::ParallelFor& pf) {
+    switch (c.op) {
+      case Op::Route:
+        cpu::route(b, c.layer, c.rows, b.ids, b.weights, pf);
+        return "";
+      case Op::RoutePredict:
+        cpu::route(b, c.layer, c.rows, b.pred_ids[c.distance - 1], nullptr, pf);
+        return "";
+      case Op::Plan:
+        cpu::plan(b, c.layer, c.rows);
+        return "";
+      case Op::GateUp:
+        return cpu::gate_up(b, c.layer, c.rows, c.pass, pf) ? "" : absent(c);
+      case Op::Down:
+        return cpu::down(b, c.layer, c.rows, c.pass, pf) ? "" : absent(c);
+      case Op::MoeMM:
+        return cpu::moe_mm(b, c.layer, c.rows, pf) ? "" : absent(c);
+      case Op::Combine:
+        cpu::combine(b, c.rows, pf);
+        return "";
+      case Op::Signal:
+        c.event->signal(c.value);
+        return "";
+      case Op::Wait:
+        c.event->wait(c.value);
+        return "";
+    }
+    return "unknown op";
+  }
+
+  static std::string absent(const Command& c) {
+    return "device: an expert of layer " + std::to_string(c.layer) +
+           " has no published slot when its pass runs (handshake bug)";
+  }
+
+  WorkerPool pool_;
+  std::mutex mu_;
+  std::condition_variable cv_;       // commands queued or stopping
+  std::condition_variable idle_cv_;  // queue drained
+  std::deque<Command> queue_;        // mu_
+  DeviceBuffers buffers_;            // mu_ (copied by the device thread per command)
+  bool running_ = false;             // mu_: a command is executing
+  bool abort_ = false;               // mu_: skip queued commands until synchronize()
+  bool stop_ = false;                // mu_
+  SharedEvent* parked_event_ = nullptr;  // mu_: the event a running Wait blocks on
+  std::uint64_t parked_value_ = 0;       // mu_
+  std::string error_;                // mu_
+  std::thread device_;               // last: starts after every field above exists
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cpu_backend(unsigned threads) {
+  if (threads == 0) threads = std::max(1u, std::thread::hardware_concurrency());
+  return std::make_unique<CpuBackend>(threads);
+}
+
+}  // namespace strata

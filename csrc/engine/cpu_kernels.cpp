@@ -1,0 +1,213 @@
+#include "cpu_kernels.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "slot.h"
+#include "weights.h"
+
+namespace strata::cpu {
+namespace {
+
+inline std::uint32_t smap_load(const std::uint32_t* smap, std::uint32_t key) {
+  return std::atomic_ref<const std::uint32_t>(smap[key]).load(std::memory_order_acquire);
+}
+
+inline float silu(float z) { return z / (1.0f + std::exp(-z)); }
+
+// One expert's share of a pass: the (t * k + j) entries routed to it and its published slot.
+struct Group {
+  std::uint32_t expert;
+  std::uint32_t slot;
+  std::vector<std::uint32_t> entries;
+};
+
+// Groups the routed entries of `rows` tokens by expert, keeping those the predicate accepts.
+// Slot resolution is the caller's: the plan's snapshot (resident) or smap now (missing).
+template <class Accept>
+std::vector<Group> group_entries(const DeviceBuffers& b, std::uint32_t rows, Accept accept) {
+  const std::uint32_t k = b.layout->top_k;
+  std::vector<std::int32_t> index(b.layout->n_experts, -1);
+  std::vector<Group> groups;
+  for (std::uint32_t i = 0; i < rows * k; ++i) {
+    const std::uint32_t e = std::uint32_t(b.ids[i]);
+    if (!accept(i, e)) continue;
+    if (index[e] < 0) {
+      index[e] = std::int32_t(groups.size());
+      groups.push_back(Group{e, kAbsent, {}});
+    }
+    groups[std::size_t(index[e])].entries.push_back(i);
+  }
+  return groups;
+}
+
+// h[i] = silu(gate x_t) * (up x_t) for every entry of the group, rows [r0, r1) of gate/up.
+void gate_up_rows(const DeviceBuffers& b, const ExpertView& ev, const Group& g, std::uint32_t r0,
+                  std::uint32_t r1, float* gbuf, float* ubuf) {
+  const std::uint32_t H = b.layout->hidden, I = b.layout->moe_intermediate, k = b.layout->top_k;
+  for (std::uint32_t r = r0; r < r1; ++r) {
+    ev.gate.row(r, gbuf);
+    ev.up.row(r, ubuf);
+    for (std::uint32_t i : g.entries) {
+      const float* x = b.x + std::size_t(i / k) * H;
+      b.h[std::size_t(i) * I + r] = silu(dot(gbuf, x, H)) * dot(ubuf, x, H);
+    }
+  }
+}
+
+// y[i] = w_i * (down h_i), rows [r0, r1) of down.
+void down_rows(const DeviceBuffers& b, const ExpertView& ev, const Group& g, std::uint32_t r0,
+               std::uint32_t r1, float* dbuf) {
+  const std::uint32_t H = b.layout->hidden, I = b.layout->moe_intermediate;
+  for (std::uint32_t r = r0; r < r1; ++r) {
+    ev.down.row(r, dbuf);
+    for (std::uint32_t i : g.entries)
+      b.y[std::size_t(i) * H + r] = b.weights[i] * dot(dbuf, b.h + std::size_t(i) * I, I);
+  }
+}
+
+enum class Stage { GateUp, Down, Both };
+
+// Runs a stage over groups, parallel over matrix rows (each output element has one writer).
+void run_groups(const DeviceBuffers& b, const std::vector<Group>& groups, Stage stage,
+                const ParallelFor& pf) {
+  const std::uint32_t H = b.layout->hidden, I = b.layout->moe_intermediate;
+  for (const Group& g : groups) {
+    ExpertView ev = expert_view(*b.layout, b.arena + std::uint64_t(g.slot) * b.slot_bytes);
+    if (stage != Stage::Down)
+      pf(I, [&](std::uint32_t r0, std::uint32_t r1) {
+        std::vector<float> gbuf(H), ubuf(H);
+        gate_up_rows(b, ev, g, r0, r1, gbuf.data(), ubuf.data());
+      });
+    if (stage != Stage::GateUp)
+      pf(H, [&](std::uint32_t r0, std::uint32_t r1) {
+        std::vector<float> dbuf(I);
+        down_rows(b, ev, g, r0, r1, dbuf.data());
+      });
+  }
+}
+
+bool resolve_pass(const DeviceBuffers& b, std::uint32_t layer, std::uint32_t rows, Pass pass,
+                  std::vector<Group>* out) {
+  const std::uint32_t E = b.layout->n_experts;
+  auto groups = group_entries(b, rows, [&](std::uint32_t i, std::uint32_t) {
+    return (b.plan[i] != kAbsent) == (pass == Pass::Resident);
+  });
+  for (Group& g : groups) {
+    // Resident: the slot the plan saw (I8 keeps it valid). Missing: published by now (release 2).
+    g.slot = pass == Pass::Resident ? b.plan[g.entries.front()]
+                                    : smap_load(b.smap, layer * E + g.expert);
+    if (g.slot == kAbsent || g.slot >= b.n_slots) return false;
+  }
+  *out = std::move(groups);
+  return true;
+}
+
+}  // namespace
+
+float dot(const float* a, const float* b, std::uint32_t n) {
+  float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  std::uint32_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) lane[l] += a[i + l] * b[i + l];
+  for (int l = 0; i < n; ++i, ++l) lane[l] += a[i] * b[i];
+  return ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
+}
+
+void route(const DeviceBuffers& b, std::uint32_t layer, std::uint32_t rows, std::int32_t* ids,
+           float* weights, const ParallelFor& pf) {
+  const PackLayout& L = *b.layout;
+  const std::uint32_t E = L.n_experts, H = L.hidden, k = L.top_k;
+  const float* router = b.routers + std::size_t(layer) * E * H;
+  pf(rows, [&](std::uint32_t t0, std::uint32_t t1) {
+    std::vector<std::uint32_t> order(E);
+    for (std::uint32_t t = t0; t < t1; ++t) {
+      float* logit = b.logits + std::size_t(t) * E;
+      const float* x = b.x + std::size_t(t) * H;
+      for (std::uint32_t e = 0; e < E; ++e) logit[e] = dot(router + std::size_t(e) * H, x, H);
+      // Top-k by logit (softmax is monotonic); ties go to the lower expert index.
+      for (std::uint32_t e = 0; e < E; ++e) order[e] = e;
+      std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                        [&](std::uint32_t a, std::uint32_t c) {
+                          return logit[a] > logit[c] || (logit[a] == logit[c] && a < c);
+                        });
+      for (std::uint32_t j = 0; j < k; ++j) ids[std::size_t(t) * k + j] = std::int32_t(order[j]);
+      if (!weights) continue;
+      float* w = weights + std::size_t(t) * k;
+      const float top = logit[order[0]];
+      if (L.routing == Routing::SoftmaxTopk) {
+        // Softmax over every expert, then the chosen probabilities (renormalised if asked).
+        float total = 0;
+        for (std::uint32_t e = 0; e < E; ++e) total += std::exp(logit[e] - top);
+        float chosen = 0;
+        for (std::uint32_t j = 0; j < k; ++j) {
+          w[j] = std::exp(logit[order[j]] - top) / total;
+          chosen += w[j];
+        }
+        if (L.norm_topk_prob)
+          for (std::uint32_t j = 0; j < k; ++j) w[j] /= chosen;
+      } else {
+        // Mixtral: softmax over the k chosen logits only.
+        float total = 0;
+        for (std::uint32_t j = 0; j < k; ++j) total += std::exp(logit[order[j]] - top);
+        for (std::uint32_t j = 0; j < k; ++j) w[j] = std::exp(logit[order[j]] - top) / total;
+      }
+    }
+  });
+}
+
+void plan(const DeviceBuffers& b, std::uint32_t layer, std::uint32_t rows) {
+  const std::uint32_t E = b.layout->n_experts, k = b.layout->top_k;
+  for (std::uint32_t i = 0; i < rows * k; ++i)
+    b.plan[i] = smap_load(b.smap, layer * E + std::uint32_t(b.ids[i]));
+}
+
+bool gate_up(const DeviceBuffers& b, std::uint32_t layer, std::uint32_t rows, Pass pass,
+             const ParallelFor& pf) {
+  std::vector<Group> groups;
+  if (!resolve_pass(b, layer, rows, pass, &groups)) return false;
+  run_groups(b, groups, Stage::GateUp, pf);
+  return true;
+}
+
+bool down(const DeviceBuffers& b, std::uint32_t layer, std::uint32_t rows, Pass pass,
+          const ParallelFor& pf) {
+  std::vector<Group> groups;
+  if (!resolve_pass(b, layer, rows, pass, &groups)) return false;
+  run_groups(b, groups, Stage::Down, pf);
+  return true;
+}
+
+bool moe_mm(const DeviceBuffers& b, std::uint32_t layer, std::uint32_t rows, const ParallelFor& pf) {
+  const std::uint32_t E = b.layout->n_experts;
+  const std::uint32_t n_wave = *b.wave_n;
+  std::vector<char> in_wave(E, 0);
+  for (std::uint32_t w = 0; w < n_wave; ++w) in_wave[std::uint32_t(b.wave[w])] = 1;
+  auto groups = group_entries(b, rows, [&](std::uint32_t, std::uint32_t e) { return in_wave[e]; });
+  for (Group& g : groups) {
+    g.slot = smap_load(b.smap, layer * E + g.expert);
+    if (g.slot == kAbsent || g.slot >= b.n_slots) return false;
+  }
+  run_groups(b, groups, Stage::Both, pf);
+  return true;
+}
+
+void combine(const DeviceBuffers& b, std::uint32_t rows, const ParallelFor& pf) {
+  const std::uint32_t H = b.layout->hidden, k = b.layout->top_k;
+  pf(rows, [&](std::uint32_t t0, std::uint32_t t1) {
+    for (std::uint32_t t = t0; t < t1; ++t) {
+      float* o = b.out + std::size_t(t) * H;
+      const float* y0 = b.y + std::size_t(t) * k * H;
+      std::copy(y0, y0 + H, o);
+      for (std::uint32_t j = 1; j < k; ++j) {
+        const float* yj = y0 + std::size_t(j) * H;
+        for (std::uint32_t c = 0; c < H; ++c) o[c] += yj[c];
+      }
+    }
+  });
+}
+
+}  // namespace strata::cpu

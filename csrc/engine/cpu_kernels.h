@@ -1,0 +1,32 @@
+// The CPU reference kernels. Plain C++; each output element is computed by one fixed sequence of
+// float operations whatever the thread count, chunking or pass split, which is what makes the
+// streamed output bitwise identical to the all-resident run (I11).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+
+#include "backend.h"
+
+namespace strata::cpu {
+
+// Splits [0, n) into contiguous chunks run on the backend's workers; blocks until all are done.
+using ParallelFor = std::function<void(std::uint32_t n, const std::function<void(std::uint32_t,
+                                                                               std::uint32_t)>&)>;
+
+// Fixed-order dot product: eight lane accumulators (vectorisable without -ffast-math), folded
+// in a fixed tree.
+float dot(const float* a, const float* b, std::uint32_t n);
+
+void route(const DeviceBuffers& b, std::uint32_t layer, std::uint32_t rows, std::int32_t* ids,
+           float* weights, const ParallelFor& pf);
+void plan(const DeviceBuffers& b, std::uint32_t layer, std::uint32_t rows);
+// Returns false when an entry of the pass has no published slot (an invariant violation).
+bool gate_up(const DeviceBuffers& b, std::uint32_t layer, std::uint32_t rows, Pass pass,
+             const ParallelFor& pf);
+bool down(const DeviceBuffers& b, std::uint32_t layer, std::uint32_t rows, Pass pass,
+          const ParallelFor& pf);
+bool moe_mm(const DeviceBuffers& b, std::uint32_t layer, std::uint32_t rows, const ParallelFor& pf);
+void combine(const DeviceBuffers& b, std::uint32_t rows, const ParallelFor& pf);
+
+}  // namespace strata::cpu

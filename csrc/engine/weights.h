@@ -1,0 +1,64 @@
+// Expert weights as the kernels see them: one record's bytes plus the pack's tensor table.
+// Every weight format dequantizes a row into float32 exactly the same way everywhere, so the
+// decode, prompt and wave paths all compute bit-identical results (I11).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "pack_file.h"
+
+namespace strata {
+
+inline float half_to_float(std::uint16_t h) {
+  const std::uint32_t sign = std::uint32_t(h & 0x8000u) << 16;
+  std::uint32_t exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu, bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      exp = 127 - 15 + 1;
+      while (!(mant & 0x400u)) {
+        mant <<= 1;
+        --exp;
+      }
+      bits = sign | (exp << 23) | ((mant & 0x3FFu) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7F800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline float bf16_to_float(std::uint16_t b) {
+  std::uint32_t bits = std::uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// One matrix (gate, up or down) of one expert record.
+struct MatrixView {
+  const unsigned char* weight = nullptr;
+  const unsigned char* scales = nullptr;
+  const unsigned char* biases = nullptr;
+  std::uint32_t rows = 0, cols = 0;  // logical shape
+  WeightFormat format = WeightFormat::F32;
+  std::uint32_t group_size = 0, scale_format = 0;
+
+  // Writes row r, dequantized, into out[cols].
+  void row(std::uint32_t r, float* out) const;
+};
+
+// The three matrices of the record at `base`.
+struct ExpertView {
+  MatrixView gate, up, down;
+};
+
+ExpertView expert_view(const PackLayout& L, const unsigned char* base);
+
+}  // namespace strata

@@ -1,0 +1,353 @@
+#include "window.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <stdexcept>
+
+#include "check.h"
+#include "errors.h"
+
+namespace strata {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::uint64_t ns_since(Clock::time_point t0) {
+  return std::uint64_t(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
+}
+
+Command cmd(Op op, std::uint32_t layer = 0, std::uint32_t rows = 0) {
+  Command c{};
+  c.op = op;
+  c.layer = layer;
+  c.rows = rows;
+  return c;
+}
+
+Command event_cmd(Op op, SharedEvent& ev, std::uint64_t v) {
+  Command c{};
+  c.op = op;
+  c.event = &ev;
+  c.value = v;
+  return c;
+}
+
+Command pass_cmd(Op op, std::uint32_t layer, std::uint32_t rows, Pass pass) {
+  Command c = cmd(op, layer, rows);
+  c.pass = pass;
+  return c;
+}
+
+}  // namespace
+
+Window::Window(ExpertStream& stream, std::unique_ptr<Backend> backend,
+               const WindowOptions& options)
+    : stream_(stream), backend_(std::move(backend)), opt_(options), L_(stream.layout()) {
+  if (opt_.max_rows == 0) throw EngineError(ErrorKind::Config, "max_rows must be positive");
+  if (!(opt_.device_timeout_s > 0))
+    throw EngineError(ErrorKind::Config, "device_timeout_s must be positive");
+  routers_.resize(std::size_t(L_.n_layers) * L_.n_experts * L_.hidden);
+  for (std::uint32_t l = 0; l < L_.n_layers; ++l) {
+    std::vector<float> r = stream.file().read_router(l);
+    std::copy(r.begin(), r.end(), routers_.begin() + std::ptrdiff_t(l) * L_.n_experts * L_.hidden);
+  }
+  stats_.assign(L_.n_layers, LayerStats{});
+  predicted_.assign(L_.n_layers, {});
+  wave_.assign(L_.n_experts, 0);
+  wave_n_.assign(1, 0);
+  ensure_scratch(1);
+}
+
+Window::~Window() {
+  backend_->abort_pending();
+  backend_->synchronize();
+}
+
+void Window::ensure_scratch(std::uint32_t rows) {
+  if (rows <= scratch_rows_) return;
+  backend_->synchronize();  // nothing may run over the buffers being replaced
+  const std::size_t T = rows, k = L_.top_k, H = L_.hidden, I = L_.moe_intermediate,
+                    E = L_.n_experts;
+  x_.assign(T * H, 0);
+  out_.assign(T * H, 0);
+  ids_.assign(T * k, 0);
+  weights_.assign(T * k, 0);
+  pred_ids_[0].assign(T * k, 0);
+  pred_ids_[1].assign(T * k, 0);
+  logits_.assign(T * E, 0);
+  plan_.assign(T * k, 0);
+  h_.assign(T * k * I, 0);
+  y_.assign(T * k * H, 0);
+  scratch_rows_ = rows;
+  scratch_bytes_ = 4 * (2 * T * H + 5 * T * k + T * E + T * k * I + T * k * H);
+
+  DeviceBuffers& b = buffers_;
+  b.layout = &L_;
+  b.arena = stream_.arena().data();
+  b.slot_bytes = stream_.arena().slot_bytes();
+  b.n_slots = stream_.n_slots();
+  b.smap = stream_.smap();
+  b.routers = routers_.data();
+  b.max_rows = rows;
+  b.x = x_.data();
+  b.ids = ids_.data();
+  b.weights = weights_.data();
+  b.pred_ids[0] = pred_ids_[0].data();
+  b.pred_ids[1] = pred_ids_[1].data();
+  b.logits = logits_.data();
+  b.plan = plan_.data();
+  b.h = h_.data();
+  b.y = y_.data();
+  b.out = out_.data();
+  b.wave = wave_.data();
+  b.wave_n = wave_n_.data();
+  backend_->bind(b);
+}
+
+void Window::begin_turn() {
+  if (in_turn_) throw std::logic_error("a turn is already open");
+  in_turn_ = true;
+  next_layer_ = 0;
+}
+
+void Window::end_turn() {
+  if (!in_turn_) return;
+  backend_->synchronize();
+  stream_.end_turn();  // no device work in flight: protections end with the turn
+  in_turn_ = false;
+  next_layer_ = 0;
+}
+
+void Window::reset_stats() { stats_.assign(L_.n_layers, LayerStats{}); }
+
+std::uint32_t Window::wave_capacity() const {
+  // Leave one top-k of room so that the next layer's prefetches are not all evicted.
+  return stream_.n_slots() - L_.top_k;
+}
+
+void Window::moe(std::uint32_t layer, const float* x, std::uint32_t rows, float* out,
+                 const InterruptCheck& interrupt) {
+  if (layer >= L_.n_layers)
+    throw std::out_of_range("layer " + std::to_string(layer) + " out of range [0, " +
+                            std::to_string(L_.n_layers) + ")");
+  if (!in_turn_) throw std::logic_error("Window.moe outside a turn");
+  if (layer != next_layer_)
+    throw std::logic_error("layer " + std::to_string(layer) + " called out of order: this turn " +
+                           "expects layer " + std::to_string(next_layer_) + " next");
+  if (rows == 0) return;
+  const std::uint32_t H = L_.hidden;
+  try {
+    std::vector<std::int32_t> chosen;
+    std::vector<char> seen(L_.n_experts, 0);
+    const std::uint32_t chunk_rows = std::min(rows, opt_.max_rows);
+    ensure_scratch(chunk_rows);
+    std::uint32_t chunk = 0;
+    for (std::uint32_t r0 = 0; r0 < rows; r0 += opt_.max_rows, ++chunk) {
+      const std::uint32_t n = std::min(opt_.max_rows, rows - r0);
+      std::memcpy(x_.data(), x + std::size_t(r0) * H, std::size_t(n) * H * 4);
+      for (std::int32_t e : run_chunk(layer, chunk, n, interrupt))
+        if (!seen[std::uint32_t(e)]) {
+          seen[std::uint32_t(e)] = 1;
+          chosen.push_back(e);
+        }
+      std::memcpy(out + std::size_t(r0) * H, out_.data(), std::size_t(n) * H * 4);
+    }
+    after(layer, chosen);
+    stats_[layer].calls += 1;
+    stats_[layer].tokens += rows;
+  } catch (...) {
+    // Abandon the call: the device skips what is queued, the turn ends, the stream stays usable.
+    backend_->abort_pending();
+    backend_->synchronize();
+    stream_.release_plan();
+    stream_.end_turn();
+    in_turn_ = false;
+    next_layer_ = 0;
+    throw;
+  }
+  next_layer_ = (layer + 1) % L_.n_layers;
+}
+
+std::vector<std::int32_t> Window::by_popularity(const std::int32_t* ids, std::uint32_t n) const {
+  std::vector<std::uint32_t> count(L_.n_experts, 0);
+  std::vector<std::int32_t> experts;
+  for (std::uint32_t i = 0; i < n; ++i)
+    if (count[std::uint32_t(ids[i])]++ == 0) experts.push_back(ids[i]);
+  std::sort(experts.begin(), experts.end(), [&](std::int32_t a, std::int32_t b) {
+    return count[std::uint32_t(a)] > count[std::uint32_t(b)] ||
+           (count[std::uint32_t(a)] == count[std::uint32_t(b)] && a < b);
+  });
+  return experts;
+}
+
+void Window::request_predictions(std::uint32_t layer, std::uint32_t chunk, std::uint32_t rows) {
+  if (!opt_.lookahead || layer + 1 >= L_.n_layers) return;  // I10
+  std::vector<std::int32_t> p = by_popularity(pred_ids_[0].data(), rows * L_.top_k);
+  auto& slot = predicted_[layer + 1];
+  if (slot.size() <= chunk) slot.resize(chunk + 1);
+  slot[chunk] = p;
+  stream_.request(layer + 1, p.data(), p.size(), ReadClass::Pred1);
+}
+
+void Window::record_actual(std::uint32_t layer, std::uint32_t chunk,
+                           const std::vector<std::int32_t>& chosen) {
+  auto& slot = predicted_[layer];
+  if (chunk >= slot.size() || slot[chunk].empty()) return;
+  std::vector<char> actual(L_.n_experts, 0);
+  for (std::int32_t e : chosen) actual[std::uint32_t(e)] = 1;
+  std::uint64_t correct = 0;
+  for (std::int32_t e : slot[chunk]) correct += actual[std::uint32_t(e)];
+  LayerStats& s = stats_[layer];
+  s.pred_correct += correct;
+  s.pred_predicted += slot[chunk].size();
+  s.pred_actual += chosen.size();
+  slot[chunk].clear();
+}
+
+void Window::wait_device(SharedEvent& ev, std::uint64_t v, const InterruptCheck& interrupt) {
+  if (!ev.wait_for(v, std::chrono::duration<double>(opt_.device_timeout_s), interrupt))
+    throw EngineError(ErrorKind::Timeout, "the " + backend_->name() +
+                                              " device did not reach the handshake within " +
+                                              std::to_string(opt_.device_timeout_s) + " s");
+  std::string err = backend_->take_device_error();
+  if (!err.empty()) throw std::logic_error(err);
+}
+
+void Window::stall_for(std::uint32_t layer, const std::vector<std::int32_t>& experts,
+                       const InterruptCheck& interrupt) {
+  auto t0 = Clock::now();
+  stream_.wait(layer, experts.data(), experts.size(), interrupt);
+  stats_[layer].stall_ns += ns_since(t0);
+}
+
+void Window::after(std::uint32_t layer, const std::vector<std::int32_t>& chosen) {
+  auto t0 = Clock::now();
+  stream_.after_layer(layer);  // I4: layer+1's router may already run
+  stream_.retire_unused_pre(layer, chosen.data(), chosen.size());  // I7
+  stream_.release_limbo();
+  stats_[layer].handshake_ns += ns_since(t0);
+}
+
+std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t chunk,
+                                            std::uint32_t rows, const InterruptCheck& interrupt) {
+  const std::uint32_t k = L_.top_k;
+  const std::uint64_t v = ++seq_;
+  const std::uint32_t cap = wave_capacity();
+  const bool decode = rows <= opt_.decode_rows && rows * k <= cap;
+  const bool predict = opt_.lookahead && layer + 1 < L_.n_layers;
+  const std::uint32_t max_waves =
+      decode ? 0 : (std::min(L_.n_experts, rows * k) + cap - 1) / cap;
+  const std::uint64_t first_wave = wave_seq_ + 1;
+
+  // ---- submission: route (+ predict), then, in one piece, every step behind an event wait ----
+  std::vector<Command> s1 = {cmd(Op::Route, layer, rows)};
+  if (predict) {
+    Command c = cmd(Op::RoutePredict, layer + 1, rows);
+    c.distance = 1;
+    s1.push_back(c);
+  }
+  s1.push_back(event_cmd(Op::Signal, routed_, v));
+  if (!opt_.split_turn) {
+    if (decode) {
+      s1.push_back(event_cmd(Op::Wait, release1_, v));
+      s1.push_back(cmd(Op::Plan, layer, rows));
+      s1.push_back(pass_cmd(Op::GateUp, layer, rows, Pass::Resident));
+      s1.push_back(pass_cmd(Op::Down, layer, rows, Pass::Resident));
+      s1.push_back(event_cmd(Op::Wait, release2_, v));
+      s1.push_back(pass_cmd(Op::GateUp, layer, rows, Pass::Missing));
+      s1.push_back(pass_cmd(Op::Down, layer, rows, Pass::Missing));
+    } else {
+      for (std::uint32_t w = 0; w < max_waves; ++w) {
+        s1.push_back(event_cmd(Op::Wait, wave_release_, first_wave + w));
+        s1.push_back(cmd(Op::MoeMM, layer, rows));
+        s1.push_back(event_cmd(Op::Signal, wave_done_, first_wave + w));
+      }
+    }
+    s1.push_back(cmd(Op::Combine, layer, rows));
+    s1.push_back(event_cmd(Op::Signal, done_, v));
+  }
+  backend_->submit(std::move(s1));
+  wait_device(routed_, v, interrupt);
+
+  // ---- at_layer(l): the host reads the ids and makes the experts come ----
+  auto t0 = Clock::now();
+  std::vector<std::int32_t> chosen = by_popularity(ids_.data(), rows * k);
+  record_actual(layer, chunk, chosen);
+  LayerStats& st = stats_[layer];
+  const std::uint32_t n_waves =
+      decode ? 1 : std::uint32_t((chosen.size() + cap - 1) / cap);
+  STRATA_ASSERT(decode || n_waves <= max_waves, "waves fit the encoded submission");
+  const bool multi = n_waves > 1;
+  stream_.enter_layer(layer, !multi);  // waves pin instead of protecting the whole layer
+
+  if (decode) {
+    RequestResult r = stream_.request(layer, chosen.data(), chosen.size(), ReadClass::Urgent,
+                                      interrupt);
+    st.hits += r.hits;
+    st.misses += r.misses;
+    st.bytes_read += std::uint64_t(r.misses) * L_.record_bytes;
+    stream_.publish(layer);  // I2: completed prefetches of l+1..l+2, before release
+    request_predictions(layer, chunk, rows);
+    st.handshake_ns += ns_since(t0);
+    if (opt_.split_turn)
+      backend_->submit({cmd(Op::Plan, layer, rows),
+                        pass_cmd(Op::GateUp, layer, rows, Pass::Resident),
+                        pass_cmd(Op::Down, layer, rows, Pass::Resident)});
+    else
+      release1_.signal(v);
+    stall_for(layer, chosen, interrupt);  // the resident pass runs meanwhile
+    if (opt_.split_turn)
+      backend_->submit({pass_cmd(Op::GateUp, layer, rows, Pass::Missing),
+                        pass_cmd(Op::Down, layer, rows, Pass::Missing),
+                        cmd(Op::Combine, layer, rows), event_cmd(Op::Signal, done_, v)});
+    else
+      release2_.signal(v);
+    wait_device(done_, v, interrupt);
+    return chosen;
+  }
+
+  // Prompt: every expert of a wave is resident before the device may start it.
+  st.handshake_ns += ns_since(t0);
+  for (std::uint32_t w = 0; w < n_waves; ++w) {
+    auto begin = chosen.begin() + std::ptrdiff_t(w) * cap;
+    auto end = chosen.begin() + std::ptrdiff_t(std::min<std::size_t>((w + 1) * cap, chosen.size()));
+    std::vector<std::int32_t> wave(begin, end);
+    auto th = Clock::now();
+    RequestResult r = stream_.request(layer, wave.data(), wave.size(), ReadClass::Urgent, interrupt);
+    st.hits += r.hits;
+    st.misses += r.misses;
+    st.bytes_read += std::uint64_t(r.misses) * L_.record_bytes;
+    if (w == 0) stream_.publish(layer);
+    if (w + 1 == n_waves) request_predictions(layer, chunk, rows);  // after the last wave's reads
+    st.handshake_ns += ns_since(th);
+    stall_for(layer, wave, interrupt);
+    std::vector<std::uint8_t> resident(wave.size());
+    if (multi) stream_.plan(layer, wave.data(), wave.size(), resident.data());  // I8 by pins
+    std::copy(wave.begin(), wave.end(), wave_.begin());
+    wave_n_[0] = std::uint32_t(wave.size());
+    const std::uint64_t wv = ++wave_seq_;
+    if (opt_.split_turn)
+      backend_->submit({cmd(Op::MoeMM, layer, rows), event_cmd(Op::Signal, wave_done_, wv)});
+    else
+      wave_release_.signal(wv);
+    wait_device(wave_done_, wv, interrupt);
+    if (multi) stream_.release_plan();
+  }
+  st.waves += n_waves;
+  if (opt_.split_turn) {
+    backend_->submit({cmd(Op::Combine, layer, rows), event_cmd(Op::Signal, done_, v)});
+  } else {
+    for (std::uint32_t w = n_waves; w < max_waves; ++w) {  // encoded waves this chunk needs not
+      wave_n_[0] = 0;
+      const std::uint64_t wv = ++wave_seq_;
+      wave_release_.signal(wv);
+      wait_device(wave_done_, wv, interrupt);
+    }
+  }
+  wait_device(done_, v, interrupt);
+  return chosen;
+}
+
+}  // namespace strata

@@ -1,0 +1,105 @@
+// Window: one MoE layer call = route -> handshake -> expert passes (DESIGN.md section 2).
+//
+// The host side of the per-layer CPU/GPU handshake. Owns the backend, the routers and the
+// scratch; drives ExpertStream at the two host points of every layer:
+//   at_layer(l):    read the routed ids, request missing experts urgently, publish completed
+//                   prefetches of l+1..l+2, queue predictions behind urgent work, release device;
+//   after_layer(l): protect l+1, retire unchosen predictions of l to limbo, release limbo.
+// Every Window method runs on one host thread (the Python wrapper holds the GIL across calls
+// and releases it inside them).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend.h"
+#include "expert_stream.h"
+#include "shared_event.h"
+
+namespace strata {
+
+struct WindowOptions {
+  bool lookahead = true;         // router l+1 on layer l's input, in prompt and decode
+  bool split_turn = false;       // each step its own submission (host works between them)
+  std::uint32_t max_rows = 1024; // prompt chunk rows (MT)
+  std::uint32_t decode_rows = 4; // T <= this (and its experts fit) takes the decode path
+  double device_timeout_s = 600; // bound on any single wait for the device
+};
+
+struct LayerStats {
+  std::uint64_t calls = 0, tokens = 0, hits = 0, misses = 0, bytes_read = 0;
+  std::uint64_t stall_ns = 0;      // host blocked on urgent reads
+  std::uint64_t handshake_ns = 0;  // host time in at_layer + after_layer, IO waits excluded
+  std::uint64_t waves = 0;
+  // Prediction at distance 1, as sums over calls: |predicted & actual|, |predicted|, |actual|.
+  std::uint64_t pred_correct = 0, pred_predicted = 0, pred_actual = 0;
+};
+
+class Window {
+ public:
+  Window(ExpertStream& stream, std::unique_ptr<Backend> backend, const WindowOptions& options);
+  ~Window();
+  Window(const Window&) = delete;
+  Window& operator=(const Window&) = delete;
+
+  // x: [rows, hidden] float32, out: [rows, hidden] float32. Throws std::logic_error for a layer
+  // out of turn order; the turn is abandoned (and the stream stays usable) on any error.
+  void moe(std::uint32_t layer, const float* x, std::uint32_t rows, float* out,
+           const InterruptCheck& interrupt = {});
+  void begin_turn();
+  void end_turn();
+  bool in_turn() const { return in_turn_; }
+  std::uint32_t next_layer() const { return next_layer_; }
+
+  const std::vector<LayerStats>& layer_stats() const { return stats_; }
+  void reset_stats();
+  const WindowOptions& options() const { return opt_; }
+  std::string backend_name() const { return backend_->name(); }
+  std::uint64_t scratch_bytes() const { return scratch_bytes_; }
+
+ private:
+  void ensure_scratch(std::uint32_t rows);
+  // Returns the experts the chunk chose, most popular first.
+  std::vector<std::int32_t> run_chunk(std::uint32_t layer, std::uint32_t chunk, std::uint32_t rows,
+                                      const InterruptCheck& interrupt);
+  std::vector<std::int32_t> by_popularity(const std::int32_t* ids, std::uint32_t n) const;
+  void request_predictions(std::uint32_t layer, std::uint32_t chunk, std::uint32_t rows);
+  void record_actual(std::uint32_t layer, std::uint32_t chunk,
+                     const std::vector<std::int32_t>& chosen);
+  void wait_device(SharedEvent& ev, std::uint64_t v, const InterruptCheck& interrupt);
+  void stall_for(std::uint32_t layer, const std::vector<std::int32_t>& experts,
+                 const InterruptCheck& interrupt);
+  void after(std::uint32_t layer, const std::vector<std::int32_t>& chosen);
+  std::uint32_t wave_capacity() const;
+
+  ExpertStream& stream_;
+  std::unique_ptr<Backend> backend_;
+  WindowOptions opt_;
+  const PackLayout& L_;
+  std::vector<float> routers_;  // [n_layers][n_experts][hidden], read once from the pack
+
+  // Scratch, grown to the largest chunk seen and kept (bounded by max_rows: I12).
+  std::uint32_t scratch_rows_ = 0;
+  std::uint64_t scratch_bytes_ = 0;
+  std::vector<float> x_, weights_, logits_, h_, y_, out_;
+  std::vector<std::int32_t> ids_, pred_ids_[2], wave_;
+  std::vector<std::uint32_t> plan_, wave_n_;
+  DeviceBuffers buffers_;
+
+  // Handshake events. Values only grow: every chunk takes seq_ + 1, every prompt wave
+  // wave_seq_ + 1, so a stale signal can never release a later wait.
+  SharedEvent routed_, release1_, release2_, done_, wave_release_, wave_done_;
+  std::uint64_t seq_ = 0, wave_seq_ = 0;
+
+  bool in_turn_ = false;
+  std::uint32_t next_layer_ = 0;
+  std::vector<LayerStats> stats_;
+  // predicted_[layer][chunk]: experts router `layer` chose on layer-1's input, for
+  // precision/recall when that chunk reaches `layer`.
+  std::vector<std::vector<std::vector<std::int32_t>>> predicted_;
+};
+
+}  // namespace strata

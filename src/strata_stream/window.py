@@ -1,0 +1,168 @@
+"""Window: MoE layers routed and computed through the per-layer CPU/GPU handshake.
+
+`Window(stream, backend="cpu").moe(layer, x)` routes x through the layer's router, streams the
+chosen experts in (predicting the next layer's as it goes), runs the expert passes on the
+backend and returns the layer's MoE output. The per-layer work runs in C++ with the GIL
+released; this wrapper validates arguments and keeps turn order.
+
+Turns: layer calls go 0, 1, ..., L-1 (then 0 again for the next token). `with window.turn():`
+marks a turn explicitly (protections span it); a call outside one opens a turn that closes when
+the last layer returns.
+
+NaN policy: inputs are not scanned (that would cost a pass over every activation); NaN or inf in
+x propagates to the output rows it touches, as in the unstreamed model.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from strata_stream.errors import StreamClosedError, TurnError
+from strata_stream.stream import ExpertStream
+
+
+class Window:
+    """The MoE layers of one model, computed over an ExpertStream."""
+
+    def __init__(self, stream: ExpertStream, backend: str = "cpu", threads: int = 0) -> None:
+        if not isinstance(stream, ExpertStream):
+            raise TypeError(f"Window needs an ExpertStream, got {type(stream).__name__}")
+        c = stream.config
+        core = importlib.import_module("strata_stream._core")
+        self.stream = stream
+        self.n_layers = stream.n_layers
+        self.hidden = int(stream._s.layout["hidden"])
+        self._w = core.Window(
+            stream._s,
+            backend,
+            c.lookahead,
+            c.split_turn,
+            c.max_rows,
+            c.decode_rows,
+            c.device_timeout_s,
+            threads,
+        )
+        self._implicit_turn = False
+        self._closed = False
+
+    # ---- turns -------------------------------------------------------------------------------
+    @contextmanager
+    def turn(self) -> Iterator[Window]:
+        """A turn: layer calls in order; protections span it; ends with no device work."""
+        self._check_open()
+        if self._w.in_turn:
+            if not self._implicit_turn:
+                raise TurnError("a turn is already open")
+            self._w.end_turn()
+        self._implicit_turn = False
+        self._w.begin_turn()
+        try:
+            yield self
+        finally:
+            self._w.end_turn()
+
+    # ---- the layer call ----------------------------------------------------------------------
+    def moe(self, layer: int, x: npt.ArrayLike) -> npt.NDArray[np.float32]:
+        """MoE output of `layer` for x [T, hidden] (float32 or float16, C-contiguous)."""
+        self._check_open()
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+            raise TypeError(f"layer must be an int, got {type(layer).__name__}")
+        if not 0 <= int(layer) < self.n_layers:
+            raise IndexError(f"layer {layer} out of range [0, {self.n_layers})")
+        arr = self._input(x)
+        if not self._w.in_turn:
+            if int(layer) != 0:
+                raise TurnError(f"layer {layer} called outside a turn: a turn starts at layer 0")
+            self._w.begin_turn()
+            self._implicit_turn = True
+        if int(layer) != self._w.next_layer:
+            raise TurnError(
+                f"layer {layer} called out of order: this turn expects layer "
+                f"{self._w.next_layer} next"
+            )
+        out: npt.NDArray[np.float32] = self._w.moe(int(layer), arr)
+        if self._implicit_turn and int(layer) == self.n_layers - 1:
+            self._w.end_turn()
+            self._implicit_turn = False
+        return out
+
+    def _input(self, x: npt.ArrayLike) -> npt.NDArray[np.float32]:
+        if not isinstance(x, np.ndarray):
+            raise TypeError(f"x must be a numpy array, got {type(x).__name__}")
+        if x.dtype not in (np.float32, np.float16):
+            raise TypeError(f"x must be float32 or float16, got {x.dtype}")
+        if x.ndim != 2 or x.shape[1] != self.hidden:
+            raise ValueError(f"x must have shape [T, {self.hidden}], got {list(x.shape)}")
+        if not x.flags.c_contiguous:
+            raise ValueError("x must be C-contiguous (np.ascontiguousarray(x))")
+        return x if x.dtype == np.float32 else x.astype(np.float32)
+
+    # ---- stats and lifecycle -----------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Per-layer and total figures: hits, misses, bytes read, stall and handshake seconds,
+        prediction precision and recall at distance 1."""
+        layers = [dict(d) for d in self._w.layer_stats()]
+        for d in layers:
+            d["precision"] = (
+                d["pred_correct"] / d["pred_predicted"] if d["pred_predicted"] else None
+            )
+            d["recall"] = d["pred_correct"] / d["pred_actual"] if d["pred_actual"] else None
+        total: dict[str, Any] = {
+            k: sum(d[k] for d in layers)
+            for k in (
+                "calls",
+                "tokens",
+                "hits",
+                "misses",
+                "bytes_read",
+                "stall_seconds",
+                "handshake_seconds",
+                "waves",
+                "pred_correct",
+                "pred_predicted",
+                "pred_actual",
+            )
+        }
+        looked = total["hits"] + total["misses"]
+        total["hit_rate"] = total["hits"] / looked if looked else None
+        total["precision"] = (
+            total["pred_correct"] / total["pred_predicted"] if total["pred_predicted"] else None
+        )
+        total["recall"] = (
+            total["pred_correct"] / total["pred_actual"] if total["pred_actual"] else None
+        )
+        return {
+            "layers": layers,
+            "total": total,
+            "scratch_bytes": int(self._w.scratch_bytes),
+            "backend": str(self._w.backend),
+        }
+
+    def reset_stats(self) -> None:
+        self._w.reset_stats()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._w.end_turn()
+            self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StreamClosedError("Window is closed")
+        if self.stream.closed:
+            raise StreamClosedError("the Window's ExpertStream is closed")
+
+    def __enter__(self) -> Window:
+        return self
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
