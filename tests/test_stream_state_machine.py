@@ -53,6 +53,7 @@ class StreamMachine(RuleBasedStateMachine):
         self.publish_prefetch = publish_prefetch
         self.layout = self.s._s.layout
         self.executing: int | None = None
+        self.keep: set[int] | None = None  # executing layer's protected experts (None: all)
         self.next_protected: int | None = None
         self.pinned: dict[int, int] = {}  # key -> slot pinned by the current plan
         self.records: dict[int, bytes] = {}
@@ -73,20 +74,20 @@ class StreamMachine(RuleBasedStateMachine):
         t = self.table()
         return {int(k): i for i, k in enumerate(t["key"]) if t["state"][i] != SlotState.FREE}
 
-    def protected_layers(self, speculative: bool) -> set[int]:
-        out = set()
+    def is_protected(self, key: int, speculative: bool) -> bool:
+        layer, expert = divmod(key, E)
         if self.executing is not None:
-            out.add(self.executing)
-            if speculative and self.executing + 1 < L:
-                out.add(self.executing + 1)
-        if self.next_protected is not None:
-            out.add(self.next_protected)
-        return out
+            if layer == self.executing and (
+                speculative or self.keep is None or expert in self.keep
+            ):
+                return True
+            if speculative and layer == self.executing + 1:
+                return True  # I9
+        return layer == self.next_protected
 
     def protected_resident(self, speculative: bool) -> dict[int, int]:
         """key -> slot of every resident key that eviction must not touch (I4, I8, I9)."""
         t = self.table()
-        layers = self.protected_layers(speculative)
         keep = {}
         for i, k in enumerate(t["key"]):
             state = t["state"][i]
@@ -94,7 +95,7 @@ class StreamMachine(RuleBasedStateMachine):
                 continue
             in_flight = t["parts_started"][i] != t["parts_done"][i]
             if (
-                int(k) // E in layers
+                self.is_protected(int(k), speculative)
                 or in_flight
                 or t["pins"][i]
                 or state in (SlotState.QUEUED, SlotState.READING)
@@ -209,7 +210,7 @@ class StreamMachine(RuleBasedStateMachine):
     ) -> None:
         """The Window's at_layer(l) order: urgent ids, publish, then speculation for l+d, with
         earlier speculation landing first so that publication has something to publish."""
-        self.enter_layer(layer)
+        self.enter_layer(layer, experts)
         self.urgent_request(layer, experts)
         self.complete_everything(order)
         self.publish(layer)
@@ -279,7 +280,7 @@ class StreamMachine(RuleBasedStateMachine):
         if v is None:
             return
         k = int(t["key"][v])
-        assert k // E not in self.protected_layers(False)  # I4
+        assert not self.is_protected(k, False)  # I4
         assert t["parts_started"][v] == t["parts_done"][v]  # no read in flight
         assert t["pins"][v] == 0  # I8
         assert t["state"][v] in (SlotState.COMPLETE, SlotState.FAILED)
@@ -287,12 +288,16 @@ class StreamMachine(RuleBasedStateMachine):
         assert evicted == v
         assert self.s.smap[k] == ABSENT and self.s.where(k // E, k % E) is None  # I5
 
-    @rule(layer=st.integers(0, L - 1))
-    def enter_layer(self, layer: int) -> None:
+    @rule(
+        layer=st.integers(0, L - 1),
+        experts=st.none() | st.lists(st.integers(0, E - 1), max_size=K, unique=True),
+    )
+    def enter_layer(self, layer: int, experts: list[int] | None = None) -> None:
         self.s.release_plan()
         self.pinned.clear()
-        self.s.enter_layer(layer)
+        self.s.enter_layer(layer, experts)
         self.executing, self.next_protected = layer, None
+        self.keep = None if experts is None else set(experts)
 
     @precondition(lambda self: self.executing is not None)
     @rule()
@@ -307,6 +312,7 @@ class StreamMachine(RuleBasedStateMachine):
         self.pinned.clear()
         self.s.end_turn()
         self.executing = self.next_protected = None
+        self.keep = None
 
     @rule(
         layer=st.integers(0, L - 1),

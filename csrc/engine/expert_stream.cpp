@@ -231,16 +231,18 @@ void ExpertStream::make_urgent(std::uint32_t s) {
 
 // ---- protections and victims -----------------------------------------------------------------
 
-bool ExpertStream::is_protected(std::uint32_t layer, bool speculative) const {
-  if (executing_ >= 0 && layer == executing_ && layer_protected_) return true;  // I4
+bool ExpertStream::is_protected(std::uint32_t key, bool speculative) const {
+  const std::uint32_t layer = key / layout().n_experts, expert = key % layout().n_experts;
+  if (executing_ >= 0 && layer == executing_ && executing_keep_[expert]) return true;  // I4
   if (next_protected_ >= 0 && layer == next_protected_) return true;  // I4: next router
   // I9: speculation never evicts the current or the next layer.
-  if (speculative && executing_ >= 0 && std::int64_t(layer) == executing_ + 1) return true;
+  if (speculative && executing_ >= 0 &&
+      (layer == executing_ || std::int64_t(layer) == executing_ + 1))
+    return true;
   return false;
 }
 
 std::int32_t ExpertStream::pick_victim(bool speculative) const {
-  const std::uint32_t E = layout().n_experts;
   std::int32_t best = -1;
   std::uint64_t best_use = ~0ull;
   for (std::uint32_t s = 0; s < slots_.size(); ++s) {
@@ -248,7 +250,7 @@ std::int32_t ExpertStream::pick_victim(bool speculative) const {
     SlotState st = sl.load();
     if (st != SlotState::Complete && st != SlotState::Failed) continue;
     if (sl.in_flight() || sl.pins) continue;  // I4: reads in flight, plan-resident
-    if (is_protected(sl.key / E, speculative)) continue;
+    if (is_protected(sl.key, speculative)) continue;
     if (sl.last_use < best_use) {
       best_use = sl.last_use;
       best = std::int32_t(s);
@@ -258,13 +260,12 @@ std::int32_t ExpertStream::pick_victim(bool speculative) const {
 }
 
 std::int32_t ExpertStream::pick_queued_speculative() const {
-  const std::uint32_t E = layout().n_experts;
   std::int32_t best = -1;
   std::uint64_t best_use = ~0ull;
   for (std::uint32_t s = 0; s < slots_.size(); ++s) {
     const Slot& sl = slots_[s];
     if (sl.load() != SlotState::Queued || sl.cls == ReadClass::Urgent) continue;
-    if (is_protected(sl.key / E, false)) continue;
+    if (is_protected(sl.key, false)) continue;
     if (sl.last_use < best_use) {
       best_use = sl.last_use;
       best = std::int32_t(s);
@@ -536,19 +537,23 @@ std::uint32_t ExpertStream::publish(std::uint32_t layer) {
   return n;
 }
 
-void ExpertStream::enter_layer(std::uint32_t layer, bool protect_layer) {
+void ExpertStream::enter_layer(std::uint32_t layer, const std::int32_t* experts, std::size_t n) {
   check_layer(layer);
+  const std::uint32_t E = layout().n_experts;
   std::lock_guard<std::mutex> lk(mu_);
   executing_ = layer;
-  layer_protected_ = protect_layer;
+  executing_keep_.assign(E, experts ? 0 : 1);
+  for (std::size_t i = 0; experts && i < n; ++i)
+    if (experts[i] >= 0 && std::uint32_t(experts[i]) < E)
+      executing_keep_[std::uint32_t(experts[i])] = 1;
   next_protected_ = -1;
 }
 
 void ExpertStream::after_layer(std::uint32_t layer) {
   check_layer(layer);
   std::lock_guard<std::mutex> lk(mu_);
+  if (executing_ != layer) executing_keep_.assign(layout().n_experts, 1);
   executing_ = layer;
-  layer_protected_ = true;
   // After the last layer the next router to run is the next token's layer 0.
   next_protected_ = layer + 1 < layout().n_layers ? layer + 1 : 0;
 }
@@ -556,7 +561,6 @@ void ExpertStream::after_layer(std::uint32_t layer) {
 void ExpertStream::end_turn() {
   std::lock_guard<std::mutex> lk(mu_);
   executing_ = -1;
-  layer_protected_ = true;
   next_protected_ = -1;
 }
 

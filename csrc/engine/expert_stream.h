@@ -101,10 +101,11 @@ class ExpertStream {
   // ---- handshake pieces -----------------------------------------------------------------
   // Publishes completed, non-limbo slots of layers l+1..l+2 (I2); scans <= 2 * n_experts keys.
   std::uint32_t publish(std::uint32_t layer);
-  // The executing layer's slots are protected until the next enter/end (I4). A prompt call whose
-  // experts do not fit at once runs in waves: it passes protect_layer = false and pins each wave
-  // with plan() instead, so that finished waves can make room for the next.
-  void enter_layer(std::uint32_t layer, bool protect_layer = true);
+  // Marks `layer` as executing (I4). With `experts` null its every slot is protected until the
+  // next enter/end; otherwise only the listed experts are: the ones the device reads in this
+  // call (a prompt chunk may route to more experts of a layer than the arena holds, and runs
+  // them in waves, each entering with its own experts).
+  void enter_layer(std::uint32_t layer, const std::int32_t* experts = nullptr, std::size_t n = 0);
   void after_layer(std::uint32_t layer);  // additionally protect layer+1 (its router may run)
   void end_turn();                        // no device work in flight: drop layer protections
   // Snapshots which experts are resident (published) and pins their slots until release_plan (I8).
@@ -142,7 +143,7 @@ class ExpertStream {
   std::int32_t take_slot(bool speculative);
   std::int32_t pick_victim(bool speculative) const;
   std::int32_t pick_queued_speculative() const;
-  bool is_protected(std::uint32_t layer, bool speculative) const;
+  bool is_protected(std::uint32_t key, bool speculative) const;
   void assign(std::uint32_t s, std::uint32_t key, ReadClass cls);
   void enqueue_parts(std::uint32_t s);
   void recycle(std::uint32_t s);
@@ -174,7 +175,7 @@ class ExpertStream {
   IoQueue queue_;                    // mu_
   std::uint64_t clock_ = 0;          // mu_: LRU clock
   std::int64_t executing_ = -1;      // mu_: the layer the device is executing
-  bool layer_protected_ = true;      // mu_: executing_'s slots are protected (false in waves)
+  std::vector<char> executing_keep_;  // mu_: per expert of executing_: protected (I4)
   std::int64_t next_protected_ = -1; // mu_: layer l+1 during after-layer work
   std::vector<std::uint32_t> pinned_;  // mu_: slots pinned by the current plan
   std::uint32_t limbo_count_ = 0;    // mu_

@@ -280,9 +280,9 @@ std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t c
       decode ? 1 : std::uint32_t((chosen.size() + cap - 1) / cap);
   STRATA_ASSERT(decode || n_waves <= max_waves, "waves fit the encoded submission");
   const bool multi = n_waves > 1;
-  stream_.enter_layer(layer, !multi);  // waves pin instead of protecting the whole layer
 
   if (decode) {
+    stream_.enter_layer(layer, chosen.data(), chosen.size());  // I4: what the device reads
     RequestResult r = stream_.request(layer, chosen.data(), chosen.size(), ReadClass::Urgent,
                                       interrupt);
     st.hits += r.hits;
@@ -315,6 +315,7 @@ std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t c
     auto end = chosen.begin() + std::ptrdiff_t(std::min<std::size_t>((w + 1) * cap, chosen.size()));
     std::vector<std::int32_t> wave(begin, end);
     auto th = Clock::now();
+    stream_.enter_layer(layer, wave.data(), wave.size());  // finished waves may make room
     RequestResult r = stream_.request(layer, wave.data(), wave.size(), ReadClass::Urgent, interrupt);
     st.hits += r.hits;
     st.misses += r.misses;

@@ -5,6 +5,7 @@
 #include <pybind11/stl.h>
 
 #include <cstring>
+#include <optional>
 
 #include "errors.h"
 #include "expert_stream.h"
@@ -147,7 +148,14 @@ PYBIND11_MODULE(_core, m) {
              py::gil_scoped_release nogil;
              return s.publish(layer);
            })
-      .def("enter_layer", [](Stream& self, std::uint32_t l) { self.get().enter_layer(l); })
+      .def("enter_layer",
+           [](Stream& self, std::uint32_t l, std::optional<IntArray> experts) {
+             if (experts)
+               self.get().enter_layer(l, experts->data(), std::size_t(experts->size()));
+             else
+               self.get().enter_layer(l);
+           },
+           py::arg("layer"), py::arg("experts") = py::none())
       .def("after_layer", [](Stream& self, std::uint32_t l) { self.get().after_layer(l); })
       .def("end_turn", [](Stream& self) { self.get().end_turn(); })
       .def("plan",

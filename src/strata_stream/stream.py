@@ -165,8 +165,10 @@ class ExpertStream:
         return int(self._s.publish(self._check_layer(layer)))
 
     # ---- protections -------------------------------------------------------------------------
-    def enter_layer(self, layer: int) -> None:
-        self._s.enter_layer(self._check_layer(layer))
+    def enter_layer(self, layer: int, experts: Any = None) -> None:
+        """Marks `layer` executing: its slots (or only `experts`, when given) are protected."""
+        ids = None if experts is None else self._ids(experts, "enter_layer")
+        self._s.enter_layer(self._check_layer(layer), ids)
 
     def after_layer(self, layer: int) -> None:
         self._s.after_layer(self._check_layer(layer))

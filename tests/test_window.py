@@ -1,0 +1,222 @@
+"""Window: MoE layers through the handshake, against the numpy oracle and the all-resident run.
+
+Parity (I11) is bitwise: the streamed output must equal the all-resident output exactly, for
+every arena size, split mode, lookahead setting, chunking, and for cold and warm streams.
+Against the float64 oracle the CPU backend (float32, fixed-order sums) agrees within
+rtol 1e-4 / atol 1e-5 for every weight format: the oracle dequantizes the same stored bytes, so
+the only difference is float32 rounding.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import PackFactory
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from oracle import moe_reference
+
+from strata_stream import ExpertPack, ExpertStream, StreamConfig, Window
+from strata_stream.errors import ExpertReadError, StreamClosedError, TurnError
+
+L, E, K, H, I = 4, 16, 4, 64, 48
+
+
+def stream_config(path: Path, n_slots: int | None = None, **kw: object) -> StreamConfig:
+    with ExpertPack.open(path) as p:
+        stride = p.record_stride
+        n = n_slots if n_slots is not None else p.geometry.n_layers * p.geometry.n_experts
+    base: dict[str, object] = dict(arena_bytes=n * stride, io_threads=2, direct_io=False)
+    base.update(kw)
+    return StreamConfig(**base)  # type: ignore[arg-type]
+
+
+def inputs(seed: int, sizes: list[int], hidden: int = H) -> list[list[np.ndarray]]:
+    """Per turn, per layer, an input [T, hidden]: independent of the outputs, so runs compare."""
+    rng = np.random.default_rng(seed)
+    return [[rng.standard_normal((t, hidden)).astype(np.float32) for _ in range(L)] for t in sizes]
+
+
+def run(path: Path, config: StreamConfig, turns: list[list[np.ndarray]]) -> list[np.ndarray]:
+    out = []
+    with ExpertStream(path, config) as stream, Window(stream) as window:
+        for xs in turns:
+            with window.turn():
+                out.extend(window.moe(layer, x) for layer, x in enumerate(xs))
+    return out
+
+
+@pytest.fixture(scope="module")
+def pack(make_pack: PackFactory) -> Path:
+    return make_pack(n_layers=L, n_experts=E, top_k=K, hidden=H, moe_intermediate=I)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "group", "routing"),
+    [
+        ("f32", 64, "softmax_topk"),
+        ("f16", 64, "softmax_topk"),
+        ("bf16", 64, "topk_softmax"),
+        ("q4", 32, "softmax_topk"),
+        ("q4", 64, "topk_softmax"),
+        ("q8", 128, "softmax_topk"),
+        ("q8", 32, "topk_softmax"),
+    ],
+)
+def test_matches_the_oracle_for_every_format(
+    make_pack: PackFactory, fmt: str, group: int, routing: str
+) -> None:
+    hidden = 128  # group 128 needs a multiple of 128
+    path = make_pack(
+        n_layers=L,
+        n_experts=E,
+        top_k=K,
+        hidden=hidden,
+        moe_intermediate=128,
+        weight_format=fmt,
+        group_size=group,
+        routing=routing,
+    )
+    turns = inputs(1, [3, 1], hidden)
+    got = run(path, stream_config(path, 2 * K + 1, max_rows=2), turns)
+    with ExpertPack.open(path) as p:
+        flat = [x for xs in turns for x in xs]
+        for i, x in enumerate(flat):
+            layer = i % L
+            want = moe_reference(
+                x,
+                p.router_weights(layer),
+                lambda e, layer=layer: p.expert_weights(layer, e),
+                K,
+                routing,
+                True,
+            )
+            np.testing.assert_allclose(got[i], want, rtol=1e-4, atol=1e-5)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    n_slots=st.integers(2 * K, L * E),
+    split=st.booleans(),
+    lookahead=st.booleans(),
+    max_rows=st.sampled_from([1, 3, 7, 1024]),
+    sizes=st.lists(st.sampled_from([1, 1, 2, 5, 17]), min_size=1, max_size=4),
+    seed=st.integers(0, 3),
+    warm=st.booleans(),
+)
+def test_bitwise_parity_with_the_all_resident_run(
+    pack: Path,
+    n_slots: int,
+    split: bool,
+    lookahead: bool,
+    max_rows: int,
+    sizes: list[int],
+    seed: int,
+    warm: bool,
+) -> None:
+    turns = inputs(seed, sizes)
+    want = run(pack, stream_config(pack, lookahead=False), turns)
+    config = stream_config(
+        pack, n_slots, split_turn=split, lookahead=lookahead, max_rows=max_rows, io_threads=3
+    )
+    if warm:  # the same stream, used before: warm arena, limbo, published prefetches
+        turns = inputs(seed + 10, [2, 1]) + turns
+        got = run(pack, config, turns)[2 * L :]
+    else:
+        got = run(pack, config, turns)
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == np.float32
+        assert np.array_equal(a, b), "streamed output differs from the all-resident run"
+
+
+def test_prompt_then_decode_then_prompt_at_the_minimum_arena(pack: Path) -> None:
+    turns = inputs(7, [40, 1, 1, 1, 33])
+    want = run(pack, stream_config(pack), turns)
+    for split in (False, True):
+        got = run(pack, stream_config(pack, 2 * K, split_turn=split, max_rows=16), turns)
+        assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_waves_and_stats(pack: Path) -> None:
+    turns = inputs(3, [64])
+    with ExpertStream(pack, stream_config(pack, 2 * K)) as stream, Window(stream) as w:
+        with w.turn():
+            for layer, x in enumerate(turns[0]):
+                w.moe(layer, x)
+        st = w.stats()
+    total = st["total"]
+    assert total["waves"] > L  # 64 tokens choose more experts than 2k slots hold
+    assert total["misses"] > 0 and total["bytes_read"] > 0
+    assert total["tokens"] == 64 * L
+    assert 0 <= total["recall"] <= 1 and 0 <= total["precision"] <= 1
+    assert st["layers"][0]["recall"] is None  # nothing predicts layer 0
+    assert st["layers"][L - 1]["pred_predicted"] > 0
+
+
+def test_the_last_layer_requests_nothing_beyond(pack: Path) -> None:
+    with (
+        ExpertStream(pack, stream_config(pack, 2 * K, io_threads=1)) as stream,
+        Window(stream) as w,
+    ):
+        x = inputs(0, [1])[0]
+        for layer in range(L):
+            before = stream.stats()["spec_requests"] + stream.stats()["spec_dropped"]
+            w.moe(layer, x[layer])
+            after = stream.stats()["spec_requests"] + stream.stats()["spec_dropped"]
+            if layer == L - 1:
+                assert after == before  # I10
+
+
+def test_bad_inputs_raise_clear_errors(pack: Path) -> None:
+    with ExpertStream(pack, stream_config(pack)) as stream, Window(stream) as w:
+        x = np.zeros((2, H), np.float32)
+        with pytest.raises(TypeError, match="float32 or float16"):
+            w.moe(0, x.astype(np.float64))
+        with pytest.raises(TypeError, match="numpy array"):
+            w.moe(0, [[0.0] * H])
+        with pytest.raises(ValueError, match=r"shape \[T, 64\]"):
+            w.moe(0, np.zeros((2, H + 1), np.float32))
+        with pytest.raises(ValueError, match=r"shape \[T, 64\]"):
+            w.moe(0, np.zeros(H, np.float32))
+        with pytest.raises(ValueError, match="C-contiguous"):
+            w.moe(0, np.zeros((H, 4), np.float32).T)
+        with pytest.raises(IndexError, match="layer 4 out of range"):
+            w.moe(L, x)
+        with pytest.raises(TypeError, match="layer must be an int"):
+            w.moe(1.0, x)  # type: ignore[arg-type]
+        with pytest.raises(TurnError, match="starts at layer 0"):
+            w.moe(2, x)
+        with w.turn():
+            w.moe(0, x)
+            with pytest.raises(TurnError, match="expects layer 1"):
+                w.moe(2, x)
+            w.moe(1, x.astype(np.float16))  # float16 is accepted
+        with pytest.raises(TypeError, match="ExpertStream"):
+            Window("not a stream")  # type: ignore[arg-type]
+    with pytest.raises(StreamClosedError):
+        w.moe(0, x)
+
+
+def test_an_io_error_fails_the_call_and_the_window_stays_usable(pack: Path) -> None:
+    turns = inputs(5, [1])
+    want = run(pack, stream_config(pack), turns)
+    with (
+        ExpertStream(pack, stream_config(pack, 2 * K, lookahead=False)) as stream,
+        Window(stream) as w,
+    ):
+        xs = turns[0]
+        with ExpertPack.open(pack) as p:
+            from oracle import route_reference
+
+            ids, _ = route_reference(xs[1], p.router_weights(1), K, "softmax_topk", True)
+        stream.inject_fault(1, int(ids[0, 0]), kind="eio")
+        w.moe(0, xs[0])
+        with pytest.raises(ExpertReadError, match=f"layer 1 expert {int(ids[0, 0])}"):
+            w.moe(1, xs[1])
+        assert stream.check_invariants() == ""
+        with w.turn():  # a fresh turn works and is still exact
+            got = [w.moe(layer, x) for layer, x in enumerate(xs)]
+    assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
