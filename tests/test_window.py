@@ -13,15 +13,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import PackFactory
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from oracle import moe_reference
 
+from conftest import PackFactory
+from oracle import moe_reference
 from strata_stream import ExpertPack, ExpertStream, StreamConfig, Window
 from strata_stream.errors import ExpertReadError, StreamClosedError, TurnError
 
-L, E, K, H, I = 4, 16, 4, 64, 48
+L, E, K, H, INTER = 4, 16, 4, 64, 48
 
 
 def stream_config(path: Path, n_slots: int | None = None, **kw: object) -> StreamConfig:
@@ -50,7 +50,7 @@ def run(path: Path, config: StreamConfig, turns: list[list[np.ndarray]]) -> list
 
 @pytest.fixture(scope="module")
 def pack(make_pack: PackFactory) -> Path:
-    return make_pack(n_layers=L, n_experts=E, top_k=K, hidden=H, moe_intermediate=I)
+    return make_pack(n_layers=L, n_experts=E, top_k=K, hidden=H, moe_intermediate=INTER)
 
 
 @pytest.mark.parametrize(
