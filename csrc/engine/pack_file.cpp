@@ -261,4 +261,14 @@ std::vector<float> PackFile::read_router(std::uint32_t layer) const {
   return out;
 }
 
+std::vector<float> PackFile::read_routers() const {
+  std::vector<float> all;
+  all.reserve(std::size_t(layout_.n_layers) * layout_.n_experts * layout_.hidden);
+  for (std::uint32_t l = 0; l < layout_.n_layers; ++l) {
+    std::vector<float> r = read_router(l);
+    all.insert(all.end(), r.begin(), r.end());
+  }
+  return all;
+}
+
 }  // namespace strata

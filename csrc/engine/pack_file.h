@@ -77,6 +77,8 @@ class PackFile {
 
   // Reads a layer's router weights as float32 [n_experts, hidden].
   std::vector<float> read_router(std::uint32_t layer) const;
+  // Every layer's, [n_layers][n_experts][hidden].
+  std::vector<float> read_routers() const;
 
  private:
   std::string path_;

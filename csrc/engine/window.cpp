@@ -44,19 +44,17 @@ Command pass_cmd(Op op, std::uint32_t layer, std::uint32_t rows, Pass pass) {
 
 Window::Window(ExpertStream& stream, std::unique_ptr<Backend> backend,
                const WindowOptions& options)
-    : stream_(stream), backend_(std::move(backend)), opt_(options), L_(stream.layout()) {
+    : stream_(stream),
+      backend_(std::move(backend)),
+      opt_(options),
+      L_(stream.layout()),
+      routers_(stream.file().read_routers()),
+      scratch_(stream, routers_.data()) {
   if (opt_.max_rows == 0) throw EngineError(ErrorKind::Config, "max_rows must be positive");
   if (!(opt_.device_timeout_s > 0))
     throw EngineError(ErrorKind::Config, "device_timeout_s must be positive");
-  routers_.resize(std::size_t(L_.n_layers) * L_.n_experts * L_.hidden);
-  for (std::uint32_t l = 0; l < L_.n_layers; ++l) {
-    std::vector<float> r = stream.file().read_router(l);
-    std::copy(r.begin(), r.end(), routers_.begin() + std::ptrdiff_t(l) * L_.n_experts * L_.hidden);
-  }
   stats_.assign(L_.n_layers, LayerStats{});
   predicted_.assign(L_.n_layers, {});
-  wave_.assign(L_.n_experts, 0);
-  wave_n_.assign(1, 0);
   ensure_scratch(1);
 }
 
@@ -66,43 +64,16 @@ Window::~Window() {
 }
 
 void Window::ensure_scratch(std::uint32_t rows) {
-  if (rows <= scratch_rows_) return;
+  if (rows <= scratch_.rows()) return;
   backend_->synchronize();  // nothing may run over the buffers being replaced
-  const std::size_t T = rows, k = L_.top_k, H = L_.hidden, I = L_.moe_intermediate,
-                    E = L_.n_experts;
-  x_.assign(T * H, 0);
-  out_.assign(T * H, 0);
-  ids_.assign(T * k, 0);
-  weights_.assign(T * k, 0);
-  pred_ids_[0].assign(T * k, 0);
-  pred_ids_[1].assign(T * k, 0);
-  logits_.assign(T * E, 0);
-  plan_.assign(T * k, 0);
-  h_.assign(T * k * I, 0);
-  y_.assign(T * k * H, 0);
-  scratch_rows_ = rows;
-  scratch_bytes_ = 4 * (2 * T * H + 5 * T * k + T * E + T * k * I + T * k * H);
-
-  DeviceBuffers& b = buffers_;
-  b.layout = &L_;
-  b.arena = stream_.arena().data();
-  b.slot_bytes = stream_.arena().slot_bytes();
-  b.n_slots = stream_.n_slots();
-  b.smap = stream_.smap();
-  b.routers = routers_.data();
-  b.max_rows = rows;
-  b.x = x_.data();
-  b.ids = ids_.data();
-  b.weights = weights_.data();
-  b.pred_ids[0] = pred_ids_[0].data();
-  b.pred_ids[1] = pred_ids_[1].data();
-  b.logits = logits_.data();
-  b.plan = plan_.data();
-  b.h = h_.data();
-  b.y = y_.data();
-  b.out = out_.data();
-  b.wave = wave_.data();
-  b.wave_n = wave_n_.data();
+  scratch_.ensure(rows);
+  const DeviceBuffers& b = scratch_.buffers();
+  x_ = b.x;
+  out_ = b.out;
+  ids_ = b.ids;
+  pred1_ = b.pred_ids[0];
+  wave_ = b.wave;
+  wave_n_ = b.wave_n;
   backend_->bind(b);
 }
 
@@ -146,13 +117,13 @@ void Window::moe(std::uint32_t layer, const float* x, std::uint32_t rows, float*
     std::uint32_t chunk = 0;
     for (std::uint32_t r0 = 0; r0 < rows; r0 += opt_.max_rows, ++chunk) {
       const std::uint32_t n = std::min(opt_.max_rows, rows - r0);
-      std::memcpy(x_.data(), x + std::size_t(r0) * H, std::size_t(n) * H * 4);
+      std::memcpy(x_, x + std::size_t(r0) * H, std::size_t(n) * H * 4);
       for (std::int32_t e : run_chunk(layer, chunk, n, interrupt))
         if (!seen[std::uint32_t(e)]) {
           seen[std::uint32_t(e)] = 1;
           chosen.push_back(e);
         }
-      std::memcpy(out + std::size_t(r0) * H, out_.data(), std::size_t(n) * H * 4);
+      std::memcpy(out + std::size_t(r0) * H, out_, std::size_t(n) * H * 4);
     }
     after(layer, chosen);
     stats_[layer].calls += 1;
@@ -184,7 +155,7 @@ std::vector<std::int32_t> Window::by_popularity(const std::int32_t* ids, std::ui
 
 void Window::request_predictions(std::uint32_t layer, std::uint32_t chunk, std::uint32_t rows) {
   if (!opt_.lookahead || layer + 1 >= L_.n_layers) return;  // I10
-  std::vector<std::int32_t> p = by_popularity(pred_ids_[0].data(), rows * L_.top_k);
+  std::vector<std::int32_t> p = by_popularity(pred1_, rows * L_.top_k);
   auto& slot = predicted_[layer + 1];
   if (slot.size() <= chunk) slot.resize(chunk + 1);
   slot[chunk] = p;
@@ -273,7 +244,7 @@ std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t c
 
   // ---- at_layer(l): the host reads the ids and makes the experts come ----
   auto t0 = Clock::now();
-  std::vector<std::int32_t> chosen = by_popularity(ids_.data(), rows * k);
+  std::vector<std::int32_t> chosen = by_popularity(ids_, rows * k);
   record_actual(layer, chunk, chosen);
   LayerStats& st = stats_[layer];
   const std::uint32_t n_waves =
@@ -326,7 +297,7 @@ std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t c
     stall_for(layer, wave, interrupt);
     std::vector<std::uint8_t> resident(wave.size());
     if (multi) stream_.plan(layer, wave.data(), wave.size(), resident.data());  // I8 by pins
-    std::copy(wave.begin(), wave.end(), wave_.begin());
+    std::copy(wave.begin(), wave.end(), wave_);
     wave_n_[0] = std::uint32_t(wave.size());
     const std::uint64_t wv = ++wave_seq_;
     if (opt_.split_turn)

@@ -17,6 +17,7 @@
 
 #include "backend.h"
 #include "expert_stream.h"
+#include "scratch.h"
 #include "shared_event.h"
 
 namespace strata {
@@ -58,7 +59,7 @@ class Window {
   void reset_stats();
   const WindowOptions& options() const { return opt_; }
   std::string backend_name() const { return backend_->name(); }
-  std::uint64_t scratch_bytes() const { return scratch_bytes_; }
+  std::uint64_t scratch_bytes() const { return scratch_.bytes(); }
 
  private:
   void ensure_scratch(std::uint32_t rows);
@@ -81,13 +82,14 @@ class Window {
   const PackLayout& L_;
   std::vector<float> routers_;  // [n_layers][n_experts][hidden], read once from the pack
 
-  // Scratch, grown to the largest chunk seen and kept (bounded by max_rows: I12).
-  std::uint32_t scratch_rows_ = 0;
-  std::uint64_t scratch_bytes_ = 0;
-  std::vector<float> x_, weights_, logits_, h_, y_, out_;
-  std::vector<std::int32_t> ids_, pred_ids_[2], wave_;
-  std::vector<std::uint32_t> plan_, wave_n_;
-  DeviceBuffers buffers_;
+  Scratch scratch_;  // grown to the largest chunk seen and kept (bounded by max_rows: I12)
+  // Host views of the scratch the device shares (set by ensure_scratch).
+  float* x_ = nullptr;
+  float* out_ = nullptr;
+  std::int32_t* ids_ = nullptr;
+  std::int32_t* pred1_ = nullptr;
+  std::int32_t* wave_ = nullptr;
+  std::uint32_t* wave_n_ = nullptr;
 
   // Handshake events. Values only grow: every chunk takes seq_ + 1, every prompt wave
   // wave_seq_ + 1, so a stale signal can never release a later wait.

@@ -9,6 +9,7 @@
 
 #include "errors.h"
 #include "expert_stream.h"
+#include "kernel_bench.h"
 #include "window.h"
 
 namespace py = pybind11;
@@ -327,4 +328,29 @@ PYBIND11_MODULE(_core, m) {
         }
         return out;
       });
+
+  m.def(
+      "bench_kernels",
+      [](Stream& stream, std::uint32_t layer, std::uint32_t rows, std::uint32_t repeats,
+         unsigned threads, std::uint32_t seed) {
+        ExpertStream& s = stream.get();
+        std::vector<KernelTiming> t;
+        {
+          py::gil_scoped_release nogil;
+          auto backend = make_cpu_backend(threads);
+          t = bench_kernels(s, *backend, layer, rows, repeats, seed);
+        }
+        py::list out;
+        for (const auto& k : t) {
+          py::dict d;
+          d["op"] = k.op;
+          d["seconds"] = k.seconds;
+          d["flops"] = k.flops;
+          d["weight_bytes"] = k.weight_bytes;
+          out.append(d);
+        }
+        return out;
+      },
+      py::arg("stream"), py::arg("layer"), py::arg("rows"), py::arg("repeats") = 5,
+      py::arg("threads") = 0, py::arg("seed") = 0);
 }

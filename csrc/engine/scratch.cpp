@@ -1,0 +1,57 @@
+#include "scratch.h"
+
+namespace strata {
+
+Scratch::Scratch(const ExpertStream& stream, const float* routers)
+    : stream_(stream), L_(stream.layout()) {
+  b_.layout = &L_;
+  b_.arena = stream.arena().data();
+  b_.slot_bytes = stream.arena().slot_bytes();
+  b_.n_slots = stream.n_slots();
+  b_.smap = stream.smap();
+  b_.routers = routers;
+}
+
+bool Scratch::ensure(std::uint32_t rows) {
+  if (rows <= rows_) return false;
+  const std::size_t T = rows, k = L_.top_k, H = L_.hidden, I = L_.moe_intermediate,
+                    E = L_.n_experts;
+  x_.assign(T * H, 0);
+  out_.assign(T * H, 0);
+  ids_.assign(T * k, 0);
+  weights_.assign(T * k, 0);
+  pred_ids_[0].assign(T * k, 0);
+  pred_ids_[1].assign(T * k, 0);
+  logits_.assign(T * E, 0);
+  plan_.assign(T * k, 0);
+  h_.assign(T * k * I, 0);
+  y_.assign(T * k * H, 0);
+  wave_.assign(E, 0);
+  wave_n_.assign(1, 0);
+  rows_ = rows;
+  bytes_ = 4 * (2 * T * H + 6 * T * k + T * E + T * k * I + T * k * H + E + 1);
+  b_.max_rows = rows;
+  b_.x = x_.data();
+  b_.ids = ids_.data();
+  b_.weights = weights_.data();
+  b_.pred_ids[0] = pred_ids_[0].data();
+  b_.pred_ids[1] = pred_ids_[1].data();
+  b_.logits = logits_.data();
+  b_.plan = plan_.data();
+  b_.h = h_.data();
+  b_.y = y_.data();
+  b_.out = out_.data();
+  b_.wave = wave_.data();
+  b_.wave_n = wave_n_.data();
+  return true;
+}
+
+void Scratch::release() {
+  for (auto* v : {&x_, &weights_, &logits_, &h_, &y_, &out_}) std::vector<float>().swap(*v);
+  for (auto* v : {&ids_, &pred_ids_[0], &pred_ids_[1], &wave_}) std::vector<std::int32_t>().swap(*v);
+  for (auto* v : {&plan_, &wave_n_}) std::vector<std::uint32_t>().swap(*v);
+  rows_ = 0;
+  bytes_ = 0;
+}
+
+}  // namespace strata
