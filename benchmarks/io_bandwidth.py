@@ -17,62 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
-import os
-import shutil
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
+from common import ensure_pack, raw_read, raw_reader_name
 from strata_stream import ExpertPack, ExpertStream, StreamConfig
-from strata_stream.pack import pack_preset
-
-
-def fio_read(path: Path, offset: int, size: int, part: int, depth: int) -> float:
-    """Bytes per second fio reads [offset, offset + size) with O_DIRECT, `depth` in flight."""
-    cmd = [
-        "fio",
-        "--name=raw",
-        f"--filename={path}",
-        "--rw=read",
-        "--direct=1",
-        "--ioengine=libaio",
-        f"--iodepth={depth}",
-        f"--bs={part}",
-        f"--offset={offset}",
-        f"--size={size // part * part}",
-        "--output-format=json",
-        "--readonly",
-    ]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    report = json.loads(out[out.index("{") :])
-    return float(report["jobs"][0]["read"]["bw_bytes"])
-
-
-def threaded_read(path: Path, offset: int, size: int, part: int, depth: int) -> float:
-    """The fallback raw reader: `depth` threads taking consecutive parts, O_DIRECT preads."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-    n_parts = size // part
-    done = [0] * depth
-
-    def run(j: int) -> None:
-        buf = mmap.mmap(-1, part)  # page-aligned, as O_DIRECT requires
-        for i in range(j, n_parts, depth):
-            done[j] += os.preadv(fd, [buf], offset + i * part)
-
-    threads = [threading.Thread(target=run, args=(j,)) for j in range(depth)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    os.close(fd)
-    return sum(done) / wall
 
 
 def engine_read(path: Path, layers: range, config: StreamConfig) -> tuple[float, int, bool]:
@@ -102,11 +54,7 @@ def main() -> int:
     ap.add_argument("--json", type=Path, help="write raw_gbps, engine_gbps, ratio here")
     args = ap.parse_args()
 
-    path = args.pack or args.pack_dir / f"{args.preset}.strpk"
-    if not path.exists():
-        print(f"packing {args.preset} into {path} (once)")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        pack_preset(args.preset, path)
+    path = ensure_pack(args.pack, args.preset, args.pack_dir)
     with ExpertPack.open(path) as pack:
         g = pack.geometry
         stride = pack.record_stride
@@ -115,8 +63,6 @@ def main() -> int:
     layers_per_phase = max(
         1, min(g.n_layers // (2 * args.rounds), int(args.gb * 1e9 // layer_bytes))
     )
-    use_fio = shutil.which("fio") is not None
-    raw_reader = fio_read if use_fio else threaded_read
     config = StreamConfig.from_env(
         arena_bytes=3 * layer_bytes,
         io_threads=args.io_threads,
@@ -127,7 +73,7 @@ def main() -> int:
         f"{path}: {g.n_layers} layers x {g.n_experts} experts, stride {stride:,} B; "
         f"{layers_per_phase} layers ({layers_per_phase * layer_bytes / 1e9:.2f} GB) per phase, "
         f"part {args.part_bytes:,} B, {args.io_threads} threads, raw reader "
-        f"{'fio' if use_fio else 'threaded O_DIRECT preads'}"
+        f"{raw_reader_name()}"
     )
 
     raw_bps, engine_bps = [], []
@@ -141,7 +87,7 @@ def main() -> int:
         raw_layers, eng_layers = (a, b) if r % 2 == 0 else (b, a)
 
         def raw_phase(layers: range = raw_layers) -> float:
-            return raw_reader(
+            return raw_read(
                 path,
                 records + layers.start * layer_bytes,
                 layers_per_phase * layer_bytes,
@@ -169,7 +115,7 @@ def main() -> int:
         "raw_gbps": raw,
         "engine_gbps": eng,
         "ratio": eng / raw,
-        "raw_reader": "fio" if use_fio else "threads",
+        "raw_reader": raw_reader_name(),
         "engine_direct_io": direct,
         "part_bytes": args.part_bytes,
         "io_threads": args.io_threads,

@@ -15,8 +15,8 @@ import json
 import sys
 from pathlib import Path
 
+from common import ensure_pack
 from strata_stream import ExpertPack, ExpertStream, StreamConfig, _core
-from strata_stream.pack import pack_preset
 
 
 def main() -> int:
@@ -29,10 +29,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=0, help="0 = every core")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    path = args.pack or Path("packs/qwen3-30b-a3b.strpk")
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        pack_preset("qwen3-30b-a3b", path)
+    path = ensure_pack(args.pack)
     with ExpertPack.open(path) as pack:
         g = pack.geometry
         stride = pack.record_stride

@@ -80,6 +80,7 @@ ExpertStream::ExpertStream(const std::string& pack_path, const StreamOptions& op
   std::fill_n(smap_.get(), smap_bytes / 4, kAbsent);
 
   slots_ = std::vector<Slot>(n_slots);
+  lru_ = LruList(n_slots);
   where_.assign(L.n_keys(), -1);
   free_.reserve(n_slots);
   for (std::uint32_t s = n_slots; s-- > 0;) free_.push_back(s);  // slot 0 handed out first
@@ -131,7 +132,7 @@ void ExpertStream::assign(std::uint32_t s, std::uint32_t key, ReadClass cls) {
   sl.used = cls == ReadClass::Urgent;
   sl.err = 0;
   sl.err_offset = 0;
-  sl.last_use = ++clock_;
+  touch(s);
   sl.state.store(SlotState::Queued, std::memory_order_release);
   where_[key] = std::int32_t(s);
   enqueue_parts(s);
@@ -141,7 +142,18 @@ void ExpertStream::enqueue_parts(std::uint32_t s) {
   Slot& sl = slots_[s];
   for (std::uint16_t p = sl.parts_started; p < sl.parts_total; ++p)
     queue_.push(IoJob{s, sl.gen, p, sl.cls});
-  io_cv_.notify_all();
+  wake_io_.store(true, std::memory_order_relaxed);  // woken once, after the caller drops mu_
+}
+
+void ExpertStream::wake_io() {
+  // One wake-up from the host; each IO thread that takes a job wakes the next while work
+  // remains (io_loop), so the cost of waking the pool lands on the IO threads, not the handshake.
+  if (wake_io_.exchange(false)) io_cv_.notify_one();
+}
+
+void ExpertStream::touch(std::uint32_t s) {
+  slots_[s].last_use = ++clock_;
+  lru_.touch(s);
 }
 
 void ExpertStream::publish_slot(std::uint32_t s) {
@@ -165,8 +177,9 @@ void ExpertStream::recycle(std::uint32_t s) {
   Slot& sl = slots_[s];
   STRATA_ASSERT(!sl.in_flight(), "I7: never recycle a slot with a read in flight");
   STRATA_ASSERT(sl.pins == 0, "I8: never recycle a plan-resident slot");
-  if (sl.load() == SlotState::Limbo) --limbo_count_;
+  if (sl.load() == SlotState::Limbo) limbo_.erase(std::find(limbo_.begin(), limbo_.end(), s));
   if (sl.load() == SlotState::Queued || sl.load() == SlotState::Limbo) queue_.drop_slot(s);
+  lru_.remove(s);
   if (sl.key != kNoKey) {
     unpublish(s);
     where_[sl.key] = -1;
@@ -194,14 +207,14 @@ void ExpertStream::park(std::uint32_t s) {
   }
   unpublish(s);
   sl.state.store(SlotState::Limbo, std::memory_order_release);
-  ++limbo_count_;
+  limbo_.push_back(s);
   stats_.limbo.fetch_add(1, std::memory_order_relaxed);
 }
 
 void ExpertStream::revive(std::uint32_t s, ReadClass cls) {
   Slot& sl = slots_[s];
   STRATA_ASSERT(sl.load() == SlotState::Limbo, "revive takes a limbo slot");
-  --limbo_count_;
+  limbo_.erase(std::find(limbo_.begin(), limbo_.end(), s));
   sl.cls = cls;
   stats_.revived.fetch_add(1, std::memory_order_relaxed);
   if (sl.parts_started == 0) {
@@ -243,45 +256,34 @@ bool ExpertStream::is_protected(std::uint32_t key, bool speculative) const {
 }
 
 std::int32_t ExpertStream::pick_victim(bool speculative) const {
-  std::int32_t best = -1;
-  std::uint64_t best_use = ~0ull;
-  for (std::uint32_t s = 0; s < slots_.size(); ++s) {
+  for (std::uint32_t s = lru_.coldest(); s != LruList::kNone; s = lru_.warmer(s)) {
     const Slot& sl = slots_[s];
     SlotState st = sl.load();
     if (st != SlotState::Complete && st != SlotState::Failed) continue;
     if (sl.in_flight() || sl.pins) continue;  // I4: reads in flight, plan-resident
     if (is_protected(sl.key, speculative)) continue;
-    if (sl.last_use < best_use) {
-      best_use = sl.last_use;
-      best = std::int32_t(s);
-    }
+    return std::int32_t(s);
   }
-  return best;
+  return -1;
 }
 
 std::int32_t ExpertStream::pick_queued_speculative() const {
-  std::int32_t best = -1;
-  std::uint64_t best_use = ~0ull;
-  for (std::uint32_t s = 0; s < slots_.size(); ++s) {
+  for (std::uint32_t s = lru_.coldest(); s != LruList::kNone; s = lru_.warmer(s)) {
     const Slot& sl = slots_[s];
     if (sl.load() != SlotState::Queued || sl.cls == ReadClass::Urgent) continue;
     if (is_protected(sl.key, false)) continue;
-    if (sl.last_use < best_use) {
-      best_use = sl.last_use;
-      best = std::int32_t(s);
-    }
+    return std::int32_t(s);
   }
-  return best;
+  return -1;
 }
 
 // A slot for a new read: free, then finished limbo, then the LRU victim, then (urgent only) a
 // queued speculative read cancelled so urgent work never waits behind speculation.
 std::int32_t ExpertStream::take_slot(bool speculative) {
-  if (free_.empty() && limbo_count_ > 0) {
-    for (std::uint32_t s = 0; s < slots_.size(); ++s) {
+  if (free_.empty()) {
+    for (std::uint32_t s : limbo_) {
       const Slot& sl = slots_[s];
-      if (sl.load() == SlotState::Limbo && !sl.in_flight() &&
-          (sl.reads_finished() || sl.parts_started == 0)) {
+      if (!sl.in_flight() && (sl.reads_finished() || sl.parts_started == 0)) {
         recycle(s);
         stats_.limbo_released.fetch_add(1, std::memory_order_relaxed);
         break;
@@ -324,16 +326,29 @@ std::string ExpertStream::describe_full() const {
 
 RequestResult ExpertStream::request(std::uint32_t layer, const std::int32_t* experts,
                                     std::size_t n, ReadClass cls, const InterruptCheck& interrupt) {
+  IoWaker waker{this};
+  Lock lk(mu_);
+  require_open();
+  return request_locked(lk, layer, experts, n, cls, interrupt);
+}
+
+void ExpertStream::check_experts(std::uint32_t layer, const std::int32_t* experts,
+                                 std::size_t n) const {
   check_layer(layer);
   const std::uint32_t E = layout().n_experts;
   for (std::size_t i = 0; i < n; ++i)
     if (experts[i] < 0 || std::uint32_t(experts[i]) >= E)
       throw std::out_of_range("expert " + std::to_string(experts[i]) + " out of range [0, " +
                               std::to_string(E) + ")");
+}
+
+RequestResult ExpertStream::request_locked(Lock& lk, std::uint32_t layer,
+                                           const std::int32_t* experts, std::size_t n,
+                                           ReadClass cls, const InterruptCheck& interrupt) {
+  check_experts(layer, experts, n);
+  const std::uint32_t E = layout().n_experts;
   const bool speculative = cls != ReadClass::Urgent;
   RequestResult r;
-  Lock lk(mu_);
-  require_open();
   auto deadline = Clock::now() + std::chrono::duration<double>(opt_.io_timeout_s);
   for (std::size_t i = 0; i < n; ++i) {
     const std::uint32_t key = layer * E + std::uint32_t(experts[i]);
@@ -345,7 +360,7 @@ RequestResult ExpertStream::request(std::uint32_t layer, const std::int32_t* exp
         if (sl.load() == SlotState::Failed && !speculative) {
           recycle(std::uint32_t(s));  // retry a failed read rather than report it twice
         } else {
-          sl.last_use = ++clock_;
+          touch(std::uint32_t(s));
           if (!speculative) {
             make_urgent(std::uint32_t(s));
             // A speculative read that completed before this handshake: publish it now.
@@ -383,6 +398,9 @@ RequestResult ExpertStream::request(std::uint32_t layer, const std::int32_t* exp
         throw EngineError(ErrorKind::ArenaFull, describe_full());
       if (Clock::now() > deadline)
         throw EngineError(ErrorKind::Timeout, "timed out waiting for a free arena slot");
+      lk.unlock();
+      wake_io();
+      lk.lock();
       done_cv_.wait_for(lk, std::chrono::milliseconds(20));
       if (interrupt) {
         lk.unlock();
@@ -519,6 +537,10 @@ std::uint32_t ExpertStream::publish(std::uint32_t layer) {
   check_layer(layer);
   std::lock_guard<std::mutex> lk(mu_);
   require_open();
+  return publish_locked(layer);
+}
+
+std::uint32_t ExpertStream::publish_locked(std::uint32_t layer) {
   if (!opt_.publish_prefetch) return 0;
   const PackLayout& L = layout();
   const std::uint32_t first = (layer + 1) * L.n_experts;
@@ -539,8 +561,13 @@ std::uint32_t ExpertStream::publish(std::uint32_t layer) {
 
 void ExpertStream::enter_layer(std::uint32_t layer, const std::int32_t* experts, std::size_t n) {
   check_layer(layer);
-  const std::uint32_t E = layout().n_experts;
   std::lock_guard<std::mutex> lk(mu_);
+  enter_layer_locked(layer, experts, n);
+}
+
+void ExpertStream::enter_layer_locked(std::uint32_t layer, const std::int32_t* experts,
+                                      std::size_t n) {
+  const std::uint32_t E = layout().n_experts;
   executing_ = layer;
   executing_keep_.assign(E, experts ? 0 : 1);
   for (std::size_t i = 0; experts && i < n; ++i)
@@ -552,6 +579,10 @@ void ExpertStream::enter_layer(std::uint32_t layer, const std::int32_t* experts,
 void ExpertStream::after_layer(std::uint32_t layer) {
   check_layer(layer);
   std::lock_guard<std::mutex> lk(mu_);
+  after_layer_locked(layer);
+}
+
+void ExpertStream::after_layer_locked(std::uint32_t layer) {
   if (executing_ != layer) executing_keep_.assign(layout().n_experts, 1);
   executing_ = layer;
   // After the last layer the next router to run is the next token's layer 0.
@@ -611,12 +642,17 @@ bool ExpertStream::cancel(std::uint32_t layer, std::uint32_t expert) {
 std::uint32_t ExpertStream::retire_unused_pre(std::uint32_t layer, const std::int32_t* chosen,
                                               std::size_t n) {
   check_layer(layer);
+  std::lock_guard<std::mutex> lk(mu_);
+  require_open();
+  return retire_locked(layer, chosen, n);
+}
+
+std::uint32_t ExpertStream::retire_locked(std::uint32_t layer, const std::int32_t* chosen,
+                                          std::size_t n) {
   const std::uint32_t E = layout().n_experts;
   std::vector<bool> keep(E, false);
   for (std::size_t i = 0; i < n; ++i)
     if (chosen[i] >= 0 && std::uint32_t(chosen[i]) < E) keep[std::uint32_t(chosen[i])] = true;
-  std::lock_guard<std::mutex> lk(mu_);
-  require_open();
   std::uint32_t parked = 0;
   for (std::uint32_t e = 0; e < E; ++e) {
     if (keep[e]) continue;
@@ -634,17 +670,18 @@ std::uint32_t ExpertStream::retire_unused_pre(std::uint32_t layer, const std::in
 
 std::uint32_t ExpertStream::release_limbo() {
   std::lock_guard<std::mutex> lk(mu_);
-  std::uint32_t n = 0;
-  if (limbo_count_ == 0) return 0;
-  for (std::uint32_t s = 0; s < slots_.size(); ++s) {
+  return release_limbo_locked();
+}
+
+std::uint32_t ExpertStream::release_limbo_locked() {
+  std::vector<std::uint32_t> done;
+  for (std::uint32_t s : limbo_) {
     const Slot& sl = slots_[s];
-    if (sl.load() != SlotState::Limbo || sl.in_flight()) continue;
-    if (!(sl.reads_finished() || sl.parts_started == 0)) continue;  // parts still queued
-    recycle(s);
-    ++n;
+    if (!sl.in_flight() && (sl.reads_finished() || sl.parts_started == 0)) done.push_back(s);
   }
-  stats_.limbo_released.fetch_add(n, std::memory_order_relaxed);
-  return n;
+  for (std::uint32_t s : done) recycle(s);
+  stats_.limbo_released.fetch_add(done.size(), std::memory_order_relaxed);
+  return std::uint32_t(done.size());
 }
 
 std::int32_t ExpertStream::victim(bool speculative) const {
@@ -663,6 +700,33 @@ std::int32_t ExpertStream::evict_one() {
   return v;
 }
 
+// ---- the two host points of a layer, each under one lock hold -------------------------------
+
+AtLayerResult ExpertStream::at_layer(std::uint32_t layer, const std::int32_t* chosen,
+                                     std::size_t n, const std::int32_t* predicted,
+                                     std::size_t n_predicted, const InterruptCheck& interrupt) {
+  check_experts(layer, chosen, n);
+  IoWaker waker{this};
+  Lock lk(mu_);
+  require_open();
+  AtLayerResult r;
+  enter_layer_locked(layer, chosen, n);  // I4: what the device reads in this call
+  r.urgent = request_locked(lk, layer, chosen, n, ReadClass::Urgent, interrupt);
+  r.published = publish_locked(layer);  // I2: before the device is released
+  if (n_predicted > 0 && layer + 1 < layout().n_layers)  // I10
+    r.predicted = request_locked(lk, layer + 1, predicted, n_predicted, ReadClass::Pred1, interrupt);
+  return r;
+}
+
+void ExpertStream::finish_layer(std::uint32_t layer, const std::int32_t* chosen, std::size_t n) {
+  check_layer(layer);
+  std::lock_guard<std::mutex> lk(mu_);
+  require_open();
+  after_layer_locked(layer);      // I4: layer+1's router may run now
+  retire_locked(layer, chosen, n);  // I7
+  release_limbo_locked();
+}
+
 // ---- IO ----------------------------------------------------------------------------------------
 
 void ExpertStream::io_loop() {
@@ -671,6 +735,7 @@ void ExpertStream::io_loop() {
     io_cv_.wait(lk, [this] { return closing_ || !queue_.empty(); });
     if (closing_) return;
     IoJob job = queue_.pop();
+    if (!queue_.empty()) io_cv_.notify_one();  // chain: more work for another thread
     execute_job(lk, job);
   }
 }
@@ -824,7 +889,7 @@ std::string ExpertStream::check_invariants() const {
     if (s >= 0 && slots_[std::uint32_t(s)].key != key)
       return "where_[" + std::to_string(key) + "] points at a slot holding another key";
   }
-  if (limbo != limbo_count_) return "limbo count drifted";
+  if (limbo != limbo_.size()) return "limbo list drifted";
   return "";
 }
 

@@ -11,6 +11,7 @@
 // tests/test_stream_state_machine.py.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -23,6 +24,7 @@
 #include "arena.h"
 #include "fault_injection.h"
 #include "io_queue.h"
+#include "lru_list.h"
 #include "pack_file.h"
 #include "slot.h"
 #include "stats.h"
@@ -43,6 +45,12 @@ struct RequestResult {
   std::uint32_t hits = 0;
   std::uint32_t misses = 0;
   std::uint32_t dropped = 0;  // speculative requests that found no space
+};
+
+struct AtLayerResult {
+  RequestResult urgent;     // the routed experts
+  RequestResult predicted;  // router l+1's picks, queued behind them
+  std::uint32_t published = 0;
 };
 
 struct SlotInfo {
@@ -98,6 +106,15 @@ class ExpertStream {
   void wait(std::uint32_t layer, const std::int32_t* experts, std::size_t n,
             const InterruptCheck& interrupt = {});
 
+  // ---- the handshake's host points, each one lock hold (the Window's hot path) --------------
+  // at_layer(l): protect and request the routed experts, publish completed prefetches of
+  // l+1..l+2, queue the predicted experts of l+1 behind the urgent reads.
+  AtLayerResult at_layer(std::uint32_t layer, const std::int32_t* chosen, std::size_t n,
+                         const std::int32_t* predicted, std::size_t n_predicted,
+                         const InterruptCheck& interrupt = {});
+  // after_layer(l) + retire_unused_pre(l, chosen) + release_limbo().
+  void finish_layer(std::uint32_t layer, const std::int32_t* chosen, std::size_t n);
+
   // ---- handshake pieces -----------------------------------------------------------------
   // Publishes completed, non-limbo slots of layers l+1..l+2 (I2); scans <= 2 * n_experts keys.
   std::uint32_t publish(std::uint32_t layer);
@@ -137,6 +154,18 @@ class ExpertStream {
  private:
   using Lock = std::unique_lock<std::mutex>;
 
+  struct IoWaker {  // wakes the IO threads once mu_ is released, on every exit path
+    ExpertStream* self;
+    ~IoWaker() { self->wake_io(); }
+  };
+  RequestResult request_locked(Lock& lk, std::uint32_t layer, const std::int32_t* experts,
+                               std::size_t n, ReadClass cls, const InterruptCheck& interrupt);
+  std::uint32_t publish_locked(std::uint32_t layer);
+  void enter_layer_locked(std::uint32_t layer, const std::int32_t* experts, std::size_t n);
+  void after_layer_locked(std::uint32_t layer);
+  std::uint32_t retire_locked(std::uint32_t layer, const std::int32_t* chosen, std::size_t n);
+  std::uint32_t release_limbo_locked();
+  void check_experts(std::uint32_t layer, const std::int32_t* experts, std::size_t n) const;
   void io_loop();
   void execute_job(Lock& lk, const IoJob& job);
   void on_reads_finished(std::uint32_t s);
@@ -146,6 +175,9 @@ class ExpertStream {
   bool is_protected(std::uint32_t key, bool speculative) const;
   void assign(std::uint32_t s, std::uint32_t key, ReadClass cls);
   void enqueue_parts(std::uint32_t s);
+  // Notifies the IO threads of queued work outside mu_, so they do not wake only to block on it.
+  void wake_io();
+  void touch(std::uint32_t s);
   void recycle(std::uint32_t s);
   void park(std::uint32_t s);
   void revive(std::uint32_t s, ReadClass cls);
@@ -173,13 +205,17 @@ class ExpertStream {
   std::vector<std::int32_t> where_;  // mu_: key -> slot in any state, -1 absent
   std::vector<std::uint32_t> free_;  // mu_: free slots (stack)
   IoQueue queue_;                    // mu_
-  std::uint64_t clock_ = 0;          // mu_: LRU clock
+  std::uint64_t clock_ = 0;          // mu_: LRU clock (last_use stamps, for reporting)
+  LruList lru_;                      // mu_: every non-free slot, coldest first
+  std::vector<std::uint32_t> limbo_;  // mu_: slots in limbo
   std::int64_t executing_ = -1;      // mu_: the layer the device is executing
   std::vector<char> executing_keep_;  // mu_: per expert of executing_: protected (I4)
   std::int64_t next_protected_ = -1; // mu_: layer l+1 during after-layer work
   std::vector<std::uint32_t> pinned_;  // mu_: slots pinned by the current plan
-  std::uint32_t limbo_count_ = 0;    // mu_
   bool closing_ = false;             // mu_
+  // Jobs were queued since the IO threads were last woken: set under mu_, consumed by the
+  // IoWaker that ends request() after mu_ is released.
+  std::atomic<bool> wake_io_{false};
   std::vector<std::thread> threads_;  // owned by the constructing thread; joined in close()
   FaultInjector faults_;
   StreamStats stats_;

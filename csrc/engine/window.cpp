@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <ctime>
 #include <stdexcept>
 
 #include "check.h"
@@ -17,6 +18,22 @@ std::uint64_t ns_since(Clock::time_point t0) {
   return std::uint64_t(
       std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
 }
+
+std::uint64_t thread_cpu_ns() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return std::uint64_t(ts.tv_sec) * 1000000000ull + std::uint64_t(ts.tv_nsec);
+}
+
+// Times a host-work section twice: wall clock and the host thread's CPU time.
+struct HostTimer {
+  Clock::time_point wall = Clock::now();
+  std::uint64_t cpu = thread_cpu_ns();
+  void add_to(LayerStats& s) const {
+    s.handshake_ns += ns_since(wall);
+    s.handshake_cpu_ns += thread_cpu_ns() - cpu;
+  }
+};
 
 Command cmd(Op op, std::uint32_t layer = 0, std::uint32_t rows = 0) {
   Command c{};
@@ -153,13 +170,14 @@ std::vector<std::int32_t> Window::by_popularity(const std::int32_t* ids, std::ui
   return experts;
 }
 
-void Window::request_predictions(std::uint32_t layer, std::uint32_t chunk, std::uint32_t rows) {
-  if (!opt_.lookahead || layer + 1 >= L_.n_layers) return;  // I10
+std::vector<std::int32_t> Window::predictions(std::uint32_t layer, std::uint32_t chunk,
+                                              std::uint32_t rows) {
+  if (!opt_.lookahead || layer + 1 >= L_.n_layers) return {};  // I10
   std::vector<std::int32_t> p = by_popularity(pred1_, rows * L_.top_k);
   auto& slot = predicted_[layer + 1];
   if (slot.size() <= chunk) slot.resize(chunk + 1);
   slot[chunk] = p;
-  stream_.request(layer + 1, p.data(), p.size(), ReadClass::Pred1);
+  return p;
 }
 
 void Window::record_actual(std::uint32_t layer, std::uint32_t chunk,
@@ -194,11 +212,10 @@ void Window::stall_for(std::uint32_t layer, const std::vector<std::int32_t>& exp
 }
 
 void Window::after(std::uint32_t layer, const std::vector<std::int32_t>& chosen) {
-  auto t0 = Clock::now();
-  stream_.after_layer(layer);  // I4: layer+1's router may already run
-  stream_.retire_unused_pre(layer, chosen.data(), chosen.size());  // I7
-  stream_.release_limbo();
-  stats_[layer].handshake_ns += ns_since(t0);
+  HostTimer timer;
+  // I4: layer+1's router may already run; I7: unchosen predictions of this layer to limbo.
+  stream_.finish_layer(layer, chosen.data(), chosen.size());
+  timer.add_to(stats_[layer]);
 }
 
 std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t chunk,
@@ -243,7 +260,7 @@ std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t c
   wait_device(routed_, v, interrupt);
 
   // ---- at_layer(l): the host reads the ids and makes the experts come ----
-  auto t0 = Clock::now();
+  HostTimer at_layer;
   std::vector<std::int32_t> chosen = by_popularity(ids_, rows * k);
   record_actual(layer, chunk, chosen);
   LayerStats& st = stats_[layer];
@@ -253,15 +270,13 @@ std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t c
   const bool multi = n_waves > 1;
 
   if (decode) {
-    stream_.enter_layer(layer, chosen.data(), chosen.size());  // I4: what the device reads
-    RequestResult r = stream_.request(layer, chosen.data(), chosen.size(), ReadClass::Urgent,
-                                      interrupt);
-    st.hits += r.hits;
-    st.misses += r.misses;
-    st.bytes_read += std::uint64_t(r.misses) * L_.record_bytes;
-    stream_.publish(layer);  // I2: completed prefetches of l+1..l+2, before release
-    request_predictions(layer, chunk, rows);
-    st.handshake_ns += ns_since(t0);
+    std::vector<std::int32_t> predicted = predictions(layer, chunk, rows);
+    AtLayerResult r = stream_.at_layer(layer, chosen.data(), chosen.size(), predicted.data(),
+                                       predicted.size(), interrupt);
+    st.hits += r.urgent.hits;
+    st.misses += r.urgent.misses;
+    st.bytes_read += std::uint64_t(r.urgent.misses) * L_.record_bytes;
+    at_layer.add_to(st);
     if (opt_.split_turn)
       backend_->submit({cmd(Op::Plan, layer, rows),
                         pass_cmd(Op::GateUp, layer, rows, Pass::Resident),
@@ -280,20 +295,23 @@ std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t c
   }
 
   // Prompt: every expert of a wave is resident before the device may start it.
-  st.handshake_ns += ns_since(t0);
+  at_layer.add_to(st);
   for (std::uint32_t w = 0; w < n_waves; ++w) {
     auto begin = chosen.begin() + std::ptrdiff_t(w) * cap;
     auto end = chosen.begin() + std::ptrdiff_t(std::min<std::size_t>((w + 1) * cap, chosen.size()));
     std::vector<std::int32_t> wave(begin, end);
-    auto th = Clock::now();
+    HostTimer wave_timer;
     stream_.enter_layer(layer, wave.data(), wave.size());  // finished waves may make room
     RequestResult r = stream_.request(layer, wave.data(), wave.size(), ReadClass::Urgent, interrupt);
     st.hits += r.hits;
     st.misses += r.misses;
     st.bytes_read += std::uint64_t(r.misses) * L_.record_bytes;
     if (w == 0) stream_.publish(layer);
-    if (w + 1 == n_waves) request_predictions(layer, chunk, rows);  // after the last wave's reads
-    st.handshake_ns += ns_since(th);
+    if (w + 1 == n_waves) {  // predictions queue behind the last wave's reads
+      std::vector<std::int32_t> p = predictions(layer, chunk, rows);
+      if (!p.empty()) stream_.request(layer + 1, p.data(), p.size(), ReadClass::Pred1, interrupt);
+    }
+    wave_timer.add_to(st);
     stall_for(layer, wave, interrupt);
     std::vector<std::uint8_t> resident(wave.size());
     if (multi) stream_.plan(layer, wave.data(), wave.size(), resident.data());  // I8 by pins

@@ -34,6 +34,9 @@ struct LayerStats {
   std::uint64_t calls = 0, tokens = 0, hits = 0, misses = 0, bytes_read = 0;
   std::uint64_t stall_ns = 0;      // host blocked on urgent reads
   std::uint64_t handshake_ns = 0;  // host time in at_layer + after_layer, IO waits excluded
+  // The same, as CPU time of the host thread: what the work costs, without the time the
+  // scheduler gives the IO and device threads (which dominates wall time on a 2-core machine).
+  std::uint64_t handshake_cpu_ns = 0;
   std::uint64_t waves = 0;
   // Prediction at distance 1, as sums over calls: |predicted & actual|, |predicted|, |actual|.
   std::uint64_t pred_correct = 0, pred_predicted = 0, pred_actual = 0;
@@ -67,7 +70,10 @@ class Window {
   std::vector<std::int32_t> run_chunk(std::uint32_t layer, std::uint32_t chunk, std::uint32_t rows,
                                       const InterruptCheck& interrupt);
   std::vector<std::int32_t> by_popularity(const std::int32_t* ids, std::uint32_t n) const;
-  void request_predictions(std::uint32_t layer, std::uint32_t chunk, std::uint32_t rows);
+  // Router l+1's picks for this chunk, most popular first (empty when not predicting), noted
+  // for precision/recall.
+  std::vector<std::int32_t> predictions(std::uint32_t layer, std::uint32_t chunk,
+                                        std::uint32_t rows);
   void record_actual(std::uint32_t layer, std::uint32_t chunk,
                      const std::vector<std::int32_t>& chosen);
   void wait_device(SharedEvent& ev, std::uint64_t v, const InterruptCheck& interrupt);

@@ -320,6 +320,7 @@ PYBIND11_MODULE(_core, m) {
           d["bytes_read"] = s.bytes_read;
           d["stall_seconds"] = double(s.stall_ns) * 1e-9;
           d["handshake_seconds"] = double(s.handshake_ns) * 1e-9;
+          d["handshake_cpu_seconds"] = double(s.handshake_cpu_ns) * 1e-9;
           d["waves"] = s.waves;
           d["pred_correct"] = s.pred_correct;
           d["pred_predicted"] = s.pred_predicted;

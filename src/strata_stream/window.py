@@ -124,6 +124,7 @@ class Window:
                 "bytes_read",
                 "stall_seconds",
                 "handshake_seconds",
+                "handshake_cpu_seconds",
                 "waves",
                 "pred_correct",
                 "pred_predicted",

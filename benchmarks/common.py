@@ -1,0 +1,79 @@
+"""Shared pieces of the benchmarks: the preset pack they run on, and the raw device reader."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+from strata_stream.pack import pack_preset
+
+
+def ensure_pack(
+    path: Path | None, preset: str = "qwen3-30b-a3b", pack_dir: Path = Path("packs")
+) -> Path:
+    """The pack to measure: `path`, or the preset packed once into pack_dir."""
+    out = path or pack_dir / f"{preset}.strpk"
+    if not out.exists():
+        print(f"packing {preset} into {out} (once)")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        pack_preset(preset, out)
+    return out
+
+
+def fio_read(path: Path, offset: int, size: int, part: int, depth: int) -> float:
+    """Bytes per second fio reads [offset, offset + size) with O_DIRECT, `depth` in flight."""
+    cmd = [
+        "fio",
+        "--name=raw",
+        f"--filename={path}",
+        "--rw=read",
+        "--direct=1",
+        "--ioengine=libaio",
+        f"--iodepth={depth}",
+        f"--bs={part}",
+        f"--offset={offset}",
+        f"--size={size // part * part}",
+        "--output-format=json",
+        "--readonly",
+    ]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    report = json.loads(out[out.index("{") :])
+    return float(report["jobs"][0]["read"]["bw_bytes"])
+
+
+def threaded_read(path: Path, offset: int, size: int, part: int, depth: int) -> float:
+    """The fallback raw reader: `depth` threads taking consecutive parts, O_DIRECT preads."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    n_parts = size // part
+    done = [0] * depth
+
+    def run(j: int) -> None:
+        buf = mmap.mmap(-1, part)  # page-aligned, as O_DIRECT requires
+        for i in range(j, n_parts, depth):
+            done[j] += os.preadv(fd, [buf], offset + i * part)
+
+    threads = [threading.Thread(target=run, args=(j,)) for j in range(depth)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    os.close(fd)
+    return sum(done) / wall
+
+
+def raw_reader_name() -> str:
+    return "fio" if shutil.which("fio") else "threaded O_DIRECT preads"
+
+
+def raw_read(path: Path, offset: int, size: int, part: int, depth: int) -> float:
+    """Raw device bandwidth (bytes/s), with fio when installed."""
+    reader = fio_read if shutil.which("fio") else threaded_read
+    return reader(path, offset, size, part, depth)
