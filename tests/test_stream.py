@@ -233,5 +233,5 @@ def test_demo_streams_the_tiny_preset(tmp_path: object) -> None:
     from strata_stream.demo import main
 
     pack = tmp_path / "tiny.strpk"  # type: ignore[operator]
-    assert main(["--preset", "tiny", "--pack", str(pack)]) == 0
+    assert main(["--preset", "tiny", "--pack", str(pack), "--prompt", "40", "--decode", "3"]) == 0
     assert pack.exists()

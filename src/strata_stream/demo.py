@@ -1,7 +1,9 @@
-"""`strata-stream demo`: pack a synthetic model and stream every expert through a small arena.
+"""`strata-stream demo`: a synthetic MoE model streamed through a quarter-size arena.
 
-The demo is the first thing a new user runs, so it checks what it shows: every expert that
-lands in the arena is compared byte for byte with the pack file before it counts.
+Packs the demo preset on first use, runs a prompt and then decode tokens through every MoE layer
+with the experts streamed into an arena of 25% of them, runs the same inputs all-resident, and
+checks the two outputs are bitwise identical. Prints tokens/s, hit rate, bytes read, stall time
+and next-layer prediction recall; exits non-zero if parity fails.
 """
 
 from __future__ import annotations
@@ -11,19 +13,65 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 from tqdm import tqdm
 
 from strata_stream.config import StreamConfig
 from strata_stream.pack import ExpertPack, pack_preset
 from strata_stream.stream import ExpertStream
+from strata_stream.synthetic import SyntheticDriver
+from strata_stream.window import Window
 
 
 def default_pack_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "strata-stream"
+
+
+@dataclass
+class RunResult:
+    outputs: list[npt.NDArray[np.float32]]
+    prompt_seconds: float
+    decode_seconds: float
+    window: dict[str, Any]
+    stream: dict[str, Any]
+
+
+def run(
+    path: Path,
+    pack: ExpertPack,
+    config: StreamConfig,
+    prompt: int,
+    decode: int,
+    seed: int,
+    label: str,
+) -> RunResult:
+    g = pack.geometry
+    driver = SyntheticDriver(g, pack.router_weights, seed=seed)
+    outputs: list[npt.NDArray[np.float32]] = []
+    with ExpertStream(path, config) as stream, Window(stream) as window:
+        bar = tqdm(total=prompt + decode, unit="tok", desc=label, leave=False)
+        t0 = time.perf_counter()
+        tokens = driver.prompt(prompt)
+        with window.turn():
+            for layer in range(g.n_layers):
+                outputs.append(window.moe(layer, tokens.layer_input(layer)))
+        bar.update(prompt)
+        t1 = time.perf_counter()
+        with window.turn():  # one conversation turn: the decode steps follow the prompt
+            for _ in range(decode):
+                tokens = driver.decode()
+                for layer in range(g.n_layers):
+                    outputs.append(window.moe(layer, tokens.layer_input(layer)))
+                bar.update(1)
+        t2 = time.perf_counter()
+        bar.close()
+        return RunResult(outputs, t1 - t0, t2 - t1, window.stats(), stream.stats())
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
@@ -41,11 +89,16 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         default=0.25,
         help="arena size as a fraction of all experts (default 0.25)",
     )
+    p.add_argument("--prompt", type=int, default=256, help="prompt tokens (default 256)")
+    p.add_argument("--decode", type=int, default=64, help="decode tokens (default 64)")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--io-threads", type=int, default=4)
     p.add_argument("--buffered", action="store_true", help="no O_DIRECT")
     args = p.parse_args(list(argv))
     if not 0 < args.arena_fraction <= 1:
         p.error("--arena-fraction must be in (0, 1]")
+    if args.prompt < 1 or args.decode < 0:
+        p.error("--prompt must be >= 1 and --decode >= 0")
     return args
 
 
@@ -59,43 +112,58 @@ def main(argv: Sequence[str] = ()) -> int:
     with ExpertPack.open(path) as pack:
         g = pack.geometry
         stride = pack.record_stride
-    n_slots = max(2 * g.top_k, int(g.n_layers * g.n_experts * args.arena_fraction))
-    config = StreamConfig.from_env(
-        arena_bytes=n_slots * stride, io_threads=args.io_threads, direct_io=not args.buffered
+        n_all = g.n_layers * g.n_experts
+        n_slots = max(2 * g.top_k, int(n_all * args.arena_fraction))
+        base = StreamConfig.from_env(io_threads=args.io_threads, direct_io=not args.buffered)
+        print(
+            f"{path.name}: {g.n_layers} layers x {g.n_experts} experts (top-{g.top_k}), "
+            f"{pack.weight_format}, {stride / 2**20:.2f} MiB per expert; arena {n_slots} slots "
+            f"({n_slots * stride / 2**20:.0f} MiB, {n_slots / n_all:.0%} of the experts)"
+        )
+        streamed = run(
+            path,
+            pack,
+            base.replace(arena_bytes=n_slots * stride),
+            args.prompt,
+            args.decode,
+            args.seed,
+            "streamed",
+        )
+        resident = run(
+            path,
+            pack,
+            base.replace(arena_bytes=n_all * stride, lookahead=False),
+            args.prompt,
+            args.decode,
+            args.seed,
+            "all-resident",
+        )
+
+    same = all(
+        np.array_equal(a, b) for a, b in zip(streamed.outputs, resident.outputs, strict=True)
     )
+    total = streamed.window["total"]
+    st = streamed.stream
     print(
-        f"{path.name}: {g.n_layers} layers x {g.n_experts} experts, record {stride:,} bytes; "
-        f"arena {n_slots} slots ({n_slots * stride / 2**20:.0f} MiB, "
-        f"{args.arena_fraction:.0%} of the experts)"
+        f"prompt: {args.prompt} tokens in {streamed.prompt_seconds:.2f} s "
+        f"({args.prompt / streamed.prompt_seconds:.1f} tok/s; all-resident "
+        f"{args.prompt / resident.prompt_seconds:.1f} tok/s)"
     )
-    mismatches = 0
-    with ExpertStream(path, config) as stream, ExpertPack.open(path) as pack:
-        batch = max(1, min(g.n_experts, stream.n_slots // 2))
-        t0 = time.perf_counter()
-        bar = tqdm(total=g.n_layers * g.n_experts, unit="expert", desc="streaming")
-        for layer in range(g.n_layers):
-            for start in range(0, g.n_experts, batch):
-                experts = np.arange(start, min(start + batch, g.n_experts))
-                stream.wait(layer, experts)
-                for e in experts:
-                    got = stream.expert_bytes(layer, int(e))
-                    if got is None or got.tobytes() != pack.read_record(layer, int(e)):
-                        mismatches += 1
-                bar.update(len(experts))
-        bar.close()
-        wall = time.perf_counter() - t0
-        st = stream.stats()
-    gb = st["bytes_read"] / 1e9
+    if args.decode:
+        print(
+            f"decode: {args.decode} tokens in {streamed.decode_seconds:.2f} s "
+            f"({args.decode / streamed.decode_seconds:.1f} tok/s; all-resident "
+            f"{args.decode / resident.decode_seconds:.1f} tok/s)"
+        )
+    recall = total["recall"]
     print(
-        f"read {gb:.2f} GB in {wall:.2f} s: {gb / wall:.2f} GB/s "
-        f"({'O_DIRECT' if st['direct_io'] else 'buffered'}; {stream.direct_note or 'ok'})"
+        f"hit rate {total['hit_rate']:.3f}, bytes read {st['bytes_read'] / 1e9:.2f} GB "
+        f"({'O_DIRECT' if st['direct_io'] else 'buffered'}), stall "
+        f"{total['stall_seconds']:.2f} s, next-layer prediction recall "
+        f"{recall if recall is None else round(recall, 3)}"
     )
-    print(
-        f"hits {st['hits']}, misses {st['misses']}, evicted {st['evicted']}, "
-        f"stall {st['stall_seconds']:.2f} s"
-    )
-    if mismatches:
-        print(f"FAILED: {mismatches} experts differ from the pack", file=sys.stderr)
+    if not same:
+        print("FAILED: streamed output differs from the all-resident run", file=sys.stderr)
         return 1
-    print("every expert matched the pack byte for byte")
+    print("parity: streamed output is bitwise identical to the all-resident run")
     return 0
