@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from common import ensure_pack, raw_read
-
 from strata_stream import ExpertPack, ExpertStream, StreamConfig, Window
 from strata_stream.synthetic import SyntheticDriver
 

@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 from common import ensure_pack
-
 from strata_stream import ExpertPack, ExpertStream, StreamConfig, Window
 from strata_stream.synthetic import SyntheticDriver
 
