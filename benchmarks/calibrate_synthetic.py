@@ -46,10 +46,10 @@ TOP_K = 6  # the trace forced Qwen3-30B-A3B's top-8 down to 6
 REPORTED_RECALL = 0.89
 N_DECODE = 128
 _TRACE_NAME = "qwen3-30b-a3b.route.csv"
-# The repository's copy if there is one, else the shared data directory it comes from.
+# The steering repo's shared/ sits beside this checkout (and beside CI's fresh clone).
 _TRACE_DIRS = (
+    Path(__file__).resolve().parents[2] / "shared" / "data" / "traces",
     Path(__file__).resolve().parents[1] / "data" / "traces",
-    Path("/work/shared/data/traces"),
 )
 
 # Per token (in sequence order), per layer: the chosen experts in slot order. A dict because
