@@ -220,3 +220,26 @@ def test_an_io_error_fails_the_call_and_the_window_stays_usable(pack: Path) -> N
         with w.turn():  # a fresh turn works and is still exact
             got = [w.moe(layer, x) for layer, x in enumerate(xs)]
     assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_memory_stays_bounded_over_many_turns(pack: Path) -> None:
+    """I12: arena + scratch + fixed overhead; nothing grows with conversation length."""
+
+    def rss_bytes() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    if not Path("/proc/self/statm").exists():
+        pytest.skip("needs /proc (Linux)")
+    turns = inputs(11, [24] + [1] * 60)
+    with ExpertStream(pack, stream_config(pack, 2 * K + 2)) as stream, Window(stream) as w:
+        samples = []
+        for i, xs in enumerate(turns):
+            with w.turn():
+                for layer, x in enumerate(xs):
+                    w.moe(layer, x)
+            if i in (10, len(turns) - 1):
+                samples.append((rss_bytes(), w.stats()["scratch_bytes"]))
+    (rss_a, scratch_a), (rss_b, scratch_b) = samples
+    assert scratch_a == scratch_b
+    assert rss_b - rss_a < 4 << 20, f"resident memory grew by {rss_b - rss_a} bytes in 50 turns"
