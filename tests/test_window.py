@@ -243,3 +243,52 @@ def test_memory_stays_bounded_over_many_turns(pack: Path) -> None:
     (rss_a, scratch_a), (rss_b, scratch_b) = samples
     assert scratch_a == scratch_b
     assert rss_b - rss_a < 4 << 20, f"resident memory grew by {rss_b - rss_a} bytes in 50 turns"
+
+
+@pytest.mark.parametrize("cap", [0, 2, 64])
+def test_pred2_queues_the_most_chosen_experts_of_layer_plus_2_up_to_the_cap(
+    pack: Path, cap: int
+) -> None:
+    from oracle import route_reference
+    from strata_stream import ReadClass
+
+    x = inputs(2, [12])[0][0]
+    with (
+        ExpertStream(
+            pack,
+            stream_config(
+                pack, None, io_threads=0, lookahead=True, prompt_pred2=True, prompt_pred2_max=cap
+            ),
+        ) as stream,
+        Window(stream) as w,
+    ):
+        w.moe(0, x)
+        table = stream.slot_table()
+    queued = sorted(
+        int(k) % E
+        for k, c, st in zip(table["key"], table["cls"], table["state"], strict=True)
+        if st != 0 and int(k) // E == 2 and c == ReadClass.PRED2
+    )
+    with ExpertPack.open(pack) as p:
+        ids, _ = route_reference(x, p.router_weights(2), K, "softmax_topk", True)
+    counts = np.bincount(ids.ravel(), minlength=E)
+    ranked = sorted(range(E), key=lambda e: (-counts[e], e))[: int((counts > 0).sum())]
+    # with room for all: exactly the first `cap` of router l+2's picks by vote count, ties to
+    # the lower id
+    assert queued == sorted(ranked[:cap])
+
+
+def test_two_layer_prediction_skips_the_last_two_layers(pack: Path) -> None:
+    xs = inputs(4, [1])[0]
+    with (
+        ExpertStream(
+            pack, stream_config(pack, 2 * K, io_threads=1, decode_prefetch2=True)
+        ) as stream,
+        Window(stream) as w,w.turn()
+    ):
+        for layer, x in enumerate(xs):
+            before = stream.stats()["spec_requests"] + stream.stats()["spec_dropped"]
+            w.moe(layer, x)
+            after = stream.stats()["spec_requests"] + stream.stats()["spec_dropped"]
+            if layer == L - 1:
+                assert after == before  # I10: nothing beyond the last layer

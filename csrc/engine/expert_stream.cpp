@@ -325,11 +325,12 @@ std::string ExpertStream::describe_full() const {
 // ---- requests ----------------------------------------------------------------------------
 
 RequestResult ExpertStream::request(std::uint32_t layer, const std::int32_t* experts,
-                                    std::size_t n, ReadClass cls, const InterruptCheck& interrupt) {
+                                    std::size_t n, ReadClass cls, const InterruptCheck& interrupt,
+                                    std::uint32_t max_new) {
   IoWaker waker{this};
   Lock lk(mu_);
   require_open();
-  return request_locked(lk, layer, experts, n, cls, interrupt);
+  return request_locked(lk, layer, experts, n, cls, interrupt, max_new);
 }
 
 void ExpertStream::check_experts(std::uint32_t layer, const std::int32_t* experts,
@@ -344,7 +345,8 @@ void ExpertStream::check_experts(std::uint32_t layer, const std::int32_t* expert
 
 RequestResult ExpertStream::request_locked(Lock& lk, std::uint32_t layer,
                                            const std::int32_t* experts, std::size_t n,
-                                           ReadClass cls, const InterruptCheck& interrupt) {
+                                           ReadClass cls, const InterruptCheck& interrupt,
+                                           std::uint32_t max_new) {
   check_experts(layer, experts, n);
   const std::uint32_t E = layout().n_experts;
   const bool speculative = cls != ReadClass::Urgent;
@@ -370,13 +372,19 @@ RequestResult ExpertStream::request_locked(Lock& lk, std::uint32_t layer,
           break;
         }
       }
+      if (r.misses + r.spec_started >= max_new) {  // the cap counts new reads only
+        i = n;
+        break;
+      }
       std::int32_t slot = take_slot(speculative);
       if (slot >= 0) {
         assign(std::uint32_t(slot), key, cls);
-        if (speculative)
+        if (speculative) {
+          ++r.spec_started;
           stats_.spec_requests.fetch_add(1, std::memory_order_relaxed);
-        else
+        } else {
           ++r.misses;
+        }
         break;
       }
       if (speculative) {  // I9: no space, so prediction stops here
@@ -704,7 +712,9 @@ std::int32_t ExpertStream::evict_one() {
 
 AtLayerResult ExpertStream::at_layer(std::uint32_t layer, const std::int32_t* chosen,
                                      std::size_t n, const std::int32_t* predicted,
-                                     std::size_t n_predicted, const InterruptCheck& interrupt) {
+                                     std::size_t n_predicted, const InterruptCheck& interrupt,
+                                     const std::int32_t* predicted2, std::size_t n_predicted2,
+                                     std::uint32_t max_new2) {
   check_experts(layer, chosen, n);
   IoWaker waker{this};
   Lock lk(mu_);
@@ -715,6 +725,9 @@ AtLayerResult ExpertStream::at_layer(std::uint32_t layer, const std::int32_t* ch
   r.published = publish_locked(layer);  // I2: before the device is released
   if (n_predicted > 0 && layer + 1 < layout().n_layers)  // I10
     r.predicted = request_locked(lk, layer + 1, predicted, n_predicted, ReadClass::Pred1, interrupt);
+  if (n_predicted2 > 0 && layer + 2 < layout().n_layers)  // I10
+    r.predicted2 = request_locked(lk, layer + 2, predicted2, n_predicted2, ReadClass::Pred2,
+                                  interrupt, max_new2);
   return r;
 }
 

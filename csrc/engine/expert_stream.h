@@ -44,12 +44,14 @@ struct StreamOptions {
 struct RequestResult {
   std::uint32_t hits = 0;
   std::uint32_t misses = 0;
+  std::uint32_t spec_started = 0;  // speculative reads started
   std::uint32_t dropped = 0;  // speculative requests that found no space
 };
 
 struct AtLayerResult {
   RequestResult urgent;     // the routed experts
   RequestResult predicted;  // router l+1's picks, queued behind them
+  RequestResult predicted2; // router l+2's picks, behind those
   std::uint32_t published = 0;
 };
 
@@ -98,8 +100,10 @@ class ExpertStream {
   // Urgent: every expert becomes resident or loading, evicting if needed (waits, bounded, for an
   // in-flight read when every slot is busy). Speculative: takes only free or evictable slots,
   // never of the executing or next layer; stops at the first that finds none (I9).
+  // max_new caps how many experts not already present it starts reading (speculative caps).
   RequestResult request(std::uint32_t layer, const std::int32_t* experts, std::size_t n,
-                        ReadClass cls, const InterruptCheck& interrupt = {});
+                        ReadClass cls, const InterruptCheck& interrupt = {},
+                        std::uint32_t max_new = 0xFFFFFFFFu);
   // Blocks until every listed expert is complete and published. Throws ExpertReadError for a
   // failed read (and recycles that slot), EngineError(Timeout) after io_timeout_s with no
   // progress. Experts not yet requested are requested urgently first.
@@ -109,9 +113,13 @@ class ExpertStream {
   // ---- the handshake's host points, each one lock hold (the Window's hot path) --------------
   // at_layer(l): protect and request the routed experts, publish completed prefetches of
   // l+1..l+2, queue the predicted experts of l+1 behind the urgent reads.
+  // With `predicted2` (router l+2's picks) those follow, as Pred2, at most `max_new2` of them
+  // not already resident or loading (STRATA_METAL_PROMPT_PRED2_MAX).
   AtLayerResult at_layer(std::uint32_t layer, const std::int32_t* chosen, std::size_t n,
                          const std::int32_t* predicted, std::size_t n_predicted,
-                         const InterruptCheck& interrupt = {});
+                         const InterruptCheck& interrupt = {},
+                         const std::int32_t* predicted2 = nullptr, std::size_t n_predicted2 = 0,
+                         std::uint32_t max_new2 = 0xFFFFFFFFu);
   // after_layer(l) + retire_unused_pre(l, chosen) + release_limbo().
   void finish_layer(std::uint32_t layer, const std::int32_t* chosen, std::size_t n);
 
@@ -159,7 +167,8 @@ class ExpertStream {
     ~IoWaker() { self->wake_io(); }
   };
   RequestResult request_locked(Lock& lk, std::uint32_t layer, const std::int32_t* experts,
-                               std::size_t n, ReadClass cls, const InterruptCheck& interrupt);
+                               std::size_t n, ReadClass cls, const InterruptCheck& interrupt,
+                               std::uint32_t max_new = 0xFFFFFFFFu);
   std::uint32_t publish_locked(std::uint32_t layer);
   void enter_layer_locked(std::uint32_t layer, const std::int32_t* experts, std::size_t n);
   void after_layer_locked(std::uint32_t layer);

@@ -89,6 +89,7 @@ void Window::ensure_scratch(std::uint32_t rows) {
   out_ = b.out;
   ids_ = b.ids;
   pred1_ = b.pred_ids[0];
+  pred2_ = b.pred_ids[1];
   wave_ = b.wave;
   wave_n_ = b.wave_n;
   backend_->bind(b);
@@ -170,6 +171,17 @@ std::vector<std::int32_t> Window::by_popularity(const std::int32_t* ids, std::ui
   return experts;
 }
 
+bool Window::predicts2(std::uint32_t layer, bool decode) const {
+  return opt_.lookahead && layer + 2 < L_.n_layers &&  // I10: the last two layers skip it
+         (decode ? opt_.decode_prefetch2 : opt_.prompt_pred2);
+}
+
+std::vector<std::int32_t> Window::predictions2(std::uint32_t layer, std::uint32_t rows,
+                                               bool decode) {
+  if (!predicts2(layer, decode)) return {};
+  return by_popularity(pred2_, rows * L_.top_k);  // ordered by how many tokens chose each
+}
+
 std::vector<std::int32_t> Window::predictions(std::uint32_t layer, std::uint32_t chunk,
                                               std::uint32_t rows) {
   if (!opt_.lookahead || layer + 1 >= L_.n_layers) return {};  // I10
@@ -236,6 +248,11 @@ std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t c
     c.distance = 1;
     s1.push_back(c);
   }
+  if (predicts2(layer, decode)) {  // router scratch is reused; only the id buffer is its own
+    Command c = cmd(Op::RoutePredict, layer + 2, rows);
+    c.distance = 2;
+    s1.push_back(c);
+  }
   s1.push_back(event_cmd(Op::Signal, routed_, v));
   if (!opt_.split_turn) {
     if (decode) {
@@ -271,8 +288,10 @@ std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t c
 
   if (decode) {
     std::vector<std::int32_t> predicted = predictions(layer, chunk, rows);
+    std::vector<std::int32_t> predicted2 = predictions2(layer, rows, true);
     AtLayerResult r = stream_.at_layer(layer, chosen.data(), chosen.size(), predicted.data(),
-                                       predicted.size(), interrupt);
+                                       predicted.size(), interrupt, predicted2.data(),
+                                       predicted2.size());
     st.hits += r.urgent.hits;
     st.misses += r.urgent.misses;
     st.bytes_read += std::uint64_t(r.urgent.misses) * L_.record_bytes;
@@ -310,6 +329,10 @@ std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t c
     if (w + 1 == n_waves) {  // predictions queue behind the last wave's reads
       std::vector<std::int32_t> p = predictions(layer, chunk, rows);
       if (!p.empty()) stream_.request(layer + 1, p.data(), p.size(), ReadClass::Pred1, interrupt);
+      std::vector<std::int32_t> p2 = predictions2(layer, rows, false);
+      if (!p2.empty())
+        stream_.request(layer + 2, p2.data(), p2.size(), ReadClass::Pred2, interrupt,
+                        opt_.pred2_max);
     }
     wave_timer.add_to(st);
     stall_for(layer, wave, interrupt);

@@ -24,6 +24,9 @@ namespace strata {
 
 struct WindowOptions {
   bool lookahead = true;         // router l+1 on layer l's input, in prompt and decode
+  bool prompt_pred2 = false;     // STRATA_METAL_PROMPT_PRED2: also router l+2, prompt path
+  std::uint32_t pred2_max = 64;  // STRATA_METAL_PROMPT_PRED2_MAX: new l+2 reads per handshake
+  bool decode_prefetch2 = false; // STRATA_METAL_PREFETCH2: also router l+2, decode path
   bool split_turn = false;       // each step its own submission (host works between them)
   std::uint32_t max_rows = 1024; // prompt chunk rows (MT)
   std::uint32_t decode_rows = 4; // T <= this (and its experts fit) takes the decode path
@@ -74,6 +77,9 @@ class Window {
   // for precision/recall.
   std::vector<std::int32_t> predictions(std::uint32_t layer, std::uint32_t chunk,
                                         std::uint32_t rows);
+  bool predicts2(std::uint32_t layer, bool decode) const;
+  // Router l+2's picks, most popular first (empty unless two-layer prediction is on here).
+  std::vector<std::int32_t> predictions2(std::uint32_t layer, std::uint32_t rows, bool decode);
   void record_actual(std::uint32_t layer, std::uint32_t chunk,
                      const std::vector<std::int32_t>& chosen);
   void wait_device(SharedEvent& ev, std::uint64_t v, const InterruptCheck& interrupt);
@@ -94,6 +100,7 @@ class Window {
   float* out_ = nullptr;
   std::int32_t* ids_ = nullptr;
   std::int32_t* pred1_ = nullptr;
+  std::int32_t* pred2_ = nullptr;
   std::int32_t* wave_ = nullptr;
   std::uint32_t* wave_n_ = nullptr;
 

@@ -268,7 +268,8 @@ PYBIND11_MODULE(_core, m) {
   py::class_<Window>(m, "Window")
       .def(py::init([](Stream& stream, const std::string& backend, bool lookahead,
                        bool split_turn, std::uint32_t max_rows, std::uint32_t decode_rows,
-                       double device_timeout_s, unsigned threads) {
+                       double device_timeout_s, unsigned threads, bool prompt_pred2,
+                       std::uint32_t pred2_max, bool decode_prefetch2) {
              if (backend != "cpu")
                throw EngineError(ErrorKind::Config, "backend '" + backend +
                                                         "' is not available here (have: cpu)");
@@ -278,13 +279,17 @@ PYBIND11_MODULE(_core, m) {
              o.max_rows = max_rows;
              o.decode_rows = decode_rows;
              o.device_timeout_s = device_timeout_s;
+             o.prompt_pred2 = prompt_pred2;
+             o.pred2_max = pred2_max;
+             o.decode_prefetch2 = decode_prefetch2;
              ExpertStream& es = stream.get();
              py::gil_scoped_release nogil;
              return std::make_unique<Window>(es, make_cpu_backend(threads), o);
            }),
            py::keep_alive<1, 2>(), py::arg("stream"), py::arg("backend"), py::arg("lookahead"),
            py::arg("split_turn"), py::arg("max_rows"), py::arg("decode_rows"),
-           py::arg("device_timeout_s"), py::arg("threads") = 0)
+           py::arg("device_timeout_s"), py::arg("threads") = 0, py::arg("prompt_pred2") = false,
+           py::arg("pred2_max") = 64, py::arg("decode_prefetch2") = false)
       .def("moe",
            [](Window& w, std::uint32_t layer,
               py::array_t<float, py::array::c_style> x) {

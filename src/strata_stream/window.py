@@ -48,6 +48,9 @@ class Window:
             c.decode_rows,
             c.device_timeout_s,
             threads,
+            c.prompt_pred2,
+            c.prompt_pred2_max,
+            c.decode_prefetch2,
         )
         self._implicit_turn = False
         self._closed = False
