@@ -284,7 +284,8 @@ def test_two_layer_prediction_skips_the_last_two_layers(pack: Path) -> None:
         ExpertStream(
             pack, stream_config(pack, 2 * K, io_threads=1, decode_prefetch2=True)
         ) as stream,
-        Window(stream) as w,w.turn()
+        Window(stream) as w,
+        w.turn(),
     ):
         for layer, x in enumerate(xs):
             before = stream.stats()["spec_requests"] + stream.stats()["spec_dropped"]
@@ -292,3 +293,22 @@ def test_two_layer_prediction_skips_the_last_two_layers(pack: Path) -> None:
             after = stream.stats()["spec_requests"] + stream.stats()["spec_dropped"]
             if layer == L - 1:
                 assert after == before  # I10: nothing beyond the last layer
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_buf_reuse_keeps_the_prompt_scratch_across_turns(pack: Path, reuse: bool) -> None:
+    turns = inputs(6, [40, 1])
+    with (
+        ExpertStream(pack, stream_config(pack, prompt_buf_reuse=reuse)) as stream,
+        Window(stream) as w,
+    ):
+        with w.turn():
+            for layer, x in enumerate(turns[0]):
+                w.moe(layer, x)
+            during = w.stats()["scratch_bytes"]
+        after = w.stats()["scratch_bytes"]
+        assert during > 0
+        assert after == (during if reuse else 0)
+        with w.turn():  # the next turn reallocates what it needs
+            for layer, x in enumerate(turns[1]):
+                w.moe(layer, x)

@@ -78,6 +78,15 @@ Window::Window(ExpertStream& stream, std::unique_ptr<Backend> backend,
 Window::~Window() {
   backend_->abort_pending();
   backend_->synchronize();
+  release_scratch();
+}
+
+void Window::release_scratch() {
+  backend_->synchronize();  // no command may still read the buffers
+  scratch_.release();
+  x_ = out_ = nullptr;
+  ids_ = pred1_ = pred2_ = wave_ = nullptr;
+  wave_n_ = nullptr;
 }
 
 void Window::ensure_scratch(std::uint32_t rows) {
@@ -107,6 +116,9 @@ void Window::end_turn() {
   stream_.end_turn();  // no device work in flight: protections end with the turn
   in_turn_ = false;
   next_layer_ = 0;
+  // Without BUF_REUSE a prompt's scratch goes back to the system between turns; a decode-sized
+  // one (a few rows) is not worth the churn.
+  if (!opt_.prompt_buf_reuse && scratch_.rows() > opt_.decode_rows) release_scratch();
 }
 
 void Window::reset_stats() { stats_.assign(L_.n_layers, LayerStats{}); }

@@ -27,6 +27,9 @@ struct WindowOptions {
   bool prompt_pred2 = false;     // STRATA_METAL_PROMPT_PRED2: also router l+2, prompt path
   std::uint32_t pred2_max = 64;  // STRATA_METAL_PROMPT_PRED2_MAX: new l+2 reads per handshake
   bool decode_prefetch2 = false; // STRATA_METAL_PREFETCH2: also router l+2, decode path
+  // STRATA_METAL_PROMPT_BUF_REUSE: keep the prompt scratch (and the backend's views of it)
+  // across turns instead of releasing it when a turn ends.
+  bool prompt_buf_reuse = false;
   bool split_turn = false;       // each step its own submission (host works between them)
   std::uint32_t max_rows = 1024; // prompt chunk rows (MT)
   std::uint32_t decode_rows = 4; // T <= this (and its experts fit) takes the decode path
@@ -69,6 +72,8 @@ class Window {
 
  private:
   void ensure_scratch(std::uint32_t rows);
+  // The one teardown path of the scratch: at turn end (unless kept) and at destruction.
+  void release_scratch();
   // Returns the experts the chunk chose, most popular first.
   std::vector<std::int32_t> run_chunk(std::uint32_t layer, std::uint32_t chunk, std::uint32_t rows,
                                       const InterruptCheck& interrupt);

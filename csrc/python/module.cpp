@@ -269,7 +269,7 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init([](Stream& stream, const std::string& backend, bool lookahead,
                        bool split_turn, std::uint32_t max_rows, std::uint32_t decode_rows,
                        double device_timeout_s, unsigned threads, bool prompt_pred2,
-                       std::uint32_t pred2_max, bool decode_prefetch2) {
+                       std::uint32_t pred2_max, bool decode_prefetch2, bool prompt_buf_reuse) {
              if (backend != "cpu")
                throw EngineError(ErrorKind::Config, "backend '" + backend +
                                                         "' is not available here (have: cpu)");
@@ -282,6 +282,7 @@ PYBIND11_MODULE(_core, m) {
              o.prompt_pred2 = prompt_pred2;
              o.pred2_max = pred2_max;
              o.decode_prefetch2 = decode_prefetch2;
+             o.prompt_buf_reuse = prompt_buf_reuse;
              ExpertStream& es = stream.get();
              py::gil_scoped_release nogil;
              return std::make_unique<Window>(es, make_cpu_backend(threads), o);
@@ -289,7 +290,8 @@ PYBIND11_MODULE(_core, m) {
            py::keep_alive<1, 2>(), py::arg("stream"), py::arg("backend"), py::arg("lookahead"),
            py::arg("split_turn"), py::arg("max_rows"), py::arg("decode_rows"),
            py::arg("device_timeout_s"), py::arg("threads") = 0, py::arg("prompt_pred2") = false,
-           py::arg("pred2_max") = 64, py::arg("decode_prefetch2") = false)
+           py::arg("pred2_max") = 64, py::arg("decode_prefetch2") = false,
+           py::arg("prompt_buf_reuse") = false)
       .def("moe",
            [](Window& w, std::uint32_t layer,
               py::array_t<float, py::array::c_style> x) {

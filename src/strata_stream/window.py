@@ -51,6 +51,7 @@ class Window:
             c.prompt_pred2,
             c.prompt_pred2_max,
             c.decode_prefetch2,
+            c.prompt_buf_reuse,
         )
         self._implicit_turn = False
         self._closed = False
