@@ -10,16 +10,10 @@
 
 #include "check.h"
 #include "errors.h"
+#include "timing.h"
 
 namespace strata {
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-std::uint64_t ns_since(Clock::time_point t0) {
-  return std::uint64_t(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
-}
 
 // Every smap access goes through these two, so the device side never races the host.
 inline void smap_store(std::uint32_t* smap, std::uint32_t key, std::uint32_t v) {

@@ -8,22 +8,11 @@
 
 #include "check.h"
 #include "errors.h"
+#include "timing.h"
 
 namespace strata {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-std::uint64_t ns_since(Clock::time_point t0) {
-  return std::uint64_t(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
-}
-
-std::uint64_t thread_cpu_ns() {
-  timespec ts{};
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return std::uint64_t(ts.tv_sec) * 1000000000ull + std::uint64_t(ts.tv_nsec);
-}
 
 // Times a host-work section twice: wall clock and the host thread's CPU time.
 struct HostTimer {
