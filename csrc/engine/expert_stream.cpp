@@ -773,6 +773,8 @@ void ExpertStream::execute_job(Lock& lk, const IoJob& job) {
   }
   if (injected)
     err = fault.kind == FaultKind::Errno ? fault.err : kShortRead;
+  else if (opt_.simulate_io)
+    got = std::size_t(len);
   else
     err = file_->read_fully(offset, dst, std::size_t(len), &got);
   std::uint64_t dt = ns_since(t0);

@@ -39,6 +39,9 @@ struct StreamOptions {
   bool verify_reads = false;
   double io_timeout_s = 60.0;
   bool publish_prefetch = true;  // STRATA_METAL_PUBLISH_PREFETCH
+  // Replay only: part reads complete without touching the file, so routing traces replay
+  // through the real residency code at memory speed. Expert bytes are then undefined.
+  bool simulate_io = false;
 };
 
 struct RequestResult {

@@ -45,6 +45,15 @@ def _build_parser() -> argparse.ArgumentParser:
     verify.add_argument("pack", metavar="PACK")
     verify.add_argument("--quiet", action="store_true", help="no progress bar")
 
+    replay = sub.add_parser(
+        "replay",
+        help="replay a routing trace through the residency engine; hit rate vs LRU and Belady",
+    )
+    replay.add_argument("trace", metavar="TRACE", help="route_trace v1 or strata_trace v1 CSV")
+    replay.add_argument("--slots", type=int, required=True, help="arena size in expert slots")
+    replay.add_argument("--policy", default="lru", help="victim policy (default lru)")
+    replay.add_argument("--json", metavar="OUT", help="write hit_rate, lru_hit_rate, ...")
+
     # add_help=False: `demo --help` and every other option belong to the demo's own parser.
     sub.add_parser(
         "demo", help="run the streaming demo (demo --help for its options)", add_help=False
@@ -130,6 +139,29 @@ def _demo(rest: list[str]) -> int:
     return int(demo_main(rest))
 
 
+def _replay(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    from strata_stream.replay import read_trace, replay
+
+    trace = read_trace(args.trace)
+    r = replay(trace, args.slots, args.policy)
+    print(
+        f"{args.trace}: {trace.n_layers} layers x {trace.n_experts} experts, top-{trace.top_k}, "
+        f"{r.accesses} accesses, {r.slots} slots"
+    )
+    print(
+        f"hit rate {r.hit_rate:.3f} ({r.policy}, engine)   LRU {r.lru_hit_rate:.3f}   "
+        f"Belady {r.belady_hit_rate:.3f}"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dataclasses.asdict(r), f, indent=2)
+            f.write("\n")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `strata-stream`; returns the exit status (2 for errors)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -144,6 +176,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _inspect(args)
         if args.command == "verify":
             return _verify(args)
+        if args.command == "replay":
+            return _replay(args)
         return _demo(rest)
     except (StrataError, OSError) as e:
         print(f"strata-stream: error: {e}", file=sys.stderr)

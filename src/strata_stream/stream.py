@@ -66,7 +66,15 @@ class ExpertStream:
     `ExpertStream(pack_or_path, config)`; use as a context manager or call close().
     """
 
-    def __init__(self, pack: str | os.PathLike[str] | Any, config: StreamConfig | None = None):
+    def __init__(
+        self,
+        pack: str | os.PathLike[str] | Any,
+        config: StreamConfig | None = None,
+        *,
+        simulate_io: bool = False,
+    ):
+        """simulate_io (replay only): reads complete without touching the file; expert bytes
+        are then undefined, so never compute with such a stream."""
         self.config = config if config is not None else StreamConfig.from_env()
         path = getattr(pack, "path", pack)
         self.path = Path(path)
@@ -80,6 +88,7 @@ class ExpertStream:
             c.verify_reads,
             c.io_timeout_s,
             c.publish_prefetch,
+            simulate_io,
         )
         layout = self._s.layout
         self.n_layers: int = int(layout["n_layers"])

@@ -1,0 +1,224 @@
+"""Replay a routing trace through the real ExpertStream residency code, without computing.
+
+Formats read:
+- ``route_trace v1`` (the format of ``shared/data/traces/``): ``#`` comment lines (the model
+  line gives ``n_layer``, ``n_expert``, ``n_expert_used``), then CSV columns
+  ``turn,phase,step,layer,slot,expert,...``, one row per routed expert. Accesses are replayed
+  token by token (turn, phase, step), each token layer by layer, each layer slot by slot: the
+  order that reproduces the trace's published LRU figure (its prompt rows are stored layer-major).
+- ``strata_trace v1`` (ours): a first line ``# strata_trace v1 n_layers=L n_experts=E top_k=K``,
+  then CSV columns ``token,layer,expert`` in access order.
+
+The stream runs with simulated IO (reads complete without touching a file) over a
+geometry-only pack, so a replay costs memory bandwidth, not disk. Next to the engine's hit rate
+it prints a plain-Python LRU (a cross-check of the engine) and Belady's offline optimum.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import re
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from strata_stream.config import StreamConfig
+from strata_stream.errors import ConfigError, PackError
+from strata_stream.pack import Geometry, write_pack
+from strata_stream.stream import ExpertStream
+
+
+@dataclass(frozen=True)
+class Trace:
+    n_layers: int
+    n_experts: int
+    top_k: int
+    # One entry per (token, layer) in access order: (layer, experts in slot order).
+    steps: tuple[tuple[int, tuple[int, ...]], ...]
+
+    def accesses(self) -> list[int]:
+        """Expert keys (layer * n_experts + expert) in access order."""
+        return [layer * self.n_experts + e for layer, experts in self.steps for e in experts]
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    slots: int
+    accesses: int
+    hit_rate: float
+    lru_hit_rate: float
+    belady_hit_rate: float
+    policy: str
+
+
+def read_trace(path: str | Path) -> Trace:
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as err:
+        raise PackError(f"trace {path}: cannot read: {err.strerror}") from None
+    if lines and lines[0].startswith("# strata_trace v1"):
+        return _read_strata_trace(path, lines)
+    if lines and lines[0].startswith("# route_trace v1"):
+        return _read_route_trace(path, lines)
+    raise PackError(
+        f"trace {path}: unknown format (expected '# route_trace v1' or "
+        f"'# strata_trace v1' on the first line)"
+    )
+
+
+def _header_int(path: Path, text: str, name: str) -> int:
+    match = re.search(rf"\b{name}=(\d+)", text)
+    if not match:
+        raise PackError(f"trace {path}: header has no {name}=")
+    return int(match.group(1))
+
+
+def _read_route_trace(path: Path, lines: list[str]) -> Trace:
+    header = " ".join(line for line in lines if line.startswith("#"))
+    n_layers = _header_int(path, header, "n_layer")
+    n_experts = _header_int(path, header, "n_expert")
+    top_k = _header_int(path, header, "n_expert_used")
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line or line.startswith("#") or line.startswith("turn"):
+            continue
+        fields = line.split(",")
+        try:
+            turn, phase, step, layer, slot, expert = (int(f) for f in fields[:6])
+        except ValueError:
+            raise PackError(f"trace {path}:{number}: expected integers, got {line!r}") from None
+        if not (0 <= layer < n_layers and 0 <= expert < n_experts):
+            raise PackError(f"trace {path}:{number}: layer {layer} or expert {expert} out of range")
+        rows.append((turn, phase, step, layer, slot, expert))
+    rows.sort()
+    return Trace(n_layers, n_experts, top_k, _group(rows, 4, 3, 5))
+
+
+def _read_strata_trace(path: Path, lines: list[str]) -> Trace:
+    n_layers = _header_int(path, lines[0], "n_layers")
+    n_experts = _header_int(path, lines[0], "n_experts")
+    top_k = _header_int(path, lines[0], "top_k")
+    rows = []
+    for number, line in enumerate(lines[1:], 2):
+        if not line or line.startswith("#") or line.startswith("token"):
+            continue
+        try:
+            token, layer, expert = (int(f) for f in line.split(",")[:3])
+        except ValueError:
+            raise PackError(f"trace {path}:{number}: expected token,layer,expert") from None
+        if not (0 <= layer < n_layers and 0 <= expert < n_experts):
+            raise PackError(f"trace {path}:{number}: layer {layer} or expert {expert} out of range")
+        rows.append((token, layer, expert))
+    return Trace(n_layers, n_experts, top_k, _group(rows, 2, 1, 2))
+
+
+def _group(
+    rows: Sequence[tuple[int, ...]], width: int, layer_at: int, expert_at: int
+) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """Rows sorted in access order -> one (layer, experts) step per distinct rows[:width]."""
+    steps: list[tuple[int, tuple[int, ...]]] = []
+    for _, group in itertools.groupby(rows, key=lambda r: r[:width]):
+        members = list(group)
+        experts = tuple(dict.fromkeys(r[expert_at] for r in members))  # unique, in slot order
+        steps.append((members[0][layer_at], experts))
+    return tuple(steps)
+
+
+def lru_hit_rate(accesses: list[int], slots: int) -> float:
+    cache: OrderedDict[int, None] = OrderedDict()
+    hits = 0
+    for key in accesses:
+        if key in cache:
+            hits += 1
+            cache.move_to_end(key)
+            continue
+        if len(cache) >= slots:
+            cache.popitem(last=False)
+        cache[key] = None
+    return hits / max(1, len(accesses))
+
+
+def belady_hit_rate(accesses: list[int], slots: int) -> float:
+    """Offline optimum: evict the key whose next use is farthest away."""
+    never = len(accesses) + 1
+    next_use = [never] * len(accesses)
+    seen: dict[int, int] = {}
+    for i in range(len(accesses) - 1, -1, -1):
+        next_use[i] = seen.get(accesses[i], never)
+        seen[accesses[i]] = i
+    cache: dict[int, int] = {}
+    heap: list[tuple[int, int]] = []
+    hits = 0
+    for i, key in enumerate(accesses):
+        if key in cache:
+            hits += 1
+        elif len(cache) >= slots:
+            while True:
+                neg, victim = heapq.heappop(heap)
+                if cache.get(victim) == -neg:
+                    del cache[victim]
+                    break
+        cache[key] = next_use[i]
+        heapq.heappush(heap, (-next_use[i], key))
+    return hits / max(1, len(accesses))
+
+
+def geometry_pack(trace: Trace, directory: Path) -> Path:
+    """A pack with the trace's layers and experts and tiny matrices: the residency code needs
+    the geometry and record layout, not the weights."""
+    path = directory / f"replay-{trace.n_layers}x{trace.n_experts}.strpk"
+    if not path.exists():
+        directory.mkdir(parents=True, exist_ok=True)
+        g = Geometry(trace.n_layers, trace.n_experts, trace.top_k, 8, 8, "softmax_topk", True)
+        zeros = np.zeros((8, 8), np.float32)
+        write_pack(
+            path,
+            g,
+            [np.zeros((trace.n_experts, 8), np.float32)] * trace.n_layers,
+            lambda layer, e: (zeros, zeros, zeros),
+            weight_format="f32",
+            progress=False,
+            source="strata-stream replay geometry",
+        )
+    return path
+
+
+def replay(
+    trace: Trace, slots: int, policy: str = "lru", cache_dir: Path | None = None
+) -> ReplayResult:
+    if policy != "lru":
+        raise ConfigError(f"policy {policy!r} is not available (have: lru)")
+    if slots < 2 * trace.top_k:
+        raise ConfigError(f"--slots {slots}: at least {2 * trace.top_k} (2 x top_k) needed")
+    from strata_stream.demo import default_pack_dir
+
+    pack = geometry_pack(trace, cache_dir or default_pack_dir())
+    stride = 16384
+    config = StreamConfig(
+        arena_bytes=slots * stride, io_threads=0, part_bytes=stride, direct_io=False
+    )
+    hits = misses = 0
+    with ExpertStream(pack, config, simulate_io=True) as stream:
+        if stream.record_stride != stride:
+            raise PackError(f"{pack}: unexpected record stride {stream.record_stride}")
+        for layer, experts in trace.steps:
+            stream.enter_layer(layer, experts)  # the device reads these: protected (I4)
+            h, m, _ = stream.request(layer, experts)
+            stream.wait(layer, experts)
+            hits += h
+            misses += m
+        stream.end_turn()
+    keys = trace.accesses()
+    return ReplayResult(
+        slots,
+        len(keys),
+        hits / max(1, hits + misses),
+        lru_hit_rate(keys, slots),
+        belady_hit_rate(keys, slots),
+        policy,
+    )
