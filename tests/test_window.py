@@ -312,3 +312,24 @@ def test_buf_reuse_keeps_the_prompt_scratch_across_turns(pack: Path, reuse: bool
         with w.turn():  # the next turn reallocates what it needs
             for layer, x in enumerate(turns[1]):
                 w.moe(layer, x)
+
+
+def test_a_second_thread_cannot_enter_a_busy_window(pack: Path) -> None:
+    import threading
+
+    from oracle import route_reference
+
+    x = inputs(9, [1])[0][0]
+    with ExpertPack.open(pack) as p:
+        ids, _ = route_reference(x, p.router_weights(0), K, "softmax_topk", True)
+    with ExpertStream(pack, stream_config(pack, 2 * K)) as stream, Window(stream) as w:
+        stream.inject_fault(0, int(ids[0, 0]), kind="delay", delay_s=0.5)
+        first = threading.Thread(target=w.moe, args=(0, x))
+        first.start()
+        for _ in range(100):  # until the first call is inside the engine
+            if stream.stats()["misses"]:
+                break
+            threading.Event().wait(0.005)
+        with pytest.raises(TurnError, match="two threads"):
+            w.moe(0, x)
+        first.join()

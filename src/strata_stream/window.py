@@ -16,6 +16,7 @@ x propagates to the output rows it touches, as in the unstreamed model.
 from __future__ import annotations
 
 import importlib
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import TracebackType
@@ -55,6 +56,9 @@ class Window:
         )
         self._implicit_turn = False
         self._closed = False
+        # The C++ Window has one host thread by design; moe() releases the GIL, so a second
+        # Python thread could otherwise enter it concurrently.
+        self._busy = threading.Lock()
 
     # ---- turns -------------------------------------------------------------------------------
     @contextmanager
@@ -91,7 +95,12 @@ class Window:
                 f"layer {layer} called out of order: this turn expects layer "
                 f"{self._w.next_layer} next"
             )
-        out: npt.NDArray[np.float32] = self._w.moe(int(layer), arr)
+        if not self._busy.acquire(blocking=False):
+            raise TurnError("Window.moe called from two threads at once; use one per thread")
+        try:
+            out: npt.NDArray[np.float32] = self._w.moe(int(layer), arr)
+        finally:
+            self._busy.release()
         if self._implicit_turn and int(layer) == self.n_layers - 1:
             self._w.end_turn()
             self._implicit_turn = False
