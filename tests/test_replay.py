@@ -80,3 +80,49 @@ def test_the_real_qwen3_trace_reproduces_its_published_figures(tmp_path: Path) -
     assert r["lru_hit_rate"] == pytest.approx(0.749, abs=0.0015)  # the trace README's 74.9 %
     assert r["belady_hit_rate"] == pytest.approx(0.868, abs=0.0015)
     assert r["hit_rate"] == pytest.approx(r["lru_hit_rate"], abs=0.001)
+
+
+def test_a_window_records_what_it_routed_and_replay_reads_it(tmp_path: Path) -> None:
+    from conftest import random_experts, random_routers
+    from oracle import route_reference
+    from strata_stream import ExpertPack, ExpertStream, StreamConfig, Window
+    from strata_stream.pack import Geometry, write_pack
+    from strata_stream.synthetic import SyntheticDriver
+
+    g = Geometry(4, 16, 2, 64, 32, "softmax_topk", True)
+    pack = tmp_path / "p.strpk"
+    write_pack(pack, g, random_routers(g, 3), random_experts(g, 3), progress=False)
+    trace_path = tmp_path / "run.csv"
+    with ExpertPack.open(pack) as p:
+        stride = p.record_stride
+        driver = SyntheticDriver(g, p.router_weights, seed=1)
+        config = StreamConfig(
+            arena_bytes=8 * stride,
+            io_threads=2,
+            direct_io=False,
+            max_rows=5,
+            trace_path=str(trace_path),
+        )
+        expected = []
+        with ExpertStream(pack, config) as stream, Window(stream) as w:
+            token = 0
+            for tokens in [driver.prompt(12)] + [driver.decode() for _ in range(6)]:
+                with w.turn():
+                    for layer in range(g.n_layers):
+                        x = tokens.layer_input(layer)
+                        w.moe(layer, x)
+                        ids, _ = route_reference(
+                            x, p.router_weights(layer), g.top_k, g.routing, True
+                        )
+                        for t, row in enumerate(ids):
+                            expected += [(token + t, layer, int(e)) for e in row]
+                token += tokens.n
+    lines = trace_path.read_text().splitlines()
+    assert lines[0] == "# strata_trace v1 n_layers=4 n_experts=16 top_k=2"
+    got = [tuple(int(v) for v in line.split(",")) for line in lines[2:]]
+    assert sorted(got) == sorted(expected)  # every routed choice, each once
+    trace = read_trace(trace_path)
+    assert len(trace.accesses()) == len(expected)
+    r = replay(trace, 6, cache_dir=tmp_path)
+    assert abs(r.hit_rate - r.lru_hit_rate) * r.accesses <= 4
+    assert r.lru_hit_rate <= r.belady_hit_rate

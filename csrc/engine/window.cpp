@@ -112,6 +112,12 @@ void Window::end_turn() {
 
 void Window::reset_stats() { stats_.assign(L_.n_layers, LayerStats{}); }
 
+std::vector<std::int32_t> Window::take_routes() {
+  std::vector<std::int32_t> out;
+  out.swap(routes_);
+  return out;
+}
+
 std::uint32_t Window::wave_capacity() const {
   // Leave one top-k of room so that the next layer's prefetches are not all evicted.
   return stream_.n_slots() - L_.top_k;
@@ -128,6 +134,10 @@ void Window::moe(std::uint32_t layer, const float* x, std::uint32_t rows, float*
                            "expects layer " + std::to_string(next_layer_) + " next");
   if (rows == 0) return;
   const std::uint32_t H = L_.hidden;
+  if (layer == 0) {  // a new pass over the model starts with these tokens
+    pass_first_token_ = tokens_seen_;
+    tokens_seen_ += rows;
+  }
   try {
     std::vector<std::int32_t> chosen;
     std::vector<char> seen(L_.n_experts, 0);
@@ -137,6 +147,7 @@ void Window::moe(std::uint32_t layer, const float* x, std::uint32_t rows, float*
     for (std::uint32_t r0 = 0; r0 < rows; r0 += opt_.max_rows, ++chunk) {
       const std::uint32_t n = std::min(opt_.max_rows, rows - r0);
       std::memcpy(x_, x + std::size_t(r0) * H, std::size_t(n) * H * 4);
+      row0_ = r0;
       for (std::int32_t e : run_chunk(layer, chunk, n, interrupt))
         if (!seen[std::uint32_t(e)]) {
           seen[std::uint32_t(e)] = 1;
@@ -280,6 +291,10 @@ std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t c
   // ---- at_layer(l): the host reads the ids and makes the experts come ----
   HostTimer at_layer;
   std::vector<std::int32_t> chosen = by_popularity(ids_, rows * k);
+  if (opt_.record_routes)
+    for (std::uint32_t i = 0; i < rows * k; ++i)
+      routes_.insert(routes_.end(), {std::int32_t(pass_first_token_ + row0_ + i / k),
+                                     std::int32_t(layer), ids_[i]});
   record_actual(layer, chunk, chosen);
   LayerStats& st = stats_[layer];
   const std::uint32_t n_waves =

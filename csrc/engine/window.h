@@ -30,6 +30,7 @@ struct WindowOptions {
   // STRATA_METAL_PROMPT_BUF_REUSE: keep the prompt scratch (and the backend's views of it)
   // across turns instead of releasing it when a turn ends.
   bool prompt_buf_reuse = false;
+  bool record_routes = false;    // keep (token, layer, expert) of every routed choice
   bool split_turn = false;       // each step its own submission (host works between them)
   std::uint32_t max_rows = 1024; // prompt chunk rows (MT)
   std::uint32_t decode_rows = 4; // T <= this (and its experts fit) takes the decode path
@@ -65,6 +66,9 @@ class Window {
   std::uint32_t next_layer() const { return next_layer_; }
 
   const std::vector<LayerStats>& layer_stats() const { return stats_; }
+  // Routed choices recorded since the last call, as (token, layer, expert) triples, in the order
+  // the engine met them (a prompt pass layer by layer). Tokens count from the first call.
+  std::vector<std::int32_t> take_routes();
   void reset_stats();
   const WindowOptions& options() const { return opt_; }
   std::string backend_name() const { return backend_->name(); }
@@ -117,6 +121,10 @@ class Window {
   bool in_turn_ = false;
   std::uint32_t next_layer_ = 0;
   std::vector<LayerStats> stats_;
+  std::vector<std::int32_t> routes_;  // (token, layer, expert) triples while record_routes
+  std::int64_t tokens_seen_ = 0;      // tokens whose layer-0 call has started
+  std::int64_t pass_first_token_ = 0; // first token of the pass now running
+  std::uint32_t row0_ = 0;            // first row of the chunk now running
   // predicted_[layer][chunk]: experts router `layer` chose on layer-1's input, for
   // precision/recall when that chunk reaches `layer`.
   std::vector<std::vector<std::vector<std::int32_t>>> predicted_;

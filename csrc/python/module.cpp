@@ -270,7 +270,8 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init([](Stream& stream, const std::string& backend, bool lookahead,
                        bool split_turn, std::uint32_t max_rows, std::uint32_t decode_rows,
                        double device_timeout_s, unsigned threads, bool prompt_pred2,
-                       std::uint32_t pred2_max, bool decode_prefetch2, bool prompt_buf_reuse) {
+                       std::uint32_t pred2_max, bool decode_prefetch2, bool prompt_buf_reuse,
+                       bool record_routes) {
              if (backend != "cpu")
                throw EngineError(ErrorKind::Config, "backend '" + backend +
                                                         "' is not available here (have: cpu)");
@@ -284,6 +285,7 @@ PYBIND11_MODULE(_core, m) {
              o.pred2_max = pred2_max;
              o.decode_prefetch2 = decode_prefetch2;
              o.prompt_buf_reuse = prompt_buf_reuse;
+             o.record_routes = record_routes;
              ExpertStream& es = stream.get();
              py::gil_scoped_release nogil;
              return std::make_unique<Window>(es, make_cpu_backend(threads), o);
@@ -292,7 +294,7 @@ PYBIND11_MODULE(_core, m) {
            py::arg("split_turn"), py::arg("max_rows"), py::arg("decode_rows"),
            py::arg("device_timeout_s"), py::arg("threads") = 0, py::arg("prompt_pred2") = false,
            py::arg("pred2_max") = 64, py::arg("decode_prefetch2") = false,
-           py::arg("prompt_buf_reuse") = false)
+           py::arg("prompt_buf_reuse") = false, py::arg("record_routes") = false)
       .def("moe",
            [](Window& w, std::uint32_t layer,
               py::array_t<float, py::array::c_style> x) {
@@ -317,6 +319,13 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("backend", &Window::backend_name)
       .def_property_readonly("scratch_bytes", &Window::scratch_bytes)
       .def("reset_stats", &Window::reset_stats)
+      .def("take_routes",
+           [](Window& w) {
+             std::vector<std::int32_t> r = w.take_routes();
+             py::array_t<std::int32_t> a({py::ssize_t(r.size() / 3), py::ssize_t(3)});
+             std::copy(r.begin(), r.end(), a.mutable_data());
+             return a;
+           })
       .def("layer_stats", [](Window& w) {
         py::list out;
         for (const LayerStats& s : w.layer_stats()) {

@@ -40,6 +40,7 @@ ENV_FLAGS: dict[str, str] = {
     "lookahead": "STRATA_LOOKAHEAD",
     "split_turn": "STRATA_SPLIT_TURN",
     "max_rows": "STRATA_MAX_ROWS",
+    "trace_path": "STRATA_TRACE_PATH",
 }
 
 
@@ -92,6 +93,9 @@ class StreamConfig:
     max_rows: int = 1024
     decode_rows: int = 4
     device_timeout_s: float = 600.0
+    # A Window records every routed choice to this file (strata_trace v1, see replay.py), for
+    # `strata-stream replay`. Written anew by each Window.
+    trace_path: str | None = None
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -128,6 +132,10 @@ class StreamConfig:
             raise ConfigError(
                 f"StreamConfig.part_bytes: must be a positive multiple of {PAGE}, "
                 f"got {self.part_bytes}"
+            )
+        if self.trace_path is not None and not isinstance(self.trace_path, str):
+            raise ConfigError(
+                f"StreamConfig.trace_path: expected a path string, got {self.trace_path!r}"
             )
         if not 1 <= self.max_rows <= 1 << 20:
             raise ConfigError(f"StreamConfig.max_rows: must be 1..{1 << 20}, got {self.max_rows}")
@@ -166,6 +174,8 @@ class StreamConfig:
             kind = types[name]
             if name in ("arena_bytes", "part_bytes"):
                 values[name] = parse_size(text, var)
+            elif name == "trace_path":
+                values[name] = text
             elif kind in ("bool", bool):
                 values[name] = _parse_bool(text, var)
             else:

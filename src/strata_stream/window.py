@@ -53,7 +53,15 @@ class Window:
             c.prompt_pred2_max,
             c.decode_prefetch2,
             c.prompt_buf_reuse,
+            c.trace_path is not None,
         )
+        self._trace = None if c.trace_path is None else open(c.trace_path, "w")  # noqa: SIM115
+        if self._trace is not None:
+            self._trace.write(
+                f"# strata_trace v1 n_layers={self.n_layers} "
+                f"n_experts={stream.n_experts} top_k={stream.top_k}\n"
+                "token,layer,expert\n"
+            )
         self._implicit_turn = False
         self._closed = False
         # The C++ Window has one host thread by design; moe() releases the GIL, so a second
@@ -75,6 +83,7 @@ class Window:
             yield self
         finally:
             self._w.end_turn()
+            self._flush_trace()
 
     # ---- the layer call ----------------------------------------------------------------------
     def moe(self, layer: int, x: npt.ArrayLike) -> npt.NDArray[np.float32]:
@@ -104,7 +113,15 @@ class Window:
         if self._implicit_turn and int(layer) == self.n_layers - 1:
             self._w.end_turn()
             self._implicit_turn = False
+            self._flush_trace()
         return out
+
+    def _flush_trace(self) -> None:
+        if self._trace is None:
+            return
+        routes = self._w.take_routes()
+        self._trace.write("".join(f"{t},{layer},{e}\n" for t, layer, e in routes.tolist()))
+        self._trace.flush()
 
     def _input(self, x: npt.ArrayLike) -> npt.NDArray[np.float32]:
         if not isinstance(x, np.ndarray):
@@ -165,6 +182,9 @@ class Window:
     def close(self) -> None:
         if not self._closed:
             self._w.end_turn()
+            self._flush_trace()
+            if self._trace is not None:
+                self._trace.close()
             self._closed = True
 
     def _check_open(self) -> None:
