@@ -333,3 +333,26 @@ def test_a_second_thread_cannot_enter_a_busy_window(pack: Path) -> None:
         with pytest.raises(TurnError, match="two threads"):
             w.moe(0, x)
         first.join()
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_an_io_error_in_a_later_wave_leaves_the_next_turn_exact(pack: Path, split: bool) -> None:
+    from oracle import route_reference
+
+    turns = inputs(8, [40, 40])
+    want = run(pack, stream_config(pack), turns[1:])
+    with (
+        ExpertStream(pack, stream_config(pack, 2 * K, split_turn=split)) as stream,
+        Window(stream) as w,
+    ):
+        xs = turns[0]
+        with ExpertPack.open(pack) as p:
+            ids, _ = route_reference(xs[0], p.router_weights(0), K, "softmax_topk", True)
+        counts = np.bincount(ids.ravel(), minlength=E)
+        last = sorted(range(E), key=lambda e: (-counts[e], e))[int((counts > 0).sum()) - 1]
+        stream.inject_fault(0, last, kind="eio")  # the least popular: read in the last wave
+        with pytest.raises(ExpertReadError):
+            w.moe(0, xs[0])
+        with w.turn():
+            got = [w.moe(layer, x) for layer, x in enumerate(turns[1])]
+    assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))

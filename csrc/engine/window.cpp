@@ -162,6 +162,13 @@ void Window::moe(std::uint32_t layer, const float* x, std::uint32_t rows, float*
     // Abandon the call: the device skips what is queued, the turn ends, the stream stays usable.
     backend_->abort_pending();
     backend_->synchronize();
+    // Aborting woke the device by signalling the value it waited for, which can be ahead of the
+    // counters (waves encoded but never released). Resume past every value an event holds, so
+    // no stale signal can release a later wait.
+    for (SharedEvent* ev : {&routed_, &release1_, &release2_, &done_})
+      seq_ = std::max(seq_, ev->value());
+    for (SharedEvent* ev : {&wave_release_, &wave_done_})
+      wave_seq_ = std::max(wave_seq_, ev->value());
     stream_.release_plan();
     stream_.end_turn();
     in_turn_ = false;
