@@ -28,7 +28,11 @@ def stream_config(path: Path, n_slots: int | None = None, **kw: object) -> Strea
     with ExpertPack.open(path) as p:
         stride = p.record_stride
         n = n_slots if n_slots is not None else p.geometry.n_layers * p.geometry.n_experts
-    base: dict[str, object] = dict(arena_bytes=n * stride, io_threads=2, direct_io=False)
+    # persist_profile off: packs are shared between tests, and a profile saved by one would
+    # change what the next prefetches at turn start.
+    base: dict[str, object] = dict(
+        arena_bytes=n * stride, io_threads=2, direct_io=False, persist_profile=False
+    )
     base.update(kw)
     return StreamConfig(**base)  # type: ignore[arg-type]
 
@@ -356,3 +360,67 @@ def test_an_io_error_in_a_later_wave_leaves_the_next_turn_exact(pack: Path, spli
         with w.turn():
             got = [w.moe(layer, x) for layer, x in enumerate(turns[1])]
     assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_the_profile_is_learned_saved_and_drives_start_layers(
+    make_pack: PackFactory, tmp_path: Path
+) -> None:
+    import shutil
+
+    from oracle import route_reference
+    from strata_stream import ReadClass
+
+    path = tmp_path / "own.strpk"
+    shutil.copy(make_pack(n_layers=L, n_experts=E, top_k=K, hidden=H, moe_intermediate=INTER), path)
+    turns = inputs(12, [30])
+    config = stream_config(
+        path, io_threads=0, persist_profile=True, prompt_start_layers=3, lookahead=False
+    )
+    with ExpertStream(path, config) as stream, Window(stream) as w:
+        with w.turn():
+            for layer, x in enumerate(turns[0]):
+                w.moe(layer, x)
+        learned = w.profile()
+    with ExpertPack.open(path) as p:
+        for layer, x in enumerate(turns[0]):  # the profile counts what the router chose
+            ids, _ = route_reference(x, p.router_weights(layer), K, "softmax_topk", True)
+            assert (learned[layer] == np.bincount(ids.ravel(), minlength=E)).all()
+    saved = np.load(str(path) + ".profile.npy")
+    assert (saved == learned).all()
+
+    # A new Window loads it; a turn start queues layer 0's top-k by popularity and at most 32
+    # new reads for layers 1 and 2, before any layer runs.
+    cold = stream_config(
+        path, 2 * K + 40, io_threads=0, persist_profile=True, prompt_start_layers=3, lookahead=False
+    )
+    with ExpertStream(path, cold) as stream, Window(stream) as w:
+        assert (w.profile() == saved).all()
+        with w.turn():
+            table = stream.slot_table()
+            queued = {
+                layer: sorted(
+                    int(k) % E
+                    for k, c, st in zip(table["key"], table["cls"], table["state"], strict=True)
+                    if st != 0 and c == ReadClass.PROFILE and int(k) // E == layer
+                )
+                for layer in range(L)
+            }
+            ranked0 = sorted(range(E), key=lambda e: (-int(saved[0][e]), e))[:K]
+            assert queued[0] == sorted(ranked0)
+            assert 0 < len(queued[1]) <= 32 and 0 < len(queued[2]) <= 32
+            assert queued[3] == []
+            for layer, x in enumerate(turns[0]):
+                w.moe(layer, x)
+
+
+def test_a_foreign_profile_file_is_ignored_with_a_warning(pack: Path, tmp_path: Path) -> None:
+    import shutil
+
+    path = tmp_path / "p.strpk"
+    shutil.copy(pack, path)
+    np.save(str(path) + ".profile.npy", np.zeros((2, 3), np.uint32))
+    with ExpertStream(path, stream_config(path, persist_profile=True)) as stream:
+        with pytest.warns(UserWarning, match="ignoring expert profile"):
+            w = Window(stream)
+        w.close()
+    assert np.load(str(path) + ".profile.npy").shape == (L, E)  # replaced by a real one

@@ -61,6 +61,7 @@ Window::Window(ExpertStream& stream, std::unique_ptr<Backend> backend,
     throw EngineError(ErrorKind::Config, "device_timeout_s must be positive");
   stats_.assign(L_.n_layers, LayerStats{});
   predicted_.assign(L_.n_layers, {});
+  profile_.assign(std::size_t(L_.n_layers) * L_.n_experts, 0);
   ensure_scratch(1);
 }
 
@@ -97,6 +98,7 @@ void Window::begin_turn() {
   if (in_turn_) throw std::logic_error("a turn is already open");
   in_turn_ = true;
   next_layer_ = 0;
+  queue_start_layers();
 }
 
 void Window::end_turn() {
@@ -111,6 +113,35 @@ void Window::end_turn() {
 }
 
 void Window::reset_stats() { stats_.assign(L_.n_layers, LayerStats{}); }
+
+void Window::set_profile(const std::vector<std::uint32_t>& counts) {
+  if (counts.size() != profile_.size())
+    throw EngineError(ErrorKind::Config, "profile has " + std::to_string(counts.size()) +
+                                             " counts, expected n_layers * n_experts = " +
+                                             std::to_string(profile_.size()));
+  profile_ = counts;
+}
+
+void Window::queue_start_layers() {
+  const std::uint32_t E = L_.n_experts;
+  const std::uint32_t n = std::min(opt_.start_layers, L_.n_layers);
+  if (n == 0) return;
+  stream_.enter_layer(0);  // until layer 0 runs, speculation evicts neither layer 0 nor 1 (I9)
+  for (std::uint32_t layer = 0; layer < n; ++layer) {
+    std::vector<std::int32_t> ranked;
+    for (std::uint32_t e = 0; e < E; ++e)
+      if (profile_[std::size_t(layer) * E + e]) ranked.push_back(std::int32_t(e));
+    std::stable_sort(ranked.begin(), ranked.end(), [&](std::int32_t a, std::int32_t b) {
+      return profile_[std::size_t(layer) * E + std::uint32_t(a)] >
+             profile_[std::size_t(layer) * E + std::uint32_t(b)];
+    });
+    // Layer 0 is needed first: as many as one token uses. Later layers: a bounded head start.
+    if (layer == 0 && ranked.size() > L_.top_k) ranked.resize(L_.top_k);
+    if (!ranked.empty())
+      stream_.request(layer, ranked.data(), ranked.size(), ReadClass::Profile, {},
+                      layer == 0 ? 0xFFFFFFFFu : 32u);
+  }
+}
 
 std::vector<std::int32_t> Window::take_routes() {
   std::vector<std::int32_t> out;
@@ -298,6 +329,8 @@ std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t c
   // ---- at_layer(l): the host reads the ids and makes the experts come ----
   HostTimer at_layer;
   std::vector<std::int32_t> chosen = by_popularity(ids_, rows * k);
+  for (std::uint32_t i = 0; i < rows * k; ++i)  // learn the popularity profile online
+    ++profile_[std::size_t(layer) * L_.n_experts + std::uint32_t(ids_[i])];
   if (opt_.record_routes)
     for (std::uint32_t i = 0; i < rows * k; ++i)
       routes_.insert(routes_.end(), {std::int32_t(pass_first_token_ + row0_ + i / k),

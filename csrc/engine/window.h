@@ -31,6 +31,9 @@ struct WindowOptions {
   // across turns instead of releasing it when a turn ends.
   bool prompt_buf_reuse = false;
   bool record_routes = false;    // keep (token, layer, expert) of every routed choice
+  // STRATA_METAL_PROMPT_START_LAYERS: at turn start, queue profile-ranked experts of layers
+  // 0..n-1 (layer 0 up to top_k of them, later layers up to 32 new reads each).
+  std::uint32_t start_layers = 1;
   bool split_turn = false;       // each step its own submission (host works between them)
   std::uint32_t max_rows = 1024; // prompt chunk rows (MT)
   std::uint32_t decode_rows = 4; // T <= this (and its experts fit) takes the decode path
@@ -69,6 +72,9 @@ class Window {
   // Routed choices recorded since the last call, as (token, layer, expert) triples, in the order
   // the engine met them (a prompt pass layer by layer). Tokens count from the first call.
   std::vector<std::int32_t> take_routes();
+  // Expert popularity, learned online: tokens that chose each (layer, expert), [L * E].
+  const std::vector<std::uint32_t>& profile() const { return profile_; }
+  void set_profile(const std::vector<std::uint32_t>& counts);  // size must be L * E
   void reset_stats();
   const WindowOptions& options() const { return opt_; }
   std::string backend_name() const { return backend_->name(); }
@@ -122,6 +128,8 @@ class Window {
   std::uint32_t next_layer_ = 0;
   std::vector<LayerStats> stats_;
   std::vector<std::int32_t> routes_;  // (token, layer, expert) triples while record_routes
+  std::vector<std::uint32_t> profile_;  // [L * E] popularity counts
+  void queue_start_layers();
   std::int64_t tokens_seen_ = 0;      // tokens whose layer-0 call has started
   std::int64_t pass_first_token_ = 0; // first token of the pass now running
   std::uint32_t row0_ = 0;            // first row of the chunk now running

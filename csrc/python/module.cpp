@@ -271,7 +271,7 @@ PYBIND11_MODULE(_core, m) {
                        bool split_turn, std::uint32_t max_rows, std::uint32_t decode_rows,
                        double device_timeout_s, unsigned threads, bool prompt_pred2,
                        std::uint32_t pred2_max, bool decode_prefetch2, bool prompt_buf_reuse,
-                       bool record_routes) {
+                       bool record_routes, std::uint32_t start_layers) {
              if (backend != "cpu")
                throw EngineError(ErrorKind::Config, "backend '" + backend +
                                                         "' is not available here (have: cpu)");
@@ -286,6 +286,7 @@ PYBIND11_MODULE(_core, m) {
              o.decode_prefetch2 = decode_prefetch2;
              o.prompt_buf_reuse = prompt_buf_reuse;
              o.record_routes = record_routes;
+             o.start_layers = start_layers;
              ExpertStream& es = stream.get();
              py::gil_scoped_release nogil;
              return std::make_unique<Window>(es, make_cpu_backend(threads), o);
@@ -294,7 +295,8 @@ PYBIND11_MODULE(_core, m) {
            py::arg("split_turn"), py::arg("max_rows"), py::arg("decode_rows"),
            py::arg("device_timeout_s"), py::arg("threads") = 0, py::arg("prompt_pred2") = false,
            py::arg("pred2_max") = 64, py::arg("decode_prefetch2") = false,
-           py::arg("prompt_buf_reuse") = false, py::arg("record_routes") = false)
+           py::arg("prompt_buf_reuse") = false, py::arg("record_routes") = false,
+           py::arg("start_layers") = 1)
       .def("moe",
            [](Window& w, std::uint32_t layer,
               py::array_t<float, py::array::c_style> x) {
@@ -319,6 +321,17 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("backend", &Window::backend_name)
       .def_property_readonly("scratch_bytes", &Window::scratch_bytes)
       .def("reset_stats", &Window::reset_stats)
+      .def("profile",
+           [](Window& w) {
+             const auto& p = w.profile();
+             py::array_t<std::uint32_t> a(py::ssize_t(p.size()));
+             std::copy(p.begin(), p.end(), a.mutable_data());
+             return a;
+           })
+      .def("set_profile",
+           [](Window& w, py::array_t<std::uint32_t, py::array::c_style | py::array::forcecast> a) {
+             w.set_profile(std::vector<std::uint32_t>(a.data(), a.data() + a.size()));
+           })
       .def("take_routes",
            [](Window& w) {
              std::vector<std::int32_t> r = w.take_routes();

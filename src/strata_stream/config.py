@@ -96,6 +96,9 @@ class StreamConfig:
     # A Window records every routed choice to this file (strata_trace v1, see replay.py), for
     # `strata-stream replay`. Written anew by each Window.
     trace_path: str | None = None
+    # Load and save the expert popularity profile beside the pack (`<pack>.profile.npy`); off,
+    # each Window learns one from scratch and forgets it.
+    persist_profile: bool = True
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

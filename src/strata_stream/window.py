@@ -16,9 +16,12 @@ x propagates to the output rows it touches, as in the unstreamed model.
 from __future__ import annotations
 
 import importlib
+import os
 import threading
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -27,6 +30,11 @@ import numpy.typing as npt
 
 from strata_stream.errors import StreamClosedError, TurnError
 from strata_stream.stream import ExpertStream
+
+
+def profile_path(pack: Path) -> Path:
+    """Where a pack's expert popularity profile lives: beside it, `<pack>.profile.npy`."""
+    return pack.with_name(pack.name + ".profile.npy")
 
 
 class Window:
@@ -54,7 +62,12 @@ class Window:
             c.decode_prefetch2,
             c.prompt_buf_reuse,
             c.trace_path is not None,
+            c.prompt_start_layers,
         )
+        self.profile_path = profile_path(stream.path)
+        self._persist = c.persist_profile
+        if self._persist:
+            self._load_profile()
         self._trace = None if c.trace_path is None else open(c.trace_path, "w")  # noqa: SIM115
         if self._trace is not None:
             self._trace.write(
@@ -115,6 +128,32 @@ class Window:
             self._implicit_turn = False
             self._flush_trace()
         return out
+
+    def _load_profile(self) -> None:
+        if not self.profile_path.exists():
+            return
+        try:
+            counts = np.load(self.profile_path)
+            if counts.shape != (self.n_layers, self.stream.n_experts):
+                raise ValueError(f"shape {counts.shape}")
+            self._w.set_profile(counts.astype(np.uint32).ravel())
+        except (OSError, ValueError) as err:  # a stale or foreign file: learn afresh
+            warnings.warn(f"ignoring expert profile {self.profile_path}: {err}", stacklevel=3)
+
+    def profile(self) -> npt.NDArray[np.uint32]:
+        """Tokens that chose each expert, [n_layers, n_experts], learned online."""
+        counts: npt.NDArray[np.uint32] = self._w.profile().reshape(self.n_layers, -1)
+        return counts
+
+    def save_profile(self) -> None:
+        """Writes the profile beside the pack (atomically); close() does it too."""
+        tmp = self.profile_path.with_name(self.profile_path.name + ".tmp")
+        try:
+            with open(tmp, "wb") as f:
+                np.save(f, self.profile())
+            os.replace(tmp, self.profile_path)
+        except OSError as err:  # a read-only pack directory costs the profile, nothing else
+            warnings.warn(f"cannot save expert profile {self.profile_path}: {err}", stacklevel=2)
 
     def _flush_trace(self) -> None:
         if self._trace is None:
@@ -183,6 +222,8 @@ class Window:
         if not self._closed:
             self._w.end_turn()
             self._flush_trace()
+            if self._persist:
+                self.save_profile()
             if self._trace is not None:
                 self._trace.close()
             self._closed = True
