@@ -277,7 +277,7 @@ std::int32_t ExpertStream::take_slot(bool speculative) {
   if (free_.empty()) {
     for (std::uint32_t s : limbo_) {
       const Slot& sl = slots_[s];
-      if (!sl.in_flight() && (sl.reads_finished() || sl.parts_started == 0)) {
+      if (sl.limbo_releasable()) {
         recycle(s);
         stats_.limbo_released.fetch_add(1, std::memory_order_relaxed);
         break;
@@ -441,7 +441,7 @@ void ExpertStream::throw_read_error(std::uint32_t s) {
 
 void ExpertStream::wait(std::uint32_t layer, const std::int32_t* experts, std::size_t n,
                         const InterruptCheck& interrupt) {
-  check_layer(layer);
+  check_experts(layer, experts, n);
   const std::uint32_t E = layout().n_experts;
   {
     // Anything not yet requested (or dropped) is requested now.
@@ -450,9 +450,6 @@ void ExpertStream::wait(std::uint32_t layer, const std::int32_t* experts, std::s
       std::lock_guard<std::mutex> lk(mu_);
       require_open();
       for (std::size_t i = 0; i < n; ++i) {
-        if (experts[i] < 0 || std::uint32_t(experts[i]) >= E)
-          throw std::out_of_range("expert " + std::to_string(experts[i]) + " out of range [0, " +
-                                  std::to_string(E) + ")");
         std::int32_t s = where_[layer * E + std::uint32_t(experts[i])];
         if (s < 0 || slots_[std::uint32_t(s)].cls != ReadClass::Urgent ||
             slots_[std::uint32_t(s)].load() == SlotState::Limbo)
@@ -599,13 +596,11 @@ void ExpertStream::end_turn() {
 
 void ExpertStream::plan(std::uint32_t layer, const std::int32_t* experts, std::size_t n,
                         std::uint8_t* resident) {
-  check_layer(layer);
+  check_experts(layer, experts, n);  // before any pin, so a bad id leaves no partial plan
   const std::uint32_t E = layout().n_experts;
   std::lock_guard<std::mutex> lk(mu_);
   require_open();
   for (std::size_t i = 0; i < n; ++i) {
-    if (experts[i] < 0 || std::uint32_t(experts[i]) >= E)
-      throw std::out_of_range("expert " + std::to_string(experts[i]) + " out of range");
     const std::uint32_t key = layer * E + std::uint32_t(experts[i]);
     std::uint32_t s = smap_load(smap_.get(), key);
     resident[i] = s != kAbsent;
@@ -679,7 +674,7 @@ std::uint32_t ExpertStream::release_limbo_locked() {
   std::vector<std::uint32_t> done;
   for (std::uint32_t s : limbo_) {
     const Slot& sl = slots_[s];
-    if (!sl.in_flight() && (sl.reads_finished() || sl.parts_started == 0)) done.push_back(s);
+    if (sl.limbo_releasable()) done.push_back(s);
   }
   for (std::uint32_t s : done) recycle(s);
   stats_.limbo_released.fetch_add(done.size(), std::memory_order_relaxed);

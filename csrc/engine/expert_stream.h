@@ -94,6 +94,7 @@ class ExpertStream {
   const PackLayout& layout() const { return file_->layout(); }
   const PackFile& file() const { return *file_; }
   std::uint32_t n_slots() const { return arena_->n_slots(); }
+  std::uint32_t n_parts() const { return n_parts_; }  // part reads per expert record
   const Arena& arena() const { return *arena_; }
   const StreamOptions& options() const { return opt_; }
   // One layer's top-k being executed plus the next layer's, whose router may be running.

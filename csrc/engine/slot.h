@@ -55,6 +55,10 @@ struct Slot {
 
   bool in_flight() const { return parts_started != parts_done; }
   bool reads_finished() const { return parts_done == parts_total; }
+  // A limbo slot may be recycled once no read is in flight and none is still queued.
+  bool limbo_releasable() const {
+    return !in_flight() && (reads_finished() || parts_started == 0);
+  }
   SlotState load() const { return state.load(std::memory_order_acquire); }
 };
 

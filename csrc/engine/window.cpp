@@ -112,6 +112,12 @@ void Window::end_turn() {
   if (!opt_.prompt_buf_reuse && scratch_.rows() > opt_.decode_rows) release_scratch();
 }
 
+void Window::count_urgent(LayerStats& st, const RequestResult& r) const {
+  st.hits += r.hits;
+  st.misses += r.misses;
+  st.bytes_read += std::uint64_t(r.misses) * L_.record_bytes;
+}
+
 void Window::reset_stats() { stats_.assign(L_.n_layers, LayerStats{}); }
 
 void Window::set_profile(const std::vector<std::uint32_t>& counts) {
@@ -348,9 +354,7 @@ std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t c
     AtLayerResult r = stream_.at_layer(layer, chosen.data(), chosen.size(), predicted.data(),
                                        predicted.size(), interrupt, predicted2.data(),
                                        predicted2.size());
-    st.hits += r.urgent.hits;
-    st.misses += r.urgent.misses;
-    st.bytes_read += std::uint64_t(r.urgent.misses) * L_.record_bytes;
+    count_urgent(st, r.urgent);
     at_layer.add_to(st);
     if (opt_.split_turn)
       backend_->submit({cmd(Op::Plan, layer, rows),
@@ -378,9 +382,7 @@ std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t c
     HostTimer wave_timer;
     stream_.enter_layer(layer, wave.data(), wave.size());  // finished waves may make room
     RequestResult r = stream_.request(layer, wave.data(), wave.size(), ReadClass::Urgent, interrupt);
-    st.hits += r.hits;
-    st.misses += r.misses;
-    st.bytes_read += std::uint64_t(r.misses) * L_.record_bytes;
+    count_urgent(st, r);
     if (w == 0) stream_.publish(layer);
     if (w + 1 == n_waves) {  // predictions queue behind the last wave's reads
       std::vector<std::int32_t> p = predictions(layer, chunk, rows);

@@ -101,6 +101,7 @@ class Window {
   void stall_for(std::uint32_t layer, const std::vector<std::int32_t>& experts,
                  const InterruptCheck& interrupt);
   void after(std::uint32_t layer, const std::vector<std::int32_t>& chosen);
+  void count_urgent(LayerStats& st, const RequestResult& r) const;  // hits, misses, bytes
   std::uint32_t wave_capacity() const;
 
   ExpertStream& stream_;

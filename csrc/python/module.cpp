@@ -117,11 +117,7 @@ PYBIND11_MODULE(_core, m) {
            })
       .def_property_readonly("closed", [](Stream& self) { return !self.s || self.s->closed(); })
       .def_property_readonly("n_slots", [](Stream& self) { return self.get().n_slots(); })
-      .def_property_readonly("n_parts", [](Stream& self) {
-        auto& s = self.get();
-        return (s.layout().record_bytes + 4095) / 4096 * 4096 / s.options().part_bytes +
-               (((s.layout().record_bytes + 4095) / 4096 * 4096) % s.options().part_bytes != 0);
-      })
+      .def_property_readonly("n_parts", [](Stream& self) { return self.get().n_parts(); })
       .def_property_readonly("layout", [](Stream& self) { return layout_dict(self.get().layout()); })
       .def_property_readonly("direct_io", [](Stream& self) { return self.get().file().direct(); })
       .def_property_readonly("direct_note",
