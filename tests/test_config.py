@@ -31,12 +31,14 @@ def test_environment_flags_are_read_by_their_names() -> None:
         "STRATA_IO_THREADS": "8",
         "STRATA_PART_BYTES": "512k",
         "STRATA_DIRECT_IO": "no",
+        "STRATA_EVICTION": "lru",
     }
     c = StreamConfig.from_env(env=env)
     assert (c.publish_prefetch, c.prompt_pred2, c.prompt_pred2_max) == (False, True, 100)
     assert (c.prompt_start_layers, c.prompt_buf_reuse, c.decode_prefetch2) == (4, True, True)
     assert c.arena_bytes == 2 << 30 and c.io_threads == 8 and c.part_bytes == 512 << 10
     assert c.direct_io is False
+    assert c.eviction == "lru" and StreamConfig().eviction == "decayed_lfu"
 
 
 def test_overrides_win_over_the_environment() -> None:
@@ -62,6 +64,7 @@ def test_pred2_max_is_clamped_as_the_seed_does(value: str, clamped: int) -> None
         ("STRATA_PART_BYTES", "1000", "part_bytes"),
         ("STRATA_IO_THREADS", "x", "STRATA_IO_THREADS"),
         ("STRATA_IO_THREADS", "1000", "io_threads"),
+        ("STRATA_EVICTION", "fifo", "eviction"),
     ],
 )
 def test_bad_environment_values_name_the_variable_or_field(

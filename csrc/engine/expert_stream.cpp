@@ -75,6 +75,9 @@ ExpertStream::ExpertStream(const std::string& pack_path, const StreamOptions& op
 
   slots_ = std::vector<Slot>(n_slots);
   lru_ = LruList(n_slots);
+  // One token routes n_layers * top_k experts: guard one token, decay over sixteen.
+  const double token = double(L.n_layers) * L.top_k;
+  heat_ = KeyHeat(L.n_keys(), 16 * token, std::uint64_t(token));
   where_.assign(L.n_keys(), -1);
   free_.reserve(n_slots);
   for (std::uint32_t s = n_slots; s-- > 0;) free_.push_back(s);  // slot 0 handed out first
@@ -249,16 +252,41 @@ bool ExpertStream::is_protected(std::uint32_t key, bool speculative) const {
   return false;
 }
 
+bool ExpertStream::evictable(std::uint32_t s, bool speculative) const {
+  const Slot& sl = slots_[s];
+  SlotState st = sl.load();
+  if (st != SlotState::Complete && st != SlotState::Failed) return false;
+  if (sl.in_flight() || sl.pins) return false;  // I4: reads in flight, plan-resident (I8)
+  return !is_protected(sl.key, speculative);
+}
+
 std::int32_t ExpertStream::pick_victim(bool speculative) const {
-  for (std::uint32_t s = lru_.coldest(); s != LruList::kNone; s = lru_.warmer(s)) {
-    const Slot& sl = slots_[s];
-    SlotState st = sl.load();
-    if (st != SlotState::Complete && st != SlotState::Failed) continue;
-    if (sl.in_flight() || sl.pins) continue;  // I4: reads in flight, plan-resident
-    if (is_protected(sl.key, speculative)) continue;
-    return std::int32_t(s);
-  }
+  if (opt_.eviction == EvictionPolicy::DecayedLfu) return pick_coldest_heat(speculative);
+  for (std::uint32_t s = lru_.coldest(); s != LruList::kNone; s = lru_.warmer(s))
+    if (evictable(s, speculative)) return std::int32_t(s);
   return -1;
+}
+
+// One pass over the slots: the unguarded evictable slot of least heat, else (every candidate
+// guarded) the least recently used one. O(n_slots) per eviction, a few ns a slot.
+std::int32_t ExpertStream::pick_coldest_heat(bool speculative) const {
+  std::int32_t best = -1, oldest = -1;
+  double best_heat = 0;
+  for (std::uint32_t s = 0; s < slots_.size(); ++s) {
+    if (!evictable(s, speculative)) continue;
+    const std::uint32_t key = slots_[s].key;
+    if (heat_.guarded(key)) {
+      if (oldest < 0 || slots_[s].last_use < slots_[std::uint32_t(oldest)].last_use)
+        oldest = std::int32_t(s);
+      continue;
+    }
+    const double h = heat_.heat(key);
+    if (best < 0 || h < best_heat) {
+      best = std::int32_t(s);
+      best_heat = h;
+    }
+  }
+  return best >= 0 ? best : oldest;
 }
 
 std::int32_t ExpertStream::pick_queued_speculative() const {
@@ -348,6 +376,10 @@ RequestResult ExpertStream::request_locked(Lock& lk, std::uint32_t layer,
   auto deadline = Clock::now() + std::chrono::duration<double>(opt_.io_timeout_s);
   for (std::size_t i = 0; i < n; ++i) {
     const std::uint32_t key = layer * E + std::uint32_t(experts[i]);
+    if (speculative)
+      heat_.on_predicted(key);
+    else
+      heat_.on_use(key);
     for (;;) {
       std::int32_t s = where_[key];
       if (s >= 0) {

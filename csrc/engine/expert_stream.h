@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "arena.h"
+#include "eviction_policy.h"
 #include "fault_injection.h"
 #include "io_queue.h"
 #include "lru_list.h"
@@ -39,6 +40,7 @@ struct StreamOptions {
   bool verify_reads = false;
   double io_timeout_s = 60.0;
   bool publish_prefetch = true;  // STRATA_METAL_PUBLISH_PREFETCH
+  EvictionPolicy eviction = EvictionPolicy::DecayedLfu;  // STRATA_EVICTION
   // Replay only: part reads complete without touching the file, so routing traces replay
   // through the real residency code at memory speed. Expert bytes are then undefined.
   bool simulate_io = false;
@@ -184,6 +186,8 @@ class ExpertStream {
   void on_reads_finished(std::uint32_t s);
   std::int32_t take_slot(bool speculative);
   std::int32_t pick_victim(bool speculative) const;
+  bool evictable(std::uint32_t s, bool speculative) const;  // no rule protects slot s
+  std::int32_t pick_coldest_heat(bool speculative) const;   // EvictionPolicy::DecayedLfu
   std::int32_t pick_queued_speculative() const;
   bool is_protected(std::uint32_t key, bool speculative) const;
   void assign(std::uint32_t s, std::uint32_t key, ReadClass cls);
@@ -220,6 +224,7 @@ class ExpertStream {
   IoQueue queue_;                    // mu_
   std::uint64_t clock_ = 0;          // mu_: LRU clock (last_use stamps, for reporting)
   LruList lru_;                      // mu_: every non-free slot, coldest first
+  KeyHeat heat_;                     // mu_: per-key use heat for EvictionPolicy::DecayedLfu
   std::vector<std::uint32_t> limbo_;  // mu_: slots in limbo
   std::int64_t executing_ = -1;      // mu_: the layer the device is executing
   std::vector<char> executing_keep_;  // mu_: per expert of executing_: protected (I4)

@@ -93,7 +93,8 @@ PYBIND11_MODULE(_core, m) {
   py::class_<Stream>(m, "Stream")
       .def(py::init([](const std::string& path, std::uint64_t arena_bytes, std::uint32_t io_threads,
                        std::uint64_t part_bytes, bool direct_io, bool verify_reads,
-                       double io_timeout_s, bool publish_prefetch, bool simulate_io) {
+                       double io_timeout_s, bool publish_prefetch, bool simulate_io,
+                       const std::string& eviction) {
              StreamOptions o;
              o.arena_bytes = arena_bytes;
              o.io_threads = io_threads;
@@ -103,12 +104,18 @@ PYBIND11_MODULE(_core, m) {
              o.io_timeout_s = io_timeout_s;
              o.publish_prefetch = publish_prefetch;
              o.simulate_io = simulate_io;
+             auto policy = parse_eviction_policy(eviction);
+             if (!policy)
+               throw EngineError(ErrorKind::Config,
+                                 "unknown eviction policy '" + eviction + "' (lru, decayed_lfu)");
+             o.eviction = *policy;
              py::gil_scoped_release nogil;
              return Stream{std::make_unique<ExpertStream>(path, o)};
            }),
            py::arg("path"), py::arg("arena_bytes"), py::arg("io_threads"), py::arg("part_bytes"),
            py::arg("direct_io"), py::arg("verify_reads"), py::arg("io_timeout_s"),
-           py::arg("publish_prefetch"), py::arg("simulate_io") = false)
+           py::arg("publish_prefetch"), py::arg("simulate_io") = false,
+           py::arg("eviction") = "decayed_lfu")
       .def("close",
            [](Stream& self) {
              if (!self.s) return;

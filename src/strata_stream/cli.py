@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from strata_stream.config import EVICTION_POLICIES
 from strata_stream.errors import PackError, StrataError
 
 
@@ -51,7 +52,18 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     replay.add_argument("trace", metavar="TRACE", help="route_trace v1 or strata_trace v1 CSV")
     replay.add_argument("--slots", type=int, required=True, help="arena size in expert slots")
-    replay.add_argument("--policy", default="lru", help="victim policy (default lru)")
+    replay.add_argument(
+        "--policy",
+        default="decayed_lfu",
+        choices=EVICTION_POLICIES,
+        help="eviction policy (default decayed_lfu)",
+    )
+    replay.add_argument(
+        "--predict-recall",
+        type=float,
+        metavar="R",
+        help="also prefetch modelled next-layer predictions of this recall (e.g. 0.89)",
+    )
     replay.add_argument("--json", metavar="OUT", help="write hit_rate, lru_hit_rate, ...")
 
     # add_help=False: `demo --help` and every other option belong to the demo's own parser.
@@ -146,15 +158,21 @@ def _replay(args: argparse.Namespace) -> int:
     from strata_stream.replay import read_trace, replay
 
     trace = read_trace(args.trace)
-    r = replay(trace, args.slots, args.policy)
+    r = replay(trace, args.slots, args.policy, recall=args.predict_recall)
     print(
         f"{args.trace}: {trace.n_layers} layers x {trace.n_experts} experts, top-{trace.top_k}, "
         f"{r.accesses} accesses, {r.slots} slots"
     )
     print(
         f"hit rate {r.hit_rate:.3f} ({r.policy}, engine)   LRU {r.lru_hit_rate:.3f}   "
-        f"Belady {r.belady_hit_rate:.3f}"
+        f"Belady {r.belady_hit_rate:.3f}   reads/use {r.reads_per_access:.3f}"
     )
+    if r.lru_predicted_hit_rate is not None:
+        print(
+            f"with modelled next-layer predictions (recall {r.prediction_recall}): the hit rate "
+            f"counts prefetched experts; engine LRU under the same predictions "
+            f"{r.lru_predicted_hit_rate:.3f} (LRU and Belady above never prefetch)"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dataclasses.asdict(r), f, indent=2)

@@ -25,6 +25,8 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 # field name -> environment variable. The STRATA_METAL_* names are the seed's.
+EVICTION_POLICIES = ("decayed_lfu", "lru")
+
 ENV_FLAGS: dict[str, str] = {
     "arena_bytes": "STRATA_ARENA_BYTES",
     "io_threads": "STRATA_IO_THREADS",
@@ -41,6 +43,7 @@ ENV_FLAGS: dict[str, str] = {
     "split_turn": "STRATA_SPLIT_TURN",
     "max_rows": "STRATA_MAX_ROWS",
     "trace_path": "STRATA_TRACE_PATH",
+    "eviction": "STRATA_EVICTION",
 }
 
 
@@ -99,6 +102,10 @@ class StreamConfig:
     # Load and save the expert popularity profile beside the pack (`<pack>.profile.npy`); off,
     # each Window learns one from scratch and forgets it.
     persist_profile: bool = True
+    # Which evictable slot gives way to a new read (see csrc/engine/eviction_policy.h):
+    # "decayed_lfu" (the expert used least, with uses decaying over ~16 tokens, never one used
+    # or predicted in the last token) or "lru".
+    eviction: str = "decayed_lfu"
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -140,6 +147,11 @@ class StreamConfig:
             raise ConfigError(
                 f"StreamConfig.trace_path: expected a path string, got {self.trace_path!r}"
             )
+        if self.eviction not in EVICTION_POLICIES:
+            raise ConfigError(
+                f"StreamConfig.eviction: expected one of {', '.join(EVICTION_POLICIES)}, "
+                f"got {self.eviction!r}"
+            )
         if not 1 <= self.max_rows <= 1 << 20:
             raise ConfigError(f"StreamConfig.max_rows: must be 1..{1 << 20}, got {self.max_rows}")
         if self.decode_rows < 0:
@@ -177,7 +189,7 @@ class StreamConfig:
             kind = types[name]
             if name in ("arena_bytes", "part_bytes"):
                 values[name] = parse_size(text, var)
-            elif name == "trace_path":
+            elif name in ("trace_path", "eviction"):
                 values[name] = text
             elif kind in ("bool", bool):
                 values[name] = _parse_bool(text, var)

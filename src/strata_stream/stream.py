@@ -89,6 +89,7 @@ class ExpertStream:
             c.io_timeout_s,
             c.publish_prefetch,
             simulate_io,
+            c.eviction,
         )
         layout = self._s.layout
         self.n_layers: int = int(layout["n_layers"])
