@@ -100,7 +100,21 @@ def test_matches_the_oracle_for_every_format(
             np.testing.assert_allclose(got[i], want, rtol=1e-4, atol=1e-5)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+# Every policy flag, alone and combined: none may change a single output bit (I11).
+FLAGS = st.fixed_dictionaries(
+    {
+        "prompt_pred2": st.booleans(),
+        "prompt_pred2_max": st.sampled_from([0, 1, 64]),
+        "decode_prefetch2": st.booleans(),
+        "publish_prefetch": st.booleans(),
+        "prompt_buf_reuse": st.booleans(),
+        "prompt_start_layers": st.sampled_from([0, 1, 4]),
+        "eviction": st.sampled_from(["decayed_lfu", "lru"]),
+    }
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     n_slots=st.integers(2 * K, L * E),
     split=st.booleans(),
@@ -109,6 +123,7 @@ def test_matches_the_oracle_for_every_format(
     sizes=st.lists(st.sampled_from([1, 1, 2, 5, 17]), min_size=1, max_size=4),
     seed=st.integers(0, 3),
     warm=st.booleans(),
+    flags=FLAGS,
 )
 def test_bitwise_parity_with_the_all_resident_run(
     pack: Path,
@@ -119,11 +134,18 @@ def test_bitwise_parity_with_the_all_resident_run(
     sizes: list[int],
     seed: int,
     warm: bool,
+    flags: dict[str, object],
 ) -> None:
     turns = inputs(seed, sizes)
     want = run(pack, stream_config(pack, lookahead=False), turns)
     config = stream_config(
-        pack, n_slots, split_turn=split, lookahead=lookahead, max_rows=max_rows, io_threads=3
+        pack,
+        n_slots,
+        split_turn=split,
+        lookahead=lookahead,
+        max_rows=max_rows,
+        io_threads=3,
+        **flags,
     )
     if warm:  # the same stream, used before: warm arena, limbo, published prefetches
         turns = inputs(seed + 10, [2, 1]) + turns
