@@ -113,8 +113,8 @@ def moce_reference(
     p = softmax over every expert (whatever the routing rule). True rank: logit descending, ties
     to the lower index. The true top keep_top always stay. scale: the other places go to the best
     of p * (strength if resident else 1), ties by true rank. prune: walking the true top-k after
-    keep_top, a nonresident choice with p < strength is replaced by the best-ranked resident
-    expert outside the true top-k not used yet, while there is one.
+    keep_top from the weakest up, a nonresident choice with p < strength is replaced by the
+    best-ranked resident expert outside the true top-k not used yet, while there is one.
     """
     logits = (np.asarray(x, np.float64) @ np.asarray(router, np.float64).T).astype(np.float32)
     p = _softmax64(logits.astype(np.float64))
@@ -134,7 +134,7 @@ def moce_reference(
             chosen = rank[:j_keep] + rest[: top_k - j_keep]
         elif mode == "prune":
             spare = [e for e in rank[top_k:] if resident[e]]
-            for j in range(j_keep, top_k):
+            for j in reversed(range(j_keep, top_k)):
                 e = chosen[j]
                 if not resident[e] and p[t, e] < strength and spare:
                     chosen[j] = spare.pop(0)

@@ -24,9 +24,11 @@ MoceDelta moce_select(const MoceParams& p, const std::uint32_t* rank, const floa
     });
     std::copy(rest, rest + (k - J), selected + J);
   } else if (p.mode == MoceMode::Prune) {
-    // Residents outside the true top-k, best first, replace cold low-probability picks.
+    // Residents outside the true top-k, best first, replace cold low-probability picks, the
+    // weakest first: when residents run out, the picks left cold are the likelier ones, so the
+    // least probability mass moves.
     std::uint32_t next = k;
-    for (std::uint32_t j = J; j < k; ++j) {
+    for (std::uint32_t j = k; j-- > J;) {
       const std::uint32_t e = selected[j];
       if (resident[e] || !(prob[e] < p.strength)) continue;
       while (next < E && !resident[rank[next]]) ++next;

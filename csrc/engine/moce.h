@@ -6,7 +6,7 @@
 //          the true top `keep_top`, which are always kept).
 //   Prune  an expert of the true top-k below the true top `keep_top` that is not resident and
 //          whose probability is below `strength` is replaced by the best resident expert not
-//          already chosen (when there is one).
+//          already chosen (when there is one); the weakest such picks are replaced first.
 //
 // The selection is reported in true-rank order, so a token whose set is unchanged gets exactly
 // the ids (and, from the route kernel, exactly the weights) it gets with moce off.

@@ -190,9 +190,7 @@ class StreamConfig:
             if not (math.isfinite(s) and s >= 0):
                 raise ConfigError(f"StreamConfig.moce_strength: must be finite and >= 0, got {s}")
         if self.moce_keep_top < 0:
-            raise ConfigError(
-                f"StreamConfig.moce_keep_top: must be >= 0, got {self.moce_keep_top}"
-            )
+            raise ConfigError(f"StreamConfig.moce_keep_top: must be >= 0, got {self.moce_keep_top}")
         # The seed clamps PRED2_MAX rather than rejecting it; keep that contract.
         clamped = min(max(self.prompt_pred2_max, 0), PRED2_MAX_LIMIT)
         object.__setattr__(self, "prompt_pred2_max", clamped)
