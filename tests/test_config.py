@@ -41,6 +41,17 @@ def test_environment_flags_are_read_by_their_names() -> None:
     assert c.eviction == "lru" and StreamConfig().eviction == "decayed_lfu"
 
 
+def test_moce_flags() -> None:
+    c = StreamConfig.from_env(env={})
+    assert (c.moce, c.moce_strength, c.moce_keep_top) == ("off", None, 2)
+    env = {"STRATA_MOCE": "Prune", "STRATA_MOCE_STRENGTH": "0.1", "STRATA_MOCE_KEEP_TOP": "3"}
+    c = StreamConfig.from_env(env=env)
+    assert (c.moce, c.moce_strength_value, c.moce_keep_top) == ("prune", 0.1, 3)
+    # Unset strength means the mode's default, resolved late so replace(moce=...) stays right.
+    assert StreamConfig(moce="scale").moce_strength_value == 2.0
+    assert StreamConfig(moce="scale").replace(moce="prune").moce_strength_value == 0.05
+
+
 def test_overrides_win_over_the_environment() -> None:
     c = StreamConfig.from_env(env={"STRATA_IO_THREADS": "8"}, io_threads=2)
     assert c.io_threads == 2
@@ -65,6 +76,11 @@ def test_pred2_max_is_clamped_as_the_seed_does(value: str, clamped: int) -> None
         ("STRATA_IO_THREADS", "x", "STRATA_IO_THREADS"),
         ("STRATA_IO_THREADS", "1000", "io_threads"),
         ("STRATA_EVICTION", "fifo", "eviction"),
+        ("STRATA_MOCE", "sometimes", "StreamConfig.moce"),
+        ("STRATA_MOCE_STRENGTH", "strong", "STRATA_MOCE_STRENGTH"),
+        ("STRATA_MOCE_STRENGTH", "-0.5", "moce_strength"),
+        ("STRATA_MOCE_KEEP_TOP", "two", "STRATA_MOCE_KEEP_TOP"),
+        ("STRATA_MOCE_KEEP_TOP", "-1", "moce_keep_top"),
     ],
 )
 def test_bad_environment_values_name_the_variable_or_field(
@@ -83,6 +99,11 @@ def test_bad_environment_values_name_the_variable_or_field(
         ("part_bytes", 0),
         ("io_timeout_s", 0.0),
         ("publish_prefetch", 1),
+        ("moce", "on"),
+        ("moce_strength", -1.0),
+        ("moce_strength", float("nan")),
+        ("moce_keep_top", -1),
+        ("moce_keep_top", 1.0),
     ],
 )
 def test_bad_field_values_name_the_field(field: str, value: object) -> None:

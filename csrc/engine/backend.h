@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "moce.h"
 #include "pack_file.h"
 #include "shared_event.h"
 
@@ -35,10 +36,15 @@ struct DeviceBuffers {
   float* out = nullptr;              // [max_rows, hidden]
   std::int32_t* wave = nullptr;      // [n_experts] experts of the current prompt wave
   std::uint32_t* wave_n = nullptr;   // [1] how many: written by the host before each release
+  // moce (written by Route only when a mode is on): per token, the true probability mass and
+  // the number of true top-k experts it dropped, and the residency it read from smap.
+  float* moce_moved = nullptr;              // [max_rows]
+  std::uint32_t* moce_changed = nullptr;    // [max_rows]
+  std::uint32_t* route_resident = nullptr;  // [n_experts] 1 = smap held a slot for it
 };
 
 enum class Op : std::uint8_t {
-  Route,         // ids, weights <- route(x, router[layer])
+  Route,         // ids, weights <- route(x, router[layer]), adjusted by moce when it is on
   RoutePredict,  // pred_ids[distance-1] <- top-k of router[layer] on x (layer = l + distance)
   Plan,          // plan <- smap snapshot of every routed expert
   GateUp,        // h <- silu(gate x) * (up x) for entries of one plan class (pass)
@@ -59,6 +65,7 @@ struct Command {
   Pass pass = Pass::Resident;
   SharedEvent* event = nullptr;
   std::uint64_t value = 0;
+  MoceParams moce;  // Route: cache-aware routing (off: exact top-k)
 };
 
 class Backend {

@@ -185,7 +185,7 @@ class CpuBackend final : public Backend {
   std::string execute(const Command& c, const DeviceBuffers& b, const cpu::ParallelFor& pf) {
     switch (c.op) {
       case Op::Route:
-        cpu::route(b, c.layer, c.rows, b.ids, b.weights, pf);
+        cpu::route(b, c.layer, c.rows, b.ids, b.weights, pf, c.moce);
         return "";
       case Op::RoutePredict:
         cpu::route(b, c.layer, c.rows, b.pred_ids[c.distance - 1], nullptr, pf);

@@ -133,26 +133,55 @@ float dot(const float* a, const float* b, std::uint32_t n) {
 }
 
 void route(const DeviceBuffers& b, std::uint32_t layer, std::uint32_t rows, std::int32_t* ids,
-           float* weights, const ParallelFor& pf) {
+           float* weights, const ParallelFor& pf, const MoceParams& moce) {
   const PackLayout& L = *b.layout;
   const std::uint32_t E = L.n_experts, H = L.hidden, k = L.top_k;
   const float* router = b.routers + std::size_t(layer) * E * H;
+  const bool adjust = moce.mode != MoceMode::Off && weights;
+  if (adjust)  // one snapshot for the whole chunk: every token sees the same residency
+    for (std::uint32_t e = 0; e < E; ++e)
+      b.route_resident[e] = smap_load(b.smap, layer * E + e) != kAbsent;
   pf(rows, [&](std::uint32_t t0, std::uint32_t t1) {
     std::vector<std::uint32_t> order(E);
+    std::vector<float> prob(adjust ? E : 0);
+    std::vector<std::uint32_t> selected(adjust ? k : 0), scratch(adjust ? 2 * E : 0);
+    auto by_logit = [&](const float* logit) {
+      return [logit](std::uint32_t a, std::uint32_t c) {
+        return logit[a] > logit[c] || (logit[a] == logit[c] && a < c);
+      };
+    };
     for (std::uint32_t t = t0; t < t1; ++t) {
       float* logit = b.logits + std::size_t(t) * E;
       const float* x = b.x + std::size_t(t) * H;
       for (std::uint32_t e = 0; e < E; ++e) logit[e] = dot(router + std::size_t(e) * H, x, H);
       // Top-k by logit (softmax is monotonic); ties go to the lower expert index.
       for (std::uint32_t e = 0; e < E; ++e) order[e] = e;
-      std::partial_sort(order.begin(), order.begin() + k, order.end(),
-                        [&](std::uint32_t a, std::uint32_t c) {
-                          return logit[a] > logit[c] || (logit[a] == logit[c] && a < c);
-                        });
+      float top;  // the largest logit: the softmax shift
+      if (adjust) {
+        // moce needs the whole ranking and the true probabilities (softmax over every expert,
+        // whatever the routing rule: it is what the router says about each expert).
+        std::sort(order.begin(), order.end(), by_logit(logit));
+        top = logit[order[0]];
+        float total = 0;
+        for (std::uint32_t e = 0; e < E; ++e) total += std::exp(logit[e] - top);
+        for (std::uint32_t e = 0; e < E; ++e) prob[e] = std::exp(logit[e] - top) / total;
+        MoceDelta d = moce_select(moce, order.data(), prob.data(), b.route_resident, E, k,
+                                  selected.data(), scratch.data());
+        std::copy(selected.begin(), selected.end(), order.begin());
+        b.moce_moved[t] = d.moved;
+        b.moce_changed[t] = d.changed;
+      } else {
+        std::partial_sort(order.begin(), order.begin() + k, order.end(), by_logit(logit));
+        top = logit[order[0]];
+      }
       for (std::uint32_t j = 0; j < k; ++j) ids[std::size_t(t) * k + j] = std::int32_t(order[j]);
       if (!weights) continue;
+      // Mixture weights: the model's own rule applied to the selected experts' true logits. The
+      // moce scale factor only steers the choice; it is not evidence about the token, so it does
+      // not enter the weights. A token whose selection moce left alone therefore gets bitwise
+      // the weights of exact routing, and the block is exactly the model evaluated with that
+      // selection (tests/test_moce.py checks both).
       float* w = weights + std::size_t(t) * k;
-      const float top = logit[order[0]];
       if (L.routing == Routing::SoftmaxTopk) {
         // Softmax over every expert, then the chosen probabilities (renormalised if asked).
         float total = 0;
@@ -165,10 +194,12 @@ void route(const DeviceBuffers& b, std::uint32_t layer, std::uint32_t rows, std:
         if (L.norm_topk_prob)
           for (std::uint32_t j = 0; j < k; ++j) w[j] /= chosen;
       } else {
-        // Mixtral: softmax over the k chosen logits only.
+        // Mixtral: softmax over the k chosen logits only, shifted by the largest of them (the
+        // selection is in true-rank order; without moce it is the largest logit, `top`).
+        const float top_chosen = logit[order[0]];
         float total = 0;
-        for (std::uint32_t j = 0; j < k; ++j) total += std::exp(logit[order[j]] - top);
-        for (std::uint32_t j = 0; j < k; ++j) w[j] = std::exp(logit[order[j]] - top) / total;
+        for (std::uint32_t j = 0; j < k; ++j) total += std::exp(logit[order[j]] - top_chosen);
+        for (std::uint32_t j = 0; j < k; ++j) w[j] = std::exp(logit[order[j]] - top_chosen) / total;
       }
     }
   });

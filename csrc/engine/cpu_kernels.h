@@ -18,8 +18,11 @@ using ParallelFor = std::function<void(std::uint32_t n, const std::function<void
 // in a fixed tree.
 float dot(const float* a, const float* b, std::uint32_t n);
 
+// Top-k routing of `rows` tokens into ids (and weights, when not null). With moce on it reads
+// layer's residency from smap once, adjusts each token's selection (moce.h) and writes the
+// per-token moce figures and that residency to their buffers.
 void route(const DeviceBuffers& b, std::uint32_t layer, std::uint32_t rows, std::int32_t* ids,
-           float* weights, const ParallelFor& pf);
+           float* weights, const ParallelFor& pf, const MoceParams& moce = {});
 void plan(const DeviceBuffers& b, std::uint32_t layer, std::uint32_t rows);
 // Returns false when an entry of the pass has no published slot (an invariant violation).
 bool gate_up(const DeviceBuffers& b, std::uint32_t layer, std::uint32_t rows, Pass pass,

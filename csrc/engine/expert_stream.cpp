@@ -562,6 +562,40 @@ void ExpertStream::wait(std::uint32_t layer, const std::int32_t* experts, std::s
   if (blocked) stats_.stall_ns.fetch_add(ns_since(t0), std::memory_order_relaxed);
 }
 
+void ExpertStream::settle(const InterruptCheck& interrupt) {
+  Lock lk(mu_);
+  auto idle = [&] {
+    if (!queue_.empty()) return false;
+    for (const Slot& sl : slots_)
+      if (sl.in_flight()) return false;
+    return true;
+  };
+  auto last_progress = Clock::now();
+  std::uint64_t seen_done = stats_.bytes_read.load(std::memory_order_relaxed);
+  for (;;) {
+    require_open();
+    if (threads_.empty()) {  // manual IO: run what is queued inline, in queue order
+      while (!queue_.empty()) execute_job(lk, queue_.take(0));
+      return;
+    }
+    if (idle()) return;
+    done_cv_.wait_for(lk, std::chrono::milliseconds(50));
+    std::uint64_t now_done = stats_.bytes_read.load(std::memory_order_relaxed);
+    if (now_done != seen_done) {
+      seen_done = now_done;
+      last_progress = Clock::now();
+    } else if (Clock::now() - last_progress > std::chrono::duration<double>(opt_.io_timeout_s)) {
+      throw EngineError(ErrorKind::Timeout, "timed out after " + std::to_string(opt_.io_timeout_s) +
+                                                " s with no read progress settling the IO queue");
+    }
+    if (interrupt) {
+      lk.unlock();
+      interrupt();
+      lk.lock();
+    }
+  }
+}
+
 // ---- handshake ---------------------------------------------------------------------------
 
 std::uint32_t ExpertStream::publish(std::uint32_t layer) {

@@ -129,6 +129,11 @@ class ExpertStream {
   // after_layer(l) + retire_unused_pre(l, chosen) + release_limbo().
   void finish_layer(std::uint32_t layer, const std::int32_t* chosen, std::size_t n);
 
+  // Blocks until no read is queued or in flight, so that the slot table stops depending on
+  // when IO happens to finish (the deterministic moce path, see Window). Bounded like wait():
+  // io_timeout_s without progress is a Timeout; `interrupt` is polled.
+  void settle(const InterruptCheck& interrupt = {});
+
   // ---- handshake pieces -----------------------------------------------------------------
   // Publishes completed, non-limbo slots of layers l+1..l+2 (I2); scans <= 2 * n_experts keys.
   std::uint32_t publish(std::uint32_t layer);

@@ -28,8 +28,11 @@ bool Scratch::ensure(std::uint32_t rows) {
   y_.assign(T * k * H, 0);
   wave_.assign(E, 0);
   wave_n_.assign(1, 0);
+  moce_moved_.assign(T, 0);
+  moce_changed_.assign(T, 0);
+  route_resident_.assign(E, 0);
   rows_ = rows;
-  bytes_ = 4 * (2 * T * H + 6 * T * k + T * E + T * k * I + T * k * H + E + 1);
+  bytes_ = 4 * (2 * T * H + 6 * T * k + T * E + T * k * I + T * k * H + E + 1 + 2 * T + E);
   b_.max_rows = rows;
   b_.x = x_.data();
   b_.ids = ids_.data();
@@ -43,13 +46,18 @@ bool Scratch::ensure(std::uint32_t rows) {
   b_.out = out_.data();
   b_.wave = wave_.data();
   b_.wave_n = wave_n_.data();
+  b_.moce_moved = moce_moved_.data();
+  b_.moce_changed = moce_changed_.data();
+  b_.route_resident = route_resident_.data();
   return true;
 }
 
 void Scratch::release() {
-  for (auto* v : {&x_, &weights_, &logits_, &h_, &y_, &out_}) std::vector<float>().swap(*v);
+  for (auto* v : {&x_, &weights_, &logits_, &h_, &y_, &out_, &moce_moved_})
+    std::vector<float>().swap(*v);
   for (auto* v : {&ids_, &pred_ids_[0], &pred_ids_[1], &wave_}) std::vector<std::int32_t>().swap(*v);
-  for (auto* v : {&plan_, &wave_n_}) std::vector<std::uint32_t>().swap(*v);
+  for (auto* v : {&plan_, &wave_n_, &moce_changed_, &route_resident_})
+    std::vector<std::uint32_t>().swap(*v);
   rows_ = 0;
   bytes_ = 0;
 }

@@ -29,9 +29,9 @@ class Scratch {
   DeviceBuffers b_;
   std::uint32_t rows_ = 0;
   std::uint64_t bytes_ = 0;
-  std::vector<float> x_, weights_, logits_, h_, y_, out_;
+  std::vector<float> x_, weights_, logits_, h_, y_, out_, moce_moved_;
   std::vector<std::int32_t> ids_, pred_ids_[2], wave_;
-  std::vector<std::uint32_t> plan_, wave_n_;
+  std::vector<std::uint32_t> plan_, wave_n_, moce_changed_, route_resident_;
 };
 
 }  // namespace strata

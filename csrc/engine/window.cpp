@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <ctime>
 #include <stdexcept>
@@ -59,6 +60,18 @@ Window::Window(ExpertStream& stream, std::unique_ptr<Backend> backend,
   if (opt_.max_rows == 0) throw EngineError(ErrorKind::Config, "max_rows must be positive");
   if (!(opt_.device_timeout_s > 0))
     throw EngineError(ErrorKind::Config, "device_timeout_s must be positive");
+  if (opt_.moce.mode != MoceMode::Off) {
+    if (!(opt_.moce.strength >= 0) || !std::isfinite(opt_.moce.strength))
+      throw EngineError(ErrorKind::Config, "moce_strength must be finite and >= 0, got " +
+                                               std::to_string(opt_.moce.strength));
+    if (opt_.moce.keep_top > L_.top_k)
+      throw EngineError(ErrorKind::Config, "moce_keep_top " + std::to_string(opt_.moce.keep_top) +
+                                               " exceeds the pack's top_k " +
+                                               std::to_string(L_.top_k));
+  }
+  // Determinism with moce (DESIGN section 6, PUBLISH_PREFETCH=0): see settle().
+  settles_ = opt_.moce.mode != MoceMode::Off && !stream.options().publish_prefetch &&
+             !opt_.split_turn;
   stats_.assign(L_.n_layers, LayerStats{});
   predicted_.assign(L_.n_layers, {});
   profile_.assign(std::size_t(L_.n_layers) * L_.n_experts, 0);
@@ -192,7 +205,7 @@ void Window::moe(std::uint32_t layer, const float* x, std::uint32_t rows, float*
         }
       std::memcpy(out + std::size_t(r0) * H, out_, std::size_t(n) * H * 4);
     }
-    after(layer, chosen);
+    after(layer, chosen, interrupt);
     stats_[layer].calls += 1;
     stats_[layer].tokens += rows;
   } catch (...) {
@@ -279,7 +292,39 @@ void Window::stall_for(std::uint32_t layer, const std::vector<std::int32_t>& exp
   stats_[layer].stall_ns += ns_since(t0);
 }
 
-void Window::after(std::uint32_t layer, const std::vector<std::int32_t>& chosen) {
+// With moce on, routing reads residency, and residency is decided at the host points
+// (at_layer, the prompt waves, finish_layer): victim choice skips slots with reads in flight,
+// limbo slots are recycled only once their reads finished, and PUBLISH_PREFETCH publishes
+// whichever prefetches happen to have completed. So IO timing leaks into routing. With
+// PUBLISH_PREFETCH=0 and one-piece submissions the old policy applies: before each host point
+// that changes the slot table the host waits for every queued and in-flight read. Speculative
+// slots are then never published by timing (PUBLISH_PREFETCH=0), and every host decision sees
+// finished reads only, so the residency each route sees is a function of the inputs and the call
+// history alone. The cost: prefetches must land within the layer they were issued in (their
+// overlap with that layer's compute remains). Split-turn and PUBLISH_PREFETCH=1 keep the
+// overlap and accept timing-dependent moce routing.
+void Window::settle(std::uint32_t layer, const InterruptCheck& interrupt) {
+  if (!settles_) return;
+  auto t0 = Clock::now();
+  stream_.settle(interrupt);
+  stats_[layer].settle_ns += ns_since(t0);
+}
+
+void Window::note_moce(std::uint32_t layer, std::uint32_t rows) {
+  if (opt_.moce.mode == MoceMode::Off) return;
+  const DeviceBuffers& b = scratch_.buffers();
+  LayerStats& st = stats_[layer];
+  for (std::uint32_t t = 0; t < rows; ++t) {  // in row order: the same sum every run
+    st.moce_moved += double(b.moce_moved[t]);
+    st.moce_changed += b.moce_changed[t];
+  }
+  route_resident_.assign(b.route_resident, b.route_resident + L_.n_experts);
+  route_layer_ = layer;
+}
+
+void Window::after(std::uint32_t layer, const std::vector<std::int32_t>& chosen,
+                   const InterruptCheck& interrupt) {
+  settle(layer, interrupt);
   HostTimer timer;
   // I4: layer+1's router may already run; I7: unchosen predictions of this layer to limbo.
   stream_.finish_layer(layer, chosen.data(), chosen.size());
@@ -298,7 +343,9 @@ std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t c
   const std::uint64_t first_wave = wave_seq_ + 1;
 
   // ---- submission: route (+ predict), then, in one piece, every step behind an event wait ----
-  std::vector<Command> s1 = {cmd(Op::Route, layer, rows)};
+  Command route = cmd(Op::Route, layer, rows);
+  route.moce = opt_.moce;
+  std::vector<Command> s1 = {route};
   if (predict) {
     Command c = cmd(Op::RoutePredict, layer + 1, rows);
     c.distance = 1;
@@ -331,6 +378,8 @@ std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t c
   }
   backend_->submit(std::move(s1));
   wait_device(routed_, v, interrupt);
+  note_moce(layer, rows);
+  settle(layer, interrupt);
 
   // ---- at_layer(l): the host reads the ids and makes the experts come ----
   HostTimer at_layer;

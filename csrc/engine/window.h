@@ -38,6 +38,8 @@ struct WindowOptions {
   std::uint32_t max_rows = 1024; // prompt chunk rows (MT)
   std::uint32_t decode_rows = 4; // T <= this (and its experts fit) takes the decode path
   double device_timeout_s = 600; // bound on any single wait for the device
+  // Cache-aware routing (STRATA_MOCE*): adjusts the routed selection by residency (moce.h).
+  MoceParams moce;
 };
 
 struct LayerStats {
@@ -50,6 +52,11 @@ struct LayerStats {
   std::uint64_t waves = 0;
   // Prediction at distance 1, as sums over calls: |predicted & actual|, |predicted|, |actual|.
   std::uint64_t pred_correct = 0, pred_predicted = 0, pred_actual = 0;
+  // moce: true router probability mass the selection moved off the true top-k (summed over
+  // tokens) and how many true top-k choices it replaced.
+  double moce_moved = 0;
+  std::uint64_t moce_changed = 0;
+  std::uint64_t settle_ns = 0;  // host waiting for speculative reads (deterministic moce path)
 };
 
 class Window {
@@ -77,6 +84,12 @@ class Window {
   void set_profile(const std::vector<std::uint32_t>& counts);  // size must be L * E
   void reset_stats();
   const WindowOptions& options() const { return opt_; }
+  // The residency (1 = smap held a slot) the last moce route read, for the layer it routed;
+  // empty until a moce route ran.
+  const std::vector<std::uint8_t>& route_resident() const { return route_resident_; }
+  std::int64_t route_layer() const { return route_layer_; }
+  // Whether this Window settles IO before host points so that moce routing is deterministic.
+  bool settles() const { return settles_; }
   std::string backend_name() const { return backend_->name(); }
   std::uint64_t scratch_bytes() const { return scratch_.bytes(); }
 
@@ -100,7 +113,10 @@ class Window {
   void wait_device(SharedEvent& ev, std::uint64_t v, const InterruptCheck& interrupt);
   void stall_for(std::uint32_t layer, const std::vector<std::int32_t>& experts,
                  const InterruptCheck& interrupt);
-  void after(std::uint32_t layer, const std::vector<std::int32_t>& chosen);
+  void after(std::uint32_t layer, const std::vector<std::int32_t>& chosen,
+             const InterruptCheck& interrupt);
+  void settle(std::uint32_t layer, const InterruptCheck& interrupt);
+  void note_moce(std::uint32_t layer, std::uint32_t rows);
   void count_urgent(LayerStats& st, const RequestResult& r) const;  // hits, misses, bytes
   std::uint32_t wave_capacity() const;
 
@@ -137,6 +153,10 @@ class Window {
   // predicted_[layer][chunk]: experts router `layer` chose on layer-1's input, for
   // precision/recall when that chunk reaches `layer`.
   std::vector<std::vector<std::vector<std::int32_t>>> predicted_;
+  // See settle() in window.cpp.
+  bool settles_ = false;
+  std::vector<std::uint8_t> route_resident_;
+  std::int64_t route_layer_ = -1;
 };
 
 }  // namespace strata

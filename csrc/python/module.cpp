@@ -274,7 +274,8 @@ PYBIND11_MODULE(_core, m) {
                        bool split_turn, std::uint32_t max_rows, std::uint32_t decode_rows,
                        double device_timeout_s, unsigned threads, bool prompt_pred2,
                        std::uint32_t pred2_max, bool decode_prefetch2, bool prompt_buf_reuse,
-                       bool record_routes, std::uint32_t start_layers) {
+                       bool record_routes, std::uint32_t start_layers, const std::string& moce,
+                       float moce_strength, std::uint32_t moce_keep_top) {
              if (backend != "cpu")
                throw EngineError(ErrorKind::Config, "backend '" + backend +
                                                         "' is not available here (have: cpu)");
@@ -290,6 +291,17 @@ PYBIND11_MODULE(_core, m) {
              o.prompt_buf_reuse = prompt_buf_reuse;
              o.record_routes = record_routes;
              o.start_layers = start_layers;
+             if (moce == "off")
+               o.moce.mode = MoceMode::Off;
+             else if (moce == "scale")
+               o.moce.mode = MoceMode::Scale;
+             else if (moce == "prune")
+               o.moce.mode = MoceMode::Prune;
+             else
+               throw EngineError(ErrorKind::Config, "moce must be off, scale or prune, got '" +
+                                                        moce + "'");
+             o.moce.strength = moce_strength;
+             o.moce.keep_top = moce_keep_top;
              ExpertStream& es = stream.get();
              py::gil_scoped_release nogil;
              return std::make_unique<Window>(es, make_cpu_backend(threads), o);
@@ -299,7 +311,8 @@ PYBIND11_MODULE(_core, m) {
            py::arg("device_timeout_s"), py::arg("threads") = 0, py::arg("prompt_pred2") = false,
            py::arg("pred2_max") = 64, py::arg("decode_prefetch2") = false,
            py::arg("prompt_buf_reuse") = false, py::arg("record_routes") = false,
-           py::arg("start_layers") = 1)
+           py::arg("start_layers") = 1, py::arg("moce") = "off",
+           py::arg("moce_strength") = 1.0f, py::arg("moce_keep_top") = 2)
       .def("moe",
            [](Window& w, std::uint32_t layer,
               py::array_t<float, py::array::c_style> x) {
@@ -324,6 +337,15 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("backend", &Window::backend_name)
       .def_property_readonly("scratch_bytes", &Window::scratch_bytes)
       .def("reset_stats", &Window::reset_stats)
+      .def_property_readonly("settles", &Window::settles)
+      .def_property_readonly("route_layer", &Window::route_layer)
+      .def("route_resident",
+           [](Window& w) {
+             const auto& r = w.route_resident();
+             py::array_t<bool> a(py::ssize_t(r.size()));
+             std::copy(r.begin(), r.end(), a.mutable_data());
+             return a;
+           })
       .def("profile",
            [](Window& w) {
              const auto& p = w.profile();
@@ -358,6 +380,9 @@ PYBIND11_MODULE(_core, m) {
           d["pred_correct"] = s.pred_correct;
           d["pred_predicted"] = s.pred_predicted;
           d["pred_actual"] = s.pred_actual;
+          d["moce_moved_mass"] = s.moce_moved;
+          d["moce_changed"] = s.moce_changed;
+          d["settle_seconds"] = double(s.settle_ns) * 1e-9;
           out.append(d);
         }
         return out;

@@ -8,6 +8,7 @@ over the environment so tests stay hermetic.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -18,6 +19,10 @@ from strata_stream.errors import ConfigError
 
 PAGE = 16384  # Apple SSD page; also satisfies O_DIRECT alignment on Linux.
 PRED2_MAX_LIMIT = 512
+MOCE_MODES = ("off", "scale", "prune")
+# moce_strength when left unset: a resident expert's probability counts double (scale), a cold
+# expert below 5% router probability gives way to a resident one (prune).
+MOCE_DEFAULT_STRENGTH = {"off": 1.0, "scale": 2.0, "prune": 0.05}
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -44,6 +49,9 @@ ENV_FLAGS: dict[str, str] = {
     "max_rows": "STRATA_MAX_ROWS",
     "trace_path": "STRATA_TRACE_PATH",
     "eviction": "STRATA_EVICTION",
+    "moce": "STRATA_MOCE",
+    "moce_strength": "STRATA_MOCE_STRENGTH",
+    "moce_keep_top": "STRATA_MOCE_KEEP_TOP",
 }
 
 
@@ -63,6 +71,13 @@ def _parse_bool(text: str, what: str) -> bool:
     if low in _FALSE:
         return False
     raise ConfigError(f"{what}: expected 0/1/true/false, got {text!r}")
+
+
+def _parse_float(text: str, what: str) -> float:
+    try:
+        return float(text.strip())
+    except ValueError:
+        raise ConfigError(f"{what}: expected a number, got {text!r}") from None
 
 
 def _parse_int(text: str, what: str) -> int:
@@ -106,6 +121,13 @@ class StreamConfig:
     # "decayed_lfu" (the expert used least, with uses decaying over ~16 tokens, never one used
     # or predicted in the last token) or "lru".
     eviction: str = "decayed_lfu"
+    # Cache-aware routing (DESIGN.md section 6): "off" routes exactly; "scale" multiplies resident
+    # experts' router probabilities by moce_strength before the top-k; "prune" replaces a
+    # nonresident choice whose probability is below moce_strength by the best resident expert.
+    # The true top moce_keep_top are always kept. None = the mode's default strength.
+    moce: str = "off"
+    moce_strength: float | None = None
+    moce_keep_top: int = 2
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -115,6 +137,7 @@ class StreamConfig:
             "part_bytes",
             "prompt_pred2_max",
             "prompt_start_layers",
+            "moce_keep_top",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -168,6 +191,18 @@ class StreamConfig:
             raise ConfigError(
                 f"StreamConfig.prompt_start_layers: must be >= 0, got {self.prompt_start_layers}"
             )
+        if self.moce not in MOCE_MODES:
+            raise ConfigError(
+                f"StreamConfig.moce: must be one of {', '.join(MOCE_MODES)}, got {self.moce!r}"
+            )
+        if self.moce_strength is not None:
+            s = self.moce_strength
+            if isinstance(s, bool) or not isinstance(s, (int, float)):
+                raise ConfigError(f"StreamConfig.moce_strength: expected a number, got {s!r}")
+            if not (math.isfinite(s) and s >= 0):
+                raise ConfigError(f"StreamConfig.moce_strength: must be finite and >= 0, got {s}")
+        if self.moce_keep_top < 0:
+            raise ConfigError(f"StreamConfig.moce_keep_top: must be >= 0, got {self.moce_keep_top}")
         # The seed clamps PRED2_MAX rather than rejecting it; keep that contract.
         clamped = min(max(self.prompt_pred2_max, 0), PRED2_MAX_LIMIT)
         object.__setattr__(self, "prompt_pred2_max", clamped)
@@ -191,12 +226,23 @@ class StreamConfig:
                 values[name] = parse_size(text, var)
             elif name in ("trace_path", "eviction"):
                 values[name] = text
+            elif name == "moce":
+                values[name] = text.strip().lower()
+            elif name == "moce_strength":
+                values[name] = _parse_float(text, var)
             elif kind in ("bool", bool):
                 values[name] = _parse_bool(text, var)
             else:
                 values[name] = _parse_int(text, var)
         values.update(overrides)
         return cls(**values)
+
+    @property
+    def moce_strength_value(self) -> float:
+        """moce_strength, or the mode's default when unset."""
+        if self.moce_strength is None:
+            return MOCE_DEFAULT_STRENGTH[self.moce]
+        return float(self.moce_strength)
 
     def replace(self, **changes: Any) -> StreamConfig:
         return dataclasses.replace(self, **changes)

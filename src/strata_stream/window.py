@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from strata_stream.errors import StreamClosedError, TurnError
+from strata_stream.errors import ConfigError, StreamClosedError, TurnError
 from strata_stream.stream import ExpertStream
 
 
@@ -44,6 +44,11 @@ class Window:
         if not isinstance(stream, ExpertStream):
             raise TypeError(f"Window needs an ExpertStream, got {type(stream).__name__}")
         c = stream.config
+        if c.moce != "off" and c.moce_keep_top > stream.top_k:
+            raise ConfigError(
+                f"StreamConfig.moce_keep_top: {c.moce_keep_top} exceeds the pack's top_k "
+                f"({stream.top_k})"
+            )
         core = importlib.import_module("strata_stream._core")
         self.stream = stream
         self.n_layers = stream.n_layers
@@ -63,6 +68,9 @@ class Window:
             c.prompt_buf_reuse,
             c.trace_path is not None,
             c.prompt_start_layers,
+            c.moce,
+            c.moce_strength_value,
+            c.moce_keep_top,
         )
         self.profile_path = profile_path(stream.path)
         self._persist = c.persist_profile
@@ -129,6 +137,15 @@ class Window:
             self._flush_trace()
         return out
 
+    def route_residency(self) -> tuple[int, npt.NDArray[np.bool_]] | None:
+        """(layer, resident [n_experts]) as the last moce route read it from smap: which
+        experts of that layer had a published slot. None when moce is off or nothing was routed.
+        A layer call routes each chunk of at most max_rows rows; this is the last chunk's."""
+        if self._w.route_layer < 0:
+            return None
+        resident: npt.NDArray[np.bool_] = self._w.route_resident()
+        return int(self._w.route_layer), resident
+
     def _load_profile(self) -> None:
         if not self.profile_path.exists():
             return
@@ -176,7 +193,9 @@ class Window:
     # ---- stats and lifecycle -----------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Per-layer and total figures: hits, misses, bytes read, stall and handshake seconds,
-        prediction precision and recall at distance 1."""
+        prediction precision and recall at distance 1, and for moce the router probability mass
+        moved off the true top-k (summed over tokens), how many true top-k choices it replaced,
+        and the seconds spent settling IO for deterministic moce routing."""
         layers = [dict(d) for d in self._w.layer_stats()]
         for d in layers:
             d["precision"] = (
@@ -198,6 +217,9 @@ class Window:
                 "pred_correct",
                 "pred_predicted",
                 "pred_actual",
+                "moce_moved_mass",
+                "moce_changed",
+                "settle_seconds",
             )
         }
         looked = total["hits"] + total["misses"]
