@@ -13,7 +13,8 @@
 //
 // Units: the access clock counts routed expert uses. The Stream sets tau and guard in tokens
 // (one token = n_layers * top_k uses), not in numbers fitted to one trace: guard = 1 token,
-// tau = 16 tokens. On the Qwen3-30B-A3B trace the hit rate is flat within 0.002 for tau between
+// tau = 16 tokens. Victim choice costs O(log n_slots) plus the protected slots it skips (HeatOrder),
+// not a scan of the arena. On the Qwen3-30B-A3B trace the hit rate is flat within 0.002 for tau between
 // 16 and 24 tokens; see `strata-stream replay` and docs/design-notes.md.
 #pragma once
 
@@ -21,8 +22,12 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <set>
 #include <string_view>
+#include <utility>
 #include <vector>
+
+#include "lru_list.h"
 
 namespace strata {
 
@@ -66,6 +71,60 @@ class KeyHeat {
   std::uint64_t clock_ = 0;           // routed uses so far
   double tau_ = 1;
   std::uint64_t guard_ = 0;
+};
+
+// The order in which DecayedLfu offers victims: "settled" slots (their key's guard expired) by
+// heat, coldest first, then "fresh" slots (guarded) least recently touched first. A key's heat
+// only changes when it is used, and a use touches its slot, which makes the slot fresh again: so
+// a settled slot's heat is never stale. Fresh slots settle lazily, from the cold end of the touch
+// order, when a victim is wanted. Not thread-safe: guarded by ExpertStream::mu_.
+class HeatOrder {
+ public:
+  HeatOrder() = default;
+  explicit HeatOrder(std::uint32_t n_slots)
+      : fresh_(n_slots), settled_heat_(n_slots, kUnsettled) {}
+
+  void touched(std::uint32_t s) {
+    unsettle(s);
+    fresh_.touch(s);
+  }
+  void removed(std::uint32_t s) {
+    unsettle(s);
+    fresh_.remove(s);
+  }
+  // Moves fresh slots whose key is no longer guarded into the heat order. key_of(slot) -> key.
+  template <class KeyOf>
+  void settle(const KeyHeat& heat, KeyOf key_of) {
+    for (std::uint32_t s = fresh_.coldest(); s != LruList::kNone; s = fresh_.coldest()) {
+      const std::uint32_t key = key_of(s);
+      if (heat.guarded(key)) break;  // the touch order is the guard order: the rest are fresher
+      fresh_.remove(s);
+      settled_heat_[s] = heat.heat(key);
+      settled_.emplace(settled_heat_[s], s);
+    }
+  }
+  // Calls pick(slot) on settled slots by rising heat, then on fresh ones from least recently
+  // touched, until it returns true; returns that slot or LruList::kNone.
+  template <class Pick>
+  std::uint32_t first(Pick pick) const {
+    for (const auto& [h, s] : settled_)
+      if (pick(s)) return s;
+    for (std::uint32_t s = fresh_.coldest(); s != LruList::kNone; s = fresh_.warmer(s))
+      if (pick(s)) return s;
+    return LruList::kNone;
+  }
+
+ private:
+  static constexpr double kUnsettled = std::numeric_limits<double>::quiet_NaN();
+  void unsettle(std::uint32_t s) {
+    if (std::isnan(settled_heat_[s])) return;
+    settled_.erase({settled_heat_[s], s});
+    settled_heat_[s] = kUnsettled;
+  }
+
+  LruList fresh_;                                     // guarded slots, by last touch
+  std::set<std::pair<double, std::uint32_t>> settled_;  // (heat, slot), coldest first
+  std::vector<double> settled_heat_;                  // per slot: its key in settled_, or NaN
 };
 
 }  // namespace strata

@@ -78,6 +78,7 @@ ExpertStream::ExpertStream(const std::string& pack_path, const StreamOptions& op
   // One token routes n_layers * top_k experts: guard one token, decay over sixteen.
   const double token = double(L.n_layers) * L.top_k;
   heat_ = KeyHeat(L.n_keys(), 16 * token, std::uint64_t(token));
+  heat_order_ = HeatOrder(n_slots);
   where_.assign(L.n_keys(), -1);
   free_.reserve(n_slots);
   for (std::uint32_t s = n_slots; s-- > 0;) free_.push_back(s);  // slot 0 handed out first
@@ -151,6 +152,7 @@ void ExpertStream::wake_io() {
 void ExpertStream::touch(std::uint32_t s) {
   slots_[s].last_use = ++clock_;
   lru_.touch(s);
+  heat_order_.touched(s);
 }
 
 void ExpertStream::publish_slot(std::uint32_t s) {
@@ -177,6 +179,7 @@ void ExpertStream::recycle(std::uint32_t s) {
   if (sl.load() == SlotState::Limbo) limbo_.erase(std::find(limbo_.begin(), limbo_.end(), s));
   if (sl.load() == SlotState::Queued || sl.load() == SlotState::Limbo) queue_.drop_slot(s);
   lru_.remove(s);
+  heat_order_.removed(s);
   if (sl.key != kNoKey) {
     unpublish(s);
     where_[sl.key] = -1;
@@ -267,26 +270,12 @@ std::int32_t ExpertStream::pick_victim(bool speculative) const {
   return -1;
 }
 
-// One pass over the slots: the unguarded evictable slot of least heat, else (every candidate
-// guarded) the least recently used one. O(n_slots) per eviction, a few ns a slot.
+// The unguarded evictable slot of least heat, else (every candidate guarded) the least recently
+// touched one.
 std::int32_t ExpertStream::pick_coldest_heat(bool speculative) const {
-  std::int32_t best = -1, oldest = -1;
-  double best_heat = 0;
-  for (std::uint32_t s = 0; s < slots_.size(); ++s) {
-    if (!evictable(s, speculative)) continue;
-    const std::uint32_t key = slots_[s].key;
-    if (heat_.guarded(key)) {
-      if (oldest < 0 || slots_[s].last_use < slots_[std::uint32_t(oldest)].last_use)
-        oldest = std::int32_t(s);
-      continue;
-    }
-    const double h = heat_.heat(key);
-    if (best < 0 || h < best_heat) {
-      best = std::int32_t(s);
-      best_heat = h;
-    }
-  }
-  return best >= 0 ? best : oldest;
+  heat_order_.settle(heat_, [this](std::uint32_t s) { return slots_[s].key; });
+  std::uint32_t s = heat_order_.first([&](std::uint32_t c) { return evictable(c, speculative); });
+  return s == LruList::kNone ? -1 : std::int32_t(s);
 }
 
 std::int32_t ExpertStream::pick_queued_speculative() const {

@@ -230,6 +230,9 @@ class ExpertStream {
   std::uint64_t clock_ = 0;          // mu_: LRU clock (last_use stamps, for reporting)
   LruList lru_;                      // mu_: every non-free slot, coldest first
   KeyHeat heat_;                     // mu_: per-key use heat for EvictionPolicy::DecayedLfu
+  // mu_: DecayedLfu's victim order over the non-free slots. mutable: pick_victim settles it
+  // lazily, an index update that changes no slot's state.
+  mutable HeatOrder heat_order_;
   std::vector<std::uint32_t> limbo_;  // mu_: slots in limbo
   std::int64_t executing_ = -1;      // mu_: the layer the device is executing
   std::vector<char> executing_keep_;  // mu_: per expert of executing_: protected (I4)
