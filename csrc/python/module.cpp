@@ -267,7 +267,8 @@ PYBIND11_MODULE(_core, m) {
                        bool split_turn, std::uint32_t max_rows, std::uint32_t decode_rows,
                        double device_timeout_s, unsigned threads, bool prompt_pred2,
                        std::uint32_t pred2_max, bool decode_prefetch2, bool prompt_buf_reuse,
-                       bool record_routes, std::uint32_t start_layers) {
+                       bool record_routes, std::uint32_t start_layers, bool profile_prefetch,
+                       bool prefetch_backoff) {
              if (backend != "cpu")
                throw EngineError(ErrorKind::Config, "backend '" + backend +
                                                         "' is not available here (have: cpu)");
@@ -283,6 +284,8 @@ PYBIND11_MODULE(_core, m) {
              o.prompt_buf_reuse = prompt_buf_reuse;
              o.record_routes = record_routes;
              o.start_layers = start_layers;
+             o.profile_prefetch = profile_prefetch;
+             o.prefetch_backoff = prefetch_backoff;
              ExpertStream& es = stream.get();
              py::gil_scoped_release nogil;
              return std::make_unique<Window>(es, make_cpu_backend(threads), o);
@@ -292,7 +295,8 @@ PYBIND11_MODULE(_core, m) {
            py::arg("device_timeout_s"), py::arg("threads") = 0, py::arg("prompt_pred2") = false,
            py::arg("pred2_max") = 64, py::arg("decode_prefetch2") = false,
            py::arg("prompt_buf_reuse") = false, py::arg("record_routes") = false,
-           py::arg("start_layers") = 1)
+           py::arg("start_layers") = 1, py::arg("profile_prefetch") = true,
+           py::arg("prefetch_backoff") = true)
       .def("moe",
            [](Window& w, std::uint32_t layer,
               py::array_t<float, py::array::c_style> x) {
@@ -317,6 +321,26 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("backend", &Window::backend_name)
       .def_property_readonly("scratch_bytes", &Window::scratch_bytes)
       .def("reset_stats", &Window::reset_stats)
+      .def("prefetch_stats",
+           [](Window& w) {
+             const PrefetchGovernor& g = w.governor();
+             const bool on = w.options().prefetch_backoff;
+             py::dict d;
+             d["backoff"] = on;
+             d["state"] = on ? to_string(g.state()) : "disabled";
+             d["cap"] = !on || g.cap() == PrefetchGovernor::kUnlimited ? py::object(py::none())
+                                                                      : py::int_(g.cap());
+             d["peak"] = g.peak();
+             d["epochs"] = g.epochs();
+             d["cuts"] = g.cuts();
+             d["raises"] = g.raises();
+             d["probes"] = g.probes();
+             d["last_precision"] = g.last_precision() < 0 ? py::object(py::none())
+                                                          : py::float_(g.last_precision());
+             d["last_busy"] =
+                 g.last_busy() < 0 ? py::object(py::none()) : py::float_(g.last_busy());
+             return d;
+           })
       .def("profile",
            [](Window& w) {
              const auto& p = w.profile();

@@ -63,6 +63,8 @@ class Window:
             c.prompt_buf_reuse,
             c.trace_path is not None,
             c.prompt_start_layers,
+            c.profile_prefetch,
+            c.prefetch_backoff,
         )
         self.profile_path = profile_path(stream.path)
         self._persist = c.persist_profile
@@ -176,7 +178,10 @@ class Window:
     # ---- stats and lifecycle -----------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Per-layer and total figures: hits, misses, bytes read, stall and handshake seconds,
-        prediction precision and recall at distance 1."""
+        prediction precision and recall at distance 1; under "prefetch", the back-off
+        governor: state (open, throttled, closed, probing; "disabled" with backoff off), cap
+        (new speculative reads per handshake, None = unlimited), its judgements so far and the
+        precision and busy fraction of the last one."""
         layers = [dict(d) for d in self._w.layer_stats()]
         for d in layers:
             d["precision"] = (
@@ -213,6 +218,7 @@ class Window:
             "total": total,
             "scratch_bytes": int(self._w.scratch_bytes),
             "backend": str(self._w.backend),
+            "prefetch": dict(self._w.prefetch_stats()),
         }
 
     def reset_stats(self) -> None:
