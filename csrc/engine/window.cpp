@@ -209,7 +209,8 @@ bool Window::spec_overlapped(const SpecWatch& w) const {
          stream_.stats().spec_parts_started.load(std::memory_order_relaxed) > w.started_before;
 }
 
-void Window::observe_handshake(bool missed, bool contended) {
+void Window::observe_handshake(bool decode, bool missed, bool contended,
+                               std::uint64_t wall_ns) {
   const StreamStats& s = stream_.stats();
   const std::uint64_t issued = s.spec_requests.load(std::memory_order_relaxed);
   const std::uint64_t used = s.spec_hits.load(std::memory_order_relaxed);
@@ -218,6 +219,8 @@ void Window::observe_handshake(bool missed, bool contended) {
   g.used = used - gov_used_;
   g.missed = missed;
   g.contended = contended;
+  g.wall_ns = wall_ns;
+  g.decode = decode;
   gov_issued_ = issued;
   gov_used_ = used;
   if (opt_.prefetch_backoff) governor_.observe(g);
@@ -362,6 +365,7 @@ void Window::after(std::uint32_t layer, const std::vector<std::int32_t>& chosen)
 
 std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t chunk,
                                             std::uint32_t rows, const InterruptCheck& interrupt) {
+  const Clock::time_point chunk_start = Clock::now();  // the governor's trials compare this
   const std::uint32_t k = L_.top_k;
   const std::uint64_t v = ++seq_;
   const std::uint32_t cap = wave_capacity();
@@ -443,7 +447,8 @@ std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t c
     // With the device released: the fallback costs the device nothing while it waits.
     queue_profile(layer, rows, cap2, interrupt);
     stall_for(layer, chosen, interrupt);  // the resident pass runs meanwhile
-    observe_handshake(r.urgent.misses > 0, r.urgent.misses > 0 && spec_overlapped(watch));
+    const bool missed = r.urgent.misses > 0;
+    const bool contended = missed && spec_overlapped(watch);
     if (opt_.split_turn)
       backend_->submit({pass_cmd(Op::GateUp, layer, rows, Pass::Missing),
                         pass_cmd(Op::Down, layer, rows, Pass::Missing),
@@ -451,6 +456,7 @@ std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t c
     else
       release2_.signal(v);
     wait_device(done_, v, interrupt);
+    observe_handshake(true, missed, contended, ns_since(chunk_start));
     return chosen;
   }
 
@@ -500,7 +506,6 @@ std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t c
     if (multi) stream_.release_plan();
   }
   st.waves += n_waves;
-  observe_handshake(missed, contended);
   if (opt_.split_turn) {
     backend_->submit({cmd(Op::Combine, layer, rows), event_cmd(Op::Signal, done_, v)});
   } else {
@@ -512,6 +517,7 @@ std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t c
     }
   }
   wait_device(done_, v, interrupt);
+  observe_handshake(false, missed, contended, ns_since(chunk_start));
   return chosen;
 }
 

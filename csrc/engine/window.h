@@ -138,7 +138,7 @@ class Window {
   SpecWatch watch_spec() const;
   bool spec_overlapped(const SpecWatch& w) const;
   // One handshake's evidence for the governor.
-  void observe_handshake(bool missed, bool contended);
+  void observe_handshake(bool decode, bool missed, bool contended, std::uint64_t wall_ns);
   std::uint32_t wave_capacity() const;
 
   ExpertStream& stream_;

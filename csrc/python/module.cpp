@@ -339,6 +339,12 @@ PYBIND11_MODULE(_core, m) {
                                                           : py::float_(g.last_precision());
              d["last_busy"] =
                  g.last_busy() < 0 ? py::object(py::none()) : py::float_(g.last_busy());
+             d["trials"] = g.trials();
+             // Mean wall time of a decode layer call with and without speculation, last trial.
+             d["last_wall_on_s"] = g.last_wall_on() < 0 ? py::object(py::none())
+                                                        : py::float_(g.last_wall_on() * 1e-9);
+             d["last_wall_off_s"] = g.last_wall_off() < 0 ? py::object(py::none())
+                                                          : py::float_(g.last_wall_off() * 1e-9);
              return d;
            })
       .def("profile",

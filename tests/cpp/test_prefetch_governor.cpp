@@ -19,6 +19,8 @@ struct Workload {
   double precision = 1.0;
   bool missed = true;
   bool contended = false;
+  // Wall time of a layer call with speculation allowed / switched off (cap 0).
+  std::uint64_t time_on = 0, time_off = 0;
   double carry = 0;  // fractional used reads carried between handshakes
 
   void epoch(PrefetchGovernor& g) {
@@ -30,6 +32,7 @@ struct Workload {
       carry -= double(s.used);
       s.missed = missed;
       s.contended = contended;
+      s.wall_ns = g.cap() > 0 ? time_on : time_off;
       g.observe(s);
     }
   }
@@ -42,6 +45,15 @@ GovernorOptions small() {
   o.closed_epochs = 3;
   o.probe_cap = 2;
   o.max_probe_epochs = 2;
+  o.trial_every = 0;  // precision only; the trial tests turn trials on
+  return o;
+}
+
+GovernorOptions with_trials() {
+  GovernorOptions o = small();
+  o.trial_every = 4;
+  o.trial_every_max = 16;
+  o.trial_epochs = 2;
   return o;
 }
 
@@ -177,4 +189,85 @@ TEST_CASE("the governor rejects options it cannot work with") {
   o = small();
   o.busy_precision = 1.5;
   CHECK_THROWS_AS(PrefetchGovernor(o), EngineError);
+}
+
+TEST_CASE("a trial closes prefetch that is right but makes layer calls slower") {
+  PrefetchGovernor g(with_trials());
+  Workload w;
+  w.precision = 0.9;  // precision alone would keep it open...
+  w.contended = true;
+  w.time_on = 1500;   // ...but layer calls take 50% longer with it (busy SSD)
+  w.time_off = 1000;
+  for (int i = 0; i < 4; ++i) {
+    CHECK(g.state() == GovernorState::Open);
+    w.epoch(g);
+  }
+  REQUIRE(g.state() == GovernorState::Trial);
+  // Arms off, on, on, off: one epoch each.
+  const std::uint32_t caps[] = {0, PrefetchGovernor::kUnlimited, PrefetchGovernor::kUnlimited, 0};
+  for (std::uint32_t cap : caps) {
+    CHECK(g.state() == GovernorState::Trial);
+    CHECK(g.cap() == cap);
+    w.epoch(g);
+  }
+  CHECK(g.state() == GovernorState::Closed);
+  CHECK(g.trials() == 1);
+  CHECK(g.cuts() == 1);
+  CHECK(g.last_wall_on() == Approx(1500));
+  CHECK(g.last_wall_off() == Approx(1000));
+  // A failed trial doubles how long Closed lasts: 2 * closed_epochs before the next probe.
+  for (std::uint32_t i = 0; i + 1 < 2 * g.options().closed_epochs; ++i) {
+    w.epoch(g);
+    CHECK(g.state() == GovernorState::Closed);
+  }
+  w.epoch(g);
+  CHECK(g.state() == GovernorState::Probing);
+}
+
+TEST_CASE("a trial keeps prefetch that saves time and spaces the next one out") {
+  PrefetchGovernor g(with_trials());
+  Workload w;
+  w.precision = 0.9;
+  w.time_on = 500;
+  w.time_off = 1000;
+  for (int i = 0; i < 4 + 4; ++i) w.epoch(g);  // 4 open epochs, then the 4-arm trial
+  CHECK(g.state() == GovernorState::Open);
+  CHECK(g.trials() == 1);
+  CHECK(g.cuts() == 0);
+  CHECK(g.last_wall_on() == Approx(500));
+  for (int i = 0; i < 7; ++i) {
+    w.epoch(g);
+    CHECK(g.state() == GovernorState::Open);  // the next trial waits 8 epochs, not 4
+  }
+  w.epoch(g);
+  CHECK(g.state() == GovernorState::Trial);
+}
+
+TEST_CASE("a trial tolerates noise within the margin") {
+  PrefetchGovernor g(with_trials());
+  Workload w;
+  w.precision = 0.9;
+  w.time_on = 1050;  // 5% slower: under the 10% margin
+  w.time_off = 1000;
+  for (int i = 0; i < 8; ++i) w.epoch(g);
+  CHECK(g.trials() == 1);
+  CHECK(g.state() == GovernorState::Open);
+}
+
+TEST_CASE("prompt handshakes do not count toward a trial") {
+  PrefetchGovernor g(with_trials());
+  Workload w;
+  w.precision = 0.9;
+  w.time_on = 1500;
+  w.time_off = 1000;
+  for (int i = 0; i < 4; ++i) w.epoch(g);
+  REQUIRE(g.state() == GovernorState::Trial);
+  GovernorSample prompt;
+  prompt.decode = false;
+  prompt.wall_ns = 1000000;  // a huge prompt chunk in an off arm must not decide the trial
+  for (int i = 0; i < 100; ++i) g.observe(prompt);
+  CHECK(g.state() == GovernorState::Trial);
+  for (int i = 0; i < 4; ++i) w.epoch(g);
+  CHECK(g.state() == GovernorState::Closed);
+  CHECK(g.last_wall_off() == Approx(1000));
 }
