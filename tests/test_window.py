@@ -119,6 +119,8 @@ FLAGS = st.fixed_dictionaries(
     n_slots=st.integers(2 * K, L * E),
     split=st.booleans(),
     lookahead=st.booleans(),
+    profile=st.booleans(),
+    backoff=st.booleans(),
     max_rows=st.sampled_from([1, 3, 7, 1024]),
     sizes=st.lists(st.sampled_from([1, 1, 2, 5, 17]), min_size=1, max_size=4),
     seed=st.integers(0, 3),
@@ -130,6 +132,8 @@ def test_bitwise_parity_with_the_all_resident_run(
     n_slots: int,
     split: bool,
     lookahead: bool,
+    profile: bool,
+    backoff: bool,
     max_rows: int,
     sizes: list[int],
     seed: int,
@@ -138,11 +142,15 @@ def test_bitwise_parity_with_the_all_resident_run(
 ) -> None:
     turns = inputs(seed, sizes)
     want = run(pack, stream_config(pack, lookahead=False), turns)
+    # With lookahead off, profile=True is the profile-ranked fallback; backoff lets the
+    # governor (epoch = L handshakes here) throttle or close speculation mid-run.
     config = stream_config(
         pack,
         n_slots,
         split_turn=split,
         lookahead=lookahead,
+        profile_prefetch=profile,
+        prefetch_backoff=backoff,
         max_rows=max_rows,
         io_threads=3,
         **flags,
@@ -446,3 +454,120 @@ def test_a_foreign_profile_file_is_ignored_with_a_warning(pack: Path, tmp_path: 
             w = Window(stream)
         w.close()
     assert np.load(str(path) + ".profile.npy").shape == (L, E)  # replaced by a real one
+
+
+def profiled_copy(make_pack: PackFactory, tmp_path: Path, counts: np.ndarray) -> Path:
+    """A private copy of the module's pack with `counts` as its saved popularity profile."""
+    import shutil
+
+    path = tmp_path / "profiled.strpk"
+    shutil.copy(make_pack(n_layers=L, n_experts=E, top_k=K, hidden=H, moe_intermediate=INTER), path)
+    np.save(str(path) + ".profile.npy", counts.astype(np.uint32))
+    return path
+
+
+def queued_by_class(stream: ExpertStream, cls: int, layer: int) -> list[int]:
+    table = stream.slot_table()
+    return sorted(
+        int(k) % E
+        for k, c, st in zip(table["key"], table["cls"], table["state"], strict=True)
+        if st != 0 and c == cls and int(k) // E == layer
+    )
+
+
+@pytest.mark.parametrize(("rows", "enabled"), [(1, True), (5, True), (1, False)])
+def test_lookahead_off_queues_the_profile_favourites_of_the_next_layer(
+    make_pack: PackFactory, tmp_path: Path, rows: int, enabled: bool
+) -> None:
+    from strata_stream import ReadClass
+
+    rng = np.random.default_rng(5)
+    counts = np.stack([rng.permutation(E) for _ in range(L)])  # distinct counts, one zero
+    path = profiled_copy(make_pack, tmp_path, counts)
+    config = stream_config(
+        path,
+        io_threads=0,
+        persist_profile=True,
+        lookahead=False,
+        prompt_start_layers=0,  # only the handshakes queue Profile reads
+        profile_prefetch=enabled,
+    )
+    x = inputs(13, [rows])[0]
+    with ExpertStream(path, config) as stream, Window(stream) as w, w.turn():
+        w.moe(0, x[0])
+        got = queued_by_class(stream, ReadClass.PROFILE, 1)
+        assert queued_by_class(stream, ReadClass.PROFILE, 2) == []  # only layer + 1
+        w.moe(1, x[1])  # layer 1's own call runs normally over them
+        got2 = queued_by_class(stream, ReadClass.PROFILE, 2)
+    # top_k per row, at most two rows' worth (decode 1 row -> K, a 5-row prompt -> 2K), in
+    # profile order, ties to the lower id; the zero-count expert never.
+    want = sorted(sorted(range(E), key=lambda e: (-counts[1][e], e))[: K * min(rows, 2)])
+    want2 = sorted(sorted(range(E), key=lambda e: (-counts[2][e], e))[: K * min(rows, 2)])
+    assert got == (want if enabled else [])
+    assert got2 == (want2 if enabled else [])
+
+
+def test_lookahead_on_leaves_the_profile_to_the_turn_start(
+    make_pack: PackFactory, tmp_path: Path
+) -> None:
+    from strata_stream import ReadClass
+
+    counts = np.tile(np.arange(1, E + 1), (L, 1))
+    path = profiled_copy(make_pack, tmp_path, counts)
+    config = stream_config(
+        path, io_threads=0, persist_profile=True, lookahead=True, prompt_start_layers=0
+    )
+    x = inputs(14, [1])[0]
+    with ExpertStream(path, config) as stream, Window(stream) as w, w.turn():
+        w.moe(0, x[0])
+        assert queued_by_class(stream, ReadClass.PROFILE, 1) == []
+        assert queued_by_class(stream, ReadClass.PRED1, 1) != []
+
+
+def test_the_profile_fallback_skips_the_last_layer(make_pack: PackFactory, tmp_path: Path) -> None:
+    path = profiled_copy(make_pack, tmp_path, np.ones((L, E)))
+    config = stream_config(
+        path, io_threads=1, persist_profile=True, lookahead=False, prompt_start_layers=0
+    )
+    xs = inputs(15, [1])[0]
+    with ExpertStream(path, config) as stream, Window(stream) as w, w.turn():
+        for layer, x in enumerate(xs):
+            before = stream.stats()["spec_requests"] + stream.stats()["spec_dropped"]
+            w.moe(layer, x)
+            after = stream.stats()["spec_requests"] + stream.stats()["spec_dropped"]
+            assert (after > before) == (layer < L - 1)  # I10 at the last layer only
+
+
+def test_backoff_closes_prefetch_that_does_not_pay(make_pack: PackFactory) -> None:
+    """Independent random inputs per layer: router l+1 on layer l's input predicts nothing
+    (precision ~ top_k / n_experts), so the governor must cut, and speculation must drop."""
+    e, k = 64, 2
+    path = make_pack(n_layers=L, n_experts=e, top_k=k, hidden=H, moe_intermediate=16)
+    rng = np.random.default_rng(16)
+    turns = [[rng.standard_normal((1, H)).astype(np.float32) for _ in range(L)] for _ in range(40)]
+    want = run(path, stream_config(path, lookahead=False), turns)
+    issued = {}
+    for backoff in (False, True):
+        config = stream_config(path, L * e // 4, prefetch_backoff=backoff, io_threads=2)
+        with ExpertStream(path, config) as stream, Window(stream) as w:
+            got = []
+            for xs in turns:
+                with w.turn():
+                    got.extend(w.moe(layer, x) for layer, x in enumerate(xs))
+            prefetch = w.stats()["prefetch"]
+            issued[backoff] = stream.stats()["spec_requests"]
+        assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))  # I11
+        if backoff:
+            assert prefetch["cuts"] >= 1
+            assert prefetch["state"] in ("throttled", "closed", "probing")
+            assert prefetch["last_precision"] < 0.5
+        else:
+            assert prefetch["state"] == "disabled" and prefetch["cap"] is None
+    assert issued[True] < issued[False]
+
+
+def test_prefetch_stats_start_open(pack: Path) -> None:
+    with ExpertStream(pack, stream_config(pack)) as stream, Window(stream) as w:
+        p = w.stats()["prefetch"]
+    assert p["backoff"] is True and p["state"] == "open" and p["cap"] is None
+    assert p["epochs"] == 0 and p["last_precision"] is None

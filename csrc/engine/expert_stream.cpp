@@ -805,6 +805,8 @@ void ExpertStream::execute_job(Lock& lk, const IoJob& job) {
                 "a job runs only for a loading slot");
   if (st == SlotState::Queued) sl.state.store(SlotState::Reading, std::memory_order_release);
   ++sl.parts_started;
+  const bool speculative = job.cls != ReadClass::Urgent;  // as queued: promotion re-queues
+  if (speculative) stats_.spec_parts_started.fetch_add(1, std::memory_order_relaxed);
   const std::uint32_t key = sl.key;
   const std::uint64_t rel = std::uint64_t(job.part) * opt_.part_bytes;
   const std::uint64_t len = std::min<std::uint64_t>(opt_.part_bytes, read_span_ - rel);
@@ -830,6 +832,7 @@ void ExpertStream::execute_job(Lock& lk, const IoJob& job) {
   std::uint64_t dt = ns_since(t0);
 
   lk.lock();
+  if (speculative) stats_.spec_parts_done.fetch_add(1, std::memory_order_relaxed);
   stats_.read_ns.fetch_add(dt, std::memory_order_relaxed);
   stats_.bytes_read.fetch_add(got, std::memory_order_relaxed);
   ++sl.parts_done;

@@ -27,6 +27,11 @@ struct StreamStats {
   std::atomic<std::uint64_t> published{0};        // speculative slots published at a handshake
   std::atomic<std::uint64_t> evicted{0};
   std::atomic<std::uint64_t> revived{0};          // limbo slots taken back by a request
+  // Part reads of speculative classes begun and ended: their difference is how many are in
+  // flight, which the prefetch governor samples around an urgent wait (did urgent work share
+  // the SSD with speculation?).
+  std::atomic<std::uint64_t> spec_parts_started{0};
+  std::atomic<std::uint64_t> spec_parts_done{0};
 
   std::map<std::string, double> snapshot() const {
     auto g = [](const std::atomic<std::uint64_t>& a) { return double(a.load(std::memory_order_relaxed)); };
@@ -46,7 +51,9 @@ struct StreamStats {
             {"limbo_released", g(limbo_released)},
             {"published", g(published)},
             {"evicted", g(evicted)},
-            {"revived", g(revived)}};
+            {"revived", g(revived)},
+            {"spec_parts_started", g(spec_parts_started)},
+            {"spec_parts_done", g(spec_parts_done)}};
   }
 };
 

@@ -25,6 +25,11 @@ struct HostTimer {
   }
 };
 
+GovernorOptions governor_options(GovernorOptions o, std::uint32_t n_layers) {
+  if (o.epoch == 0) o.epoch = n_layers;
+  return o;
+}
+
 Command cmd(Op op, std::uint32_t layer = 0, std::uint32_t rows = 0) {
   Command c{};
   c.op = op;
@@ -56,7 +61,8 @@ Window::Window(ExpertStream& stream, std::unique_ptr<Backend> backend,
       opt_(options),
       L_(stream.layout()),
       routers_(stream.file().read_routers()),
-      scratch_(stream, routers_.data()) {
+      scratch_(stream, routers_.data()),
+      governor_(governor_options(options.governor, L_.n_layers)) {
   if (opt_.max_rows == 0) throw EngineError(ErrorKind::Config, "max_rows must be positive");
   if (!(opt_.device_timeout_s > 0))
     throw EngineError(ErrorKind::Config, "device_timeout_s must be positive");
@@ -75,6 +81,9 @@ Window::Window(ExpertStream& stream, std::unique_ptr<Backend> backend,
   stats_.assign(L_.n_layers, LayerStats{});
   predicted_.assign(L_.n_layers, {});
   profile_.assign(std::size_t(L_.n_layers) * L_.n_experts, 0);
+  const auto snap = stream_.stats().snapshot();
+  gov_issued_ = std::uint64_t(snap.at("spec_requests"));
+  gov_used_ = std::uint64_t(snap.at("spec_hits"));
   ensure_scratch(1);
 }
 
@@ -147,19 +156,87 @@ void Window::queue_start_layers() {
   if (n == 0) return;
   stream_.enter_layer(0);  // until layer 0 runs, speculation evicts neither layer 0 nor 1 (I9)
   for (std::uint32_t layer = 0; layer < n; ++layer) {
-    std::vector<std::int32_t> ranked;
-    for (std::uint32_t e = 0; e < E; ++e)
-      if (profile_[std::size_t(layer) * E + e]) ranked.push_back(std::int32_t(e));
-    std::stable_sort(ranked.begin(), ranked.end(), [&](std::int32_t a, std::int32_t b) {
-      return profile_[std::size_t(layer) * E + std::uint32_t(a)] >
-             profile_[std::size_t(layer) * E + std::uint32_t(b)];
-    });
     // Layer 0 is needed first: as many as one token uses. Later layers: a bounded head start.
-    if (layer == 0 && ranked.size() > L_.top_k) ranked.resize(L_.top_k);
+    std::vector<std::int32_t> ranked = profile_ranked(layer, layer == 0 ? L_.top_k : E);
     if (!ranked.empty())
       stream_.request(layer, ranked.data(), ranked.size(), ReadClass::Profile, {},
                       layer == 0 ? 0xFFFFFFFFu : 32u);
   }
+}
+
+std::vector<std::int32_t> Window::profile_ranked(std::uint32_t layer, std::size_t n) const {
+  const std::uint32_t E = L_.n_experts;
+  const std::uint32_t* counts = profile_.data() + std::size_t(layer) * E;
+  std::vector<std::int32_t> ranked;
+  for (std::uint32_t e = 0; e < E; ++e)
+    if (counts[e]) ranked.push_back(std::int32_t(e));
+  std::stable_sort(ranked.begin(), ranked.end(), [&](std::int32_t a, std::int32_t b) {
+    return counts[std::uint32_t(a)] > counts[std::uint32_t(b)];
+  });
+  if (ranked.size() > n) ranked.resize(n);
+  return ranked;
+}
+
+std::uint32_t Window::spec_cap() const {
+  return opt_.prefetch_backoff ? governor_.cap() : PrefetchGovernor::kUnlimited;
+}
+
+std::uint32_t Window::limit_new(std::vector<std::int32_t>& experts, std::uint32_t layer,
+                                std::uint32_t cap) const {
+  if (cap == PrefetchGovernor::kUnlimited) return cap;
+  // Published experts cost no read (the request only refreshes them), so they do not count.
+  // An expert loading but not yet published counts: a conservative estimate, read lock-free.
+  std::uint32_t fresh = 0;
+  std::size_t keep = 0;
+  for (; keep < experts.size(); ++keep) {
+    const std::uint32_t key = layer * L_.n_experts + std::uint32_t(experts[keep]);
+    if (stream_.smap_at(key) != kAbsent) continue;
+    if (fresh == cap) break;
+    ++fresh;
+  }
+  experts.resize(keep);
+  return cap - fresh;
+}
+
+void Window::queue_profile(std::uint32_t layer, std::uint32_t rows, std::uint32_t cap,
+                           const InterruptCheck& interrupt) {
+  if (opt_.lookahead || !opt_.profile_prefetch || layer + 1 >= L_.n_layers || cap == 0)
+    return;  // I10: nothing beyond the last layer
+  const std::size_t want = std::size_t(L_.top_k) * std::min(rows, kProfileRowsMax);
+  std::vector<std::int32_t> ranked = profile_ranked(layer + 1, want);
+  if (ranked.empty()) return;
+  // Speculative: behind urgent work in the IO queue, never waits for space, never evicts layer
+  // `layer` or `layer + 1` (I9), at most `cap` new reads.
+  stream_.request(layer + 1, ranked.data(), ranked.size(), ReadClass::Profile, interrupt, cap);
+}
+
+Window::SpecWatch Window::watch_spec() const {
+  const StreamStats& s = stream_.stats();
+  const std::uint64_t started = s.spec_parts_started.load(std::memory_order_relaxed);
+  const std::uint64_t done = s.spec_parts_done.load(std::memory_order_relaxed);
+  return SpecWatch{started > done ? started - done : 0, started};
+}
+
+bool Window::spec_overlapped(const SpecWatch& w) const {
+  return w.in_flight_before > 0 ||
+         stream_.stats().spec_parts_started.load(std::memory_order_relaxed) > w.started_before;
+}
+
+void Window::observe_handshake(bool decode, bool missed, bool contended,
+                               std::uint64_t wall_ns) {
+  const StreamStats& s = stream_.stats();
+  const std::uint64_t issued = s.spec_requests.load(std::memory_order_relaxed);
+  const std::uint64_t used = s.spec_hits.load(std::memory_order_relaxed);
+  GovernorSample g;
+  g.issued = issued - gov_issued_;
+  g.used = used - gov_used_;
+  g.missed = missed;
+  g.contended = contended;
+  g.wall_ns = wall_ns;
+  g.decode = decode;
+  gov_issued_ = issued;
+  gov_used_ = used;
+  if (opt_.prefetch_backoff) governor_.observe(g);
 }
 
 std::vector<std::int32_t> Window::take_routes() {
@@ -333,6 +410,7 @@ void Window::after(std::uint32_t layer, const std::vector<std::int32_t>& chosen,
 
 std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t chunk,
                                             std::uint32_t rows, const InterruptCheck& interrupt) {
+  const Clock::time_point chunk_start = Clock::now();  // the governor's trials compare this
   const std::uint32_t k = L_.top_k;
   const std::uint64_t v = ++seq_;
   const std::uint32_t cap = wave_capacity();
@@ -400,6 +478,10 @@ std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t c
   if (decode) {
     std::vector<std::int32_t> predicted = predictions(layer, chunk, rows);
     std::vector<std::int32_t> predicted2 = predictions2(layer, rows, true);
+    std::uint32_t cap = spec_cap();  // the governor's, shared by every speculative class
+    cap = limit_new(predicted, layer + 1, cap);
+    const std::uint32_t cap2 = limit_new(predicted2, layer + 2, cap);
+    const SpecWatch watch = watch_spec();
     AtLayerResult r = stream_.at_layer(layer, chosen.data(), chosen.size(), predicted.data(),
                                        predicted.size(), interrupt, predicted2.data(),
                                        predicted2.size());
@@ -411,7 +493,11 @@ std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t c
                         pass_cmd(Op::Down, layer, rows, Pass::Resident)});
     else
       release1_.signal(v);
+    // With the device released: the fallback costs the device nothing while it waits.
+    queue_profile(layer, rows, cap2, interrupt);
     stall_for(layer, chosen, interrupt);  // the resident pass runs meanwhile
+    const bool missed = r.urgent.misses > 0;
+    const bool contended = missed && spec_overlapped(watch);
     if (opt_.split_turn)
       backend_->submit({pass_cmd(Op::GateUp, layer, rows, Pass::Missing),
                         pass_cmd(Op::Down, layer, rows, Pass::Missing),
@@ -419,30 +505,43 @@ std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t c
     else
       release2_.signal(v);
     wait_device(done_, v, interrupt);
+    observe_handshake(true, missed, contended, ns_since(chunk_start));
     return chosen;
   }
 
   // Prompt: every expert of a wave is resident before the device may start it.
   at_layer.add_to(st);
+  bool missed = false, contended = false;
   for (std::uint32_t w = 0; w < n_waves; ++w) {
     auto begin = chosen.begin() + std::ptrdiff_t(w) * cap;
     auto end = chosen.begin() + std::ptrdiff_t(std::min<std::size_t>((w + 1) * cap, chosen.size()));
     std::vector<std::int32_t> wave(begin, end);
     HostTimer wave_timer;
     stream_.enter_layer(layer, wave.data(), wave.size());  // finished waves may make room
+    const SpecWatch watch = watch_spec();
     RequestResult r = stream_.request(layer, wave.data(), wave.size(), ReadClass::Urgent, interrupt);
     count_urgent(st, r);
     if (w == 0) stream_.publish(layer);
     if (w + 1 == n_waves) {  // predictions queue behind the last wave's reads
+      std::uint32_t cap = spec_cap();  // the governor's, shared by every speculative class
       std::vector<std::int32_t> p = predictions(layer, chunk, rows);
-      if (!p.empty()) stream_.request(layer + 1, p.data(), p.size(), ReadClass::Pred1, interrupt);
+      if (!p.empty() && cap > 0) {
+        RequestResult r1 =
+            stream_.request(layer + 1, p.data(), p.size(), ReadClass::Pred1, interrupt, cap);
+        if (cap != PrefetchGovernor::kUnlimited) cap -= std::min(cap, r1.spec_started);
+      }
       std::vector<std::int32_t> p2 = predictions2(layer, rows, false);
-      if (!p2.empty())
+      if (!p2.empty() && cap > 0)
         stream_.request(layer + 2, p2.data(), p2.size(), ReadClass::Pred2, interrupt,
-                        opt_.pred2_max);
+                        std::min(cap, opt_.pred2_max));
+      queue_profile(layer, rows, cap, interrupt);
     }
     wave_timer.add_to(st);
     stall_for(layer, wave, interrupt);
+    if (r.misses > 0) {
+      missed = true;
+      contended = contended || spec_overlapped(watch);
+    }
     std::vector<std::uint8_t> resident(wave.size());
     if (multi) stream_.plan(layer, wave.data(), wave.size(), resident.data());  // I8 by pins
     std::copy(wave.begin(), wave.end(), wave_);
@@ -467,6 +566,7 @@ std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t c
     }
   }
   wait_device(done_, v, interrupt);
+  observe_handshake(false, missed, contended, ns_since(chunk_start));
   return chosen;
 }
 

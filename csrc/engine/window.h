@@ -17,6 +17,7 @@
 
 #include "backend.h"
 #include "expert_stream.h"
+#include "prefetch_governor.h"
 #include "scratch.h"
 #include "shared_event.h"
 
@@ -34,6 +35,14 @@ struct WindowOptions {
   // STRATA_METAL_PROMPT_START_LAYERS: at turn start, queue profile-ranked experts of layers
   // 0..n-1 (layer 0 up to top_k of them, later layers up to 32 new reads each).
   std::uint32_t start_layers = 1;
+  // With lookahead off, the handshake of layer l queues layer l+1's most popular experts by the
+  // profile as Profile reads (DESIGN.md section 6): top_k per row, at most kProfileRowsMax rows'
+  // worth. STRATA_PROFILE_PREFETCH.
+  bool profile_prefetch = true;
+  // STRATA_PREFETCH_BACKOFF: a PrefetchGovernor caps the speculative reads each handshake
+  // starts when they do not pay; off, the cap is always unlimited.
+  bool prefetch_backoff = true;
+  GovernorOptions governor;
   bool split_turn = false;       // each step its own submission (host works between them)
   std::uint32_t max_rows = 1024; // prompt chunk rows (MT)
   std::uint32_t decode_rows = 4; // T <= this (and its experts fit) takes the decode path
@@ -61,6 +70,11 @@ struct LayerStats {
 
 class Window {
  public:
+  // The profile fallback queues top_k experts per row of at most this many rows: one decode
+  // token needs top_k experts of l+1, and for a prompt chunk the next layer's own urgent waves
+  // read the rest anyway, so more would only sit in the IO queue in front of them.
+  static constexpr std::uint32_t kProfileRowsMax = 2;
+
   Window(ExpertStream& stream, std::unique_ptr<Backend> backend, const WindowOptions& options);
   ~Window();
   Window(const Window&) = delete;
@@ -90,6 +104,7 @@ class Window {
   std::int64_t route_layer() const { return route_layer_; }
   // Whether this Window settles IO before host points so that moce routing is deterministic.
   bool settles() const { return settles_; }
+  const PrefetchGovernor& governor() const { return governor_; }
   std::string backend_name() const { return backend_->name(); }
   std::uint64_t scratch_bytes() const { return scratch_.bytes(); }
 
@@ -118,6 +133,28 @@ class Window {
   void settle(std::uint32_t layer, const InterruptCheck& interrupt);
   void note_moce(std::uint32_t layer, std::uint32_t rows);
   void count_urgent(LayerStats& st, const RequestResult& r) const;  // hits, misses, bytes
+
+  // ---- speculation policy ----
+  // Layer `layer`'s experts the profile has seen, most popular first (ties to the lower id),
+  // at most n of them.
+  std::vector<std::int32_t> profile_ranked(std::uint32_t layer, std::size_t n) const;
+  // New speculative reads this handshake may start: the governor's cap, or unlimited.
+  std::uint32_t spec_cap() const;
+  // Truncates `experts` (of `layer`) so that at most `cap` of them are unpublished, i.e. may
+  // start a read; returns the cap left over (kUnlimited stays kUnlimited).
+  std::uint32_t limit_new(std::vector<std::int32_t>& experts, std::uint32_t layer,
+                          std::uint32_t cap) const;
+  // Lookahead off: queue the profile's favourites of layer+1 as Profile reads (I9, I10).
+  void queue_profile(std::uint32_t layer, std::uint32_t rows, std::uint32_t cap,
+                     const InterruptCheck& interrupt);
+  // Was speculation reading while the host waited for urgent reads? Brackets the wait.
+  struct SpecWatch {
+    std::uint64_t in_flight_before = 0, started_before = 0;
+  };
+  SpecWatch watch_spec() const;
+  bool spec_overlapped(const SpecWatch& w) const;
+  // One handshake's evidence for the governor.
+  void observe_handshake(bool decode, bool missed, bool contended, std::uint64_t wall_ns);
   std::uint32_t wave_capacity() const;
 
   ExpertStream& stream_;
@@ -146,6 +183,9 @@ class Window {
   std::vector<LayerStats> stats_;
   std::vector<std::int32_t> routes_;  // (token, layer, expert) triples while record_routes
   std::vector<std::uint32_t> profile_;  // [L * E] popularity counts
+  PrefetchGovernor governor_;
+  // The stream's spec_requests / spec_hits at the last governor sample (deltas feed it).
+  std::uint64_t gov_issued_ = 0, gov_used_ = 0;
   void queue_start_layers();
   std::int64_t tokens_seen_ = 0;      // tokens whose layer-0 call has started
   std::int64_t pass_first_token_ = 0; // first token of the pass now running

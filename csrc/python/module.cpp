@@ -275,7 +275,8 @@ PYBIND11_MODULE(_core, m) {
                        double device_timeout_s, unsigned threads, bool prompt_pred2,
                        std::uint32_t pred2_max, bool decode_prefetch2, bool prompt_buf_reuse,
                        bool record_routes, std::uint32_t start_layers, const std::string& moce,
-                       float moce_strength, std::uint32_t moce_keep_top) {
+                       float moce_strength, std::uint32_t moce_keep_top, bool profile_prefetch,
+                       bool prefetch_backoff) {
              if (backend != "cpu")
                throw EngineError(ErrorKind::Config, "backend '" + backend +
                                                         "' is not available here (have: cpu)");
@@ -302,6 +303,8 @@ PYBIND11_MODULE(_core, m) {
                                                         moce + "'");
              o.moce.strength = moce_strength;
              o.moce.keep_top = moce_keep_top;
+             o.profile_prefetch = profile_prefetch;
+             o.prefetch_backoff = prefetch_backoff;
              ExpertStream& es = stream.get();
              py::gil_scoped_release nogil;
              return std::make_unique<Window>(es, make_cpu_backend(threads), o);
@@ -312,7 +315,8 @@ PYBIND11_MODULE(_core, m) {
            py::arg("pred2_max") = 64, py::arg("decode_prefetch2") = false,
            py::arg("prompt_buf_reuse") = false, py::arg("record_routes") = false,
            py::arg("start_layers") = 1, py::arg("moce") = "off",
-           py::arg("moce_strength") = 1.0f, py::arg("moce_keep_top") = 2)
+           py::arg("moce_strength") = 1.0f, py::arg("moce_keep_top") = 2,
+           py::arg("profile_prefetch") = true, py::arg("prefetch_backoff") = true)
       .def("moe",
            [](Window& w, std::uint32_t layer,
               py::array_t<float, py::array::c_style> x) {
@@ -345,6 +349,32 @@ PYBIND11_MODULE(_core, m) {
              py::array_t<bool> a(py::ssize_t(r.size()));
              std::copy(r.begin(), r.end(), a.mutable_data());
              return a;
+           })
+      .def("prefetch_stats",
+           [](Window& w) {
+             const PrefetchGovernor& g = w.governor();
+             const bool on = w.options().prefetch_backoff;
+             py::dict d;
+             d["backoff"] = on;
+             d["state"] = on ? to_string(g.state()) : "disabled";
+             d["cap"] = !on || g.cap() == PrefetchGovernor::kUnlimited ? py::object(py::none())
+                                                                      : py::int_(g.cap());
+             d["peak"] = g.peak();
+             d["epochs"] = g.epochs();
+             d["cuts"] = g.cuts();
+             d["raises"] = g.raises();
+             d["probes"] = g.probes();
+             d["last_precision"] = g.last_precision() < 0 ? py::object(py::none())
+                                                          : py::float_(g.last_precision());
+             d["last_busy"] =
+                 g.last_busy() < 0 ? py::object(py::none()) : py::float_(g.last_busy());
+             d["trials"] = g.trials();
+             // Mean wall time of a decode layer call with and without speculation, last trial.
+             d["last_wall_on_s"] = g.last_wall_on() < 0 ? py::object(py::none())
+                                                        : py::float_(g.last_wall_on() * 1e-9);
+             d["last_wall_off_s"] = g.last_wall_off() < 0 ? py::object(py::none())
+                                                          : py::float_(g.last_wall_off() * 1e-9);
+             return d;
            })
       .def("profile",
            [](Window& w) {

@@ -45,6 +45,8 @@ ENV_FLAGS: dict[str, str] = {
     "prompt_buf_reuse": "STRATA_METAL_PROMPT_BUF_REUSE",
     "decode_prefetch2": "STRATA_METAL_PREFETCH2",
     "lookahead": "STRATA_LOOKAHEAD",
+    "profile_prefetch": "STRATA_PROFILE_PREFETCH",
+    "prefetch_backoff": "STRATA_PREFETCH_BACKOFF",
     "split_turn": "STRATA_SPLIT_TURN",
     "max_rows": "STRATA_MAX_ROWS",
     "trace_path": "STRATA_TRACE_PATH",
@@ -107,6 +109,13 @@ class StreamConfig:
     prompt_buf_reuse: bool = False
     decode_prefetch2: bool = False
     lookahead: bool = True
+    # With lookahead off, queue the next layer's most popular experts (by the profile) at each
+    # handshake, as speculative Profile reads (DESIGN.md section 6).
+    profile_prefetch: bool = True
+    # Cap speculative reads when they do not pay (low precision, or urgent reads waiting behind
+    # speculation on a busy SSD); see csrc/engine/prefetch_governor.h. Window.stats()["prefetch"]
+    # reports the governor's state and cap.
+    prefetch_backoff: bool = True
     split_turn: bool = False
     max_rows: int = 1024
     decode_rows: int = 4
@@ -149,6 +158,8 @@ class StreamConfig:
             "prompt_pred2",
             "prompt_buf_reuse",
             "decode_prefetch2",
+            "profile_prefetch",
+            "prefetch_backoff",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(

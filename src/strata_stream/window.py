@@ -71,6 +71,8 @@ class Window:
             c.moce,
             c.moce_strength_value,
             c.moce_keep_top,
+            c.profile_prefetch,
+            c.prefetch_backoff,
         )
         self.profile_path = profile_path(stream.path)
         self._persist = c.persist_profile
@@ -195,7 +197,10 @@ class Window:
         """Per-layer and total figures: hits, misses, bytes read, stall and handshake seconds,
         prediction precision and recall at distance 1, and for moce the router probability mass
         moved off the true top-k (summed over tokens), how many true top-k choices it replaced,
-        and the seconds spent settling IO for deterministic moce routing."""
+        and the seconds spent settling IO for deterministic moce routing;
+        under "prefetch", the back-off governor: state (open, throttled, closed, probing;
+        "disabled" with backoff off), cap (new speculative reads per handshake, None =
+        unlimited), its judgements so far and the precision and busy fraction of the last one."""
         layers = [dict(d) for d in self._w.layer_stats()]
         for d in layers:
             d["precision"] = (
@@ -235,6 +240,7 @@ class Window:
             "total": total,
             "scratch_bytes": int(self._w.scratch_bytes),
             "backend": str(self._w.backend),
+            "prefetch": dict(self._w.prefetch_stats()),
         }
 
     def reset_stats(self) -> None:

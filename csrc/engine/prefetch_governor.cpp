@@ -1,0 +1,183 @@
+#include "prefetch_governor.h"
+
+#include <algorithm>
+
+#include "errors.h"
+
+namespace strata {
+
+namespace {
+// Without evidence an epoch keeps gathering, but not forever: a warm arena where every
+// prediction is already resident issues almost nothing, and a judgement spanning many epochs
+// would mostly describe the past.
+constexpr std::uint32_t kMaxGatherEpochs = 8;
+}  // namespace
+
+const char* to_string(GovernorState s) {
+  switch (s) {
+    case GovernorState::Open: return "open";
+    case GovernorState::Throttled: return "throttled";
+    case GovernorState::Closed: return "closed";
+    case GovernorState::Probing: return "probing";
+    case GovernorState::Trial: return "trial";
+  }
+  return "?";
+}
+
+PrefetchGovernor::PrefetchGovernor(const GovernorOptions& options)
+    : opt_(options), trial_every_(options.trial_every), closed_for_(options.closed_epochs) {
+  if (opt_.epoch == 0 || opt_.probe_cap == 0 || opt_.max_probe_epochs == 0 ||
+      (opt_.trial_every > 0 && opt_.trial_epochs == 0))
+    throw EngineError(ErrorKind::Config,
+                      "prefetch governor: epoch, probe_cap, max_probe_epochs and (with trials) "
+                      "trial_epochs must be positive");
+  if (!(opt_.trial_margin >= 0))
+    throw EngineError(ErrorKind::Config, "prefetch governor: trial_margin must be >= 0");
+  if (!(opt_.idle_precision >= 0 && opt_.idle_precision <= 1 && opt_.busy_precision >= 0 &&
+        opt_.busy_precision <= 1 && opt_.busy_fraction >= 0 && opt_.busy_fraction <= 1))
+    throw EngineError(ErrorKind::Config, "prefetch governor: thresholds must lie in [0, 1]");
+}
+
+void PrefetchGovernor::start_epoch() {
+  handshakes_ = 0;
+  issued_ = used_ = missed_ = contended_ = 0;
+}
+
+void PrefetchGovernor::open() {
+  state_ = GovernorState::Open;
+  cap_ = kUnlimited;
+  on_handshakes_ = 0;
+}
+
+// Arm i of a trial runs without speculation when i % 4 is 0 or 3: off, on, on, off, ...
+// (ABBA), so a load that drifts linearly over the trial weighs both arms the same.
+static bool arm_is_off(std::uint32_t i) { return i % 4 == 0 || i % 4 == 3; }
+
+void PrefetchGovernor::begin_trial() {
+  state_ = GovernorState::Trial;
+  arm_ = 0;
+  arm_handshakes_ = 0;
+  cap_ = 0;
+  for (auto& a : arm_wall_) a = {0, 0};
+  start_epoch();
+}
+
+void PrefetchGovernor::trial_sample(const GovernorSample& s) {
+  auto& a = arm_wall_[arm_is_off(arm_) ? 0 : 1];
+  a.first += s.wall_ns;
+  ++a.second;
+  if (++arm_handshakes_ < opt_.epoch) return;
+  arm_handshakes_ = 0;
+  if (++arm_ < 2 * opt_.trial_epochs)
+    cap_ = arm_is_off(arm_) ? 0 : kUnlimited;
+  else
+    end_trial();
+}
+
+void PrefetchGovernor::end_trial() {
+  ++trials_;
+  auto mean = [](const std::pair<std::uint64_t, std::uint64_t>& a) {
+    return double(a.first) / double(std::max<std::uint64_t>(a.second, 1));
+  };
+  last_wall_off_ = mean(arm_wall_[0]);
+  last_wall_on_ = mean(arm_wall_[1]);
+  start_epoch();
+  if (last_wall_on_ > last_wall_off_ * (1 + opt_.trial_margin)) {
+    ++cuts_;  // speculation costs more time than it hides: off, probe again later
+    state_ = GovernorState::Closed;
+    cap_ = 0;
+    epochs_in_state_ = 0;
+    trial_every_ = opt_.trial_every;
+    closed_for_ = std::min(opt_.closed_epochs_max, std::max(closed_for_ * 2, 1u));
+  } else {
+    trial_every_ = std::min(opt_.trial_every_max, trial_every_ * 2);
+    closed_for_ = opt_.closed_epochs;
+    open();
+  }
+}
+
+void PrefetchGovernor::observe(const GovernorSample& s) {
+  if (state_ == GovernorState::Trial) {  // only decode time counts; precision waits
+    if (s.decode) trial_sample(s);
+    return;
+  }
+  if (state_ == GovernorState::Open) {
+    peak_ = std::max<std::uint32_t>(peak_, std::uint32_t(std::min<std::uint64_t>(s.issued, 1u << 20)));
+    on_handshakes_ += s.decode;
+  }
+  ++handshakes_;
+  issued_ += s.issued;
+  used_ += s.used;
+  missed_ += s.missed;
+  contended_ += s.missed && s.contended;
+  if (handshakes_ < opt_.epoch) return;
+
+  if (state_ == GovernorState::Closed) {  // nothing was issued: only time passes
+    start_epoch();
+    if (++epochs_in_state_ >= closed_for_) {
+      state_ = GovernorState::Probing;
+      cap_ = opt_.probe_cap;
+      epochs_in_state_ = 0;
+      ++probes_;
+    }
+    return;
+  }
+  if (issued_ >= opt_.min_issued) {
+    judge();
+  } else if (state_ == GovernorState::Probing &&
+      handshakes_ >= std::uint64_t(opt_.epoch) * opt_.max_probe_epochs) {
+    cut();  // a probe that cannot even issue is not worth keeping open
+    start_epoch();
+  } else if (handshakes_ >= std::uint64_t(opt_.epoch) * kMaxGatherEpochs) {
+    start_epoch();  // no evidence, no change
+  }
+  if (state_ == GovernorState::Open && trial_every_ > 0 &&
+      on_handshakes_ >= std::uint64_t(trial_every_) * opt_.epoch)
+    begin_trial();
+}
+
+void PrefetchGovernor::judge() {
+  const double precision = std::min(1.0, double(used_) / double(issued_));
+  const double busy = missed_ ? double(contended_) / double(missed_) : 0.0;
+  const double bar = busy >= opt_.busy_fraction ? opt_.busy_precision : opt_.idle_precision;
+  last_precision_ = precision;
+  last_busy_ = busy;
+  ++epochs_;
+  if (precision >= bar)
+    raise();
+  else
+    cut();
+  start_epoch();
+}
+
+void PrefetchGovernor::cut() {
+  ++cuts_;
+  // From Open: what the epoch just judged typically issued per handshake, rounded up.
+  const std::uint32_t typical = std::uint32_t(std::min<std::uint64_t>(
+      (issued_ + handshakes_ - 1) / std::max<std::uint64_t>(handshakes_, 1), 1u << 20));
+  const std::uint32_t from = state_ == GovernorState::Open ? typical : cap_;
+  const std::uint32_t next = state_ == GovernorState::Probing ? 0 : from / 2;
+  epochs_in_state_ = 0;
+  if (next == 0) {
+    state_ = GovernorState::Closed;
+    cap_ = 0;
+  } else {
+    state_ = GovernorState::Throttled;
+    cap_ = next;
+  }
+}
+
+void PrefetchGovernor::raise() {
+  if (state_ == GovernorState::Open) return;
+  ++raises_;
+  epochs_in_state_ = 0;
+  const std::uint32_t next = cap_ >= (1u << 30) ? cap_ : cap_ * 2;
+  if (next >= peak_) {
+    open();
+  } else {
+    state_ = GovernorState::Throttled;
+    cap_ = next;
+  }
+}
+
+}  // namespace strata

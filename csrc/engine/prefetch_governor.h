@@ -1,0 +1,152 @@
+// PrefetchGovernor: backs speculative reads off when they do not pay (DESIGN.md section 6).
+//
+// Speculative reads yield to urgent ones in the IO queue (I9), but once a speculative part is
+// being read it shares the SSD with the urgent parts behind it; public measurements show
+// next-layer prefetch costing 13-38% wall clock on an already busy SSD. The Window feeds the
+// governor one Sample per handshake and asks it, before queueing speculation, how many new
+// speculative reads it may start (cap()).
+//
+// Two tests, because precision alone cannot see the busy-SSD loss: a prediction that is 80%
+// right still adds 20% more reads, and when the SSD is the bottleneck those cost wall clock
+// that overlap cannot win back.
+//
+// 1. Precision, judged once per epoch (`epoch` handshakes holding at least `min_issued` speculative
+// reads, so a judgement rests on evidence):
+//   precision p = speculative reads an urgent request later used / speculative reads started;
+//   busy        = among handshakes whose urgent reads missed, the fraction during whose wait
+//                 speculative parts were in flight is >= busy_fraction;
+//   pays        = p >= (busy ? busy_precision : idle_precision).
+// On a busy SSD a wasted read delays urgent work by about one record read and a used one saves
+// at most about one (it is the same read, moved earlier), so break-even is p = 1/2. On an idle
+// SSD a wasted read costs only a slot and idle bandwidth; the lower bar still stops a
+// prediction that is mostly noise. (In decode the next layer's reads are queued at the very
+// handshake whose urgent reads are then waited for, so there `busy` is nearly always true.)
+//
+// 2. A trial: after trial_every epochs' worth of decode handshakes Open, the governor runs
+// 2 * trial_epochs epochs' worth of decode handshakes alternately without and with
+// speculation, in the order off, on, on, off (ABBA: the load on a shared SSD drifts, and a
+// drift linear over the trial then weighs both arms alike), and compares the arms' mean wall
+// time of a decode layer call. Decode only: a prompt chunk's time is of another scale (prompt
+// handshakes during a trial keep the arm's cap). The whole call, not only the urgent stall:
+// wasted reads also cost through later layers' stalls and, on a small machine, through the
+// CPU the IO path takes from the kernels. If a call with prefetch takes more than
+// (1 + trial_margin) times one without, speculation costs more than it hides: Closed. A trial
+// that keeps prefetch doubles the interval to the next (up to trial_every_max), so when
+// prefetch pays the trials cost little; one that closes it doubles how long Closed lasts
+// before the next probe (up to closed_epochs_max), so on a persistently busy SSD speculation
+// stays off most of the time.
+//
+// States (the cap in brackets):
+//   Open [unlimited] --not paying--> Throttled [typical/2] --not paying--> ... halving ...
+//   Throttled [1] --not paying--> Closed [0] --closed_epochs epochs--> Probing [probe_cap]
+//   Probing --pays--> Throttled [2 * probe_cap] --pays--> ... doubling ... --> Open
+//   Probing --not paying (or no evidence within max_probe_epochs)--> Closed
+//   Open --trial_every epochs--> Trial [0 / unlimited, by arm] --not slower with--> Open
+//                                Trial --slower with prefetch--> Closed
+// `typical` is the judged epoch's new speculative reads per handshake, rounded up: the cap
+// starts from what the unthrottled policy actually issued (a few in decode, many in a prompt).
+// `peak`, the most one handshake started while Open, is where raising reopens fully.
+//
+// Not thread-safe: the Window's host thread owns it (every Window method runs on one thread).
+#pragma once
+
+#include <cstdint>
+#include <utility>
+
+namespace strata {
+
+enum class GovernorState : std::uint8_t { Open, Throttled, Closed, Probing, Trial };
+
+const char* to_string(GovernorState s);
+
+struct GovernorOptions {
+  // Handshakes per judgement. The Window turns 0 into n_layers: one decode token, so every
+  // layer's prediction weighs the same in a judgement.
+  std::uint32_t epoch = 0;
+  std::uint32_t min_issued = 16;     // speculative reads an epoch needs before it is judged
+  double idle_precision = 0.25;
+  double busy_precision = 0.5;
+  double busy_fraction = 0.5;
+  std::uint32_t closed_epochs = 4;   // epochs of silence before a probe: probing costs <= 1/5
+  std::uint32_t closed_epochs_max = 64;  // ...doubling after each trial prefetch fails
+  std::uint32_t probe_cap = 2;       // new speculative reads per handshake while probing
+  std::uint32_t max_probe_epochs = 4;  // a probe that gathers no evidence gives up
+  // Open epochs before the first trial (0 = no trials): with epoch = one token, 8 tokens, so
+  // the first trial costs at most 2 tokens in 10 without prefetch, and each passed trial halves
+  // that share.
+  std::uint32_t trial_every = 8;
+  std::uint32_t trial_every_max = 256; // ...doubling after each trial prefetch passes
+  std::uint32_t trial_epochs = 2;      // epochs per arm kind: 2 off + 2 on per trial
+  double trial_margin = 0.1;           // noise between epochs the trial tolerates
+};
+
+// One handshake as the governor sees it. `issued` and `used` are deltas of the stream's
+// counters (spec_requests, spec_hits) since the previous sample; `used` may count reads issued
+// in an earlier epoch, so precision is clamped to 1.
+struct GovernorSample {
+  std::uint64_t issued = 0;
+  std::uint64_t used = 0;
+  bool missed = false;     // the handshake's urgent reads had to come from the SSD
+  bool contended = false;  // ...and speculative parts were in flight while the host waited
+  std::uint64_t wall_ns = 0;  // wall time of the layer call
+  bool decode = true;         // a decode handshake (trials compare only these)
+};
+
+class PrefetchGovernor {
+ public:
+  static constexpr std::uint32_t kUnlimited = 0xFFFFFFFFu;
+
+  explicit PrefetchGovernor(const GovernorOptions& options = {});
+
+  // New speculative reads the next handshake may start (kUnlimited while Open).
+  std::uint32_t cap() const { return cap_; }
+  GovernorState state() const { return state_; }
+  void observe(const GovernorSample& s);
+
+  // Reporting.
+  std::uint32_t peak() const { return peak_; }
+  std::uint64_t epochs() const { return epochs_; }  // judgements made
+  std::uint64_t cuts() const { return cuts_; }
+  std::uint64_t raises() const { return raises_; }
+  std::uint64_t probes() const { return probes_; }
+  double last_precision() const { return last_precision_; }  // -1 before the first judgement
+  double last_busy() const { return last_busy_; }            // -1 before the first judgement
+  std::uint64_t trials() const { return trials_; }
+  // Mean wall time (ns) of a decode layer call with and without speculation, last trial.
+  double last_wall_on() const { return last_wall_on_; }    // -1 before the first trial
+  double last_wall_off() const { return last_wall_off_; }  // -1 before the first trial
+  const GovernorOptions& options() const { return opt_; }
+
+ private:
+  void judge();
+  void cut();
+  void raise();
+  void start_epoch();
+  void open();  // (re)enters Open: the time baseline starts afresh
+  void begin_trial();
+  void trial_sample(const GovernorSample& s);
+  void end_trial();
+
+  GovernorOptions opt_;
+  GovernorState state_ = GovernorState::Open;
+  std::uint32_t cap_ = kUnlimited;
+  std::uint32_t peak_ = 1;  // most new reads one handshake started while Open
+
+  // The epoch being gathered.
+  std::uint32_t handshakes_ = 0;
+  std::uint32_t epochs_in_state_ = 0;  // Closed: epochs waited; Probing: epochs probed
+  std::uint64_t issued_ = 0, used_ = 0, missed_ = 0, contended_ = 0;
+
+  // Trials. on_handshakes_: decode handshakes Open since open(); arm_: the arm running;
+  // arm_wall_[off=0 / on=1]: summed wall ns and decode handshakes of each kind of arm.
+  std::uint32_t trial_every_;
+  std::uint32_t arm_ = 0, arm_handshakes_ = 0;
+  std::pair<std::uint64_t, std::uint64_t> arm_wall_[2] = {};
+  std::uint32_t closed_for_;  // epochs Closed lasts now
+  std::uint64_t on_handshakes_ = 0;
+
+  std::uint64_t epochs_ = 0, cuts_ = 0, raises_ = 0, probes_ = 0, trials_ = 0;
+  double last_precision_ = -1, last_busy_ = -1, last_wall_on_ = -1, last_wall_off_ = -1;
+};
+
+}  // namespace strata

@@ -1,0 +1,273 @@
+// PrefetchGovernor, driven by synthetic handshake samples: the rule in prefetch_governor.h,
+// deterministically (no IO, no clocks).
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+
+#include "errors.h"
+#include "prefetch_governor.h"
+
+using namespace strata;
+
+namespace {
+
+// A workload that would start `wanted` new speculative reads per handshake, of which a
+// fraction `precision` is later used; the Window honours the cap. Runs one epoch.
+struct Workload {
+  std::uint32_t wanted = 8;
+  double precision = 1.0;
+  bool missed = true;
+  bool contended = false;
+  // Wall time of a layer call with speculation allowed / switched off (cap 0).
+  std::uint64_t time_on = 0, time_off = 0;
+  double carry = 0;  // fractional used reads carried between handshakes
+
+  void epoch(PrefetchGovernor& g) {
+    for (std::uint32_t h = 0; h < g.options().epoch; ++h) {
+      GovernorSample s;
+      s.issued = std::min(wanted, g.cap());
+      carry += double(s.issued) * precision;
+      s.used = std::uint64_t(std::floor(carry));
+      carry -= double(s.used);
+      s.missed = missed;
+      s.contended = contended;
+      s.wall_ns = g.cap() > 0 ? time_on : time_off;
+      g.observe(s);
+    }
+  }
+};
+
+GovernorOptions small() {
+  GovernorOptions o;
+  o.epoch = 10;
+  o.min_issued = 8;
+  o.closed_epochs = 3;
+  o.probe_cap = 2;
+  o.max_probe_epochs = 2;
+  o.trial_every = 0;  // precision only; the trial tests turn trials on
+  return o;
+}
+
+GovernorOptions with_trials() {
+  GovernorOptions o = small();
+  o.trial_every = 4;
+  o.trial_every_max = 16;
+  o.trial_epochs = 2;
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("the governor starts open and stays open while prefetch pays") {
+  PrefetchGovernor g(small());
+  CHECK(g.state() == GovernorState::Open);
+  CHECK(g.cap() == PrefetchGovernor::kUnlimited);
+  Workload w;
+  w.precision = 0.9;
+  w.contended = true;  // busy, but nearly every read is used
+  for (int i = 0; i < 5; ++i) w.epoch(g);
+  CHECK(g.state() == GovernorState::Open);
+  CHECK(g.epochs() == 5);
+  CHECK(g.cuts() == 0);
+  CHECK(g.peak() == 8);
+  CHECK(g.last_precision() == Approx(0.9).margin(0.02));
+  CHECK(g.last_busy() == 1.0);
+}
+
+TEST_CASE("a precision collapse halves the cap down to closed") {
+  PrefetchGovernor g(small());
+  Workload w;
+  w.epoch(g);  // paying: learns the peak (8 new reads per handshake)
+  REQUIRE(g.state() == GovernorState::Open);
+  w.precision = 0.0;
+  w.epoch(g);
+  CHECK(g.state() == GovernorState::Throttled);
+  CHECK(g.cap() == 4);
+  w.epoch(g);
+  CHECK(g.cap() == 2);
+  // At cap 2, 10 handshakes issue 20 >= min_issued: still judged every epoch.
+  w.epoch(g);
+  CHECK(g.cap() == 1);
+  w.epoch(g);
+  CHECK(g.state() == GovernorState::Closed);
+  CHECK(g.cap() == 0);
+  CHECK(g.cuts() == 4);
+}
+
+TEST_CASE("closed probes after closed_epochs and recovers when prefetch pays again") {
+  PrefetchGovernor g(small());
+  Workload w;
+  w.epoch(g);
+  w.precision = 0.0;
+  while (g.state() != GovernorState::Closed) w.epoch(g);
+  for (std::uint32_t i = 0; i + 1 < g.options().closed_epochs; ++i) {
+    w.epoch(g);
+    CHECK(g.state() == GovernorState::Closed);  // waiting: nothing issued, nothing judged
+  }
+  w.epoch(g);
+  REQUIRE(g.state() == GovernorState::Probing);
+  CHECK(g.cap() == 2);
+  CHECK(g.probes() == 1);
+
+  w.precision = 1.0;  // the workload changed: predictions are right again
+  w.epoch(g);
+  CHECK(g.state() == GovernorState::Throttled);
+  CHECK(g.cap() == 4);
+  w.epoch(g);
+  CHECK(g.state() == GovernorState::Open);  // 8 reaches the peak
+  CHECK(g.cap() == PrefetchGovernor::kUnlimited);
+  CHECK(g.raises() == 2);
+}
+
+TEST_CASE("a failed probe closes again and probes again later") {
+  PrefetchGovernor g(small());
+  Workload w;
+  w.epoch(g);
+  w.precision = 0.0;
+  while (g.state() != GovernorState::Probing) w.epoch(g);
+  w.epoch(g);  // the probe issues 20 reads, none used
+  CHECK(g.state() == GovernorState::Closed);
+  for (std::uint32_t i = 0; i < g.options().closed_epochs; ++i) w.epoch(g);
+  CHECK(g.state() == GovernorState::Probing);
+  CHECK(g.probes() == 2);
+}
+
+TEST_CASE("the precision bar rises when urgent reads wait behind speculation") {
+  Workload w;
+  w.precision = 0.4;  // above the idle bar (0.25), below the busy one (0.5)
+  PrefetchGovernor idle(small());
+  w.contended = false;
+  for (int i = 0; i < 3; ++i) w.epoch(idle);
+  CHECK(idle.state() == GovernorState::Open);
+  CHECK(idle.last_busy() == 0.0);
+
+  PrefetchGovernor busy(small());
+  w.contended = true;
+  w.epoch(busy);
+  CHECK(busy.state() == GovernorState::Throttled);
+  CHECK(busy.last_busy() == 1.0);
+
+  // Contention only counts among handshakes whose urgent reads missed.
+  PrefetchGovernor hits(small());
+  w.missed = false;
+  w.epoch(hits);
+  CHECK(hits.state() == GovernorState::Open);
+  CHECK(hits.last_busy() == 0.0);
+}
+
+TEST_CASE("without enough speculative reads an epoch is not judged") {
+  PrefetchGovernor g(small());
+  Workload w;
+  w.wanted = 0;  // e.g. every prediction already resident
+  w.precision = 0.0;
+  for (int i = 0; i < 20; ++i) w.epoch(g);
+  CHECK(g.state() == GovernorState::Open);
+  CHECK(g.epochs() == 0);
+  CHECK(g.last_precision() < 0);
+}
+
+TEST_CASE("a probe that cannot issue gives up") {
+  PrefetchGovernor g(small());
+  Workload w;
+  w.epoch(g);
+  w.precision = 0.0;
+  while (g.state() != GovernorState::Probing) w.epoch(g);
+  w.wanted = 0;
+  for (std::uint32_t i = 0; i < g.options().max_probe_epochs; ++i) {
+    CHECK(g.state() == GovernorState::Probing);
+    w.epoch(g);
+  }
+  CHECK(g.state() == GovernorState::Closed);
+}
+
+TEST_CASE("the governor rejects options it cannot work with") {
+  GovernorOptions o = small();
+  CHECK_NOTHROW(PrefetchGovernor(o));
+  o.epoch = 0;
+  CHECK_THROWS_AS(PrefetchGovernor(o), EngineError);
+  o = small();
+  o.busy_precision = 1.5;
+  CHECK_THROWS_AS(PrefetchGovernor(o), EngineError);
+}
+
+TEST_CASE("a trial closes prefetch that is right but makes layer calls slower") {
+  PrefetchGovernor g(with_trials());
+  Workload w;
+  w.precision = 0.9;  // precision alone would keep it open...
+  w.contended = true;
+  w.time_on = 1500;   // ...but layer calls take 50% longer with it (busy SSD)
+  w.time_off = 1000;
+  for (int i = 0; i < 4; ++i) {
+    CHECK(g.state() == GovernorState::Open);
+    w.epoch(g);
+  }
+  REQUIRE(g.state() == GovernorState::Trial);
+  // Arms off, on, on, off: one epoch each.
+  const std::uint32_t caps[] = {0, PrefetchGovernor::kUnlimited, PrefetchGovernor::kUnlimited, 0};
+  for (std::uint32_t cap : caps) {
+    CHECK(g.state() == GovernorState::Trial);
+    CHECK(g.cap() == cap);
+    w.epoch(g);
+  }
+  CHECK(g.state() == GovernorState::Closed);
+  CHECK(g.trials() == 1);
+  CHECK(g.cuts() == 1);
+  CHECK(g.last_wall_on() == Approx(1500));
+  CHECK(g.last_wall_off() == Approx(1000));
+  // A failed trial doubles how long Closed lasts: 2 * closed_epochs before the next probe.
+  for (std::uint32_t i = 0; i + 1 < 2 * g.options().closed_epochs; ++i) {
+    w.epoch(g);
+    CHECK(g.state() == GovernorState::Closed);
+  }
+  w.epoch(g);
+  CHECK(g.state() == GovernorState::Probing);
+}
+
+TEST_CASE("a trial keeps prefetch that saves time and spaces the next one out") {
+  PrefetchGovernor g(with_trials());
+  Workload w;
+  w.precision = 0.9;
+  w.time_on = 500;
+  w.time_off = 1000;
+  for (int i = 0; i < 4 + 4; ++i) w.epoch(g);  // 4 open epochs, then the 4-arm trial
+  CHECK(g.state() == GovernorState::Open);
+  CHECK(g.trials() == 1);
+  CHECK(g.cuts() == 0);
+  CHECK(g.last_wall_on() == Approx(500));
+  for (int i = 0; i < 7; ++i) {
+    w.epoch(g);
+    CHECK(g.state() == GovernorState::Open);  // the next trial waits 8 epochs, not 4
+  }
+  w.epoch(g);
+  CHECK(g.state() == GovernorState::Trial);
+}
+
+TEST_CASE("a trial tolerates noise within the margin") {
+  PrefetchGovernor g(with_trials());
+  Workload w;
+  w.precision = 0.9;
+  w.time_on = 1050;  // 5% slower: under the 10% margin
+  w.time_off = 1000;
+  for (int i = 0; i < 8; ++i) w.epoch(g);
+  CHECK(g.trials() == 1);
+  CHECK(g.state() == GovernorState::Open);
+}
+
+TEST_CASE("prompt handshakes do not count toward a trial") {
+  PrefetchGovernor g(with_trials());
+  Workload w;
+  w.precision = 0.9;
+  w.time_on = 1500;
+  w.time_off = 1000;
+  for (int i = 0; i < 4; ++i) w.epoch(g);
+  REQUIRE(g.state() == GovernorState::Trial);
+  GovernorSample prompt;
+  prompt.decode = false;
+  prompt.wall_ns = 1000000;  // a huge prompt chunk in an off arm must not decide the trial
+  for (int i = 0; i < 100; ++i) g.observe(prompt);
+  CHECK(g.state() == GovernorState::Trial);
+  for (int i = 0; i < 4; ++i) w.epoch(g);
+  CHECK(g.state() == GovernorState::Closed);
+  CHECK(g.last_wall_off() == Approx(1000));
+}
