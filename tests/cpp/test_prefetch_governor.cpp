@@ -57,6 +57,13 @@ GovernorOptions with_trials() {
   return o;
 }
 
+// Runs epochs until the governor reaches `state`; false after a bound, so that a governor that
+// never gets there fails the test instead of hanging it.
+bool run_until(PrefetchGovernor& g, Workload& w, GovernorState state, int max_epochs = 64) {
+  for (int i = 0; i < max_epochs && g.state() != state; ++i) w.epoch(g);
+  return g.state() == state;
+}
+
 }  // namespace
 
 TEST_CASE("the governor starts open and stays open while prefetch pays") {
@@ -100,7 +107,7 @@ TEST_CASE("closed probes after closed_epochs and recovers when prefetch pays aga
   Workload w;
   w.epoch(g);
   w.precision = 0.0;
-  while (g.state() != GovernorState::Closed) w.epoch(g);
+  REQUIRE(run_until(g, w, GovernorState::Closed));
   for (std::uint32_t i = 0; i + 1 < g.options().closed_epochs; ++i) {
     w.epoch(g);
     CHECK(g.state() == GovernorState::Closed);  // waiting: nothing issued, nothing judged
@@ -125,7 +132,7 @@ TEST_CASE("a failed probe closes again and probes again later") {
   Workload w;
   w.epoch(g);
   w.precision = 0.0;
-  while (g.state() != GovernorState::Probing) w.epoch(g);
+  REQUIRE(run_until(g, w, GovernorState::Probing));
   w.epoch(g);  // the probe issues 20 reads, none used
   CHECK(g.state() == GovernorState::Closed);
   for (std::uint32_t i = 0; i < g.options().closed_epochs; ++i) w.epoch(g);
@@ -172,7 +179,7 @@ TEST_CASE("a probe that cannot issue gives up") {
   Workload w;
   w.epoch(g);
   w.precision = 0.0;
-  while (g.state() != GovernorState::Probing) w.epoch(g);
+  REQUIRE(run_until(g, w, GovernorState::Probing));
   w.wanted = 0;
   for (std::uint32_t i = 0; i < g.options().max_probe_epochs; ++i) {
     CHECK(g.state() == GovernorState::Probing);
