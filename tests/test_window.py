@@ -482,7 +482,8 @@ def test_lookahead_off_queues_the_profile_favourites_of_the_next_layer(
     from strata_stream import ReadClass
 
     rng = np.random.default_rng(5)
-    counts = np.stack([rng.permutation(E) for _ in range(L)])  # distinct counts, one zero
+    # Distinct counts, one zero, and a few favourites that most tokens choose.
+    counts = np.stack([rng.permutation(E) for _ in range(L)]) + np.where(np.arange(E) < 3, 60, 0)
     path = profiled_copy(make_pack, tmp_path, counts)
     config = stream_config(
         path,
@@ -499,10 +500,17 @@ def test_lookahead_off_queues_the_profile_favourites_of_the_next_layer(
         assert queued_by_class(stream, ReadClass.PROFILE, 2) == []  # only layer + 1
         w.moe(1, x[1])  # layer 1's own call runs normally over them
         got2 = queued_by_class(stream, ReadClass.PROFILE, 2)
+
     # top_k per row, at most two rows' worth (decode 1 row -> K, a 5-row prompt -> 2K), in
-    # profile order, ties to the lower id; the zero-count expert never.
-    want = sorted(sorted(range(E), key=lambda e: (-counts[1][e], e))[: K * min(rows, 2)])
-    want2 = sorted(sorted(range(E), key=lambda e: (-counts[2][e], e))[: K * min(rows, 2)])
+    # profile order, ties to the lower id, and of those only experts the rows more likely than
+    # not use: 1 - (1 - p)^rows >= 1/2 with p = count / tokens. The zero-count expert never.
+    def favourites(c: np.ndarray) -> list[int]:
+        top = sorted(range(E), key=lambda e: (-c[e], e))[: K * min(rows, 2)]
+        p = np.minimum(1.0, c / (c.sum() / K))
+        return sorted(e for e in top if 1 - (1 - p[e]) ** rows >= 0.5)
+
+    want, want2 = favourites(counts[1]), favourites(counts[2])
+    assert want and (rows > 1 or len(want) < K)  # one row: the filter keeps some, drops some
     assert got == (want if enabled else [])
     assert got2 == (want2 if enabled else [])
 
@@ -525,7 +533,9 @@ def test_lookahead_on_leaves_the_profile_to_the_turn_start(
 
 
 def test_the_profile_fallback_skips_the_last_layer(make_pack: PackFactory, tmp_path: Path) -> None:
-    path = profiled_copy(make_pack, tmp_path, np.ones((L, E)))
+    counts = np.ones((L, E))
+    counts[:, 0] = 100  # chosen by nearly every token: worth prefetching
+    path = profiled_copy(make_pack, tmp_path, counts)
     config = stream_config(
         path, io_threads=1, persist_profile=True, lookahead=False, prompt_start_layers=0
     )

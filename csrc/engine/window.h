@@ -37,7 +37,7 @@ struct WindowOptions {
   std::uint32_t start_layers = 1;
   // With lookahead off, the handshake of layer l queues layer l+1's most popular experts by the
   // profile as Profile reads (DESIGN.md section 6): top_k per row, at most kProfileRowsMax rows'
-  // worth. STRATA_PROFILE_PREFETCH.
+  // worth, and only those the call's rows more likely than not use. STRATA_PROFILE_PREFETCH.
   bool profile_prefetch = true;
   // STRATA_PREFETCH_BACKOFF: a PrefetchGovernor caps the speculative reads each handshake
   // starts when they do not pay; off, the cap is always unlimited.
