@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from strata_stream import ExpertStream, StreamConfig, Window
 from strata_stream.pack import Geometry, write_pack
 
 PackFactory = Callable[..., Path]
@@ -85,3 +86,22 @@ def record_bytes_of(path: Path, layout: dict[str, int], key: int) -> bytes:
     with open(path, "rb") as f:
         f.seek(layout["records_offset"] + key * layout["record_stride"])
         return f.read(layout["record_bytes"])
+
+
+def random_turns(seed: int, sizes: list[int], n_layers: int, hidden: int) -> list[list[np.ndarray]]:
+    """Per turn, per layer, an input [T, hidden]: independent of the outputs, so runs compare."""
+    rng = np.random.default_rng(seed)
+    return [
+        [rng.standard_normal((t, hidden)).astype(np.float32) for _ in range(n_layers)]
+        for t in sizes
+    ]
+
+
+def run_turns(path: Path, config: StreamConfig, turns: list[list[np.ndarray]]) -> list[np.ndarray]:
+    """Every layer of every turn through a fresh stream and Window; the outputs in order."""
+    out = []
+    with ExpertStream(path, config) as stream, Window(stream) as window:
+        for xs in turns:
+            with window.turn():
+                out.extend(window.moe(layer, x) for layer, x in enumerate(xs))
+    return out

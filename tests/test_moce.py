@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conftest import PackFactory
+from conftest import PackFactory, random_turns, run_turns
 from oracle import moce_reference, moe_reference_selected
 from strata_stream import ExpertPack, ExpertStream, StreamConfig, Window
 from strata_stream.errors import ConfigError
@@ -34,17 +34,10 @@ def config(path: Path, n_slots: int, **kw: Any) -> StreamConfig:
 
 
 def inputs(seed: int, sizes: list[int]) -> list[list[np.ndarray]]:
-    rng = np.random.default_rng(seed)
-    return [[rng.standard_normal((t, H)).astype(np.float32) for _ in range(L)] for t in sizes]
+    return random_turns(seed, sizes, L, H)
 
 
-def run(path: Path, cfg: StreamConfig, turns: list[list[np.ndarray]]) -> list[np.ndarray]:
-    out = []
-    with ExpertStream(path, cfg) as stream, Window(stream) as window:
-        for xs in turns:
-            with window.turn():
-                out.extend(window.moe(layer, x) for layer, x in enumerate(xs))
-    return out
+run = run_turns
 
 
 @pytest.mark.parametrize("routing", ["softmax_topk", "topk_softmax"])

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import PackFactory
+from conftest import PackFactory, random_turns, run_turns
 from oracle import moe_reference
 from strata_stream import ExpertPack, ExpertStream, StreamConfig, Window
 from strata_stream.errors import ExpertReadError, StreamClosedError, TurnError
@@ -38,18 +38,10 @@ def stream_config(path: Path, n_slots: int | None = None, **kw: object) -> Strea
 
 
 def inputs(seed: int, sizes: list[int], hidden: int = H) -> list[list[np.ndarray]]:
-    """Per turn, per layer, an input [T, hidden]: independent of the outputs, so runs compare."""
-    rng = np.random.default_rng(seed)
-    return [[rng.standard_normal((t, hidden)).astype(np.float32) for _ in range(L)] for t in sizes]
+    return random_turns(seed, sizes, L, hidden)
 
 
-def run(path: Path, config: StreamConfig, turns: list[list[np.ndarray]]) -> list[np.ndarray]:
-    out = []
-    with ExpertStream(path, config) as stream, Window(stream) as window:
-        for xs in turns:
-            with window.turn():
-                out.extend(window.moe(layer, x) for layer, x in enumerate(xs))
-    return out
+run = run_turns
 
 
 @pytest.fixture(scope="module")

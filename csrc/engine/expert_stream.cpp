@@ -460,6 +460,21 @@ void ExpertStream::throw_read_error(std::uint32_t s) {
   throw ExpertReadError(m.str(), int(layer), int(expert), off, err > 0 ? err : 0);
 }
 
+ExpertStream::ReadProgress ExpertStream::read_progress() const {
+  return ReadProgress{Clock::now(), stats_.bytes_read.load(std::memory_order_relaxed)};
+}
+
+bool ExpertStream::await_part(Lock& lk, ReadProgress& p) {
+  done_cv_.wait_for(lk, std::chrono::milliseconds(50));
+  const std::uint64_t now_done = stats_.bytes_read.load(std::memory_order_relaxed);
+  if (now_done != p.bytes_read) {
+    p.bytes_read = now_done;
+    p.at = Clock::now();
+    return true;
+  }
+  return Clock::now() - p.at <= std::chrono::duration<double>(opt_.io_timeout_s);
+}
+
 void ExpertStream::wait(std::uint32_t layer, const std::int32_t* experts, std::size_t n,
                         const InterruptCheck& interrupt) {
   check_experts(layer, experts, n);
@@ -481,8 +496,7 @@ void ExpertStream::wait(std::uint32_t layer, const std::int32_t* experts, std::s
   }
   Lock lk(mu_);
   auto t0 = Clock::now();
-  auto last_progress = t0;
-  std::uint64_t seen_done = stats_.bytes_read.load(std::memory_order_relaxed);
+  ReadProgress progress = read_progress();
   bool blocked = false;
   for (;;) {
     require_open();
@@ -526,12 +540,7 @@ void ExpertStream::wait(std::uint32_t layer, const std::int32_t* experts, std::s
     if (all) break;
     if (threads_.empty()) continue;
     blocked = true;
-    done_cv_.wait_for(lk, std::chrono::milliseconds(50));
-    std::uint64_t now_done = stats_.bytes_read.load(std::memory_order_relaxed);
-    if (now_done != seen_done) {
-      seen_done = now_done;
-      last_progress = Clock::now();
-    } else if (Clock::now() - last_progress > std::chrono::duration<double>(opt_.io_timeout_s)) {
+    if (!await_part(lk, progress)) {
       stats_.stall_ns.fetch_add(ns_since(t0), std::memory_order_relaxed);
       throw EngineError(ErrorKind::Timeout,
                         "timed out after " + std::to_string(opt_.io_timeout_s) +
@@ -559,8 +568,7 @@ void ExpertStream::settle(const InterruptCheck& interrupt) {
       if (sl.in_flight()) return false;
     return true;
   };
-  auto last_progress = Clock::now();
-  std::uint64_t seen_done = stats_.bytes_read.load(std::memory_order_relaxed);
+  ReadProgress progress = read_progress();
   for (;;) {
     require_open();
     if (threads_.empty()) {  // manual IO: run what is queued inline, in queue order
@@ -568,12 +576,7 @@ void ExpertStream::settle(const InterruptCheck& interrupt) {
       return;
     }
     if (idle()) return;
-    done_cv_.wait_for(lk, std::chrono::milliseconds(50));
-    std::uint64_t now_done = stats_.bytes_read.load(std::memory_order_relaxed);
-    if (now_done != seen_done) {
-      seen_done = now_done;
-      last_progress = Clock::now();
-    } else if (Clock::now() - last_progress > std::chrono::duration<double>(opt_.io_timeout_s)) {
+    if (!await_part(lk, progress)) {
       throw EngineError(ErrorKind::Timeout, "timed out after " + std::to_string(opt_.io_timeout_s) +
                                                 " s with no read progress settling the IO queue");
     }

@@ -29,6 +29,7 @@
 #include "pack_file.h"
 #include "slot.h"
 #include "stats.h"
+#include "timing.h"
 
 namespace strata {
 
@@ -186,6 +187,15 @@ class ExpertStream {
   std::uint32_t retire_locked(std::uint32_t layer, const std::int32_t* chosen, std::size_t n);
   std::uint32_t release_limbo_locked();
   void check_experts(std::uint32_t layer, const std::int32_t* experts, std::size_t n) const;
+  // Bounded waits: io_timeout_s without any read progress is a timeout, however long the wait.
+  struct ReadProgress {
+    Clock::time_point at;      // when bytes_read last moved
+    std::uint64_t bytes_read;  // stats_.bytes_read then
+  };
+  ReadProgress read_progress() const;
+  // Blocks (mu_ released) up to 50 ms for a part to finish; false once io_timeout_s has passed
+  // with no read progress.
+  bool await_part(Lock& lk, ReadProgress& p);
   void io_loop();
   void execute_job(Lock& lk, const IoJob& job);
   void on_reads_finished(std::uint32_t s);
