@@ -13,16 +13,16 @@
 //
 // Units: the access clock counts routed expert uses. The Stream sets tau and guard in tokens
 // (one token = n_layers * top_k uses), not in numbers fitted to one trace: guard = 1 token,
-// tau = 16 tokens. Victim choice costs O(log n_slots) plus the protected slots it skips (HeatOrder),
-// not a scan of the arena. On the Qwen3-30B-A3B trace the hit rate is flat within 0.002 for tau between
+// tau = 16 tokens. Victim choice costs O(log n_slots) amortised plus the protected slots it skips
+// (HeatOrder), not a scan of the arena. On the Qwen3-30B-A3B trace the hit rate is flat within 0.002 for tau between
 // 16 and 24 tokens; see `strata-stream replay` and docs/design-notes.md.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <optional>
-#include <set>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -77,19 +77,26 @@ class KeyHeat {
 // heat, coldest first, then "fresh" slots (guarded) least recently touched first. A key's heat
 // only changes when it is used, and a use touches its slot, which makes the slot fresh again: so
 // a settled slot's heat is never stale. Fresh slots settle lazily, from the cold end of the touch
-// order, when a victim is wanted. Not thread-safe: guarded by ExpertStream::mu_.
+// order, when a victim is wanted.
+//
+// Settled slots live in a binary min-heap in one flat vector, with lazy deletion: a touch only
+// bumps the slot's stamp, and entries whose stamp is old are dropped when they surface. A tree
+// (std::set) gave the same victims but cost about 8 us more host CPU per decode handshake than
+// LRU: its nodes are cold in the cache by the next handshake, after the device threads have
+// streamed expert weights through it. Not thread-safe: guarded by ExpertStream::mu_.
 class HeatOrder {
  public:
   HeatOrder() = default;
-  explicit HeatOrder(std::uint32_t n_slots)
-      : fresh_(n_slots), settled_heat_(n_slots, kUnsettled) {}
+  explicit HeatOrder(std::uint32_t n_slots) : fresh_(n_slots), stamp_(n_slots, 0) {
+    heap_.reserve(2 * std::size_t(n_slots));
+  }
 
   void touched(std::uint32_t s) {
-    unsettle(s);
+    ++stamp_[s];  // any heap entry of s is stale now
     fresh_.touch(s);
   }
   void removed(std::uint32_t s) {
-    unsettle(s);
+    ++stamp_[s];
     fresh_.remove(s);
   }
   // Moves fresh slots whose key is no longer guarded into the heat order. key_of(slot) -> key.
@@ -99,32 +106,62 @@ class HeatOrder {
       const std::uint32_t key = key_of(s);
       if (heat.guarded(key)) break;  // the touch order is the guard order: the rest are fresher
       fresh_.remove(s);
-      settled_heat_[s] = heat.heat(key);
-      settled_.emplace(settled_heat_[s], s);
+      push(Entry{heat.heat(key), s, ++stamp_[s]});
+    }
+    // Stale entries are dropped as they surface; if touches outpace victims, compact.
+    if (heap_.size() > 2 * stamp_.size()) {
+      std::erase_if(heap_, [&](const Entry& e) { return stale(e); });
+      std::make_heap(heap_.begin(), heap_.end(), Later{});
     }
   }
-  // Calls pick(slot) on settled slots by rising heat, then on fresh ones from least recently
-  // touched, until it returns true; returns that slot or LruList::kNone.
+  // Calls pick(slot) on settled slots by rising heat (ties: lower slot), then on fresh ones from
+  // least recently touched, until it returns true; returns that slot or LruList::kNone.
   template <class Pick>
-  std::uint32_t first(Pick pick) const {
-    for (const auto& [h, s] : settled_)
-      if (pick(s)) return s;
+  std::uint32_t first(Pick pick) {
+    std::uint32_t found = LruList::kNone;
+    while (!heap_.empty()) {
+      const Entry e = pop();
+      if (stale(e)) continue;
+      skipped_.push_back(e);  // still settled: back into the heap below, picked or not
+      if (pick(e.slot)) {
+        found = e.slot;
+        break;
+      }
+    }
+    for (const Entry& e : skipped_) push(e);
+    skipped_.clear();
+    if (found != LruList::kNone) return found;
     for (std::uint32_t s = fresh_.coldest(); s != LruList::kNone; s = fresh_.warmer(s))
       if (pick(s)) return s;
     return LruList::kNone;
   }
 
  private:
-  static constexpr double kUnsettled = std::numeric_limits<double>::quiet_NaN();
-  void unsettle(std::uint32_t s) {
-    if (std::isnan(settled_heat_[s])) return;
-    settled_.erase({settled_heat_[s], s});
-    settled_heat_[s] = kUnsettled;
+  struct Entry {
+    double heat;
+    std::uint32_t slot, stamp;
+  };
+  struct Later {  // heap order: the root is the least (heat, slot)
+    bool operator()(const Entry& a, const Entry& b) const {
+      return a.heat > b.heat || (a.heat == b.heat && a.slot > b.slot);
+    }
+  };
+  bool stale(const Entry& e) const { return e.stamp != stamp_[e.slot]; }
+  void push(const Entry& e) {
+    heap_.push_back(e);
+    std::push_heap(heap_.begin(), heap_.end(), Later{});
+  }
+  Entry pop() {
+    std::pop_heap(heap_.begin(), heap_.end(), Later{});
+    Entry e = heap_.back();
+    heap_.pop_back();
+    return e;
   }
 
-  LruList fresh_;                                     // guarded slots, by last touch
-  std::set<std::pair<double, std::uint32_t>> settled_;  // (heat, slot), coldest first
-  std::vector<double> settled_heat_;                  // per slot: its key in settled_, or NaN
+  LruList fresh_;                      // guarded slots, by last touch
+  std::vector<Entry> heap_;            // settled slots (and stale entries), min-heap by Later
+  std::vector<std::uint32_t> stamp_;   // per slot: bumped on every touch, removal or settle
+  std::vector<Entry> skipped_;         // scratch of first(): popped entries to push back
 };
 
 }  // namespace strata
