@@ -24,7 +24,15 @@ from pathlib import Path
 from typing import Any
 
 from strata_stream.config import EVICTION_POLICIES
-from strata_stream.replay import Trace, read_trace, replay
+from strata_stream.replay import (
+    Trace,
+    belady_hit_rate,
+    engine_hit_rate,
+    lru_hit_rate,
+    predicted_steps,
+    read_trace,
+    write_strata_trace,
+)
 
 SIZES = (288, 576, 1000, 1370, 2000, 3000)
 RECALL = 0.89
@@ -39,30 +47,37 @@ def synthetic_trace(seed: int, directory: Path) -> Trace:
     from strata_stream.synthetic import DriverKnobs
 
     routing, _ = run_driver(28, seed, DriverKnobs())
-    lines = [f"# strata_trace v1 n_layers=48 n_experts=128 top_k={TOP_K}", "token,layer,expert"]
-    for t, token in enumerate(routing):
-        lines += [f"{t},{layer},{e}" for layer, experts in token.items() for e in experts]
+    rows = [
+        (t, layer, e) for t, token in enumerate(routing) for layer, es in token.items() for e in es
+    ]
     path = directory / f"synthetic-{seed}-{N_DECODE}.csv"
-    path.write_text("\n".join(lines) + "\n")
-    return read_trace(path)
+    return read_trace(write_strata_trace(path, 48, 128, TOP_K, rows))
 
 
 def measure(name: str, trace: Trace, cache: Path) -> list[dict[str, Any]]:
+    keys = trace.accesses()
     rows = []
     for slots in SIZES:
+        # The offline references depend on the accesses and the size only: once per size.
+        lru, belady = lru_hit_rate(keys, slots), belady_hit_rate(keys, slots)
         for recall in (None, RECALL):
-            row: dict[str, Any] = {"trace": name, "slots": slots, "prediction_recall": recall}
+            predictions = None if recall is None else predicted_steps(trace, recall)
+            row: dict[str, Any] = {
+                "trace": name,
+                "slots": slots,
+                "prediction_recall": recall,
+                "lru_hit_rate": lru,
+                "belady_hit_rate": belady,
+            }
             for policy in EVICTION_POLICIES:
-                r = replay(trace, slots, policy, cache_dir=cache, recall=recall)
-                row[policy] = r.hit_rate
-                row[f"{policy}_reads_per_use"] = r.reads_per_access
-                row["lru_hit_rate"] = r.lru_hit_rate
-                row["belady_hit_rate"] = r.belady_hit_rate
+                hit_rate, reads = engine_hit_rate(trace, slots, policy, predictions, cache)
+                row[policy] = hit_rate
+                row[f"{policy}_reads_per_use"] = reads
             rows.append(row)
             print(
                 f"{name:<14} {slots:>5} {'off' if recall is None else recall:>5}  "
                 + "  ".join(f"{row[p]:.3f}" for p in EVICTION_POLICIES)
-                + f"  {row['lru_hit_rate']:.3f}  {row['belady_hit_rate']:.3f}  "
+                + f"  {lru:.3f}  {belady:.3f}  "
                 + "  ".join(f"{row[p + '_reads_per_use']:.3f}" for p in EVICTION_POLICIES),
                 flush=True,
             )

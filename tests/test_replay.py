@@ -10,32 +10,36 @@ import pytest
 
 from strata_stream.cli import main
 from strata_stream.errors import ConfigError, PackError
-from strata_stream.replay import belady_hit_rate, lru_hit_rate, read_trace, replay
+from strata_stream.replay import (
+    belady_hit_rate,
+    lru_hit_rate,
+    read_trace,
+    replay,
+    write_strata_trace,
+)
 
 REAL_TRACE = (
     Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "qwen3-30b-a3b.route.csv"
 )
 
 
-def write_strata_trace(
+def random_trace(
     path: Path, n_layers: int, n_experts: int, top_k: int, tokens: int, seed: int
 ) -> Path:
+    """Independent draws from a fixed skewed popularity per layer, as a strata_trace file."""
     rng = np.random.default_rng(seed)
     popularity = rng.dirichlet(np.full(n_experts, 0.3), size=n_layers)
-    lines = [
-        f"# strata_trace v1 n_layers={n_layers} n_experts={n_experts} top_k={top_k}",
-        "token,layer,expert",
+    rows = [
+        (t, layer, int(e))
+        for t in range(tokens)
+        for layer in range(n_layers)
+        for e in rng.choice(n_experts, top_k, replace=False, p=popularity[layer])
     ]
-    for t in range(tokens):
-        for layer in range(n_layers):
-            for e in rng.choice(n_experts, top_k, replace=False, p=popularity[layer]):
-                lines.append(f"{t},{layer},{e}")
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_strata_trace(path, n_layers, n_experts, top_k, rows)
 
 
 def test_engine_replay_agrees_with_lru_and_stays_below_belady(tmp_path: Path) -> None:
-    trace = read_trace(write_strata_trace(tmp_path / "t.csv", 4, 16, 2, 200, 0))
+    trace = read_trace(random_trace(tmp_path / "t.csv", 4, 16, 2, 200, 0))
     assert (trace.n_layers, trace.n_experts, trace.top_k) == (4, 16, 2)
     assert len(trace.accesses()) == 200 * 4 * 2
     for slots in (4, 9, 30, 64):
@@ -50,7 +54,7 @@ def test_engine_replay_agrees_with_lru_and_stays_below_belady(tmp_path: Path) ->
 def test_decayed_lfu_beats_lru_where_popularity_is_stable(tmp_path: Path) -> None:
     # Independent draws from a fixed skewed popularity: what was used often will be used often,
     # so ranking by use count must beat ranking by recency (and LRU can never beat Belady).
-    trace = read_trace(write_strata_trace(tmp_path / "t.csv", 4, 32, 2, 400, 5))
+    trace = read_trace(random_trace(tmp_path / "t.csv", 4, 32, 2, 400, 5))
     for slots in (12, 24, 48):
         lfu = replay(trace, slots, policy="decayed_lfu", cache_dir=tmp_path)
         assert lfu.hit_rate > lfu.lru_hit_rate + 0.02, slots
@@ -60,7 +64,7 @@ def test_decayed_lfu_beats_lru_where_popularity_is_stable(tmp_path: Path) -> Non
 def test_decayed_lfu_keeps_the_popular_expert_and_spares_a_fresh_one(tmp_path: Path) -> None:
     from strata_stream import ExpertStream, StreamConfig
 
-    trace = read_trace(write_strata_trace(tmp_path / "t.csv", 2, 8, 1, 1, 0))
+    trace = read_trace(random_trace(tmp_path / "t.csv", 2, 8, 1, 1, 0))
     from strata_stream.replay import geometry_pack
 
     pack = geometry_pack(trace, tmp_path)
@@ -91,7 +95,7 @@ def test_decayed_lfu_keeps_the_popular_expert_and_spares_a_fresh_one(tmp_path: P
 def test_modelled_predictions_have_the_asked_recall(tmp_path: Path) -> None:
     from strata_stream.replay import predicted_steps
 
-    trace = read_trace(write_strata_trace(tmp_path / "t.csv", 6, 32, 4, 300, 2))
+    trace = read_trace(random_trace(tmp_path / "t.csv", 6, 32, 4, 300, 2))
     for recall in (0.0, 0.5, 0.89, 1.0):
         guesses = predicted_steps(trace, recall, seed=1)
         kept = total = 0
@@ -111,7 +115,7 @@ def test_modelled_predictions_have_the_asked_recall(tmp_path: Path) -> None:
 
 
 def test_perfect_predictions_leave_only_the_first_layer_to_miss(tmp_path: Path) -> None:
-    trace = read_trace(write_strata_trace(tmp_path / "t.csv", 4, 64, 2, 200, 3))
+    trace = read_trace(random_trace(tmp_path / "t.csv", 4, 64, 2, 200, 3))
     first_layer_uses = sum(len(e) for layer, e in trace.steps if layer == 0)
     for policy in ("lru", "decayed_lfu"):
         r = replay(trace, 16, policy=policy, recall=1.0, cache_dir=tmp_path)
@@ -140,7 +144,7 @@ def test_bad_traces_and_arguments(tmp_path: Path) -> None:
     out_of_range.write_text("# strata_trace v1 n_layers=2 n_experts=4 top_k=1\n0,5,1\n")
     with pytest.raises(PackError, match="out of range"):
         read_trace(out_of_range)
-    trace = read_trace(write_strata_trace(tmp_path / "t.csv", 2, 8, 2, 5, 1))
+    trace = read_trace(random_trace(tmp_path / "t.csv", 2, 8, 2, 5, 1))
     with pytest.raises(ConfigError, match="at least 4"):
         replay(trace, 3, cache_dir=tmp_path)
     with pytest.raises(ConfigError, match="not available"):
@@ -215,22 +219,21 @@ def test_decayed_lfu_does_not_lose_to_lru_on_synthetic_driver_routing(tmp_path: 
 
     rs = routers(GEOM, seed=2)
     driver = SyntheticDriver(GEOM, rs, seed=2)
-    lines = [
-        f"# strata_trace v1 n_layers={GEOM.n_layers} n_experts={GEOM.n_experts} top_k={GEOM.top_k}"
-    ]
+    rows = []
     token = 0
     for tokens in [driver.prompt(64)] + [driver.decode() for _ in range(300)]:
         ids = [
             route_ids(tokens.layer_input(layer), rs[layer], GEOM.top_k)
             for layer in range(GEOM.n_layers)
         ]
-        for t in range(tokens.n):
-            lines += [
-                f"{token + t},{layer},{e}" for layer in range(GEOM.n_layers) for e in ids[layer][t]
-            ]
+        rows += [
+            (token + t, layer, int(e))
+            for t in range(tokens.n)
+            for layer in range(GEOM.n_layers)
+            for e in ids[layer][t]
+        ]
         token += tokens.n
-    path = tmp_path / "syn.csv"
-    path.write_text("\n".join(lines) + "\n")
+    path = write_strata_trace(tmp_path / "syn.csv", GEOM.n_layers, GEOM.n_experts, GEOM.top_k, rows)
     trace = read_trace(path)
     for slots in (16, 48, 96):
         r = replay(trace, slots, cache_dir=tmp_path)

@@ -20,7 +20,7 @@ import heapq
 import itertools
 import re
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,6 +56,28 @@ class ReplayResult:
     reads_per_access: float  # expert reads the engine started (urgent + speculative) per use
     prediction_recall: float | None = None  # modelled next-layer prediction, if any
     lru_predicted_hit_rate: float | None = None  # the engine's LRU with the same predictions
+
+
+def strata_trace_header(n_layers: int, n_experts: int, top_k: int) -> str:
+    """The first two lines of a strata_trace v1 file."""
+    return (
+        f"# strata_trace v1 n_layers={n_layers} n_experts={n_experts} top_k={top_k}\n"
+        "token,layer,expert\n"
+    )
+
+
+def strata_trace_rows(rows: Iterable[Sequence[int]]) -> str:
+    """(token, layer, expert) triples as strata_trace v1 lines."""
+    return "".join(f"{t},{layer},{e}\n" for t, layer, e in rows)
+
+
+def write_strata_trace(
+    path: str | Path, n_layers: int, n_experts: int, top_k: int, rows: Iterable[Sequence[int]]
+) -> Path:
+    """A whole strata_trace v1 file from (token, layer, expert) triples in access order."""
+    path = Path(path)
+    path.write_text(strata_trace_header(n_layers, n_experts, top_k) + strata_trace_rows(rows))
+    return path
 
 
 def read_trace(path: str | Path) -> Trace:

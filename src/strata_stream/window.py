@@ -29,6 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from strata_stream.errors import ConfigError, StreamClosedError, TurnError
+from strata_stream.replay import strata_trace_header, strata_trace_rows
 from strata_stream.stream import ExpertStream
 
 
@@ -80,11 +81,7 @@ class Window:
             self._load_profile()
         self._trace = None if c.trace_path is None else open(c.trace_path, "w")  # noqa: SIM115
         if self._trace is not None:
-            self._trace.write(
-                f"# strata_trace v1 n_layers={self.n_layers} "
-                f"n_experts={stream.n_experts} top_k={stream.top_k}\n"
-                "token,layer,expert\n"
-            )
+            self._trace.write(strata_trace_header(self.n_layers, stream.n_experts, stream.top_k))
         self._implicit_turn = False
         self._closed = False
         # The C++ Window has one host thread by design; moe() releases the GIL, so a second
@@ -178,7 +175,7 @@ class Window:
         if self._trace is None:
             return
         routes = self._w.take_routes()
-        self._trace.write("".join(f"{t},{layer},{e}\n" for t, layer, e in routes.tolist()))
+        self._trace.write(strata_trace_rows(routes.tolist()))
         self._trace.flush()
 
     def _input(self, x: npt.ArrayLike) -> npt.NDArray[np.float32]:
