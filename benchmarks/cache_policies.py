@@ -2,9 +2,9 @@
 
     python benchmarks/cache_policies.py [--trace CSV] [--json OUT] [--plot OUT.png]
 
-For the real Qwen3-30B-A3B trace (../shared/data/traces/, or --trace) and for routing from the
+For the real Qwen3-30B-A3B trace (tests/data/, or --trace) and for routing from the
 calibrated synthetic driver (the same geometry, 28 prompt + 128 decode tokens, two seeds),
-replays every access through the real ExpertStream (`strata_stream.replay`) at several arena
+replays every access through the real ExpertStream (`strata_stream.trace.replay`) at several arena
 sizes with each eviction policy, and prints:
 
 - the policy alone (no prefetch): engine hit rate per policy, plain LRU, Belady's optimum;
@@ -24,20 +24,17 @@ from pathlib import Path
 from typing import Any
 
 from strata_stream.config import EVICTION_POLICIES
-from strata_stream.replay import (
-    Trace,
+from strata_stream.trace.format import Trace, read_trace, write_strata_trace
+from strata_stream.trace.replay import (
     belady_hit_rate,
     engine_hit_rate,
     lru_hit_rate,
     predicted_steps,
-    read_trace,
-    write_strata_trace,
 )
 
 SIZES = (288, 576, 1000, 1370, 2000, 3000)
 RECALL = 0.89
-_TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
-_TRACE = _TRACE / "qwen3-30b-a3b.route.csv"
+_TRACE = Path(__file__).resolve().parents[1] / "tests" / "data" / "qwen3-30b-a3b.route.csv"
 
 
 def synthetic_trace(seed: int, directory: Path) -> Trace:

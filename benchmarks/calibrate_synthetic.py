@@ -46,11 +46,7 @@ TOP_K = 6  # the trace forced Qwen3-30B-A3B's top-8 down to 6
 REPORTED_RECALL = 0.89
 N_DECODE = 128
 _TRACE_NAME = "qwen3-30b-a3b.route.csv"
-# The steering repo's shared/ sits beside this checkout (and beside CI's fresh clone).
-_TRACE_DIRS = (
-    Path(__file__).resolve().parents[2] / "shared" / "data" / "traces",
-    Path(__file__).resolve().parents[1] / "data" / "traces",
-)
+_TRACE_DIRS = (Path(__file__).resolve().parents[1] / "tests" / "data",)
 
 # Per token (in sequence order), per layer: the chosen experts in slot order. A dict because
 # the trace leaves some (token, layer) pairs out.
@@ -181,7 +177,7 @@ def find_trace(arg: str | None) -> Path:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path, help="also write the numbers to this file")
-    ap.add_argument("--trace", help=f"route_trace v1 CSV (default: data/traces/{_TRACE_NAME})")
+    ap.add_argument("--trace", help=f"route_trace v1 CSV (default: tests/data/{_TRACE_NAME})")
     ap.add_argument("--prompt", type=int, help="prompt tokens (default: as many as the trace)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)

@@ -5,8 +5,8 @@ optionally renormalise them to sum 1 (norm_topk_prob). Mixtral ("topk_softmax"):
 logits and softmax over just those. Each expert is a SwiGLU FFN,
 y = down @ (silu(gate @ x) * (up @ x)), and the block output is sum_k w_k * y_k.
 
-`moce_reference` is the cache-aware routing selection (DESIGN.md section 6) written from its
-spec, and `moe_reference_selected` the block evaluated with a given selection.
+`moce_reference` is the cache-aware routing selection (docs/architecture.md section 6) written
+from its spec, and `moe_reference_selected` the block evaluated with a given selection.
 
 This deliberately shares no code with the engine or the pack reader: it is what engine output is
 compared against, so a bug here must not be able to hide the same bug there.
@@ -95,7 +95,7 @@ def _mixture(x: F32, experts: ExpertFn, ids: npt.NDArray[np.int32], w: F32) -> F
     return out.astype(np.float32)
 
 
-# ---- moce: cache-aware routing (DESIGN.md section 6) ----------------------------------------
+# ---- moce: cache-aware routing (docs/architecture.md section 6) ---------------------------
 
 
 def moce_reference(

@@ -10,17 +10,10 @@ import pytest
 
 from strata_stream.cli import main
 from strata_stream.errors import ConfigError, PackError
-from strata_stream.replay import (
-    belady_hit_rate,
-    lru_hit_rate,
-    read_trace,
-    replay,
-    write_strata_trace,
-)
+from strata_stream.trace.format import read_trace, write_strata_trace
+from strata_stream.trace.replay import belady_hit_rate, lru_hit_rate, replay
 
-REAL_TRACE = (
-    Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "qwen3-30b-a3b.route.csv"
-)
+REAL_TRACE = Path(__file__).resolve().parent / "data" / "qwen3-30b-a3b.route.csv"
 
 
 def random_trace(
@@ -65,7 +58,7 @@ def test_decayed_lfu_keeps_the_popular_expert_and_spares_a_fresh_one(tmp_path: P
     from strata_stream import ExpertStream, StreamConfig
 
     trace = read_trace(random_trace(tmp_path / "t.csv", 2, 8, 1, 1, 0))
-    from strata_stream.replay import geometry_pack
+    from strata_stream.trace.replay import geometry_pack
 
     pack = geometry_pack(trace, tmp_path)
     for policy, survivor in (("lru", 1), ("decayed_lfu", 0)):
@@ -93,7 +86,7 @@ def test_decayed_lfu_keeps_the_popular_expert_and_spares_a_fresh_one(tmp_path: P
 
 
 def test_modelled_predictions_have_the_asked_recall(tmp_path: Path) -> None:
-    from strata_stream.replay import predicted_steps
+    from strata_stream.trace.replay import predicted_steps
 
     trace = read_trace(random_trace(tmp_path / "t.csv", 6, 32, 4, 300, 2))
     for recall in (0.0, 0.5, 0.89, 1.0):
@@ -151,7 +144,6 @@ def test_bad_traces_and_arguments(tmp_path: Path) -> None:
         replay(trace, 8, policy="magic", cache_dir=tmp_path)
 
 
-@pytest.mark.skipif(not REAL_TRACE.exists(), reason="needs shared/data/traces beside the repo")
 def test_the_real_qwen3_trace_reproduces_its_published_figures(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
     assert main(["replay", str(REAL_TRACE), "--slots", "1370", "--json", str(out)]) == 0

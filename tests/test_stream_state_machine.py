@@ -1,6 +1,6 @@
 """A hypothesis state machine drives ExpertStream's primitives in random orders, with manual IO
-so that the test decides the order in which part reads land, and checks DESIGN.md's invariants
-I1-I10 after every step against a small pure-Python model of the rules.
+so that the test decides the order in which part reads land, and checks the invariants
+I1-I10 of docs/architecture.md after every step against a small pure-Python model of the rules.
 
 The model does not re-implement slot choice (that is the engine's business); it keeps what the
 rules fix: which keys are published, protected, pinned, parked, and what each step may change.

@@ -7,10 +7,10 @@
 #include <cstring>
 #include <optional>
 
-#include "errors.h"
-#include "expert_stream.h"
+#include "common/errors.h"
+#include "residency/expert_stream.h"
 #include "kernel_bench.h"
-#include "window.h"
+#include "exec/window.h"
 
 namespace py = pybind11;
 using namespace strata;

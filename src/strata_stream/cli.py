@@ -155,7 +155,8 @@ def _replay(args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
-    from strata_stream.replay import read_trace, replay
+    from strata_stream.trace.format import read_trace
+    from strata_stream.trace.replay import replay
 
     trace = read_trace(args.trace)
     r = replay(trace, args.slots, args.policy, recall=args.predict_recall)

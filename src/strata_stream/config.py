@@ -1,8 +1,8 @@
 """StreamConfig: every knob of the engine in one frozen dataclass.
 
-The seed's environment flags (DESIGN.md section 6) keep their names and defaults; `from_env`
-reads them so a deployment can flip a policy without touching code, and keyword overrides win
-over the environment so tests stay hermetic.
+The seed's environment flags (docs/architecture.md section 6) keep their names and
+defaults; `from_env` reads them so a deployment can flip a policy without touching code, and
+keyword overrides win over the environment so tests stay hermetic.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class StreamConfig:
     decode_prefetch2: bool = False
     lookahead: bool = True
     # With lookahead off, queue the next layer's most popular experts (by the profile) at each
-    # handshake, as speculative Profile reads (DESIGN.md section 6).
+    # handshake, as speculative Profile reads (docs/architecture.md section 6).
     profile_prefetch: bool = True
     # Cap speculative reads when they do not pay (low precision, or urgent reads waiting behind
     # speculation on a busy SSD); see csrc/engine/prefetch_governor.h. Window.stats()["prefetch"]
@@ -130,9 +130,10 @@ class StreamConfig:
     # "decayed_lfu" (the expert used least, with uses decaying over ~16 tokens, never one used
     # or predicted in the last token) or "lru".
     eviction: str = "decayed_lfu"
-    # Cache-aware routing (DESIGN.md section 6): "off" routes exactly; "scale" multiplies resident
-    # experts' router probabilities by moce_strength before the top-k; "prune" replaces a
-    # nonresident choice whose probability is below moce_strength by the best resident expert.
+    # Cache-aware routing (docs/architecture.md section 6): "off" routes exactly; "scale"
+    # multiplies resident experts' router probabilities by moce_strength before the top-k;
+    # "prune" replaces a nonresident choice whose probability is below moce_strength by the best
+    # resident expert.
     # The true top moce_keep_top are always kept. None = the mode's default strength.
     moce: str = "off"
     moce_strength: float | None = None

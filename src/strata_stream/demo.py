@@ -9,7 +9,6 @@ and next-layer prediction recall; exits non-zero if parity fails.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -23,14 +22,10 @@ from tqdm import tqdm
 
 from strata_stream.config import StreamConfig
 from strata_stream.pack import ExpertPack, pack_preset
+from strata_stream.paths import cache_dir
 from strata_stream.stream import ExpertStream
 from strata_stream.synthetic import SyntheticDriver
 from strata_stream.window import Window
-
-
-def default_pack_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "strata-stream"
 
 
 @dataclass
@@ -104,7 +99,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Sequence[str] = ()) -> int:
     args = _parse(argv)
-    path: Path = args.pack or default_pack_dir() / f"{args.preset}.strpk"
+    path: Path = args.pack or cache_dir() / f"{args.preset}.strpk"
     if not path.exists():
         print(f"packing the {args.preset!r} preset into {path} (first run only)")
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""ExpertStream: the Python face of the C++ residency engine (DESIGN.md section 4).
+"""ExpertStream: the Python face of the C++ residency engine (docs/architecture.md section 4).
 
 The engine owns the arena, the IO threads and the slot map; this wrapper checks arguments,
 names read classes, and converts engine errors into strata_stream.errors (the extension does

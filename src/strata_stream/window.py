@@ -29,8 +29,8 @@ import numpy as np
 import numpy.typing as npt
 
 from strata_stream.errors import ConfigError, StreamClosedError, TurnError
-from strata_stream.replay import strata_trace_header, strata_trace_rows
 from strata_stream.stream import ExpertStream
+from strata_stream.trace.format import strata_trace_header, strata_trace_rows
 
 
 def profile_path(pack: Path) -> Path:

@@ -8,7 +8,7 @@
 #include <cstring>
 #include <stdexcept>
 
-#include "pack_file.h"
+#include "pack/pack_file.h"
 
 namespace strata::test {
 namespace {

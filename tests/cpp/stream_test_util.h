@@ -3,7 +3,7 @@
 #include <cstring>
 #include <vector>
 
-#include "expert_stream.h"
+#include "residency/expert_stream.h"
 #include "pack_builder.h"
 
 namespace strata::test {

@@ -2,7 +2,7 @@
 
 #include <cstdio>
 
-#include "errors.h"
+#include "common/errors.h"
 #include "stream_test_util.h"
 
 using namespace strata;

@@ -4,7 +4,7 @@
 #include <cstdio>
 #include <vector>
 
-#include "moce.h"
+#include "policy/moce.h"
 #include "stream_test_util.h"
 
 using namespace strata;

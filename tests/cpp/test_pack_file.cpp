@@ -3,9 +3,9 @@
 #include <cstdio>
 #include <cstring>
 
-#include "errors.h"
+#include "common/errors.h"
 #include "pack_builder.h"
-#include "pack_file.h"
+#include "pack/pack_file.h"
 
 using namespace strata;
 using namespace strata::test;

@@ -5,8 +5,8 @@
 #include <algorithm>
 #include <cmath>
 
-#include "errors.h"
-#include "prefetch_governor.h"
+#include "common/errors.h"
+#include "policy/prefetch_governor.h"
 
 using namespace strata;
 

@@ -7,7 +7,7 @@
 #include <random>
 
 #include "stream_test_util.h"
-#include "window.h"
+#include "exec/window.h"
 
 using namespace strata;
 using namespace strata::test;

@@ -1,4 +1,4 @@
-#include "weights.h"
+#include "pack/weights.h"
 
 namespace strata {
 namespace {

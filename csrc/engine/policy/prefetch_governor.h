@@ -1,4 +1,4 @@
-// PrefetchGovernor: backs speculative reads off when they do not pay (DESIGN.md section 6).
+// PrefetchGovernor: backs speculative reads off when they do not pay (docs/architecture.md section 6).
 //
 // Speculative reads yield to urgent ones in the IO queue (I9), but once a speculative part is
 // being read it shares the SSD with the urgent parts behind it; public measurements show

@@ -6,8 +6,8 @@
 #include <random>
 #include <set>
 
-#include "errors.h"
-#include "scratch.h"
+#include "common/errors.h"
+#include "exec/scratch.h"
 
 namespace strata {
 namespace {

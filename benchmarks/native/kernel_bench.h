@@ -6,8 +6,8 @@
 #include <string>
 #include <vector>
 
-#include "backend.h"
-#include "expert_stream.h"
+#include "exec/backend.h"
+#include "residency/expert_stream.h"
 
 namespace strata {
 

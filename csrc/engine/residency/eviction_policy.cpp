@@ -1,4 +1,4 @@
-#include "eviction_policy.h"
+#include "residency/eviction_policy.h"
 
 namespace strata {
 

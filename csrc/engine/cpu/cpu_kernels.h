@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <functional>
 
-#include "backend.h"
+#include "exec/backend.h"
 
 namespace strata::cpu {
 

@@ -8,9 +8,9 @@
 #include <string>
 #include <vector>
 
-#include "moce.h"
-#include "pack_file.h"
-#include "shared_event.h"
+#include "policy/moce.h"
+#include "pack/pack_file.h"
+#include "exec/shared_event.h"
 
 namespace strata {
 

@@ -10,9 +10,9 @@
 #include <thread>
 #include <vector>
 
-#include "backend.h"
-#include "check.h"
-#include "cpu_kernels.h"
+#include "exec/backend.h"
+#include "common/check.h"
+#include "cpu/cpu_kernels.h"
 
 namespace strata {
 namespace {

@@ -27,7 +27,7 @@
 #include <utility>
 #include <vector>
 
-#include "lru_list.h"
+#include "residency/lru_list.h"
 
 namespace strata {
 

@@ -1,4 +1,4 @@
-#include "expert_stream.h"
+#include "residency/expert_stream.h"
 
 #include <algorithm>
 #include <atomic>
@@ -8,9 +8,9 @@
 #include <new>
 #include <sstream>
 
-#include "check.h"
-#include "errors.h"
-#include "timing.h"
+#include "common/check.h"
+#include "common/errors.h"
+#include "common/timing.h"
 
 namespace strata {
 namespace {

@@ -1,4 +1,4 @@
-#include "pack_file.h"
+#include "pack/pack_file.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -11,7 +11,7 @@
 #include <memory>
 #include <sstream>
 
-#include "errors.h"
+#include "common/errors.h"
 
 namespace strata {
 namespace {

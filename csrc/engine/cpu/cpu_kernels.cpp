@@ -1,4 +1,4 @@
-#include "cpu_kernels.h"
+#include "cpu/cpu_kernels.h"
 
 #include <algorithm>
 #include <atomic>
@@ -7,8 +7,8 @@
 #include <limits>
 #include <vector>
 
-#include "slot.h"
-#include "weights.h"
+#include "residency/slot.h"
+#include "pack/weights.h"
 
 namespace strata::cpu {
 namespace {

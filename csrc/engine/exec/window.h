@@ -1,4 +1,4 @@
-// Window: one MoE layer call = route -> handshake -> expert passes (DESIGN.md section 2).
+// Window: one MoE layer call = route -> handshake -> expert passes (docs/architecture.md section 2).
 //
 // The host side of the per-layer CPU/GPU handshake. Owns the backend, the routers and the
 // scratch; drives ExpertStream at the two host points of every layer:
@@ -15,11 +15,11 @@
 #include <string>
 #include <vector>
 
-#include "backend.h"
-#include "expert_stream.h"
-#include "prefetch_governor.h"
-#include "scratch.h"
-#include "shared_event.h"
+#include "exec/backend.h"
+#include "residency/expert_stream.h"
+#include "policy/prefetch_governor.h"
+#include "exec/scratch.h"
+#include "exec/shared_event.h"
 
 namespace strata {
 
@@ -36,7 +36,7 @@ struct WindowOptions {
   // 0..n-1 (layer 0 up to top_k of them, later layers up to 32 new reads each).
   std::uint32_t start_layers = 1;
   // With lookahead off, the handshake of layer l queues layer l+1's most popular experts by the
-  // profile as Profile reads (DESIGN.md section 6): top_k per row, at most kProfileRowsMax rows'
+  // profile as Profile reads (docs/architecture.md section 6): top_k per row, at most kProfileRowsMax rows'
   // worth, and only those the call's rows more likely than not use. STRATA_PROFILE_PREFETCH.
   bool profile_prefetch = true;
   // STRATA_PREFETCH_BACKOFF: a PrefetchGovernor caps the speculative reads each handshake

@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "pack_file.h"
+#include "pack/pack_file.h"
 
 namespace strata {
 

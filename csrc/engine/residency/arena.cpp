@@ -1,4 +1,4 @@
-#include "arena.h"
+#include "residency/arena.h"
 
 #include <sys/mman.h>
 
@@ -7,8 +7,8 @@
 #include <new>
 #include <string>
 
-#include "errors.h"
-#include "pack_file.h"
+#include "common/errors.h"
+#include "pack/pack_file.h"
 
 namespace strata {
 

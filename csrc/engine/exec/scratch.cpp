@@ -1,4 +1,4 @@
-#include "scratch.h"
+#include "exec/scratch.h"
 
 namespace strata {
 

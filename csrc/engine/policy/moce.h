@@ -1,4 +1,4 @@
-// moce: cache-aware routing (DESIGN.md section 6). Given one token's true router ranking and the
+// moce: cache-aware routing (docs/architecture.md section 6). Given one token's true router ranking and the
 // residency the route read from smap, changes which experts the token uses so that more of them
 // are already in the arena. Off by default; with it off nothing here runs and routing is exact.
 //

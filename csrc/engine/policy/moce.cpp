@@ -1,4 +1,4 @@
-#include "moce.h"
+#include "policy/moce.h"
 
 #include <algorithm>
 

@@ -1,8 +1,8 @@
-#include "prefetch_governor.h"
+#include "policy/prefetch_governor.h"
 
 #include <algorithm>
 
-#include "errors.h"
+#include "common/errors.h"
 
 namespace strata {
 

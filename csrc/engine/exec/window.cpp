@@ -1,4 +1,4 @@
-#include "window.h"
+#include "exec/window.h"
 
 #include <algorithm>
 #include <chrono>
@@ -7,9 +7,9 @@
 #include <ctime>
 #include <stdexcept>
 
-#include "check.h"
-#include "errors.h"
-#include "timing.h"
+#include "common/check.h"
+#include "common/errors.h"
+#include "common/timing.h"
 
 namespace strata {
 namespace {

@@ -8,7 +8,7 @@
 #include <deque>
 #include <vector>
 
-#include "slot.h"
+#include "residency/slot.h"
 
 namespace strata {
 

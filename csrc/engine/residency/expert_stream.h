@@ -1,4 +1,4 @@
-// ExpertStream: owns expert lifetime, pending IO and slot residency (DESIGN.md section 4).
+// ExpertStream: owns expert lifetime, pending IO and slot residency (docs/architecture.md section 4).
 //
 // Concurrency. One mutex, mu_, guards every slot field, where_, the free list, the IO queue and
 // the protection state. IO threads take mu_ only to pop a job and to record a part's completion;
@@ -7,7 +7,7 @@
 // std::atomic_ref (release on store, acquire on load), so a device thread reading it
 // concurrently is race-free.
 //
-// Invariants I1-I10 of DESIGN.md are asserted in debug builds (check_invariants) and driven by
+// Invariants I1-I10 of docs/architecture.md are asserted in debug builds (check_invariants) and driven by
 // tests/test_stream_state_machine.py.
 #pragma once
 
@@ -21,15 +21,15 @@
 #include <thread>
 #include <vector>
 
-#include "arena.h"
-#include "eviction_policy.h"
-#include "fault_injection.h"
-#include "io_queue.h"
-#include "lru_list.h"
-#include "pack_file.h"
-#include "slot.h"
-#include "stats.h"
-#include "timing.h"
+#include "residency/arena.h"
+#include "residency/eviction_policy.h"
+#include "residency/fault_injection.h"
+#include "residency/io_queue.h"
+#include "residency/lru_list.h"
+#include "pack/pack_file.h"
+#include "residency/slot.h"
+#include "residency/stats.h"
+#include "common/timing.h"
 
 namespace strata {
 

@@ -7,8 +7,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "backend.h"
-#include "expert_stream.h"
+#include "exec/backend.h"
+#include "residency/expert_stream.h"
 
 namespace strata {
 
