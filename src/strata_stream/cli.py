@@ -1,4 +1,4 @@
-"""The `strata-stream` command: pack, inspect and verify pack files; run the demo."""
+"""The `strata-stream` command: pack, inspect and verify pack files; run the demo; serve."""
 
 from __future__ import annotations
 
@@ -65,6 +65,18 @@ def _build_parser() -> argparse.ArgumentParser:
         help="also prefetch modelled next-layer predictions of this recall (e.g. 0.89)",
     )
     replay.add_argument("--json", metavar="OUT", help="write hit_rate, lru_hit_rate, ...")
+
+    serve = sub.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API with /metrics"
+    )
+    serve.add_argument("model", metavar="MODEL", help="model directory (mlx-lm layout)")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
+    serve.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 = any)")
+    serve.add_argument("--arena-gb", type=float, metavar="G", help="expert arena size in GiB")
+    serve.add_argument("--model-id", help="model name clients use (default: MODEL's basename)")
+    serve.add_argument(
+        "--max-queue", type=int, default=8, help="waiting requests before 503 (default 8)"
+    )
 
     # add_help=False: `demo --help` and every other option belong to the demo's own parser.
     sub.add_parser(
@@ -197,6 +209,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _verify(args)
         if args.command == "replay":
             return _replay(args)
+        if args.command == "serve":
+            from strata_stream.serve.command import serve
+
+            serve(
+                args.model,
+                host=args.host,
+                port=args.port,
+                arena_gb=args.arena_gb,
+                model_id=args.model_id,
+                max_queue=args.max_queue,
+            )
+            return 0
         return _demo(rest)
     except (StrataError, OSError) as e:
         print(f"strata-stream: error: {e}", file=sys.stderr)

@@ -1,0 +1,480 @@
+"""The FastAPI application: OpenAI routes, /health and /metrics over one GenerationWorker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from strata_stream.serve.config import ServeConfig
+from strata_stream.serve.errors import (
+    APIError,
+    bad_request,
+    context_exceeded,
+    model_not_found,
+    queue_full,
+    server_error,
+)
+from strata_stream.serve.metrics import ServerMetrics
+from strata_stream.serve.requests import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_body,
+)
+from strata_stream.serve.stats import StatsSource
+from strata_stream.serve.worker import (
+    Event,
+    Finished,
+    GenerationRequest,
+    GenerationWorker,
+    Job,
+    QueueFullError,
+    SamplingParams,
+    TextChunk,
+    WorkerStoppedError,
+)
+
+log = logging.getLogger("strata_stream.serve")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+ASGIApp = Callable[[Scope, Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]],
+                   Awaitable[None]]
+
+
+def create_app(
+    model: Any,
+    tokenizer: Any,
+    config: ServeConfig,
+    *,
+    stats: StatsSource | None = None,
+) -> FastAPI:
+    """An app serving `model` (an mlx-lm model; the worker thread is its only user) and
+    `tokenizer` (a TokenizerWrapper or a Hugging Face tokenizer). `stats` feeds the engine
+    metrics (schema in serve/stats.py). The worker starts and stops with the app's lifespan."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    metrics = ServerMetrics()
+    worker = GenerationWorker(
+        model,
+        tokenizer,
+        max_queue=config.max_queue,
+        metrics=metrics,
+        stats=stats,
+        stats_interval_s=config.stats_interval_s,
+    )
+    routes = _Routes(model, tokenizer, config, worker)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        worker.start()
+        try:
+            yield
+        finally:
+            await run_in_threadpool(worker.stop)
+
+    app = FastAPI(title="strata-stream", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.worker = worker
+    app.state.metrics = metrics
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if e.status_code == 404 else None
+        err = APIError(e.status_code, str(e.detail), code=code)
+        return JSONResponse(err.body(), status_code=e.status_code, headers=e.headers)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception) -> JSONResponse:
+        log.exception("unexpected error")
+        err = server_error(f"internal error: {type(e).__name__}")
+        return JSONResponse(err.body(), status_code=500)
+
+    app.add_api_route("/health", routes.health, methods=["GET"])
+    app.add_api_route("/metrics", routes.metrics, methods=["GET"])
+    app.add_api_route("/v1/models", routes.models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", routes.model, methods=["GET"])
+    app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
+    app.add_middleware(_CountRequests, metrics=metrics)
+    return app
+
+
+class _CountRequests:
+    """Counts every answered request by route template and status (pure ASGI, so streamed
+    responses pass through untouched and their disconnects still reach the route)."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(
+        self,
+        scope: Scope,
+        receive: Callable[[], Awaitable[Message]],
+        send: Callable[[Message], Awaitable[None]],
+    ) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            route = getattr(scope.get("route"), "path", "unmatched")
+            self.metrics.requests.labels(route, str(status)).inc()
+
+
+def _context_length(model: Any, config: ServeConfig) -> int | None:
+    if config.context_length is not None:
+        return config.context_length
+    n = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+    return int(n) if isinstance(n, int) and n > 0 else None
+
+
+def _vocab_size(model: Any) -> int | None:
+    n = getattr(getattr(model, "args", None), "vocab_size", None)
+    return int(n) if isinstance(n, int) and n > 0 else None
+
+
+class _Routes:
+    def __init__(
+        self, model: Any, tokenizer: Any, config: ServeConfig, worker: GenerationWorker
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._config = config
+        self._worker = worker
+        self._context = _context_length(model, config)
+        self._vocab = _vocab_size(model)
+        self._created = int(time.time())
+
+    # ---- plain routes ------------------------------------------------------------------------
+    async def health(self) -> JSONResponse:
+        ok = self._worker.alive
+        body = {
+            "status": "ok" if ok else "unavailable",
+            "model": self._config.model_id,
+            "queue_depth": self._worker.queue_depth,
+            "queue_capacity": self._worker.max_queue,
+        }
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    def _model_card(self) -> dict[str, Any]:
+        return {
+            "id": self._config.model_id,
+            "object": "model",
+            "created": self._created,
+            "owned_by": "strata-stream",
+        }
+
+    async def models(self) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, model_id: str) -> JSONResponse:
+        self._check_model(model_id)
+        return JSONResponse(self._model_card())
+
+    def _check_model(self, model: str) -> None:
+        if model != self._config.model_id:
+            raise model_not_found(model)
+
+    # ---- generation routes -------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        req = parse_body(CompletionRequest, await request.body())
+        self._check_model(req.model)
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            ids = [int(t) for t in prompt]
+            self._check_ids(ids)
+        else:
+            text = prompt if isinstance(prompt, str) else "".join(str(p) for p in prompt)
+            ids = await run_in_threadpool(self._encode, text)
+        gen = self._generation(req.token_budget(), ids, req, param="prompt")
+        fmt = _CompletionFormat(self._config.model_id, "cmpl")
+        return await self._run(request, gen, fmt, req.stream, req.include_usage)
+
+    async def chat_completions(self, request: Request) -> Response:
+        req = parse_body(ChatCompletionRequest, await request.body())
+        self._check_model(req.model)
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        ids = await run_in_threadpool(self._encode_chat, messages)
+        gen = self._generation(req.token_budget(), ids, req, param="messages")
+        fmt = _ChatFormat(self._config.model_id, "chatcmpl")
+        return await self._run(request, gen, fmt, req.stream, req.include_usage)
+
+    def _encode(self, text: str) -> list[int]:
+        with self._worker.tokenizer_lock:
+            return list(self._tokenizer.encode(text))
+
+    def _encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        with self._worker.tokenizer_lock:
+            if not self._tokenizer.has_chat_template:
+                # Models without a template: the plain "role: content" layout mlx-lm falls back to.
+                text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+                return list(self._tokenizer.encode(text))
+            try:
+                ids = self._tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=True
+                )
+            except Exception as e:  # jinja raises for conversations its template rejects
+                raise bad_request(
+                    f"The model's chat template rejected the messages: {e}", param="messages"
+                ) from None
+        return [int(t) for t in ids]
+
+    def _check_ids(self, ids: list[int]) -> None:
+        bad = [t for t in ids if t < 0 or (self._vocab is not None and t >= self._vocab)]
+        if bad:
+            raise bad_request(
+                f"Token id {bad[0]} is outside the vocabulary (0..{(self._vocab or 1) - 1})",
+                param="prompt",
+                code="invalid_value",
+            )
+
+    def _generation(
+        self,
+        budget: int | None,
+        ids: list[int],
+        req: CompletionRequest | ChatCompletionRequest,
+        *,
+        param: str,
+    ) -> GenerationRequest:
+        n = len(ids)
+        if n == 0:
+            raise bad_request("The prompt is empty", param=param, code="invalid_value")
+        ctx = self._context
+        if ctx is not None and n >= ctx:
+            raise context_exceeded(
+                f"This model's maximum context length is {ctx} tokens. However, your {param} "
+                f"resulted in {n} tokens. Please reduce the length of the {param}.",
+                param=param,
+            )
+        if budget is None:
+            budget = self._config.default_max_tokens
+            if ctx is not None:
+                budget = min(budget, ctx - n)
+        elif ctx is not None and n + budget > ctx:
+            raise context_exceeded(
+                f"This model's maximum context length is {ctx} tokens. However, you requested "
+                f"{n + budget} tokens ({n} in the {param}, {budget} for the completion). "
+                f"Please reduce the length of the {param} or the completion.",
+                param="max_tokens",
+            )
+        sampling = SamplingParams(
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            seed=req.seed,
+        )
+        return GenerationRequest(tuple(ids), budget, sampling, req.stops())
+
+    async def _run(
+        self,
+        request: Request,
+        gen: GenerationRequest,
+        fmt: _Format,
+        stream: bool,
+        include_usage: bool,
+    ) -> Response:
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+
+        def deliver(event: Event) -> None:  # runs on the worker thread
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        job = Job(gen, deliver)
+        try:
+            self._worker.submit(job)
+        except QueueFullError:
+            raise queue_full(self._worker.max_queue) from None
+        except WorkerStoppedError as e:
+            raise APIError(503, str(e), type="server_error", code="unavailable") from None
+        follow = _follow(request, job, events, self._config.disconnect_poll_s)
+        if stream:
+            return StreamingResponse(
+                _sse(follow, fmt, include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        parts: list[str] = []
+        end: Finished | None = None
+        async for event in follow:
+            if isinstance(event, TextChunk):
+                parts.append(event.text)
+            else:
+                end = event
+        if end is None:  # the client went away; nobody reads this answer
+            return Response(status_code=499)
+        _raise_for(end)
+        return JSONResponse(fmt.complete("".join(parts), end))
+
+
+async def _follow(
+    request: Request, job: Job, events: asyncio.Queue[Event], poll_s: float
+) -> AsyncIterator[Event]:
+    """The job's events until Finished; cancels the job when the client disconnects or the
+    consumer stops early (a streamed response whose send failed)."""
+    finished = False
+    try:
+        while True:
+            try:
+                event = await asyncio.wait_for(events.get(), timeout=poll_s)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return
+                continue
+            yield event
+            if isinstance(event, Finished):
+                finished = True
+                return
+    finally:
+        if not finished:
+            job.cancel()
+
+
+def _raise_for(end: Finished) -> None:
+    if end.reason == "error":
+        raise server_error(f"generation failed: {end.error}")
+    if end.reason == "cancelled":
+        raise APIError(503, "the server is shutting down", type="server_error", code="unavailable")
+
+
+def _sse_data(obj: Any) -> bytes:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
+
+
+async def _sse(events: AsyncIterator[Event], fmt: _Format, include_usage: bool) -> AsyncIterator[bytes]:
+    try:
+        first = fmt.first_chunk()
+        if first is not None:
+            yield _sse_data(first)
+        async for event in events:
+            if isinstance(event, TextChunk):
+                yield _sse_data(fmt.chunk(event.text, None))
+                continue
+            if event.reason in ("error", "cancelled"):
+                try:
+                    _raise_for(event)
+                except APIError as e:
+                    yield _sse_data(e.body())
+                return
+            yield _sse_data(fmt.chunk("", event.reason))
+            if include_usage:
+                yield _sse_data(fmt.usage_chunk(event))
+            yield b"data: [DONE]\n\n"
+    finally:
+        # aclose() runs _follow's finally now (cancelling the job), not at garbage collection.
+        await events.aclose()  # type: ignore[attr-defined]
+
+
+def _usage(end: Finished) -> dict[str, int]:
+    return {
+        "prompt_tokens": end.prompt_tokens,
+        "completion_tokens": end.completion_tokens,
+        "total_tokens": end.prompt_tokens + end.completion_tokens,
+    }
+
+
+class _Format:
+    """One response's OpenAI JSON shapes (id and created fixed per response)."""
+
+    object_complete = ""
+    object_chunk = ""
+
+    def __init__(self, model_id: str, prefix: str) -> None:
+        self.model_id = model_id
+        self.id = f"{prefix}-{uuid.uuid4().hex[:24]}"
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model_id,
+            "system_fingerprint": "strata-stream",
+            "choices": choices,
+        }
+
+    def first_chunk(self) -> dict[str, Any] | None:
+        return None
+
+    def chunk(self, text: str, finish: str | None) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def complete(self, text: str, end: Finished) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def usage_chunk(self, end: Finished) -> dict[str, Any]:
+        body = self._envelope(self.object_chunk, [])
+        body["usage"] = _usage(end)
+        return body
+
+
+class _ChatFormat(_Format):
+    object_chunk = "chat.completion.chunk"
+
+    def first_chunk(self) -> dict[str, Any]:
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""},
+                  "logprobs": None, "finish_reason": None}
+        return self._envelope(self.object_chunk, [choice])
+
+    def chunk(self, text: str, finish: str | None) -> dict[str, Any]:
+        delta = {"content": text} if text else {}
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return self._envelope(self.object_chunk, [choice])
+
+    def complete(self, text: str, end: Finished) -> dict[str, Any]:
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": end.reason,
+        }
+        body = self._envelope("chat.completion", [choice])
+        body["usage"] = _usage(end)
+        return body
+
+
+class _CompletionFormat(_Format):
+    object_chunk = "text_completion"
+
+    def chunk(self, text: str, finish: str | None) -> dict[str, Any]:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return self._envelope(self.object_chunk, [choice])
+
+    def complete(self, text: str, end: Finished) -> dict[str, Any]:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": end.reason}
+        body = self._envelope("text_completion", [choice])
+        body["usage"] = _usage(end)
+        return body

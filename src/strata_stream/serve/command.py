@@ -1,0 +1,47 @@
+"""`strata-stream serve MODEL`: load the model, build the app, serve it until interrupted."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from strata_stream.errors import ConfigError
+from strata_stream.serve.config import ServeConfig
+from strata_stream.serve.server import LOOPBACK, run_foreground
+
+log = logging.getLogger("strata_stream.serve")
+
+
+def serve(
+    model_path: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    arena_gb: float | None = None,
+    model_id: str | None = None,
+    max_queue: int = 8,
+    context_length: int | None = None,
+    default_max_tokens: int = 512,
+    log_level: str = "info",
+) -> None:
+    from strata_stream.serve.app import create_app
+    from strata_stream.serve.loader import load_for_serving
+
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if arena_gb is not None and not arena_gb > 0:
+        raise ConfigError(f"--arena-gb must be > 0, got {arena_gb}")
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--port must be 0..65535, got {port}")
+    if host not in LOOPBACK:
+        log.warning("binding to %s: the server is reachable from other machines", host)
+    config = ServeConfig(
+        model_id=model_id or Path(model_path.rstrip("/")).name or model_path,
+        max_queue=max_queue,
+        context_length=context_length,
+        default_max_tokens=default_max_tokens,
+    )
+    arena_bytes = None if arena_gb is None else int(arena_gb * 2**30)
+    loaded = load_for_serving(model_path, arena_bytes=arena_bytes)
+    app = create_app(loaded.model, loaded.tokenizer, config, stats=loaded.stats)
+    log.info("serving %s as model id '%s'", model_path, config.model_id)
+    run_foreground(app, host, port, log_level=log_level)

@@ -1,0 +1,42 @@
+"""ServeConfig: the knobs of one server instance."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from strata_stream.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """model_id: the name /v1/models lists and requests must use.
+    max_queue: requests waiting for the generation worker (the running one not counted);
+      one more is answered 503 at once.
+    context_length: prompt + completion tokens allowed; None takes the model's
+      max_position_embeddings (no limit when the model does not say).
+    default_max_tokens: completion budget when a request gives none (capped by the context).
+    stats_interval_s: how often the worker refreshes the engine snapshot while generating.
+    disconnect_poll_s: how often a waiting handler checks whether its client went away."""
+
+    model_id: str
+    max_queue: int = 8
+    context_length: int | None = None
+    default_max_tokens: int = 512
+    stats_interval_s: float = 0.5
+    disconnect_poll_s: float = 0.1
+
+    def __post_init__(self) -> None:
+        if not self.model_id:
+            raise ConfigError("ServeConfig.model_id must not be empty")
+        if self.max_queue < 1:
+            raise ConfigError(f"ServeConfig.max_queue must be >= 1, got {self.max_queue}")
+        if self.context_length is not None and self.context_length < 2:
+            raise ConfigError(
+                f"ServeConfig.context_length must be >= 2, got {self.context_length}"
+            )
+        if self.default_max_tokens < 1:
+            raise ConfigError(
+                f"ServeConfig.default_max_tokens must be >= 1, got {self.default_max_tokens}"
+            )
+        if not self.stats_interval_s > 0 or not self.disconnect_poll_s > 0:
+            raise ConfigError("ServeConfig intervals must be > 0 seconds")

@@ -1,0 +1,58 @@
+"""Stop strings over streamed text: what may be sent now, and where the text ends.
+
+Text that could still turn into a stop string is held back, so a streaming client never
+receives the start of a stop string that the non-streaming answer would have cut off; both
+modes therefore return the same text."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class StopMatcher:
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = [s for s in stops if s]
+        self._text = ""
+        self._sent = 0
+        self.matched = False
+
+    def feed(self, segment: str) -> tuple[str, bool]:
+        """Adds decoded text; returns (text safe to send now, whether a stop string matched).
+        After a match the returned text ends just before the stop string; feed no more."""
+        self._text += segment
+        # Search only where a new match can start: it may straddle the previous feed.
+        start = max(0, self._sent - max((len(s) for s in self._stops), default=0))
+        cut = min(
+            (i for i in (self._text.find(s, start) for s in self._stops) if i >= 0),
+            default=-1,
+        )
+        if cut >= 0:
+            out = self._text[self._sent : max(cut, self._sent)]
+            self._sent = max(cut, self._sent)
+            self._text = self._text[: self._sent]
+            self.matched = True
+            return out, True
+        safe = len(self._text) - self._held_back()
+        out = self._text[self._sent : safe] if safe > self._sent else ""
+        self._sent = max(self._sent, safe)
+        return out, False
+
+    def flush(self) -> str:
+        """Whatever was held back, once generation ended without a stop string."""
+        out = self._text[self._sent :]
+        self._sent = len(self._text)
+        return out
+
+    @property
+    def text(self) -> str:
+        return self._text[: self._sent]
+
+    def _held_back(self) -> int:
+        # The longest tail of the text that is a proper prefix of some stop string.
+        best = 0
+        for s in self._stops:
+            for n in range(min(len(s) - 1, len(self._text)), best, -1):
+                if self._text.endswith(s[:n]):
+                    best = n
+                    break
+        return best

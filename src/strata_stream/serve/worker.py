@@ -1,0 +1,291 @@
+"""The one generation worker thread and its bounded queue.
+
+The worker owns the model: it is the only thread that runs it (and the only caller of the
+stats source, which reads the engine), so the engine is never entered by two threads at once.
+Requests run one after another in arrival order: the streaming engine's arena holds the experts
+of one token stream, and batching several streams would route each step to the union of their
+experts, raising misses for all of them. HTTP handlers submit Jobs; beyond `max_queue` waiting
+jobs, `submit` raises QueueFullError at once (the route answers 503). Each job's events go back
+through the `deliver` callable the handler supplies (it hands them to the event loop).
+
+Job lifecycle (JobState): QUEUED -> RUNNING -> FINISHED, or QUEUED -> FINISHED when cancelled
+before the worker reached it. `Job.cancel()` may be called from any thread at any time; the
+worker checks it before each decode step and stops generating within one token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from strata_stream.serve.metrics import ServerMetrics
+from strata_stream.serve.stats import StatsSource
+from strata_stream.serve.stop import StopMatcher
+
+log = logging.getLogger("strata_stream.serve")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 0.0
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class TextChunk:
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The last event of every job. reason: stop, length, cancelled or error."""
+
+    reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    error: str | None = None
+
+
+Event = TextChunk | Finished
+
+
+class QueueFullError(Exception):
+    pass
+
+
+class WorkerStoppedError(Exception):
+    pass
+
+
+class JobState(enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Job:
+    def __init__(self, request: GenerationRequest, deliver: Callable[[Event], None]) -> None:
+        self.request = request
+        self._deliver = deliver
+        self._cancelled = threading.Event()
+        self.enqueued_at = time.perf_counter()
+        self.state = JobState.QUEUED  # written only by the worker thread (and submit, before)
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def emit(self, event: Event) -> None:
+        try:
+            self._deliver(event)
+        except RuntimeError:  # the handler's event loop is gone: nobody is listening
+            self.cancel()
+
+
+class GenerationWorker:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        max_queue: int,
+        metrics: ServerMetrics,
+        stats: StatsSource | None = None,
+        stats_interval_s: float = 0.5,
+    ) -> None:
+        self._model = model
+        self._tokenizer = tokenizer
+        self._metrics = metrics
+        self._stats = stats
+        self._stats_interval_s = stats_interval_s
+        self.max_queue = max_queue
+        # Fast tokenizers raise "Already borrowed" when two threads use one at once; handlers
+        # encode prompts and the worker decodes tokens, so both take this lock.
+        self.tokenizer_lock = threading.Lock()
+        self._queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
+        self._stop = threading.Event()
+        self._running: Job | None = None  # owned by the worker thread; read for cancel on stop
+        self._thread = threading.Thread(target=self._run, name="strata-serve-worker", daemon=True)
+        metrics.queue_capacity.set(max_queue)
+        metrics.queue_depth.set_function(lambda: self._queue.qsize())
+
+    # ---- any thread --------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
+    def submit(self, job: Job) -> None:
+        if not self.alive:
+            raise WorkerStoppedError("the generation worker is not running")
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            raise QueueFullError from None
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Cancels the running and the waiting jobs and joins the thread."""
+        self._stop.set()
+        running = self._running
+        if running is not None:
+            running.cancel()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self._drain()
+
+    # ---- the worker thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        self._refresh_stats()
+        while not self._stop.is_set():
+            try:
+                job = self._queue.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            self._metrics.queue_wait.observe(time.perf_counter() - job.enqueued_at)
+            if job.cancelled or self._stop.is_set():
+                self._finish(job, Finished("cancelled", len(job.request.prompt), 0))
+                continue
+            job.state = JobState.RUNNING
+            self._running = job
+            self._metrics.busy.set(1)
+            try:
+                result = self._generate(job)
+            except Exception as e:  # a failed request must not take the server down
+                log.exception("generation failed")
+                result = Finished("error", len(job.request.prompt), 0, error=str(e))
+            finally:
+                self._running = None
+                self._metrics.busy.set(0)
+            self._finish(job, result)
+            self._refresh_stats()
+        self._drain()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            self._finish(job, Finished("cancelled", len(job.request.prompt), 0))
+
+    def _finish(self, job: Job, result: Finished) -> None:
+        job.state = JobState.FINISHED
+        self._metrics.generations.labels(result.reason).inc()
+        job.emit(result)
+
+    def _refresh_stats(self) -> None:
+        if self._stats is None:
+            return
+        try:
+            snapshot: Mapping[str, Any] = dict(self._stats())
+        except Exception:
+            self._metrics.stats_errors.inc()
+            log.exception("the stats source failed; /metrics keeps its last snapshot")
+            return
+        self._metrics.set_engine_snapshot(snapshot)
+
+    def _generate(self, job: Job) -> Finished:
+        import mlx.core as mx
+        from mlx_lm.generate import generate_step, generation_stream, wired_limit
+        from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+        req, sp, m = job.request, job.request.sampling, self._metrics
+        sampler = make_sampler(sp.temperature, top_p=sp.top_p, min_p=sp.min_p, top_k=sp.top_k)
+        processors = make_logits_processors(
+            repetition_penalty=sp.repetition_penalty or None,
+            presence_penalty=sp.presence_penalty or None,
+            frequency_penalty=sp.frequency_penalty or None,
+        )
+        if sp.seed is not None:
+            mx.random.seed(sp.seed)
+        eos = set(self._tokenizer.eos_token_ids)
+        with self.tokenizer_lock:
+            detok = self._tokenizer.detokenizer
+            detok.reset()
+        stop = StopMatcher(req.stop)
+        reason = "length"
+        n = 0  # tokens sampled, EOS included: the work done
+        completion = 0  # tokens in the answer
+        t0 = time.perf_counter()
+        t_first = t0
+        last_stats = t0
+        gen = generate_step(
+            mx.array(req.prompt),
+            self._model,
+            max_tokens=req.max_tokens,
+            sampler=sampler,
+            logits_processors=processors or None,
+        )
+        with wired_limit(self._model, [generation_stream]), contextlib.closing(gen):
+            for token, _ in gen:
+                n += 1
+                now = time.perf_counter()
+                if n == 1:
+                    t_first = now
+                    m.ttft.observe(now - t0)
+                    m.prompt_tokens.inc(len(req.prompt))
+                    m.prompt_tps.set(len(req.prompt) / max(now - t0, 1e-9))
+                m.generated_tokens.inc()
+                if job.cancelled:
+                    reason = "cancelled"
+                    break
+                if token in eos:
+                    reason = "stop"
+                    break
+                completion += 1
+                with self.tokenizer_lock:
+                    detok.add_token(token)
+                    segment = detok.last_segment
+                text, hit = stop.feed(segment)
+                if text:
+                    job.emit(TextChunk(text))
+                if hit:
+                    reason = "stop"
+                    break
+                if now - last_stats >= self._stats_interval_s:
+                    last_stats = now
+                    self._refresh_stats()
+        if n > 1:
+            m.decode_tps.set((n - 1) / max(time.perf_counter() - t_first, 1e-9))
+        if reason != "cancelled" and not stop.matched:
+            with self.tokenizer_lock:
+                detok.finalize()
+                segment = detok.last_segment
+            text, hit = stop.feed(segment)
+            if hit:
+                reason = "stop"
+            else:
+                text += stop.flush()
+            if text:
+                job.emit(TextChunk(text))
+        return Finished(reason, len(req.prompt), completion)
