@@ -1,0 +1,113 @@
+"""One worker, a bounded queue: overflow is answered 503 at once; a client that goes away
+mid-stream stops its generation, and the next request is served normally."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import mlx_lm
+import openai
+import pytest
+
+from strata_stream.serve import BackgroundServer, ServeConfig, create_app
+from tests.serve.conftest import MODEL_ID, TIMEOUT_S, Served, client_for, scrape, wait_until
+
+MSG = [{"role": "user", "content": "hello world"}]
+
+
+def test_disconnect_mid_stream_stops_the_generation(served: Served) -> None:
+    lone = served.client.chat.completions.create(
+        model=MODEL_ID, messages=MSG, max_tokens=16, temperature=0
+    ).choices[0].message.content
+    before = scrape(served.url)
+    cancelled = 'strata_serve_generations_total{reason="cancelled"}'
+    max_tokens = 6000
+    stream = served.client.chat.completions.create(
+        model=MODEL_ID, messages=MSG, max_tokens=max_tokens, temperature=0, stream=True
+    )
+    got = 0
+    for chunk in stream:
+        got += bool(chunk.choices and chunk.choices[0].delta.content)
+        if got == 3:
+            break
+    stream.close()  # drops the connection with the generation still running
+
+    wait_until(lambda: scrape(served.url).get(cancelled, 0.0) == before.get(cancelled, 0.0) + 1,
+               "the server to cancel the disconnected generation")
+    wait_until(lambda: scrape(served.url)["strata_serve_worker_busy"] == 0, "the worker to idle")
+    after = scrape(served.url)
+    spent = after["strata_serve_generated_tokens_total"] - before["strata_serve_generated_tokens_total"]
+    assert 3 <= spent < max_tokens  # stopped early, not run to its budget
+    again = served.client.chat.completions.create(
+        model=MODEL_ID, messages=MSG, max_tokens=16, temperature=0
+    ).choices[0].message.content
+    assert again == lone
+
+
+class GatedModel:
+    """The real model behind a gate the test opens: holds the worker inside a forward pass
+    so the queue can be filled deterministically."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.entered.set()
+        if not self.gate.wait(TIMEOUT_S):
+            raise TimeoutError("the test never opened the gate")
+        return self._model(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+
+@pytest.fixture
+def gated(tiny_path: Path) -> Iterator[tuple[GatedModel, str]]:
+    model, tokenizer = mlx_lm.load(str(tiny_path))
+    g = GatedModel(model)
+    app = create_app(g, tokenizer, ServeConfig(model_id=MODEL_ID, max_queue=1))
+    with BackgroundServer(app, timeout_s=TIMEOUT_S) as server:
+        try:
+            yield g, server.url
+        finally:
+            g.gate.set()
+
+
+def test_queue_overflow_is_answered_503_at_once(gated: tuple[GatedModel, str]) -> None:
+    g, url = gated
+    client = client_for(url)
+    results: dict[str, Any] = {}
+
+    def call(name: str) -> None:
+        try:
+            r = client.chat.completions.create(model=MODEL_ID, messages=MSG, max_tokens=4,
+                                               temperature=0)
+            results[name] = r.choices[0].message.content
+        except BaseException as e:
+            results[name] = e
+
+    running = threading.Thread(target=call, args=("running",))
+    running.start()
+    assert g.entered.wait(TIMEOUT_S)  # the worker is inside the model, held by the gate
+    waiting = threading.Thread(target=call, args=("waiting",))
+    waiting.start()
+    wait_until(lambda: scrape(url)["strata_serve_queue_depth"] == 1, "the second request to queue")
+
+    with pytest.raises(openai.APIStatusError) as e:  # the gate is still closed: not left hanging
+        client.chat.completions.create(model=MODEL_ID, messages=MSG, max_tokens=4)
+    assert e.value.status_code == 503
+    assert e.value.code == "queue_full"
+
+    g.gate.set()
+    running.join(TIMEOUT_S)
+    waiting.join(TIMEOUT_S)
+    assert isinstance(results["running"], str) and results["running"]
+    assert results["waiting"] == results["running"]
+    m = scrape(url)
+    assert m['strata_serve_requests_total{route="/v1/chat/completions",status="503"}'] == 1
+    assert m['strata_serve_requests_total{route="/v1/chat/completions",status="200"}'] == 2
