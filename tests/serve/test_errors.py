@@ -10,7 +10,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.serve.conftest import MODEL_ID, Served
+from serve.helpers import MODEL_ID, Served
 
 
 def post(url: str, body: bytes) -> tuple[int, dict[str, Any]]:
@@ -39,20 +39,47 @@ MSG = [{"role": "user", "content": "hello"}]
         (b"[1, 2]", 400, None, "invalid_json"),
         (json.dumps({"model": MODEL_ID}).encode(), 400, "messages", "missing"),
         (json.dumps({"messages": MSG}).encode(), 400, "model", "missing"),
-        (json.dumps({"model": MODEL_ID, "messages": []}).encode(), 400, "messages", "invalid_value"),
-        (json.dumps({"model": MODEL_ID, "messages": [{"role": "x", "content": "y"}]}).encode(),
-         400, "messages.0.role", "invalid_value"),
-        (json.dumps({"model": MODEL_ID, "messages": MSG, "temperature": 9}).encode(),
-         400, "temperature", "invalid_value"),
-        (json.dumps({"model": MODEL_ID, "messages": MSG, "n": 2}).encode(), 400, "n", "invalid_value"),
-        (json.dumps({"model": MODEL_ID, "messages": MSG, "max_tokens": 0}).encode(),
-         400, "max_tokens", "invalid_value"),
-        (json.dumps({"model": "no-such-model", "messages": MSG}).encode(), 404, "model",
-         "model_not_found"),
+        (
+            json.dumps({"model": MODEL_ID, "messages": []}).encode(),
+            400,
+            "messages",
+            "invalid_value",
+        ),
+        (
+            json.dumps({"model": MODEL_ID, "messages": [{"role": "x", "content": "y"}]}).encode(),
+            400,
+            "messages.0.role",
+            "invalid_value",
+        ),
+        (
+            json.dumps({"model": MODEL_ID, "messages": MSG, "temperature": 9}).encode(),
+            400,
+            "temperature",
+            "invalid_value",
+        ),
+        (
+            json.dumps({"model": MODEL_ID, "messages": MSG, "n": 2}).encode(),
+            400,
+            "n",
+            "invalid_value",
+        ),
+        (
+            json.dumps({"model": MODEL_ID, "messages": MSG, "max_tokens": 0}).encode(),
+            400,
+            "max_tokens",
+            "invalid_value",
+        ),
+        (
+            json.dumps({"model": "no-such-model", "messages": MSG}).encode(),
+            404,
+            "model",
+            "model_not_found",
+        ),
     ],
 )
-def test_bad_chat_requests(served: Served, body: bytes, status: int, param: str | None,
-                           code: str | None) -> None:
+def test_bad_chat_requests(
+    served: Served, body: bytes, status: int, param: str | None, code: str | None
+) -> None:
     got, answer = post(served.url + "/v1/chat/completions", body)
     assert got == status
     assert_openai_error(answer, param, code)
@@ -71,7 +98,9 @@ def test_bad_completion_requests(served: Served) -> None:
 def test_prompt_beyond_the_context_is_a_400(served: Served) -> None:
     long = "the " * 9000  # the tiny model's context is 8192 tokens
     with pytest.raises(openai.BadRequestError) as e:
-        served.client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": long}])
+        served.client.chat.completions.create(
+            model=MODEL_ID, messages=[{"role": "user", "content": long}]
+        )
     assert e.value.code == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError) as e:
         served.client.completions.create(model=MODEL_ID, prompt="the water", max_tokens=9000)
@@ -80,7 +109,9 @@ def test_prompt_beyond_the_context_is_a_400(served: Served) -> None:
 
 def test_unknown_model_and_route_are_404(served: Served) -> None:
     with pytest.raises(openai.NotFoundError) as e:
-        served.client.chat.completions.create(model="gpt-5", messages=[{"role": "user", "content": "x"}])
+        served.client.chat.completions.create(
+            model="gpt-5", messages=[{"role": "user", "content": "x"}]
+        )
     assert e.value.code == "model_not_found"
     with pytest.raises(openai.NotFoundError):
         served.client.models.retrieve("gpt-5")

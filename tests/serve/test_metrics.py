@@ -3,12 +3,14 @@ engine figures follow the stats source."""
 
 from __future__ import annotations
 
-from tests.serve.conftest import MODEL_ID, Served, scrape
+from serve.helpers import MODEL_ID, Served, scrape
 
 
 def one_chat(served: Served, max_tokens: int = 8) -> None:
     served.client.chat.completions.create(
-        model=MODEL_ID, messages=[{"role": "user", "content": "hello"}], max_tokens=max_tokens,
+        model=MODEL_ID,
+        messages=[{"role": "user", "content": "hello"}],
+        max_tokens=max_tokens,
         temperature=0,
     )
 
@@ -21,7 +23,10 @@ def test_serving_counters_grow_with_requests(served: Served) -> None:
     after = scrape(served.url)
     ok = 'strata_serve_requests_total{route="/v1/chat/completions",status="200"}'
     assert after[ok] == before[ok] + 2
-    assert after["strata_serve_generated_tokens_total"] == before["strata_serve_generated_tokens_total"] + 16
+    assert (
+        after["strata_serve_generated_tokens_total"]
+        == before["strata_serve_generated_tokens_total"] + 16
+    )
     assert after["strata_serve_prompt_tokens_total"] > before["strata_serve_prompt_tokens_total"]
     length = 'strata_serve_generations_total{reason="length"}'
     assert after[length] == before[length] + 2
@@ -49,8 +54,16 @@ def test_error_statuses_are_counted(served: Served) -> None:
 
 def test_engine_metrics_follow_the_stats_source(served: Served) -> None:
     served.stats.set(
-        hits=30, misses=10, bytes_read=123_456, stall_s=0.5, slots_in_use=5, slots_total=16,
-        pred_correct=3, pred_predicted=4, pred_actual=6, per_layer_hit_rate=[0.5, None, 1.0],
+        hits=30,
+        misses=10,
+        bytes_read=123_456,
+        stall_s=0.5,
+        slots_in_use=5,
+        slots_total=16,
+        pred_correct=3,
+        pred_predicted=4,
+        pred_actual=6,
+        per_layer_hit_rate=[0.5, None, 1.0],
     )
     one_chat(served)  # the worker refreshes its snapshot after each request
     m = scrape(served.url)

@@ -6,7 +6,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from tests.serve.conftest import MODEL_ID, Served
+from serve.helpers import MODEL_ID, Served
 
 Oracle = Callable[[list[int], int], str]
 
@@ -45,13 +45,16 @@ def test_chat_matches_mlx_lm_greedy(served: Served, tokenizer: Any, oracle: Orac
 
 def test_chat_streaming_equals_non_streaming(served: Served) -> None:
     whole = chat(served, "the water is hot", 20).choices[0].message.content
-    chunks = list(chat(served, "the water is hot", 20, stream=True,
-                       stream_options={"include_usage": True}))
+    chunks = list(
+        chat(served, "the water is hot", 20, stream=True, stream_options={"include_usage": True})
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole
     assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) > 1  # streamed
     assert chunks[0].choices[0].delta.role == "assistant"
-    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finals = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert finals == ["length"]
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 20
 
@@ -62,7 +65,9 @@ def test_completions_text_and_token_prompts(served: Served, tokenizer: Any, orac
     by_text = served.client.completions.create(
         model=MODEL_ID, prompt="the model can read", max_tokens=16, temperature=0
     )
-    by_ids = served.client.completions.create(model=MODEL_ID, prompt=ids, max_tokens=16, temperature=0)
+    by_ids = served.client.completions.create(
+        model=MODEL_ID, prompt=ids, max_tokens=16, temperature=0
+    )
     assert by_text.choices[0].text == want
     assert by_ids.choices[0].text == want
     streamed = served.client.completions.create(

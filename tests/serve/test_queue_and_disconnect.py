@@ -12,16 +12,20 @@ import mlx_lm
 import openai
 import pytest
 
+from serve.helpers import MODEL_ID, TIMEOUT_S, Served, client_for, scrape, wait_until
 from strata_stream.serve import BackgroundServer, ServeConfig, create_app
-from tests.serve.conftest import MODEL_ID, TIMEOUT_S, Served, client_for, scrape, wait_until
 
 MSG = [{"role": "user", "content": "hello world"}]
 
 
 def test_disconnect_mid_stream_stops_the_generation(served: Served) -> None:
-    lone = served.client.chat.completions.create(
-        model=MODEL_ID, messages=MSG, max_tokens=16, temperature=0
-    ).choices[0].message.content
+    lone = (
+        served.client.chat.completions.create(
+            model=MODEL_ID, messages=MSG, max_tokens=16, temperature=0
+        )
+        .choices[0]
+        .message.content
+    )
     before = scrape(served.url)
     cancelled = 'strata_serve_generations_total{reason="cancelled"}'
     max_tokens = 6000
@@ -35,15 +39,23 @@ def test_disconnect_mid_stream_stops_the_generation(served: Served) -> None:
             break
     stream.close()  # drops the connection with the generation still running
 
-    wait_until(lambda: scrape(served.url).get(cancelled, 0.0) == before.get(cancelled, 0.0) + 1,
-               "the server to cancel the disconnected generation")
+    wait_until(
+        lambda: scrape(served.url).get(cancelled, 0.0) == before.get(cancelled, 0.0) + 1,
+        "the server to cancel the disconnected generation",
+    )
     wait_until(lambda: scrape(served.url)["strata_serve_worker_busy"] == 0, "the worker to idle")
     after = scrape(served.url)
-    spent = after["strata_serve_generated_tokens_total"] - before["strata_serve_generated_tokens_total"]
+    spent = (
+        after["strata_serve_generated_tokens_total"] - before["strata_serve_generated_tokens_total"]
+    )
     assert 3 <= spent < max_tokens  # stopped early, not run to its budget
-    again = served.client.chat.completions.create(
-        model=MODEL_ID, messages=MSG, max_tokens=16, temperature=0
-    ).choices[0].message.content
+    again = (
+        served.client.chat.completions.create(
+            model=MODEL_ID, messages=MSG, max_tokens=16, temperature=0
+        )
+        .choices[0]
+        .message.content
+    )
     assert again == lone
 
 
@@ -85,8 +97,9 @@ def test_queue_overflow_is_answered_503_at_once(gated: tuple[GatedModel, str]) -
 
     def call(name: str) -> None:
         try:
-            r = client.chat.completions.create(model=MODEL_ID, messages=MSG, max_tokens=4,
-                                               temperature=0)
+            r = client.chat.completions.create(
+                model=MODEL_ID, messages=MSG, max_tokens=4, temperature=0
+            )
             results[name] = r.choices[0].message.content
         except BaseException as e:
             results[name] = e

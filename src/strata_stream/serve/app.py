@@ -49,8 +49,9 @@ log = logging.getLogger("strata_stream.serve")
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
-ASGIApp = Callable[[Scope, Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]],
-                   Awaitable[None]]
+ASGIApp = Callable[
+    [Scope, Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]], Awaitable[None]
+]
 
 
 def create_app(
@@ -373,7 +374,9 @@ def _sse_data(obj: Any) -> bytes:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
 
 
-async def _sse(events: AsyncIterator[Event], fmt: _Format, include_usage: bool) -> AsyncIterator[bytes]:
+async def _sse(
+    events: AsyncIterator[Event], fmt: _Format, include_usage: bool
+) -> AsyncIterator[bytes]:
     try:
         first = fmt.first_chunk()
         if first is not None:
@@ -445,8 +448,12 @@ class _ChatFormat(_Format):
     object_chunk = "chat.completion.chunk"
 
     def first_chunk(self) -> dict[str, Any]:
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""},
-                  "logprobs": None, "finish_reason": None}
+        choice = {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
         return self._envelope(self.object_chunk, [choice])
 
     def chunk(self, text: str, finish: str | None) -> dict[str, Any]:

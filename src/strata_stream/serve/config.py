@@ -31,9 +31,7 @@ class ServeConfig:
         if self.max_queue < 1:
             raise ConfigError(f"ServeConfig.max_queue must be >= 1, got {self.max_queue}")
         if self.context_length is not None and self.context_length < 2:
-            raise ConfigError(
-                f"ServeConfig.context_length must be >= 2, got {self.context_length}"
-            )
+            raise ConfigError(f"ServeConfig.context_length must be >= 2, got {self.context_length}")
         if self.default_max_tokens < 1:
             raise ConfigError(
                 f"ServeConfig.default_max_tokens must be >= 1, got {self.default_max_tokens}"

@@ -35,8 +35,8 @@ def load_for_serving(path: str, *, arena_bytes: int | None = None) -> LoadedMode
         )
         import mlx_lm
 
-        model, tokenizer = mlx_lm.load(path)
-        return LoadedModel(model, tokenizer, None, streaming=False)
+        loaded = mlx_lm.load(path)
+        return LoadedModel(loaded[0], loaded[1], None, streaming=False)
     ss = importlib.import_module("strata_stream.mlx_lm")
     model, tokenizer = ss.load(path, arena_bytes=arena_bytes)
     make_stats = getattr(ss, "stats_source", None)

@@ -48,23 +48,38 @@ class EngineCollector(Collector):
         out: list[Metric] = []
         counter("strata_expert_hits", "Expert look-ups found resident in the arena.", "hits")
         counter("strata_expert_misses", "Expert look-ups that had to be read.", "misses")
-        counter("strata_expert_bytes_read", "Bytes read from the pack into the arena.", "bytes_read")
-        counter("strata_expert_stall_seconds", "Seconds compute waited for expert reads.", "stall_s")
+        counter(
+            "strata_expert_bytes_read", "Bytes read from the pack into the arena.", "bytes_read"
+        )
+        counter(
+            "strata_expert_stall_seconds", "Seconds compute waited for expert reads.", "stall_s"
+        )
         hits, misses = num("hits"), num("misses")
         looked = None if hits is None or misses is None else hits + misses
         gauge("strata_expert_hit_rate", "Expert hits / look-ups since start.", ratio(hits, looked))
-        gauge("strata_arena_slots_in_use", "Arena slots holding or reading an expert.",
-              num("slots_in_use"))
+        gauge(
+            "strata_arena_slots_in_use",
+            "Arena slots holding or reading an expert.",
+            num("slots_in_use"),
+        )
         gauge("strata_arena_slots", "Arena size in expert slots.", num("slots_total"))
         correct = num("pred_correct")
-        gauge("strata_prefetch_precision", "Next-layer predictions that were then used / made.",
-              ratio(correct, num("pred_predicted")))
-        gauge("strata_prefetch_recall", "Routed experts that had been predicted / routed.",
-              ratio(correct, num("pred_actual")))
+        gauge(
+            "strata_prefetch_precision",
+            "Next-layer predictions that were then used / made.",
+            ratio(correct, num("pred_predicted")),
+        )
+        gauge(
+            "strata_prefetch_recall",
+            "Routed experts that had been predicted / routed.",
+            ratio(correct, num("pred_actual")),
+        )
         per_layer = s.get("per_layer_hit_rate")
         if per_layer is not None:
             fam = GaugeMetricFamily(
-                "strata_expert_layer_hit_rate", "Expert hit rate of one MoE layer.", labels=["layer"]
+                "strata_expert_layer_hit_rate",
+                "Expert hit rate of one MoE layer.",
+                labels=["layer"],
             )
             for layer, rate in enumerate(per_layer):
                 if rate is not None:
@@ -80,13 +95,17 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
-            "strata_serve_requests", "HTTP requests answered, by route and status code.",
-            ["route", "status"], registry=r,
+            "strata_serve_requests",
+            "HTTP requests answered, by route and status code.",
+            ["route", "status"],
+            registry=r,
         )
         self.generations = Counter(
-            "strata_serve_generations", "Generations finished, by finish reason "
+            "strata_serve_generations",
+            "Generations finished, by finish reason "
             "(stop, length, cancelled: the client went away, error).",
-            ["reason"], registry=r,
+            ["reason"],
+            registry=r,
         )
         self.prompt_tokens = Counter(
             "strata_serve_prompt_tokens", "Prompt tokens processed.", registry=r
@@ -96,26 +115,32 @@ class ServerMetrics:
         )
         self.prompt_tps = Gauge(
             "strata_serve_prompt_tokens_per_second",
-            "Prompt processing speed of the last request.", registry=r,
+            "Prompt processing speed of the last request.",
+            registry=r,
         )
         self.decode_tps = Gauge(
             "strata_serve_decode_tokens_per_second",
-            "Decode speed (tokens after the first / seconds) of the last request.", registry=r,
+            "Decode speed (tokens after the first / seconds) of the last request.",
+            registry=r,
         )
         self.ttft = Histogram(
             "strata_serve_time_to_first_token_seconds",
             "From the worker taking a request to its first token (excludes queueing).",
-            buckets=_TTFT_BUCKETS, registry=r,
+            buckets=_TTFT_BUCKETS,
+            registry=r,
         )
         self.queue_wait = Histogram(
-            "strata_serve_queue_wait_seconds", "Time requests waited in the queue.",
-            buckets=_TTFT_BUCKETS, registry=r,
+            "strata_serve_queue_wait_seconds",
+            "Time requests waited in the queue.",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
         )
         self.queue_depth = Gauge(
             "strata_serve_queue_depth", "Requests waiting for the generation worker.", registry=r
         )
         self.queue_capacity = Gauge(
-            "strata_serve_queue_capacity", "Waiting requests accepted before answering 503.",
+            "strata_serve_queue_capacity",
+            "Waiting requests accepted before answering 503.",
             registry=r,
         )
         self.busy = Gauge(

@@ -42,7 +42,9 @@ STATS_KEYS = (
 )
 
 
-def window_snapshot(window_stats: Mapping[str, Any], slot_states: Any, n_slots: int) -> dict[str, Any]:
+def window_snapshot(
+    window_stats: Mapping[str, Any], slot_states: Any, n_slots: int
+) -> dict[str, Any]:
     """Maps `Window.stats()` and the stream's slot table `state` column onto the schema."""
     total = window_stats["total"]
     per_layer: list[float | None] = []

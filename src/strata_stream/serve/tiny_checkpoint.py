@@ -11,14 +11,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-WORDS = (
+_WORDS = (
     "the a an of to and in is it you that he was for on are with as his they be at one have "
     "this from or had by hot word but what some we can out other were all there when up use "
     "your how said each she which do their time if will way about many then them write would "
     "like so these her long make thing see him two has look more day could go come did number "
     "sound no most people my over know water than call first who may down side been now find "
     "hello world model expert stream arena token layer cache slot read user assistant system"
-).split()
+)
+WORDS = tuple(_WORDS.split())
 SPECIAL = ("<unk>", "<pad>", "<eos>", "<|im_start|>", "<|im_end|>")
 EOS = "<eos>"
 CHAT_TEMPLATE = (
@@ -51,7 +52,7 @@ def build_tiny_checkpoint(
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.add_special_tokens(list(SPECIAL))
-    fast = PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok,
         unk_token="<unk>",
         pad_token="<pad>",
@@ -83,14 +84,14 @@ def build_tiny_checkpoint(
         "eos_token_id": vocab[EOS],
     }
     mx.random.seed(seed)
-    model = Model(ModelArgs.from_dict(config))
+    model = Model(ModelArgs.from_dict(config))  # type: ignore[no-untyped-call]
     # Special tokens (EOS among them) and rows past the vocabulary get a zero logit, so greedy
     # text is plain words and never ends early (see the docstring).
     w = model.lm_head.weight
     words = range(len(SPECIAL), len(vocab))
     keep = mx.array([[1.0 if i in words else 0.0] for i in range(w.shape[0])])
     model.lm_head.weight = w * keep
-    nn.quantize(model, group_size=64, bits=4)
+    nn.quantize(model, group_size=64, bits=4)  # type: ignore[attr-defined]
     mx.eval(model.parameters())
     save_model(out, model)
     config["quantization"] = {"group_size": 64, "bits": 4}

@@ -246,7 +246,9 @@ class GenerationWorker:
             sampler=sampler,
             logits_processors=processors or None,
         )
-        with wired_limit(self._model, [generation_stream]), contextlib.closing(gen):
+        # wired_limit: the Metal wired-memory setting stream_generate uses; a no-op on CPU.
+        streams = [generation_stream]
+        with wired_limit(self._model, streams), contextlib.closing(gen):  # type: ignore[arg-type]
             for token, _ in gen:
                 n += 1
                 now = time.perf_counter()

@@ -1,0 +1,69 @@
+"""Helpers shared by the serve tests: the fake stats source, clients, /metrics scraping."""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+MODEL_ID = "tiny-qwen3-moe"
+TIMEOUT_S = 60.0
+
+
+class FakeStats:
+    """A stats source whose counters the test sets; records which threads call it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.values: dict[str, Any] = {}
+        self.callers: set[str] = set()
+
+    def set(self, **values: Any) -> None:
+        with self._lock:
+            self.values.update(values)
+
+    def __call__(self) -> Mapping[str, Any]:
+        with self._lock:
+            self.callers.add(threading.current_thread().name)
+            return dict(self.values)
+
+
+@dataclass
+class Served:
+    url: str
+    client: openai.OpenAI
+    stats: FakeStats
+    app: Any
+
+
+def client_for(url: str, **kw: Any) -> openai.OpenAI:
+    # max_retries=0: a 503 must reach the test, not be retried away.
+    return openai.OpenAI(
+        base_url=url + "/v1", api_key="unused", timeout=TIMEOUT_S, max_retries=0, **kw
+    )
+
+
+def scrape(url: str) -> dict[str, float]:
+    """/metrics parsed by prometheus_client's own parser: sample name{labels} -> value."""
+    with urllib.request.urlopen(url + "/metrics", timeout=TIMEOUT_S) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.02)

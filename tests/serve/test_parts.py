@@ -1,0 +1,117 @@
+"""The server's parts on their own: stop strings, the Window stats mapping, config, CLI."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from strata_stream import ExpertStream, StreamConfig, Window
+from strata_stream.errors import ConfigError
+from strata_stream.pack import ExpertPack
+from strata_stream.serve import ServeConfig, window_stats_source
+from strata_stream.serve.stop import StopMatcher
+
+
+def run_stops(stops: list[str], segments: list[str]) -> tuple[str, bool, list[str]]:
+    m = StopMatcher(stops)
+    sent: list[str] = []
+    for seg in segments:
+        out, hit = m.feed(seg)
+        sent.append(out)
+        if hit:
+            return "".join(sent), True, sent
+    sent.append(m.flush())
+    return "".join(sent), False, sent
+
+
+def test_stop_string_split_across_segments_is_never_sent() -> None:
+    text, hit, sent = run_stops(["END"], ["ab", "cE", "N", "Dxyz"])
+    assert (text, hit) == ("abc", True)
+    assert all("E" not in s for s in sent)  # the held-back prefix never left the server
+
+
+def test_false_stop_prefix_is_released() -> None:
+    text, hit, sent = run_stops(["END"], ["abE", "Nx", "y"])
+    assert (text, hit) == ("abENxy", False)
+    assert sent[0] == "ab"  # "E" held until it could no longer start "END"
+
+
+def test_earliest_of_several_stops_wins() -> None:
+    assert run_stops(["zz", "b c"], ["a b", " c zz"])[:2] == ("a ", True)
+    assert run_stops([], ["a", "b"])[:2] == ("ab", False)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"model_id": ""},
+        {"model_id": "m", "max_queue": 0},
+        {"model_id": "m", "context_length": 1},
+        {"model_id": "m", "default_max_tokens": 0},
+        {"model_id": "m", "stats_interval_s": 0},
+    ],
+)
+def test_bad_serve_config_raises(kw: dict[str, object]) -> None:
+    with pytest.raises(ConfigError):
+        ServeConfig(**kw)  # type: ignore[arg-type]
+
+
+def test_window_stats_source_maps_the_engine_figures(make_pack) -> None:  # type: ignore[no-untyped-def]
+    path: Path = make_pack()
+    with ExpertPack.open(path) as p:
+        g, stride = p.geometry, p.record_stride
+    n_slots = 2 * g.top_k * 2
+    cfg = StreamConfig(
+        arena_bytes=n_slots * stride, io_threads=2, direct_io=False, persist_profile=False
+    )
+    rng = np.random.default_rng(0)
+    with ExpertStream(path, cfg) as stream, Window(stream) as w:
+        with w.turn():
+            for layer in range(g.n_layers):
+                w.moe(layer, rng.standard_normal((16, g.hidden)).astype(np.float32))
+        snap = window_stats_source(w)()
+        st = w.stats()
+        states = stream.slot_table()["state"]
+    total = st["total"]
+    assert snap["hits"] == total["hits"] and snap["misses"] == total["misses"]
+    assert snap["hits"] + snap["misses"] > 0 and snap["bytes_read"] == total["bytes_read"] > 0
+    assert snap["stall_s"] == total["stall_seconds"]
+    assert snap["slots_total"] == n_slots
+    assert snap["slots_in_use"] == sum(1 for s in states if s != 0) > 0
+    assert (snap["pred_correct"], snap["pred_predicted"], snap["pred_actual"]) == (
+        total["pred_correct"],
+        total["pred_predicted"],
+        total["pred_actual"],
+    )
+    assert len(snap["per_layer_hit_rate"]) == g.n_layers
+    for rate, d in zip(snap["per_layer_hit_rate"], st["layers"], strict=True):
+        assert rate == d["hits"] / (d["hits"] + d["misses"])
+
+
+def test_cli_has_serve(capsys: pytest.CaptureFixture[str]) -> None:
+    from strata_stream.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = capsys.readouterr().out
+    for opt in ("--host", "--port", "--arena-gb", "MODEL"):
+        assert opt in out
+
+
+def test_loader_falls_back_to_mlx_lm_and_says_so(
+    tiny_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import importlib.util
+
+    from strata_stream.serve.loader import load_for_serving
+
+    if importlib.util.find_spec("strata_stream.mlx_lm") is not None:
+        pytest.skip("strata_stream.mlx_lm exists: no fallback to test")
+    with caplog.at_level(logging.WARNING, logger="strata_stream.serve"):
+        loaded = load_for_serving(str(tiny_path), arena_bytes=2**30)
+    assert not loaded.streaming and loaded.stats is None
+    assert "plain mlx_lm.load" in caplog.text and "--arena-gb ignored" in caplog.text
+    assert loaded.tokenizer.encode("hello world")
