@@ -1,0 +1,337 @@
+"""Load test of `strata-stream serve`: N concurrent streaming chat clients for T seconds.
+
+    python benchmarks/serve_load.py [--model DIR | --url http://127.0.0.1:PORT]
+        [--clients 1,4,8] [--seconds 60] [--repeats 2] [--max-tokens 32] [--json OUT] [--plot PNG]
+
+Without --url it starts the server itself (`python -m strata_stream.cli serve MODEL --port 0`)
+as a subprocess on a free loopback port, on --model or on a tiny random-weight qwen3_moe
+checkpoint built once into a temporary directory, and stops it at the end. Levels run
+interleaved (1,4,8,1,4,8 with --repeats 2) so drift on a shared machine hits every level alike.
+
+Per level: completed requests, generated tokens/s, time to first token and inter-token gap
+(p50/p99, as each client sees them), errors (must be 0), and the server's RSS before and after.
+Every client loop is bounded by the deadline and by --max-requests; only loopback is allowed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import openai
+
+PROMPTS = [
+    "hello world how are you",
+    "the water is hot",
+    "a model of the arena",
+    "you can write what you see",
+    "tell me about the expert stream",
+    "each layer has a cache",
+    "when will the token come",
+    "people like to call their water",
+]
+LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
+
+
+@dataclass
+class Level:
+    clients: int
+    repeat: int
+    seconds: float
+    requests: int = 0
+    errors: int = 0
+    tokens: int = 0
+    ttft_s: list[float] = field(default_factory=list)
+    gaps_s: list[float] = field(default_factory=list)
+    rss_start_mb: float = 0.0
+    rss_end_mb: float = 0.0
+    error_samples: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict[str, float | int]:
+        return {
+            "clients": self.clients,
+            "repeat": self.repeat,
+            "seconds": round(self.seconds, 2),
+            "requests": self.requests,
+            "errors": self.errors,
+            "tokens": self.tokens,
+            "tokens_per_s": round(self.tokens / self.seconds, 1),
+            "requests_per_s": round(self.requests / self.seconds, 2),
+            "ttft_p50_ms": round(1e3 * pct(self.ttft_s, 50), 1),
+            "ttft_p99_ms": round(1e3 * pct(self.ttft_s, 99), 1),
+            "token_p50_ms": round(1e3 * pct(self.gaps_s, 50), 2),
+            "token_p99_ms": round(1e3 * pct(self.gaps_s, 99), 2),
+            "rss_start_mb": round(self.rss_start_mb, 1),
+            "rss_end_mb": round(self.rss_end_mb, 1),
+        }
+
+
+def pct(xs: list[float], p: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))]
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+@contextlib.contextmanager
+def start_server(model: Path, max_queue: int, timeout_s: float = 180) -> Iterator[tuple[str, int]]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "strata_stream.cli",
+        "serve",
+        str(model),
+        "--port",
+        "0",
+        "--host",
+        "127.0.0.1",
+        "--model-id",
+        "bench",
+        "--max-queue",
+        str(max_queue),
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout or []], daemon=True).start()
+    try:
+        deadline = time.monotonic() + timeout_s
+        url = ""
+        while not url:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start (run the command by hand to see why)")
+            with contextlib.suppress(queue.Empty):
+                line = lines.get(timeout=0.5)
+                if "listening on " in line:
+                    url = line.split("listening on ", 1)[1].strip()
+        wait_healthy(url, deadline)
+        yield url, proc.pid
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
+
+
+def wait_healthy(url: str, deadline: float) -> None:
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url}/health never answered 200")
+        time.sleep(0.2)
+
+
+def model_id(url: str) -> str:
+    with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
+        return str(json.loads(r.read())["data"][0]["id"])
+
+
+def run_level(url: str, mid: str, level: Level, max_tokens: int, max_requests: int) -> None:
+    lock = threading.Lock()
+    deadline = time.monotonic() + level.seconds
+
+    def client(i: int) -> None:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=120, max_retries=0)
+        for n in range(max_requests):
+            if time.monotonic() >= deadline:
+                return
+            prompt = PROMPTS[(i + n) % len(PROMPTS)]
+            ttft, gaps, tokens = None, [], 0
+            t0 = last = time.perf_counter()
+            try:
+                stream = c.chat.completions.create(
+                    model=mid,
+                    messages=[{"role": "user", "content": prompt}],
+                    max_tokens=max_tokens,
+                    temperature=0,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+                for chunk in stream:
+                    now = time.perf_counter()
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        if ttft is None:
+                            ttft = now - t0
+                        else:
+                            gaps.append(now - last)
+                        last = now
+                    if chunk.usage is not None:
+                        tokens = chunk.usage.completion_tokens
+                if ttft is None or tokens == 0:
+                    raise RuntimeError("a stream without tokens or usage")
+            except Exception as e:
+                with lock:
+                    level.errors += 1
+                    if len(level.error_samples) < 5:
+                        level.error_samples.append(f"{type(e).__name__}: {e}")
+                continue
+            with lock:
+                level.requests += 1
+                level.tokens += tokens
+                level.ttft_s.append(ttft)
+                level.gaps_s.extend(gaps)
+
+    threads = [
+        threading.Thread(target=client, args=(i,), daemon=True) for i in range(level.clients)
+    ]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(level.seconds + 300)
+    level.seconds = time.monotonic() - t0  # includes draining the last in-flight requests
+
+
+def plot(levels: list[Level], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for key, ax, label in (("ttft_s", a, "time to first token"), ("gaps_s", b, "inter-token gap")):
+        for p, style in ((50, "o-"), (99, "s--")):
+            xs = sorted({lv.clients for lv in levels})
+            ys = [
+                1e3 * pct([x for lv in levels if lv.clients == c for x in getattr(lv, key)], p)
+                for c in xs
+            ]
+            ax.plot(xs, ys, style, label=f"p{p}")
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel("ms")
+        ax.set_title(label)
+        ax.set_xticks(sorted({lv.clients for lv in levels}))
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.suptitle("strata-stream serve: latency against concurrency (one generation worker)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--model", type=Path, help="model directory (default: a tiny checkpoint)")
+    src.add_argument("--url", help="a running server on loopback, e.g. http://127.0.0.1:8080")
+    ap.add_argument("--clients", default="4,8", help="comma-separated levels (default 4,8)")
+    ap.add_argument("--seconds", type=float, default=60.0, help="per level (default 60)")
+    ap.add_argument("--repeats", type=int, default=1, help="interleaved repeats (default 1)")
+    ap.add_argument("--max-tokens", type=int, default=32, help="per request (default 32)")
+    ap.add_argument("--max-requests", type=int, default=100_000, help="per client per level")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--plot", type=Path, help="write a PNG of latency against concurrency")
+    args = ap.parse_args(argv)
+    levels_n = [int(x) for x in args.clients.split(",")]
+    if min(levels_n) < 1 or args.seconds <= 0 or args.repeats < 1:
+        ap.error("--clients, --seconds and --repeats must be positive")
+
+    with contextlib.ExitStack() as stack:
+        if args.url:
+            host = urllib.parse.urlsplit(args.url).hostname
+            if host not in LOOPBACK_HOSTS:
+                ap.error(f"--url must be on loopback, got host {host!r}")
+            url, pid = args.url.rstrip("/"), None
+        else:
+            model = args.model
+            if model is None:
+                from strata_stream.serve.tiny_checkpoint import build_tiny_checkpoint
+
+                tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="serve_load_"))
+                model = build_tiny_checkpoint(Path(tmp) / "tiny")
+            url, pid = stack.enter_context(start_server(model, max_queue=max(levels_n)))
+        mid = model_id(url)
+        warm = Level(1, 0, 2.0)
+        run_level(url, mid, warm, args.max_tokens, 5)  # compile and warm before measuring
+        rss0 = rss_mb(pid) if pid else float("nan")
+        done: list[Level] = []
+        for r in range(args.repeats):
+            for n in levels_n:
+                lv = Level(n, r, args.seconds)
+                lv.rss_start_mb = rss_mb(pid) if pid else float("nan")
+                run_level(url, mid, lv, args.max_tokens, args.max_requests)
+                lv.rss_end_mb = rss_mb(pid) if pid else float("nan")
+                done.append(lv)
+                s = lv.summary()
+                print(json.dumps(s), flush=True)
+                for e in lv.error_samples:
+                    print(f"  error: {e}", flush=True)
+
+    cols = [
+        "clients",
+        "repeat",
+        "requests",
+        "errors",
+        "tokens_per_s",
+        "ttft_p50_ms",
+        "ttft_p99_ms",
+        "token_p50_ms",
+        "token_p99_ms",
+        "rss_start_mb",
+        "rss_end_mb",
+    ]
+    print("\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+    for lv in done:
+        s = lv.summary()
+        print("| " + " | ".join(str(s[c]) for c in cols) + " |")
+    base = [lv.summary()["tokens_per_s"] for lv in done if lv.clients == levels_n[0]]
+    for n in levels_n[1:]:
+        ratio = [
+            lv.summary()["tokens_per_s"] / b
+            for lv, b in zip([lv for lv in done if lv.clients == n], base, strict=False)
+        ]
+        print(
+            f"throughput {n} vs {levels_n[0]} clients, per repeat: "
+            + ", ".join(f"{x:.2f}" for x in ratio)
+        )
+    print(f"server RSS after warm-up {rss0:.1f} MB, at the end {done[-1].rss_end_mb:.1f} MB")
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "url_was_given": bool(args.url),
+                    "max_tokens": args.max_tokens,
+                    "rss_after_warmup_mb": rss0,
+                    "levels": [lv.summary() for lv in done],
+                },
+                indent=2,
+            )
+            + "\n"
+        )
+    if args.plot:
+        plot(done, args.plot)
+    errors = sum(lv.errors for lv in done)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())
