@@ -128,3 +128,23 @@ def test_server_keeps_serving_after_errors(served: Served) -> None:
     )
     assert r.choices[0].finish_reason == "length" and r.usage is not None
     assert r.usage.completion_tokens == 4
+
+
+def test_oversized_body_is_a_413_before_it_is_read(served: Served) -> None:
+    import http.client
+    import urllib.parse
+
+    from strata_stream.serve.app import MAX_BODY_BYTES
+
+    u = urllib.parse.urlsplit(served.url)
+    conn = http.client.HTTPConnection(u.hostname or "", u.port, timeout=30)
+    try:
+        conn.putrequest("POST", "/v1/chat/completions")
+        conn.putheader("Content-Type", "application/json")
+        conn.putheader("Content-Length", str(MAX_BODY_BYTES + 1))
+        conn.endheaders()  # the body never comes: the server must answer without waiting for it
+        r = conn.getresponse()
+        assert r.status == 413
+        assert_openai_error(json.loads(r.read()), None, "request_too_large")
+    finally:
+        conn.close()

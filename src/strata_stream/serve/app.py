@@ -7,7 +7,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -46,6 +46,9 @@ from strata_stream.serve.worker import (
 )
 
 log = logging.getLogger("strata_stream.serve")
+
+# Request bodies beyond this are refused (413) before they are held in memory.
+MAX_BODY_BYTES = 16 * 2**20
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -207,7 +210,7 @@ class _Routes:
 
     # ---- generation routes -------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
-        req = parse_body(CompletionRequest, await request.body())
+        req = parse_body(CompletionRequest, await _read_body(request))
         self._check_model(req.model)
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
@@ -221,7 +224,7 @@ class _Routes:
         return await self._run(request, gen, fmt, req.stream, req.include_usage)
 
     async def chat_completions(self, request: Request) -> Response:
-        req = parse_body(ChatCompletionRequest, await request.body())
+        req = parse_body(ChatCompletionRequest, await _read_body(request))
         self._check_model(req.model)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         ids = await run_in_threadpool(self._encode_chat, messages)
@@ -340,9 +343,24 @@ class _Routes:
         return JSONResponse(fmt.complete("".join(parts), end))
 
 
+async def _read_body(request: Request) -> bytes:
+    too_large = APIError(
+        413, f"The request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large"
+    )
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_large
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > MAX_BODY_BYTES:
+            raise too_large
+    return bytes(body)
+
+
 async def _follow(
     request: Request, job: Job, events: asyncio.Queue[Event], poll_s: float
-) -> AsyncIterator[Event]:
+) -> AsyncGenerator[Event, None]:
     """The job's events until Finished; cancels the job when the client disconnects or the
     consumer stops early (a streamed response whose send failed)."""
     finished = False
@@ -375,7 +393,7 @@ def _sse_data(obj: Any) -> bytes:
 
 
 async def _sse(
-    events: AsyncIterator[Event], fmt: _Format, include_usage: bool
+    events: AsyncGenerator[Event, None], fmt: _Format, include_usage: bool
 ) -> AsyncIterator[bytes]:
     try:
         first = fmt.first_chunk()
@@ -397,7 +415,7 @@ async def _sse(
             yield b"data: [DONE]\n\n"
     finally:
         # aclose() runs _follow's finally now (cancelling the job), not at garbage collection.
-        await events.aclose()  # type: ignore[attr-defined]
+        await events.aclose()
 
 
 def _usage(end: Finished) -> dict[str, int]:

@@ -128,7 +128,9 @@ class GenerationWorker:
         self.tokenizer_lock = threading.Lock()
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self._stop = threading.Event()
-        self._running: Job | None = None  # owned by the worker thread; read for cancel on stop
+        # Written only by the worker thread; stop() reads it to cancel the running job, and the
+        # worker also checks _stop before each token, so a stale read cannot leave a job running.
+        self._running: Job | None = None
         self._thread = threading.Thread(target=self._run, name="strata-serve-worker", daemon=True)
         metrics.queue_capacity.set(max_queue)
         metrics.queue_depth.set_function(lambda: self._queue.qsize())
@@ -258,7 +260,7 @@ class GenerationWorker:
                     m.prompt_tokens.inc(len(req.prompt))
                     m.prompt_tps.set(len(req.prompt) / max(now - t0, 1e-9))
                 m.generated_tokens.inc()
-                if job.cancelled:
+                if job.cancelled or self._stop.is_set():
                     reason = "cancelled"
                     break
                 if token in eos:
