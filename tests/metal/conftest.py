@@ -75,7 +75,9 @@ def format_pack(tmp_path_factory: pytest.TempPathFactory) -> PackMaker:
             rng = np.random.default_rng((7, layer, expert))
             shapes = ((inter, hidden), (inter, hidden), (hidden, inter))
             if quant:
-                return tuple(_random_quantized(rng, r, c, bits, group, scale_dtype) for r, c in shapes)
+                return tuple(
+                    _random_quantized(rng, r, c, bits, group, scale_dtype) for r, c in shapes
+                )
             return tuple(
                 (rng.standard_normal(s) / np.sqrt(s[1])).astype(np.float32) for s in shapes
             )

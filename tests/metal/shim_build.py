@@ -86,11 +86,16 @@ def build_harness(kernels: Path = KERNELS, name: str = "shim_harness") -> Path:
     out = cache_dir()
     headers = _headers_digest(kernels)
     kernel_files = metal_sources(kernels)
-    sources = [*ENGINE_SOURCES, METAL / "shim" / "msl_runtime.cpp",
-               METAL / "host" / "dispatch_plan.cpp", ROOT / "tests" / "metal" / "shim_harness.cpp"]
+    sources = [
+        *ENGINE_SOURCES,
+        METAL / "shim" / "msl_runtime.cpp",
+        METAL / "host" / "dispatch_plan.cpp",
+        ROOT / "tests" / "metal" / "shim_harness.cpp",
+    ]
     with ThreadPoolExecutor(max_workers=2) as pool:
-        objs = list(pool.map(lambda s: _compile(cxx, s, headers, out, []),
-                             [*kernel_files, *sources]))
+        objs = list(
+            pool.map(lambda s: _compile(cxx, s, headers, out, []), [*kernel_files, *sources])
+        )
     link = hashlib.sha256("".join(str(o) for o in objs).encode()).hexdigest()[:16]
     exe = out / f"{name}-{link}"
     if not exe.exists():

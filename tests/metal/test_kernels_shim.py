@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import pytest
-from conftest import FORMATS, PackMaker, format_id
-from oracle import moe_reference, route_reference
 from shim_build import KERNELS, build_harness
 
+from conftest import FORMATS, PackMaker, format_id
+from oracle import moe_reference, route_reference
 from strata_stream.pack import ExpertPack
 
 ROWS, LAYER, SEED = 5, 1, 3
@@ -40,7 +40,9 @@ class Run:
         self.x = np.fromfile(out / "x.bin", np.float32)
 
     def get(self, scenario: str, backend: str, name: str) -> npt.NDArray[Any]:
-        return np.fromfile(self.out / f"{scenario}.{backend}.{name}.bin", DTYPES.get(name, np.float32))
+        return np.fromfile(
+            self.out / f"{scenario}.{backend}.{name}.bin", DTYPES.get(name, np.float32)
+        )
 
 
 def run_harness(exe: Path, pack: Path, out: Path) -> Run:
@@ -74,13 +76,22 @@ def test_kernels_match_cpu_backend_and_oracle(
         router = pack.router_weights(LAYER)
         ids_ref, w_ref = route_reference(x, router, g.top_k, g.routing, g.norm_topk_prob)
         ref = moe_reference(
-            x, router, lambda e: pack.expert_weights(LAYER, e), g.top_k, g.routing,
+            x,
+            router,
+            lambda e: pack.expert_weights(LAYER, e),
+            g.top_k,
+            g.routing,
             g.norm_topk_prob,
         )
         pred_ref = [
             # The harness predicts for layer + d, or repeats layer past the last one.
-            route_reference(x, pack.router_weights(LAYER + d if LAYER + d < g.n_layers else LAYER),
-                            g.top_k, g.routing, g.norm_topk_prob)[0]
+            route_reference(
+                x,
+                pack.router_weights(LAYER + d if LAYER + d < g.n_layers else LAYER),
+                g.top_k,
+                g.routing,
+                g.norm_topk_prob,
+            )[0]
             for d in (1, 2)
         ]
 
@@ -90,11 +101,13 @@ def test_kernels_match_cpu_backend_and_oracle(
     np.testing.assert_array_equal(ids, ids_ref)
     weights = run.get("decode", "metal", "weights").reshape(ROWS, g.top_k)
     np.testing.assert_allclose(weights, w_ref, rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(weights, run.get("decode", "cpu", "weights").reshape(ROWS, g.top_k),
-                               rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(
+        weights, run.get("decode", "cpu", "weights").reshape(ROWS, g.top_k), rtol=1e-5, atol=1e-7
+    )
     for d, name in ((0, "pred1"), (1, "pred2")):
-        np.testing.assert_array_equal(run.get("decode", "metal", name).reshape(ROWS, g.top_k),
-                                      pred_ref[d])
+        np.testing.assert_array_equal(
+            run.get("decode", "metal", name).reshape(ROWS, g.top_k), pred_ref[d]
+        )
 
     # The block: the Metal kernels against the CPU backend and the oracle.
     out = run.get("decode", "metal", "out")
@@ -127,12 +140,19 @@ def test_absent_expert_is_reported_not_computed(
 
 
 def test_every_planned_kernel_is_registered(harness: Path) -> None:
-    names = set(subprocess.run([str(harness), "--list"], capture_output=True, text=True,
-                               check=True).stdout.split())
+    names = set(
+        subprocess.run(
+            [str(harness), "--list"], capture_output=True, text=True, check=True
+        ).stdout.split()
+    )
     for fmt in FORMATS:
         suffix = format_id(fmt)
-        for kernel in (f"gate_up_{suffix}_silu", f"down_{suffix}", f"moe_gate_up_{suffix}_silu",
-                       f"moe_down_{suffix}"):
+        for kernel in (
+            f"gate_up_{suffix}_silu",
+            f"down_{suffix}",
+            f"moe_gate_up_{suffix}_silu",
+            f"moe_down_{suffix}",
+        ):
             assert kernel in names
     assert {"route_logits", "route_select", "route_predict", "plan", "combine"} <= names
 

@@ -56,10 +56,13 @@ using namespace metal;
 #define STRATA_CAT(a, b) STRATA_CAT2(a, b)
 
 // Instantiates fn<template args...> under the Metal function name `name`. On Metal this is the
-// explicit instantiation MSL requires; in the emulator it registers the function by name.
-#if defined(__METAL_VERSION__) || defined(STRATA_MSL_TYPECHECK)
+// explicit instantiation MSL requires; the type-check instantiates the same body (C++ has no
+// attribute slot there, so host_name is dropped); the emulator registers the function by name.
+#if defined(__METAL_VERSION__)
 #define STRATA_KERNEL(name, fn, ...) \
   template [[host_name(name)]] [[kernel]] void fn<__VA_ARGS__>(STRATA_KERNEL_PARAMS);
+#elif defined(STRATA_MSL_TYPECHECK)
+#define STRATA_KERNEL(name, fn, ...) template void fn<__VA_ARGS__>(STRATA_KERNEL_PARAMS);
 #else
 #define STRATA_KERNEL(name, fn, ...)                                              \
   static const bool STRATA_CAT(strata_registered_, __COUNTER__) =                 \

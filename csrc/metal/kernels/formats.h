@@ -9,7 +9,16 @@
 
 #include "common.h"
 
-enum : uint { kBlock = 16 };
+// The mat-vec's shape (matvec.h), one enum so the constants mix without conversions: a lane
+// owns kBlock columns at a time; a threadgroup is kSimdsPerGroup simdgroups of kSimdWidth
+// lanes, each owning kRowsPerSimd output rows.
+enum : uint {
+  kBlock = 16,
+  kSimdWidth = 32,
+  kRowsPerSimd = 4,
+  kSimdsPerGroup = 2,
+  kRowsPerGroup = kRowsPerSimd * kSimdsPerGroup,
+};
 
 // One matrix of one expert record (or a router): base pointers and the column count.
 struct MatrixRef {

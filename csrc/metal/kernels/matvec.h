@@ -7,13 +7,6 @@
 
 #include "formats.h"
 
-enum : uint {
-  kSimdWidth = 32,
-  kRowsPerSimd = 4,
-  kSimdsPerGroup = 2,
-  kRowsPerGroup = kRowsPerSimd * kSimdsPerGroup,
-};
-
 // res[n * kRowsPerSimd + r] = row (row0 + r) of matrix n, dotted with x[0, K). Rows at or past
 // n_rows give 0. Must be called by all 32 lanes of the simdgroup (uniform control flow).
 template <class Fmt, uint N>
