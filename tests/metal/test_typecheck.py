@@ -70,3 +70,39 @@ def test_writing_through_constant_is_rejected(tmp_path: Path) -> None:
     )
     r = typecheck(src)
     assert r.returncode != 0 and ("p.rows" in r.stderr or "read-only" in r.stderr), r.stderr
+
+
+@pytest.mark.skipif(shutil.which("cmake") is None, reason="needs cmake")
+def test_embedded_source_is_one_self_contained_unit(tmp_path: Path) -> None:
+    """The newLibraryWithSource fallback compiles the kernels as one text with the local
+    #includes removed (csrc/metal/embed_kernels.cmake); it must still type-check, and hold
+    every kernel instantiation list."""
+    out = tmp_path / "embedded.cpp"
+    subprocess.run(
+        [
+            "cmake",
+            f"-DOUT={out}",
+            f"-DKERNELS={KERNELS}",
+            "-P",
+            str(KERNELS.parent / "embed_kernels.cmake"),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    text = out.read_text()
+    source = text.split('R"STRATA_MSL(', 1)[1].rsplit(')STRATA_MSL"', 1)[0]
+    assert '#include "' not in source
+    for src in metal_sources():
+        assert f"// ---- {src.name}" in source
+    unit = tmp_path / "embedded.metal"
+    unit.write_text(source)
+    assert CLANG is not None
+    prelude = KERNELS.parent / "shim" / "msl_prelude.h"
+    r = subprocess.run(
+        [CLANG, *FLAGS, "-include", str(prelude), str(unit)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
