@@ -18,9 +18,15 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import pytest
+from metal_fixtures import (  # the two fixtures register under the names harness, format_pack
+    FORMATS,
+    PackMaker,
+    format_id,
+    format_pack_fixture,  # noqa: F401
+    harness_fixture,  # noqa: F401
+)
 from shim_build import KERNELS, build_harness
 
-from conftest import FORMATS, PackMaker, format_id
 from oracle import moe_reference, route_reference
 from strata_stream.pack import ExpertPack
 

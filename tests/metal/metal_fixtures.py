@@ -1,21 +1,21 @@
-"""Fixtures of the Metal-kernel tests: the emulator harness and packs of every weight format."""
+"""Fixtures of the Metal-kernel tests: the emulator harness and packs of every weight format.
+
+A plain module, not a conftest.py: tests/ modules import names from tests/conftest.py as
+`conftest`, and a second conftest module on the path would shadow it. Test files import the
+fixtures they use from here."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from shim_build import build_harness
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from shim_build import build_harness  # noqa: E402
-
-from strata_stream.pack import Geometry, write_pack  # noqa: E402
-from strata_stream.pack.quant import QuantizedMatrix, to_scale_dtype  # noqa: E402
+from strata_stream.pack import Geometry, write_pack
+from strata_stream.pack.quant import QuantizedMatrix, to_scale_dtype
 
 # (weight_format, group_size, scale_dtype): every format the pack defines.
 FORMATS: list[tuple[str, int, str]] = [("f32", 64, "f16"), ("f16", 64, "f16"), ("bf16", 64, "f16")]
@@ -27,8 +27,8 @@ def format_id(fmt: tuple[str, int, str]) -> str:
     return w if not w.startswith("q") else f"{w}_g{g}_s{s}"
 
 
-@pytest.fixture(scope="session")
-def harness() -> Path:
+@pytest.fixture(scope="session", name="harness")
+def harness_fixture() -> Path:
     return build_harness()
 
 
@@ -54,8 +54,8 @@ def _random_quantized(
 PackMaker = Callable[..., Path]
 
 
-@pytest.fixture(scope="session")
-def format_pack(tmp_path_factory: pytest.TempPathFactory) -> PackMaker:
+@pytest.fixture(scope="session", name="format_pack")
+def format_pack_fixture(tmp_path_factory: pytest.TempPathFactory) -> PackMaker:
     """format_pack((fmt, group, scale_dtype), routing) -> a small pack in that format."""
     cache: dict[tuple[Any, ...], Path] = {}
 
