@@ -106,3 +106,23 @@ def build_harness(kernels: Path = KERNELS, name: str = "shim_harness") -> Path:
             raise RuntimeError(f"linking the shim harness failed:\n{run.stderr}")
         tmp.replace(exe)
     return exe
+
+
+def build_program(name: str, sources: list[Path], extra: list[str]) -> Path:
+    """A small test program from `sources` (with `extra` flags, e.g. a sanitizer), cached by
+    content hash like the harness."""
+    cxx = compiler()
+    out = cache_dir()
+    h = hashlib.sha256(" ".join([cxx, *FLAGS, *extra]).encode())
+    h.update(_headers_digest(KERNELS).encode())
+    for src in sources:
+        h.update(src.read_bytes())
+    exe = out / f"{name}-{h.hexdigest()[:16]}"
+    if not exe.exists():
+        tmp = exe.with_suffix(f".{os.getpid()}.tmp")
+        cmd = [cxx, *FLAGS, *extra, "-I", str(ENGINE), *map(str, sources), "-o", str(tmp)]
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        if run.returncode != 0:
+            raise RuntimeError(f"building {name} failed:\n{' '.join(cmd)}\n{run.stderr}")
+        tmp.replace(exe)
+    return exe

@@ -1,14 +1,12 @@
 #include "event_bridge.h"
 
-#include <Metal/Metal.hpp>
-
 namespace strata::metal {
 namespace {
 constexpr auto kPoll = std::chrono::milliseconds(50);  // how often a blocked wait checks stop_
 }
 
-EventBridge::EventBridge(MTL::Device* device)
-    : device_(device),
+EventBridge::EventBridge(DeviceEventFactory make_event)
+    : make_event_(std::move(make_event)),
       to_device_([this] { host_to_device_loop(); }),
       to_host_([this] { device_to_host_loop(); }) {}
 
@@ -20,17 +18,13 @@ EventBridge::~EventBridge() {
   cv_.notify_all();
   to_device_.join();
   to_host_.join();
-  for (auto& [host, twin] : twins_) twin->release();
 }
 
-MTL::SharedEvent* EventBridge::device_event(SharedEvent* host) {
+DeviceEvent* EventBridge::device_event(SharedEvent* host) {
   std::lock_guard<std::mutex> lk(mu_);
   auto it = twins_.find(host);
-  if (it != twins_.end()) return it->second;
-  MTL::SharedEvent* twin = device_->newSharedEvent();
-  twin->setSignaledValue(host->value());
-  twins_.emplace(host, twin);
-  return twin;
+  if (it == twins_.end()) it = twins_.emplace(host, make_event_(host->value())).first;
+  return it->second.get();
 }
 
 void EventBridge::device_waits_for(SharedEvent* host, std::uint64_t value) {
@@ -57,7 +51,7 @@ void EventBridge::release_device_waits() {
   }
   for (const Crossing& c : pending) {
     c.host->signal(c.value);  // the host_to_device thread, if parked on it, forwards it too
-    device_event(c.host)->setSignaledValue(c.value);
+    device_event(c.host)->set(c.value);
   }
   cv_.notify_all();
 }
@@ -89,9 +83,9 @@ void EventBridge::host_to_device_loop() {
     if (!reached) continue;  // still waiting (or the wait was released and popped: re-check)
     if (!waits_.empty() && waits_.front().host == c.host && waits_.front().value == c.value)
       waits_.pop_front();
-    MTL::SharedEvent* twin = twins_.at(c.host);
+    DeviceEvent* twin = twins_.at(c.host).get();
     lk.unlock();
-    twin->setSignaledValue(c.value);
+    twin->set(c.value);
     lk.lock();
   }
 }
@@ -103,10 +97,10 @@ void EventBridge::device_to_host_loop() {
     if (stop_) return;
     const Crossing c = signals_.front();
     signal_in_flight_ = true;
-    MTL::SharedEvent* twin = twins_.at(c.host);
+    DeviceEvent* twin = twins_.at(c.host).get();
     bool reached = force_signals_;
     lk.unlock();
-    if (!reached) reached = twin->waitUntilSignaledValue(c.value, kPoll.count());
+    if (!reached) reached = twin->wait_until(c.value, std::uint64_t(kPoll.count()));
     if (reached) c.host->signal(c.value);
     lk.lock();
     if (reached) signals_.pop_front();

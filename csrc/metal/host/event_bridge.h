@@ -6,33 +6,42 @@
 //  - device -> host: for each encoded Signal(e, v), wait (waitUntilSignaledValue) until the GPU
 //    signalled v, then signal the host event.
 // Both are blocking waits, not polls: a crossing costs a thread wake-up on top of the event.
+// The device event is an interface so this logic runs on Linux against a test double
+// (tests/metal/event_bridge_check.cpp); the Metal one is in metal_event.h.
 #pragma once
 
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <thread>
 
 #include "exec/shared_event.h"
 
-namespace MTL {
-class Device;
-class SharedEvent;
-}  // namespace MTL
-
 namespace strata::metal {
+
+// The device side of one event: on macOS an MTLSharedEvent.
+class DeviceEvent {
+ public:
+  virtual ~DeviceEvent() = default;
+  virtual void set(std::uint64_t value) = 0;
+  // Blocks until the value reaches `value` or `ms` pass; true when it was reached.
+  virtual bool wait_until(std::uint64_t value, std::uint64_t ms) = 0;
+};
+using DeviceEventFactory = std::function<std::unique_ptr<DeviceEvent>(std::uint64_t initial)>;
 
 class EventBridge {
  public:
-  explicit EventBridge(MTL::Device* device);
+  explicit EventBridge(DeviceEventFactory make_event);
   ~EventBridge();
   EventBridge(const EventBridge&) = delete;
   EventBridge& operator=(const EventBridge&) = delete;
 
   // The device twin of a host event, created on first use at the host event's current value.
-  MTL::SharedEvent* device_event(SharedEvent* host);
+  DeviceEvent* device_event(SharedEvent* host);
 
   // Called while encoding, in encoding order.
   void device_waits_for(SharedEvent* host, std::uint64_t value);
@@ -55,10 +64,10 @@ class EventBridge {
     std::uint64_t value;
   };
 
-  MTL::Device* device_;
+  DeviceEventFactory make_event_;
   std::mutex mu_;
   std::condition_variable cv_;
-  std::map<SharedEvent*, MTL::SharedEvent*> twins_;  // mu_
+  std::map<SharedEvent*, std::unique_ptr<DeviceEvent>> twins_;  // mu_; entries never erased
   std::deque<Crossing> waits_;                        // mu_: host -> device, in order
   std::deque<Crossing> signals_;                      // mu_: device -> host, in order
   bool signal_in_flight_ = false;                     // mu_: device_to_host is forwarding one

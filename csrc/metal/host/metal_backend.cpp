@@ -24,6 +24,7 @@
 #include "dispatch_plan.h"
 #include "event_bridge.h"
 #include "kernel_library.h"
+#include "metal_event.h"
 
 namespace strata {
 namespace {
@@ -87,7 +88,9 @@ class MetalBackend final : public Backend {
     library_ = metal::load_kernel_library(device_, options.library_path, &library_source_);
     status_ = device_->newBuffer(STRATA_STATUS_WORDS * 4, MTL::ResourceStorageModeShared);
     std::memset(status_->contents(), 0, STRATA_STATUS_WORDS * 4);
-    bridge_.emplace(device_);
+    bridge_.emplace([device = device_](std::uint64_t initial) {
+      return std::make_unique<metal::MetalEvent>(device, initial);
+    });
   }
 
   void close() {
@@ -181,7 +184,8 @@ class MetalBackend final : public Backend {
       for (const Command& c : commands) {
         if (c.op == Op::Signal || c.op == Op::Wait) {
           end_encoder();  // event commands live between encoders
-          MTL::SharedEvent* ev = bridge_->device_event(c.event);
+          MTL::SharedEvent* ev =
+              static_cast<metal::MetalEvent*>(bridge_->device_event(c.event))->mtl();
           if (c.op == Op::Wait) {
             cb->encodeWait(ev, c.value);
             bridge_->device_waits_for(c.event, c.value);
