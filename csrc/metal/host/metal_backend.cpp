@@ -137,28 +137,35 @@ class MetalBackend final : public Backend {
       }
       return {it->second, addr - base};
     };
-    const std::uint64_t T = b.max_rows, k = L.top_k, E = L.n_experts, H = L.hidden,
-                        I = L.moe_intermediate;
     Binding bind[STRATA_BUF_COUNT];
-    bind[STRATA_BUF_SMAP] = wrap(b.smap, std::uint64_t(L.n_keys()) * 4);
-    bind[STRATA_BUF_ROUTERS] = wrap(b.routers, std::uint64_t(L.n_layers) * E * H * 4);
-    bind[STRATA_BUF_X] = wrap(b.x, T * H * 4);
-    bind[STRATA_BUF_IDS] = wrap(b.ids, T * k * 4);
-    bind[STRATA_BUF_WEIGHTS] = wrap(b.weights, T * k * 4);
-    bind[STRATA_BUF_PRED1] = wrap(b.pred_ids[0], T * k * 4);
-    bind[STRATA_BUF_PRED2] = wrap(b.pred_ids[1], T * k * 4);
-    bind[STRATA_BUF_LOGITS] = wrap(b.logits, T * E * 4);
-    bind[STRATA_BUF_PLAN] = wrap(b.plan, T * k * 4);
-    bind[STRATA_BUF_H] = wrap(b.h, T * k * I * 4);
-    bind[STRATA_BUF_Y] = wrap(b.y, T * k * H * 4);
-    bind[STRATA_BUF_OUT] = wrap(b.out, T * H * 4);
-    bind[STRATA_BUF_WAVE] = wrap(b.wave, E * 4);
-    bind[STRATA_BUF_WAVE_N] = wrap(b.wave_n, 4);
-    bind[STRATA_BUF_STATUS] = {status_, 0};
-    for (std::uint32_t v = 0; v < STRATA_MAX_ARENA_VIEWS; ++v) {
-      const std::uint32_t first = v < split.n_views ? v * split.slots_per_view : 0;
-      const std::uint32_t n = std::min(split.slots_per_view, b.n_slots - first);
-      bind[STRATA_BUF_ARENA0 + v] = wrap(b.arena + first * b.slot_bytes, n * b.slot_bytes);
+    try {
+      const std::uint64_t T = b.max_rows, k = L.top_k, E = L.n_experts, H = L.hidden,
+                          I = L.moe_intermediate;
+      bind[STRATA_BUF_SMAP] = wrap(b.smap, std::uint64_t(L.n_keys()) * 4);
+      bind[STRATA_BUF_ROUTERS] = wrap(b.routers, std::uint64_t(L.n_layers) * E * H * 4);
+      bind[STRATA_BUF_X] = wrap(b.x, T * H * 4);
+      bind[STRATA_BUF_IDS] = wrap(b.ids, T * k * 4);
+      bind[STRATA_BUF_WEIGHTS] = wrap(b.weights, T * k * 4);
+      bind[STRATA_BUF_PRED1] = wrap(b.pred_ids[0], T * k * 4);
+      bind[STRATA_BUF_PRED2] = wrap(b.pred_ids[1], T * k * 4);
+      bind[STRATA_BUF_LOGITS] = wrap(b.logits, T * E * 4);
+      bind[STRATA_BUF_PLAN] = wrap(b.plan, T * k * 4);
+      bind[STRATA_BUF_H] = wrap(b.h, T * k * I * 4);
+      bind[STRATA_BUF_Y] = wrap(b.y, T * k * H * 4);
+      bind[STRATA_BUF_OUT] = wrap(b.out, T * H * 4);
+      bind[STRATA_BUF_WAVE] = wrap(b.wave, E * 4);
+      bind[STRATA_BUF_WAVE_N] = wrap(b.wave_n, 4);
+      bind[STRATA_BUF_STATUS] = {status_, 0};
+      for (std::uint32_t v = 0; v < STRATA_MAX_ARENA_VIEWS; ++v) {
+        const std::uint32_t first = v < split.n_views ? v * split.slots_per_view : 0;
+        const std::uint32_t n = std::min(split.slots_per_view, b.n_slots - first);
+        bind[STRATA_BUF_ARENA0 + v] = wrap(b.arena + first * b.slot_bytes, n * b.slot_bytes);
+      }
+    } catch (...) {
+      // Buffers taken for this binding go back; those not yet reused stay in wrapped_.
+      for (auto& [key, buf] : keep) buf->release();
+      planner_.reset();  // no submit against a half-made binding
+      throw;
     }
     release_buffers();
     wrapped_ = std::move(keep);
