@@ -1,0 +1,3 @@
+// Stub (Linux host check): an opaque IOSurface handle.
+#pragma once
+typedef struct __IOSurface* IOSurfaceRef;
