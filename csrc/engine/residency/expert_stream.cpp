@@ -11,6 +11,7 @@
 #include "common/check.h"
 #include "common/errors.h"
 #include "common/timing.h"
+#include "pack/checksum.h"
 
 namespace strata {
 namespace {
@@ -851,7 +852,7 @@ void ExpertStream::execute_job(Lock& lk, const IoJob& job) {
 void ExpertStream::on_reads_finished(std::uint32_t s) {
   Slot& sl = slots_[s];
   if (!sl.failed_part && opt_.verify_reads) {
-    std::uint32_t crc = crc32_bytes(arena_->slot(s), std::size_t(layout().record_bytes));
+    std::uint32_t crc = crc32c(arena_->slot(s), std::size_t(layout().record_bytes));
     if (crc != file_->checksums()[sl.key]) {
       sl.failed_part = true;
       sl.err = kChecksumMismatch;
