@@ -96,6 +96,7 @@ def verify_cost(
         n_slots = max(2 * g.top_k, int(n_all * fraction))
         config = base.replace(arena_bytes=n_slots * pack.record_stride)
         tps: dict[bool, list[float]] = {False: [], True: []}
+        mb: dict[bool, list[float]] = {False: [], True: []}
         ratios = []
         for rep in range(args.repeats):
             order = (False, True) if rep % 2 == 0 else (True, False)
@@ -109,11 +110,12 @@ def verify_cost(
                     args.seed + rep,
                 )
                 tps[verify].append(r["tokens_per_s"])
+                mb[verify].append(r["bytes_read_per_token"] / 1e6)
             ratios.append(tps[True][-1] / tps[False][-1])
             print(
                 f"arena {fraction:4.0%} pair {rep}: verify off {tps[False][-1]:6.3f} tok/s, "
                 f"on {tps[True][-1]:6.3f} tok/s, on/off {ratios[-1]:.3f} "
-                f"(read {r['bytes_read_per_token'] / 1e6:.0f} MB/token)",
+                f"(read off {mb[False][-1]:.0f}, on {mb[True][-1]:.0f} MB/token)",
                 flush=True,
             )
         med = statistics.median(ratios)
@@ -123,6 +125,8 @@ def verify_cost(
             "tokens_per_s_verify_off": tps[False],
             "tokens_per_s_verify_on": tps[True],
             "ratio_on_off": ratios,
+            "mb_read_per_token_verify_off": mb[False],
+            "mb_read_per_token_verify_on": mb[True],
             "median_ratio": med,
             "cost": 1 - med,
         }
