@@ -1,6 +1,7 @@
 """Decode tokens/s against the ceiling the SSD and the compute allow, measured in one run.
 
     python benchmarks/decode.py [--pack P] [--json OUT] [--tokens N]
+    python benchmarks/decode.py --verify-cost [--fractions 0.1] [--repeats 4] [--buffered]
 
 On the qwen3-30b-a3b preset with O_DIRECT, for arenas of 10, 25, 50 and 100% of the experts and
 next-layer prediction off and on: a short prompt warms the stream, then --tokens decode steps of
@@ -12,12 +13,19 @@ with the raw bandwidth measured by fio (engine part size and queue depth) right 
 because this class of cloud disk swings between 0.4 and 1.5 GB/s from one minute to the next, and
 the all-resident seconds per token measured by replaying the same tokens with every expert they
 touch already resident. fraction_of_ceiling is tokens/s over that ceiling.
+
+--verify-cost: what checking every read's CRC32C costs (StreamConfig.verify_reads). For each
+arena fraction, decode runs with verification off and on, alternating which goes first, --repeats
+pairs; prints tokens/s of both, each pair's on/off ratio and their median and spread. --buffered
+reads through the page cache instead of O_DIRECT: with the pack cached that is the fast-device
+case, where the checksum is the largest share of a read's cost.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -77,6 +85,60 @@ def decode_run(
     raise AssertionError("unreachable")
 
 
+def verify_cost(
+    path: Path, pack: ExpertPack, base: StreamConfig, args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """Decode tokens/s with verify_reads off and on, side by side, interleaved."""
+    g = pack.geometry
+    n_all = g.n_layers * g.n_experts
+    rows = []
+    for fraction in args.fractions:
+        n_slots = max(2 * g.top_k, int(n_all * fraction))
+        config = base.replace(arena_bytes=n_slots * pack.record_stride)
+        tps: dict[bool, list[float]] = {False: [], True: []}
+        mb: dict[bool, list[float]] = {False: [], True: []}
+        ratios = []
+        for rep in range(args.repeats):
+            order = (False, True) if rep % 2 == 0 else (True, False)
+            for verify in order:
+                r = decode_run(
+                    path,
+                    pack,
+                    config.replace(verify_reads=verify),
+                    args.prompt,
+                    args.tokens,
+                    args.seed + rep,
+                )
+                tps[verify].append(r["tokens_per_s"])
+                mb[verify].append(r["bytes_read_per_token"] / 1e6)
+            ratios.append(tps[True][-1] / tps[False][-1])
+            print(
+                f"arena {fraction:4.0%} pair {rep}: verify off {tps[False][-1]:6.3f} tok/s, "
+                f"on {tps[True][-1]:6.3f} tok/s, on/off {ratios[-1]:.3f} "
+                f"(read off {mb[False][-1]:.0f}, on {mb[True][-1]:.0f} MB/token)",
+                flush=True,
+            )
+        med = statistics.median(ratios)
+        row = {
+            "arena_fraction": fraction,
+            "direct_io": config.direct_io,
+            "tokens_per_s_verify_off": tps[False],
+            "tokens_per_s_verify_on": tps[True],
+            "ratio_on_off": ratios,
+            "mb_read_per_token_verify_off": mb[False],
+            "mb_read_per_token_verify_on": mb[True],
+            "median_ratio": med,
+            "cost": 1 - med,
+        }
+        rows.append(row)
+        print(
+            f"arena {fraction:4.0%}: verify on/off median {med:.3f} "
+            f"(pairs {min(ratios):.3f}-{max(ratios):.3f}); cost {100 * (1 - med):+.1f}% of "
+            "decode tokens/s"
+        )
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -88,13 +150,21 @@ def main() -> int:
     ap.add_argument("--io-threads", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--verify-cost", action="store_true", help="verify_reads off vs on")
+    ap.add_argument("--repeats", type=int, default=4, help="--verify-cost: pairs per fraction")
+    ap.add_argument("--buffered", action="store_true", help="page-cache reads, not O_DIRECT")
     args = ap.parse_args()
     path = ensure_pack(args.pack)
     with ExpertPack.open(path) as pack:
         g = pack.geometry
         stride = pack.record_stride
         n_all = g.n_layers * g.n_experts
-        base = StreamConfig.from_env(io_threads=args.io_threads, direct_io=True)
+        base = StreamConfig.from_env(io_threads=args.io_threads, direct_io=not args.buffered)
+        if args.verify_cost:
+            rows = verify_cost(path, pack, base, args)
+            if args.json:
+                args.json.write_text(json.dumps({"verify_cost": rows}, indent=2) + "\n")
+            return 0
         raw_offset = pack.records_offset + n_all // 2 * stride
 
         def raw_bandwidth() -> float:

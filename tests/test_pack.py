@@ -21,7 +21,7 @@ from strata_stream.pack import (
     quantize,
     write_pack,
 )
-from strata_stream.pack.header import PackHeader
+from strata_stream.pack.header import PackHeader, record_crc
 
 # hidden and moe_intermediate divisible by every group size, small enough to be instant.
 GEOM = Geometry(n_layers=2, n_experts=3, top_k=2, hidden=256, moe_intermediate=128)
@@ -191,7 +191,7 @@ def test_layout_matches_spec_offsets(tmp_path: Path) -> None:
     def u64(off: int) -> int:
         return int(struct.unpack_from("<Q", data, off)[0])
 
-    assert [u32(o) for o in range(8, 56, 4)] == [1, 4096, 2, 3, 2, 256, 128, 0, 1, 3, 32, 1]
+    assert [u32(o) for o in range(8, 56, 4)] == [2, 4096, 2, 3, 2, 256, 128, 0, 1, 3, 32, 1]
     record_bytes, stride = u64(56), u64(64)
     meta_off, meta_bytes, router_off, router_bytes = u64(72), u64(80), u64(88), u64(96)
     cks_off, cks_bytes, rec_off, file_bytes = u64(104), u64(112), u64(120), u64(128)
@@ -211,7 +211,7 @@ def test_layout_matches_spec_offsets(tmp_path: Path) -> None:
     assert record_bytes == table[8][2] + table[8][3]
     for i in range(6):
         rec = data[rec_off + i * stride : rec_off + i * stride + record_bytes]
-        assert zlib.crc32(rec) == u32(cks_off + 4 * i)
+        assert record_crc(rec) == u32(cks_off + 4 * i)
         assert not any(data[rec_off + i * stride + record_bytes : rec_off + (i + 1) * stride])
 
 
@@ -229,7 +229,7 @@ def test_reader_api(tmp_path: Path) -> None:
     assert pack.metadata["format"] == "strata-pack"
     assert pack.record_offset(1, 2) == pack.records_offset + 5 * pack.record_stride
     assert len(pack.read_record(0, 1)) == pack.record_bytes
-    assert pack.checksum(0, 1) == zlib.crc32(pack.read_record(0, 1))
+    assert pack.checksum(0, 1) == record_crc(pack.read_record(0, 1))
     seen: list[tuple[int, int]] = []
     pack.verify(progress=False, on_record=lambda layer, e: seen.append((layer, e)))
     assert seen == [(layer, e) for layer in range(2) for e in range(3)]
@@ -341,3 +341,21 @@ def test_pack_preset_rejects_bad_arguments(tmp_path: Path) -> None:
         pack_preset("tiny", tmp_path / "x", seed=-1)
     with pytest.raises(ConfigError, match="weight_format"):
         pack_preset("tiny", tmp_path / "x", weight_format="int4")
+
+
+def test_record_crc_is_crc32c_and_agrees_with_the_portable_table() -> None:
+    from strata_stream import _core
+
+    assert record_crc(b"123456789") == 0xE3069283  # the CRC-32C check value
+    assert _core.crc32c(b"123456789") == 0xE3069283
+    assert record_crc(bytes(32)) == 0x8A9136AA  # RFC 3720 B.4
+    assert record_crc(b"\xff" * 32) == 0x62A8AB43
+    rng = np.random.default_rng(5)
+    data = rng.integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
+    # Continuation from a seed, across the GIL-release threshold and unaligned starts.
+    whole = record_crc(data)
+    for cut in (0, 1, 4095, 70000, len(data)):
+        assert record_crc(data[cut:], record_crc(data[:cut])) == whole
+    assert record_crc(memoryview(data)[3:]) == record_crc(data[3:])
+    with pytest.raises((BufferError, ValueError), match="contiguous"):
+        record_crc(np.arange(10, dtype=np.uint8)[::2])

@@ -61,8 +61,21 @@ def test_not_a_pack_at_all(tmp_path: Path) -> None:
 
 
 def test_bad_version(pack: Path) -> None:
-    patch(pack, 8, struct.pack("<I", 2))
-    expect(pack, re.escape("version 2 not supported (this reader knows 1)"))
+    patch(pack, 8, struct.pack("<I", 3))
+    expect(pack, re.escape("version 3 not supported (this reader knows 2)"))
+
+
+def test_version_1_is_refused_with_a_repack_hint(pack: Path) -> None:
+    # Version 1 stored zlib CRC-32 record checksums; reading it as version 2 would report every
+    # record as corrupt, so both readers refuse it up front, naming the file and the fix.
+    patch(pack, 8, struct.pack("<I", 1))
+    expect(
+        pack,
+        re.escape(
+            "format version 1 is no longer read (version 2 checksums records with CRC32C); "
+            "repack with strata-stream pack/convert"
+        ),
+    )
 
 
 def test_header_crc_mismatch(pack: Path) -> None:
@@ -171,7 +184,7 @@ def test_record_checksum_mismatch(pack: Path) -> None:
         assert p.expert_weights(2, 4)[0].shape == (32, 64)
     msg = str(info.value)
     assert f"pack {pack}: record (layer 2, expert 5) at offset {offset}" in msg
-    assert f"expected crc32 {expected:#010x}, actual 0x" in msg
+    assert f"expected crc32c {expected:#010x}, actual 0x" in msg
 
 
 def test_router_checksum_mismatch(pack: Path) -> None:

@@ -5,12 +5,14 @@
 #include <pybind11/stl.h>
 
 #include <cstring>
+#include <memory>
 #include <optional>
 
 #include "common/errors.h"
 #include "residency/expert_stream.h"
 #include "kernel_bench.h"
 #include "exec/window.h"
+#include "pack/checksum.h"
 
 namespace py = pybind11;
 using namespace strata;
@@ -442,4 +444,23 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("stream"), py::arg("layer"), py::arg("rows"), py::arg("repeats") = 5,
       py::arg("threads") = 0, py::arg("seed") = 0);
+
+  // ---- CRC32C (pack format v2 record checksums): one implementation for C++ and Python ----
+  m.def(
+      "crc32c",
+      [](py::object buffer, std::uint32_t seed) {
+        Py_buffer view;
+        // PyBUF_SIMPLE: a contiguous run of bytes, or BufferError naming the problem.
+        if (PyObject_GetBuffer(buffer.ptr(), &view, PyBUF_SIMPLE) != 0) throw py::error_already_set();
+        std::unique_ptr<Py_buffer, void (*)(Py_buffer*)> hold(&view, PyBuffer_Release);
+        const std::size_t n = std::size_t(view.len);
+        if (n < (std::size_t(64) << 10)) return crc32c(view.buf, n, seed);
+        // Large records: let other threads (the pack writer's producer, verify's pool) run.
+        py::gil_scoped_release nogil;
+        return crc32c(view.buf, n, seed);
+      },
+      py::arg("buffer"), py::arg("seed") = 0,
+      "CRC32C (Castagnoli) of a contiguous buffer, continuing from `seed` like zlib.crc32: "
+      "crc32c(b, crc32c(a)) == crc32c(a + b). Releases the GIL for buffers of 64 KiB or more.");
+  m.attr("CRC32C_IMPL") = std::string(crc32c_impl());
 }

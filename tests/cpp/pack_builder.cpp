@@ -8,6 +8,7 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "pack/checksum.h"
 #include "pack/pack_file.h"
 
 namespace strata::test {
@@ -49,7 +50,7 @@ std::string build_test_pack(const TestGeometry& g, const std::string& name) {
   const std::uint64_t mat = std::uint64_t(g.hidden) * g.moe_intermediate * 4;
   const std::uint64_t record_bytes = up(mat, 256) * 2 + mat;
   const std::uint64_t stride = up(record_bytes, kPage);
-  const std::string meta = "{\"format\": \"strata-pack\", \"version\": 1, \"source\": \"c++ test\"}";
+  const std::string meta = "{\"format\": \"strata-pack\", \"version\": 2, \"source\": \"c++ test\"}";
   const std::uint64_t router_offset = up(kHeaderBytes + meta.size(), kPage);
   const std::uint64_t router_bytes = keys * g.hidden * 4;
   const std::uint64_t checksum_offset = up(router_offset + router_bytes, kPage);
@@ -109,7 +110,7 @@ std::string build_test_pack(const TestGeometry& g, const std::string& name) {
     for (std::uint32_t e = 0; e < g.n_experts; ++e) {
       auto rec = expected_record(g, l, e);
       std::uint64_t key = std::uint64_t(l) * g.n_experts + e;
-      crcs[key] = crc32_bytes(rec.data(), rec.size());
+      crcs[key] = crc32c(rec.data(), rec.size());
       write_at(records_offset + key * stride, rec.data(), rec.size());
     }
   write_at(checksum_offset, crcs.data(), crcs.size() * 4);

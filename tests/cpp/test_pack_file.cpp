@@ -5,6 +5,7 @@
 
 #include "common/errors.h"
 #include "pack_builder.h"
+#include "pack/checksum.h"
 #include "pack/pack_file.h"
 
 using namespace strata;
@@ -44,7 +45,7 @@ TEST_CASE("a pack written to the spec parses back to its geometry") {
   CHECK(L.tensors.size() == 3);
   PackFile f(path, false);
   auto rec = expected_record(g, 1, 3);
-  CHECK(f.checksums()[1 * g.n_experts + 3] == crc32_bytes(rec.data(), rec.size()));
+  CHECK(f.checksums()[1 * g.n_experts + 3] == crc32c(rec.data(), rec.size()));
   CHECK(f.read_router(2).size() == std::size_t(g.n_experts) * g.hidden);
   std::remove(path.c_str());
 }
@@ -64,6 +65,17 @@ TEST_CASE("bad packs are rejected naming the file and the field") {
     std::uint32_t v = 9;
     poke(path, 8, &v, 4);
     CHECK(pack_error_of(path).find("version 9") != std::string::npos);
+    std::remove(path.c_str());
+  }
+  SECTION("version 1 (zlib record checksums): refused, saying how to repack") {
+    auto path = build_test_pack(g, "v1");
+    std::uint32_t v = 1;
+    poke(path, 8, &v, 4);
+    rehash_header(path);
+    auto msg = pack_error_of(path);
+    CHECK(msg.find(path) != std::string::npos);
+    CHECK(msg.find("format version 1") != std::string::npos);
+    CHECK(msg.find("repack with strata-stream pack/convert") != std::string::npos);
     std::remove(path.c_str());
   }
   SECTION("header crc") {

@@ -56,6 +56,9 @@ PackLayout parse_pack_header(const unsigned char* h, std::size_t n, const std::s
                   std::to_string(kHeaderBytes) + "-byte header (truncated?)");
   if (std::memcmp(h, "STRATAPK", 8) != 0) bad(path, "bad magic (expected STRATAPK)");
   std::uint32_t version = load<std::uint32_t>(h + 8);
+  if (version == 1)
+    bad(path, "format version 1 is no longer read (version 2 checksums records with CRC32C); "
+              "repack with strata-stream pack/convert");
   if (version != kPackVersion)
     bad(path, "version " + std::to_string(version) + " not supported (this reader knows " +
                   std::to_string(kPackVersion) + ")");

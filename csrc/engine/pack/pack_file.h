@@ -13,7 +13,7 @@ namespace strata {
 constexpr std::uint64_t kPage = 16384;       // Apple SSD page; O_DIRECT-safe on Linux
 constexpr std::uint64_t kDirectAlign = 4096;  // O_DIRECT length/offset granularity
 constexpr std::uint32_t kHeaderBytes = 4096;
-constexpr std::uint32_t kPackVersion = 1;
+constexpr std::uint32_t kPackVersion = 2;  // 1 had zlib CRC-32 record checksums
 
 enum class WeightFormat : std::uint32_t { F32 = 0, F16 = 1, BF16 = 2, Q4 = 3, Q8 = 4 };
 enum class Routing : std::uint32_t { SoftmaxTopk = 0, TopkSoftmax = 1 };
@@ -72,7 +72,7 @@ class PackFile {
   // short read reported as error code -1).
   int read_fully(std::uint64_t offset, void* dst, std::size_t len, std::size_t* got) const;
 
-  // The stored crc32 of every record, [n_layers * n_experts].
+  // The stored CRC32C (pack/checksum.h) of every record, [n_layers * n_experts].
   const std::vector<std::uint32_t>& checksums() const { return checksums_; }
 
   // Reads a layer's router weights as float32 [n_experts, hidden].
@@ -89,6 +89,7 @@ class PackFile {
   std::vector<std::uint32_t> checksums_;
 };
 
+// zlib's CRC-32: the header, metadata and router checksums (record checksums are CRC32C).
 std::uint32_t crc32_bytes(const void* data, std::size_t n);
 
 }  // namespace strata

@@ -1,8 +1,10 @@
 // ExpertStream: owns expert lifetime, pending IO and slot residency (docs/architecture.md section 4).
 //
 // Concurrency. One mutex, mu_, guards every slot field, where_, the free list, the IO queue and
-// the protection state. IO threads take mu_ only to pop a job and to record a part's completion;
-// the pread itself runs unlocked straight into the slot's bytes. smap is a plain uint32 array so
+// the protection state. IO threads take mu_ once per part, to record a completion and pop the
+// next job; the pread runs unlocked straight into the slot's bytes, and so does the CRC32C of a
+// record (verify_reads), computed by the thread that finishes its last part while that part
+// still counts as in flight, so nothing can recycle the slot under it. smap is a plain uint32 array so
 // a device can map it; the host writes it only under mu_ and every access goes through
 // std::atomic_ref (release on store, acquire on load), so a device thread reading it
 // concurrently is race-free.
@@ -197,7 +199,10 @@ class ExpertStream {
   // with no read progress.
   bool await_part(Lock& lk, ReadProgress& p);
   void io_loop();
-  void execute_job(Lock& lk, const IoJob& job);
+  // Runs one part read: bookkeeping under mu_, the pread (and, for a record's last part, the
+  // checksum) with mu_ released. Entered and left with `lk` held. `wake_another`: work remains
+  // queued and an IO thread sleeps, so wake one once mu_ is released.
+  void execute_job(Lock& lk, const IoJob& job, bool wake_another = false);
   void on_reads_finished(std::uint32_t s);
   std::int32_t take_slot(bool speculative);
   std::int32_t pick_victim(bool speculative) const;
@@ -249,6 +254,9 @@ class ExpertStream {
   std::int64_t next_protected_ = -1; // mu_: layer l+1 during after-layer work
   std::vector<std::uint32_t> pinned_;  // mu_: slots pinned by the current plan
   bool closing_ = false;             // mu_
+  // mu_: IO threads blocked on io_cv_; a thread that pops a job and leaves more queued wakes
+  // one of them (only then: a notify with nobody asleep is wasted work on the IO path).
+  std::uint32_t io_sleeping_ = 0;
   // Jobs were queued since the IO threads were last woken: set under mu_, consumed by the
   // IoWaker that ends request() after mu_ is released.
   std::atomic<bool> wake_io_{false};

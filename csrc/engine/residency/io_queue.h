@@ -42,12 +42,14 @@ class IoQueue {
       }
     return IoJob{kNoKey, 0, 0, ReadClass::Urgent};
   }
-  // Removes every job of `slot` (used by cancel and by parking a queued slot).
-  std::size_t drop_slot(std::uint32_t slot) {
+  // Removes every job of `slot` (cancel, recycle, parking); appends their parts to `parts` when
+  // given, so that parking a reading slot can queue exactly those parts again on revive.
+  std::size_t drop_slot(std::uint32_t slot, std::vector<std::uint16_t>* parts = nullptr) {
     std::size_t n = 0;
     for (auto& q : q_)
       for (auto it = q.begin(); it != q.end();)
         if (it->slot == slot) {
+          if (parts) parts->push_back(it->part);
           it = q.erase(it);
           ++n;
         } else {

@@ -13,6 +13,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <vector>
 
 namespace strata {
 
@@ -52,12 +53,16 @@ struct Slot {
   std::uint64_t last_use = 0;   // LRU clock
   std::uint32_t pins = 0;       // plan-resident pins (I8)
   std::uint32_t gen = 0;        // bumped by every recycle/cancel; IO jobs carry it
+  // Parts of a reading slot that park() took out of the IO queue before they began (nobody
+  // chose the expert, so they are not read); revive() queues them again.
+  std::vector<std::uint16_t> unread;
 
   bool in_flight() const { return parts_started != parts_done; }
   bool reads_finished() const { return parts_done == parts_total; }
-  // A limbo slot may be recycled once no read is in flight and none is still queued.
+  // A limbo slot may be recycled once no read is in flight and none is still queued: park()
+  // leaves none queued (a queued slot's parts are dropped, a reading slot's moved to `unread`).
   bool limbo_releasable() const {
-    return !in_flight() && (reads_finished() || parts_started == 0);
+    return !in_flight() && (reads_finished() || parts_started == 0 || !unread.empty());
   }
   SlotState load() const { return state.load(std::memory_order_acquire); }
 };

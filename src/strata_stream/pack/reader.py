@@ -23,6 +23,7 @@ from strata_stream.pack.header import (
     PackHeader,
     TensorEntry,
     read_header,
+    record_crc,
 )
 from strata_stream.pack.quant import QuantizedMatrix, bf16_bits_to_f32, dequantize
 
@@ -162,7 +163,7 @@ class ExpertPack:
         return self.header.record_offset(*self._check(layer, expert))
 
     def checksum(self, layer: int, expert: int) -> int:
-        """The crc32 the checksum table holds for record (layer, expert)."""
+        """The CRC32C the checksum table holds for record (layer, expert)."""
         layer, expert = self._check(layer, expert)
         return int(self._checksums[layer * self.geometry.n_experts + expert])
 
@@ -228,11 +229,11 @@ class ExpertPack:
         on_record: Callable[[int, int], None] | None = None,
         workers: int | None = None,
     ) -> int:
-        """Check the router checksum and every record's crc32; returns the number of records.
+        """Check the router checksum and every record's CRC32C; returns the number of records.
 
         Raises PackError naming the first bad record (in file order). `on_record(layer, expert)`
-        is called after each good record. Reads run on `workers` threads (pread and crc32
-        release the GIL) so an SSD's queue depth is used.
+        is called after each good record. Reads run on `workers` threads (pread and the
+        CRC release the GIL) so an SSD's queue depth is used.
         """
         self._verify_routers()
         g = self.geometry
@@ -249,7 +250,7 @@ class ExpertPack:
                     raise PackError(
                         f"pack {self.path}: record (layer {layer}, expert {expert}) at offset "
                         f"{self.header.record_offset(layer, expert)} fails its checksum: "
-                        f"expected crc32 {expected:#010x}, actual {actual:#010x}"
+                        f"expected crc32c {expected:#010x}, actual {actual:#010x}"
                     )
                 if on_record is not None:
                     on_record(layer, expert)
@@ -258,7 +259,7 @@ class ExpertPack:
 
     def _record_crc(self, index: int) -> int:
         layer, expert = divmod(index, self.geometry.n_experts)
-        return zlib.crc32(self.read_record(layer, expert))
+        return record_crc(self.read_record(layer, expert))
 
     def _verify_routers(self) -> None:
         h = self.header

@@ -24,6 +24,7 @@ from strata_stream.pack.header import (
     PackHeader,
     TensorEntry,
     build_header,
+    record_crc,
 )
 from strata_stream.pack.quant import (
     QuantizedMatrix,
@@ -249,8 +250,8 @@ def _write_records(
     pending: list[Future[None] | None] = [None] * _BUFFERS
 
     def flush(index: int, buf: bytearray) -> None:
-        # zlib.crc32 and file writes release the GIL, so this overlaps the next fill.
-        checksums[index] = zlib.crc32(memoryview(buf)[: header.record_bytes])
+        # record_crc (CRC32C) and file writes release the GIL, so this overlaps the next fill.
+        checksums[index] = record_crc(memoryview(buf)[: header.record_bytes])
         _write_all(f, buf)
 
     bar = tqdm(total=g.n_records, unit="rec", desc=f"pack {path.name}", disable=not progress)
