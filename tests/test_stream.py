@@ -108,6 +108,31 @@ def test_bad_arguments_raise_clear_errors(make_pack: PackFactory) -> None:
         s.wait(0, [1])
 
 
+def test_core_key_and_where_range_check_layer_and_expert(make_pack: PackFactory) -> None:
+    """The engine checks (layer, expert) itself: an expert past n_experts must not alias the next
+    layer's key, whoever calls it (here _core directly, below the Python wrapper's checks)."""
+    path = make_pack()  # 4 layers x 16 experts
+    with ExpertStream(path, config(8, stride_of(path))) as s:
+        core = s._s
+        assert core.key(1, 3) == 19 and core.where(1, 3) == -1
+        s.wait(1, [3])
+        assert core.where(1, 3) == s.where(1, 3) is not None
+        for layer, expert, what in [
+            (0, 16, "expert 16 out of range"),  # would alias (1, 0)
+            (0, -1, "expert -1 out of range"),
+            (1, 1 << 33, "expert 8589934592 out of range"),
+            (4, 0, "layer 4 out of range"),
+            (-1, 3, "layer -1 out of range"),
+        ]:
+            for call in (core.key, core.where):
+                with pytest.raises(ConfigError, match=what):
+                    call(layer, expert)
+        with pytest.raises(IndexError, match="expert 16 out of range"):
+            s.where(0, 16)
+        with pytest.raises(IndexError, match="expert 16 out of range"):
+            s.key(0, 16)
+
+
 def test_closed_stream_raises(make_pack: PackFactory) -> None:
     path = make_pack()
     s = ExpertStream(path, config(8, stride_of(path)))
