@@ -371,6 +371,8 @@ PYBIND11_MODULE(_core, m) {
              d["last_busy"] =
                  g.last_busy() < 0 ? py::object(py::none()) : py::float_(g.last_busy());
              d["trials"] = g.trials();
+             d["abandoned_trials"] = g.abandoned_trials();
+             d["deterministic"] = g.options().deterministic;  // timing-free (settled moce)
              // Mean wall time of a decode layer call with and without speculation, last trial.
              d["last_wall_on_s"] = g.last_wall_on() < 0 ? py::object(py::none())
                                                         : py::float_(g.last_wall_on() * 1e-9);
