@@ -217,9 +217,7 @@ def test_moce_determinism_holds_past_the_governors_trial_point(pack: Path) -> No
                 for layer in range(L):
                     for e in range(E):
                         ms = float(rng.choice([0.0, 1.0, 8.0, 20.0]))
-                        stream.inject_fault(
-                            layer, e, kind="delay", delay_s=ms / 1000, count=1000
-                        )
+                        stream.inject_fault(layer, e, kind="delay", delay_s=ms / 1000, count=1000)
             for xs in turns:
                 with window.turn():
                     out.extend(window.moe(layer, x) for layer, x in enumerate(xs))
