@@ -184,3 +184,54 @@ def test_without_publish_prefetch_moce_routing_is_deterministic(
         assert changed == base_changed
         for a, b in zip(got, base, strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+def test_moce_determinism_holds_past_the_governors_trial_point(pack: Path) -> None:
+    """With settled IO the prefetch governor is timing-free (no wall-time trials, contention
+    assumed), so its cap, and with it what is evicted and what moce sees, is a function of the
+    call history. Enough decode tokens run for trials to have happened several times over
+    (the first after 8 tokens of 4 layers, each lasting 4 tokens), under IO timing perturbed
+    differently in each run; outputs must agree bitwise."""
+    cfg = config(
+        pack,
+        4 * K,  # a quarter of the experts: large enough that prefetch changes what moce sees
+        moce="scale",
+        moce_strength=30.0,
+        publish_prefetch=False,
+        split_turn=False,
+        prefetch_backoff=True,
+        lookahead=True,
+        decode_prefetch2=True,
+        max_rows=4,
+    )
+    # Every layer of a token sees the same input, so router l+1 applied at layer l predicts
+    # exactly: prefetch pays, the governor stays open and would run its wall-time trials.
+    turns = [[xs[0]] * L for xs in inputs(5, [6] + [1] * 64)]
+
+    def one(delays: int | None) -> tuple[list[np.ndarray], dict[str, Any]]:
+        out = []
+        with ExpertStream(pack, cfg) as stream, Window(stream) as window:
+            assert window._w.settles
+            if delays is not None:  # every record slow, by an amount of this run's own
+                rng = np.random.default_rng(delays)
+                for layer in range(L):
+                    for e in range(E):
+                        ms = float(rng.choice([0.0, 1.0, 8.0, 20.0]))
+                        stream.inject_fault(layer, e, kind="delay", delay_s=ms / 1000, count=1000)
+            for xs in turns:
+                with window.turn():
+                    out.extend(window.moe(layer, x) for layer, x in enumerate(xs))
+            stats = window.stats()
+        return out, stats
+
+    base, stats = one(None)
+    prefetch = stats["prefetch"]
+    assert prefetch["deterministic"] is True and prefetch["trials"] == 0
+    assert prefetch["epochs"] > 0  # the governor judged (and so could have moved the cap)
+    assert sum(d["moce_changed"] for d in stats["layers"]) > 0  # routing read residency
+    for seed in (1, 2, 3):
+        got, st = one(seed)
+        for a, b in zip(got, base, strict=True):
+            np.testing.assert_array_equal(a, b)
+        assert st["prefetch"]["state"] == prefetch["state"]
+        assert st["prefetch"]["cap"] == prefetch["cap"]

@@ -9,12 +9,17 @@ import shutil
 import struct
 import zlib
 from pathlib import Path
+from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from strata_stream import ExpertStream, StreamConfig
 from strata_stream.cli import main
 from strata_stream.errors import PackError
 from strata_stream.pack import ExpertPack, pack_preset
+from strata_stream.pack.header import HEADER_BYTES, PackHeader, parse_header
 
 
 @pytest.fixture(scope="module")
@@ -209,3 +214,103 @@ def test_cli_verify_unreadable_pack(pack: Path, capsys: pytest.CaptureFixture[st
     err = capsys.readouterr().err
     assert err.startswith("strata-stream: error: pack ") and "bad magic" in err
     assert "Traceback" not in err
+
+
+# ---- crafted headers through the C++ engine -----------------------------------------------------
+
+_U32_MAX, _U64_MAX = 2**32 - 1, 2**64 - 1
+# (offset, width) of every fixed header field from version on, and of every tensor-table field.
+_HEADER_FIELDS = (
+    [(off, 4) for off in range(8, 56, 4)]
+    + [(off, 8) for off in range(56, 136, 8)]
+    + [(136, 4), (140, 4), (4088, 4)]
+    + [
+        (144 + 32 * i + rel, width)
+        for i in range(9)
+        for rel, width in ((0, 4), (4, 4), (8, 8), (16, 8), (24, 4), (28, 4))
+    ]
+)
+
+
+@st.composite
+def _field_changes(draw: st.DrawFn) -> list[tuple[int, int, int | None, int]]:
+    """(offset, width, absolute value or None, delta) for 1-3 fields."""
+    out = []
+    for _ in range(draw(st.integers(1, 3))):
+        off, width = draw(st.sampled_from(_HEADER_FIELDS))
+        top = _U32_MAX if width == 4 else _U64_MAX
+        value = draw(
+            st.none()  # relative to the current value
+            | st.sampled_from([0, 1, top, top - 1, top - 255, 2**31, 2**32 - 1, 2**32])
+            | st.integers(0, top)
+        )
+        delta = draw(st.sampled_from([1, -1, 256, -256, 16384, 2**32, -(2**32)]))
+        out.append((off, width, value, delta))
+    return out
+
+
+@pytest.fixture(scope="module")
+def base_packs(make_pack: Any, good_pack: Path) -> list[Path]:
+    q4 = make_pack(n_layers=2, n_experts=4, top_k=2, hidden=64, moe_intermediate=64,
+                   weight_format="q4", group_size=32)  # fmt: skip
+    return [good_pack, q4]
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    which=st.integers(0, 1),
+    changes=_field_changes(),
+    resize=st.booleans(),
+)
+def test_crafted_headers_are_a_pack_error_or_a_working_stream(
+    base_packs: list[Path], tmp_path_factory: pytest.TempPathFactory, which: int,
+    changes: list[tuple[int, int, int | None, int]], resize: bool,
+) -> None:  # fmt: skip
+    """Fields of the fixed header and tensor table changed to random and boundary values with
+    the header crc recomputed, opened by the C++ engine through ExpertStream: a PackError naming
+    the file, or a stream that works; never a crash, another error or a hang. The engine is
+    no more lenient than the Python reader (it accepts only what parse_header accepts), and no
+    stricter within its own limits."""
+    path = Path(shutil.copy(base_packs[which], tmp_path_factory.mktemp("crafted") / "c.strpk"))
+    with open(path, "rb") as f:
+        head = bytearray(f.read(HEADER_BYTES))
+    for off, width, value, delta in changes:
+        fmt = "<I" if width == 4 else "<Q"
+        top = _U32_MAX if width == 4 else _U64_MAX
+        current = struct.unpack_from(fmt, head, off)[0]
+        new = (value if value is not None else current + delta) & top
+        struct.pack_into(fmt, head, off, new)
+    struct.pack_into("<I", head, 4092, zlib.crc32(bytes(head[:4092])))
+    patch(path, 0, bytes(head), fix_header_crc=False)
+    claimed = struct.unpack_from("<Q", head, 128)[0]
+    if resize and claimed <= 64 << 20:  # let a consistent file_bytes meet a file of that size
+        os.truncate(path, claimed)
+    size = os.path.getsize(path)
+
+    try:
+        py_header: PackHeader | None = parse_header(bytes(head), f"pack {path}")
+    except PackError:
+        py_header = None
+    stride = struct.unpack_from("<Q", head, 64)[0]
+    top_k = struct.unpack_from("<I", head, 24)[0]
+    arena = min(max(2 * top_k * stride, 1 << 20), 256 << 20)
+    config = StreamConfig(arena_bytes=arena, io_threads=1, direct_io=False)
+    try:
+        stream = ExpertStream(path, config)
+    except PackError as e:
+        assert str(e).startswith(f"pack {path}: "), str(e)
+        if py_header is not None and size == py_header.file_bytes:
+            g = py_header.geometry
+            assert g.n_layers > 4096 or g.n_experts > 65536, (
+                f"the engine refused a header the Python reader accepts: {e}"
+            )
+        return
+    with stream:
+        assert py_header is not None, "the engine accepted a header the Python reader refuses"
+        assert size == py_header.file_bytes
+        assert (stream.n_layers, stream.n_experts) == (
+            py_header.geometry.n_layers,
+            py_header.geometry.n_experts,
+        )
+        stream.wait(stream.n_layers - 1, [stream.n_experts - 1])
+        assert stream.check_invariants() == ""

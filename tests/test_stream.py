@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import mmap
+import os
+import shutil
+import tempfile
+import zlib
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -14,6 +22,8 @@ from strata_stream.errors import (
     PackError,
     StreamClosedError,
 )
+from strata_stream.pack import Geometry
+from strata_stream.pack.header import build_header
 from strata_stream.stream import ABSENT
 
 
@@ -106,6 +116,31 @@ def test_bad_arguments_raise_clear_errors(make_pack: PackFactory) -> None:
         with pytest.raises(ValueError, match="fault kind"):
             s.inject_fault(0, 1, kind="boom")
         s.wait(0, [1])
+
+
+def test_core_key_and_where_range_check_layer_and_expert(make_pack: PackFactory) -> None:
+    """The engine checks (layer, expert) itself: an expert past n_experts must not alias the next
+    layer's key, whoever calls it (here _core directly, below the Python wrapper's checks)."""
+    path = make_pack()  # 4 layers x 16 experts
+    with ExpertStream(path, config(8, stride_of(path))) as s:
+        core = s._s
+        assert core.key(1, 3) == 19 and core.where(1, 3) == -1
+        s.wait(1, [3])
+        assert core.where(1, 3) == s.where(1, 3) is not None
+        for layer, expert, what in [
+            (0, 16, "expert 16 out of range"),  # would alias (1, 0)
+            (0, -1, "expert -1 out of range"),
+            (1, 1 << 33, "expert 8589934592 out of range"),
+            (4, 0, "layer 4 out of range"),
+            (-1, 3, "layer -1 out of range"),
+        ]:
+            for call in (core.key, core.where):
+                with pytest.raises(ConfigError, match=what):
+                    call(layer, expert)
+        with pytest.raises(IndexError, match="expert 16 out of range"):
+            s.where(0, 16)
+        with pytest.raises(IndexError, match="expert 16 out of range"):
+            s.key(0, 16)
 
 
 def test_closed_stream_raises(make_pack: PackFactory) -> None:
@@ -242,3 +277,124 @@ def test_demo_streams_the_tiny_preset(tmp_path: object) -> None:
     pack = tmp_path / "tiny.strpk"  # type: ignore[operator]
     assert main(["--preset", "tiny", "--pack", str(pack), "--prompt", "40", "--decode", "3"]) == 0
     assert pack.exists()
+
+
+# ---- O_DIRECT and large offsets --------------------------------------------------------------
+
+
+def _o_direct_refusal(directory: Path) -> str | None:
+    """None when `directory`'s file system serves aligned O_DIRECT reads, else why not."""
+    if not hasattr(os, "O_DIRECT"):
+        return "this platform has no O_DIRECT"
+    probe = directory / ".o_direct_probe"
+    probe.write_bytes(bytes(8192))
+    try:
+        try:
+            fd = os.open(probe, os.O_RDONLY | os.O_DIRECT)
+        except OSError as e:
+            return f"{directory} refuses open(O_DIRECT): {e.strerror}"
+        try:
+            os.preadv(fd, [mmap.mmap(-1, 4096)], 4096)  # page-aligned buffer, offset and length
+        except OSError as e:
+            return f"{directory} refuses an aligned O_DIRECT read: {e.strerror}"
+        finally:
+            os.close(fd)
+    finally:
+        probe.unlink()
+    return None
+
+
+@pytest.fixture
+def direct_dir(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory whose file system allows O_DIRECT (pytest's tmp, else /var/tmp); the test
+    is skipped, with each refusal's reason, only when none does."""
+    reasons = []
+    for d in (tmp_path, Path("/var/tmp")):
+        if d.is_dir() and os.access(d, os.W_OK):
+            why = _o_direct_refusal(d)
+            if why is None:
+                return d if d == tmp_path else Path(tempfile.mkdtemp(dir=d))
+            reasons.append(why)
+    pytest.skip("; ".join(reasons) or "no writable directory to probe O_DIRECT in")
+
+
+def test_direct_io_reads_every_record_exactly(make_pack: PackFactory, direct_dir: Path) -> None:
+    """With O_DIRECT really on, every part read is aligned (a misaligned one fails EINVAL and
+    would surface as ExpertReadError): records whose length is not a multiple of 4096 read
+    through their padded tail, each byte equal to the file's, crc-verified."""
+    src = make_pack(n_layers=2, n_experts=8, top_k=2, hidden=64, moe_intermediate=40)
+    path = Path(shutil.copy(src, direct_dir / "direct.strpk"))
+    stride = stride_of(path)
+    with ExpertStream(path, config(4, stride, direct_io=True, verify_reads=True)) as s:
+        assert s.direct_io, (
+            f"O_DIRECT works in {direct_dir} but the stream fell back: {s.direct_note}"
+        )
+        assert s.record_bytes % 4096 != 0 and s.n_parts > 1  # a partial last page, several parts
+        layout = s._s.layout
+        for layer in range(2):
+            for e in range(8):
+                s.wait(layer, [e])
+                got = s.expert_bytes(layer, e)
+                assert got is not None
+                assert got.tobytes() == record_bytes_of(path, layout, s.key(layer, e))
+        assert s.stats()["failed"] == 0
+        assert s.check_invariants() == ""
+
+
+def _sparse_pack_past_4_gib(directory: Path) -> tuple[Path, dict[int, bytes]]:
+    """A valid f32 pack of 4.7 GiB whose records are holes (zeros) except a few written past
+    4 GiB, one of them straddling 2^32. Returns the path and {key: record bytes written}."""
+    g = Geometry(4, 800, 2, 256, 512, "softmax_topk", True)  # 1.5 MiB records, 3200 of them
+    header, blob = build_header(g, "f32", 0, None, "test", "sparse past 4 GiB")
+    router_crc = zlib.crc32(bytes(header.router_bytes))  # the router section is a hole
+    header = dataclasses.replace(header, router_crc=router_crc)
+    assert header.file_bytes > 4 << 30
+    straddle = next(
+        k for k in range(g.n_records)
+        if header.records_offset + k * header.record_stride < 1 << 32
+        < header.records_offset + k * header.record_stride + header.record_bytes
+    )  # fmt: skip
+    keys = [straddle, straddle + 1, g.n_records - 5, g.n_records - 1]
+    rng = np.random.default_rng(7)
+    written = {k: rng.integers(0, 256, header.record_bytes, dtype=np.uint8).tobytes() for k in keys}
+    zero_crc = zlib.crc32(bytes(header.record_bytes))
+    crcs = np.full(g.n_records, zero_crc, dtype="<u4")
+    for k, rec in written.items():
+        crcs[k] = zlib.crc32(rec)
+    path = directory / "sparse.strpk"
+    with open(path, "wb") as f:
+        f.write(header.to_bytes())
+        f.write(blob)
+        f.seek(header.checksum_offset)
+        f.write(crcs.tobytes())
+        for k, rec in written.items():
+            f.seek(header.records_offset + k * header.record_stride)
+            f.write(rec)
+        f.truncate(header.file_bytes)
+    return path, written
+
+
+@pytest.mark.parametrize("direct_io", [False, True])
+def test_records_past_4_gib_read_right(tmp_path: Path, direct_io: bool) -> None:
+    """Offsets above 2^32 (a sparse 4.7 GiB pack): the bytes read are the bytes written, with
+    buffered and with O_DIRECT reads; a hole reads as the zeros its checksum says."""
+    directory = tmp_path
+    if direct_io:
+        why = _o_direct_refusal(tmp_path)
+        if why is not None:
+            pytest.skip(why)
+    path, written = _sparse_pack_past_4_gib(directory)
+    stride = stride_of(path)
+    with ExpertStream(path, config(4, stride, direct_io=direct_io, verify_reads=True)) as s:
+        assert s.direct_io == direct_io, s.direct_note
+        layout = s._s.layout
+        for key, rec in written.items():
+            layer, expert = divmod(key, s.n_experts)
+            assert layout["records_offset"] + key * stride + len(rec) > 1 << 32
+            s.wait(layer, [expert])
+            got = s.expert_bytes(layer, expert)
+            assert got is not None and got.tobytes() == rec
+        s.wait(3, [100])  # a hole past 4 GiB: zeros, crc-verified
+        hole = s.expert_bytes(3, 100)
+        assert hole is not None and not hole.any()
+        assert s.stats()["failed"] == 0

@@ -104,6 +104,40 @@ class StreamMachine(RuleBasedStateMachine):
                 keep[int(k)] = i
         return keep
 
+    def room_for_urgent(self, requested: set[int]) -> int:
+        """Slots an urgent request may take for a key it lacks, by the rules (take_slot): free,
+        limbo whose reads finished, evictable (complete or failed, nothing in flight, unpinned,
+        unprotected), or a queued speculative read it may cancel. Slots holding one of the
+        requested keys are not counted: the request keeps those (touches, revives or retries)."""
+        t = self.table()
+        room = 0
+        for i, k in enumerate(t["key"]):
+            state = t["state"][i]
+            if state == SlotState.FREE:
+                room += 1
+                continue
+            if int(k) in requested:
+                continue
+            started, done, total = t["parts_started"][i], t["parts_done"][i], t["parts_total"][i]
+            idle = started == done
+            if state == SlotState.LIMBO:
+                room += idle and (done == total or started == 0)
+            elif state in (SlotState.COMPLETE, SlotState.FAILED):
+                room += idle and not t["pins"][i] and not self.is_protected(int(k), False)
+            elif state == SlotState.QUEUED and t["cls"][i] != ReadClass.URGENT:
+                room += not self.is_protected(int(k), False)
+        return room
+
+    def check_arena_full(self, layer: int, experts: list[int], room: int, raised: bool) -> None:
+        """ArenaFullError exactly when the request lacked more keys than the rules leave room for
+        (with manual IO nothing is in flight to wait for, so the engine cannot wait instead)."""
+        present = self.present_before
+        need = sum(layer * E + e not in present for e in experts)
+        assert raised == (need > room), (
+            f"request for layer {layer} experts {experts}: {need} keys to place, room for {room}, "
+            f"but ArenaFullError {'was' if raised else 'was not'} raised"
+        )
+
     def record(self, key: int) -> bytes:
         if key not in self.records:
             self.records[key] = record_bytes_of(self.pack_path, self.layout, key)
@@ -117,10 +151,14 @@ class StreamMachine(RuleBasedStateMachine):
     def urgent_request(self, layer: int, experts: list[int]) -> None:
         before_pub = self.published()
         keep = self.protected_resident(speculative=False)
+        room = self.room_for_urgent({layer * E + e for e in experts})
+        self.present_before = self.present()
         try:
             self.s.request(layer, experts)
         except ArenaFullError:
+            self.check_arena_full(layer, experts, room, raised=True)
             return
+        self.check_arena_full(layer, experts, room, raised=False)
         now = self.present()
         t = self.table()
         for e in experts:  # requested keys are present, urgent, not in limbo
@@ -332,10 +370,14 @@ class StreamMachine(RuleBasedStateMachine):
         experts=st.lists(st.integers(0, E - 1), min_size=1, max_size=K, unique=True),
     )
     def wait(self, layer: int, experts: list[int]) -> None:
+        room = self.room_for_urgent({layer * E + e for e in experts})
+        self.present_before = self.present()
         try:
             self.s.wait(layer, experts)
         except ArenaFullError:
+            self.check_arena_full(layer, experts, room, raised=True)
             return
+        self.check_arena_full(layer, experts, room, raised=False)
         for e in experts:  # waited-for experts are published with the file's bytes
             got = self.s.expert_bytes(layer, e)
             assert got is not None
@@ -345,16 +387,26 @@ class StreamMachine(RuleBasedStateMachine):
     def failing_wait(self, layer: int, expert: int) -> None:
         if self.s.where(layer, expert) is not None:
             return
-        self.s.inject_fault(layer, expert, kind="eio")
+        self.s.inject_fault(layer, expert, kind="eio", errno_value=5)
+        room = self.room_for_urgent({layer * E + expert})
+        self.present_before = self.present()
         try:
             self.s.wait(layer, [expert])
         except ArenaFullError:
-            self.s.clear_faults()
+            self.check_arena_full(layer, [expert], room, raised=True)
             return
         except ExpertReadError as err:
             assert (err.layer, err.expert) == (layer, expert)  # type: ignore[attr-defined]
-            assert self.s.where(layer, expert) is None
-        self.s.clear_faults()
+            assert err.errno == 5
+            assert self.s.where(layer, expert) is None  # the failed slot is recycled
+            assert self.s.smap[layer * E + expert] == ABSENT
+            self.check_arena_full(layer, [expert], room, raised=False)
+        else:
+            raise AssertionError(
+                f"wait for layer {layer} expert {expert} returned although its read fails with EIO"
+            )
+        finally:
+            self.s.clear_faults()
 
     # ---- invariants after every step ------------------------------------------------------
     @invariant()
@@ -379,10 +431,29 @@ class StreamMachine(RuleBasedStateMachine):
         for key, slot in self.pinned.items():
             assert smap[key] == slot, f"plan-resident key {key} moved"
 
+    @rule(layer=st.integers(L, L + 2), expert=st.integers(0, E - 1), urgent=st.booleans())
+    def request_beyond_the_last_layer(self, layer: int, expert: int, urgent: bool) -> None:
+        """The engine itself refuses layers >= L (I10): called below the Python wrapper's check."""
+        before = self.table()
+        cls = ReadClass.URGENT if urgent else ReadClass.PRED1
+        try:
+            self.s._s.request(layer, np.array([expert], dtype=np.int32), int(cls))
+        except IndexError as e:
+            assert f"layer {layer} out of range" in str(e)
+        else:
+            raise AssertionError(f"the engine accepted a request for layer {layer} of {L}")
+        after = self.table()
+        assert all(np.array_equal(before[k], after[k]) for k in ("key", "state", "parts_total"))
+
     @invariant()
     def nothing_beyond_the_last_layer(self) -> None:  # I10
-        if hasattr(self, "s"):
-            assert len(self.s.smap) == L * E
+        if not hasattr(self, "s"):
+            return
+        t = self.table()
+        held = [int(k) for i, k in enumerate(t["key"]) if t["state"][i] != SlotState.FREE]
+        assert all(k < L * E for k in held), f"a slot holds key {max(held)} >= {L * E}"
+        assert all(key < L * E for _slot, key, _part, _cls in self.s.pending_io())
+        assert len(self.s.smap) == L * E
 
 
 def _stride(path: Path) -> int:

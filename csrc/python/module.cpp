@@ -78,7 +78,6 @@ PYBIND11_MODULE(_core, m) {
         case ErrorKind::Closed: name = "StreamClosedError"; break;
         case ErrorKind::Timeout: name = "StreamTimeoutError"; break;
         case ErrorKind::ArenaFull: name = "ArenaFullError"; break;
-        case ErrorKind::Interrupted: name = "StrataError"; break;
       }
       py::object cls = py::module_::import("strata_stream.errors").attr(name);
       PyErr_SetString(cls.ptr(), e.what());
@@ -218,7 +217,10 @@ PYBIND11_MODULE(_core, m) {
                                    ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
                                return a;
                              })
-      .def("where", [](Stream& self, std::uint32_t key) { return self.get().where(key); })
+      .def("key", [](Stream& self, std::int64_t layer,
+                     std::int64_t expert) { return self.get().key(layer, expert); })
+      .def("where", [](Stream& self, std::int64_t layer,
+                       std::int64_t expert) { return self.get().where(layer, expert); })
       .def("slot_bytes",
            [](py::object obj, std::uint32_t slot) {
              Stream& self = obj.cast<Stream&>();
@@ -371,6 +373,8 @@ PYBIND11_MODULE(_core, m) {
              d["last_busy"] =
                  g.last_busy() < 0 ? py::object(py::none()) : py::float_(g.last_busy());
              d["trials"] = g.trials();
+             d["abandoned_trials"] = g.abandoned_trials();
+             d["deterministic"] = g.options().deterministic;  // timing-free (settled moce)
              // Mean wall time of a decode layer call with and without speculation, last trial.
              d["last_wall_on_s"] = g.last_wall_on() < 0 ? py::object(py::none())
                                                         : py::float_(g.last_wall_on() * 1e-9);

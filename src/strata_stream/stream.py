@@ -121,6 +121,13 @@ class ExpertStream:
             raise IndexError(f"layer {layer} out of range [0, {self.n_layers})")
         return int(layer)
 
+    def _check_expert(self, expert: int) -> int:
+        if isinstance(expert, bool) or not isinstance(expert, (int, np.integer)):
+            raise TypeError(f"expert must be an int, got {type(expert).__name__}")
+        if not 0 <= int(expert) < self.n_experts:
+            raise IndexError(f"expert {expert} out of range [0, {self.n_experts})")
+        return int(expert)
+
     def _ids(self, experts: Any, what: str) -> npt.NDArray[np.int32]:
         ids = _experts(experts, what)
         if ids.size and (ids.min() < 0 or ids.max() >= self.n_experts):
@@ -148,7 +155,8 @@ class ExpertStream:
         return str(self._s.direct_note)
 
     def key(self, layer: int, expert: int) -> int:
-        return self._check_layer(layer) * self.n_experts + int(expert)
+        """The smap index of (layer, expert); IndexError when either is out of range."""
+        return int(self._s.key(self._check_layer(layer), self._check_expert(expert)))
 
     # ---- requests and waits ------------------------------------------------------------------
     def request(
@@ -221,7 +229,7 @@ class ExpertStream:
         return self._s.smap  # type: ignore[no-any-return]
 
     def where(self, layer: int, expert: int) -> int | None:
-        s = int(self._s.where(self.key(layer, expert)))
+        s = int(self._s.where(self._check_layer(layer), self._check_expert(expert)))
         return None if s < 0 else s
 
     def slot_table(self) -> dict[str, npt.NDArray[Any]]:

@@ -45,19 +45,45 @@ std::vector<unsigned char> expected_record(const TestGeometry& g, std::uint32_t 
   return r;
 }
 
-std::string build_test_pack(const TestGeometry& g, const std::string& name) {
+std::vector<unsigned char> make_header(const TestGeometry& g, std::uint32_t fmt,
+                                       std::uint32_t group_size, std::uint32_t scale_format,
+                                       std::uint64_t meta_bytes) {
+  const bool quant = fmt >= 3;
+  const std::uint64_t elem = fmt == 0 ? 4 : 2, scale_elem = scale_format == 0 ? 4 : 2;
   const std::uint64_t keys = std::uint64_t(g.n_layers) * g.n_experts;
-  const std::uint64_t mat = std::uint64_t(g.hidden) * g.moe_intermediate * 4;
-  const std::uint64_t record_bytes = up(mat, 256) * 2 + mat;
+  std::vector<unsigned char> h(kHeaderBytes, 0);
+  // Tensor table first: record_bytes is the end of its last tensor.
+  std::uint32_t n = 0;
+  std::uint64_t at = 0;
+  auto tensor = [&](std::uint32_t matrix, std::uint32_t role, std::uint32_t rows,
+                    std::uint32_t cols, std::uint64_t eb) {
+    at = up(at, 256);
+    std::size_t t = 144 + 32 * n++;
+    put<std::uint32_t>(h, t, matrix);
+    put<std::uint32_t>(h, t + 4, role);
+    put<std::uint64_t>(h, t + 8, at);
+    put<std::uint64_t>(h, t + 16, std::uint64_t(rows) * cols * eb);
+    put<std::uint32_t>(h, t + 24, rows);
+    put<std::uint32_t>(h, t + 28, cols);
+    at += std::uint64_t(rows) * cols * eb;
+  };
+  for (std::uint32_t m = 0; m < 3; ++m) {
+    std::uint32_t rows = m == 2 ? g.hidden : g.moe_intermediate;
+    std::uint32_t cols = m == 2 ? g.moe_intermediate : g.hidden;
+    if (!quant) {
+      tensor(m, 0, rows, cols, elem);
+    } else {
+      tensor(m, 0, rows, cols * (fmt == 3 ? 4 : 8) / 32, 4);
+      tensor(m, 1, rows, cols / group_size, scale_elem);
+      tensor(m, 2, rows, cols / group_size, scale_elem);
+    }
+  }
+  const std::uint64_t record_bytes = at;
   const std::uint64_t stride = up(record_bytes, kPage);
-  const std::string meta = "{\"format\": \"strata-pack\", \"version\": 2, \"source\": \"c++ test\"}";
-  const std::uint64_t router_offset = up(kHeaderBytes + meta.size(), kPage);
+  const std::uint64_t router_offset = up(kHeaderBytes + meta_bytes, kPage);
   const std::uint64_t router_bytes = keys * g.hidden * 4;
   const std::uint64_t checksum_offset = up(router_offset + router_bytes, kPage);
   const std::uint64_t records_offset = up(checksum_offset + keys * 4, kPage);
-  const std::uint64_t file_bytes = records_offset + keys * stride;
-
-  std::vector<unsigned char> h(kHeaderBytes, 0);
   std::memcpy(h.data(), "STRATAPK", 8);
   put<std::uint32_t>(h, 8, kPackVersion);
   put<std::uint32_t>(h, 12, kHeaderBytes);
@@ -68,29 +94,37 @@ std::string build_test_pack(const TestGeometry& g, const std::string& name) {
   put<std::uint32_t>(h, 32, g.moe_intermediate);
   put<std::uint32_t>(h, 36, 0);  // softmax_topk
   put<std::uint32_t>(h, 40, 1);
-  put<std::uint32_t>(h, 44, 0);  // f32
+  put<std::uint32_t>(h, 44, fmt);
+  put<std::uint32_t>(h, 48, quant ? group_size : 0);
+  put<std::uint32_t>(h, 52, quant ? scale_format : 0);
   put<std::uint64_t>(h, 56, record_bytes);
   put<std::uint64_t>(h, 64, stride);
   put<std::uint64_t>(h, 72, kHeaderBytes);
-  put<std::uint64_t>(h, 80, meta.size());
+  put<std::uint64_t>(h, 80, meta_bytes);
   put<std::uint64_t>(h, 88, router_offset);
   put<std::uint64_t>(h, 96, router_bytes);
   put<std::uint64_t>(h, 104, checksum_offset);
   put<std::uint64_t>(h, 112, keys * 4);
   put<std::uint64_t>(h, 120, records_offset);
-  put<std::uint64_t>(h, 128, file_bytes);
-  put<std::uint32_t>(h, 136, 3);
+  put<std::uint64_t>(h, 128, records_offset + keys * stride);
+  put<std::uint32_t>(h, 136, n);
+  rehash(h);
+  return h;
+}
+
+void rehash(std::vector<unsigned char>& h) { put<std::uint32_t>(h, 4092, header_crc(h.data())); }
+
+std::string build_test_pack(const TestGeometry& g, const std::string& name) {
+  const std::uint64_t keys = std::uint64_t(g.n_layers) * g.n_experts;
+  const std::string meta = "{\"format\": \"strata-pack\", \"version\": 2, \"source\": \"c++ test\"}";
+  std::vector<unsigned char> h = make_header(g, 0, 0, 0, meta.size());
+  const std::uint64_t stride = get_field<std::uint64_t>(h, 64);
+  const std::uint64_t router_offset = get_field<std::uint64_t>(h, 88);
+  const std::uint64_t checksum_offset = get_field<std::uint64_t>(h, 104);
+  const std::uint64_t records_offset = get_field<std::uint64_t>(h, 120);
+  const std::uint64_t file_bytes = get_field<std::uint64_t>(h, 128);
   put<std::uint32_t>(h, 140, crc32_bytes(meta.data(), meta.size()));
-  for (std::uint32_t m = 0; m < 3; ++m) {
-    std::size_t t = 144 + 32 * m;
-    put<std::uint32_t>(h, t, m);
-    put<std::uint32_t>(h, t + 4, 0);
-    put<std::uint64_t>(h, t + 8, m * up(mat, 256));
-    put<std::uint64_t>(h, t + 16, mat);
-    put<std::uint32_t>(h, t + 24, m == 2 ? g.hidden : g.moe_intermediate);
-    put<std::uint32_t>(h, t + 28, m == 2 ? g.moe_intermediate : g.hidden);
-  }
-  put<std::uint32_t>(h, 4092, crc32_bytes(h.data(), 4092));
+  rehash(h);
 
   std::string path = temp_dir() + "/strata_cpp_" + name + "_" + std::to_string(::getpid()) + ".strpk";
   int fd = ::open(path.c_str(), O_CREAT | O_TRUNC | O_WRONLY, 0644);

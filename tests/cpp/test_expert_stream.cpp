@@ -1,6 +1,8 @@
 #include <catch2/catch.hpp>
 
 #include <cstdio>
+#include <functional>
+#include <utility>
 
 #include "common/errors.h"
 #include "stream_test_util.h"
@@ -57,7 +59,7 @@ TEST_CASE("speculative reads publish only at the handshake (I2) and limbo is nev
   CHECK(s.smap_at(1 * g.n_experts + 3) == kAbsent);
   CHECK(s.check_invariants().empty());
   CHECK(s.release_limbo() == 1);
-  CHECK(s.where(1 * g.n_experts + 3) < 0);
+  CHECK(s.where(1, 3) < 0);
   std::remove(path.c_str());
 }
 
@@ -92,7 +94,7 @@ TEST_CASE("victim never picks protected slots (I4) and cancel only queued (I6)")
   // cancel: only a queued read
   s.request(3, b, 1, ReadClass::Urgent);
   CHECK(s.cancel(3, 5));
-  CHECK(s.where(3 * g.n_experts + 5) < 0);
+  CHECK(s.where(3, 5) < 0);
   s.request(3, b, 1, ReadClass::Urgent);
   s.run_job(0);
   CHECK_FALSE(s.cancel(3, 5));
@@ -120,7 +122,7 @@ TEST_CASE("a failed urgent read names layer, expert, offset and errno; the strea
     CHECK(e.offset == L.record_offset(2 * g.n_experts + 6) + kPage);
     CHECK(std::string(e.what()).find("layer 2 expert 6") != std::string::npos);
   }
-  CHECK(s.where(2 * g.n_experts + 6) < 0);
+  CHECK(s.where(2, 6) < 0);
   s.wait(2, ex, 1);  // the fault was one-shot: a retry succeeds
   CHECK(slot_matches(s, g, 2, 6));
   // A short speculative read is dropped and counted.
@@ -132,7 +134,102 @@ TEST_CASE("a failed urgent read names layer, expert, offset and errno; the strea
   for (int i = 0; i < 200 && s.stats().spec_failed.load() == 0; ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   CHECK(s.stats().spec_failed.load() == 1);
-  CHECK(s.where(3 * g.n_experts + 1) < 0);
+  CHECK(s.where(3, 1) < 0);
   CHECK(s.check_invariants().empty());
+  std::remove(path.c_str());
+}
+
+namespace {
+
+// Every part read of these experts stalls `ms` and then reads.
+void slow_down(ExpertStream& s, const PackLayout& L, std::uint32_t layer,
+               std::initializer_list<std::uint32_t> experts, int ms) {
+  for (std::uint32_t e : experts) {
+    Fault f;
+    f.kind = FaultKind::Delay;
+    f.delay_ms = ms;
+    f.remaining = -1;
+    s.faults().add(layer * L.n_experts + e, -1, f);
+  }
+}
+
+ErrorKind kind_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const EngineError& e) {
+    return e.kind();
+  }
+  FAIL("expected an EngineError");
+  return ErrorKind::Pack;
+}
+
+}  // namespace
+
+// One rule for the three bounded waits (wait(), settle(), an urgent request waiting for a free
+// slot): io_timeout_s without read progress is a timeout; a wait that keeps seeing parts land
+// never is, however long it lasts. No timing is asserted: each case either completes or names
+// the timeout.
+TEST_CASE("bounded waits time out on no progress, never on a slow but moving disk") {
+  TestGeometry g;  // ~36 KiB records: three 16 KiB parts
+  auto path = build_test_pack(g, "timeouts");
+  PackLayout L = read_pack_layout(path);
+  StreamOptions o = small_options(4, L, 1);  // the minimum arena: 2 * top_k slots
+  o.io_timeout_s = 0.6;
+  REQUIRE(o.part_bytes * 2 < L.record_bytes);
+
+  SECTION("an urgent request waiting for a slot behind slow reads") {
+    ExpertStream s(path, o);
+    REQUIRE(s.n_parts() == 3);
+    // Every slot loads an urgent expert whose three parts take 250 ms each: the first slot
+    // frees after ~750 ms, longer than io_timeout_s, with a part landing every 250 ms.
+    slow_down(s, L, 0, {0, 1, 2, 3}, 250);
+    std::int32_t first[] = {0, 1, 2, 3};
+    s.request(0, first, 4, ReadClass::Urgent);
+    std::int32_t next[] = {5};
+    s.request(1, next, 1, ReadClass::Urgent);  // waits for a slot, then gets one
+    s.wait(1, next, 1);
+    CHECK(slot_matches(s, g, 1, 5));
+    CHECK(s.check_invariants().empty());
+  }
+  SECTION("wait() and settle() behind slow reads") {
+    ExpertStream s(path, o);
+    slow_down(s, L, 2, {4, 6}, 250);
+    std::int32_t ex[] = {4};
+    s.wait(2, ex, 1);  // ~750 ms of parts landing every 250 ms
+    CHECK(slot_matches(s, g, 2, 4));
+    std::int32_t spec[] = {6};
+    s.request(3, spec, 1, ReadClass::Pred1);
+    s.request(2, spec, 1, ReadClass::Urgent);
+    s.settle();
+    CHECK(s.check_invariants().empty());
+  }
+  SECTION("each of the three times out when nothing lands") {
+    o.io_timeout_s = 0.2;
+    ExpertStream s(path, o);
+    slow_down(s, L, 0, {0, 1, 2, 3}, 1500);  // the first part alone outlasts the timeout
+    std::int32_t first[] = {0, 1, 2, 3};
+    s.request(0, first, 4, ReadClass::Urgent);
+    std::int32_t next[] = {5};
+    CHECK(kind_of([&] { s.request(1, next, 1, ReadClass::Urgent); }) == ErrorKind::Timeout);
+    CHECK(kind_of([&] { s.wait(0, first, 1); }) == ErrorKind::Timeout);
+    CHECK(kind_of([&] { s.settle(); }) == ErrorKind::Timeout);
+    s.faults().clear();
+  }
+  std::remove(path.c_str());
+}
+
+TEST_CASE("key() and where() range-check the layer and the expert") {
+  TestGeometry g;
+  auto path = build_test_pack(g, "keys");
+  PackLayout L = read_pack_layout(path);
+  ExpertStream s(path, small_options(8, L, 1));
+  CHECK(s.key(3, 15) == 3 * 16 + 15);
+  CHECK(s.where(3, 15) == -1);
+  for (auto [layer, expert] : {std::pair<std::int64_t, std::int64_t>{0, 16}, {0, -1}, {4, 0},
+                               {-1, 0}, {0, std::int64_t(1) << 32}}) {
+    INFO("layer " << layer << " expert " << expert);
+    CHECK(kind_of([&] { s.key(layer, expert); }) == ErrorKind::Config);
+    CHECK(kind_of([&] { s.where(layer, expert); }) == ErrorKind::Config);
+  }
   std::remove(path.c_str());
 }

@@ -261,7 +261,7 @@ TEST_CASE("a trial tolerates noise within the margin") {
   CHECK(g.state() == GovernorState::Open);
 }
 
-TEST_CASE("prompt handshakes do not count toward a trial") {
+TEST_CASE("prompt handshakes add no time to a trial") {
   PrefetchGovernor g(with_trials());
   Workload w;
   w.precision = 0.9;
@@ -269,12 +269,100 @@ TEST_CASE("prompt handshakes do not count toward a trial") {
   w.time_off = 1000;
   for (int i = 0; i < 4; ++i) w.epoch(g);
   REQUIRE(g.state() == GovernorState::Trial);
+  REQUIRE(g.cap() == 0);
   GovernorSample prompt;
   prompt.decode = false;
   prompt.wall_ns = 1000000;  // a huge prompt chunk in an off arm must not decide the trial
-  for (int i = 0; i < 100; ++i) g.observe(prompt);
+  // Fewer than the arm's bound (trial_arm_max epochs' worth): the off arm keeps running.
+  for (int i = 0; i < 15; ++i) g.observe(prompt);
   CHECK(g.state() == GovernorState::Trial);
+  CHECK(g.cap() == 0);
   for (int i = 0; i < 4; ++i) w.epoch(g);
   CHECK(g.state() == GovernorState::Closed);
-  CHECK(g.last_wall_off() == Approx(1000));
+  CHECK(g.trials() == 1);
+  CHECK(g.last_wall_off() == Approx(1000));  // the prompts' 1 ms is nowhere
+  CHECK(g.last_wall_on() == Approx(1500));
 }
+
+TEST_CASE("a prompt-only workload cannot hold a trial's off arm forever") {
+  const GovernorOptions o = with_trials();
+  PrefetchGovernor g(o);
+  Workload w;
+  w.precision = 0.9;
+  for (int i = 0; i < 4; ++i) w.epoch(g);
+  REQUIRE(g.state() == GovernorState::Trial);
+  REQUIRE(g.cap() == 0);
+  // From here on only prompt chunks: no decode time ever arrives. Each arm ends after
+  // trial_arm_max epochs' worth of handshakes; with no decode call to compare the trial is
+  // abandoned and speculation is back on.
+  GovernorSample prompt;
+  prompt.decode = false;
+  prompt.issued = 4;
+  prompt.used = 4;
+  const std::uint32_t bound = 2 * o.trial_epochs * o.trial_arm_max * o.epoch;
+  std::uint32_t n = 0;
+  while (g.state() == GovernorState::Trial && n < 10 * bound) {
+    g.observe(prompt);
+    ++n;
+  }
+  CHECK(n == bound);
+  CHECK(g.state() == GovernorState::Open);
+  CHECK(g.cap() == PrefetchGovernor::kUnlimited);
+  CHECK(g.trials() == 0);
+  CHECK(g.abandoned_trials() == 1);
+  // Prompt traffic alone starts no new trial (trials count decode handshakes Open).
+  for (std::uint32_t i = 0; i < 10 * bound; ++i) g.observe(prompt);
+  CHECK(g.state() == GovernorState::Open);
+  // Decode traffic resumes: trials resume, and a verdict is reached again.
+  w.time_on = 1500;
+  w.time_off = 1000;
+  CHECK(run_until(g, w, GovernorState::Closed, 16));
+  CHECK(g.trials() == 1);
+}
+
+TEST_CASE("deterministic mode: the cap ignores wall time and contention, and runs no trial") {
+  GovernorOptions o = with_trials();
+  o.deterministic = true;
+  // Two governors fed the same speculative counts, missing pattern and decode flags but
+  // wildly different timing and contention must produce the same cap at every handshake.
+  PrefetchGovernor a(o), b(o);
+  std::uint64_t seed = 12345;
+  auto next = [&] {
+    seed ^= seed << 13;
+    seed ^= seed >> 7;
+    seed ^= seed << 17;
+    return seed;
+  };
+  int phase_changes = 0;
+  GovernorState last = a.state();
+  for (int h = 0; h < 4000; ++h) {
+    GovernorSample s;
+    // Precision drifts between good and bad so that the governor moves through its states.
+    const bool good = (h / 300) % 2 == 0;
+    s.issued = std::min<std::uint64_t>(1 + next() % 6, a.cap());
+    s.used = good ? s.issued : (next() % 4 == 0 ? s.issued : 0);
+    s.missed = next() % 3 != 0;
+    s.decode = next() % 5 != 0;
+    GovernorSample t = s;
+    s.wall_ns = next() % 1000000;
+    s.contended = next() % 2;
+    t.wall_ns = next() % 7;
+    t.contended = !s.contended;
+    a.observe(s);
+    b.observe(t);
+    REQUIRE(a.cap() == b.cap());
+    REQUIRE(a.state() == b.state());
+    REQUIRE(a.state() != GovernorState::Trial);
+    if (a.state() != last) ++phase_changes;
+    last = a.state();
+  }
+  CHECK(phase_changes > 2);  // the sequence was not trivially constant
+  CHECK(a.trials() == 0);
+  // Busy bar always: precision 0.4 (between idle 0.25 and busy 0.5) is cut even uncontended.
+  PrefetchGovernor c(o);
+  Workload w;
+  w.precision = 0.4;
+  w.contended = false;
+  CHECK(run_until(c, w, GovernorState::Closed, 32));
+}
+

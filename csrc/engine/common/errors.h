@@ -7,7 +7,7 @@
 
 namespace strata {
 
-enum class ErrorKind { Pack, Config, ExpertRead, Closed, Timeout, ArenaFull, Interrupted };
+enum class ErrorKind { Pack, Config, ExpertRead, Closed, Timeout, ArenaFull };
 
 class EngineError : public std::runtime_error {
  public:

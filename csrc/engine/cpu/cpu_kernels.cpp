@@ -8,14 +8,11 @@
 #include <vector>
 
 #include "residency/slot.h"
+#include "residency/smap.h"
 #include "pack/weights.h"
 
 namespace strata::cpu {
 namespace {
-
-inline std::uint32_t smap_load(const std::uint32_t* smap, std::uint32_t key) {
-  return std::atomic_ref<const std::uint32_t>(smap[key]).load(std::memory_order_acquire);
-}
 
 inline float silu(float z) { return z / (1.0f + std::exp(-z)); }
 

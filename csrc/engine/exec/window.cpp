@@ -25,8 +25,16 @@ struct HostTimer {
   }
 };
 
-GovernorOptions governor_options(GovernorOptions o, std::uint32_t n_layers) {
+// Determinism with moce (docs/design-notes.md, PUBLISH_PREFETCH=0): see settle().
+bool settles_io(const WindowOptions& o, const ExpertStream& stream) {
+  return o.moce.mode != MoceMode::Off && !stream.options().publish_prefetch && !o.split_turn;
+}
+
+GovernorOptions governor_options(GovernorOptions o, std::uint32_t n_layers, bool settles) {
   if (o.epoch == 0) o.epoch = n_layers;
+  // Settled IO promises routing that is a function of the inputs: the cap may not depend on
+  // timing either (prefetch_governor.h, "Deterministic mode").
+  o.deterministic = o.deterministic || settles;
   return o;
 }
 
@@ -62,7 +70,7 @@ Window::Window(ExpertStream& stream, std::unique_ptr<Backend> backend,
       L_(stream.layout()),
       routers_(stream.file().read_routers()),
       scratch_(stream, routers_.data()),
-      governor_(governor_options(options.governor, L_.n_layers)) {
+      governor_(governor_options(options.governor, L_.n_layers, settles_io(options, stream))) {
   if (opt_.max_rows == 0) throw EngineError(ErrorKind::Config, "max_rows must be positive");
   if (!(opt_.device_timeout_s > 0))
     throw EngineError(ErrorKind::Config, "device_timeout_s must be positive");
@@ -75,9 +83,7 @@ Window::Window(ExpertStream& stream, std::unique_ptr<Backend> backend,
                                                " exceeds the pack's top_k " +
                                                std::to_string(L_.top_k));
   }
-  // Determinism with moce (DESIGN section 6, PUBLISH_PREFETCH=0): see settle().
-  settles_ = opt_.moce.mode != MoceMode::Off && !stream.options().publish_prefetch &&
-             !opt_.split_turn;
+  settles_ = settles_io(opt_, stream);
   stats_.assign(L_.n_layers, LayerStats{});
   predicted_.assign(L_.n_layers, {});
   profile_.assign(std::size_t(L_.n_layers) * L_.n_experts, 0);

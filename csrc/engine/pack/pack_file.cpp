@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <utility>
 #include <sstream>
 
 #include "common/errors.h"
@@ -27,14 +28,6 @@ T load(const unsigned char* p) {
   return v;
 }
 
-std::uint64_t element_bytes(std::uint32_t fmt) {
-  switch (fmt) {
-    case 0: return 4;
-    case 1: case 2: return 2;
-    default: return 0;
-  }
-}
-
 }  // namespace
 
 std::uint32_t crc32_bytes(const void* data, std::size_t n) {
@@ -49,6 +42,48 @@ std::uint32_t crc32_bytes(const void* data, std::size_t n) {
   return static_cast<std::uint32_t>(crc);
 }
 
+std::uint32_t header_crc(const unsigned char* header) { return crc32_bytes(header, 4092); }
+
+namespace {
+
+// The canonical layout (docs/pack-format.md, "Canonical layout") is a function of the
+// geometry, the format and meta_bytes. Every field can be anything in a crafted file, so each
+// step is checked for 64-bit overflow: a wrapped sum would let an absurd offset pass a
+// comparison against record_bytes or the file size.
+class LayoutMath {
+ public:
+  LayoutMath(const std::string& path) : path_(path) {}
+  std::uint64_t add(std::uint64_t a, std::uint64_t b, const char* field) const {
+    std::uint64_t r;
+    if (__builtin_add_overflow(a, b, &r)) overflow(field);
+    return r;
+  }
+  std::uint64_t mul(std::uint64_t a, std::uint64_t b, const char* field) const {
+    std::uint64_t r;
+    if (__builtin_mul_overflow(a, b, &r)) overflow(field);
+    return r;
+  }
+  std::uint64_t align(std::uint64_t v, std::uint64_t a, const char* field) const {
+    return add(v, a - 1, field) / a * a;
+  }
+
+ private:
+  [[noreturn]] void overflow(const char* field) const {
+    bad(path_, std::string("header field ") + field +
+                   ": the layout the geometry and format imply overflows 64 bits");
+  }
+  const std::string& path_;
+};
+
+std::string field_value(const char* name, std::uint64_t value) {
+  return std::string("header field ") + name + " is " + std::to_string(value);
+}
+
+// Element bytes of a stored float dtype (weight_format 0..2, scale_format 0..2).
+std::uint64_t float_bytes(std::uint32_t fmt) { return fmt == 0 ? 4 : 2; }
+
+}  // namespace
+
 PackLayout parse_pack_header(const unsigned char* h, std::size_t n, const std::string& path,
                              std::uint64_t actual) {
   if (n < kHeaderBytes)
@@ -62,9 +97,10 @@ PackLayout parse_pack_header(const unsigned char* h, std::size_t n, const std::s
   if (version != kPackVersion)
     bad(path, "version " + std::to_string(version) + " not supported (this reader knows " +
                   std::to_string(kPackVersion) + ")");
-  if (load<std::uint32_t>(h + 12) != kHeaderBytes) bad(path, "header_bytes is not 4096");
   std::uint32_t stored_crc = load<std::uint32_t>(h + 4092);
-  if (crc32_bytes(h, 4092) != stored_crc) bad(path, "header_crc mismatch (header corrupt)");
+  if (header_crc(h) != stored_crc) bad(path, "header_crc mismatch (header corrupt)");
+  if (load<std::uint32_t>(h + 12) != kHeaderBytes)
+    bad(path, field_value("header_bytes", load<std::uint32_t>(h + 12)) + " (expected 4096)");
 
   PackLayout L;
   L.n_layers = load<std::uint32_t>(h + 16);
@@ -72,9 +108,9 @@ PackLayout parse_pack_header(const unsigned char* h, std::size_t n, const std::s
   L.top_k = load<std::uint32_t>(h + 24);
   L.hidden = load<std::uint32_t>(h + 28);
   L.moe_intermediate = load<std::uint32_t>(h + 32);
-  std::uint32_t routing = load<std::uint32_t>(h + 36);
-  std::uint32_t norm = load<std::uint32_t>(h + 40);
-  std::uint32_t fmt = load<std::uint32_t>(h + 44);
+  const std::uint32_t routing = load<std::uint32_t>(h + 36);
+  const std::uint32_t norm = load<std::uint32_t>(h + 40);
+  const std::uint32_t fmt = load<std::uint32_t>(h + 44);
   L.group_size = load<std::uint32_t>(h + 48);
   L.scale_format = load<std::uint32_t>(h + 52);
   L.record_bytes = load<std::uint64_t>(h + 56);
@@ -87,72 +123,120 @@ PackLayout parse_pack_header(const unsigned char* h, std::size_t n, const std::s
   L.checksum_bytes = load<std::uint64_t>(h + 112);
   L.records_offset = load<std::uint64_t>(h + 120);
   L.file_bytes = load<std::uint64_t>(h + 128);
-  std::uint32_t n_tensors = load<std::uint32_t>(h + 136);
+  const std::uint32_t n_tensors = load<std::uint32_t>(h + 136);
 
-  if (L.n_layers == 0 || L.n_layers > 4096) bad(path, "field n_layers out of range");
-  if (L.n_experts == 0 || L.n_experts > 65536) bad(path, "field n_experts out of range");
-  if (L.top_k == 0 || L.top_k > L.n_experts) bad(path, "field top_k out of range");
-  if (L.hidden == 0 || L.moe_intermediate == 0) bad(path, "field hidden/moe_intermediate is 0");
-  if (routing > 1) bad(path, "field routing " + std::to_string(routing) + " unknown");
-  if (norm > 1) bad(path, "field norm_topk_prob must be 0 or 1");
-  if (fmt > 4) bad(path, "field weight_format " + std::to_string(fmt) + " unknown");
+  // The geometry. The engine's own limits (keys fit a u32 smap index) are tighter than the
+  // format's u32 fields.
+  if (L.n_layers == 0 || L.n_layers > kMaxLayers)
+    bad(path, field_value("n_layers", L.n_layers) + " (expected 1.." +
+                  std::to_string(kMaxLayers) + ")");
+  if (L.n_experts == 0 || L.n_experts > kMaxExperts)
+    bad(path, field_value("n_experts", L.n_experts) + " (expected 1.." +
+                  std::to_string(kMaxExperts) + ")");
+  if (L.top_k == 0 || L.top_k > L.n_experts)
+    bad(path, field_value("top_k", L.top_k) + " (expected 1..n_experts " +
+                  std::to_string(L.n_experts) + ")");
+  if (L.hidden == 0) bad(path, field_value("hidden", 0) + " (expected >= 1)");
+  if (L.moe_intermediate == 0) bad(path, field_value("moe_intermediate", 0) + " (expected >= 1)");
+  if (routing > 1)
+    bad(path, field_value("routing", routing) + " (known: 0 softmax_topk, 1 topk_softmax)");
+  if (norm > 1) bad(path, field_value("norm_topk_prob", norm) + " (expected 0 or 1)");
+  if (fmt > 4) bad(path, field_value("weight_format", fmt) + " (known: 0 f32, 1 f16, 2 bf16, 3 q4, 4 q8)");
+  if (L.scale_format > 2)
+    bad(path, field_value("scale_format", L.scale_format) + " (known: 0 f32, 1 f16, 2 bf16)");
   L.routing = static_cast<Routing>(routing);
   L.norm_topk_prob = norm == 1;
   L.weight_format = static_cast<WeightFormat>(fmt);
-  bool quant = fmt >= 3;
-  if (quant && L.group_size != 32 && L.group_size != 64 && L.group_size != 128)
-    bad(path, "field group_size " + std::to_string(L.group_size) + " (expected 32, 64, 128)");
-  if (quant && L.scale_format > 2) bad(path, "field scale_format unknown");
-  if (n_tensors != (quant ? 9u : 3u)) bad(path, "field n_tensors " + std::to_string(n_tensors));
-  if (L.record_stride == 0 || L.record_stride % kPage || L.record_stride < L.record_bytes ||
-      L.record_stride - L.record_bytes >= kPage)
-    bad(path, "field record_stride " + std::to_string(L.record_stride) +
-                  " is not record_bytes rounded up to 16384");
-  std::uint64_t keys = std::uint64_t(L.n_layers) * L.n_experts;
-  if (L.router_bytes != keys * L.hidden * 4) bad(path, "field router_bytes disagrees");
-  if (L.checksum_bytes != keys * 4) bad(path, "field checksum_bytes disagrees");
-  if (L.records_offset % kPage || L.router_offset % kPage || L.checksum_offset % kPage)
-    bad(path, "section offsets not 16 KiB aligned");
-  if (L.meta_offset != kHeaderBytes || L.meta_offset + L.meta_bytes > L.router_offset ||
-      L.router_offset + L.router_bytes > L.checksum_offset ||
-      L.checksum_offset + L.checksum_bytes > L.records_offset)
-    bad(path, "section offsets overlap or are out of order");
-  if (L.file_bytes != L.records_offset + keys * L.record_stride)
-    bad(path, "field file_bytes disagrees with records_offset + records * record_stride");
+  const bool quant = fmt >= 3;
+  if (!quant && (L.group_size != 0 || L.scale_format != 0))
+    bad(path, "header fields group_size " + std::to_string(L.group_size) + " and scale_format " +
+                  std::to_string(L.scale_format) + " must be 0 for a float weight_format");
+  if (quant) {
+    if (L.group_size != 32 && L.group_size != 64 && L.group_size != 128)
+      bad(path, field_value("group_size", L.group_size) + " (expected 32, 64 or 128)");
+    if (L.hidden % L.group_size)
+      bad(path, field_value("hidden", L.hidden) + ", not a multiple of group_size " +
+                    std::to_string(L.group_size));
+    if (L.moe_intermediate % L.group_size)
+      bad(path, field_value("moe_intermediate", L.moe_intermediate) +
+                    ", not a multiple of group_size " + std::to_string(L.group_size));
+  }
+
+  // The canonical tensor table: gate, up, down; weight (then scales, biases when quantized),
+  // each at the previous end rounded up to 256.
+  const LayoutMath m(path);
+  std::vector<TensorEntry> want;
+  std::uint64_t at = 0;
+  auto add = [&](std::uint32_t matrix, std::uint32_t role, std::uint32_t rows, std::uint64_t cols,
+                 std::uint64_t elem) {
+    at = m.align(at, 256, "record_bytes");
+    const std::uint64_t nbytes = m.mul(m.mul(rows, cols, "record_bytes"), elem, "record_bytes");
+    // cols is at most a u32 (a quantized row has fewer words than elements).
+    want.push_back(TensorEntry{matrix, role, at, nbytes, rows, std::uint32_t(cols)});
+    at = m.add(at, nbytes, "record_bytes");
+  };
+  for (std::uint32_t mat = 0; mat < 3; ++mat) {
+    const std::uint32_t rows = mat == 2 ? L.hidden : L.moe_intermediate;
+    const std::uint32_t cols = mat == 2 ? L.moe_intermediate : L.hidden;
+    if (!quant) {
+      add(mat, 0, rows, cols, float_bytes(fmt));
+    } else {
+      const std::uint64_t bits = fmt == 3 ? 4 : 8;
+      add(mat, 0, rows, std::uint64_t(cols) * bits / 32, 4);  // cols % 32 == 0 (group_size)
+      add(mat, 1, rows, cols / L.group_size, float_bytes(L.scale_format));
+      add(mat, 2, rows, cols / L.group_size, float_bytes(L.scale_format));
+    }
+  }
+  const std::uint64_t keys = std::uint64_t(L.n_layers) * L.n_experts;  // <= 2^28
+  const std::uint64_t record_bytes = at;
+  const std::uint64_t stride = m.align(record_bytes, kPage, "record_stride");
+  const std::uint64_t router_offset =
+      m.align(m.add(kHeaderBytes, L.meta_bytes, "meta_bytes"), kPage, "meta_bytes");
+  const std::uint64_t router_bytes = m.mul(m.mul(keys, L.hidden, "router_bytes"), 4, "router_bytes");
+  const std::uint64_t checksum_offset =
+      m.align(m.add(router_offset, router_bytes, "checksum_offset"), kPage, "checksum_offset");
+  const std::uint64_t checksum_bytes = keys * 4;
+  const std::uint64_t records_offset =
+      m.align(m.add(checksum_offset, checksum_bytes, "records_offset"), kPage, "records_offset");
+  const std::uint64_t file_bytes =
+      m.add(records_offset, m.mul(keys, stride, "file_bytes"), "file_bytes");
+
+  const std::pair<const char*, std::pair<std::uint64_t, std::uint64_t>> derived[] = {
+      {"record_bytes", {L.record_bytes, record_bytes}},
+      {"record_stride", {L.record_stride, stride}},
+      {"meta_offset", {L.meta_offset, kHeaderBytes}},
+      {"router_offset", {L.router_offset, router_offset}},
+      {"router_bytes", {L.router_bytes, router_bytes}},
+      {"checksum_offset", {L.checksum_offset, checksum_offset}},
+      {"checksum_bytes", {L.checksum_bytes, checksum_bytes}},
+      {"records_offset", {L.records_offset, records_offset}},
+      {"file_bytes", {L.file_bytes, file_bytes}},
+      {"n_tensors", {n_tensors, want.size()}},
+  };
+  for (const auto& [name, v] : derived)
+    if (v.first != v.second)
+      bad(path, field_value(name, v.first) + " but the geometry and format imply " +
+                    std::to_string(v.second));
+
+  static const char* const kTensorFields[] = {"matrix", "role", "offset", "nbytes", "rows", "cols"};
+  for (std::uint32_t i = 0; i < n_tensors; ++i) {
+    const unsigned char* t = h + 144 + 32 * i;
+    const TensorEntry e{load<std::uint32_t>(t), load<std::uint32_t>(t + 4),
+                        load<std::uint64_t>(t + 8), load<std::uint64_t>(t + 16),
+                        load<std::uint32_t>(t + 24), load<std::uint32_t>(t + 28)};
+    const TensorEntry& w = want[i];
+    const std::uint64_t got[] = {e.matrix, e.role, e.offset, e.nbytes, e.rows, e.cols};
+    const std::uint64_t exp[] = {w.matrix, w.role, w.offset, w.nbytes, w.rows, w.cols};
+    for (int f = 0; f < 6; ++f)
+      if (got[f] != exp[f])
+        bad(path, "tensor table entry " + std::to_string(i) + " field " + kTensorFields[f] +
+                      " is " + std::to_string(got[f]) + " but the geometry and format imply " +
+                      std::to_string(exp[f]));
+    L.tensors.push_back(e);
+  }
   if (actual != L.file_bytes)
     bad(path, "file is " + std::to_string(actual) + " bytes but header field file_bytes says " +
                   std::to_string(L.file_bytes) + (actual < L.file_bytes ? " (truncated?)" : ""));
-
-  // Tensor table: ordered, 256-aligned, within record_bytes, sizes matching the shapes.
-  std::uint64_t end = 0;
-  for (std::uint32_t i = 0; i < n_tensors; ++i) {
-    const unsigned char* t = h + 144 + 32 * i;
-    TensorEntry e{load<std::uint32_t>(t), load<std::uint32_t>(t + 4), load<std::uint64_t>(t + 8),
-                  load<std::uint64_t>(t + 16), load<std::uint32_t>(t + 24),
-                  load<std::uint32_t>(t + 28)};
-    std::uint32_t want_matrix = quant ? i / 3 : i, want_role = quant ? i % 3 : 0;
-    std::string name = "tensor " + std::to_string(i);
-    if (e.matrix != want_matrix || e.role != want_role) bad(path, name + " out of order");
-    if (e.offset % 256 || e.offset < end) bad(path, name + " offset misaligned or overlapping");
-    std::uint32_t rows = e.matrix == 2 ? L.hidden : L.moe_intermediate;
-    std::uint32_t cols = e.matrix == 2 ? L.moe_intermediate : L.hidden;
-    std::uint64_t want_cols, eb;
-    if (!quant) {
-      want_cols = cols;
-      eb = element_bytes(fmt);
-    } else if (e.role == 0) {
-      want_cols = std::uint64_t(cols) * (fmt == 3 ? 4 : 8) / 32;
-      eb = 4;
-    } else {
-      want_cols = cols / L.group_size;
-      eb = element_bytes(L.scale_format);
-    }
-    if (e.rows != rows || e.cols != want_cols || e.nbytes != rows * want_cols * eb)
-      bad(path, name + " shape or size disagrees with the geometry");
-    end = e.offset + e.nbytes;
-    L.tensors.push_back(e);
-  }
-  if (end > L.record_bytes) bad(path, "tensors extend past record_bytes");
   return L;
 }
 

@@ -14,6 +14,9 @@ constexpr std::uint64_t kPage = 16384;       // Apple SSD page; O_DIRECT-safe on
 constexpr std::uint64_t kDirectAlign = 4096;  // O_DIRECT length/offset granularity
 constexpr std::uint32_t kHeaderBytes = 4096;
 constexpr std::uint32_t kPackVersion = 2;  // 1 had zlib CRC-32 record checksums
+// The engine's limits, inside the format's u32 fields: every key fits the u32 smap index.
+constexpr std::uint32_t kMaxLayers = 4096;
+constexpr std::uint32_t kMaxExperts = 65536;
 
 enum class WeightFormat : std::uint32_t { F32 = 0, F16 = 1, BF16 = 2, Q4 = 3, Q8 = 4 };
 enum class Routing : std::uint32_t { SoftmaxTopk = 0, TopkSoftmax = 1 };
@@ -47,7 +50,10 @@ struct PackLayout {
 };
 
 // Parses and validates the header of `path`. Throws EngineError(Pack) naming the file and the
-// field on bad magic, version, crc, inconsistent offsets or a file size that disagrees.
+// field on bad magic, version, crc, a file size that disagrees, or any field that differs from
+// the canonical layout its geometry, format and meta_bytes imply (docs/pack-format.md): as strict
+// as the Python reader's parse_header, so a crafted header (with a valid crc) cannot put a
+// tensor outside its record or a record outside the file.
 PackLayout read_pack_layout(const std::string& path);
 
 // Decodes a header from bytes already in memory (used by read_pack_layout and the tests).
@@ -91,5 +97,7 @@ class PackFile {
 
 // zlib's CRC-32: the header, metadata and router checksums (record checksums are CRC32C).
 std::uint32_t crc32_bytes(const void* data, std::size_t n);
+// The header_crc a parser expects for these 4096 header bytes (covers bytes [0, 4092)).
+std::uint32_t header_crc(const unsigned char* header);
 
 }  // namespace strata

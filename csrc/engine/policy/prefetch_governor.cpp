@@ -27,10 +27,11 @@ const char* to_string(GovernorState s) {
 PrefetchGovernor::PrefetchGovernor(const GovernorOptions& options)
     : opt_(options), trial_every_(options.trial_every), closed_for_(options.closed_epochs) {
   if (opt_.epoch == 0 || opt_.probe_cap == 0 || opt_.max_probe_epochs == 0 ||
-      (opt_.trial_every > 0 && opt_.trial_epochs == 0))
+      (opt_.trial_every > 0 && (opt_.trial_epochs == 0 || opt_.trial_arm_max == 0)))
     throw EngineError(ErrorKind::Config,
                       "prefetch governor: epoch, probe_cap, max_probe_epochs and (with trials) "
-                      "trial_epochs must be positive");
+                      "trial_epochs and trial_arm_max must be positive");
+  if (opt_.deterministic) trial_every_ = 0;  // trials compare wall time
   if (!(opt_.trial_margin >= 0))
     throw EngineError(ErrorKind::Config, "prefetch governor: trial_margin must be >= 0");
   if (!(opt_.idle_precision >= 0 && opt_.idle_precision <= 1 && opt_.busy_precision >= 0 &&
@@ -56,18 +57,25 @@ static bool arm_is_off(std::uint32_t i) { return i % 4 == 0 || i % 4 == 3; }
 void PrefetchGovernor::begin_trial() {
   state_ = GovernorState::Trial;
   arm_ = 0;
-  arm_handshakes_ = 0;
+  arm_decode_ = arm_handshakes_ = 0;
   cap_ = 0;
   for (auto& a : arm_wall_) a = {0, 0};
   start_epoch();
 }
 
 void PrefetchGovernor::trial_sample(const GovernorSample& s) {
-  auto& a = arm_wall_[arm_is_off(arm_) ? 0 : 1];
-  a.first += s.wall_ns;
-  ++a.second;
-  if (++arm_handshakes_ < opt_.epoch) return;
-  arm_handshakes_ = 0;
+  if (s.decode) {  // only decode time is compared
+    auto& a = arm_wall_[arm_is_off(arm_) ? 0 : 1];
+    a.first += s.wall_ns;
+    ++a.second;
+    ++arm_decode_;
+  }
+  ++arm_handshakes_;
+  // Any handshake counts toward the arm's length: prompt-only traffic ends it too.
+  if (arm_decode_ < opt_.epoch &&
+      arm_handshakes_ < std::uint64_t(opt_.epoch) * opt_.trial_arm_max)
+    return;
+  arm_decode_ = arm_handshakes_ = 0;
   if (++arm_ < 2 * opt_.trial_epochs)
     cap_ = arm_is_off(arm_) ? 0 : kUnlimited;
   else
@@ -75,13 +83,18 @@ void PrefetchGovernor::trial_sample(const GovernorSample& s) {
 }
 
 void PrefetchGovernor::end_trial() {
+  start_epoch();
+  if (arm_wall_[0].second == 0 || arm_wall_[1].second == 0) {
+    ++abandoned_trials_;  // an arm kind saw no decode call: nothing to compare
+    open();
+    return;
+  }
   ++trials_;
   auto mean = [](const std::pair<std::uint64_t, std::uint64_t>& a) {
     return double(a.first) / double(std::max<std::uint64_t>(a.second, 1));
   };
   last_wall_off_ = mean(arm_wall_[0]);
   last_wall_on_ = mean(arm_wall_[1]);
-  start_epoch();
   if (last_wall_on_ > last_wall_off_ * (1 + opt_.trial_margin)) {
     ++cuts_;  // speculation costs more time than it hides: off, probe again later
     state_ = GovernorState::Closed;
@@ -97,8 +110,8 @@ void PrefetchGovernor::end_trial() {
 }
 
 void PrefetchGovernor::observe(const GovernorSample& s) {
-  if (state_ == GovernorState::Trial) {  // only decode time counts; precision waits
-    if (s.decode) trial_sample(s);
+  if (state_ == GovernorState::Trial) {  // precision waits; see trial_sample
+    trial_sample(s);
     return;
   }
   if (state_ == GovernorState::Open) {
@@ -138,7 +151,10 @@ void PrefetchGovernor::observe(const GovernorSample& s) {
 
 void PrefetchGovernor::judge() {
   const double precision = std::min(1.0, double(used_) / double(issued_));
-  const double busy = missed_ ? double(contended_) / double(missed_) : 0.0;
+  // Deterministic mode: contention is timing, so assume it (the stricter bar).
+  const double busy = opt_.deterministic ? 1.0
+                      : missed_          ? double(contended_) / double(missed_)
+                                         : 0.0;
   const double bar = busy >= opt_.busy_fraction ? opt_.busy_precision : opt_.idle_precision;
   last_precision_ = precision;
   last_busy_ = busy;

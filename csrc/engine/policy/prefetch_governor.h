@@ -26,8 +26,13 @@
 // 2 * trial_epochs epochs' worth of decode handshakes alternately without and with
 // speculation, in the order off, on, on, off (ABBA: the load on a shared SSD drifts, and a
 // drift linear over the trial then weighs both arms alike), and compares the arms' mean wall
-// time of a decode layer call. Decode only: a prompt chunk's time is of another scale (prompt
-// handshakes during a trial keep the arm's cap). The whole call, not only the urgent stall:
+// time of a decode layer call. Decode time only: a prompt chunk's time is of another scale
+// (prompt handshakes during a trial keep the arm's cap and add no time). But every handshake
+// counts toward an arm's length: an arm ends after `epoch` decode handshakes or
+// `trial_arm_max` epochs' worth of handshakes of any kind, whichever comes first, so a
+// prompt-only stretch cannot hold speculation in an off arm forever. A trial in which an arm
+// kind saw no decode handshake at all has nothing to compare: it is abandoned (back to Open, no
+// verdict, the interval unchanged). The whole call, not only the urgent stall:
 // wasted reads also cost through later layers' stalls and, on a small machine, through the
 // CPU the IO path takes from the kernels. If a call with prefetch takes more than
 // (1 + trial_margin) times one without, speculation costs more than it hides: Closed. A trial
@@ -46,6 +51,13 @@
 // `typical` is the judged epoch's new speculative reads per handshake, rounded up: the cap
 // starts from what the unthrottled policy actually issued (a few in decode, many in a prompt).
 // `peak`, the most one handshake started while Open, is where raising reopens fully.
+//
+// Deterministic mode (`deterministic`, set by the Window when it settles IO for moce with
+// PUBLISH_PREFETCH=0): the cap must then be a function of the call history alone, because it
+// decides which experts are read and so what moce routing sees. Issued, used and missed are
+// (residency is settled at every host point); wall time and `contended` are not. So no trials
+// run, and every judgement uses the busy bar (busy_precision), as if each miss had waited
+// behind speculation, which in decode it nearly always does.
 //
 // Not thread-safe: the Window's host thread owns it (every Window method runs on one thread).
 #pragma once
@@ -78,6 +90,9 @@ struct GovernorOptions {
   std::uint32_t trial_every_max = 256; // ...doubling after each trial prefetch passes
   std::uint32_t trial_epochs = 2;      // epochs per arm kind: 2 off + 2 on per trial
   double trial_margin = 0.1;           // noise between epochs the trial tolerates
+  std::uint32_t trial_arm_max = 4;     // epochs' worth of handshakes of any kind an arm may last
+  // Timing-free: no trials, contention assumed (see "Deterministic mode" above).
+  bool deterministic = false;
 };
 
 // One handshake as the governor sees it. `issued` and `used` are deltas of the stream's
@@ -111,7 +126,8 @@ class PrefetchGovernor {
   std::uint64_t probes() const { return probes_; }
   double last_precision() const { return last_precision_; }  // -1 before the first judgement
   double last_busy() const { return last_busy_; }            // -1 before the first judgement
-  std::uint64_t trials() const { return trials_; }
+  std::uint64_t trials() const { return trials_; }  // trials that reached a verdict
+  std::uint64_t abandoned_trials() const { return abandoned_trials_; }  // no decode in an arm
   // Mean wall time (ns) of a decode layer call with and without speculation, last trial.
   double last_wall_on() const { return last_wall_on_; }    // -1 before the first trial
   double last_wall_off() const { return last_wall_off_; }  // -1 before the first trial
@@ -138,14 +154,16 @@ class PrefetchGovernor {
   std::uint64_t issued_ = 0, used_ = 0, missed_ = 0, contended_ = 0;
 
   // Trials. on_handshakes_: decode handshakes Open since open(); arm_: the arm running;
+  // arm_decode_ / arm_handshakes_: its decode handshakes / handshakes of any kind so far;
   // arm_wall_[off=0 / on=1]: summed wall ns and decode handshakes of each kind of arm.
   std::uint32_t trial_every_;
-  std::uint32_t arm_ = 0, arm_handshakes_ = 0;
+  std::uint32_t arm_ = 0, arm_decode_ = 0, arm_handshakes_ = 0;
   std::pair<std::uint64_t, std::uint64_t> arm_wall_[2] = {};
   std::uint32_t closed_for_;  // epochs Closed lasts now
   std::uint64_t on_handshakes_ = 0;
 
   std::uint64_t epochs_ = 0, cuts_ = 0, raises_ = 0, probes_ = 0, trials_ = 0;
+  std::uint64_t abandoned_trials_ = 0;
   double last_precision_ = -1, last_busy_ = -1, last_wall_on_ = -1, last_wall_off_ = -1;
 };
 

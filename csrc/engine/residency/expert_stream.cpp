@@ -6,25 +6,16 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <optional>
 #include <sstream>
 
 #include "common/check.h"
 #include "common/errors.h"
 #include "common/timing.h"
 #include "pack/checksum.h"
+#include "residency/smap.h"
 
 namespace strata {
-namespace {
-
-// Every smap access goes through these two, so the device side never races the host.
-inline void smap_store(std::uint32_t* smap, std::uint32_t key, std::uint32_t v) {
-  std::atomic_ref<std::uint32_t>(smap[key]).store(v, std::memory_order_release);
-}
-inline std::uint32_t smap_load(const std::uint32_t* smap, std::uint32_t key) {
-  return std::atomic_ref<const std::uint32_t>(smap[key]).load(std::memory_order_acquire);
-}
-
-}  // namespace
 
 const char* to_string(ReadClass c) {
   switch (c) {
@@ -377,7 +368,7 @@ RequestResult ExpertStream::request_locked(Lock& lk, std::uint32_t layer,
   const std::uint32_t E = layout().n_experts;
   const bool speculative = cls != ReadClass::Urgent;
   RequestResult r;
-  auto deadline = Clock::now() + std::chrono::duration<double>(opt_.io_timeout_s);
+  std::optional<ReadProgress> progress;  // from the first wait for a slot
   for (std::size_t i = 0; i < n; ++i) {
     const std::uint32_t key = layer * E + std::uint32_t(experts[i]);
     if (speculative)
@@ -434,12 +425,15 @@ RequestResult ExpertStream::request_locked(Lock& lk, std::uint32_t layer,
       }
       if (!something_moves || threads_.empty())
         throw EngineError(ErrorKind::ArenaFull, describe_full());
-      if (Clock::now() > deadline)
-        throw EngineError(ErrorKind::Timeout, "timed out waiting for a free arena slot");
+      if (!progress) progress = read_progress();
       lk.unlock();
       wake_io();
       lk.lock();
-      done_cv_.wait_for(lk, std::chrono::milliseconds(20));
+      if (!await_part(lk, *progress))
+        throw EngineError(ErrorKind::Timeout,
+                          "timed out after " + std::to_string(opt_.io_timeout_s) +
+                              " s with no read progress waiting for a free arena slot for layer " +
+                              std::to_string(layer) + " expert " + std::to_string(experts[i]));
       if (interrupt) {
         lk.unlock();
         interrupt();
@@ -948,10 +942,22 @@ std::uint32_t ExpertStream::smap_at(std::uint32_t key) const {
   return smap_load(smap_.get(), key);
 }
 
-std::int32_t ExpertStream::where(std::uint32_t key) const {
-  if (key >= layout().n_keys()) throw std::out_of_range("key out of range");
+std::uint32_t ExpertStream::key(std::int64_t layer, std::int64_t expert) const {
+  const PackLayout& L = layout();  // immutable: no lock needed
+  if (layer < 0 || layer >= std::int64_t(L.n_layers))
+    throw EngineError(ErrorKind::Config, "layer " + std::to_string(layer) + " out of range [0, " +
+                                             std::to_string(L.n_layers) + ")");
+  if (expert < 0 || expert >= std::int64_t(L.n_experts))
+    throw EngineError(ErrorKind::Config, "expert " + std::to_string(expert) +
+                                             " out of range [0, " + std::to_string(L.n_experts) +
+                                             ")");
+  return std::uint32_t(layer) * L.n_experts + std::uint32_t(expert);
+}
+
+std::int32_t ExpertStream::where(std::int64_t layer, std::int64_t expert) const {
+  const std::uint32_t k = key(layer, expert);
   std::lock_guard<std::mutex> lk(mu_);
-  return where_[key];
+  return where_[k];
 }
 
 std::vector<SlotInfo> ExpertStream::slots() const {

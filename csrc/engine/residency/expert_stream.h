@@ -9,8 +9,9 @@
 // std::atomic_ref (release on store, acquire on load), so a device thread reading it
 // concurrently is race-free.
 //
-// Invariants I1-I10 of docs/architecture.md are asserted in debug builds (check_invariants) and driven by
-// tests/test_stream_state_machine.py.
+// Invariants I1-I10 of docs/architecture.md: each slot transition asserts the ones it relies on
+// (STRATA_ASSERT, on in debug and sanitizer builds); check_invariants() scans the whole table
+// for I1 and I3-I7 on demand, and tests/test_stream_state_machine.py calls it after every step.
 #pragma once
 
 #include <atomic>
@@ -106,8 +107,9 @@ class ExpertStream {
   static std::uint32_t min_slots(const PackLayout& L) { return 2 * L.top_k; }
 
   // ---- requests -------------------------------------------------------------------------
-  // Urgent: every expert becomes resident or loading, evicting if needed (waits, bounded, for an
-  // in-flight read when every slot is busy). Speculative: takes only free or evictable slots,
+  // Urgent: every expert becomes resident or loading, evicting if needed (waits for an in-flight
+  // read when every slot is busy: EngineError(Timeout) after io_timeout_s with no read
+  // progress, the rule of wait() and settle()). Speculative: takes only free or evictable slots,
   // never of the executing or next layer; stops at the first that finds none (I9).
   // max_new caps how many experts not already present it starts reading (speculative caps).
   RequestResult request(std::uint32_t layer, const std::int32_t* experts, std::size_t n,
@@ -167,7 +169,11 @@ class ExpertStream {
   // ---- views ----------------------------------------------------------------------------
   const std::uint32_t* smap() const { return smap_.get(); }
   std::uint32_t smap_at(std::uint32_t key) const;
-  std::int32_t where(std::uint32_t key) const;
+  // The smap index of (layer, expert). Throws EngineError(Config) naming the layer or expert
+  // out of range: an unchecked expert would alias another layer's key.
+  std::uint32_t key(std::int64_t layer, std::int64_t expert) const;
+  // The slot holding (layer, expert) in any state, or -1; range-checked as key().
+  std::int32_t where(std::int64_t layer, std::int64_t expert) const;
   std::vector<SlotInfo> slots() const;
   const StreamStats& stats() const { return stats_; }
   // Debug: verifies I1, I3-I7 over the whole table; returns "" or the first violation.
@@ -189,7 +195,10 @@ class ExpertStream {
   std::uint32_t retire_locked(std::uint32_t layer, const std::int32_t* chosen, std::size_t n);
   std::uint32_t release_limbo_locked();
   void check_experts(std::uint32_t layer, const std::int32_t* experts, std::size_t n) const;
-  // Bounded waits: io_timeout_s without any read progress is a timeout, however long the wait.
+  // Bounded waits, one rule for all three (wait(), settle() and an urgent request waiting for a
+  // free slot): io_timeout_s without any read progress (stats_.bytes_read unchanged) is a
+  // Timeout, however long the wait as a whole; a slow but moving SSD never times out, a stuck
+  // one always does.
   struct ReadProgress {
     Clock::time_point at;      // when bytes_read last moved
     std::uint64_t bytes_read;  // stats_.bytes_read then
