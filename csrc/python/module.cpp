@@ -169,6 +169,8 @@ PYBIND11_MODULE(_core, m) {
     py::buffer_info info = b.request();
     return crc32_bytes(info.ptr, std::size_t(info.size * info.itemsize));
   });
+  m.def("disposing", &ExpertStream::disposing,
+        "Closed streams a background thread still waits to free (a read was stuck).");
   m.def("read_layout", [](const std::string& path) { return layout_dict(read_pack_layout(path)); });
 
   py::class_<Stream>(m, "Stream")
@@ -226,6 +228,8 @@ PYBIND11_MODULE(_core, m) {
            })
       .def_property_readonly("closed", [](Stream& self) { return !self.s || self.s->closed(); })
       .def_property_readonly("n_clients", [](Stream& self) { return self.get().n_clients(); })
+      .def_property_readonly("clients_waiting_for_space",
+                             [](Stream& self) { return self.get().clients_waiting_for_space(); })
       .def_property_readonly("n_slots", [](Stream& self) { return self.get().n_slots(); })
       .def_property_readonly("n_parts", [](Stream& self) { return self.get().n_parts(); })
       .def_property_readonly("layout", [](Stream& self) { return layout_dict(self.get().layout()); })

@@ -430,8 +430,13 @@ std::vector<std::int32_t> Window::take_routes() {
 }
 
 std::uint32_t Window::wave_capacity() const {
-  // Leave one top-k of room so that the next layer's prefetches are not all evicted.
-  return stream_.n_slots() - L_.top_k;
+  // Windows sharing the stream share the arena: each gets an equal part, and leaves one top-k
+  // of it for the next layer's prefetches. Then the experts every Window keeps for its executing
+  // layer add up to at most n_slots - windows * top_k, so Windows all waiting for space always
+  // find a victim among the rest (no deadlock) as long as the arena holds 2 * top_k per Window.
+  const std::uint32_t windows = std::uint32_t(std::max<std::size_t>(1, stream_.n_clients()));
+  const std::uint32_t share = stream_.n_slots() / windows;
+  return std::max(L_.top_k, share > L_.top_k ? share - L_.top_k : 0u);
 }
 
 void Window::moe(std::uint32_t layer, const float* x, std::uint32_t rows, float* out,

@@ -204,6 +204,13 @@ std::size_t ExpertStream::n_clients() const {
   return clients_.size() - 1;
 }
 
+std::size_t ExpertStream::clients_waiting_for_space() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  std::size_t n = 0;
+  for (const auto& [id, p] : clients_) n += p.waiting_for_space;
+  return n;
+}
+
 ProtectionSet& ExpertStream::client_locked(ClientId who) {
   auto it = clients_.find(who);
   if (it == clients_.end())

@@ -121,6 +121,8 @@ class ExpertStream {
   // Unregisters the client (released first). Waits while close() is calling its hook.
   void close_client(ClientId who);
   std::size_t n_clients() const;  // registered clients, the stream's own excluded
+  // Clients whose urgent request is blocked waiting for another client to release a slot.
+  std::size_t clients_waiting_for_space() const;
 
   const PackLayout& layout() const { return file_->layout(); }
   const PackFile& file() const { return *file_; }
