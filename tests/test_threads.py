@@ -7,6 +7,7 @@ run (and, once, the numpy oracle), as in test_window.py (I11).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 from collections.abc import Callable
@@ -109,7 +110,10 @@ def test_two_windows_on_two_threads_stay_bitwise_exact(
     for _ in range(6):  # repeated: interleavings differ from round to round
         with ExpertStream(pack, cfg) as stream:
             windows = [Window(stream, threads=1) for _ in range(2)]
-            workers = [Worker(lambda w=w, s=s: run_window(w, s)) for w, s in zip(windows, seqs)]
+            workers = [
+                Worker(lambda w=w, s=s: run_window(w, s))
+                for w, s in zip(windows, seqs, strict=True)
+            ]
             for t in workers:
                 t.start()
             got = [t.finish() for t in workers]
@@ -125,7 +129,9 @@ def test_two_windows_agree_with_the_numpy_oracle(pack: Path) -> None:
     seqs = [random_turns(200 + i, [3, 1], L, H) for i in range(2)]
     with ExpertStream(pack, config(pack, 3 * K, io_timeout_s=30.0)) as stream:
         windows = [Window(stream, threads=1) for _ in range(2)]
-        workers = [Worker(lambda w=w, s=s: run_window(w, s)) for w, s in zip(windows, seqs)]
+        workers = [
+            Worker(lambda w=w, s=s: run_window(w, s)) for w, s in zip(windows, seqs, strict=True)
+        ]
         for t in workers:
             t.start()
         got = [t.finish() for t in workers]
@@ -232,7 +238,11 @@ def test_close_from_another_thread_waits_for_the_layer_in_flight(pack: Path, spl
             entered = threading.Event()
             outputs: list[np.ndarray] = []
 
-            def turns(w: Window = w, entered: threading.Event = entered) -> None:
+            def turns(
+                w: Window = w,
+                entered: threading.Event = entered,
+                outputs: list[np.ndarray] = outputs,
+            ) -> None:
                 for _ in range(1000):  # until close() fails a turn
                     with w.turn():
                         for layer, x in enumerate(xs):
@@ -252,8 +262,7 @@ def test_close_from_another_thread_waits_for_the_layer_in_flight(pack: Path, spl
             stream.clear_faults()
             with Window(stream) as again:  # the stream stays usable
                 assert all(
-                    np.array_equal(a, b)
-                    for a, b in zip(run_window(again, [xs]), want, strict=True)
+                    np.array_equal(a, b) for a, b in zip(run_window(again, [xs]), want, strict=True)
                 )
 
 
@@ -290,17 +299,16 @@ def test_concurrent_closes_are_safe(pack: Path) -> None:
     for _ in range(5):
         stream = ExpertStream(pack, config(pack, 3 * K))
         windows = [Window(stream, threads=1) for _ in range(2)]
-        runner = Worker(lambda: [run_window(windows[0], [xs]) for _ in range(3)])
+        first = windows[0]
+        runner = Worker(lambda first=first: [run_window(first, [xs]) for _ in range(3)])
         closers = [Worker(w.close) for w in windows] + [Worker(stream.close) for _ in range(3)]
         runner.start()
         for c in closers:
             c.start()
         for c in closers:
             c.finish()
-        try:
+        with contextlib.suppress(StreamClosedError):
             runner.finish()
-        except StreamClosedError:
-            pass
         assert stream.closed and all(w.closed for w in windows)
         assert stream._s.closed
 
@@ -344,19 +352,21 @@ def test_a_destroyed_window_ends_its_turn_on_the_stream(pack: Path) -> None:
 
 def test_a_stuck_read_does_not_hang_close(pack: Path) -> None:
     core = strata_stream.stream._core()
-    stream = ExpertStream(pack, config(pack, io_timeout_s=0.3, io_threads=1))
-    stream.inject_fault(0, 3, kind="delay", delay_s=2.0)
-    stream.request(0, [3])
+    streams = [ExpertStream(pack, config(pack, io_timeout_s=0.3, io_threads=1))]
+    s = streams[0]
+    s.inject_fault(0, 3, kind="delay", delay_s=2.0)
+    s.request(0, [3])
     wait_until(
-        lambda: int(stream.slot_table()["parts_started"][stream.where(0, 3) or 0]) > 0,
+        lambda s=s: int(s.slot_table()["parts_started"][s.where(0, 3) or 0]) > 0,
         "the read started",
     )
     with pytest.warns(RuntimeWarning, match="layer 0 expert 3"):
-        stream.close()  # bounded by io_timeout_s, not by the stuck read
-    assert stream.closed
+        s.close()  # bounded by io_timeout_s, not by the stuck read
+    assert s.closed
     with pytest.raises(StreamClosedError):
-        stream.request(0, [4])
-    del stream
+        s.request(0, [4])
+    del s
+    streams.clear()
     gc.collect()  # the read still runs: the stream is freed by a background thread
     wait_until(lambda: core.disposing() == 0, "the stuck stream was freed")
 

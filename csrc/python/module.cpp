@@ -40,7 +40,7 @@ struct Stream {
   Stream(Stream&&) = default;
   ~Stream() {
     if (!s) return;
-    const double bound = s->closed() ? 0.0 : 1.0;  // a closed one already waited its bound
+    const double bound = s->closed() ? 0.0 : 0.25;  // a closed one already waited its bound
     ExpertStream::dispose(std::move(s), bound);
   }
 

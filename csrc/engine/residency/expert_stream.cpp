@@ -113,6 +113,11 @@ bool ExpertStream::close(double bound_s) {
     // Clients first, each while its IO still runs: a Window's layer in flight finishes (or fails
     // on its own bounds), then the Window fails its turn with Closed and frees its device.
     std::lock_guard<std::mutex> hooks(clients_mu_);
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      closing_clients_ = true;
+    }
+    done_cv_.notify_all();
     for (auto& [id, on_close] : closers_) on_close();
     std::lock_guard<std::mutex> lk(mu_);
     closing_ = true;  // under clients_mu_ too: no client registers after its hook ran
@@ -576,6 +581,9 @@ RequestResult ExpertStream::request_locked(Lock& lk, ClientId who, std::uint32_t
           break;
         }
       }
+      if (closing_clients_ && !something_moves)
+        throw EngineError(ErrorKind::Closed, "the ExpertStream is closing: no Window will release "
+                                             "a slot for this read");
       const bool others_may_release = another_client_may_release(who);
       if ((!something_moves || threads_.empty()) && !others_may_release)
         throw EngineError(ErrorKind::ArenaFull, describe_full(who));

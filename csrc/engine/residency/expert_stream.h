@@ -323,6 +323,9 @@ class ExpertStream {
   std::map<ClientId, ProtectionSet> clients_;
   std::uint32_t next_client_ = 1;  // mu_: the next ClientId handed out
   bool closing_ = false;             // mu_: set once by close(); no request or client after it
+  // mu_: close() is closing the clients: a request waiting for another client to release a slot
+  // gives up (Closed) instead of waiting out io_timeout_s for a Window that is being closed.
+  bool closing_clients_ = false;
   std::uint32_t live_io_ = 0;        // mu_: IO threads that have not returned yet
   std::condition_variable exit_cv_;  // an IO thread returned
   // clients_mu_: close hooks of the registered clients. close() calls them holding clients_mu_
