@@ -1,9 +1,15 @@
 // strata_stream._core: the pybind11 face of the engine. Thin on purpose: argument conversion,
-// GIL release around every wait, and errors mapped onto strata_stream.errors.
+// GIL release around every wait, and errors mapped onto strata_stream.errors. Every binding
+// validates its own arguments (ndim, shape, dtype, contiguity, ranges): the Python wrappers are
+// a convenience, not a guard. Calls with many options take them as keywords only, so two flags
+// can never be swapped by position.
+#include <pybind11/native_enum.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <climits>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -25,16 +31,75 @@ void check_signals() {
   if (PyErr_CheckSignals() != 0) throw py::error_already_set();
 }
 
-using IntArray = py::array_t<std::int32_t, py::array::c_style | py::array::forcecast>;
-
+// The engine's stream behind a Python object. Its IO threads are told to stop when the object
+// goes; one stuck in a read keeps the stream (and its arena) alive on a background thread until
+// the read returns, instead of blocking the garbage collector with the GIL held.
 struct Stream {
   std::unique_ptr<ExpertStream> s;
+
+  Stream() = default;
+  explicit Stream(std::unique_ptr<ExpertStream> p) : s(std::move(p)) {}
+  Stream(Stream&&) = default;
+  ~Stream() {
+    if (!s) return;
+    const double bound = s->closed() ? 0.0 : 0.25;  // a closed one already waited its bound
+    ExpertStream::dispose(std::move(s), bound);
+  }
 
   ExpertStream& get() {
     if (!s) throw EngineError(ErrorKind::Closed, "ExpertStream is closed");
     return *s;
   }
 };
+
+// Destroys a Window without the GIL: its destructor may wait for the stream's close() to finish
+// calling close hooks, and another Window's layer in flight needs the GIL to poll for Ctrl-C.
+struct WindowDeleter {
+  void operator()(Window* w) const {
+    if (Py_IsInitialized() && PyGILState_Check()) {
+      py::gil_scoped_release nogil;
+      delete w;
+    } else {
+      delete w;
+    }
+  }
+};
+using WindowHolder = std::unique_ptr<Window, WindowDeleter>;
+
+std::string dtype_name(const py::array& a) { return py::str(a.dtype()).cast<std::string>(); }
+
+// Expert ids from a 0-d or 1-d integer array (or a sequence), copied while the GIL is held so
+// that another thread writing the caller's array cannot change them after they were checked.
+// Ranges against the pack (layer, n_experts) are the engine's to check; here: representable.
+std::vector<std::int32_t> ids_arg(const py::handle& obj, const char* what) {
+  py::array a = py::array::ensure(obj);
+  if (!a) throw py::type_error(std::string(what) + ": expected an array of expert ids");
+  if (a.ndim() > 1)
+    throw py::value_error(std::string(what) + ": expected a 1-D array of expert ids, got " +
+                          std::to_string(a.ndim()) + " dimensions");
+  if (a.size() == 0) return {};
+  const char kind = a.dtype().kind();
+  if (kind != 'i' && kind != 'u')
+    throw py::type_error(std::string(what) + ": expert ids must be integers, got dtype " +
+                         dtype_name(a));
+  auto wide = py::array_t<std::int64_t, py::array::c_style | py::array::forcecast>::ensure(a);
+  if (!wide) throw py::type_error(std::string(what) + ": expert ids must fit in int64");
+  std::vector<std::int32_t> out(std::size_t(wide.size()));
+  const std::int64_t* v = wide.data();
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    if (v[i] < 0 || v[i] > INT32_MAX)
+      throw py::index_error(std::string(what) + ": expert " + std::to_string(v[i]) +
+                            " out of range");
+    out[i] = std::int32_t(v[i]);
+  }
+  return out;
+}
+
+void require_finite_positive(double v, const char* what) {
+  if (!(v > 0) || !std::isfinite(v))
+    throw EngineError(ErrorKind::Config,
+                      std::string(what) + " must be positive and finite, got " + std::to_string(v));
+}
 
 py::dict layout_dict(const PackLayout& L) {
   py::dict d;
@@ -78,6 +143,7 @@ PYBIND11_MODULE(_core, m) {
         case ErrorKind::Closed: name = "StreamClosedError"; break;
         case ErrorKind::Timeout: name = "StreamTimeoutError"; break;
         case ErrorKind::ArenaFull: name = "ArenaFullError"; break;
+        case ErrorKind::Turn: name = "TurnError"; break;
       }
       py::object cls = py::module_::import("strata_stream.errors").attr(name);
       PyErr_SetString(cls.ptr(), e.what());
@@ -85,10 +151,27 @@ PYBIND11_MODULE(_core, m) {
   });
 
   m.attr("ABSENT") = kAbsent;
+  py::native_enum<ReadClass>(m, "ReadClass", "enum.IntEnum",
+                             "Why a read was issued; the IO queue serves lower values first.")
+      .value("URGENT", ReadClass::Urgent)
+      .value("PRED1", ReadClass::Pred1)
+      .value("PRED2", ReadClass::Pred2)
+      .value("PROFILE", ReadClass::Profile)
+      .finalize();
+  py::native_enum<SlotState>(m, "SlotState", "enum.IntEnum", "An arena slot's state (slot.h).")
+      .value("FREE", SlotState::Free)
+      .value("QUEUED", SlotState::Queued)
+      .value("READING", SlotState::Reading)
+      .value("COMPLETE", SlotState::Complete)
+      .value("LIMBO", SlotState::Limbo)
+      .value("FAILED", SlotState::Failed)
+      .finalize();
   m.def("crc32", [](py::buffer b) {
     py::buffer_info info = b.request();
     return crc32_bytes(info.ptr, std::size_t(info.size * info.itemsize));
   });
+  m.def("disposing", &ExpertStream::disposing,
+        "Closed streams a background thread still waits to free (a read was stuck).");
   m.def("read_layout", [](const std::string& path) { return layout_dict(read_pack_layout(path)); });
 
   py::class_<Stream>(m, "Stream")
@@ -96,6 +179,11 @@ PYBIND11_MODULE(_core, m) {
                        std::uint64_t part_bytes, bool direct_io, bool verify_reads,
                        double io_timeout_s, bool publish_prefetch, bool simulate_io,
                        const std::string& eviction) {
+             if (arena_bytes == 0) throw EngineError(ErrorKind::Config, "arena_bytes must be positive");
+             if (io_threads > 256)
+               throw EngineError(ErrorKind::Config, "io_threads must be 0..256, got " +
+                                                        std::to_string(io_threads));
+             require_finite_positive(io_timeout_s, "io_timeout_s");
              StreamOptions o;
              o.arena_bytes = arena_bytes;
              o.io_threads = io_threads;
@@ -113,17 +201,36 @@ PYBIND11_MODULE(_core, m) {
              py::gil_scoped_release nogil;
              return Stream{std::make_unique<ExpertStream>(path, o)};
            }),
-           py::arg("path"), py::arg("arena_bytes"), py::arg("io_threads"), py::arg("part_bytes"),
-           py::arg("direct_io"), py::arg("verify_reads"), py::arg("io_timeout_s"),
-           py::arg("publish_prefetch"), py::arg("simulate_io") = false,
+           py::arg("path"), py::kw_only(), py::arg("arena_bytes"), py::arg("io_threads"),
+           py::arg("part_bytes"), py::arg("direct_io"), py::arg("verify_reads"),
+           py::arg("io_timeout_s"), py::arg("publish_prefetch"), py::arg("simulate_io") = false,
            py::arg("eviction") = "decayed_lfu")
+      // Closes the Windows on the stream first (each waits for its layer in flight), then stops
+      // the IO threads, waiting at most io_timeout_s for a read in flight: a stuck one is left to
+      // finish on its own (the arena stays alive for it) with a RuntimeWarning naming it.
       .def("close",
            [](Stream& self) {
              if (!self.s) return;
-             py::gil_scoped_release nogil;
-             self.s->close();
+             ExpertStream& s = *self.s;
+             bool joined;
+             {
+               py::gil_scoped_release nogil;
+               joined = s.close(s.options().io_timeout_s);
+             }
+             if (!joined) {
+               const std::string msg =
+                   "ExpertStream.close(): an IO thread is still inside a read after "
+                   "io_timeout_s = " + std::to_string(s.options().io_timeout_s) +
+                   " s (" + s.describe_in_flight() +
+                   "); the stream is closed and its memory is kept until the read returns";
+               if (PyErr_WarnEx(PyExc_RuntimeWarning, msg.c_str(), 1) != 0)
+                 throw py::error_already_set();
+             }
            })
       .def_property_readonly("closed", [](Stream& self) { return !self.s || self.s->closed(); })
+      .def_property_readonly("n_clients", [](Stream& self) { return self.get().n_clients(); })
+      .def_property_readonly("clients_waiting_for_space",
+                             [](Stream& self) { return self.get().clients_waiting_for_space(); })
       .def_property_readonly("n_slots", [](Stream& self) { return self.get().n_slots(); })
       .def_property_readonly("n_parts", [](Stream& self) { return self.get().n_parts(); })
       .def_property_readonly("layout", [](Stream& self) { return layout_dict(self.get().layout()); })
@@ -131,23 +238,25 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("direct_note",
                              [](Stream& self) { return self.get().file().direct_note(); })
       .def("request",
-           [](Stream& self, std::uint32_t layer, IntArray experts, int cls) {
+           [](Stream& self, std::uint32_t layer, const py::object& experts, ReadClass cls) {
              auto& s = self.get();
-             if (cls < 0 || cls >= kReadClasses) throw std::invalid_argument("bad read class");
+             const std::vector<std::int32_t> ids = ids_arg(experts, "request");
              RequestResult r;
              {
                py::gil_scoped_release nogil;
-               r = s.request(layer, experts.data(), std::size_t(experts.size()),
-                             static_cast<ReadClass>(cls), check_signals);
+               r = s.request(layer, ids.data(), ids.size(), cls, check_signals);
              }
              return py::make_tuple(r.hits, r.misses, r.dropped);
-           })
+           },
+           py::arg("layer"), py::arg("experts"), py::arg("cls"))
       .def("wait",
-           [](Stream& self, std::uint32_t layer, IntArray experts) {
+           [](Stream& self, std::uint32_t layer, const py::object& experts) {
              auto& s = self.get();
+             const std::vector<std::int32_t> ids = ids_arg(experts, "wait");
              py::gil_scoped_release nogil;
-             s.wait(layer, experts.data(), std::size_t(experts.size()), check_signals);
-           })
+             s.wait(layer, ids.data(), ids.size(), check_signals);
+           },
+           py::arg("layer"), py::arg("experts"))
       .def("publish",
            [](Stream& self, std::uint32_t layer) {
              auto& s = self.get();
@@ -155,28 +264,33 @@ PYBIND11_MODULE(_core, m) {
              return s.publish(layer);
            })
       .def("enter_layer",
-           [](Stream& self, std::uint32_t l, std::optional<IntArray> experts) {
-             if (experts)
-               self.get().enter_layer(l, experts->data(), std::size_t(experts->size()));
-             else
+           [](Stream& self, std::uint32_t l, const py::object& experts) {
+             if (experts.is_none()) {
                self.get().enter_layer(l);
+               return;
+             }
+             const std::vector<std::int32_t> ids = ids_arg(experts, "enter_layer");
+             self.get().enter_layer(l, ids.data(), ids.size());
            },
            py::arg("layer"), py::arg("experts") = py::none())
       .def("after_layer", [](Stream& self, std::uint32_t l) { self.get().after_layer(l); })
       .def("end_turn", [](Stream& self) { self.get().end_turn(); })
       .def("plan",
-           [](Stream& self, std::uint32_t layer, IntArray experts) {
-             py::array_t<std::uint8_t> out(experts.size());
-             self.get().plan(layer, experts.data(), std::size_t(experts.size()),
-                             out.mutable_data());
+           [](Stream& self, std::uint32_t layer, const py::object& experts) {
+             const std::vector<std::int32_t> ids = ids_arg(experts, "plan");
+             py::array_t<std::uint8_t> out(py::ssize_t(ids.size()));
+             self.get().plan(layer, ids.data(), ids.size(), out.mutable_data());
              return out;
-           })
+           },
+           py::arg("layer"), py::arg("experts"))
       .def("release_plan", [](Stream& self) { self.get().release_plan(); })
       .def("cancel", [](Stream& self, std::uint32_t l, std::uint32_t e) { return self.get().cancel(l, e); })
       .def("retire_unused_pre",
-           [](Stream& self, std::uint32_t layer, IntArray chosen) {
-             return self.get().retire_unused_pre(layer, chosen.data(), std::size_t(chosen.size()));
-           })
+           [](Stream& self, std::uint32_t layer, const py::object& chosen) {
+             const std::vector<std::int32_t> ids = ids_arg(chosen, "retire_unused_pre");
+             return self.get().retire_unused_pre(layer, ids.data(), ids.size());
+           },
+           py::arg("layer"), py::arg("chosen"))
       .def("release_limbo", [](Stream& self) { return self.get().release_limbo(); })
       .def("victim", [](Stream& self, bool spec) { return self.get().victim(spec); },
            py::arg("speculative") = false)
@@ -197,14 +311,27 @@ PYBIND11_MODULE(_core, m) {
       .def("inject_fault",
            [](Stream& self, std::uint32_t key, int part, int kind, int err, int count,
               int delay_ms) {
-             if (kind < 0 || kind > 2) throw std::invalid_argument("bad fault kind");
+             auto& s = self.get();
+             if (key >= s.layout().n_keys())
+               throw py::index_error("inject_fault: key " + std::to_string(key) +
+                                     " out of range [0, " + std::to_string(s.layout().n_keys()) +
+                                     ")");
+             if (part < -1 || part >= int(s.n_parts()))
+               throw py::index_error("inject_fault: part " + std::to_string(part) +
+                                     " out of range [-1, " + std::to_string(s.n_parts()) + ")");
+             if (kind < 0 || kind > 2)
+               throw py::value_error("inject_fault: kind must be 0 (errno), 1 (short) or 2 (delay)");
+             if (count < -1) throw py::value_error("inject_fault: count must be >= -1 (-1 = always)");
+             if (delay_ms < 0) throw py::value_error("inject_fault: delay_ms must be >= 0");
              Fault f;
              f.kind = static_cast<FaultKind>(kind);
              f.err = err;
              f.delay_ms = delay_ms;
              f.remaining = count;
-             self.get().faults().add(key, part, f);
-           })
+             s.faults().add(key, part, f);
+           },
+           py::kw_only(), py::arg("key"), py::arg("part"), py::arg("kind"), py::arg("err"),
+           py::arg("count"), py::arg("delay_ms"))
       .def("clear_faults", [](Stream& self) { self.get().faults().clear(); })
       .def_property_readonly("smap",
                              [](py::object obj) {
@@ -273,7 +400,7 @@ PYBIND11_MODULE(_core, m) {
            })
       .def("check_invariants", [](Stream& self) { return self.get().check_invariants(); });
 
-  py::class_<Window>(m, "Window")
+  py::class_<Window, WindowHolder>(m, "Window")
       .def(py::init([](Stream& stream, const std::string& backend, bool lookahead,
                        bool split_turn, std::uint32_t max_rows, std::uint32_t decode_rows,
                        double device_timeout_s, unsigned threads, bool prompt_pred2,
@@ -284,6 +411,16 @@ PYBIND11_MODULE(_core, m) {
              if (backend != "cpu")
                throw EngineError(ErrorKind::Config, "backend '" + backend +
                                                         "' is not available here (have: cpu)");
+             if (max_rows == 0 || max_rows > (1u << 20))
+               throw EngineError(ErrorKind::Config, "max_rows must be 1.." +
+                                                        std::to_string(1u << 20) + ", got " +
+                                                        std::to_string(max_rows));
+             require_finite_positive(device_timeout_s, "device_timeout_s");
+             if (threads > 1024)
+               throw EngineError(ErrorKind::Config, "threads must be 0..1024 (0 = one per core), "
+                                                    "got " + std::to_string(threads));
+             if (!std::isfinite(moce_strength) || moce_strength < 0)
+               throw EngineError(ErrorKind::Config, "moce_strength must be finite and >= 0");
              WindowOptions o;
              o.lookahead = lookahead;
              o.split_turn = split_turn;
@@ -311,30 +448,56 @@ PYBIND11_MODULE(_core, m) {
              o.prefetch_backoff = prefetch_backoff;
              ExpertStream& es = stream.get();
              py::gil_scoped_release nogil;
-             return std::make_unique<Window>(es, make_cpu_backend(threads), o);
+             return WindowHolder(new Window(es, make_cpu_backend(threads), o));
            }),
-           py::keep_alive<1, 2>(), py::arg("stream"), py::arg("backend"), py::arg("lookahead"),
-           py::arg("split_turn"), py::arg("max_rows"), py::arg("decode_rows"),
-           py::arg("device_timeout_s"), py::arg("threads") = 0, py::arg("prompt_pred2") = false,
-           py::arg("pred2_max") = 64, py::arg("decode_prefetch2") = false,
-           py::arg("prompt_buf_reuse") = false, py::arg("record_routes") = false,
-           py::arg("start_layers") = 1, py::arg("moce") = "off",
-           py::arg("moce_strength") = 1.0f, py::arg("moce_keep_top") = 2,
-           py::arg("profile_prefetch") = true, py::arg("prefetch_backoff") = true)
+           py::keep_alive<1, 2>(), py::arg("stream"), py::kw_only(), py::arg("backend") = "cpu",
+           py::arg("lookahead") = true, py::arg("split_turn") = false,
+           py::arg("max_rows") = 1024, py::arg("decode_rows") = 4,
+           py::arg("device_timeout_s") = 600.0, py::arg("threads") = 0,
+           py::arg("prompt_pred2") = false, py::arg("pred2_max") = 64,
+           py::arg("decode_prefetch2") = false, py::arg("prompt_buf_reuse") = false,
+           py::arg("record_routes") = false, py::arg("start_layers") = 1,
+           py::arg("moce") = "off", py::arg("moce_strength") = 1.0f,
+           py::arg("moce_keep_top") = 2, py::arg("profile_prefetch") = true,
+           py::arg("prefetch_backoff") = true)
       .def("moe",
-           [](Window& w, std::uint32_t layer,
-              py::array_t<float, py::array::c_style> x) {
+           [](Window& w, std::uint32_t layer, const py::array& x) {
+             const PackLayout& L = w.layout();
+             if (x.ndim() != 2)
+               throw py::value_error("x must be 2-D [rows, " + std::to_string(L.hidden) +
+                                     "], got " + std::to_string(x.ndim()) + " dimensions");
+             if (!x.dtype().is(py::dtype::of<float>()))
+               throw py::type_error("x must be float32, got " + dtype_name(x));
+             if (x.shape(1) != py::ssize_t(L.hidden))
+               throw py::value_error("x must have shape [rows, " + std::to_string(L.hidden) +
+                                     "], got [" + std::to_string(x.shape(0)) + ", " +
+                                     std::to_string(x.shape(1)) + "]");
+             if (!(x.flags() & py::array::c_style))
+               throw py::value_error("x must be C-contiguous");
+             if (x.shape(0) > py::ssize_t(UINT32_MAX))
+               throw py::value_error("x has too many rows");
              const std::uint32_t rows = std::uint32_t(x.shape(0));
-             py::array_t<float> out({py::ssize_t(rows), py::ssize_t(x.shape(1))});
-             const float* src = x.data();
+             py::array_t<float> out({py::ssize_t(rows), py::ssize_t(L.hidden)});
+             const float* src = static_cast<const float*>(x.data());
              float* dst = out.mutable_data();
              {
                py::gil_scoped_release nogil;
                w.moe(layer, src, rows, dst, check_signals);
              }
              return out;
+           },
+           py::arg("layer"), py::arg("x"))
+      .def("close",
+           [](Window& w) {
+             py::gil_scoped_release nogil;
+             w.close();
            })
-      .def("begin_turn", &Window::begin_turn)
+      .def_property_readonly("closed", &Window::closed)
+      .def("begin_turn",
+           [](Window& w) {
+             py::gil_scoped_release nogil;
+             w.begin_turn();
+           })
       .def("end_turn",
            [](Window& w) {
              py::gil_scoped_release nogil;
@@ -349,14 +512,14 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("route_layer", &Window::route_layer)
       .def("route_resident",
            [](Window& w) {
-             const auto& r = w.route_resident();
+             const std::vector<std::uint8_t> r = w.route_resident();
              py::array_t<bool> a(py::ssize_t(r.size()));
              std::copy(r.begin(), r.end(), a.mutable_data());
              return a;
            })
       .def("prefetch_stats",
            [](Window& w) {
-             const PrefetchGovernor& g = w.governor();
+             const PrefetchGovernor g = w.governor();
              const bool on = w.options().prefetch_backoff;
              py::dict d;
              d["backoff"] = on;
@@ -384,15 +547,40 @@ PYBIND11_MODULE(_core, m) {
            })
       .def("profile",
            [](Window& w) {
-             const auto& p = w.profile();
+             const std::vector<std::uint32_t> p = w.profile();
              py::array_t<std::uint32_t> a(py::ssize_t(p.size()));
              std::copy(p.begin(), p.end(), a.mutable_data());
              return a;
            })
       .def("set_profile",
-           [](Window& w, py::array_t<std::uint32_t, py::array::c_style | py::array::forcecast> a) {
-             w.set_profile(std::vector<std::uint32_t>(a.data(), a.data() + a.size()));
-           })
+           [](Window& w, const py::array& a) {
+             const PackLayout& L = w.layout();
+             const py::ssize_t want = py::ssize_t(L.n_layers) * L.n_experts;
+             const bool shaped = (a.ndim() == 1 && a.shape(0) == want) ||
+                                 (a.ndim() == 2 && a.shape(0) == py::ssize_t(L.n_layers) &&
+                                  a.shape(1) == py::ssize_t(L.n_experts));
+             if (!shaped)
+               throw py::value_error("profile must have n_layers * n_experts = " +
+                                     std::to_string(want) + " counts ([" +
+                                     std::to_string(L.n_layers) + ", " +
+                                     std::to_string(L.n_experts) + "] or flat)");
+             const char kind = a.dtype().kind();
+             if (kind != 'i' && kind != 'u')
+               throw py::type_error("profile counts must be integers, got " + dtype_name(a));
+             auto wide = py::array_t<std::int64_t, py::array::c_style | py::array::forcecast>::ensure(a);
+             if (!wide) throw py::type_error("profile counts must fit in int64");
+             std::vector<std::uint32_t> counts(std::size_t(wide.size()));
+             const std::int64_t* v = wide.data();
+             for (std::size_t i = 0; i < counts.size(); ++i) {
+               if (v[i] < 0 || v[i] > std::int64_t(UINT32_MAX))
+                 throw py::value_error("profile count " + std::to_string(v[i]) +
+                                       " out of range [0, 2^32)");
+               counts[i] = std::uint32_t(v[i]);
+             }
+             py::gil_scoped_release nogil;  // waits for no call, but takes the Window's locks
+             w.set_profile(counts);
+           },
+           py::arg("counts"))
       .def("take_routes",
            [](Window& w) {
              std::vector<std::int32_t> r = w.take_routes();
@@ -402,7 +590,8 @@ PYBIND11_MODULE(_core, m) {
            })
       .def("layer_stats", [](Window& w) {
         py::list out;
-        for (const LayerStats& s : w.layer_stats()) {
+        const std::vector<LayerStats> all = w.layer_stats();
+        for (const LayerStats& s : all) {
           py::dict d;
           d["calls"] = s.calls;
           d["tokens"] = s.tokens;
@@ -429,6 +618,12 @@ PYBIND11_MODULE(_core, m) {
       [](Stream& stream, std::uint32_t layer, std::uint32_t rows, std::uint32_t repeats,
          unsigned threads, std::uint32_t seed) {
         ExpertStream& s = stream.get();
+        if (layer >= s.layout().n_layers)
+          throw py::index_error("layer " + std::to_string(layer) + " out of range [0, " +
+                                std::to_string(s.layout().n_layers) + ")");
+        if (rows == 0 || rows > (1u << 16)) throw py::value_error("rows must be 1..65536");
+        if (repeats == 0 || repeats > 100000) throw py::value_error("repeats must be 1..100000");
+        if (threads > 1024) throw py::value_error("threads must be 0..1024");
         std::vector<KernelTiming> t;
         {
           py::gil_scoped_release nogil;

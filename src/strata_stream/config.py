@@ -12,7 +12,7 @@ import math
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from strata_stream.errors import ConfigError
@@ -138,7 +138,6 @@ class StreamConfig:
     moce: str = "off"
     moce_strength: float | None = None
     moce_keep_top: int = 2
-    extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in (

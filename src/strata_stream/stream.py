@@ -1,20 +1,25 @@
 """ExpertStream: the Python face of the C++ residency engine (docs/architecture.md section 4).
 
-The engine owns the arena, the IO threads and the slot map; this wrapper checks arguments,
-names read classes, and converts engine errors into strata_stream.errors (the extension does
-that already; see csrc/python/module.cpp). Every blocking call releases the GIL and can be
-interrupted with Ctrl-C.
+The engine owns the arena, the IO threads and the slot map; this wrapper checks arguments
+and converts engine errors into strata_stream.errors (the extension does that already; see
+csrc/python/module.cpp). Every blocking call releases the GIL and can be interrupted with
+Ctrl-C. Every method may be called from any thread; closing the stream closes the Windows on it
+first (each waits for its layer in flight).
+
+`ReadClass`, `SlotState` and `ABSENT` are the extension's own (csrc/engine/residency/slot.h),
+imported from it on first use.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import threading
+import weakref
 from collections.abc import Iterable
-from enum import IntEnum
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -22,31 +27,25 @@ import numpy.typing as npt
 from strata_stream.config import StreamConfig
 from strata_stream.errors import StreamClosedError
 
-ABSENT = 0xFFFFFFFF
-
-
-class ReadClass(IntEnum):
-    """Why a read was issued; the IO queue serves lower values first."""
-
-    URGENT = 0
-    PRED1 = 1
-    PRED2 = 2
-    PROFILE = 3
-
-
-class SlotState(IntEnum):
-    FREE = 0
-    QUEUED = 1
-    READING = 2
-    COMPLETE = 3
-    LIMBO = 4
-    FAILED = 5
+if TYPE_CHECKING:
+    from strata_stream._core import ABSENT, ReadClass, SlotState
 
 
 def _core() -> Any:
     # The compiled extension, imported on first use so that the pure-Python parts (pack
     # writer, CLI inspect/verify) work even where the extension failed to build.
     return importlib.import_module("strata_stream._core")
+
+
+def __getattr__(name: str) -> Any:
+    # ReadClass, SlotState and ABSENT come from the extension, not from a copy here.
+    if name in ("ABSENT", "ReadClass", "SlotState"):
+        return getattr(_core(), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class _Closeable(Protocol):
+    def close(self) -> None: ...
 
 
 def _experts(experts: int | Iterable[int] | npt.ArrayLike, what: str) -> npt.NDArray[np.int32]:
@@ -81,16 +80,19 @@ class ExpertStream:
         c = self.config
         self._s = _core().Stream(
             str(self.path),
-            c.arena_bytes,
-            c.io_threads,
-            c.part_bytes,
-            c.direct_io,
-            c.verify_reads,
-            c.io_timeout_s,
-            c.publish_prefetch,
-            simulate_io,
-            c.eviction,
+            arena_bytes=c.arena_bytes,
+            io_threads=c.io_threads,
+            part_bytes=c.part_bytes,
+            direct_io=c.direct_io,
+            verify_reads=c.verify_reads,
+            io_timeout_s=c.io_timeout_s,
+            publish_prefetch=c.publish_prefetch,
+            simulate_io=simulate_io,
+            eviction=c.eviction,
         )
+        # The Python Windows on this stream, closed (trace and profile written) before it.
+        self._windows: weakref.WeakSet[_Closeable] = weakref.WeakSet()
+        self._windows_lock = threading.Lock()
         layout = self._s.layout
         self.n_layers: int = int(layout["n_layers"])
         self.n_experts: int = int(layout["n_experts"])
@@ -100,7 +102,19 @@ class ExpertStream:
 
     # ---- lifecycle -------------------------------------------------------------------------
     def close(self) -> None:
-        self._s.close()
+        """Closes the Windows on this stream (each waits for its layer in flight, then fails its
+        turn with StreamClosedError), then stops the IO threads. A read stuck in the kernel for
+        longer than io_timeout_s is left to finish on its own, with a RuntimeWarning naming it:
+        the arena stays allocated until it returns. Idempotent and safe from any thread."""
+        with self._windows_lock:
+            windows = list(self._windows)
+        for window in windows:
+            window.close()
+        self._s.close()  # also closes Windows made on the extension directly
+
+    def _attach(self, window: _Closeable) -> None:
+        with self._windows_lock:
+            self._windows.add(window)
 
     @property
     def closed(self) -> bool:
@@ -167,11 +181,12 @@ class ExpertStream:
         Urgent requests evict as needed; speculative ones (urgent=False, cls PRED1 by default)
         take only free or evictable slots and stop when none is left.
         """
-        read_class = cls if cls is not None else (ReadClass.URGENT if urgent else ReadClass.PRED1)
-        if urgent and cls is not None and cls != ReadClass.URGENT:
+        classes = _core().ReadClass
+        read_class = cls if cls is not None else (classes.URGENT if urgent else classes.PRED1)
+        if urgent and cls is not None and cls != classes.URGENT:
             raise ValueError("urgent=True contradicts a speculative cls")
         ids = self._ids(experts, "request")
-        h, m, d = self._s.request(self._check_layer(layer), ids, int(read_class))
+        h, m, d = self._s.request(self._check_layer(layer), ids, classes(int(read_class)))
         return int(h), int(m), int(d)
 
     def wait(self, layer: int, experts: Any) -> None:
@@ -242,7 +257,7 @@ class ExpertStream:
     def expert_bytes(self, layer: int, expert: int) -> npt.NDArray[np.uint8] | None:
         """The record bytes of a published expert, or None when it is not published."""
         s = int(self.smap[self.key(layer, expert)])
-        return None if s == ABSENT else self.slot_bytes(s)
+        return None if s == _core().ABSENT else self.slot_bytes(s)
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self._s.stats())
@@ -257,7 +272,8 @@ class ExpertStream:
     # ---- test hooks --------------------------------------------------------------------------
     def pending_io(self) -> list[tuple[int, int, int, ReadClass]]:
         """Queued part reads in the order the IO threads would take them: (slot, key, part, cls)."""
-        return [(s, k, p, ReadClass(c)) for s, k, p, c in self._s.pending_jobs()]
+        classes = _core().ReadClass
+        return [(s, k, p, classes(c)) for s, k, p, c in self._s.pending_jobs()]
 
     def run_io(self, index: int = 0) -> bool:
         """Manual IO (io_threads=0): performs the index-th pending part read now."""
@@ -279,12 +295,12 @@ class ExpertStream:
         if kind not in kinds:
             raise ValueError(f"fault kind must be one of {sorted(kinds)}, got {kind!r}")
         self._s.inject_fault(
-            self.key(layer, expert),
-            int(part),
-            kinds[kind],
-            int(errno_value),
-            int(count),
-            int(delay_s * 1000),
+            key=self.key(layer, expert),
+            part=int(part),
+            kind=kinds[kind],
+            err=int(errno_value),
+            count=int(count),
+            delay_ms=int(delay_s * 1000),
         )
 
     def clear_faults(self) -> None:

@@ -9,6 +9,15 @@ Turns: layer calls go 0, 1, ..., L-1 (then 0 again for the next token). `with wi
 marks a turn explicitly (protections span it); a call outside one opens a turn that closes when
 the last layer returns.
 
+Threads: every method may be called from any thread. A turn belongs to the thread that opened
+it; another thread's moe(), turn() or end of it raises TurnError. close() from another thread
+waits for the layer in flight, then fails the turn (the owner's next call raises
+StreamClosedError) and frees the device thread, its pool and the scratch at once. Several
+Windows may share one ExpertStream (one per sequence), each on its own thread: each owns its
+protections in the shared arena and stays bitwise exact; when their protected experts together
+fill the arena, a call waits (up to io_timeout_s) for another Window to move on, then raises
+ArenaFullError.
+
 NaN policy: inputs are not scanned (that would cost a pass over every activation); NaN or inf in
 x propagates to the output rows it touches, as in the unstreamed model.
 """
@@ -28,7 +37,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from strata_stream.errors import ConfigError, StreamClosedError, TurnError
+from strata_stream.errors import ConfigError, StreamClosedError
 from strata_stream.stream import ExpertStream
 from strata_stream.trace.format import strata_trace_header, strata_trace_rows
 
@@ -56,53 +65,48 @@ class Window:
         self.hidden = int(stream._s.layout["hidden"])
         self._w = core.Window(
             stream._s,
-            backend,
-            c.lookahead,
-            c.split_turn,
-            c.max_rows,
-            c.decode_rows,
-            c.device_timeout_s,
-            threads,
-            c.prompt_pred2,
-            c.prompt_pred2_max,
-            c.decode_prefetch2,
-            c.prompt_buf_reuse,
-            c.trace_path is not None,
-            c.prompt_start_layers,
-            c.moce,
-            c.moce_strength_value,
-            c.moce_keep_top,
-            c.profile_prefetch,
-            c.prefetch_backoff,
+            backend=backend,
+            lookahead=c.lookahead,
+            split_turn=c.split_turn,
+            max_rows=c.max_rows,
+            decode_rows=c.decode_rows,
+            device_timeout_s=c.device_timeout_s,
+            threads=threads,
+            prompt_pred2=c.prompt_pred2,
+            pred2_max=c.prompt_pred2_max,
+            decode_prefetch2=c.decode_prefetch2,
+            prompt_buf_reuse=c.prompt_buf_reuse,
+            record_routes=c.trace_path is not None,
+            start_layers=c.prompt_start_layers,
+            moce=c.moce,
+            moce_strength=c.moce_strength_value,
+            moce_keep_top=c.moce_keep_top,
+            profile_prefetch=c.profile_prefetch,
+            prefetch_backoff=c.prefetch_backoff,
         )
         self.profile_path = profile_path(stream.path)
         self._persist = c.persist_profile
         if self._persist:
             self._load_profile()
+        # _files_lock guards the trace file and _finished: the Python-side resources that
+        # close() writes out once, whichever thread gets there first.
+        self._files_lock = threading.Lock()
+        self._finished = False
         self._trace = None if c.trace_path is None else open(c.trace_path, "w")  # noqa: SIM115
         if self._trace is not None:
             self._trace.write(strata_trace_header(self.n_layers, stream.n_experts, stream.top_k))
-        self._implicit_turn = False
-        self._closed = False
-        # The C++ Window has one host thread by design; moe() releases the GIL, so a second
-        # Python thread could otherwise enter it concurrently.
-        self._busy = threading.Lock()
+        stream._attach(self)
 
     # ---- turns -------------------------------------------------------------------------------
     @contextmanager
     def turn(self) -> Iterator[Window]:
         """A turn: layer calls in order; protections span it; ends with no device work."""
         self._check_open()
-        if self._w.in_turn:
-            if not self._implicit_turn:
-                raise TurnError("a turn is already open")
-            self._w.end_turn()
-        self._implicit_turn = False
-        self._w.begin_turn()
+        self._w.begin_turn()  # ends an implicit turn of this thread; TurnError if one is open
         try:
             yield self
         finally:
-            self._w.end_turn()
+            self._w.end_turn()  # nothing when the turn already ended (an error, or close())
             self._flush_trace()
 
     # ---- the layer call ----------------------------------------------------------------------
@@ -114,25 +118,10 @@ class Window:
         if not 0 <= int(layer) < self.n_layers:
             raise IndexError(f"layer {layer} out of range [0, {self.n_layers})")
         arr = self._input(x)
-        if not self._w.in_turn:
-            if int(layer) != 0:
-                raise TurnError(f"layer {layer} called outside a turn: a turn starts at layer 0")
-            self._w.begin_turn()
-            self._implicit_turn = True
-        if int(layer) != self._w.next_layer:
-            raise TurnError(
-                f"layer {layer} called out of order: this turn expects layer "
-                f"{self._w.next_layer} next"
-            )
-        if not self._busy.acquire(blocking=False):
-            raise TurnError("Window.moe called from two threads at once; use one per thread")
-        try:
-            out: npt.NDArray[np.float32] = self._w.moe(int(layer), arr)
-        finally:
-            self._busy.release()
-        if self._implicit_turn and int(layer) == self.n_layers - 1:
-            self._w.end_turn()
-            self._implicit_turn = False
+        # The engine keeps turn order and ownership (opening a turn at layer 0 outside one,
+        # closing it after layer L-1) under its own lock: checks here would race other threads.
+        out: npt.NDArray[np.float32] = self._w.moe(int(layer), arr)
+        if int(layer) == self.n_layers - 1 and not self._w.in_turn:
             self._flush_trace()
         return out
 
@@ -153,7 +142,7 @@ class Window:
             if counts.shape != (self.n_layers, self.stream.n_experts):
                 raise ValueError(f"shape {counts.shape}")
             self._w.set_profile(counts.astype(np.uint32).ravel())
-        except (OSError, ValueError) as err:  # a stale or foreign file: learn afresh
+        except (OSError, ValueError, TypeError) as err:  # a stale or foreign file: learn afresh
             warnings.warn(f"ignoring expert profile {self.profile_path}: {err}", stacklevel=3)
 
     def profile(self) -> npt.NDArray[np.uint32]:
@@ -172,11 +161,12 @@ class Window:
             warnings.warn(f"cannot save expert profile {self.profile_path}: {err}", stacklevel=2)
 
     def _flush_trace(self) -> None:
-        if self._trace is None:
-            return
-        routes = self._w.take_routes()
-        self._trace.write(strata_trace_rows(routes.tolist()))
-        self._trace.flush()
+        with self._files_lock:
+            if self._trace is None or self._finished:
+                return
+            routes = self._w.take_routes()
+            self._trace.write(strata_trace_rows(routes.tolist()))
+            self._trace.flush()
 
     def _input(self, x: npt.ArrayLike) -> npt.NDArray[np.float32]:
         if not isinstance(x, np.ndarray):
@@ -244,17 +234,28 @@ class Window:
         self._w.reset_stats()
 
     def close(self) -> None:
-        if not self._closed:
-            self._w.end_turn()
-            self._flush_trace()
-            if self._persist:
-                self.save_profile()
-            if self._trace is not None:
-                self._trace.close()
-            self._closed = True
+        """Waits for a layer call in flight on another thread, fails its turn (the owner's next
+        call raises StreamClosedError), frees the device thread, its pool and the scratch, then
+        writes the trace and the profile. Idempotent and safe from any thread; stats() and
+        profile() stay readable."""
+        self._w.close()
+        with self._files_lock:
+            if self._finished:
+                return
+            self._finished = True
+            trace, self._trace = self._trace, None
+            if trace is not None:
+                trace.write(strata_trace_rows(self._w.take_routes().tolist()))
+                trace.close()
+        if self._persist:
+            self.save_profile()
+
+    @property
+    def closed(self) -> bool:
+        return bool(self._w.closed)
 
     def _check_open(self) -> None:
-        if self._closed:
+        if self._w.closed:
             raise StreamClosedError("Window is closed")
         if self.stream.closed:
             raise StreamClosedError("the Window's ExpertStream is closed")

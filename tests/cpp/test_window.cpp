@@ -7,6 +7,7 @@
 #include <random>
 
 #include "stream_test_util.h"
+#include "common/errors.h"
 #include "exec/window.h"
 
 using namespace strata;
@@ -75,7 +76,7 @@ TEST_CASE("window: out-of-order layers are refused") {
   Window w(stream, make_cpu_backend(1), WindowOptions{});
   std::vector<float> x(L.hidden, 0.5f), out(L.hidden);
   w.begin_turn();
-  CHECK_THROWS_AS(w.moe(1, x.data(), 1, out.data()), std::logic_error);
+  CHECK_THROWS_AS(w.moe(1, x.data(), 1, out.data()), EngineError);
   w.moe(0, x.data(), 1, out.data());
   w.end_turn();
   std::remove(path.c_str());

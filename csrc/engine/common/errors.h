@@ -7,7 +7,8 @@
 
 namespace strata {
 
-enum class ErrorKind { Pack, Config, ExpertRead, Closed, Timeout, ArenaFull };
+// Turn: a Window call out of turn order, or on a turn another thread owns.
+enum class ErrorKind { Pack, Config, ExpertRead, Closed, Timeout, ArenaFull, Turn };
 
 class EngineError : public std::runtime_error {
  public:

@@ -12,18 +12,20 @@
 #include "common/timing.h"
 
 namespace strata {
-namespace {
-
 
 // Times a host-work section twice: wall clock and the host thread's CPU time.
 struct HostTimer {
   Clock::time_point wall = Clock::now();
   std::uint64_t cpu = thread_cpu_ns();
-  void add_to(LayerStats& s) const {
-    s.handshake_ns += ns_since(wall);
-    s.handshake_cpu_ns += thread_cpu_ns() - cpu;
+  void add_to(LayerStats& s, std::uint64_t wall_ns, std::uint64_t cpu_ns) const {
+    s.handshake_ns += wall_ns;
+    s.handshake_cpu_ns += cpu_ns;
   }
+  std::uint64_t wall_ns() const { return ns_since(wall); }
+  std::uint64_t cpu_ns() const { return thread_cpu_ns() - cpu; }
 };
+
+namespace {
 
 // Determinism with moce (docs/design-notes.md, PUBLISH_PREFETCH=0): see settle().
 bool settles_io(const WindowOptions& o, const ExpertStream& stream) {
@@ -62,18 +64,60 @@ Command pass_cmd(Op op, std::uint32_t layer, std::uint32_t rows, Pass pass) {
 
 }  // namespace
 
+// ---- admission: one driving call at a time, on the turn owner's thread ------------------------
+
+class Window::Call {
+ public:
+  // closed_ok: report a closed Window by admitted() == false instead of throwing.
+  explicit Call(Window& w, bool closed_ok = false) : w_(w) {
+    std::lock_guard<std::mutex> lk(w_.door_mu_);
+    if (w_.life_ != Lifecycle::Open) {
+      if (closed_ok) return;
+      throw EngineError(ErrorKind::Closed, "Window is closed");
+    }
+    const auto self = std::this_thread::get_id();
+    if (w_.turn_ != TurnKind::None && w_.owner_ != self)
+      throw EngineError(ErrorKind::Turn,
+                        "this Window's turn belongs to another thread (two threads cannot drive "
+                        "one Window; use one Window per thread or sequence)");
+    if (w_.busy_)
+      throw EngineError(ErrorKind::Turn, "Window called from two threads at once; use one per thread");
+    w_.busy_ = true;
+    w_.busy_thread_ = self;
+    admitted_ = true;
+  }
+  ~Call() {
+    if (!admitted_) return;
+    {
+      std::lock_guard<std::mutex> lk(w_.door_mu_);
+      w_.busy_ = false;
+      w_.busy_thread_ = {};
+    }
+    w_.door_cv_.notify_all();
+  }
+  Call(const Call&) = delete;
+  Call& operator=(const Call&) = delete;
+  bool admitted() const { return admitted_; }
+
+ private:
+  Window& w_;
+  bool admitted_ = false;
+};
+
 Window::Window(ExpertStream& stream, std::unique_ptr<Backend> backend,
                const WindowOptions& options)
     : stream_(stream),
       backend_(std::move(backend)),
+      backend_name_(backend_ ? backend_->name() : ""),
       opt_(options),
       L_(stream.layout()),
       routers_(stream.file().read_routers()),
       scratch_(stream, routers_.data()),
       governor_(governor_options(options.governor, L_.n_layers, settles_io(options, stream))) {
+  if (!backend_) throw EngineError(ErrorKind::Config, "Window needs a backend");
   if (opt_.max_rows == 0) throw EngineError(ErrorKind::Config, "max_rows must be positive");
-  if (!(opt_.device_timeout_s > 0))
-    throw EngineError(ErrorKind::Config, "device_timeout_s must be positive");
+  if (!(opt_.device_timeout_s > 0) || !std::isfinite(opt_.device_timeout_s))
+    throw EngineError(ErrorKind::Config, "device_timeout_s must be positive and finite");
   if (opt_.moce.mode != MoceMode::Off) {
     if (!(opt_.moce.strength >= 0) || !std::isfinite(opt_.moce.strength))
       throw EngineError(ErrorKind::Config, "moce_strength must be finite and >= 0, got " +
@@ -91,17 +135,74 @@ Window::Window(ExpertStream& stream, std::unique_ptr<Backend> backend,
   gov_issued_ = std::uint64_t(snap.at("spec_requests"));
   gov_used_ = std::uint64_t(snap.at("spec_hits"));
   ensure_scratch(1);
+  // Last: once registered, the stream's close() may call close() on this Window.
+  client_ = stream_.open_client([this] { close(); });
 }
 
 Window::~Window() {
+  close();
+  stream_.close_client(client_);  // waits while the stream's close() is inside our hook
+}
+
+bool Window::closed() const {
+  std::lock_guard<std::mutex> lk(door_mu_);
+  return life_ != Lifecycle::Open;
+}
+
+bool Window::in_turn() const {
+  std::lock_guard<std::mutex> lk(door_mu_);
+  return turn_ != TurnKind::None;
+}
+
+std::uint32_t Window::next_layer() const {
+  std::lock_guard<std::mutex> lk(door_mu_);
+  return next_layer_;
+}
+
+void Window::close() {
+  {
+    std::unique_lock<std::mutex> lk(door_mu_);
+    if (life_ == Lifecycle::Closed) return;
+    if (busy_ && busy_thread_ == std::this_thread::get_id())
+      throw EngineError(ErrorKind::Turn, "Window.close() from inside one of its own calls");
+    if (life_ == Lifecycle::Closing) {  // another thread is closing: wait until it is done
+      door_cv_.wait(lk, [&] { return life_ == Lifecycle::Closed; });
+      return;
+    }
+    life_ = Lifecycle::Closing;  // no call is admitted from now on
+    door_cv_.wait(lk, [&] { return !busy_; });  // the layer in flight finishes (its own bounds)
+    busy_ = true;
+    busy_thread_ = std::this_thread::get_id();
+  }
+  teardown();
+  {
+    std::lock_guard<std::mutex> lk(door_mu_);
+    life_ = Lifecycle::Closed;
+    turn_ = TurnKind::None;  // the owner's next call raises Closed
+    next_layer_ = 0;
+    busy_ = false;
+    busy_thread_ = {};
+  }
+  door_cv_.notify_all();
+}
+
+void Window::teardown() {
   backend_->abort_pending();
-  backend_->synchronize();
-  release_scratch();
+  backend_->synchronize();  // no device work in flight from here
+  stream_.release_client(client_);  // the turn's protections and pins end with it
+  backend_.reset();  // joins the device thread and its worker pool
+  scratch_.release();
+  scratch_bytes_.store(0, std::memory_order_relaxed);
+  x_ = out_ = nullptr;
+  ids_ = pred1_ = pred2_ = wave_ = nullptr;
+  wave_n_ = nullptr;
+  std::vector<float>().swap(routers_);
 }
 
 void Window::release_scratch() {
   backend_->synchronize();  // no command may still read the buffers
   scratch_.release();
+  scratch_bytes_.store(0, std::memory_order_relaxed);
   x_ = out_ = nullptr;
   ids_ = pred1_ = pred2_ = wave_ = nullptr;
   wave_n_ = nullptr;
@@ -111,6 +212,7 @@ void Window::ensure_scratch(std::uint32_t rows) {
   if (rows <= scratch_.rows()) return;
   backend_->synchronize();  // nothing may run over the buffers being replaced
   scratch_.ensure(rows);
+  scratch_bytes_.store(scratch_.bytes(), std::memory_order_relaxed);
   const DeviceBuffers& b = scratch_.buffers();
   x_ = b.x;
   out_ = b.out;
@@ -123,36 +225,102 @@ void Window::ensure_scratch(std::uint32_t rows) {
 }
 
 void Window::begin_turn() {
-  if (in_turn_) throw std::logic_error("a turn is already open");
-  in_turn_ = true;
-  next_layer_ = 0;
+  Call call(*this);
+  bool implicit_open = false;
+  {
+    std::lock_guard<std::mutex> lk(door_mu_);
+    if (turn_ == TurnKind::Explicit) throw EngineError(ErrorKind::Turn, "a turn is already open");
+    implicit_open = turn_ == TurnKind::Implicit;  // this thread's (Call checked the owner)
+  }
+  if (implicit_open) finish_turn();
+  {
+    std::lock_guard<std::mutex> lk(door_mu_);
+    turn_ = TurnKind::Explicit;
+    owner_ = std::this_thread::get_id();
+    next_layer_ = 0;
+  }
   queue_start_layers();
 }
 
 void Window::end_turn() {
-  if (!in_turn_) return;
+  {
+    std::lock_guard<std::mutex> lk(door_mu_);
+    if (life_ != Lifecycle::Open || turn_ == TurnKind::None) return;  // nothing to end
+  }
+  Call call(*this, /*closed_ok=*/true);  // Turn error from a thread that does not own the turn
+  if (!call.admitted()) return;          // closed meanwhile: close() ended the turn
+  {
+    std::lock_guard<std::mutex> lk(door_mu_);
+    if (turn_ == TurnKind::None) return;
+  }
+  finish_turn();
+}
+
+void Window::finish_turn() {
   backend_->synchronize();
-  stream_.end_turn();  // no device work in flight: protections end with the turn
-  in_turn_ = false;
-  next_layer_ = 0;
+  stream_.end_turn(client_);  // no device work in flight: protections end with the turn
+  {
+    std::lock_guard<std::mutex> lk(door_mu_);
+    turn_ = TurnKind::None;
+    owner_ = {};
+    next_layer_ = 0;
+  }
   // Without BUF_REUSE a prompt's scratch goes back to the system between turns; a decode-sized
   // one (a few rows) is not worth the churn.
   if (!opt_.prompt_buf_reuse && scratch_.rows() > opt_.decode_rows) release_scratch();
 }
 
-void Window::count_urgent(LayerStats& st, const RequestResult& r) const {
-  st.hits += r.hits;
-  st.misses += r.misses;
-  st.bytes_read += std::uint64_t(r.misses) * L_.record_bytes;
+void Window::count_urgent(std::uint32_t layer, const RequestResult& r) {
+  with_stats(layer, [&](LayerStats& st) {
+    st.hits += r.hits;
+    st.misses += r.misses;
+    st.bytes_read += std::uint64_t(r.misses) * L_.record_bytes;
+  });
 }
 
-void Window::reset_stats() { stats_.assign(L_.n_layers, LayerStats{}); }
+void Window::add_host_time(std::uint32_t layer, const HostTimer& t) {
+  const std::uint64_t wall = t.wall_ns(), cpu = t.cpu_ns();
+  with_stats(layer, [&](LayerStats& st) { t.add_to(st, wall, cpu); });
+}
+
+void Window::reset_stats() {
+  std::lock_guard<std::mutex> lk(stats_mu_);
+  stats_.assign(L_.n_layers, LayerStats{});
+}
+
+std::vector<LayerStats> Window::layer_stats() const {
+  std::lock_guard<std::mutex> lk(stats_mu_);
+  return stats_;
+}
+
+std::vector<std::uint32_t> Window::profile() const {
+  std::lock_guard<std::mutex> lk(stats_mu_);
+  return profile_;
+}
+
+std::vector<std::uint8_t> Window::route_resident() const {
+  std::lock_guard<std::mutex> lk(stats_mu_);
+  return route_resident_;
+}
+
+std::int64_t Window::route_layer() const {
+  std::lock_guard<std::mutex> lk(stats_mu_);
+  return route_layer_;
+}
+
+PrefetchGovernor Window::governor() const {
+  std::lock_guard<std::mutex> lk(stats_mu_);
+  return governor_;
+}
 
 void Window::set_profile(const std::vector<std::uint32_t>& counts) {
-  if (counts.size() != profile_.size())
+  const std::size_t want = std::size_t(L_.n_layers) * L_.n_experts;
+  if (counts.size() != want)
     throw EngineError(ErrorKind::Config, "profile has " + std::to_string(counts.size()) +
                                              " counts, expected n_layers * n_experts = " +
-                                             std::to_string(profile_.size()));
+                                             std::to_string(want));
+  Call call(*this);  // the driving call reads profile_ without a lock: not while one runs
+  std::lock_guard<std::mutex> lk(stats_mu_);
   profile_ = counts;
 }
 
@@ -160,12 +328,12 @@ void Window::queue_start_layers() {
   const std::uint32_t E = L_.n_experts;
   const std::uint32_t n = std::min(opt_.start_layers, L_.n_layers);
   if (n == 0) return;
-  stream_.enter_layer(0);  // until layer 0 runs, speculation evicts neither layer 0 nor 1 (I9)
+  stream_.enter_layer(client_, 0);  // until layer 0 runs, speculation evicts neither 0 nor 1 (I9)
   for (std::uint32_t layer = 0; layer < n; ++layer) {
     // Layer 0 is needed first: as many as one token uses. Later layers: a bounded head start.
     std::vector<std::int32_t> ranked = profile_ranked(layer, layer == 0 ? L_.top_k : E);
     if (!ranked.empty())
-      stream_.request(layer, ranked.data(), ranked.size(), ReadClass::Profile, {},
+      stream_.request(client_, layer, ranked.data(), ranked.size(), ReadClass::Profile, {},
                       layer == 0 ? 0xFFFFFFFFu : 32u);
   }
 }
@@ -225,7 +393,8 @@ void Window::queue_profile(std::uint32_t layer, std::uint32_t rows, std::uint32_
   if (ranked.empty()) return;
   // Speculative: behind urgent work in the IO queue, never waits for space, never evicts layer
   // `layer` or `layer + 1` (I9), at most `cap` new reads.
-  stream_.request(layer + 1, ranked.data(), ranked.size(), ReadClass::Profile, interrupt, cap);
+  stream_.request(client_, layer + 1, ranked.data(), ranked.size(), ReadClass::Profile, interrupt,
+                  cap);
 }
 
 Window::SpecWatch Window::watch_spec() const {
@@ -254,18 +423,26 @@ void Window::observe_handshake(bool decode, bool missed, bool contended,
   g.decode = decode;
   gov_issued_ = issued;
   gov_used_ = used;
-  if (opt_.prefetch_backoff) governor_.observe(g);
+  if (!opt_.prefetch_backoff) return;
+  std::lock_guard<std::mutex> lk(stats_mu_);
+  governor_.observe(g);
 }
 
 std::vector<std::int32_t> Window::take_routes() {
   std::vector<std::int32_t> out;
+  std::lock_guard<std::mutex> lk(stats_mu_);
   out.swap(routes_);
   return out;
 }
 
 std::uint32_t Window::wave_capacity() const {
-  // Leave one top-k of room so that the next layer's prefetches are not all evicted.
-  return stream_.n_slots() - L_.top_k;
+  // Windows sharing the stream share the arena: each gets an equal part, and leaves one top-k
+  // of it for the next layer's prefetches. Then the experts every Window keeps for its executing
+  // layer add up to at most n_slots - windows * top_k, so Windows all waiting for space always
+  // find a victim among the rest (no deadlock) as long as the arena holds 2 * top_k per Window.
+  const std::uint32_t windows = std::uint32_t(std::max<std::size_t>(1, stream_.n_clients()));
+  const std::uint32_t share = stream_.n_slots() / windows;
+  return std::max(L_.top_k, share > L_.top_k ? share - L_.top_k : 0u);
 }
 
 void Window::moe(std::uint32_t layer, const float* x, std::uint32_t rows, float* out,
@@ -273,10 +450,25 @@ void Window::moe(std::uint32_t layer, const float* x, std::uint32_t rows, float*
   if (layer >= L_.n_layers)
     throw std::out_of_range("layer " + std::to_string(layer) + " out of range [0, " +
                             std::to_string(L_.n_layers) + ")");
-  if (!in_turn_) throw std::logic_error("Window.moe outside a turn");
-  if (layer != next_layer_)
-    throw std::logic_error("layer " + std::to_string(layer) + " called out of order: this turn " +
-                           "expects layer " + std::to_string(next_layer_) + " next");
+  Call call(*this);
+  bool opens = false;
+  {
+    std::lock_guard<std::mutex> lk(door_mu_);
+    if (turn_ == TurnKind::None) {
+      if (layer != 0)
+        throw EngineError(ErrorKind::Turn, "layer " + std::to_string(layer) +
+                                               " called outside a turn: a turn starts at layer 0");
+      if (rows == 0) return;
+      turn_ = TurnKind::Implicit;  // ends after layer L-1
+      owner_ = std::this_thread::get_id();
+      next_layer_ = 0;
+      opens = true;
+    } else if (layer != next_layer_) {
+      throw EngineError(ErrorKind::Turn, "layer " + std::to_string(layer) +
+                                             " called out of order: this turn expects layer " +
+                                             std::to_string(next_layer_) + " next");
+    }
+  }
   if (rows == 0) return;
   const std::uint32_t H = L_.hidden;
   if (layer == 0) {  // a new pass over the model starts with these tokens
@@ -284,6 +476,7 @@ void Window::moe(std::uint32_t layer, const float* x, std::uint32_t rows, float*
     tokens_seen_ += rows;
   }
   try {
+    if (opens) queue_start_layers();
     std::vector<std::int32_t> chosen;
     std::vector<char> seen(L_.n_experts, 0);
     const std::uint32_t chunk_rows = std::min(rows, opt_.max_rows);
@@ -301,26 +494,40 @@ void Window::moe(std::uint32_t layer, const float* x, std::uint32_t rows, float*
       std::memcpy(out + std::size_t(r0) * H, out_, std::size_t(n) * H * 4);
     }
     after(layer, chosen, interrupt);
-    stats_[layer].calls += 1;
-    stats_[layer].tokens += rows;
+    with_stats(layer, [&](LayerStats& st) {
+      st.calls += 1;
+      st.tokens += rows;
+    });
   } catch (...) {
-    // Abandon the call: the device skips what is queued, the turn ends, the stream stays usable.
-    backend_->abort_pending();
-    backend_->synchronize();
-    // Aborting woke the device by signalling the value it waited for, which can be ahead of the
-    // counters (waves encoded but never released). Resume past every value an event holds, so
-    // no stale signal can release a later wait.
-    for (SharedEvent* ev : {&routed_, &release1_, &release2_, &done_})
-      seq_ = std::max(seq_, ev->value());
-    for (SharedEvent* ev : {&wave_release_, &wave_done_})
-      wave_seq_ = std::max(wave_seq_, ev->value());
-    stream_.release_plan();
-    stream_.end_turn();
-    in_turn_ = false;
-    next_layer_ = 0;
+    abandon_call();
     throw;
   }
-  next_layer_ = (layer + 1) % L_.n_layers;
+  bool ends = false;
+  {
+    std::lock_guard<std::mutex> lk(door_mu_);
+    next_layer_ = (layer + 1) % L_.n_layers;
+    ends = turn_ == TurnKind::Implicit && layer + 1 == L_.n_layers;
+  }
+  if (ends) finish_turn();
+}
+
+void Window::abandon_call() {
+  // The device skips what is queued, the turn ends, the stream stays usable.
+  backend_->abort_pending();
+  backend_->synchronize();
+  // Aborting woke the device by signalling the value it waited for, which can be ahead of the
+  // counters (waves encoded but never released). Resume past every value an event holds, so
+  // no stale signal can release a later wait.
+  for (SharedEvent* ev : {&routed_, &release1_, &release2_, &done_})
+    seq_ = std::max(seq_, ev->value());
+  for (SharedEvent* ev : {&wave_release_, &wave_done_})
+    wave_seq_ = std::max(wave_seq_, ev->value());
+  stream_.release_plan(client_);
+  stream_.end_turn(client_);
+  std::lock_guard<std::mutex> lk(door_mu_);
+  turn_ = TurnKind::None;
+  owner_ = {};
+  next_layer_ = 0;
 }
 
 std::vector<std::int32_t> Window::by_popularity(const std::int32_t* ids, std::uint32_t n) const {
@@ -364,10 +571,11 @@ void Window::record_actual(std::uint32_t layer, std::uint32_t chunk,
   for (std::int32_t e : chosen) actual[std::uint32_t(e)] = 1;
   std::uint64_t correct = 0;
   for (std::int32_t e : slot[chunk]) correct += actual[std::uint32_t(e)];
-  LayerStats& s = stats_[layer];
-  s.pred_correct += correct;
-  s.pred_predicted += slot[chunk].size();
-  s.pred_actual += chosen.size();
+  with_stats(layer, [&](LayerStats& s) {
+    s.pred_correct += correct;
+    s.pred_predicted += slot[chunk].size();
+    s.pred_actual += chosen.size();
+  });
   slot[chunk].clear();
 }
 
@@ -383,8 +591,9 @@ void Window::wait_device(SharedEvent& ev, std::uint64_t v, const InterruptCheck&
 void Window::stall_for(std::uint32_t layer, const std::vector<std::int32_t>& experts,
                        const InterruptCheck& interrupt) {
   auto t0 = Clock::now();
-  stream_.wait(layer, experts.data(), experts.size(), interrupt);
-  stats_[layer].stall_ns += ns_since(t0);
+  stream_.wait(client_, layer, experts.data(), experts.size(), interrupt);
+  const std::uint64_t dt = ns_since(t0);
+  with_stats(layer, [&](LayerStats& st) { st.stall_ns += dt; });
 }
 
 // With moce on, routing reads residency, and residency is decided at the host points
@@ -402,12 +611,14 @@ void Window::settle(std::uint32_t layer, const InterruptCheck& interrupt) {
   if (!settles_) return;
   auto t0 = Clock::now();
   stream_.settle(interrupt);
-  stats_[layer].settle_ns += ns_since(t0);
+  const std::uint64_t dt = ns_since(t0);
+  with_stats(layer, [&](LayerStats& st) { st.settle_ns += dt; });
 }
 
 void Window::note_moce(std::uint32_t layer, std::uint32_t rows) {
   if (opt_.moce.mode == MoceMode::Off) return;
   const DeviceBuffers& b = scratch_.buffers();
+  std::lock_guard<std::mutex> lk(stats_mu_);
   LayerStats& st = stats_[layer];
   for (std::uint32_t t = 0; t < rows; ++t) {  // in row order: the same sum every run
     st.moce_moved += double(b.moce_moved[t]);
@@ -422,8 +633,8 @@ void Window::after(std::uint32_t layer, const std::vector<std::int32_t>& chosen,
   settle(layer, interrupt);
   HostTimer timer;
   // I4: layer+1's router may already run; I7: unchosen predictions of this layer to limbo.
-  stream_.finish_layer(layer, chosen.data(), chosen.size());
-  timer.add_to(stats_[layer]);
+  stream_.finish_layer(client_, layer, chosen.data(), chosen.size());
+  add_host_time(layer, timer);
 }
 
 std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t chunk,
@@ -480,14 +691,16 @@ std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t c
   // ---- at_layer(l): the host reads the ids and makes the experts come ----
   HostTimer at_layer;
   std::vector<std::int32_t> chosen = by_popularity(ids_, rows * k);
-  for (std::uint32_t i = 0; i < rows * k; ++i)  // learn the popularity profile online
-    ++profile_[std::size_t(layer) * L_.n_experts + std::uint32_t(ids_[i])];
-  if (opt_.record_routes)
-    for (std::uint32_t i = 0; i < rows * k; ++i)
-      routes_.insert(routes_.end(), {std::int32_t(pass_first_token_ + row0_ + i / k),
-                                     std::int32_t(layer), ids_[i]});
+  {
+    std::lock_guard<std::mutex> lk(stats_mu_);
+    for (std::uint32_t i = 0; i < rows * k; ++i)  // learn the popularity profile online
+      ++profile_[std::size_t(layer) * L_.n_experts + std::uint32_t(ids_[i])];
+    if (opt_.record_routes)
+      for (std::uint32_t i = 0; i < rows * k; ++i)
+        routes_.insert(routes_.end(), {std::int32_t(pass_first_token_ + row0_ + i / k),
+                                       std::int32_t(layer), ids_[i]});
+  }
   record_actual(layer, chunk, chosen);
-  LayerStats& st = stats_[layer];
   const std::uint32_t n_waves =
       decode ? 1 : std::uint32_t((chosen.size() + cap - 1) / cap);
   STRATA_ASSERT(decode || n_waves <= max_waves, "waves fit the encoded submission");
@@ -500,11 +713,11 @@ std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t c
     cap = limit_new(predicted, layer + 1, cap);
     const std::uint32_t cap2 = limit_new(predicted2, layer + 2, cap);
     const SpecWatch watch = watch_spec();
-    AtLayerResult r = stream_.at_layer(layer, chosen.data(), chosen.size(), predicted.data(),
-                                       predicted.size(), interrupt, predicted2.data(),
-                                       predicted2.size());
-    count_urgent(st, r.urgent);
-    at_layer.add_to(st);
+    AtLayerResult r = stream_.at_layer(client_, layer, chosen.data(), chosen.size(),
+                                       predicted.data(), predicted.size(), interrupt,
+                                       predicted2.data(), predicted2.size());
+    count_urgent(layer, r.urgent);
+    add_host_time(layer, at_layer);
     if (opt_.split_turn)
       backend_->submit({cmd(Op::Plan, layer, rows),
                         pass_cmd(Op::GateUp, layer, rows, Pass::Resident),
@@ -528,40 +741,43 @@ std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t c
   }
 
   // Prompt: every expert of a wave is resident before the device may start it.
-  at_layer.add_to(st);
+  add_host_time(layer, at_layer);
   bool missed = false, contended = false;
   for (std::uint32_t w = 0; w < n_waves; ++w) {
     auto begin = chosen.begin() + std::ptrdiff_t(w) * cap;
     auto end = chosen.begin() + std::ptrdiff_t(std::min<std::size_t>((w + 1) * cap, chosen.size()));
     std::vector<std::int32_t> wave(begin, end);
     HostTimer wave_timer;
-    stream_.enter_layer(layer, wave.data(), wave.size());  // finished waves may make room
+    stream_.enter_layer(client_, layer, wave.data(), wave.size());  // finished waves make room
     const SpecWatch watch = watch_spec();
-    RequestResult r = stream_.request(layer, wave.data(), wave.size(), ReadClass::Urgent, interrupt);
-    count_urgent(st, r);
+    RequestResult r = stream_.request(client_, layer, wave.data(), wave.size(), ReadClass::Urgent,
+                                      interrupt);
+    count_urgent(layer, r);
     if (w == 0) stream_.publish(layer);
     if (w + 1 == n_waves) {  // predictions queue behind the last wave's reads
       std::uint32_t cap = spec_cap();  // the governor's, shared by every speculative class
       std::vector<std::int32_t> p = predictions(layer, chunk, rows);
       if (!p.empty() && cap > 0) {
         RequestResult r1 =
-            stream_.request(layer + 1, p.data(), p.size(), ReadClass::Pred1, interrupt, cap);
+            stream_.request(client_, layer + 1, p.data(), p.size(), ReadClass::Pred1, interrupt,
+                            cap);
         if (cap != PrefetchGovernor::kUnlimited) cap -= std::min(cap, r1.spec_started);
       }
       std::vector<std::int32_t> p2 = predictions2(layer, rows, false);
       if (!p2.empty() && cap > 0)
-        stream_.request(layer + 2, p2.data(), p2.size(), ReadClass::Pred2, interrupt,
+        stream_.request(client_, layer + 2, p2.data(), p2.size(), ReadClass::Pred2, interrupt,
                         std::min(cap, opt_.pred2_max));
       queue_profile(layer, rows, cap, interrupt);
     }
-    wave_timer.add_to(st);
+    add_host_time(layer, wave_timer);
     stall_for(layer, wave, interrupt);
     if (r.misses > 0) {
       missed = true;
       contended = contended || spec_overlapped(watch);
     }
     std::vector<std::uint8_t> resident(wave.size());
-    if (multi) stream_.plan(layer, wave.data(), wave.size(), resident.data());  // I8 by pins
+    if (multi)  // I8 by pins
+      stream_.plan(client_, layer, wave.data(), wave.size(), resident.data());
     std::copy(wave.begin(), wave.end(), wave_);
     wave_n_[0] = std::uint32_t(wave.size());
     const std::uint64_t wv = ++wave_seq_;
@@ -570,9 +786,9 @@ std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t c
     else
       wave_release_.signal(wv);
     wait_device(wave_done_, wv, interrupt);
-    if (multi) stream_.release_plan();
+    if (multi) stream_.release_plan(client_);
   }
-  st.waves += n_waves;
+  with_stats(layer, [&](LayerStats& st) { st.waves += n_waves; });
   if (opt_.split_turn) {
     backend_->submit({cmd(Op::Combine, layer, rows), event_cmd(Op::Signal, done_, v)});
   } else {

@@ -5,14 +5,25 @@
 //   at_layer(l):    read the routed ids, request missing experts urgently, publish completed
 //                   prefetches of l+1..l+2, queue predictions behind urgent work, release device;
 //   after_layer(l): protect l+1, retire unchosen predictions of l to limbo, release limbo.
-// Every Window method runs on one host thread (the Python wrapper holds the GIL across calls
-// and releases it inside them).
+//
+// Threads. Every method may be called from any thread at any time. A turn belongs to the thread
+// that opened it: moe(), begin_turn() and end_turn() from another thread while it is open raise
+// EngineError(Turn). One driving call runs at a time (door_mu_ admits it and marks busy_); it
+// alone touches the scratch, the events and the backend, so those need no lock. The figures other
+// threads read (stats, profile, routes, governor) are written under stats_mu_. close() waits for
+// the call in flight, fails the open turn (the next call raises Closed), and frees the device
+// thread, its worker pool, the scratch and the routers at once. Several Windows may share one
+// ExpertStream: each registers its own client there and owns its protections (protection_set.h).
 #pragma once
 
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "exec/backend.h"
@@ -68,6 +79,8 @@ struct LayerStats {
   std::uint64_t settle_ns = 0;  // host waiting for speculative reads (deterministic moce path)
 };
 
+struct HostTimer;  // window.cpp: times a host-work section as wall and thread CPU time
+
 class Window {
  public:
   // The profile fallback queues top_k experts per row of at most this many rows: one decode
@@ -75,40 +88,63 @@ class Window {
   // read the rest anyway, so more would only sit in the IO queue in front of them.
   static constexpr std::uint32_t kProfileRowsMax = 2;
 
+  // Registers with `stream` (throws Closed when it is closed).
   Window(ExpertStream& stream, std::unique_ptr<Backend> backend, const WindowOptions& options);
-  ~Window();
+  ~Window();  // close(), then leaves the stream
   Window(const Window&) = delete;
   Window& operator=(const Window&) = delete;
 
-  // x: [rows, hidden] float32, out: [rows, hidden] float32. Throws std::logic_error for a layer
-  // out of turn order; the turn is abandoned (and the stream stays usable) on any error.
+  // x: [rows, hidden] float32, out: [rows, hidden] float32. A call at layer 0 outside a turn
+  // opens one (owned by the calling thread) that ends after layer L-1. Throws EngineError(Turn)
+  // for a layer out of order or a turn owned by another thread, Closed after close(); the turn
+  // is abandoned (and the stream stays usable) on any error inside the call.
   void moe(std::uint32_t layer, const float* x, std::uint32_t rows, float* out,
            const InterruptCheck& interrupt = {});
+  // Opens an explicit turn (ending an implicit one of this thread). Turn error if one is open.
   void begin_turn();
+  // Ends this thread's turn; nothing when no turn is open or the Window is closed.
   void end_turn();
-  bool in_turn() const { return in_turn_; }
-  std::uint32_t next_layer() const { return next_layer_; }
+  // Waits for the call in flight (another thread's), fails the open turn, releases the stream's
+  // protections, the device thread and its pool, the scratch and the routers. Idempotent; safe
+  // from several threads at once. Figures (stats, profile, routes) stay readable.
+  void close();
+  bool closed() const;
+  bool in_turn() const;
+  std::uint32_t next_layer() const;
 
-  const std::vector<LayerStats>& layer_stats() const { return stats_; }
+  std::vector<LayerStats> layer_stats() const;
   // Routed choices recorded since the last call, as (token, layer, expert) triples, in the order
   // the engine met them (a prompt pass layer by layer). Tokens count from the first call.
   std::vector<std::int32_t> take_routes();
   // Expert popularity, learned online: tokens that chose each (layer, expert), [L * E].
-  const std::vector<std::uint32_t>& profile() const { return profile_; }
-  void set_profile(const std::vector<std::uint32_t>& counts);  // size must be L * E
+  std::vector<std::uint32_t> profile() const;
+  // Size must be L * E. Not while another thread's turn is open (Turn error).
+  void set_profile(const std::vector<std::uint32_t>& counts);
   void reset_stats();
   const WindowOptions& options() const { return opt_; }
+  const PackLayout& layout() const { return L_; }
   // The residency (1 = smap held a slot) the last moce route read, for the layer it routed;
   // empty until a moce route ran.
-  const std::vector<std::uint8_t>& route_resident() const { return route_resident_; }
-  std::int64_t route_layer() const { return route_layer_; }
+  std::vector<std::uint8_t> route_resident() const;
+  std::int64_t route_layer() const;
   // Whether this Window settles IO before host points so that moce routing is deterministic.
   bool settles() const { return settles_; }
-  const PrefetchGovernor& governor() const { return governor_; }
-  std::string backend_name() const { return backend_->name(); }
-  std::uint64_t scratch_bytes() const { return scratch_.bytes(); }
+  PrefetchGovernor governor() const;  // a snapshot
+  std::string backend_name() const { return backend_name_; }
+  std::uint64_t scratch_bytes() const { return scratch_bytes_.load(std::memory_order_relaxed); }
+  ClientId client() const { return client_; }  // this Window's protections in the stream
 
  private:
+  enum class Lifecycle : std::uint8_t { Open, Closing, Closed };
+  enum class TurnKind : std::uint8_t { None, Explicit, Implicit };
+  // Admits one driving call: throws Closed after close(), Turn when another thread owns the turn
+  // or is inside a call. Releases busy_ when destroyed.
+  class Call;
+  // Ends the open turn on the stream and frees a prompt-sized scratch (busy_ held).
+  void finish_turn();
+  // Abandons the layer call after an error: the device skips what is queued, the turn ends.
+  void abandon_call();
+  void teardown();  // close()'s release of everything (busy_ held)
   void ensure_scratch(std::uint32_t rows);
   // The one teardown path of the scratch: at turn end (unless kept) and at destruction.
   void release_scratch();
@@ -132,7 +168,8 @@ class Window {
              const InterruptCheck& interrupt);
   void settle(std::uint32_t layer, const InterruptCheck& interrupt);
   void note_moce(std::uint32_t layer, std::uint32_t rows);
-  void count_urgent(LayerStats& st, const RequestResult& r) const;  // hits, misses, bytes
+  void count_urgent(std::uint32_t layer, const RequestResult& r);  // hits, misses, bytes
+  void add_host_time(std::uint32_t layer, const HostTimer& t);
 
   // ---- speculation policy ----
   // Layer `layer`'s experts the profile has seen, most popular first (ties to the lower id),
@@ -158,7 +195,8 @@ class Window {
   std::uint32_t wave_capacity() const;
 
   ExpertStream& stream_;
-  std::unique_ptr<Backend> backend_;
+  std::unique_ptr<Backend> backend_;  // null once closed
+  const std::string backend_name_;
   WindowOptions opt_;
   const PackLayout& L_;
   std::vector<float> routers_;  // [n_layers][n_experts][hidden], read once from the pack
@@ -178,12 +216,30 @@ class Window {
   SharedEvent routed_, release1_, release2_, done_, wave_release_, wave_done_;
   std::uint64_t seq_ = 0, wave_seq_ = 0;
 
-  bool in_turn_ = false;
-  std::uint32_t next_layer_ = 0;
-  std::vector<LayerStats> stats_;
-  std::vector<std::int32_t> routes_;  // (token, layer, expert) triples while record_routes
-  std::vector<std::uint32_t> profile_;  // [L * E] popularity counts
-  PrefetchGovernor governor_;
+  // door_mu_: who may drive the Window. The busy_ holder alone touches everything below that
+  // is not marked otherwise (scratch, events, backend, seq_, predicted_, ...).
+  mutable std::mutex door_mu_;
+  std::condition_variable door_cv_;        // busy_ cleared, or closed
+  Lifecycle life_ = Lifecycle::Open;       // door_mu_
+  TurnKind turn_ = TurnKind::None;         // door_mu_
+  std::thread::id owner_;                  // door_mu_: the thread whose turn is open
+  bool busy_ = false;                      // door_mu_: a driving call (or close) is running
+  std::thread::id busy_thread_;            // door_mu_: which thread runs it
+  std::uint32_t next_layer_ = 0;           // door_mu_
+  ClientId client_ = kStreamClient;        // immutable after construction
+  std::atomic<std::uint64_t> scratch_bytes_{0};
+
+  // stats_mu_: figures written by the driving call and read by any thread.
+  mutable std::mutex stats_mu_;
+  std::vector<LayerStats> stats_;       // stats_mu_
+  std::vector<std::int32_t> routes_;    // stats_mu_: (token, layer, expert) while record_routes
+  std::vector<std::uint32_t> profile_;  // stats_mu_ for writes and other threads' reads
+  PrefetchGovernor governor_;           // stats_mu_ for writes and other threads' reads
+  template <class F>
+  void with_stats(std::uint32_t layer, F&& f) {
+    std::lock_guard<std::mutex> lk(stats_mu_);
+    f(stats_[layer]);
+  }
   // The stream's spec_requests / spec_hits at the last governor sample (deltas feed it).
   std::uint64_t gov_issued_ = 0, gov_used_ = 0;
   void queue_start_layers();
@@ -195,8 +251,8 @@ class Window {
   std::vector<std::vector<std::vector<std::int32_t>>> predicted_;
   // See settle() in window.cpp.
   bool settles_ = false;
-  std::vector<std::uint8_t> route_resident_;
-  std::int64_t route_layer_ = -1;
+  std::vector<std::uint8_t> route_resident_;  // stats_mu_
+  std::int64_t route_layer_ = -1;              // stats_mu_
 };
 
 }  // namespace strata

@@ -75,28 +75,151 @@ ExpertStream::ExpertStream(const std::string& pack_path, const StreamOptions& op
   free_.reserve(n_slots);
   for (std::uint32_t s = n_slots; s-- > 0;) free_.push_back(s);  // slot 0 handed out first
 
+  clients_[kStreamClient] = ProtectionSet{};
+  Lock lk(mu_);  // the threads start under mu_, so they see live_io_ counted
   threads_.reserve(opt_.io_threads);
-  for (std::uint32_t i = 0; i < opt_.io_threads; ++i) threads_.emplace_back([this] { io_loop(); });
+  for (std::uint32_t i = 0; i < opt_.io_threads; ++i) {
+    threads_.emplace_back([this] {
+      io_loop();
+      io_exited();
+    });
+    ++live_io_;
+  }
 }
 
+// Waits for every IO thread however long a stuck read takes: they write into arena_ and take
+// mu_, so nothing may be freed before they return. dispose() is the non-blocking way out.
 ExpertStream::~ExpertStream() { close(); }
 
-void ExpertStream::close() {
+void ExpertStream::io_exited() {
   {
     std::lock_guard<std::mutex> lk(mu_);
-    if (closing_ && threads_.empty()) return;
-    closing_ = true;
+    --live_io_;
+  }
+  exit_cv_.notify_all();
+}
+
+bool ExpertStream::close(double bound_s) {
+  {
+    // Clients first, each while its IO still runs: a Window's layer in flight finishes (or fails
+    // on its own bounds), then the Window fails its turn with Closed and frees its device.
+    std::lock_guard<std::mutex> hooks(clients_mu_);
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      closing_clients_ = true;
+    }
+    done_cv_.notify_all();
+    for (auto& [id, on_close] : closers_) on_close();
+    std::lock_guard<std::mutex> lk(mu_);
+    closing_ = true;  // under clients_mu_ too: no client registers after its hook ran
   }
   faults_.open_gate();  // a read held by a test's Gate fault must not hold up the join
   io_cv_.notify_all();
   done_cv_.notify_all();
-  for (auto& t : threads_) t.join();
-  threads_.clear();
+  Lock lk(mu_);
+  auto exited = [this] { return live_io_ == 0; };
+  if (!(bound_s < 1e6))  // a million seconds is forever (and keeps the clock from overflowing)
+    exit_cv_.wait(lk, exited);
+  else if (!exit_cv_.wait_for(lk, std::chrono::duration<double>(std::max(0.0, bound_s)), exited))
+    return false;  // still reading: threads_ stays, joined by a later close or the destructor
+  // Every thread has returned from its function: joining is immediate. Moved out under mu_ so
+  // that two closers never join the same thread.
+  std::vector<std::thread> done;
+  done.swap(threads_);
+  lk.unlock();
+  for (auto& t : done) t.join();
+  return true;
 }
 
 bool ExpertStream::closed() const {
   std::lock_guard<std::mutex> lk(mu_);
   return closing_;
+}
+
+namespace {
+std::atomic<std::size_t> g_disposing{0};
+}
+
+void ExpertStream::dispose(std::unique_ptr<ExpertStream> stream, double bound_s) {
+  if (!stream) return;
+  if (stream->close(bound_s)) return;  // joined: the unique_ptr frees it here
+  g_disposing.fetch_add(1);
+  std::thread([s = std::move(stream)]() mutable {
+    s.reset();  // the destructor waits for the stuck read, then frees the arena
+    g_disposing.fetch_sub(1);
+  }).detach();
+}
+
+std::size_t ExpertStream::disposing() { return g_disposing.load(); }
+
+std::string ExpertStream::describe_in_flight() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  const std::uint32_t E = layout().n_experts;
+  std::ostringstream m;
+  for (const Slot& sl : slots_)
+    if (sl.in_flight() && sl.key != kNoKey)
+      m << (m.tellp() > 0 ? ", " : "") << "layer " << sl.key / E << " expert " << sl.key % E
+        << " (" << sl.parts_started - sl.parts_done << " part(s))";
+  return m.str();
+}
+
+// ---- clients ------------------------------------------------------------------------------------
+
+ClientId ExpertStream::open_client(std::function<void()> on_close) {
+  std::lock_guard<std::mutex> hooks(clients_mu_);
+  std::lock_guard<std::mutex> lk(mu_);
+  require_open();
+  const ClientId id{next_client_++};
+  clients_[id] = ProtectionSet{};
+  closers_[id] = std::move(on_close);
+  return id;
+}
+
+void ExpertStream::release_client(ClientId who) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = clients_.find(who);
+    if (it == clients_.end()) return;
+    release_plan_locked(it->second);
+    it->second.executing = -1;
+    it->second.next = -1;
+  }
+  done_cv_.notify_all();  // a request waiting for space may find some now
+}
+
+void ExpertStream::close_client(ClientId who) {
+  STRATA_ASSERT(who != kStreamClient, "the stream's own protections are never unregistered");
+  release_client(who);
+  std::lock_guard<std::mutex> hooks(clients_mu_);
+  closers_.erase(who);
+  std::lock_guard<std::mutex> lk(mu_);
+  clients_.erase(who);
+}
+
+std::size_t ExpertStream::n_clients() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return clients_.size() - 1;
+}
+
+std::size_t ExpertStream::clients_waiting_for_space() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  std::size_t n = 0;
+  for (const auto& [id, p] : clients_) n += p.waiting_for_space;
+  return n;
+}
+
+ProtectionSet& ExpertStream::client_locked(ClientId who) {
+  auto it = clients_.find(who);
+  if (it == clients_.end())
+    throw EngineError(ErrorKind::Closed, "stream client " + std::to_string(std::uint32_t(who)) +
+                                             " is not registered (its Window was closed)");
+  return it->second;
+}
+
+bool ExpertStream::another_client_may_release(ClientId who) const {
+  for (const auto& [id, p] : clients_)
+    if (id != who && p.holds_any() && !p.waiting_for_space) return true;
+  return false;
 }
 
 void ExpertStream::require_open() const {
@@ -250,14 +373,18 @@ void ExpertStream::make_urgent(std::uint32_t s) {
 
 // ---- protections and victims -----------------------------------------------------------------
 
+// The union over every client: one Window's victim never comes out of another's protections.
 bool ExpertStream::is_protected(std::uint32_t key, bool speculative) const {
-  const std::uint32_t layer = key / layout().n_experts, expert = key % layout().n_experts;
-  if (executing_ >= 0 && layer == executing_ && executing_keep_[expert]) return true;  // I4
-  if (next_protected_ >= 0 && layer == next_protected_) return true;  // I4: next router
-  // I9: speculation never evicts the current or the next layer.
-  if (speculative && executing_ >= 0 &&
-      (layer == executing_ || std::int64_t(layer) == executing_ + 1))
-    return true;
+  const std::int64_t layer = key / layout().n_experts;
+  const std::uint32_t expert = key % layout().n_experts;
+  for (const auto& [id, p] : clients_) {
+    if (p.executing < 0 && p.next < 0) continue;
+    if (layer == p.executing && p.executing_keep[expert]) return true;  // I4
+    if (layer == p.next) return true;                                   // I4: next router
+    // I9: speculation never evicts the current or the next layer.
+    if (speculative && p.executing >= 0 && (layer == p.executing || layer == p.executing + 1))
+      return true;
+  }
   return false;
 }
 
@@ -326,28 +453,41 @@ std::int32_t ExpertStream::take_slot(bool speculative) {
   return std::int32_t(s);
 }
 
-std::string ExpertStream::describe_full() const {
+std::string ExpertStream::describe_full(ClientId who) const {
   std::ostringstream m;
   std::uint32_t counts[6] = {};
   for (const auto& sl : slots_) ++counts[int(sl.load())];
   m << "no arena slot available for an urgent read: " << slots_.size() << " slots, "
-    << counts[int(SlotState::Complete)] << " complete but protected (executing layer "
-    << executing_ << ", next-router layer " << next_protected_ << ", " << pinned_.size()
-    << " plan-pinned), " << counts[int(SlotState::Queued)] + counts[int(SlotState::Reading)]
-    << " loading, " << counts[int(SlotState::Limbo)] << " in limbo; a larger arena or fewer "
-    << "experts per call is needed (minimum " << min_slots(layout()) << " slots per top-k call)";
+    << counts[int(SlotState::Complete)] << " complete but protected ";
+  bool others = false;
+  for (const auto& [id, p] : clients_) {
+    if (!p.holds_any()) continue;
+    m << "[" << (id == who ? "by this caller" : "by another window (client " + std::to_string(std::uint32_t(id)) + ")")
+      << ": executing layer " << p.executing << ", next-router layer " << p.next << ", "
+      << p.pinned.size() << " plan-pinned" << (p.waiting_for_space ? ", itself waiting" : "")
+      << "] ";
+    others = others || id != who;
+  }
+  m << counts[int(SlotState::Queued)] + counts[int(SlotState::Reading)] << " loading, "
+    << counts[int(SlotState::Limbo)] << " in limbo; ";
+  if (others)
+    m << "the windows sharing this stream protect more experts together than the arena holds: "
+      << "a larger arena, fewer windows or fewer experts per call is needed";
+  else
+    m << "a larger arena or fewer experts per call is needed";
+  m << " (minimum " << min_slots(layout()) << " slots per top-k call per window)";
   return m.str();
 }
 
 // ---- requests ----------------------------------------------------------------------------
 
-RequestResult ExpertStream::request(std::uint32_t layer, const std::int32_t* experts,
-                                    std::size_t n, ReadClass cls, const InterruptCheck& interrupt,
-                                    std::uint32_t max_new) {
+RequestResult ExpertStream::request(ClientId who, std::uint32_t layer,
+                                    const std::int32_t* experts, std::size_t n, ReadClass cls,
+                                    const InterruptCheck& interrupt, std::uint32_t max_new) {
   IoWaker waker{this};
   Lock lk(mu_);
   require_open();
-  return request_locked(lk, layer, experts, n, cls, interrupt, max_new);
+  return request_locked(lk, who, layer, experts, n, cls, interrupt, max_new);
 }
 
 void ExpertStream::check_experts(std::uint32_t layer, const std::int32_t* experts,
@@ -360,11 +500,32 @@ void ExpertStream::check_experts(std::uint32_t layer, const std::int32_t* expert
                               std::to_string(E) + ")");
 }
 
-RequestResult ExpertStream::request_locked(Lock& lk, std::uint32_t layer,
+RequestResult ExpertStream::request_locked(Lock& lk, ClientId who, std::uint32_t layer,
                                            const std::int32_t* experts, std::size_t n,
                                            ReadClass cls, const InterruptCheck& interrupt,
                                            std::uint32_t max_new) {
   check_experts(layer, experts, n);
+  client_locked(who);  // registered (a closed Window's client is not)
+  // Clears this client's waiting flag on every way out of the space wait below.
+  // (An interrupt may throw while mu_ is released: the flag is cleared under mu_ regardless.)
+  struct WaitingForSpace {
+    ExpertStream* self;
+    Lock& lk;
+    ClientId who;
+    bool on = false;
+    void set(bool v) {  // under mu_
+      auto it = self->clients_.find(who);
+      if (it != self->clients_.end()) it->second.waiting_for_space = v;
+      on = v;
+    }
+    ~WaitingForSpace() {
+      if (!on) return;
+      const bool held = lk.owns_lock();
+      if (!held) lk.lock();
+      set(false);
+      if (!held) lk.unlock();
+    }
+  } waiting{this, lk, who};
   const std::uint32_t E = layout().n_experts;
   const bool speculative = cls != ReadClass::Urgent;
   RequestResult r;
@@ -399,6 +560,7 @@ RequestResult ExpertStream::request_locked(Lock& lk, std::uint32_t layer,
       }
       std::int32_t slot = take_slot(speculative);
       if (slot >= 0) {
+        if (waiting.on) waiting.set(false);
         assign(std::uint32_t(slot), key, cls);
         if (speculative) {
           ++r.spec_started;
@@ -414,7 +576,8 @@ RequestResult ExpertStream::request_locked(Lock& lk, std::uint32_t layer,
         i = n;
         break;
       }
-      // Urgent and every slot busy: wait for a read in flight to land, if one can free a slot.
+      // Urgent and every slot busy: wait for a read in flight to land, or for another client
+      // (a Window on another thread) to move past the protections that hold the arena.
       bool something_moves = false;
       for (const auto& sl : slots_) {
         SlotState st = sl.load();
@@ -423,17 +586,31 @@ RequestResult ExpertStream::request_locked(Lock& lk, std::uint32_t layer,
           break;
         }
       }
-      if (!something_moves || threads_.empty())
-        throw EngineError(ErrorKind::ArenaFull, describe_full());
+      if (closing_clients_ && !something_moves)
+        throw EngineError(ErrorKind::Closed, "the ExpertStream is closing: no Window will release "
+                                             "a slot for this read");
+      const bool others_may_release = another_client_may_release(who);
+      if ((!something_moves || threads_.empty()) && !others_may_release)
+        throw EngineError(ErrorKind::ArenaFull, describe_full(who));
       if (!progress) progress = read_progress();
+      waiting.set(true);
       lk.unlock();
       wake_io();
       lk.lock();
-      if (!await_part(lk, *progress))
+      // One rule for every bounded wait: io_timeout_s without read progress. Another Window
+      // releasing a slot wakes this wait (done_cv_) and the loop takes the slot; one that holds
+      // its protections that long without any read landing is named in the ArenaFull error.
+      if (!await_part(lk, *progress)) {
+        if (!something_moves)
+          throw EngineError(ErrorKind::ArenaFull,
+                            "waited " + std::to_string(opt_.io_timeout_s) +
+                                " s (io_timeout_s) with no read progress for another window to "
+                                "release a slot; " + describe_full(who));
         throw EngineError(ErrorKind::Timeout,
                           "timed out after " + std::to_string(opt_.io_timeout_s) +
                               " s with no read progress waiting for a free arena slot for layer " +
                               std::to_string(layer) + " expert " + std::to_string(experts[i]));
+      }
       if (interrupt) {
         lk.unlock();
         interrupt();
@@ -485,8 +662,8 @@ bool ExpertStream::await_part(Lock& lk, ReadProgress& p) {
   return Clock::now() - p.at <= std::chrono::duration<double>(opt_.io_timeout_s);
 }
 
-void ExpertStream::wait(std::uint32_t layer, const std::int32_t* experts, std::size_t n,
-                        const InterruptCheck& interrupt) {
+void ExpertStream::wait(ClientId who, std::uint32_t layer, const std::int32_t* experts,
+                        std::size_t n, const InterruptCheck& interrupt) {
   check_experts(layer, experts, n);
   const std::uint32_t E = layout().n_experts;
   {
@@ -502,7 +679,8 @@ void ExpertStream::wait(std::uint32_t layer, const std::int32_t* experts, std::s
           missing.push_back(experts[i]);
       }
     }
-    if (!missing.empty()) request(layer, missing.data(), missing.size(), ReadClass::Urgent, interrupt);
+    if (!missing.empty())
+      request(who, layer, missing.data(), missing.size(), ReadClass::Urgent, interrupt);
   }
   Lock lk(mu_);
   auto t0 = Clock::now();
@@ -514,9 +692,9 @@ void ExpertStream::wait(std::uint32_t layer, const std::int32_t* experts, std::s
     for (std::size_t i = 0; i < n; ++i) {
       const std::uint32_t key = layer * E + std::uint32_t(experts[i]);
       std::int32_t s = where_[key];
-      if (s < 0) {  // recycled under us (cannot happen with one host thread): re-request
+      if (s < 0) {  // recycled under us (another caller's urgent request): re-request
         lk.unlock();
-        request(layer, &experts[i], 1, ReadClass::Urgent, interrupt);
+        request(who, layer, &experts[i], 1, ReadClass::Urgent, interrupt);
         lk.lock();
         all = false;
         break;
@@ -626,66 +804,82 @@ std::uint32_t ExpertStream::publish_locked(std::uint32_t layer) {
   return n;
 }
 
-void ExpertStream::enter_layer(std::uint32_t layer, const std::int32_t* experts, std::size_t n) {
+void ExpertStream::enter_layer(ClientId who, std::uint32_t layer, const std::int32_t* experts,
+                               std::size_t n) {
   check_layer(layer);
-  std::lock_guard<std::mutex> lk(mu_);
-  enter_layer_locked(layer, experts, n);
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    enter_layer_locked(client_locked(who), layer, experts, n);
+  }
+  done_cv_.notify_all();  // the previous layer's protections may have made room
 }
 
-void ExpertStream::enter_layer_locked(std::uint32_t layer, const std::int32_t* experts,
-                                      std::size_t n) {
+void ExpertStream::enter_layer_locked(ProtectionSet& p, std::uint32_t layer,
+                                      const std::int32_t* experts, std::size_t n) {
   const std::uint32_t E = layout().n_experts;
-  executing_ = layer;
-  executing_keep_.assign(E, experts ? 0 : 1);
+  p.executing = layer;
+  p.executing_keep.assign(E, experts ? 0 : 1);
   for (std::size_t i = 0; experts && i < n; ++i)
     if (experts[i] >= 0 && std::uint32_t(experts[i]) < E)
-      executing_keep_[std::uint32_t(experts[i])] = 1;
-  next_protected_ = -1;
+      p.executing_keep[std::uint32_t(experts[i])] = 1;
+  p.next = -1;
 }
 
-void ExpertStream::after_layer(std::uint32_t layer) {
+void ExpertStream::after_layer(ClientId who, std::uint32_t layer) {
   check_layer(layer);
   std::lock_guard<std::mutex> lk(mu_);
-  after_layer_locked(layer);
+  after_layer_locked(client_locked(who), layer);
 }
 
-void ExpertStream::after_layer_locked(std::uint32_t layer) {
-  if (executing_ != layer) executing_keep_.assign(layout().n_experts, 1);
-  executing_ = layer;
+void ExpertStream::after_layer_locked(ProtectionSet& p, std::uint32_t layer) {
+  if (p.executing != layer) p.executing_keep.assign(layout().n_experts, 1);
+  p.executing = layer;
   // After the last layer the next router to run is the next token's layer 0.
-  next_protected_ = layer + 1 < layout().n_layers ? layer + 1 : 0;
+  p.next = layer + 1 < layout().n_layers ? layer + 1 : 0;
 }
 
-void ExpertStream::end_turn() {
-  std::lock_guard<std::mutex> lk(mu_);
-  executing_ = -1;
-  next_protected_ = -1;
+void ExpertStream::end_turn(ClientId who) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    ProtectionSet& p = client_locked(who);
+    p.executing = -1;
+    p.next = -1;
+  }
+  done_cv_.notify_all();
 }
 
-void ExpertStream::plan(std::uint32_t layer, const std::int32_t* experts, std::size_t n,
-                        std::uint8_t* resident) {
+void ExpertStream::plan(ClientId who, std::uint32_t layer, const std::int32_t* experts,
+                        std::size_t n, std::uint8_t* resident) {
   check_experts(layer, experts, n);  // before any pin, so a bad id leaves no partial plan
   const std::uint32_t E = layout().n_experts;
   std::lock_guard<std::mutex> lk(mu_);
   require_open();
+  ProtectionSet& p = client_locked(who);
   for (std::size_t i = 0; i < n; ++i) {
     const std::uint32_t key = layer * E + std::uint32_t(experts[i]);
     std::uint32_t s = smap_load(smap_.get(), key);
     resident[i] = s != kAbsent;
     if (s != kAbsent) {
       ++slots_[s].pins;
-      pinned_.push_back(s);
+      p.pinned.push_back(s);
     }
   }
 }
 
-void ExpertStream::release_plan() {
-  std::lock_guard<std::mutex> lk(mu_);
-  for (std::uint32_t s : pinned_) {
+void ExpertStream::release_plan(ClientId who) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    release_plan_locked(client_locked(who));
+  }
+  done_cv_.notify_all();
+}
+
+void ExpertStream::release_plan_locked(ProtectionSet& p) {
+  for (std::uint32_t s : p.pinned) {
     STRATA_ASSERT(slots_[s].pins > 0, "pin count underflow");
     --slots_[s].pins;
   }
-  pinned_.clear();
+  p.pinned.clear();
 }
 
 // ---- lifecycle primitives ------------------------------------------------------------------
@@ -767,9 +961,10 @@ std::int32_t ExpertStream::evict_one() {
 
 // ---- the two host points of a layer, each under one lock hold -------------------------------
 
-AtLayerResult ExpertStream::at_layer(std::uint32_t layer, const std::int32_t* chosen,
-                                     std::size_t n, const std::int32_t* predicted,
-                                     std::size_t n_predicted, const InterruptCheck& interrupt,
+AtLayerResult ExpertStream::at_layer(ClientId who, std::uint32_t layer,
+                                     const std::int32_t* chosen, std::size_t n,
+                                     const std::int32_t* predicted, std::size_t n_predicted,
+                                     const InterruptCheck& interrupt,
                                      const std::int32_t* predicted2, std::size_t n_predicted2,
                                      std::uint32_t max_new2) {
   check_experts(layer, chosen, n);
@@ -777,22 +972,25 @@ AtLayerResult ExpertStream::at_layer(std::uint32_t layer, const std::int32_t* ch
   Lock lk(mu_);
   require_open();
   AtLayerResult r;
-  enter_layer_locked(layer, chosen, n);  // I4: what the device reads in this call
-  r.urgent = request_locked(lk, layer, chosen, n, ReadClass::Urgent, interrupt);
+  enter_layer_locked(client_locked(who), layer, chosen, n);  // I4: what the device reads now
+  done_cv_.notify_all();  // the previous layer's protections may have made room for others
+  r.urgent = request_locked(lk, who, layer, chosen, n, ReadClass::Urgent, interrupt);
   r.published = publish_locked(layer);  // I2: before the device is released
   if (n_predicted > 0 && layer + 1 < layout().n_layers)  // I10
-    r.predicted = request_locked(lk, layer + 1, predicted, n_predicted, ReadClass::Pred1, interrupt);
+    r.predicted =
+        request_locked(lk, who, layer + 1, predicted, n_predicted, ReadClass::Pred1, interrupt);
   if (n_predicted2 > 0 && layer + 2 < layout().n_layers)  // I10
-    r.predicted2 = request_locked(lk, layer + 2, predicted2, n_predicted2, ReadClass::Pred2,
+    r.predicted2 = request_locked(lk, who, layer + 2, predicted2, n_predicted2, ReadClass::Pred2,
                                   interrupt, max_new2);
   return r;
 }
 
-void ExpertStream::finish_layer(std::uint32_t layer, const std::int32_t* chosen, std::size_t n) {
+void ExpertStream::finish_layer(ClientId who, std::uint32_t layer, const std::int32_t* chosen,
+                                std::size_t n) {
   check_layer(layer);
   std::lock_guard<std::mutex> lk(mu_);
   require_open();
-  after_layer_locked(layer);      // I4: layer+1's router may run now
+  after_layer_locked(client_locked(who), layer);  // I4: layer+1's router may run now
   retire_locked(layer, chosen, n);  // I7
   release_limbo_locked();
 }

@@ -1,10 +1,13 @@
 // ExpertStream: owns expert lifetime, pending IO and slot residency (docs/architecture.md section 4).
 //
 // Concurrency. One mutex, mu_, guards every slot field, where_, the free list, the IO queue and
-// the protection state. IO threads take mu_ once per part, to record a completion and pop the
-// next job; the pread runs unlocked straight into the slot's bytes, and so does the CRC32C of a
-// record (verify_reads), computed by the thread that finishes its last part while that part
-// still counts as in flight, so nothing can recycle the slot under it. smap is a plain uint32 array so
+// the protection sets (one per client: see protection_set.h). clients_mu_ guards the client
+// registry's close hooks and is always taken before mu_, never while holding it. Every public
+// method may be called from any thread. IO threads take mu_ once per part, to record a
+// completion and pop the next job; the pread runs unlocked straight into the slot's bytes, and
+// so does the CRC32C of a record (verify_reads), computed by the thread that finishes its last
+// part while that part still counts as in flight, so nothing can recycle the slot under it.
+// smap is a plain uint32 array so
 // a device can map it; the host writes it only under mu_ and every access goes through
 // std::atomic_ref (release on store, acquire on load), so a device thread reading it
 // concurrently is race-free.
@@ -18,6 +21,8 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <limits>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -29,6 +34,7 @@
 #include "residency/fault_injection.h"
 #include "residency/io_queue.h"
 #include "residency/lru_list.h"
+#include "residency/protection_set.h"
 #include "pack/pack_file.h"
 #include "residency/slot.h"
 #include "residency/stats.h"
@@ -93,9 +99,34 @@ class ExpertStream {
   ExpertStream(const ExpertStream&) = delete;
   ExpertStream& operator=(const ExpertStream&) = delete;
 
-  // Stops the IO threads after their current part; queued reads are dropped. Idempotent.
-  void close();
+  // ---- lifecycle ----------------------------------------------------------------------------
+  static constexpr double kForever = std::numeric_limits<double>::infinity();
+  // Closes every registered client first (a Window waits for its layer in flight, then fails its
+  // turn with Closed and frees its device and scratch), then stops the IO threads after their
+  // current part; queued reads are dropped. Returns false when an IO thread did not exit within
+  // bound_s (a read stuck in the kernel): the stream is closed all the same, and that thread still
+  // writes into the arena, so the memory stays valid until it exits (the destructor waits for it;
+  // dispose() waits on a background thread instead). Idempotent; safe from several threads at once.
+  bool close(double bound_s = kForever);
   bool closed() const;
+  // Destroys `stream` now when its IO threads exit within bound_s, else hands it to a background
+  // thread that destroys it once they do, so a stuck read blocks no caller and frees nothing in use.
+  static void dispose(std::unique_ptr<ExpertStream> stream, double bound_s);
+  static std::size_t disposing();  // streams a background thread is still waiting to destroy
+  // The reads still in flight, named by layer, expert and part ("" when none).
+  std::string describe_in_flight() const;
+
+  // ---- clients: each Window registers one and owns its protections ------------------------
+  // `on_close` is called (without mu_) by close() to close the client first; it must be
+  // idempotent and must not call open_client/close_client. Throws Closed on a closed stream.
+  ClientId open_client(std::function<void()> on_close);
+  // Drops the client's protections and pins (its turn is over, no device work of it in flight).
+  void release_client(ClientId who);
+  // Unregisters the client (released first). Waits while close() is calling its hook.
+  void close_client(ClientId who);
+  std::size_t n_clients() const;  // registered clients, the stream's own excluded
+  // Clients whose urgent request is blocked waiting for another client to release a slot.
+  std::size_t clients_waiting_for_space() const;
 
   const PackLayout& layout() const { return file_->layout(); }
   const PackFile& file() const { return *file_; }
@@ -114,11 +145,23 @@ class ExpertStream {
   // max_new caps how many experts not already present it starts reading (speculative caps).
   RequestResult request(std::uint32_t layer, const std::int32_t* experts, std::size_t n,
                         ReadClass cls, const InterruptCheck& interrupt = {},
+                        std::uint32_t max_new = 0xFFFFFFFFu) {
+    return request(kStreamClient, layer, experts, n, cls, interrupt, max_new);
+  }
+  // As the client `who`: an urgent request that finds every slot protected waits (bounded by
+  // io_timeout_s) while another client that could release one holds protections, and fails
+  // with ArenaFull when none can (every other holder is itself waiting, or the time is up).
+  RequestResult request(ClientId who, std::uint32_t layer, const std::int32_t* experts,
+                        std::size_t n, ReadClass cls, const InterruptCheck& interrupt = {},
                         std::uint32_t max_new = 0xFFFFFFFFu);
   // Blocks until every listed expert is complete and published. Throws ExpertReadError for a
   // failed read (and recycles that slot), EngineError(Timeout) after io_timeout_s with no
   // progress. Experts not yet requested are requested urgently first.
   void wait(std::uint32_t layer, const std::int32_t* experts, std::size_t n,
+            const InterruptCheck& interrupt = {}) {
+    wait(kStreamClient, layer, experts, n, interrupt);
+  }
+  void wait(ClientId who, std::uint32_t layer, const std::int32_t* experts, std::size_t n,
             const InterruptCheck& interrupt = {});
 
   // ---- the handshake's host points, each one lock hold (the Window's hot path) --------------
@@ -130,9 +173,20 @@ class ExpertStream {
                          const std::int32_t* predicted, std::size_t n_predicted,
                          const InterruptCheck& interrupt = {},
                          const std::int32_t* predicted2 = nullptr, std::size_t n_predicted2 = 0,
+                         std::uint32_t max_new2 = 0xFFFFFFFFu) {
+    return at_layer(kStreamClient, layer, chosen, n, predicted, n_predicted, interrupt, predicted2,
+                    n_predicted2, max_new2);
+  }
+  AtLayerResult at_layer(ClientId who, std::uint32_t layer, const std::int32_t* chosen,
+                         std::size_t n, const std::int32_t* predicted, std::size_t n_predicted,
+                         const InterruptCheck& interrupt = {},
+                         const std::int32_t* predicted2 = nullptr, std::size_t n_predicted2 = 0,
                          std::uint32_t max_new2 = 0xFFFFFFFFu);
   // after_layer(l) + retire_unused_pre(l, chosen) + release_limbo().
-  void finish_layer(std::uint32_t layer, const std::int32_t* chosen, std::size_t n);
+  void finish_layer(std::uint32_t layer, const std::int32_t* chosen, std::size_t n) {
+    finish_layer(kStreamClient, layer, chosen, n);
+  }
+  void finish_layer(ClientId who, std::uint32_t layer, const std::int32_t* chosen, std::size_t n);
 
   // Blocks until no read is queued or in flight, so that the slot table stops depending on
   // when IO happens to finish (the deterministic moce path, see Window). Bounded like wait():
@@ -146,12 +200,24 @@ class ExpertStream {
   // next enter/end; otherwise only the listed experts are: the ones the device reads in this
   // call (a prompt chunk may route to more experts of a layer than the arena holds, and runs
   // them in waves, each entering with its own experts).
-  void enter_layer(std::uint32_t layer, const std::int32_t* experts = nullptr, std::size_t n = 0);
-  void after_layer(std::uint32_t layer);  // additionally protect layer+1 (its router may run)
-  void end_turn();                        // no device work in flight: drop layer protections
+  // Each takes the client whose protections it changes; without one, the stream's own set.
+  void enter_layer(std::uint32_t layer, const std::int32_t* experts = nullptr, std::size_t n = 0) {
+    enter_layer(kStreamClient, layer, experts, n);
+  }
+  void enter_layer(ClientId who, std::uint32_t layer, const std::int32_t* experts = nullptr,
+                   std::size_t n = 0);
+  void after_layer(std::uint32_t layer) { after_layer(kStreamClient, layer); }
+  void after_layer(ClientId who, std::uint32_t layer);  // also protect layer+1 (its router may run)
+  void end_turn() { end_turn(kStreamClient); }
+  void end_turn(ClientId who);  // no device work of `who` in flight: drop its layer protections
   // Snapshots which experts are resident (published) and pins their slots until release_plan (I8).
-  void plan(std::uint32_t layer, const std::int32_t* experts, std::size_t n, std::uint8_t* resident);
-  void release_plan();
+  void plan(std::uint32_t layer, const std::int32_t* experts, std::size_t n, std::uint8_t* resident) {
+    plan(kStreamClient, layer, experts, n, resident);
+  }
+  void plan(ClientId who, std::uint32_t layer, const std::int32_t* experts, std::size_t n,
+            std::uint8_t* resident);
+  void release_plan() { release_plan(kStreamClient); }
+  void release_plan(ClientId who);
 
   // ---- lifecycle primitives -------------------------------------------------------------
   bool cancel(std::uint32_t layer, std::uint32_t expert);  // queued only (I6)
@@ -186,12 +252,21 @@ class ExpertStream {
     ExpertStream* self;
     ~IoWaker() { self->wake_io(); }
   };
-  RequestResult request_locked(Lock& lk, std::uint32_t layer, const std::int32_t* experts,
-                               std::size_t n, ReadClass cls, const InterruptCheck& interrupt,
+  RequestResult request_locked(Lock& lk, ClientId who, std::uint32_t layer,
+                               const std::int32_t* experts, std::size_t n, ReadClass cls,
+                               const InterruptCheck& interrupt,
                                std::uint32_t max_new = 0xFFFFFFFFu);
   std::uint32_t publish_locked(std::uint32_t layer);
-  void enter_layer_locked(std::uint32_t layer, const std::int32_t* experts, std::size_t n);
-  void after_layer_locked(std::uint32_t layer);
+  // The client's protection set; throws Closed when it is not registered (closed under a call).
+  ProtectionSet& client_locked(ClientId who);
+  void enter_layer_locked(ProtectionSet& p, std::uint32_t layer, const std::int32_t* experts,
+                          std::size_t n);
+  void after_layer_locked(ProtectionSet& p, std::uint32_t layer);
+  void release_plan_locked(ProtectionSet& p);
+  // Whether some client other than `who` holds protections and is not itself waiting for space:
+  // then waiting for it to move on can free a slot.
+  bool another_client_may_release(ClientId who) const;
+  void io_exited();  // the last thing an IO thread does
   std::uint32_t retire_locked(std::uint32_t layer, const std::int32_t* chosen, std::size_t n);
   std::uint32_t release_limbo_locked();
   void check_experts(std::uint32_t layer, const std::int32_t* experts, std::size_t n) const;
@@ -233,7 +308,7 @@ class ExpertStream {
   void require_open() const;
   void check_layer(std::uint32_t layer) const;
   [[noreturn]] void throw_read_error(std::uint32_t s);
-  std::string describe_full() const;
+  std::string describe_full(ClientId who) const;
 
   StreamOptions opt_;
   std::unique_ptr<PackFile> file_;
@@ -258,18 +333,29 @@ class ExpertStream {
   // lazily, an index update that changes no slot's state.
   mutable HeatOrder heat_order_;
   std::vector<std::uint32_t> limbo_;  // mu_: slots in limbo
-  std::int64_t executing_ = -1;      // mu_: the layer the device is executing
-  std::vector<char> executing_keep_;  // mu_: per expert of executing_: protected (I4)
-  std::int64_t next_protected_ = -1; // mu_: layer l+1 during after-layer work
-  std::vector<std::uint32_t> pinned_;  // mu_: slots pinned by the current plan
-  bool closing_ = false;             // mu_
+  // mu_: every client's protections (I4, I8), kStreamClient's always present. A std::map so
+  // that a reference to one client's set survives other clients registering or leaving.
+  std::map<ClientId, ProtectionSet> clients_;
+  std::uint32_t next_client_ = 1;  // mu_: the next ClientId handed out
+  bool closing_ = false;             // mu_: set once by close(); no request or client after it
+  // mu_: close() is closing the clients: a request waiting for another client to release a slot
+  // gives up (Closed) instead of waiting out io_timeout_s for a Window that is being closed.
+  bool closing_clients_ = false;
+  std::uint32_t live_io_ = 0;        // mu_: IO threads that have not returned yet
+  std::condition_variable exit_cv_;  // an IO thread returned
+  // clients_mu_: close hooks of the registered clients. close() calls them holding clients_mu_
+  // (so close_client waits for a hook in progress); they never take clients_mu_ themselves.
+  std::mutex clients_mu_;
+  std::map<ClientId, std::function<void()>> closers_;
   // mu_: IO threads blocked on io_cv_; a thread that pops a job and leaves more queued wakes
   // one of them (only then: a notify with nobody asleep is wasted work on the IO path).
   std::uint32_t io_sleeping_ = 0;
   // Jobs were queued since the IO threads were last woken: set under mu_, consumed by the
   // IoWaker that ends request() after mu_ is released.
   std::atomic<bool> wake_io_{false};
-  std::vector<std::thread> threads_;  // owned by the constructing thread; joined in close()
+  // mu_: the IO threads; close() moves them out under mu_ and joins them once they returned, so
+  // two closers never join one thread twice. Empty for manual IO (while open).
+  std::vector<std::thread> threads_;
   FaultInjector faults_;
   StreamStats stats_;
 };
