@@ -191,7 +191,7 @@ def test_layout_matches_spec_offsets(tmp_path: Path) -> None:
     def u64(off: int) -> int:
         return int(struct.unpack_from("<Q", data, off)[0])
 
-    assert [u32(o) for o in range(8, 56, 4)] == [1, 4096, 2, 3, 2, 256, 128, 0, 1, 3, 32, 1]
+    assert [u32(o) for o in range(8, 56, 4)] == [2, 4096, 2, 3, 2, 256, 128, 0, 1, 3, 32, 1]
     record_bytes, stride = u64(56), u64(64)
     meta_off, meta_bytes, router_off, router_bytes = u64(72), u64(80), u64(88), u64(96)
     cks_off, cks_bytes, rec_off, file_bytes = u64(104), u64(112), u64(120), u64(128)

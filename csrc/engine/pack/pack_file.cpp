@@ -6,6 +6,7 @@
 #include <zlib.h>
 
 #include <cerrno>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -85,12 +86,23 @@ PackLayout parse_pack_header(const unsigned char* h, std::size_t n, const std::s
   L.records_offset = load<std::uint64_t>(h + 120);
   L.file_bytes = load<std::uint64_t>(h + 128);
   std::uint32_t n_tensors = load<std::uint32_t>(h + 136);
+  const std::uint32_t activation = load<std::uint32_t>(h + kModelBlockOffset);
+  L.act_alpha = load<float>(h + kModelBlockOffset + 4);
+  L.act_limit = load<float>(h + kModelBlockOffset + 8);
+  L.bias_format = load<std::uint32_t>(h + kModelBlockOffset + 12);
 
   if (L.n_layers == 0 || L.n_layers > 4096) bad(path, "field n_layers out of range");
   if (L.n_experts == 0 || L.n_experts > 65536) bad(path, "field n_experts out of range");
   if (L.top_k == 0 || L.top_k > L.n_experts) bad(path, "field top_k out of range");
   if (L.hidden == 0 || L.moe_intermediate == 0) bad(path, "field hidden/moe_intermediate is 0");
-  if (routing > 1) bad(path, "field routing " + std::to_string(routing) + " unknown");
+  if (routing > 2) bad(path, "field routing " + std::to_string(routing) + " unknown");
+  if (activation > 1) bad(path, "field activation " + std::to_string(activation) + " unknown");
+  if (L.bias_format > 3) bad(path, "field bias_format " + std::to_string(L.bias_format) + " unknown");
+  L.activation = static_cast<Activation>(activation);
+  if (L.activation == Activation::SwigluOai &&
+      !(L.act_alpha > 0 && L.act_limit > 0 && std::isfinite(L.act_alpha) &&
+        std::isfinite(L.act_limit)))
+    bad(path, "fields act_alpha/act_limit must be finite and positive for swiglu_oai");
   if (norm > 1) bad(path, "field norm_topk_prob must be 0 or 1");
   if (fmt > 4) bad(path, "field weight_format " + std::to_string(fmt) + " unknown");
   L.routing = static_cast<Routing>(routing);
@@ -100,13 +112,15 @@ PackLayout parse_pack_header(const unsigned char* h, std::size_t n, const std::s
   if (quant && L.group_size != 32 && L.group_size != 64 && L.group_size != 128)
     bad(path, "field group_size " + std::to_string(L.group_size) + " (expected 32, 64, 128)");
   if (quant && L.scale_format > 2) bad(path, "field scale_format unknown");
-  if (n_tensors != (quant ? 9u : 3u)) bad(path, "field n_tensors " + std::to_string(n_tensors));
+  const std::uint32_t per_matrix = (quant ? 3u : 1u) + (L.bias_format ? 1u : 0u);
+  if (n_tensors != 3 * per_matrix) bad(path, "field n_tensors " + std::to_string(n_tensors));
   if (L.record_stride == 0 || L.record_stride % kPage || L.record_stride < L.record_bytes ||
       L.record_stride - L.record_bytes >= kPage)
     bad(path, "field record_stride " + std::to_string(L.record_stride) +
                   " is not record_bytes rounded up to 16384");
   std::uint64_t keys = std::uint64_t(L.n_layers) * L.n_experts;
-  if (L.router_bytes != keys * L.hidden * 4) bad(path, "field router_bytes disagrees");
+  if (L.router_bytes != (L.has_routers() ? keys * L.hidden * 4 : 0))
+    bad(path, "field router_bytes disagrees");
   if (L.checksum_bytes != keys * 4) bad(path, "field checksum_bytes disagrees");
   if (L.records_offset % kPage || L.router_offset % kPage || L.checksum_offset % kPage)
     bad(path, "section offsets not 16 KiB aligned");
@@ -127,14 +141,19 @@ PackLayout parse_pack_header(const unsigned char* h, std::size_t n, const std::s
     TensorEntry e{load<std::uint32_t>(t), load<std::uint32_t>(t + 4), load<std::uint64_t>(t + 8),
                   load<std::uint64_t>(t + 16), load<std::uint32_t>(t + 24),
                   load<std::uint32_t>(t + 28)};
-    std::uint32_t want_matrix = quant ? i / 3 : i, want_role = quant ? i % 3 : 0;
+    const std::uint32_t want_matrix = i / per_matrix, pos = i % per_matrix;
+    const std::uint32_t want_role = L.bias_format && pos == per_matrix - 1 ? kRoleBias : pos;
     std::string name = "tensor " + std::to_string(i);
     if (e.matrix != want_matrix || e.role != want_role) bad(path, name + " out of order");
     if (e.offset % 256 || e.offset < end) bad(path, name + " offset misaligned or overlapping");
     std::uint32_t rows = e.matrix == 2 ? L.hidden : L.moe_intermediate;
     std::uint32_t cols = e.matrix == 2 ? L.moe_intermediate : L.hidden;
     std::uint64_t want_cols, eb;
-    if (!quant) {
+    if (e.role == kRoleBias) {  // [1, rows]
+      want_cols = rows;
+      rows = 1;
+      eb = element_bytes(L.bias_format - 1);
+    } else if (!quant) {
       want_cols = cols;
       eb = element_bytes(fmt);
     } else if (e.role == 0) {
@@ -263,6 +282,7 @@ std::vector<float> PackFile::read_router(std::uint32_t layer) const {
 
 std::vector<float> PackFile::read_routers() const {
   std::vector<float> all;
+  if (!layout_.has_routers()) return all;
   all.reserve(std::size_t(layout_.n_layers) * layout_.n_experts * layout_.hidden);
   for (std::uint32_t l = 0; l < layout_.n_layers; ++l) {
     std::vector<float> r = read_router(l);

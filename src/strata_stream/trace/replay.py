@@ -18,6 +18,7 @@ import numpy as np
 from strata_stream.config import EVICTION_POLICIES, StreamConfig
 from strata_stream.errors import ConfigError, PackError
 from strata_stream.pack import Geometry, write_pack
+from strata_stream.pack.header import VERSION as PACK_VERSION
 from strata_stream.paths import cache_dir as default_cache_dir
 from strata_stream.stream import ExpertStream
 from strata_stream.trace.format import Trace
@@ -78,7 +79,8 @@ def belady_hit_rate(accesses: list[int], slots: int) -> float:
 def geometry_pack(trace: Trace, directory: Path) -> Path:
     """A pack with the trace's layers and experts and tiny matrices: the residency code needs
     the geometry and record layout, not the weights."""
-    path = directory / f"replay-{trace.n_layers}x{trace.n_experts}.strpk"
+    # The format version in the name: a pack cached by another version is not reused.
+    path = directory / f"replay-v{PACK_VERSION}-{trace.n_layers}x{trace.n_experts}.strpk"
     if not path.exists():
         directory.mkdir(parents=True, exist_ok=True)
         g = Geometry(trace.n_layers, trace.n_experts, trace.top_k, 8, 8, "softmax_topk", True)
