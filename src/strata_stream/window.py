@@ -178,16 +178,17 @@ class Window:
         """
         layer = self._routed_layer(layer)
         view, dtype = _x_buffer(x, self.hidden)
-        rows = view.shape[0]
+        rows = view.shape[0] if view.shape else 0
         tables = self._routed_tables(rows, ids, pred1, pred2)
         w = np.ascontiguousarray(weights, dtype=np.float32)
         if w.shape != (rows, self.stream.top_k):
             raise ValueError(
                 f"weights must have shape [{rows}, {self.stream.top_k}], got {list(w.shape)}"
             )
-        return self._routed_call(
+        out: npt.NDArray[np.float32] = self._routed_call(
             layer, lambda: self._w.moe_routed(layer, view, dtype, tables[0], w, *tables[1:])
         )
+        return out
 
     def moe_routed_host(
         self,
