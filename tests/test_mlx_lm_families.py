@@ -25,7 +25,6 @@ mx = pytest.importorskip("mlx.core")
 mlx_lm = pytest.importorskip("mlx_lm")
 
 from mlx_models import CONFIGS, make_checkpoint  # noqa: E402
-
 from strata_stream import ExpertPack, StreamConfig  # noqa: E402
 from strata_stream.convert import convert  # noqa: E402
 from strata_stream.convert.safetensors_index import SafetensorsIndex  # noqa: E402
@@ -240,3 +239,26 @@ def test_prompt_cache_and_sampler_work_unchanged(fam: Family, closing: list[Any]
     assert run(model) == run(fam.ref)
     text = mlx_lm.generate(model, fam.tokenizer, "w1 w2", max_tokens=4)
     assert text == mlx_lm.generate(fam.ref, fam.tokenizer, "w1 w2", max_tokens=4)
+
+
+def test_first_load_converts_into_the_cache(
+    fam: Family, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, closing: list[Any]
+) -> None:
+    if fam.name != "mixtral":
+        pytest.skip("one family suffices")
+    from strata_stream.errors import ConfigError
+    from strata_stream.mlx_lm import default_pack_path
+
+    monkeypatch.setenv("STRATA_CACHE", str(tmp_path / "cache"))
+    pack = default_pack_path(fam.path)
+    assert str(pack).startswith(str(tmp_path / "cache"))
+    model, _ = load(str(fam.path), arena_bytes=1 << 24, config=BASE, progress=False)
+    closing.append(model)
+    assert pack.exists()
+    made = pack.stat().st_mtime_ns
+    model2, _ = load(str(fam.path), arena_bytes=1 << 24, config=BASE, progress=False)
+    closing.append(model2)
+    assert pack.stat().st_mtime_ns == made  # reused, not converted again
+    assert np.array_equal(logits(model2), logits(fam.load("cpu")))
+    with pytest.raises(ConfigError, match="below the minimum"):
+        load(str(fam.path), arena_bytes=fam.stride, config=BASE, progress=False)

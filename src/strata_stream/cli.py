@@ -1,4 +1,4 @@
-"""The `strata-stream` command: pack, inspect and verify pack files; run the demo."""
+"""The `strata-stream` command: pack, convert, inspect and verify pack files; run the demo."""
 
 from __future__ import annotations
 
@@ -38,6 +38,13 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     pack.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     pack.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    conv = sub.add_parser(
+        "convert", help="pack the routed experts of an mlx-lm / Hugging Face checkpoint"
+    )
+    conv.add_argument("model", metavar="MODEL_DIR", help="checkpoint directory (safetensors)")
+    conv.add_argument("-o", "--out", required=True, metavar="PACK", help="pack file to write")
+    conv.add_argument("--quiet", action="store_true", help="no progress bar")
 
     inspect = sub.add_parser("inspect", help="print a pack's geometry, format and layout")
     inspect.add_argument("pack", metavar="PACK")
@@ -87,6 +94,14 @@ def _pack(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    from strata_stream.convert import convert
+
+    path = convert(args.model, args.out, progress=not args.quiet)
+    print(f"wrote {path} ({path.stat().st_size:,} bytes)")
+    return 0
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from strata_stream.pack.header import MATRICES, ROLES
     from strata_stream.pack.reader import ExpertPack
@@ -104,12 +119,20 @@ def _inspect(args: argparse.Namespace) -> int:
             f"geometry       {g.n_layers} layers x {g.n_experts} experts, top-{g.top_k}, "
             f"hidden {g.hidden}, moe_intermediate {g.moe_intermediate}",
             f"routing        {g.routing}, norm_topk_prob {str(g.norm_topk_prob).lower()}",
+            f"activation     {g.activation}"
+            + (f" (alpha {g.act_alpha:g}, limit {g.act_limit:g})" if g.act_alpha else "")
+            + (f", expert biases {pack.bias_dtype}" if pack.bias_dtype else ""),
             f"weight format  {pack.weight_format}{quant}",
             f"records        {pack.n_records:,} x {pack.record_bytes:,} bytes "
             f"(stride {pack.record_stride:,}) at offset {pack.records_offset:,}",
             f"routers        {pack.header.router_bytes:,} bytes at offset "
             f"{pack.header.router_offset:,}",
             f"file size      {pack.file_bytes:,} bytes ({_human(pack.file_bytes)})",
+            *(
+                [f"decoder layers {meta['model'].get('decoder_layers')}"]
+                if isinstance(meta.get("model"), dict)
+                else []
+            ),
             "record layout",
         ]
         for t in pack.tensors:
@@ -191,6 +214,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "pack":
             return _pack(args)
+        if args.command == "convert":
+            return _convert(args)
         if args.command == "inspect":
             return _inspect(args)
         if args.command == "verify":

@@ -24,7 +24,7 @@ _PARAM_KEYS = ("weight", "scales", "biases", "bias")
 _MATRICES = ("gate_proj", "up_proj", "down_proj")
 
 
-def strip_experts(switch: nn.Module) -> None:
+def strip_experts(switch: Any) -> None:
     """Drops the expert tensors of a SwitchGLU so that MLX never reads them (they stay lazy and
     unreferenced: evaluating the model's parameters no longer touches the expert shards)."""
     for name in _MATRICES:
@@ -34,10 +34,10 @@ def strip_experts(switch: nn.Module) -> None:
                 linear.pop(key)
 
 
-class StreamedExperts(nn.Module):
+class StreamedExperts(nn.Module):  # type: ignore[misc,name-defined]
     """Stands in for a block's SwitchGLU on the MLX-kernel path."""
 
-    def __init__(self, engine: MoeEngine, ref: BlockRef, switch: nn.Module) -> None:
+    def __init__(self, engine: MoeEngine, ref: BlockRef, switch: Any) -> None:
         super().__init__()
         strip_experts(switch)
         # Held outside the module tree: it has no parameters left, and must not gain any in
@@ -47,7 +47,7 @@ class StreamedExperts(nn.Module):
         object.__setattr__(self, "_ref", ref)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        switch: nn.Module = self._switch
+        switch: Any = self._switch
 
         def compute(slot_indices: mx.array, views: dict[tuple[int, str], mx.array]) -> mx.array:
             for (m, key), view in views.items():
@@ -58,10 +58,11 @@ class StreamedExperts(nn.Module):
                 strip_experts(switch)
             return y
 
-        return self._engine.run_mlx(self._ref.layer, x, indices, compute)
+        out: mx.array = self._engine.run_mlx(self._ref.layer, x, indices, compute)
+        return out
 
 
-class StreamedMoE(nn.Module):
+class StreamedMoE(nn.Module):  # type: ignore[misc,name-defined]
     """Stands in for a whole MoE block on the CPU-backend path."""
 
     def __init__(self, engine: MoeEngine, ref: BlockRef) -> None:

@@ -88,13 +88,15 @@ def _plain(block: Any, x: mx.array, y: mx.array) -> mx.array:
 
 def _sigmoid_shared(block: Any, x: mx.array, y: mx.array) -> mx.array:
     # qwen2_moe, qwen3_next: a dense shared expert scaled by sigmoid(shared_expert_gate(x)).
-    return y + mx.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
+    shared: mx.array = mx.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
+    return y + shared
 
 
 def _shared_experts(block: Any, x: mx.array, y: mx.array) -> mx.array:
     # deepseek_v3 / glm4_moe: dense shared experts, when the config has them.
     if getattr(block.config, "n_shared_experts", None) is not None:
-        return y + block.shared_experts(x)
+        shared: mx.array = block.shared_experts(x)
+        return y + shared
     return y
 
 
@@ -128,7 +130,3 @@ def family_of(block: Any) -> Family:
         f"{', '.join(sorted(_BY_CLASS))} and DeepSeek-V3-style MoEGate blocks)"
     )
 
-
-def routed_mixture(y: mx.array, scores: mx.array) -> mx.array:
-    """The mixture mlx-lm's blocks compute from per-expert outputs (used by tests)."""
-    return (y * scores[..., None]).sum(axis=-2)
