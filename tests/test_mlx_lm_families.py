@@ -262,3 +262,20 @@ def test_first_load_converts_into_the_cache(
     assert np.array_equal(logits(model2), logits(fam.load("cpu")))
     with pytest.raises(ConfigError, match="below the minimum"):
         load(str(fam.path), arena_bytes=fam.stride, config=BASE, progress=False)
+
+
+def test_cli_generate_prints_text_and_figures(
+    fam: Family, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if fam.name != "qwen2_moe":
+        pytest.skip("one family suffices")
+    from strata_stream.cli import main
+
+    args = ["generate", str(fam.path), "--prompt", "w1 w2 w3", "--max-tokens", "5",
+            "--arena-gb", str(6 * fam.stride / (1 << 30)), "--pack", str(fam.pack), "--experts", "mlx"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    want = mlx_lm.generate(fam.ref, fam.tokenizer, "w1 w2 w3", max_tokens=5)
+    assert out.startswith(want + "\n")  # the MLX path is bitwise: the same greedy text
+    assert "decode " in out and "hit rate" in out and "prediction recall" in out
+    assert "6 expert slots" in out

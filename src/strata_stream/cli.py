@@ -46,6 +46,19 @@ def _build_parser() -> argparse.ArgumentParser:
     conv.add_argument("-o", "--out", required=True, metavar="PACK", help="pack file to write")
     conv.add_argument("--quiet", action="store_true", help="no progress bar")
 
+    gen = sub.add_parser(
+        "generate", help="generate text with an mlx-lm model whose experts stream from SSD"
+    )
+    gen.add_argument("model", metavar="MODEL", help="mlx-lm model directory or Hugging Face repo")
+    gen.add_argument("--prompt", required=True, help="the prompt text")
+    gen.add_argument("--max-tokens", type=int, default=100, help="tokens to generate (100)")
+    gen.add_argument(
+        "--arena-gb", type=float, default=None, help="expert memory in GiB (default: from free RAM)"
+    )
+    gen.add_argument("--experts", choices=("cpu", "mlx"), default="cpu",
+                     help="who computes the experts (default cpu)")  # fmt: skip
+    gen.add_argument("--pack", default=None, help="the model's pack (default: converted once)")
+
     inspect = sub.add_parser("inspect", help="print a pack's geometry, format and layout")
     inspect.add_argument("pack", metavar="PACK")
 
@@ -99,6 +112,18 @@ def _convert(args: argparse.Namespace) -> int:
 
     path = convert(args.model, args.out, progress=not args.quiet)
     print(f"wrote {path} ({path.stat().st_size:,} bytes)")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    try:
+        from strata_stream.mlx_lm.generate_cli import generate
+    except ImportError as e:
+        print(f"strata-stream: error: generate needs mlx and mlx-lm ({e}); "
+              "pip install 'strata-stream[mlx]'", file=sys.stderr)  # fmt: skip
+        return 2
+    generate(args.model, args.prompt, max_tokens=args.max_tokens, arena_gb=args.arena_gb,
+             experts=args.experts, pack_path=args.pack)  # fmt: skip
     return 0
 
 
@@ -216,6 +241,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _pack(args)
         if args.command == "convert":
             return _convert(args)
+        if args.command == "generate":
+            return _generate(args)
         if args.command == "inspect":
             return _inspect(args)
         if args.command == "verify":
