@@ -191,6 +191,14 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _demo(rest: list[str]) -> int:
+    if "--mlx-lm" in rest:  # a real mlx-lm generation with streamed experts
+        try:
+            from strata_stream.mlx_lm.demo import main as mlx_demo
+        except ImportError as e:
+            print(f"strata-stream: error: the mlx-lm demo needs mlx and mlx-lm ({e})",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        return int(mlx_demo(rest))
     try:
         from strata_stream.demo import main as demo_main  # type: ignore[import-not-found,unused-ignore]
     except ImportError as e:
