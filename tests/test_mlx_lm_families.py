@@ -193,11 +193,10 @@ def _poison_experts(path: Path) -> None:
 
 
 @pytest.mark.parametrize("experts", ["cpu", "mlx"])
+@pytest.mark.parametrize("fam", ["qwen3_moe", "gpt_oss"], indirect=True)  # plain and biased
 def test_mlx_never_reads_the_expert_tensors(
     fam: Family, experts: str, tmp_path: Path, closing: list[Any]
 ) -> None:
-    if fam.name not in ("qwen3_moe", "gpt_oss"):
-        pytest.skip("one plain and one biased family suffice")
     import shutil
 
     copy = tmp_path / "poisoned"
@@ -219,9 +218,8 @@ def test_mlx_never_reads_the_expert_tensors(
     assert np.array_equal(got, logits(clean))
 
 
+@pytest.mark.parametrize("fam", ["qwen3_moe"], indirect=True)
 def test_prompt_cache_and_sampler_work_unchanged(fam: Family, closing: list[Any]) -> None:
-    if fam.name != "qwen3_moe":
-        pytest.skip("one family suffices")
     from mlx_lm.generate import stream_generate
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.sample_utils import make_sampler
@@ -245,11 +243,10 @@ def test_prompt_cache_and_sampler_work_unchanged(fam: Family, closing: list[Any]
     assert text == mlx_lm.generate(fam.ref, fam.tokenizer, "w1 w2", max_tokens=4)
 
 
+@pytest.mark.parametrize("fam", ["mixtral"], indirect=True)
 def test_first_load_converts_into_the_cache(
     fam: Family, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, closing: list[Any]
 ) -> None:
-    if fam.name != "mixtral":
-        pytest.skip("one family suffices")
     from strata_stream.errors import ConfigError
     from strata_stream.mlx_lm import default_pack_path
 
@@ -268,11 +265,10 @@ def test_first_load_converts_into_the_cache(
         load(str(fam.path), arena_bytes=fam.stride, config=BASE, progress=False)
 
 
+@pytest.mark.parametrize("fam", ["qwen2_moe"], indirect=True)
 def test_cli_generate_prints_text_and_figures(
     fam: Family, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    if fam.name != "qwen2_moe":
-        pytest.skip("one family suffices")
     from strata_stream.cli import main
 
     arena = str(6 * fam.stride / (1 << 30))

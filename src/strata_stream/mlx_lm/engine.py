@@ -157,7 +157,8 @@ class MoeEngine:
     ) -> mx.array:
         """CPU backend: x read in place, ids and weights to the host, output back to MLX."""
         self._begin(layer)
-        flat = x.reshape(-1, self.hidden)
+        # Row-major as the engine reads it (a no-op for the contiguous activations mlx-lm has).
+        flat = mx.contiguous(x.reshape(-1, self.hidden))
         rows = flat.shape[0]
         preds = self.predictions(layer, x, rows)
         ids2 = inds.reshape(-1, self.top_k)
