@@ -67,7 +67,7 @@ def test_not_a_pack_at_all(tmp_path: Path) -> None:
 
 def test_bad_version(pack: Path) -> None:
     patch(pack, 8, struct.pack("<I", 3))
-    expect(pack, re.escape("version 3 not supported (this reader knows 2)"))
+    expect(pack, re.escape("version 3 not supported (this reader knows 2) (written by a newer"))
 
 
 def test_version_1_is_refused_with_a_repack_hint(pack: Path) -> None:
@@ -81,6 +81,14 @@ def test_version_1_is_refused_with_a_repack_hint(pack: Path) -> None:
             "repack with strata-stream pack/convert"
         ),
     )
+
+
+def test_bad_activation_and_bias_format(pack: Path) -> None:
+    patch(pack, 1024, struct.pack("<I", 7))
+    expect(pack, "header field activation is 7")
+    patch(pack, 1024, struct.pack("<I", 0))
+    patch(pack, 1036, struct.pack("<I", 9))
+    expect(pack, "header field bias_format is 9")
 
 
 def test_header_crc_mismatch(pack: Path) -> None:
@@ -119,7 +127,7 @@ def test_file_bytes_field_disagrees(pack: Path) -> None:
         (88, 8192, "header field router_offset is 8192"),
         (64, 4096, "header field record_stride is 4096"),
         (44, 9, "header field weight_format is 9"),
-        (36, 2, "header field routing is 2"),
+        (36, 3, "header field routing is 3"),
         (12, 512, "header field header_bytes is 512"),
         (24, 17, "bad header: Geometry.top_k 17 exceeds Geometry.n_experts 16"),
         (48, 64, "header fields group_size 64 and scale_format 0 must be 0 for weight_format f16"),

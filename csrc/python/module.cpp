@@ -108,7 +108,11 @@ py::dict layout_dict(const PackLayout& L) {
   d["top_k"] = L.top_k;
   d["hidden"] = L.hidden;
   d["moe_intermediate"] = L.moe_intermediate;
-  d["routing"] = L.routing == Routing::SoftmaxTopk ? "softmax_topk" : "topk_softmax";
+  d["routing"] = L.routing == Routing::SoftmaxTopk   ? "softmax_topk"
+                 : L.routing == Routing::TopkSoftmax ? "topk_softmax"
+                                                     : "external";
+  d["activation"] = L.activation == Activation::SwiGLU ? "swiglu" : "swiglu_oai";
+  d["bias_format"] = L.bias_format;
   d["norm_topk_prob"] = L.norm_topk_prob;
   d["weight_format"] = static_cast<std::uint32_t>(L.weight_format);
   d["group_size"] = L.group_size;
@@ -612,6 +616,104 @@ PYBIND11_MODULE(_core, m) {
         }
         return out;
       });
+
+  // ---- externally routed calls (the model's own gate routes; mlx-lm integration) ----
+  auto stream_cls = py::reinterpret_borrow<py::class_<Stream>>(m.attr("Stream"));
+  stream_cls.def_property_readonly("arena", [](py::object obj) {
+    // Read-only bytes of every slot, [n_slots * slot_bytes]; slot s at s * slot_bytes. The
+    // MLX-kernel path views experts in place through it (kept alive by this Stream).
+    Stream& self = obj.cast<Stream&>();
+    const Arena& a = self.get().arena();
+    py::array_t<std::uint8_t> arr({py::ssize_t(a.bytes())}, {1}, a.data(), obj);
+    py::detail::array_proxy(arr.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
+    return arr;
+  });
+  stream_cls.def_property_readonly("slot_bytes_stride",
+                                   [](Stream& self) { return self.get().arena().slot_bytes(); });
+
+  using FloatArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
+  auto window_cls = py::reinterpret_borrow<py::class_<Window>>(m.attr("Window"));
+  // Validates one [rows, top_k] id table and returns its data (null for None).
+  auto id_table = [](const std::optional<IntArray>& a, const char* name, std::uint32_t rows,
+                     std::uint32_t k, bool required) -> const std::int32_t* {
+    if (!a) {
+      if (required) throw std::invalid_argument(std::string(name) + " is required");
+      return nullptr;
+    }
+    if (a->ndim() != 2 || std::uint32_t(a->shape(0)) != rows || std::uint32_t(a->shape(1)) != k)
+      throw std::invalid_argument(std::string(name) + " must have shape [" +
+                                  std::to_string(rows) + ", " + std::to_string(k) + "]");
+    return a->data();
+  };
+  window_cls.def(
+      "moe_routed",
+      [id_table](Window& w, std::uint32_t layer, py::buffer x, const std::string& dtype,
+                 IntArray ids, FloatArray weights, std::optional<IntArray> pred1,
+                 std::optional<IntArray> pred2) {
+        const PackLayout& L = w.layout();
+        py::buffer_info xb = x.request();
+        Window::XType xt;
+        std::size_t item;
+        if (dtype == "float32") {
+          xt = Window::XType::F32, item = 4;
+        } else if (dtype == "float16") {
+          xt = Window::XType::F16, item = 2;
+        } else if (dtype == "bfloat16") {
+          xt = Window::XType::BF16, item = 2;
+        } else {
+          throw std::invalid_argument("x dtype must be float32, float16 or bfloat16, got " +
+                                      dtype);
+        }
+        if (xb.ndim != 2 || std::uint32_t(xb.shape[1]) != L.hidden)
+          throw std::invalid_argument("x must have shape [T, " + std::to_string(L.hidden) + "]");
+        if (std::size_t(xb.itemsize) != item)
+          throw std::invalid_argument("x itemsize " + std::to_string(xb.itemsize) +
+                                      " does not match dtype " + dtype);
+        if (xb.strides[1] != py::ssize_t(item) ||
+            xb.strides[0] != py::ssize_t(item) * py::ssize_t(L.hidden))
+          throw std::invalid_argument("x must be C-contiguous");
+        const std::uint32_t rows = std::uint32_t(xb.shape[0]), k = L.top_k;
+        Window::Routed r;
+        r.ids = id_table(ids, "ids", rows, k, true);
+        if (weights.ndim() != 2 || std::uint32_t(weights.shape(0)) != rows ||
+            std::uint32_t(weights.shape(1)) != k)
+          throw std::invalid_argument("weights must have shape [" + std::to_string(rows) + ", " +
+                                      std::to_string(k) + "]");
+        r.weights = weights.data();
+        r.pred1 = id_table(pred1, "pred1", rows, k, false);
+        r.pred2 = id_table(pred2, "pred2", rows, k, false);
+        py::array_t<float> out({py::ssize_t(rows), py::ssize_t(L.hidden)});
+        float* dst = out.mutable_data();
+        {
+          py::gil_scoped_release nogil;
+          w.moe_routed(layer, xb.ptr, xt, rows, r, dst, check_signals);
+        }
+        return out;
+      },
+      py::arg("layer"), py::arg("x"), py::arg("dtype"), py::arg("ids"), py::arg("weights"),
+      py::arg("pred1") = py::none(), py::arg("pred2") = py::none());
+  window_cls.def(
+      "moe_routed_host",
+      [id_table](Window& w, std::uint32_t layer, IntArray ids, std::optional<IntArray> pred1,
+                 std::optional<IntArray> pred2, py::function compute) {
+        const PackLayout& L = w.layout();
+        if (ids.ndim() != 2) throw std::invalid_argument("ids must be 2-D [rows, top_k]");
+        const std::uint32_t rows = std::uint32_t(ids.shape(0)), k = L.top_k;
+        Window::Routed r;
+        r.ids = id_table(ids, "ids", rows, k, true);
+        r.pred1 = id_table(pred1, "pred1", rows, k, false);
+        r.pred2 = id_table(pred2, "pred2", rows, k, false);
+        Window::WaveCompute fn = [&compute, k](std::uint32_t row0, std::uint32_t n,
+                                               const std::uint32_t* slots) {
+          py::gil_scoped_acquire gil;
+          py::array_t<std::uint32_t> s({py::ssize_t(n), py::ssize_t(k)});
+          std::copy(slots, slots + std::size_t(n) * k, s.mutable_data());
+          compute(row0, n, s);
+        };
+        py::gil_scoped_release nogil;
+        w.moe_routed_host(layer, rows, r, fn, check_signals);
+      },
+      py::arg("layer"), py::arg("ids"), py::arg("pred1"), py::arg("pred2"), py::arg("compute"));
 
   m.def(
       "bench_kernels",

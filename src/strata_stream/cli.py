@@ -1,4 +1,4 @@
-"""The `strata-stream` command: pack, inspect and verify pack files; run the demo; serve."""
+"""The `strata-stream` command: pack, convert, inspect and verify packs; demo, generate, serve."""
 
 from __future__ import annotations
 
@@ -38,6 +38,26 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     pack.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     pack.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    conv = sub.add_parser(
+        "convert", help="pack the routed experts of an mlx-lm / Hugging Face checkpoint"
+    )
+    conv.add_argument("model", metavar="MODEL_DIR", help="checkpoint directory (safetensors)")
+    conv.add_argument("-o", "--out", required=True, metavar="PACK", help="pack file to write")
+    conv.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    gen = sub.add_parser(
+        "generate", help="generate text with an mlx-lm model whose experts stream from SSD"
+    )
+    gen.add_argument("model", metavar="MODEL", help="mlx-lm model directory or Hugging Face repo")
+    gen.add_argument("--prompt", required=True, help="the prompt text")
+    gen.add_argument("--max-tokens", type=int, default=100, help="tokens to generate (100)")
+    gen.add_argument(
+        "--arena-gb", type=float, default=None, help="expert memory in GiB (default: from free RAM)"
+    )
+    gen.add_argument("--experts", choices=("cpu", "mlx"), default="cpu",
+                     help="who computes the experts (default cpu)")  # fmt: skip
+    gen.add_argument("--pack", default=None, help="the model's pack (default: converted once)")
 
     inspect = sub.add_parser("inspect", help="print a pack's geometry, format and layout")
     inspect.add_argument("pack", metavar="PACK")
@@ -99,6 +119,26 @@ def _pack(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    from strata_stream.convert import convert
+
+    path = convert(args.model, args.out, progress=not args.quiet)
+    print(f"wrote {path} ({path.stat().st_size:,} bytes)")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    try:
+        from strata_stream.mlx_lm.generate_cli import generate
+    except ImportError as e:
+        print(f"strata-stream: error: generate needs mlx and mlx-lm ({e}); "
+              "pip install 'strata-stream[mlx]'", file=sys.stderr)  # fmt: skip
+        return 2
+    generate(args.model, args.prompt, max_tokens=args.max_tokens, arena_gb=args.arena_gb,
+             experts=args.experts, pack_path=args.pack)  # fmt: skip
+    return 0
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from strata_stream.pack.header import MATRICES, ROLES
     from strata_stream.pack.reader import ExpertPack
@@ -116,12 +156,20 @@ def _inspect(args: argparse.Namespace) -> int:
             f"geometry       {g.n_layers} layers x {g.n_experts} experts, top-{g.top_k}, "
             f"hidden {g.hidden}, moe_intermediate {g.moe_intermediate}",
             f"routing        {g.routing}, norm_topk_prob {str(g.norm_topk_prob).lower()}",
+            f"activation     {g.activation}"
+            + (f" (alpha {g.act_alpha:g}, limit {g.act_limit:g})" if g.act_alpha else "")
+            + (f", expert biases {pack.bias_dtype}" if pack.bias_dtype else ""),
             f"weight format  {pack.weight_format}{quant}",
             f"records        {pack.n_records:,} x {pack.record_bytes:,} bytes "
             f"(stride {pack.record_stride:,}) at offset {pack.records_offset:,}",
             f"routers        {pack.header.router_bytes:,} bytes at offset "
             f"{pack.header.router_offset:,}",
             f"file size      {pack.file_bytes:,} bytes ({_human(pack.file_bytes)})",
+            *(
+                [f"decoder layers {meta['model'].get('decoder_layers')}"]
+                if isinstance(meta.get("model"), dict)
+                else []
+            ),
             "record layout",
         ]
         for t in pack.tensors:
@@ -155,6 +203,14 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _demo(rest: list[str]) -> int:
+    if "--mlx-lm" in rest:  # a real mlx-lm generation with streamed experts
+        try:
+            from strata_stream.mlx_lm.demo import main as mlx_demo
+        except ImportError as e:
+            print(f"strata-stream: error: the mlx-lm demo needs mlx and mlx-lm ({e})",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        return int(mlx_demo(rest))
     try:
         from strata_stream.demo import main as demo_main  # type: ignore[import-not-found,unused-ignore]
     except ImportError as e:
@@ -203,6 +259,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "pack":
             return _pack(args)
+        if args.command == "convert":
+            return _convert(args)
+        if args.command == "generate":
+            return _generate(args)
         if args.command == "inspect":
             return _inspect(args)
         if args.command == "verify":

@@ -254,6 +254,14 @@ class ExpertStream:
         """Read-only view of a slot's record bytes (for tests and tools)."""
         return self._s.slot_bytes(int(slot))  # type: ignore[no-any-return]
 
+    def arena_view(self) -> npt.NDArray[np.uint8]:
+        """Read-only view of the whole arena, [n_slots, slot_stride] bytes (no copy); slot s
+        holds its record at row s. Valid while the stream is open; contents change as slots are
+        recycled, so read a slot only while the handshake guarantees it (Window.moe_routed_host).
+        """
+        flat: npt.NDArray[np.uint8] = self._s.arena
+        return flat.reshape(self.n_slots, int(self._s.slot_bytes_stride))
+
     def expert_bytes(self, layer: int, expert: int) -> npt.NDArray[np.uint8] | None:
         """The record bytes of a published expert, or None when it is not published."""
         s = int(self.smap[self.key(layer, expert)])

@@ -28,7 +28,7 @@ import importlib
 import os
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
@@ -40,6 +40,28 @@ import numpy.typing as npt
 from strata_stream.errors import ConfigError, StreamClosedError
 from strata_stream.stream import ExpertStream
 from strata_stream.trace.format import strata_trace_header, strata_trace_rows
+
+_BUFFER_DTYPES = {"f": "float32", "e": "float16", "bfloat16": "bfloat16"}
+
+
+def _x_buffer(x: Any, hidden: int) -> tuple[memoryview, str]:
+    """A zero-copy view of a layer input and its dtype name, checked for shape and layout."""
+    try:
+        view = memoryview(x)
+    except TypeError:
+        raise TypeError(
+            f"x must be a numpy array or an evaluated mx.array, got {type(x).__name__}"
+        ) from None
+    dtype = _BUFFER_DTYPES.get(view.format.lstrip("<=@"))
+    if dtype is None:
+        raise TypeError(
+            f"x must be float32, float16 or bfloat16, got buffer format {view.format!r}"
+        )
+    if view.ndim != 2 or view.shape is None or view.shape[1] != hidden:
+        raise ValueError(f"x must have shape [T, {hidden}], got {list(view.shape or ())}")
+    if not view.c_contiguous:
+        raise ValueError("x must be C-contiguous")
+    return view, dtype
 
 
 def profile_path(pack: Path) -> Path:
@@ -122,6 +144,120 @@ class Window:
         # closing it after layer L-1) under its own lock: checks here would race other threads.
         out: npt.NDArray[np.float32] = self._w.moe(int(layer), arr)
         if int(layer) == self.n_layers - 1 and not self._w.in_turn:
+            self._flush_trace()
+        return out
+
+    # ---- externally routed calls (the model routes with its own gate) -------------------------
+    def moe_routed(
+        self,
+        layer: int,
+        x: Any,
+        ids: npt.ArrayLike,
+        weights: npt.ArrayLike,
+        pred1: npt.ArrayLike | None = None,
+        pred2: npt.ArrayLike | None = None,
+    ) -> npt.NDArray[np.float32]:
+        """MoE output of `layer` for x with the routing given: the model chose the experts.
+
+        x: [T, hidden], C-contiguous, float32/float16 numpy or any buffer (an evaluated
+        ``mx.array`` of float32, float16 or bfloat16 is read in place, without a copy).
+        ids, weights: [T, top_k] expert ids and mixture weights. pred1 / pred2: [T, top_k] the
+        experts the model's gates of layers layer+1 / layer+2 pick on this input (None: no
+        prediction). Same handshake and expert passes as `moe`; moce must be off.
+        """
+        layer = self._routed_layer(layer)
+        view, dtype = _x_buffer(x, self.hidden)
+        rows = view.shape[0] if view.shape else 0
+        tables = self._routed_tables(rows, ids, pred1, pred2)
+        w = np.ascontiguousarray(weights, dtype=np.float32)
+        if w.shape != (rows, self.stream.top_k):
+            raise ValueError(
+                f"weights must have shape [{rows}, {self.stream.top_k}], got {list(w.shape)}"
+            )
+        out: npt.NDArray[np.float32] = self._routed_call(
+            layer, lambda: self._w.moe_routed(layer, view, dtype, tables[0], w, *tables[1:])
+        )
+        return out
+
+    def moe_routed_host(
+        self,
+        layer: int,
+        ids: npt.ArrayLike,
+        compute: Callable[[int, int, npt.NDArray[np.uint32]], None],
+        pred1: npt.ArrayLike | None = None,
+        pred2: npt.ArrayLike | None = None,
+    ) -> None:
+        """The same handshake, with the experts computed by the caller (the MLX-kernel path).
+
+        For every wave the engine calls ``compute(row0, rows, slots)``: slots [rows, top_k]
+        uint32 gives the arena slot of each entry of rows [row0, row0 + rows) whose expert is in
+        this wave, ABSENT (0xFFFFFFFF) for the others; those slots hold their experts until
+        compute returns (read them through `ExpertStream.arena_view`). Each entry is in exactly
+        one wave. An exception from compute abandons the turn and propagates.
+        """
+        layer = self._routed_layer(layer)
+        arr = np.asarray(ids)
+        if arr.ndim != 2:
+            raise ValueError(f"ids must have shape [T, {self.stream.top_k}], got {list(arr.shape)}")
+        tables = self._routed_tables(arr.shape[0], arr, pred1, pred2)
+        self._routed_call(
+            layer, lambda: self._w.moe_routed_host(layer, tables[0], *tables[1:], compute)
+        )
+
+    def _routed_layer(self, layer: int) -> int:
+        self._check_open()
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+            raise TypeError(f"layer must be an int, got {type(layer).__name__}")
+        if not 0 <= int(layer) < self.n_layers:
+            raise IndexError(f"layer {layer} out of range [0, {self.n_layers})")
+        if self.stream.config.moce != "off":
+            raise ConfigError(
+                "moce steers the engine's own router; externally routed calls need moce off"
+            )
+        return int(layer)
+
+    def _routed_tables(
+        self, rows: int, *tables: npt.ArrayLike | None
+    ) -> list[npt.NDArray[np.int32] | None]:
+        k, e = self.stream.top_k, self.stream.n_experts
+        out: list[npt.NDArray[np.int32] | None] = []
+        for name, t in zip(("ids", "pred1", "pred2"), tables, strict=True):
+            if t is None:
+                if name == "ids":
+                    raise ValueError("ids are required")
+                out.append(None)
+                continue
+            a = np.asarray(t)
+            if a.size and not np.issubdtype(a.dtype, np.integer):
+                raise TypeError(f"{name} must be integer expert ids, got dtype {a.dtype}")
+            if a.shape != (rows, k):
+                raise ValueError(f"{name} must have shape [{rows}, {k}], got {list(a.shape)}")
+            if a.size and (a.min() < 0 or a.max() >= e):
+                bad = a[(a < 0) | (a >= e)][0]
+                raise IndexError(f"{name}: expert {bad} out of range [0, {e})")
+            out.append(np.ascontiguousarray(a, dtype=np.int32))
+        return out
+
+    def _routed_call(self, layer: int, call: Callable[[], Any]) -> Any:
+        if not self._w.in_turn:
+            if layer != 0:
+                raise TurnError(f"layer {layer} called outside a turn: a turn starts at layer 0")
+            self._w.begin_turn()
+            self._implicit_turn = True
+        if layer != self._w.next_layer:
+            raise TurnError(
+                f"layer {layer} called out of order: this turn expects layer "
+                f"{self._w.next_layer} next"
+            )
+        if not self._busy.acquire(blocking=False):
+            raise TurnError("Window.moe called from two threads at once; use one per thread")
+        try:
+            out = call()
+        finally:
+            self._busy.release()
+        if self._implicit_turn and layer == self.n_layers - 1:
+            self._w.end_turn()
+            self._implicit_turn = False
             self._flush_trace()
         return out
 

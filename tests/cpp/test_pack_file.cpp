@@ -232,7 +232,11 @@ TEST_CASE("every fixed header field is checked and named") {
       {24, 4, 17, "header field top_k is 17"},
       {28, 4, 0, "header field hidden is 0"},
       {32, 4, 0, "header field moe_intermediate is 0"},
-      {36, 4, 2, "header field routing is 2"},
+      {36, 4, 3, "header field routing is 3"},
+      // routing 2 is valid (external: no routers), so router_bytes must then be 0.
+      {36, 4, 2, "header field router_bytes is 16384 but the geometry and format imply 0"},
+      {1024, 4, 2, "header field activation is 2"},
+      {1036, 4, 4, "header field bias_format is 4"},
       {40, 4, 2, "header field norm_topk_prob is 2"},
       {44, 4, 5, "header field weight_format is 5"},
       {48, 4, 64, "header fields group_size 64 and scale_format 0 must be 0"},
@@ -399,7 +403,7 @@ TEST_CASE("the test pack holds exactly expected_record, and no two records are e
       auto want = expected_record(g, l, e);
       REQUIRE(want == expected_record(g, l, e));  // deterministic
       REQUIRE(buf == want);
-      CHECK(f.checksums()[l * g.n_experts + e] == crc32_bytes(want.data(), want.size()));
+      CHECK(f.checksums()[l * g.n_experts + e] == crc32c(want.data(), want.size()));
       seen.insert(want);
     }
   CHECK(seen.size() == std::size_t(g.n_layers) * g.n_experts);

@@ -16,6 +16,17 @@ namespace {
 
 inline float silu(float z) { return z / (1.0f + std::exp(-z)); }
 
+// The expert activation of one element; every path (decode passes, prompt waves, routed calls)
+// calls this one function, so they stay bitwise identical (I11).
+inline float activate(const ExpertView& ev, float g, float u) {
+  if (ev.activation == Activation::SwiGLU) return silu(g) * u;
+  // gpt-oss: the gate clipped from above only, the linear part both ways and shifted by one.
+  const float lim = ev.act_limit;
+  const float gc = std::min(g, lim);
+  const float uc = std::min(std::max(u, -lim), lim);
+  return (uc + 1.0f) * (gc / (1.0f + std::exp(-ev.act_alpha * gc)));
+}
+
 // One expert's share of a pass: the (t * k + j) entries routed to it and its published slot.
 struct Group {
   std::uint32_t expert;
@@ -49,9 +60,10 @@ void gate_up_rows(const DeviceBuffers& b, const ExpertView& ev, const Group& g, 
   for (std::uint32_t r = r0; r < r1; ++r) {
     ev.gate.row(r, gbuf);
     ev.up.row(r, ubuf);
+    const float gb = ev.gate.bias_at(r), ub = ev.up.bias_at(r);
     for (std::uint32_t i : g.entries) {
       const float* x = b.x + std::size_t(i / k) * H;
-      b.h[std::size_t(i) * I + r] = silu(dot(gbuf, x, H)) * dot(ubuf, x, H);
+      b.h[std::size_t(i) * I + r] = activate(ev, dot(gbuf, x, H) + gb, dot(ubuf, x, H) + ub);
     }
   }
 }
@@ -62,8 +74,9 @@ void down_rows(const DeviceBuffers& b, const ExpertView& ev, const Group& g, std
   const std::uint32_t H = b.layout->hidden, I = b.layout->moe_intermediate;
   for (std::uint32_t r = r0; r < r1; ++r) {
     ev.down.row(r, dbuf);
+    const float db = ev.down.bias_at(r);
     for (std::uint32_t i : g.entries)
-      b.y[std::size_t(i) * H + r] = b.weights[i] * dot(dbuf, b.h + std::size_t(i) * I, I);
+      b.y[std::size_t(i) * H + r] = b.weights[i] * (dot(dbuf, b.h + std::size_t(i) * I, I) + db);
   }
 }
 

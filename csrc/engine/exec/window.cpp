@@ -10,6 +10,8 @@
 #include "common/check.h"
 #include "common/errors.h"
 #include "common/timing.h"
+#include "pack/weights.h"
+#include "residency/slot.h"
 
 namespace strata {
 
@@ -203,7 +205,7 @@ void Window::release_scratch() {
   backend_->synchronize();  // no command may still read the buffers
   scratch_.release();
   scratch_bytes_.store(0, std::memory_order_relaxed);
-  x_ = out_ = nullptr;
+  x_ = out_ = weights_ = nullptr;
   ids_ = pred1_ = pred2_ = wave_ = nullptr;
   wave_n_ = nullptr;
 }
@@ -221,6 +223,7 @@ void Window::ensure_scratch(std::uint32_t rows) {
   pred2_ = b.pred_ids[1];
   wave_ = b.wave;
   wave_n_ = b.wave_n;
+  weights_ = b.weights;
   backend_->bind(b);
 }
 
@@ -447,6 +450,99 @@ std::uint32_t Window::wave_capacity() const {
 
 void Window::moe(std::uint32_t layer, const float* x, std::uint32_t rows, float* out,
                  const InterruptCheck& interrupt) {
+  if (!L_.has_routers())
+    throw EngineError(ErrorKind::Config,
+                      "this pack holds no routers (routing external: the model routes itself); "
+                      "call moe_routed with the model's expert ids and weights");
+  const std::uint32_t H = L_.hidden;
+  run_call(
+      layer, rows,
+      [&](std::uint32_t r0, std::uint32_t n, std::uint32_t chunk) {
+        std::memcpy(x_, x + std::size_t(r0) * H, std::size_t(n) * H * 4);
+        auto chosen = run_chunk(layer, chunk, n, interrupt);
+        std::memcpy(out + std::size_t(r0) * H, out_, std::size_t(n) * H * 4);
+        return chosen;
+      },
+      interrupt);
+}
+
+namespace {
+
+void load_x(const void* x, Window::XType xt, std::size_t first, std::size_t n, float* dst) {
+  switch (xt) {
+    case Window::XType::F32:
+      std::memcpy(dst, static_cast<const float*>(x) + first, n * 4);
+      return;
+    case Window::XType::F16:
+    case Window::XType::BF16: {
+      const auto* src = static_cast<const std::uint16_t*>(x) + first;
+      for (std::size_t i = 0; i < n; ++i)
+        dst[i] = xt == Window::XType::F16 ? half_to_float(src[i]) : bf16_to_float(src[i]);
+      return;
+    }
+  }
+}
+
+}  // namespace
+
+void Window::check_routed(const Routed& routed, std::uint32_t rows, bool need_weights) const {
+  if (opt_.moce.mode != MoceMode::Off)
+    throw EngineError(ErrorKind::Config,
+                      "moce steers the engine's own router; an externally routed call "
+                      "(moe_routed) needs moce off");
+  if (rows == 0) return;
+  if (!routed.ids || (need_weights && !routed.weights))
+    throw std::invalid_argument("moe_routed needs ids and weights");
+  const std::size_t n = std::size_t(rows) * L_.top_k;
+  for (const std::int32_t* ids : {routed.ids, routed.pred1, routed.pred2}) {
+    if (!ids) continue;
+    for (std::size_t i = 0; i < n; ++i)
+      if (ids[i] < 0 || std::uint32_t(ids[i]) >= L_.n_experts)
+        throw std::out_of_range("expert id " + std::to_string(ids[i]) + " at entry " +
+                                std::to_string(i) + " out of range [0, " +
+                                std::to_string(L_.n_experts) + ")");
+  }
+}
+
+void Window::stage_routed(const Routed& routed, std::uint32_t r0, std::uint32_t n) {
+  const std::size_t k = L_.top_k, first = std::size_t(r0) * k, count = std::size_t(n) * k;
+  std::copy(routed.ids + first, routed.ids + first + count, ids_);
+  if (routed.weights) std::copy(routed.weights + first, routed.weights + first + count, weights_);
+  if (routed.pred1) std::copy(routed.pred1 + first, routed.pred1 + first + count, pred1_);
+  if (routed.pred2) std::copy(routed.pred2 + first, routed.pred2 + first + count, pred2_);
+}
+
+void Window::moe_routed(std::uint32_t layer, const void* x, XType xt, std::uint32_t rows,
+                        const Routed& routed, float* out, const InterruptCheck& interrupt) {
+  check_routed(routed, rows, true);
+  const std::uint32_t H = L_.hidden;
+  run_call(
+      layer, rows,
+      [&](std::uint32_t r0, std::uint32_t n, std::uint32_t chunk) {
+        load_x(x, xt, std::size_t(r0) * H, std::size_t(n) * H, x_);
+        stage_routed(routed, r0, n);
+        auto chosen = run_chunk(layer, chunk, n, interrupt, &routed);
+        std::memcpy(out + std::size_t(r0) * H, out_, std::size_t(n) * H * 4);
+        return chosen;
+      },
+      interrupt);
+}
+
+void Window::moe_routed_host(std::uint32_t layer, std::uint32_t rows, const Routed& routed,
+                             const WaveCompute& compute, const InterruptCheck& interrupt) {
+  check_routed(routed, rows, false);
+  if (!compute) throw std::invalid_argument("moe_routed_host needs a compute function");
+  run_call(
+      layer, rows,
+      [&](std::uint32_t r0, std::uint32_t n, std::uint32_t chunk) {
+        stage_routed(routed, r0, n);
+        return run_chunk(layer, chunk, n, interrupt, &routed, &compute);
+      },
+      interrupt);
+}
+
+void Window::run_call(std::uint32_t layer, std::uint32_t rows, const ChunkFn& run,
+                      const InterruptCheck& interrupt) {
   if (layer >= L_.n_layers)
     throw std::out_of_range("layer " + std::to_string(layer) + " out of range [0, " +
                             std::to_string(L_.n_layers) + ")");
@@ -470,7 +566,6 @@ void Window::moe(std::uint32_t layer, const float* x, std::uint32_t rows, float*
     }
   }
   if (rows == 0) return;
-  const std::uint32_t H = L_.hidden;
   if (layer == 0) {  // a new pass over the model starts with these tokens
     pass_first_token_ = tokens_seen_;
     tokens_seen_ += rows;
@@ -484,14 +579,12 @@ void Window::moe(std::uint32_t layer, const float* x, std::uint32_t rows, float*
     std::uint32_t chunk = 0;
     for (std::uint32_t r0 = 0; r0 < rows; r0 += opt_.max_rows, ++chunk) {
       const std::uint32_t n = std::min(opt_.max_rows, rows - r0);
-      std::memcpy(x_, x + std::size_t(r0) * H, std::size_t(n) * H * 4);
       row0_ = r0;
-      for (std::int32_t e : run_chunk(layer, chunk, n, interrupt))
+      for (std::int32_t e : run(r0, n, chunk))
         if (!seen[std::uint32_t(e)]) {
           seen[std::uint32_t(e)] = 1;
           chosen.push_back(e);
         }
-      std::memcpy(out + std::size_t(r0) * H, out_, std::size_t(n) * H * 4);
     }
     after(layer, chosen, interrupt);
     with_stats(layer, [&](LayerStats& st) {
@@ -543,7 +636,7 @@ std::vector<std::int32_t> Window::by_popularity(const std::int32_t* ids, std::ui
 }
 
 bool Window::predicts2(std::uint32_t layer, bool decode) const {
-  return opt_.lookahead && layer + 2 < L_.n_layers &&  // I10: the last two layers skip it
+  return opt_.lookahead && chunk_pred2_ && layer + 2 < L_.n_layers &&  // I10: the last two layers skip it
          (decode ? opt_.decode_prefetch2 : opt_.prompt_pred2);
 }
 
@@ -555,7 +648,7 @@ std::vector<std::int32_t> Window::predictions2(std::uint32_t layer, std::uint32_
 
 std::vector<std::int32_t> Window::predictions(std::uint32_t layer, std::uint32_t chunk,
                                               std::uint32_t rows) {
-  if (!opt_.lookahead || layer + 1 >= L_.n_layers) return {};  // I10
+  if (!opt_.lookahead || !chunk_pred1_ || layer + 1 >= L_.n_layers) return {};  // I10
   std::vector<std::int32_t> p = by_popularity(pred1_, rows * L_.top_k);
   auto& slot = predicted_[layer + 1];
   if (slot.size() <= chunk) slot.resize(chunk + 1);
@@ -638,33 +731,41 @@ void Window::after(std::uint32_t layer, const std::vector<std::int32_t>& chosen,
 }
 
 std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t chunk,
-                                            std::uint32_t rows, const InterruptCheck& interrupt) {
+                                            std::uint32_t rows, const InterruptCheck& interrupt,
+                                            const Routed* routed, const WaveCompute* host) {
   const Clock::time_point chunk_start = Clock::now();  // the governor's trials compare this
   const std::uint32_t k = L_.top_k;
   const std::uint64_t v = ++seq_;
   const std::uint32_t cap = wave_capacity();
-  const bool decode = rows <= opt_.decode_rows && rows * k <= cap;
-  const bool predict = opt_.lookahead && layer + 1 < L_.n_layers;
+  chunk_pred1_ = !routed || routed->pred1;
+  chunk_pred2_ = !routed || routed->pred2;
+  // The host computes in waves whatever the size: there is no device pass to overlap.
+  const bool decode = !host && rows <= opt_.decode_rows && rows * k <= cap;
+  const bool predict = opt_.lookahead && chunk_pred1_ && layer + 1 < L_.n_layers;
   const std::uint32_t max_waves =
       decode ? 0 : (std::min(L_.n_experts, rows * k) + cap - 1) / cap;
   const std::uint64_t first_wave = wave_seq_ + 1;
 
   // ---- submission: route (+ predict), then, in one piece, every step behind an event wait ----
-  Command route = cmd(Op::Route, layer, rows);
-  route.moce = opt_.moce;
-  std::vector<Command> s1 = {route};
-  if (predict) {
-    Command c = cmd(Op::RoutePredict, layer + 1, rows);
-    c.distance = 1;
-    s1.push_back(c);
-  }
-  if (predicts2(layer, decode)) {  // router scratch is reused; only the id buffer is its own
-    Command c = cmd(Op::RoutePredict, layer + 2, rows);
-    c.distance = 2;
-    s1.push_back(c);
+  // (An externally routed chunk has its ids and predictions in the scratch already.)
+  std::vector<Command> s1;
+  if (!routed) {
+    Command route = cmd(Op::Route, layer, rows);
+    route.moce = opt_.moce;
+    s1.push_back(route);
+    if (predict) {
+      Command c = cmd(Op::RoutePredict, layer + 1, rows);
+      c.distance = 1;
+      s1.push_back(c);
+    }
+    if (predicts2(layer, decode)) {  // router scratch is reused; only the id buffer is its own
+      Command c = cmd(Op::RoutePredict, layer + 2, rows);
+      c.distance = 2;
+      s1.push_back(c);
+    }
   }
   s1.push_back(event_cmd(Op::Signal, routed_, v));
-  if (!opt_.split_turn) {
+  if (!opt_.split_turn && !host) {
     if (decode) {
       s1.push_back(event_cmd(Op::Wait, release1_, v));
       s1.push_back(cmd(Op::Plan, layer, rows));
@@ -778,6 +879,22 @@ std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t c
     std::vector<std::uint8_t> resident(wave.size());
     if (multi)  // I8 by pins
       stream_.plan(client_, layer, wave.data(), wave.size(), resident.data());
+    if (host) {
+      // The host's expert pass over this wave: slots from smap, now stable (enter_layer
+      // protects them; with several waves the plan pins them too).
+      std::vector<char> in_wave(L_.n_experts, 0);
+      for (std::int32_t e : wave) in_wave[std::uint32_t(e)] = 1;
+      std::vector<std::uint32_t> slots(std::size_t(rows) * k, kAbsent);
+      for (std::size_t i = 0; i < slots.size(); ++i) {
+        const std::uint32_t e = std::uint32_t(ids_[i]);
+        if (!in_wave[e]) continue;
+        slots[i] = stream_.smap_at(layer * L_.n_experts + e);
+        STRATA_ASSERT(slots[i] != kAbsent, "a waited-for expert is published");
+      }
+      (*host)(row0_, rows, slots.data());
+      if (multi) stream_.release_plan(client_);
+      continue;
+    }
     std::copy(wave.begin(), wave.end(), wave_);
     wave_n_[0] = std::uint32_t(wave.size());
     const std::uint64_t wv = ++wave_seq_;
@@ -789,6 +906,10 @@ std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t c
     if (multi) stream_.release_plan(client_);
   }
   with_stats(layer, [&](LayerStats& st) { st.waves += n_waves; });
+  if (host) {
+    observe_handshake(false, missed, contended, ns_since(chunk_start));
+    return chosen;
+  }
   if (opt_.split_turn) {
     backend_->submit({cmd(Op::Combine, layer, rows), event_cmd(Op::Signal, done_, v)});
   } else {

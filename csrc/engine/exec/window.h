@@ -20,6 +20,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -100,6 +101,33 @@ class Window {
   // is abandoned (and the stream stays usable) on any error inside the call.
   void moe(std::uint32_t layer, const float* x, std::uint32_t rows, float* out,
            const InterruptCheck& interrupt = {});
+  // ---- externally routed calls: the model routes with its own gate (any family) ----
+  enum class XType : std::uint8_t { F32, F16, BF16 };
+  // One call's routing, [rows, top_k] each, row-major. pred1/pred2: the model's gates of layers
+  // l+1 / l+2 applied to this layer's input (null: no prediction at that distance). pred1 is
+  // used when lookahead is on, pred2 when two-layer prediction is on for the path taken.
+  struct Routed {
+    const std::int32_t* ids = nullptr;
+    const float* weights = nullptr;  // mixture weights; unused by moe_routed_host
+    const std::int32_t* pred1 = nullptr;
+    const std::int32_t* pred2 = nullptr;
+  };
+  // As moe(), with the routing given: the same handshake (urgent requests, predictions queued,
+  // publish, retire) and expert passes on the backend. x: [rows, hidden] of type xt, converted
+  // to float32 as it enters the scratch. Throws EngineError(Config) with moce on (moce steers
+  // the engine's own router) and std::out_of_range for an expert id outside [0, n_experts).
+  void moe_routed(std::uint32_t layer, const void* x, XType xt, std::uint32_t rows,
+                  const Routed& routed, float* out, const InterruptCheck& interrupt = {});
+  // The host computes the experts (the MLX-kernel path): the same handshake, then for every
+  // wave compute(row0, rows, slots) with slots[rows * top_k] the arena slot of each entry of
+  // rows [row0, row0 + rows) whose expert is in the wave, kAbsent for the others. Those slots
+  // hold their experts (published, protected by enter_layer and, with several waves, pinned by
+  // a plan: I4, I8) until compute returns. Every entry appears in exactly one wave.
+  using WaveCompute =
+      std::function<void(std::uint32_t row0, std::uint32_t rows, const std::uint32_t* slots)>;
+  void moe_routed_host(std::uint32_t layer, std::uint32_t rows, const Routed& routed,
+                       const WaveCompute& compute, const InterruptCheck& interrupt = {});
+
   // Opens an explicit turn (ending an implicit one of this thread). Turn error if one is open.
   void begin_turn();
   // Ends this thread's turn; nothing when no turn is open or the Window is closed.
@@ -148,9 +176,22 @@ class Window {
   void ensure_scratch(std::uint32_t rows);
   // The one teardown path of the scratch: at turn end (unless kept) and at destruction.
   void release_scratch();
-  // Returns the experts the chunk chose, most popular first.
+  // Checks turn order, runs chunk(r0, n, index) over the call's chunks of at most max_rows rows
+  // (each returns the experts it chose), then the after-layer host point. Any error abandons
+  // the turn with the stream usable.
+  using ChunkFn = std::function<std::vector<std::int32_t>(std::uint32_t r0, std::uint32_t n,
+                                                          std::uint32_t chunk)>;
+  void run_call(std::uint32_t layer, std::uint32_t rows, const ChunkFn& chunk,
+                const InterruptCheck& interrupt);
+  void check_routed(const Routed& routed, std::uint32_t rows, bool need_weights) const;
+  // Copies rows [r0, r0 + n) of the routing into the scratch (ids, weights, predictions).
+  void stage_routed(const Routed& routed, std::uint32_t r0, std::uint32_t n);
+  // Returns the experts the chunk chose, most popular first. routed: the routing is already in
+  // the scratch (no Route commands); host: the host computes each wave (no expert commands).
   std::vector<std::int32_t> run_chunk(std::uint32_t layer, std::uint32_t chunk, std::uint32_t rows,
-                                      const InterruptCheck& interrupt);
+                                      const InterruptCheck& interrupt,
+                                      const Routed* routed = nullptr,
+                                      const WaveCompute* host = nullptr);
   std::vector<std::int32_t> by_popularity(const std::int32_t* ids, std::uint32_t n) const;
   // Router l+1's picks for this chunk, most popular first (empty when not predicting), noted
   // for precision/recall.
@@ -210,6 +251,10 @@ class Window {
   std::int32_t* pred2_ = nullptr;
   std::int32_t* wave_ = nullptr;
   std::uint32_t* wave_n_ = nullptr;
+  float* weights_ = nullptr;
+  // Whether this chunk has predictions at distance 1 / 2 to use (an externally routed call may
+  // bring none).
+  bool chunk_pred1_ = true, chunk_pred2_ = true;
 
   // Handshake events. Values only grow: every chunk takes seq_ + 1, every prompt wave
   // wave_seq_ + 1, so a stale signal can never release a later wait.

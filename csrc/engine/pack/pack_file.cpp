@@ -6,6 +6,7 @@
 #include <zlib.h>
 
 #include <cerrno>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -124,6 +125,10 @@ PackLayout parse_pack_header(const unsigned char* h, std::size_t n, const std::s
   L.records_offset = load<std::uint64_t>(h + 120);
   L.file_bytes = load<std::uint64_t>(h + 128);
   const std::uint32_t n_tensors = load<std::uint32_t>(h + 136);
+  const std::uint32_t activation = load<std::uint32_t>(h + kModelBlockOffset);
+  L.act_alpha = load<float>(h + kModelBlockOffset + 4);
+  L.act_limit = load<float>(h + kModelBlockOffset + 8);
+  L.bias_format = load<std::uint32_t>(h + kModelBlockOffset + 12);
 
   // The geometry. The engine's own limits (keys fit a u32 smap index) are tighter than the
   // format's u32 fields.
@@ -138,8 +143,18 @@ PackLayout parse_pack_header(const unsigned char* h, std::size_t n, const std::s
                   std::to_string(L.n_experts) + ")");
   if (L.hidden == 0) bad(path, field_value("hidden", 0) + " (expected >= 1)");
   if (L.moe_intermediate == 0) bad(path, field_value("moe_intermediate", 0) + " (expected >= 1)");
-  if (routing > 1)
-    bad(path, field_value("routing", routing) + " (known: 0 softmax_topk, 1 topk_softmax)");
+  if (routing > 2)
+    bad(path, field_value("routing", routing) +
+                  " (known: 0 softmax_topk, 1 topk_softmax, 2 external)");
+  if (activation > 1)
+    bad(path, field_value("activation", activation) + " (known: 0 swiglu, 1 swiglu_oai)");
+  if (L.bias_format > 3)
+    bad(path, field_value("bias_format", L.bias_format) + " (known: 0 none, 1 f32, 2 f16, 3 bf16)");
+  L.activation = static_cast<Activation>(activation);
+  if (L.activation == Activation::SwigluOai &&
+      !(L.act_alpha > 0 && L.act_limit > 0 && std::isfinite(L.act_alpha) &&
+        std::isfinite(L.act_limit)))
+    bad(path, "header fields act_alpha/act_limit must be finite and positive for swiglu_oai");
   if (norm > 1) bad(path, field_value("norm_topk_prob", norm) + " (expected 0 or 1)");
   if (fmt > 4) bad(path, field_value("weight_format", fmt) + " (known: 0 f32, 1 f16, 2 bf16, 3 q4, 4 q8)");
   if (L.scale_format > 2)
@@ -186,13 +201,17 @@ PackLayout parse_pack_header(const unsigned char* h, std::size_t n, const std::s
       add(mat, 1, rows, cols / L.group_size, float_bytes(L.scale_format));
       add(mat, 2, rows, cols / L.group_size, float_bytes(L.scale_format));
     }
+    // The expert's own Linear bias [1, rows] (gpt-oss), after the weight's tensors.
+    if (L.bias_format) add(mat, kRoleBias, 1, rows, float_bytes(L.bias_format - 1));
   }
   const std::uint64_t keys = std::uint64_t(L.n_layers) * L.n_experts;  // <= 2^28
   const std::uint64_t record_bytes = at;
   const std::uint64_t stride = m.align(record_bytes, kPage, "record_stride");
   const std::uint64_t router_offset =
       m.align(m.add(kHeaderBytes, L.meta_bytes, "meta_bytes"), kPage, "meta_bytes");
-  const std::uint64_t router_bytes = m.mul(m.mul(keys, L.hidden, "router_bytes"), 4, "router_bytes");
+  // An externally routed pack (the model's own gates route) carries no routers.
+  const std::uint64_t router_bytes =
+      L.has_routers() ? m.mul(m.mul(keys, L.hidden, "router_bytes"), 4, "router_bytes") : 0;
   const std::uint64_t checksum_offset =
       m.align(m.add(router_offset, router_bytes, "checksum_offset"), kPage, "checksum_offset");
   const std::uint64_t checksum_bytes = keys * 4;
@@ -350,6 +369,7 @@ std::vector<float> PackFile::read_router(std::uint32_t layer) const {
 
 std::vector<float> PackFile::read_routers() const {
   std::vector<float> all;
+  if (!layout_.has_routers()) return all;
   all.reserve(std::size_t(layout_.n_layers) * layout_.n_experts * layout_.hidden);
   for (std::uint32_t l = 0; l < layout_.n_layers; ++l) {
     std::vector<float> r = read_router(l);

@@ -13,13 +13,21 @@ namespace strata {
 constexpr std::uint64_t kPage = 16384;       // Apple SSD page; O_DIRECT-safe on Linux
 constexpr std::uint64_t kDirectAlign = 4096;  // O_DIRECT length/offset granularity
 constexpr std::uint32_t kHeaderBytes = 4096;
-constexpr std::uint32_t kPackVersion = 2;  // 1 had zlib CRC-32 record checksums
+// Version 2: CRC32C record checksums (1 had zlib's CRC-32), the model block, expert biases and
+// external routing.
+constexpr std::uint32_t kPackVersion = 2;
+// Version 2's model block: activation u32, act_alpha f32, act_limit f32, bias_format u32.
+constexpr std::uint32_t kModelBlockOffset = 1024;
 // The engine's limits, inside the format's u32 fields: every key fits the u32 smap index.
 constexpr std::uint32_t kMaxLayers = 4096;
 constexpr std::uint32_t kMaxExperts = 65536;
 
 enum class WeightFormat : std::uint32_t { F32 = 0, F16 = 1, BF16 = 2, Q4 = 3, Q8 = 4 };
-enum class Routing : std::uint32_t { SoftmaxTopk = 0, TopkSoftmax = 1 };
+// External: the pack holds no routers; the model routes and calls Window::moe_routed.
+enum class Routing : std::uint32_t { SoftmaxTopk = 0, TopkSoftmax = 1, External = 2 };
+// SwiGLU: silu(g) * u. SwigluOai (gpt-oss): (clip(u, -limit, limit) + 1) * g' * sigmoid(alpha g')
+// with g' = min(g, limit).
+enum class Activation : std::uint32_t { SwiGLU = 0, SwigluOai = 1 };
 
 struct TensorEntry {
   std::uint32_t matrix;  // 0 gate, 1 up, 2 down
@@ -30,12 +38,19 @@ struct TensorEntry {
   std::uint32_t cols;
 };
 
+// Tensor roles: 0 weight, 1 scales, 2 biases (affine quantization), 3 bias (the Linear's own).
+constexpr std::uint32_t kRoleBias = 3;
+
 struct PackLayout {
   std::uint32_t n_layers = 0, n_experts = 0, top_k = 0, hidden = 0, moe_intermediate = 0;
   Routing routing = Routing::SoftmaxTopk;
   bool norm_topk_prob = false;
   WeightFormat weight_format = WeightFormat::F32;
   std::uint32_t group_size = 0, scale_format = 0;
+  Activation activation = Activation::SwiGLU;
+  float act_alpha = 0, act_limit = 0;  // SwigluOai only
+  // 0: the experts have no Linear biases; else 1 + scale-format code (1 f32, 2 f16, 3 bf16).
+  std::uint32_t bias_format = 0;
   std::uint64_t record_bytes = 0, record_stride = 0;
   std::uint64_t meta_offset = 0, meta_bytes = 0;
   std::uint64_t router_offset = 0, router_bytes = 0;
@@ -44,6 +59,7 @@ struct PackLayout {
   std::vector<TensorEntry> tensors;
 
   std::uint32_t n_keys() const { return n_layers * n_experts; }
+  bool has_routers() const { return routing != Routing::External; }
   std::uint64_t record_offset(std::uint32_t key) const {
     return records_offset + std::uint64_t(key) * record_stride;
   }

@@ -72,8 +72,15 @@ void MatrixView::row(std::uint32_t r, float* out) const {
   }
 }
 
+float MatrixView::bias_at(std::uint32_t r) const {
+  return bias ? load_scale(bias, r, bias_format - 1) : 0.0f;
+}
+
 ExpertView expert_view(const PackLayout& L, const unsigned char* base) {
   ExpertView v;
+  v.activation = L.activation;
+  v.act_alpha = L.act_alpha;
+  v.act_limit = L.act_limit;
   MatrixView* m[3] = {&v.gate, &v.up, &v.down};
   for (const TensorEntry& t : L.tensors) {
     MatrixView& mv = *m[t.matrix];
@@ -81,6 +88,8 @@ ExpertView expert_view(const PackLayout& L, const unsigned char* base) {
     if (t.role == 0) mv.weight = p;
     if (t.role == 1) mv.scales = p;
     if (t.role == 2) mv.biases = p;
+    if (t.role == kRoleBias) mv.bias = p;
+    mv.bias_format = L.bias_format;
     mv.rows = t.matrix == 2 ? L.hidden : L.moe_intermediate;
     mv.cols = t.matrix == 2 ? L.moe_intermediate : L.hidden;
     mv.format = L.weight_format;

@@ -46,17 +46,23 @@ struct MatrixView {
   const unsigned char* weight = nullptr;
   const unsigned char* scales = nullptr;
   const unsigned char* biases = nullptr;
+  const unsigned char* bias = nullptr;  // the Linear's own bias [rows], null when none
   std::uint32_t rows = 0, cols = 0;  // logical shape
   WeightFormat format = WeightFormat::F32;
   std::uint32_t group_size = 0, scale_format = 0;
+  std::uint32_t bias_format = 0;  // as PackLayout::bias_format
 
   // Writes row r, dequantized, into out[cols].
   void row(std::uint32_t r, float* out) const;
+  // The Linear bias of output r as float32 (exact widening); 0 without biases.
+  float bias_at(std::uint32_t r) const;
 };
 
-// The three matrices of the record at `base`.
+// The three matrices of the record at `base`, and the activation between them.
 struct ExpertView {
   MatrixView gate, up, down;
+  Activation activation = Activation::SwiGLU;
+  float act_alpha = 0, act_limit = 0;
 };
 
 ExpertView expert_view(const PackLayout& L, const unsigned char* base);

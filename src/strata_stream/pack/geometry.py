@@ -10,8 +10,13 @@ import numpy as np
 from strata_stream.errors import ConfigError
 
 # Qwen3-MoE / OLMoE softmax over all experts then pick the top k; Mixtral picks the top k logits
-# then softmaxes over just those. The header stores the index into this tuple.
-ROUTINGS = ("softmax_topk", "topk_softmax")
+# then softmaxes over just those; "external": the pack holds no routers because the model routes
+# itself (an mlx-lm model's own gate, any family) and hands the engine ids and weights
+# (Window.moe_routed). The header stores the index into this tuple.
+ROUTINGS = ("softmax_topk", "topk_softmax", "external")
+# Expert activations: "swiglu" silu(gate) * up; "swiglu_oai" (gpt-oss)
+# (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit).
+ACTIVATIONS = ("swiglu", "swiglu_oai")
 
 # The header stores every dimension as u32.
 _U32_MAX = 2**32 - 1
@@ -34,6 +39,10 @@ class Geometry:
     moe_intermediate: int
     routing: str = "softmax_topk"
     norm_topk_prob: bool = True
+    activation: str = "swiglu"
+    # swiglu_oai only (0 for swiglu); stored as float32 in the header, so normalised to it here.
+    act_alpha: float = 1.702
+    act_limit: float = 7.0
 
     def __post_init__(self) -> None:
         for name in _INT_FIELDS:
@@ -61,6 +70,25 @@ class Geometry:
                 f"{type(self.norm_topk_prob).__name__} {self.norm_topk_prob!r}"
             )
         object.__setattr__(self, "norm_topk_prob", bool(self.norm_topk_prob))
+        if self.activation not in ACTIVATIONS:
+            raise ConfigError(
+                f"Geometry.activation must be one of {', '.join(ACTIVATIONS)}, "
+                f"got {self.activation!r}"
+            )
+        for name in ("act_alpha", "act_limit"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)):
+                raise ConfigError(f"Geometry.{name} must be a number, got {value!r}")
+            if self.activation == "swiglu":
+                value = 0.0  # unused: one canonical header for every swiglu pack
+            elif not (np.isfinite(value) and value > 0):
+                raise ConfigError(f"Geometry.{name} must be finite and positive, got {value}")
+            object.__setattr__(self, name, float(np.float32(value)))
+
+    @property
+    def has_routers(self) -> bool:
+        """Whether a pack of this geometry stores routers (not with "external" routing)."""
+        return self.routing != "external"
 
     @property
     def n_records(self) -> int:
@@ -81,6 +109,9 @@ class Geometry:
             "moe_intermediate": self.moe_intermediate,
             "routing": self.routing,
             "norm_topk_prob": self.norm_topk_prob,
+            "activation": self.activation,
+            "act_alpha": self.act_alpha,
+            "act_limit": self.act_limit,
         }
 
     @classmethod
@@ -96,4 +127,7 @@ class Geometry:
             moe_intermediate=d["moe_intermediate"],
             routing=d["routing"],
             norm_topk_prob=d["norm_topk_prob"],
+            activation=d.get("activation", "swiglu"),
+            act_alpha=d.get("act_alpha", 1.702),
+            act_limit=d.get("act_limit", 7.0),
         )

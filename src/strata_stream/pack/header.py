@@ -19,10 +19,12 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from strata_stream.errors import ConfigError, PackError
-from strata_stream.pack.geometry import ROUTINGS, Geometry
+from strata_stream.pack.geometry import ACTIVATIONS, ROUTINGS, Geometry
 
 MAGIC = b"STRATAPK"
-# Version 2: record checksums are CRC32C (version 1 used zlib's CRC-32 for them).
+# Version 2: record checksums are CRC32C (version 1 used zlib's CRC-32 for them); expert
+# biases (role "bias"), the activation and its constants, "external" routing (no routers) and
+# the model metadata of converted checkpoints (docs/pack-format.md).
 VERSION = 2
 HEADER_BYTES = 4096
 META_OFFSET = HEADER_BYTES
@@ -38,7 +40,10 @@ FLOAT_FORMATS = ("f32", "f16", "bf16")
 QUANT_FORMAT_BITS = {"q4": 4, "q8": 8}
 GROUP_SIZES = (32, 64, 128)
 MATRICES = ("gate", "up", "down")
-ROLES = ("weight", "scales", "biases")
+# "biases" are the affine quantization offsets; "bias" is a Linear layer's own bias (gpt-oss).
+ROLES = ("weight", "scales", "biases", "bias")
+# Header field bias_format: 0 = no expert biases, else 1 + index into SCALE_FORMATS.
+BIAS_FORMATS = SCALE_FORMATS
 # Bytes per stored element and the dtype name the JSON metadata uses for it.
 _ELEM_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "u32": 4}
 _JSON_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "u32": "uint32"}
@@ -63,6 +68,10 @@ _TABLE_OFFSET = _FIXED.size
 ROUTER_CRC_OFFSET = 4088
 HEADER_CRC_OFFSET = 4092
 _U32 = struct.Struct("<I")
+# Version 2's model block: activation (u32), act_alpha (f32), act_limit (f32), bias_format (u32).
+MODEL_BLOCK_OFFSET = 1024
+_MODEL_BLOCK = struct.Struct("<IffI")
+MAX_TENSORS = (MODEL_BLOCK_OFFSET - 144) // 32
 assert _TABLE_OFFSET == 144 and _TENSOR.size == 32 and len(_FIXED_FIELDS) == 25
 
 
@@ -152,9 +161,17 @@ def normalize_format(
 
 
 def record_layout(
-    geometry: Geometry, weight_format: str, group_size: int, scale_dtype: str | None
+    geometry: Geometry,
+    weight_format: str,
+    group_size: int,
+    scale_dtype: str | None,
+    bias_dtype: str | None = None,
 ) -> tuple[tuple[TensorEntry, ...], int]:
-    """Tensor table and payload size of one record, for an already normalized format."""
+    """Tensor table and payload size of one record, for an already normalized format.
+
+    Per matrix (gate, up, down): weight, then scales and biases (q4/q8), then the expert's
+    Linear bias ``[1, rows]`` in `bias_dtype` when the model has one (gpt-oss).
+    """
     entries: list[TensorEntry] = []
     offset = 0
 
@@ -174,6 +191,8 @@ def record_layout(
             add(m, 0, rows, cols * bits // 32, "u32")
             add(m, 1, rows, cols // group_size, scale_dtype)
             add(m, 2, rows, cols // group_size, scale_dtype)
+        if bias_dtype is not None:
+            add(m, 3, 1, rows, bias_dtype)
     # record_bytes is the end of the last tensor: the checksum covers no trailing padding.
     return tuple(entries), offset
 
@@ -189,6 +208,7 @@ class PackHeader:
     meta_bytes: int
     meta_crc: int = 0
     router_crc: int = 0
+    bias_dtype: str | None = None  # dtype of the experts' Linear biases; None: no biases
     tensors: tuple[TensorEntry, ...] = field(init=False)
     record_bytes: int = field(init=False)
     record_stride: int = field(init=False)
@@ -203,10 +223,15 @@ class PackHeader:
         gs, sd = normalize_format(
             self.geometry, self.weight_format, self.group_size, self.scale_dtype
         )
+        if self.bias_dtype is not None and self.bias_dtype not in BIAS_FORMATS:
+            raise ConfigError(
+                f"bias_dtype must be one of {', '.join(BIAS_FORMATS)} or None, "
+                f"got {self.bias_dtype!r}"
+            )
         g = self.geometry
-        tensors, record_bytes = record_layout(g, self.weight_format, gs, sd)
+        tensors, record_bytes = record_layout(g, self.weight_format, gs, sd, self.bias_dtype)
         router_offset = align_up(META_OFFSET + self.meta_bytes, SECTION_ALIGN)
-        router_bytes = g.n_records * g.hidden * 4
+        router_bytes = g.n_records * g.hidden * 4 if g.has_routers else 0
         checksum_offset = align_up(router_offset + router_bytes, SECTION_ALIGN)
         checksum_bytes = g.n_records * 4
         records_offset = align_up(checksum_offset + checksum_bytes, SECTION_ALIGN)
@@ -273,12 +298,26 @@ class PackHeader:
         for i, t in enumerate(self.tensors):
             at = _TABLE_OFFSET + i * _TENSOR.size
             _TENSOR.pack_into(buf, at, t.matrix, t.role, t.offset, t.nbytes, t.rows, t.cols)
+        _MODEL_BLOCK.pack_into(
+            buf,
+            MODEL_BLOCK_OFFSET,
+            ACTIVATIONS.index(g.activation),
+            g.act_alpha,
+            g.act_limit,
+            0 if self.bias_dtype is None else 1 + BIAS_FORMATS.index(self.bias_dtype),
+        )
         _U32.pack_into(buf, ROUTER_CRC_OFFSET, self.router_crc)
         _U32.pack_into(buf, HEADER_CRC_OFFSET, zlib.crc32(buf[:HEADER_CRC_OFFSET]))
         return bytes(buf)
 
-    def metadata(self, architecture: str, source: str) -> dict[str, Any]:
-        """The JSON metadata object for this header (docs/pack-format.md, "JSON metadata")."""
+    def metadata(
+        self, architecture: str, source: str, model: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """The JSON metadata object for this header (docs/pack-format.md, "JSON metadata").
+
+        `model` (converted checkpoints): which decoder layer each pack layer is, and how the
+        model lays out its MoE blocks; free-form beyond the keys docs/pack-format.md names.
+        """
         return {
             "format": "strata-pack",
             "version": VERSION,
@@ -295,7 +334,9 @@ class PackHeader:
                 "records": self.records_offset,
             },
             "record_layout": [t.to_json() for t in self.tensors],
+            "expert_bias": self.bias_dtype,
             "source": source,
+            "model": model,
         }
 
 
@@ -310,26 +351,40 @@ def build_header(
     scale_dtype: str | None,
     architecture: str,
     source: str,
+    bias_dtype: str | None = None,
+    model: dict[str, Any] | None = None,
 ) -> tuple[PackHeader, bytes]:
     """Header and metadata bytes for a new pack (router_crc still 0)."""
     # The JSON records the router offset, which depends on the JSON's own length; iterate to
     # the fixed point (one or two rounds: only the digits of a few offsets can change).
     meta_bytes = 0
     for _ in range(8):
-        header = PackHeader(geometry, weight_format, group_size, scale_dtype, meta_bytes)
-        blob = encode_metadata(header.metadata(architecture, source))
+        header = PackHeader(
+            geometry, weight_format, group_size, scale_dtype, meta_bytes, bias_dtype=bias_dtype
+        )
+        blob = encode_metadata(header.metadata(architecture, source, model))
         if len(blob) == meta_bytes:
             break
         meta_bytes = len(blob)
     else:  # pragma: no cover - would need offsets whose length oscillates
         raise AssertionError("metadata length did not converge")
     header = PackHeader(
-        geometry, weight_format, group_size, scale_dtype, meta_bytes, zlib.crc32(blob)
+        geometry,
+        weight_format,
+        group_size,
+        scale_dtype,
+        meta_bytes,
+        zlib.crc32(blob),
+        bias_dtype=bias_dtype,
     )
     return header, blob
 
 
-def _tensor_dtype(role: int, weight_format: str, scale_dtype: str | None) -> str:
+def _tensor_dtype(
+    role: int, weight_format: str, scale_dtype: str | None, bias_dtype: str | None
+) -> str:
+    if role == 3:
+        return bias_dtype or "f32"
     if weight_format in FLOAT_FORMATS:
         return weight_format
     return "u32" if role == 0 else (scale_dtype or "f32")
@@ -352,7 +407,10 @@ def parse_header(buf: bytes, where: str) -> PackHeader:
             "with CRC32C); repack with strata-stream pack/convert"
         )
     if version != VERSION:
-        raise PackError(f"{where}: version {version} not supported (this reader knows {VERSION})")
+        hint = " (written by a newer strata-stream: upgrade to read it)" if version > VERSION else ""
+        raise PackError(
+            f"{where}: version {version} not supported (this reader knows {VERSION}){hint}"
+        )
     (stored_crc,) = _U32.unpack_from(buf, HEADER_CRC_OFFSET)
     actual_crc = zlib.crc32(buf[:HEADER_CRC_OFFSET])
     if stored_crc != actual_crc:
@@ -378,6 +436,20 @@ def parse_header(buf: bytes, where: str) -> PackHeader:
         raise PackError(
             f"{where}: header field norm_topk_prob is {f['norm_topk_prob']} (expected 0 or 1)"
         )
+    activation, act_alpha, act_limit, bias_format = _MODEL_BLOCK.unpack_from(
+        buf, MODEL_BLOCK_OFFSET
+    )
+    if activation >= len(ACTIVATIONS):
+        raise PackError(
+            f"{where}: header field activation is {activation} "
+            f"(known: {', '.join(f'{i} {n}' for i, n in enumerate(ACTIVATIONS))})"
+        )
+    if bias_format > len(BIAS_FORMATS):
+        raise PackError(
+            f"{where}: header field bias_format is {bias_format} (known: 0 none, "
+            f"{', '.join(f'{i + 1} {n}' for i, n in enumerate(BIAS_FORMATS))})"
+        )
+    bias_dtype = None if bias_format == 0 else BIAS_FORMATS[bias_format - 1]
     fmt = WEIGHT_FORMATS[f["weight_format"]]
     if fmt in FLOAT_FORMATS and (f["group_size"] != 0 or f["scale_format"] != 0):
         raise PackError(
@@ -393,6 +465,9 @@ def parse_header(buf: bytes, where: str) -> PackHeader:
             moe_intermediate=f["moe_intermediate"],
             routing=ROUTINGS[f["routing"]],
             norm_topk_prob=bool(f["norm_topk_prob"]),
+            activation=ACTIVATIONS[activation],
+            act_alpha=act_alpha,
+            act_limit=act_limit,
         )
         header = PackHeader(
             geometry,
@@ -402,6 +477,7 @@ def parse_header(buf: bytes, where: str) -> PackHeader:
             f["meta_bytes"],
             f["meta_crc"],
             _U32.unpack_from(buf, ROUTER_CRC_OFFSET)[0],
+            bias_dtype=bias_dtype,
         )
     except ConfigError as e:
         raise PackError(f"{where}: bad header: {e}") from None
@@ -416,7 +492,8 @@ def parse_header(buf: bytes, where: str) -> PackHeader:
             )
     for i, t in enumerate(header.tensors):
         m, r, off, nb, rows, cols = _TENSOR.unpack_from(buf, _TABLE_OFFSET + i * _TENSOR.size)
-        got = TensorEntry(m, r, off, nb, rows, cols, _tensor_dtype(r, fmt, header.scale_dtype))
+        dtype = _tensor_dtype(r, fmt, header.scale_dtype, header.bias_dtype)
+        got = TensorEntry(m, r, off, nb, rows, cols, dtype)
         if got != t:
             raise PackError(
                 f"{where}: tensor table entry {i} is (matrix {m}, role {r}, offset {off}, "
@@ -471,7 +548,10 @@ def check_metadata(blob: bytes, header: PackHeader, where: str) -> dict[str, Any
     for key in ("architecture", "source"):
         if not isinstance(meta.get(key), str):
             raise PackError(f"{where}: JSON metadata field {key} must be a string")
-    expected = header.metadata(meta["architecture"], meta["source"])
+    model = meta.get("model")
+    if model is not None and not isinstance(model, dict):
+        raise PackError(f"{where}: JSON metadata field model must be an object or null")
+    expected = header.metadata(meta["architecture"], meta["source"], model)
     diff = _first_difference(meta, expected, "")
     if diff:
         raise PackError(f"{where}: JSON metadata disagrees with header: {diff} (json vs header)")

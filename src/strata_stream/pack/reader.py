@@ -185,6 +185,11 @@ class ExpertPack:
         """Router of `layer` as float32 ``[n_experts, hidden]``."""
         layer, _ = self._check(layer)
         g = self.geometry
+        if not g.has_routers:
+            raise PackError(
+                f"pack {self.path}: routing is external (the model routes itself), so the pack "
+                "holds no routers"
+            )
         n = g.n_experts * g.hidden * 4
         data = self._pread(self.header.router_offset + layer * n, n, f"router of layer {layer}")
         return np.frombuffer(data, dtype="<f4").astype(np.float32).reshape(g.n_experts, g.hidden)
@@ -199,7 +204,7 @@ class ExpertPack:
     ) -> tuple[StoredMatrix, StoredMatrix, StoredMatrix]:
         """(gate, up, down) as stored: float arrays (bf16 as uint16 bits) or QuantizedMatrix."""
         record = self.read_record(layer, expert)
-        arrays = [_tensor(record, t) for t in self.tensors]
+        arrays = [_tensor(record, t) for t in self.tensors if t.role != 3]
         if self.weight_format in FLOAT_FORMATS:
             return arrays[0], arrays[1], arrays[2]
         bits = QUANT_FORMAT_BITS[self.weight_format]
@@ -208,6 +213,23 @@ class ExpertPack:
             for i in (0, 3, 6)
         ]
         return q[0], q[1], q[2]
+
+    @property
+    def bias_dtype(self) -> str | None:
+        """Dtype of the experts' Linear biases (gpt-oss), None when they have none."""
+        return self.header.bias_dtype
+
+    def expert_biases(self, layer: int, expert: int) -> tuple[F32Array, F32Array, F32Array]:
+        """(gate, up, down) Linear biases of one expert as float32; zeros without biases."""
+        g = self.geometry
+        if self.bias_dtype is None:
+            inter, hidden = g.moe_intermediate, g.hidden
+            return (np.zeros(inter, np.float32), np.zeros(inter, np.float32),
+                    np.zeros(hidden, np.float32))  # fmt: skip
+        record = self.read_record(layer, expert)
+        b = [_tensor(record, t)[0] for t in self.tensors if t.role == 3]
+        f = [bf16_bits_to_f32(v) if self.bias_dtype == "bf16" else v.astype(np.float32) for v in b]
+        return f[0], f[1], f[2]
 
     def expert_weights(self, layer: int, expert: int) -> tuple[F32Array, F32Array, F32Array]:
         """(gate, up, down) of one expert as float32, dequantized; shapes as in write_pack."""

@@ -47,7 +47,7 @@ _BUFFERS = 3
 def write_pack(
     path: str | os.PathLike[str],
     geometry: Geometry,
-    routers: RouterSource,
+    routers: RouterSource | None,
     experts: ExpertFn,
     weight_format: str = "f32",
     group_size: int = 64,
@@ -55,6 +55,8 @@ def write_pack(
     architecture: str = "synthetic",
     source: str = "",
     progress: bool = True,
+    bias_dtype: str | None = None,
+    model: dict[str, Any] | None = None,
 ) -> Path:
     """Write a pack to `path` atomically and return the path.
 
@@ -66,6 +68,12 @@ def write_pack(
     QuantizedMatrix given for a float format is dequantized. `experts` is called once per record
     in file order (layer-major), so a generator may prefetch ahead.
 
+    With `bias_dtype` ("f32", "f16", "bf16": the experts have Linear biases, gpt-oss),
+    `experts` returns six arrays: gate, up, down, then their biases ``[moe_intermediate]``,
+    ``[moe_intermediate]``, ``[hidden]`` (bf16 as uint16 bit patterns, copied when the dtype
+    matches). With ``geometry.routing == "external"`` the pack holds no routers: pass
+    ``routers=None``. `model` is the converted checkpoint's layout (JSON metadata "model").
+
     group_size and scale_dtype apply to q4/q8 only. The file appears at `path` only once it is
     complete (written to a temporary file in the same directory, then renamed).
     """
@@ -73,7 +81,7 @@ def write_pack(
         raise TypeError(f"geometry must be a Geometry, got {type(geometry).__name__}")
     path = Path(path)
     header, meta_blob = build_header(
-        geometry, weight_format, group_size, scale_dtype, architecture, source
+        geometry, weight_format, group_size, scale_dtype, architecture, source, bias_dtype, model
     )
     _check_free_space(path, header.file_bytes)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -132,8 +140,14 @@ def _pad_to(f: BinaryIO, offset: int) -> None:
         _write_all(f, bytes(gap))
 
 
-def _write_routers(f: BinaryIO, header: PackHeader, routers: RouterSource) -> int:
+def _write_routers(f: BinaryIO, header: PackHeader, routers: RouterSource | None) -> int:
     g = header.geometry
+    if not g.has_routers:
+        if routers is not None:
+            raise ValueError('routing "external" packs hold no routers: pass routers=None')
+        return 0
+    if routers is None:
+        raise ValueError(f"routers are required for routing {g.routing!r}")
     if not callable(routers) and len(routers) != g.n_layers:
         raise ValueError(f"routers has {len(routers)} layers, expected n_layers {g.n_layers}")
     crc = 0
@@ -167,19 +181,24 @@ class _RecordFiller:
         return [_view(buf, t) for t in self.header.tensors]
 
     def fill(self, views: list[npt.NDArray[Any]], layer: int, expert: int, mats: Any) -> None:
-        if not isinstance(mats, (tuple, list)) or len(mats) != 3:
+        bias_dtype = self.header.bias_dtype
+        want = 3 if bias_dtype is None else 6
+        if not isinstance(mats, (tuple, list)) or len(mats) != want:
+            what = "(gate, up, down)" if want == 3 else "(gate, up, down) and their 3 biases"
+            count = f" of {len(mats)}" if isinstance(mats, (tuple, list)) else ""
             raise TypeError(
-                f"experts({layer}, {expert}) must return (gate, up, down), got "
-                f"{type(mats).__name__}"
+                f"experts({layer}, {expert}) must return {what}, got {type(mats).__name__}{count}"
             )
-        per = 1 if self.fmt in FLOAT_FORMATS else 3
-        for m, mat in enumerate(mats):
+        per = (1 if self.fmt in FLOAT_FORMATS else 3) + (bias_dtype is not None)
+        for m, mat in enumerate(mats[:3]):
             where = f"layer {layer} expert {expert} {MATRICES[m]}"
             dst = views[m * per : (m + 1) * per]
             if self.fmt in FLOAT_FORMATS:
                 self._fill_float(dst[0], mat, self.shapes[m], where)
             else:
                 self._fill_quant(dst, mat, self.shapes[m], where)
+            if bias_dtype is not None:
+                _fill_bias(dst[-1], mats[3 + m], bias_dtype, self.shapes[m][0], f"{where} bias")
 
     def _fill_float(
         self, dst: npt.NDArray[Any], mat: Any, shape: tuple[int, int], where: str
@@ -218,6 +237,21 @@ class _RecordFiller:
                 view[...] = values  # same dtype: a byte copy, as converters expect
             else:
                 view[...] = to_scale_dtype(scale_values_f32(values), sd)
+
+
+def _fill_bias(dst: npt.NDArray[Any], values: Any, dtype: str, rows: int, where: str) -> None:
+    arr = np.asarray(values)
+    if arr.shape not in ((rows,), (1, rows)):
+        raise ValueError(f"{where}: expected shape ({rows},), got {arr.shape}")
+    arr = arr.reshape(1, rows)
+    if arr.dtype == np.uint16 or arr.dtype == dst.dtype:
+        if arr.dtype != dst.dtype:  # bf16 bits into a float pack dtype
+            arr = to_scale_dtype(scale_values_f32(arr), dtype)
+        dst[...] = arr  # same dtype: a byte copy
+    elif arr.dtype.kind == "f":
+        dst[...] = to_scale_dtype(arr.astype(np.float32), dtype)
+    else:
+        raise TypeError(f"{where}: expected a float array (bf16 as uint16), got {arr.dtype}")
 
 
 def _view(buf: bytearray, t: TensorEntry) -> npt.NDArray[Any]:

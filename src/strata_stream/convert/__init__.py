@@ -1,0 +1,58 @@
+"""Convert a model checkpoint's routed experts into a pack (`strata-stream convert`).
+
+    from strata_stream.convert import convert
+    convert("path/to/mlx-model", "model.strpk")
+
+The experts are copied byte for byte (q4/q8 words, scales and biases in their dtype, float
+weights) one expert at a time, each read with one pread per tensor from the parsed safetensors
+headers: no tensor and no model is ever loaded whole, so peak memory is a few records. The pack
+routes "externally": the model keeps its own gate (strata_stream.mlx_lm), so no router is stored.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from strata_stream.convert.checkpoint import ExpertLayout, find_experts, read_config
+from strata_stream.convert.safetensors_index import SafetensorsIndex
+from strata_stream.pack.writer import write_pack
+
+
+def inspect_checkpoint(model_dir: str | os.PathLike[str]) -> ExpertLayout:
+    """Where a checkpoint's experts are and how they are stored, without reading them."""
+    with SafetensorsIndex(model_dir) as index:
+        return find_experts(Path(model_dir), index)
+
+
+def convert(
+    model_dir: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    progress: bool = True,
+) -> Path:
+    """Pack the routed experts of the checkpoint in `model_dir` into `out`; returns the path.
+
+    Raises ConfigError for a checkpoint it cannot convert (naming why: no experts, mxfp4
+    experts, mixed formats) and PackError for malformed safetensors files.
+    """
+    model_dir = Path(model_dir)
+    with SafetensorsIndex(model_dir) as index:
+        layout = find_experts(model_dir, index)
+        return write_pack(
+            out,
+            layout.geometry,
+            None,
+            layout.experts_fn(index),
+            weight_format=layout.weight_format,
+            group_size=layout.group_size or 64,
+            scale_dtype=layout.scale_dtype or "f16",
+            architecture=layout.model_type,
+            source=str(model_dir.resolve()),
+            progress=progress,
+            bias_dtype=layout.bias_dtype,
+            model=layout.model,
+        )
+
+
+__all__ = ["ExpertLayout", "SafetensorsIndex", "convert", "inspect_checkpoint", "read_config"]

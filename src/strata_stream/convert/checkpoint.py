@@ -1,0 +1,278 @@
+"""The routed experts of an mlx-lm (or Hugging Face) checkpoint: where they are, in what format.
+
+Two layouts are recognised, by tensor name, whatever the family:
+
+- stacked (mlx-lm): ``...layers.{i}.{block}.{switch_mlp|experts}.{gate,up,down}_proj.{role}``
+  with a leading expert axis ``[E, rows, cols]``; role ``weight`` (uint32 when quantized),
+  ``scales``/``biases`` (affine quantization), ``bias`` (the Linear's own, gpt-oss);
+- per expert (Hugging Face): ``...layers.{i}.{block}.experts.{e}.{gate,up,down}_proj.{role}``
+  (Mixtral's ``w1``/``w3``/``w2`` are gate/up/down).
+
+Quantization is read from the shapes (bits = packed words * 32 / input width, group = input
+width / scale columns), so per-layer overrides in config.json need no special handling; all
+three matrices of every layer must share one format, which the pack stores.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from strata_stream.convert.safetensors_index import SafetensorsIndex
+from strata_stream.errors import ConfigError, PackError
+from strata_stream.pack.geometry import Geometry
+from strata_stream.pack.quant import QuantizedMatrix, bf16_bits_to_f32
+
+_STACKED = re.compile(
+    r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>\w+)\.(?P<module>switch_mlp|experts))"
+    r"\.(?P<mat>gate_proj|up_proj|down_proj)\.(?P<role>weight|scales|biases|bias)$"
+)
+_PER_EXPERT = re.compile(
+    r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>\w+)\.experts)\.(?P<expert>\d+)"
+    r"\.(?P<mat>gate_proj|up_proj|down_proj|w1|w2|w3)\.(?P<role>weight|scales|biases|bias)$"
+)
+_MATRIX = {"gate_proj": 0, "up_proj": 1, "down_proj": 2, "w1": 0, "w3": 1, "w2": 2}
+_FLOAT_FORMATS = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
+# gpt-oss's clamped SwiGLU (mlx_lm.models.activations.SwigluOAI defaults).
+_OAI_ALPHA, _OAI_LIMIT = 1.702, 7.0
+
+
+def read_config(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / "config.json"
+    try:
+        config: dict[str, Any] = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{model_dir}: no config.json (not a model directory?)") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON: {e}") from None
+    # Multimodal wrappers keep the language model's settings under text_config.
+    text = config.get("text_config")
+    if isinstance(text, dict):
+        config = {**config, **text}
+    return config
+
+
+@dataclass
+class _Layer:
+    decoder_layer: int
+    prefix: str
+    stacked: bool
+    # (matrix, role) -> tensor name; per-expert names hold "{e}" for the expert index.
+    names: dict[tuple[int, str], str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """The routed experts of one checkpoint, ready to be packed."""
+
+    model_type: str
+    geometry: Geometry
+    weight_format: str  # pack name: f32, f16, bf16, q4, q8
+    group_size: int
+    scale_dtype: str | None
+    bias_dtype: str | None
+    layers: tuple[_Layer, ...]
+    model: dict[str, Any]
+
+    def experts_fn(self, index: SafetensorsIndex) -> Callable[[int, int], tuple[Any, ...]]:
+        """experts(layer, e) for write_pack: one expert's tensors, read one pread each."""
+        bits = {"q4": 4, "q8": 8}.get(self.weight_format, 0)
+
+        def read(layer: _Layer, key: tuple[int, str], expert: int) -> npt.NDArray[Any]:
+            name = layer.names[key]
+            if layer.stacked:
+                return index.read_expert(name, expert)
+            return index.read(name.format(e=expert))
+
+        def experts(pack_layer: int, expert: int) -> tuple[Any, ...]:
+            layer = self.layers[pack_layer]
+            out: list[Any] = []
+            for m in range(3):
+                w = read(layer, (m, "weight"), expert)
+                if bits:
+                    out.append(
+                        QuantizedMatrix(
+                            np.ascontiguousarray(w, dtype=np.uint32),
+                            read(layer, (m, "scales"), expert),
+                            read(layer, (m, "biases"), expert),
+                            bits,
+                            self.group_size,
+                        )
+                    )
+                else:
+                    # bf16 widens exactly to float32 and the writer rounds it back exactly.
+                    out.append(bf16_bits_to_f32(w) if w.dtype == np.uint16 else w)
+            if self.bias_dtype is not None:
+                out.extend(read(layer, (m, "bias"), expert).reshape(-1) for m in range(3))
+            return tuple(out)
+
+        return experts
+
+
+def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
+    """Locate and check the routed experts; raises ConfigError/PackError naming what is wrong."""
+    config = read_config(model_dir)
+    model_type = str(config.get("model_type", "unknown"))
+    layers: dict[int, _Layer] = {}
+    for name in index.tensors:
+        m = _STACKED.match(name)
+        stacked = m is not None
+        if m is None:
+            m = _PER_EXPERT.match(name)
+            if m is None:
+                continue
+        i = int(m["layer"])
+        layer = layers.setdefault(i, _Layer(i, m["prefix"], stacked))
+        if layer.stacked != stacked:
+            raise PackError(f"{model_dir}: layer {i} mixes stacked and per-expert expert tensors")
+        key = (_MATRIX[m["mat"]], m["role"])
+        if stacked:
+            layer.names[key] = name
+        else:
+            template = f"{m['prefix']}.{{e}}.{m['mat']}.{m['role']}"
+            layer.names[key] = template
+    if not layers:
+        hint = ""
+        if model_type == "gpt_oss":
+            hint = " (gpt-oss's original fused gate_up_proj layout: convert it with mlx_lm first)"
+        raise ConfigError(f"{model_dir}: no routed expert tensors found{hint}")
+    ordered = tuple(layers[i] for i in sorted(layers))
+
+    first = ordered[0]
+    roles = {r for (_, r) in first.names}
+    if (0, "weight") not in first.names:
+        raise PackError(f"{model_dir}: layer {first.decoder_layer} has no gate weight")
+
+    def loc(layer: _Layer, key: tuple[int, str]) -> tuple[str, tuple[int, ...]]:
+        name = layer.names[key]
+        if layer.stacked:
+            t = index.tensors[name]
+            return t.dtype, t.shape
+        experts = [n for n in index.tensors if _per_expert_of(n, name)]
+        t = index.tensors[name.format(e=0)]
+        return t.dtype, (len(experts), *t.shape)
+
+    wdtype, gshape = loc(first, (0, "weight"))
+    n_experts, inter = gshape[0], gshape[1]
+    hidden = int(config.get("hidden_size", 0))
+    if not hidden:
+        raise ConfigError(f"{model_dir}: config.json has no hidden_size")
+    quantized = "scales" in roles
+    if quantized:
+        sdtype, sshape = loc(first, (0, "scales"))
+        if sdtype == "U8" or "biases" not in roles:
+            raise ConfigError(
+                f"{model_dir}: the experts are quantized without affine biases "
+                f"(scales {sdtype}: mxfp4/nvfp4-style); only MLX affine q4/q8 is supported yet"
+            )
+        bits = gshape[2] * 32 // hidden
+        if wdtype != "U32" or bits not in (4, 8) or gshape[2] * 32 != bits * hidden:
+            raise ConfigError(
+                f"{model_dir}: expert gate weight {wdtype} {list(gshape)} is not MLX affine "
+                f"q4/q8 of width {hidden}"
+            )
+        group = hidden // sshape[2]
+        weight_format = f"q{bits}"
+        scale_dtype: str | None = _FLOAT_FORMATS.get(sdtype)
+        if scale_dtype is None or group * sshape[2] != hidden:
+            raise ConfigError(f"{model_dir}: expert scales {sdtype} {list(sshape)} not understood")
+    else:
+        if wdtype not in _FLOAT_FORMATS:
+            raise ConfigError(f"{model_dir}: expert weights of dtype {wdtype} not supported")
+        if gshape[2] != hidden:
+            raise ConfigError(
+                f"{model_dir}: expert gate weight {list(gshape)} does not match hidden_size "
+                f"{hidden}"
+            )
+        weight_format, group, scale_dtype = _FLOAT_FORMATS[wdtype], 0, None
+    bias_dtype = None
+    if "bias" in roles:
+        bdtype, _ = loc(first, (0, "bias"))
+        bias_dtype = _FLOAT_FORMATS.get(bdtype)
+        if bias_dtype is None:
+            raise ConfigError(f"{model_dir}: expert biases of dtype {bdtype} not supported")
+
+    # Every layer, every tensor: the shapes one format implies.
+    words = {4: 8, 8: 4}
+    for layer in ordered:
+        for mat, (rows, cols) in enumerate(((inter, hidden), (inter, hidden), (hidden, inter))):
+            want: dict[str, tuple[str | None, tuple[int, ...]]] = {}
+            if quantized:
+                b = int(weight_format[1:])
+                want["weight"] = ("U32", (n_experts, rows, cols // words[b]))
+                sd = _to_st(scale_dtype)
+                want["scales"] = (sd, (n_experts, rows, cols // group))
+                want["biases"] = (sd, (n_experts, rows, cols // group))
+            else:
+                want["weight"] = (_to_st(weight_format), (n_experts, rows, cols))
+            if bias_dtype is not None:
+                want["bias"] = (_to_st(bias_dtype), (n_experts, rows))
+            for role, (dt, shape) in want.items():
+                key = (mat, role)
+                if key not in layer.names:
+                    raise PackError(
+                        f"{model_dir}: decoder layer {layer.decoder_layer} lacks the "
+                        f"{('gate', 'up', 'down')[mat]} {role} tensor"
+                    )
+                got_dt, got_shape = loc(layer, key)
+                if got_dt != dt or tuple(got_shape) != shape:
+                    raise PackError(
+                        f"{model_dir}: {layer.names[key]} is {got_dt} {list(got_shape)}, "
+                        f"expected {dt} {list(shape)} (all expert matrices must share one "
+                        "format and shape)"
+                    )
+
+    top_k = int(config.get("num_experts_per_tok", 0) or config.get("moe_topk", 0) or 0)
+    if not 1 <= top_k <= n_experts:
+        raise ConfigError(
+            f"{model_dir}: config num_experts_per_tok {top_k} is not in 1..{n_experts}"
+        )
+    oai = model_type == "gpt_oss"
+    geometry = Geometry(
+        n_layers=len(ordered),
+        n_experts=n_experts,
+        top_k=top_k,
+        hidden=hidden,
+        moe_intermediate=inter,
+        routing="external",
+        norm_topk_prob=bool(config.get("norm_topk_prob", True)),
+        activation="swiglu_oai" if oai else "swiglu",
+        act_alpha=_OAI_ALPHA,
+        act_limit=float(config.get("swiglu_limit", _OAI_LIMIT)),
+    )
+    model = {
+        "model_type": model_type,
+        "n_decoder_layers": int(config.get("num_hidden_layers", 0)),
+        "decoder_layers": [layer.decoder_layer for layer in ordered],
+        "experts_prefixes": [layer.prefix for layer in ordered],
+        "first_k_dense_replace": int(config.get("first_k_dense_replace", 0) or 0),
+        "decoder_sparse_step": int(config.get("decoder_sparse_step", 1) or 1),
+        "layout": "stacked" if first.stacked else "per_expert",
+    }
+    return ExpertLayout(
+        model_type,
+        geometry,
+        weight_format,
+        group,
+        scale_dtype,
+        bias_dtype,
+        ordered,
+        model,
+    )
+
+
+def _to_st(name: str | None) -> str | None:
+    return {"f32": "F32", "f16": "F16", "bf16": "BF16"}.get(name or "")
+
+
+def _per_expert_of(name: str, template: str) -> bool:
+    head, _, tail = template.partition("{e}")
+    middle = name[len(head) : len(name) - len(tail)] if name.endswith(tail) else ""
+    return name.startswith(head) and middle.isdigit()

@@ -1,0 +1,20 @@
+"""mlx-lm models whose routed experts stream from SSD through strata-stream.
+
+    from strata_stream.mlx_lm import load
+    from mlx_lm import generate
+
+    model, tokenizer = load("path/to/mlx-model", arena_bytes=8 << 30)
+    print(generate(model, tokenizer, "Hello", max_tokens=32))
+
+`load` and `load_model` mirror mlx_lm.load and mlx_lm.utils.load_model. The model routes with
+its own gates (every supported family exactly, see families.py); the engine streams the chosen
+experts into a bounded arena and computes them on the CPU backend (experts="cpu") or with MLX's
+own gather_qmm over the arena (experts="mlx"). docs/models.md has the families, the two paths
+and their tolerances.
+"""
+
+from __future__ import annotations
+
+from strata_stream.mlx_lm.loader import arena_size, default_pack_path, describe, load, load_model
+
+__all__ = ["arena_size", "default_pack_path", "describe", "load", "load_model"]

@@ -1,0 +1,230 @@
+"""The streaming engine under an mlx-lm model: one ExpertStream and Window for all MoE blocks.
+
+Every MoE block of the model calls `MoeEngine.run(layer, ...)` in decoder order during a forward
+pass; the Window's turn is the pass (it opens at pack layer 0 and closes after the last).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import numpy.typing as npt
+
+from strata_stream.config import StreamConfig
+from strata_stream.errors import ConfigError
+from strata_stream.mlx_lm.families import Family
+from strata_stream.pack.header import TensorEntry
+from strata_stream.pack.reader import ExpertPack
+from strata_stream.stream import ExpertStream
+from strata_stream.window import Window
+
+EXPERT_MODES = ("cpu", "mlx")
+_MX_DTYPES = {"f32": mx.float32, "f16": mx.float16, "bf16": mx.bfloat16, "u32": mx.uint32}
+_ROLE_KEYS = {0: "weight", 1: "scales", 2: "biases", 3: "bias"}
+_MATRIX_NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class BlockRef:
+    """One MoE block of the model and its place in the pack."""
+
+    layer: int  # pack layer
+    decoder_layer: int
+    block: Any  # the model's own block (gate, shared experts, ...)
+    family: Family
+
+
+class ArenaTensors:
+    """The arena as MLX arrays ``[n_slots, rows, cols]`` per record tensor, for gather_qmm.
+
+    Slot s of tensor t is the bytes at ``s * slot_stride + t.offset``: each tensor is a strided
+    view of one flat uint8 array over the whole arena, so slot ids are the gather indices
+    (rhs_indices) directly and the views need no per-call index translation.
+
+    macOS (unverified here: this machine has no Metal): MLX can adopt page-aligned host memory
+    without a copy (``mx.asarray(buffer, copy=False)``), so the flat array IS the arena and
+    `base()` costs nothing. Linux MLX cannot adopt memory (it raises), so `base()` copies the
+    arena into a fresh MLX array each wave; the views, strides and indices are the same code
+    either way, which the Linux tests prove bitwise against plain mlx-lm.
+    """
+
+    def __init__(self, stream: ExpertStream, tensors: tuple[TensorEntry, ...]) -> None:
+        self.stream = stream
+        self.tensors = tensors
+        self._adopted: mx.array | None = None
+        if sys.platform == "darwin" and mx.metal.is_available():  # pragma: no cover - macOS
+            try:
+                self._adopted = mx.asarray(stream.arena_view().reshape(-1), copy=False)
+            except (TypeError, ValueError, RuntimeError):
+                self._adopted = None
+        self.zero_copy = self._adopted is not None
+
+    def base(self) -> mx.array:
+        if self._adopted is not None:  # pragma: no cover - macOS
+            return self._adopted
+        return mx.array(self.stream.arena_view().reshape(-1))
+
+    def views(self, base: mx.array) -> dict[tuple[int, str], mx.array]:
+        """(matrix, role key) -> [n_slots, ...] view of every slot's tensor."""
+        n_slots, stride = self.stream.n_slots, self.stream.arena_view().shape[1]
+        out: dict[tuple[int, str], mx.array] = {}
+        for t in self.tensors:
+            dtype = _MX_DTYPES[t.dtype]
+            size = dtype.size
+            typed = mx.view(base, dtype)
+            if t.role == 3:  # a Linear bias, [1, rows] in the record, [n_slots, rows] here
+                shape: tuple[int, ...] = (n_slots, t.cols)
+                strides: tuple[int, ...] = (stride // size, 1)
+            else:
+                shape = (n_slots, t.rows, t.cols)
+                strides = (stride // size, t.cols, 1)
+            out[(t.matrix, _ROLE_KEYS[t.role])] = mx.as_strided(
+                typed, shape, strides, t.offset // size
+            )
+        return out
+
+
+class MoeEngine:
+    """Owns the stream and the Window; runs one MoE block call through the handshake."""
+
+    def __init__(
+        self,
+        pack: ExpertPack,
+        config: StreamConfig,
+        experts: str,
+        blocks: list[BlockRef],
+    ) -> None:
+        if experts not in EXPERT_MODES:
+            raise ConfigError(f"experts must be one of {', '.join(EXPERT_MODES)}, got {experts!r}")
+        self.experts = experts
+        self.config = config
+        self.blocks = blocks
+        self.top_k = pack.geometry.top_k
+        self.hidden = pack.geometry.hidden
+        self.stream = ExpertStream(pack.path, config)
+        try:
+            self.window = Window(self.stream)
+            self.arena = ArenaTensors(self.stream, pack.tensors) if experts == "mlx" else None
+        except BaseException:
+            self.stream.close()
+            raise
+        self.closed = False
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.window.close()
+            self.stream.close()
+
+    # ---- turns -----------------------------------------------------------------------------
+    def _begin(self, layer: int) -> None:
+        # A forward pass that failed part-way (an exception in attention, say) leaves the turn
+        # open at some later layer; the next pass starts at layer 0 again, so close it.
+        w = self.window._w
+        if layer == 0 and w.in_turn and w.next_layer != 0:
+            w.end_turn()
+            self.window._implicit_turn = False
+
+    # ---- prediction ------------------------------------------------------------------------
+    def predictions(self, layer: int, x: mx.array, rows: int) -> list[mx.array | None]:
+        """Router l+1 (and l+2 when asked for) on this layer's input: the next blocks' own
+        routing, unevaluated, [rows, k] each, or None."""
+        c = self.config
+        out: list[mx.array | None] = [None, None]
+        if not c.lookahead:
+            return out
+        want = [True, c.decode_prefetch2 if rows <= c.decode_rows else c.prompt_pred2]
+        for d in (1, 2):
+            nxt = layer + d
+            if want[d - 1] and nxt < len(self.blocks):
+                ref = self.blocks[nxt]
+                inds, _ = ref.family.route(ref.block, x)
+                out[d - 1] = inds.reshape(-1, self.top_k)
+        return out
+
+    # ---- the two expert paths --------------------------------------------------------------
+    def run_cpu(
+        self,
+        layer: int,
+        x: mx.array,
+        inds: mx.array,
+        scores: mx.array,
+    ) -> mx.array:
+        """CPU backend: x read in place, ids and weights to the host, output back to MLX."""
+        self._begin(layer)
+        # Row-major as the engine reads it (a no-op for the contiguous activations mlx-lm has).
+        flat = mx.contiguous(x.reshape(-1, self.hidden))
+        rows = flat.shape[0]
+        preds = self.predictions(layer, x, rows)
+        ids2 = inds.reshape(-1, self.top_k)
+        w2 = scores.reshape(-1, self.top_k).astype(mx.float32)
+        mx.eval(flat, ids2, w2, *[p for p in preds if p is not None])
+        out = self.window.moe_routed(
+            layer,
+            flat,  # read without a copy through the buffer protocol
+            _ids(ids2),
+            np.asarray(w2),
+            pred1=None if preds[0] is None else _ids(preds[0]),
+            pred2=None if preds[1] is None else _ids(preds[1]),
+        )
+        return mx.array(out).reshape(x.shape).astype(x.dtype)
+
+    def run_mlx(
+        self,
+        layer: int,
+        x: mx.array,
+        indices: mx.array,
+        compute: Callable[[mx.array, dict[tuple[int, str], mx.array]], mx.array],
+    ) -> mx.array:
+        """MLX kernels: compute(slot_indices, views) -> per-expert outputs, once per wave, with
+        the slot ids as gather indices; waves merged row by row (each output row depends only
+        on its own token and expert, so the result is bitwise the unstreamed one)."""
+        assert self.arena is not None
+        self._begin(layer)
+        rows = int(np.prod(indices.shape[:-1]))
+        preds = self.predictions(layer, x, rows)
+        mx.eval(indices, *[p for p in preds if p is not None])
+        ids = _ids(indices.reshape(-1, self.top_k))
+        k = self.top_k
+        result: list[mx.array | None] = [None]
+
+        def wave(row0: int, n: int, slots: npt.NDArray[np.uint32]) -> None:
+            full = np.zeros((rows, k), np.uint32)
+            mask = np.zeros((rows, k), bool)
+            valid = slots != np.uint32(0xFFFFFFFF)
+            full[row0 : row0 + n][valid] = slots[valid]
+            mask[row0 : row0 + n] = valid
+            assert self.arena is not None
+            base = self.arena.base()
+            y = compute(mx.array(full).reshape(indices.shape), self.arena.views(base))
+            prev = result[0]
+            if prev is not None or not mask.all():
+                m = mx.array(mask).reshape(*indices.shape, 1)
+                y = mx.where(m, y, prev if prev is not None else mx.zeros_like(y))
+            # Evaluated before returning: the slots stay valid only until this wave ends.
+            mx.eval(y)
+            result[0] = y
+
+        self.window.moe_routed_host(
+            layer,
+            ids,
+            wave,
+            pred1=None if preds[0] is None else _ids(preds[0]),
+            pred2=None if preds[1] is None else _ids(preds[1]),
+        )
+        out = result[0]
+        assert out is not None
+        return out
+
+
+def _ids(a: mx.array) -> npt.NDArray[np.int32]:
+    return np.asarray(a).astype(np.int32, copy=False)
+
+
+def expert_param_keys(matrix: int) -> str:
+    return _MATRIX_NAMES[matrix]

@@ -1,0 +1,83 @@
+"""`strata-stream generate MODEL --prompt TEXT`: text as it is generated, then the engine's figures.
+
+Prompt and decode are reported apart: the Window's counters are snapshotted when the first
+token arrives (the prompt pass is done by then) and again at the end.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, TextIO
+
+from strata_stream.config import StreamConfig
+
+_COUNTERS = ("tokens", "hits", "misses", "bytes_read", "stall_seconds", "pred_correct",
+             "pred_actual")  # fmt: skip
+
+
+def _delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, float]:
+    return {k: float(after[k]) - float(before.get(k, 0)) for k in _COUNTERS}
+
+
+def _line(name: str, d: dict[str, float], tokens: int, tps: float) -> str:
+    looked = d["hits"] + d["misses"]
+    hit = f"{d['hits'] / looked:.1%}" if looked else "n/a"
+    recall = f"{d['pred_correct'] / d['pred_actual']:.1%}" if d["pred_actual"] else "n/a"
+    stall = d["stall_seconds"] / tokens * 1e3 if tokens else 0.0
+    return (
+        f"{name:<7} {tokens} tokens, {tps:.2f} tok/s, hit rate {hit}, "
+        f"{d['bytes_read'] / 1e9:.3f} GB read, stall {stall:.2f} ms/token, "
+        f"prediction recall {recall}"
+    )
+
+
+def generate(
+    model_path: str,
+    prompt: str,
+    *,
+    max_tokens: int = 100,
+    arena_gb: float | None = None,
+    experts: str = "cpu",
+    pack_path: str | None = None,
+    out: TextIO = sys.stdout,
+) -> dict[str, Any]:
+    """Generates greedily with streamed experts, printing as it goes; returns the figures."""
+    from mlx_lm.generate import stream_generate
+
+    from strata_stream.mlx_lm.loader import load
+
+    arena = None if arena_gb is None else int(arena_gb * (1 << 30))
+    model, tokenizer = load(model_path, arena_bytes=arena, pack_path=pack_path, experts=experts,
+                            config=StreamConfig.from_env())  # fmt: skip
+    engine = model.strata_engine
+    try:
+        window = engine.window
+        start = window.stats()["total"]
+        at_first: dict[str, Any] | None = None
+        last = None
+        for r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens):
+            if at_first is None:
+                at_first = window.stats()["total"]
+            out.write(r.text)
+            out.flush()
+            last = r
+        out.write("\n")
+        end = window.stats()["total"]
+        if last is None or at_first is None:
+            return {}
+        prompt_d = _delta(at_first, start)
+        decode_d = _delta(end, at_first)
+        # The first token's own pass counts with the prompt: decode is every later token.
+        decode_tokens = max(0, last.generation_tokens - 1)
+        print(_line("prompt", prompt_d, last.prompt_tokens, last.prompt_tps), file=out)
+        print(_line("decode", decode_d, decode_tokens, last.generation_tps), file=out)
+        print(
+            f"arena   {engine.config.arena_bytes / (1 << 30):.2f} GiB, "
+            f"{engine.stream.n_slots} expert slots, experts on {engine.experts}, "
+            f"peak memory {last.peak_memory:.2f} GB",
+            file=out,
+        )
+        return {"prompt": prompt_d, "decode": decode_d, "prompt_tps": last.prompt_tps,
+                "generation_tps": last.generation_tps}  # fmt: skip
+    finally:
+        engine.close()

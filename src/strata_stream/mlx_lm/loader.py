@@ -1,0 +1,294 @@
+"""`load` / `load_model`: an mlx-lm model whose routed experts stream from a pack.
+
+The model is built lazily by mlx-lm, every MoE block gets its streamed stand-in (blocks.py), and
+only then are the parameters evaluated: the dense weights load, the expert tensors are never
+read by MLX. Without a pack one is converted on first load into the cache directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import sys
+import weakref
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from strata_stream.config import StreamConfig
+from strata_stream.convert import convert
+from strata_stream.errors import ConfigError, PackError
+from strata_stream.mlx_lm.blocks import StreamedExperts, StreamedMoE, strip_experts
+from strata_stream.mlx_lm.engine import EXPERT_MODES, BlockRef, MoeEngine
+from strata_stream.mlx_lm.families import family_of
+from strata_stream.pack.reader import ExpertPack
+from strata_stream.paths import cache_dir
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_GiB = 1 << 30
+# Memory left to the KV cache, activations and the rest of the process when the arena is sized
+# automatically: 1 GiB plus a tenth of what is available.
+_HEADROOM_FIXED = _GiB
+_HEADROOM_SHARE = 0.10
+
+
+def default_pack_path(model_path: Path) -> Path:
+    """Where `load` keeps the pack of a model it converted: the cache directory, under a name
+    derived from the model's path, config and weight files (so a changed model converts anew)."""
+    h = hashlib.sha256(str(model_path.resolve()).encode())
+    config = model_path / "config.json"
+    if config.exists():
+        h.update(config.read_bytes())
+    for f in sorted(model_path.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return cache_dir() / "packs" / f"{model_path.name}-{h.hexdigest()[:16]}.strpk"
+
+
+def available_memory() -> int:
+    """Bytes the system can give this process without swapping (MemAvailable on Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    pages = os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+    return int(pages * os.sysconf("SC_PAGE_SIZE") // 2)  # no better figure: half of RAM
+
+
+def arena_size(pack: ExpertPack, requested: int | None, available: int | None = None) -> int:
+    """The arena for a pack: `requested` if given, else what available memory allows after the
+    headroom, capped at every expert resident. ConfigError when it cannot hold the minimum
+    (two layers' top_k experts), saying how much memory is needed."""
+    g = pack.geometry
+    stride = pack.record_stride
+    minimum = ExpertStream_min_slots(g.top_k) * stride
+    everything = g.n_records * stride
+    if requested is not None:
+        if requested < minimum:
+            raise ConfigError(
+                f"arena_bytes {requested} is below the minimum {minimum} bytes "
+                f"({minimum / _GiB:.2f} GiB: {ExpertStream_min_slots(g.top_k)} expert records "
+                f"of {stride} bytes)"
+            )
+        return min(requested, everything)
+    avail = available_memory() if available is None else available
+    headroom = int(_HEADROOM_FIXED + _HEADROOM_SHARE * avail)
+    arena = min(everything, avail - headroom)
+    if arena < minimum:
+        raise ConfigError(
+            f"not enough memory for the experts: the arena needs at least {minimum} bytes "
+            f"({minimum / _GiB:.2f} GiB) plus {headroom / _GiB:.2f} GiB of headroom, "
+            f"{(minimum + headroom) / _GiB:.2f} GiB in all, but only {avail / _GiB:.2f} GiB is "
+            "available after the dense weights"
+        )
+    return arena
+
+
+def ExpertStream_min_slots(top_k: int) -> int:  # noqa: N802 - mirrors ExpertStream::min_slots
+    return 2 * top_k
+
+
+def _find_blocks(model: Any) -> list[tuple[int, str, Any, Any, str]]:
+    """(decoder layer, block path, parent module, block, attribute) of every MoE block."""
+    found = []
+    modules = dict(model.named_modules())
+    for name, module in modules.items():
+        if type(module).__name__ != "SwitchGLU":
+            continue
+        block_path, _, _ = name.rpartition(".")
+        m = _LAYER.search(block_path + ".")
+        if m is None:
+            continue
+        parent_path, _, attr = block_path.rpartition(".")
+        found.append((int(m.group(1)), block_path, modules[parent_path], modules[block_path], attr))
+    found.sort(key=lambda t: t[0])
+    return found
+
+
+def _check_pack(pack: ExpertPack, decoder_layers: list[int], blocks: list[Any]) -> None:
+    meta = pack.metadata.get("model") or {}
+    where = f"pack {pack.path}"
+    if pack.geometry.routing != "external":
+        raise PackError(f"{where}: not converted from a model checkpoint (routing is not external)")
+    if meta.get("decoder_layers") != decoder_layers:
+        raise PackError(
+            f"{where}: holds the experts of decoder layers {meta.get('decoder_layers')}, but the "
+            f"model's MoE blocks are at {decoder_layers} (a pack of another model?)"
+        )
+    g = pack.geometry
+    for layer, block in zip(decoder_layers, blocks, strict=True):
+        switch = block[family_of(block).experts_attr]
+        gp = switch.gate_proj
+        n_experts = gp.weight.shape[0]
+        if n_experts != g.n_experts:
+            raise PackError(
+                f"{where}: {g.n_experts} experts per layer, the model's layer {layer} has "
+                f"{n_experts}"
+            )
+        bits = getattr(gp, "bits", None)
+        if bits is not None and (
+            pack.weight_format != f"q{bits}" or getattr(gp, "group_size", 0) != pack.group_size
+        ):
+            raise PackError(
+                f"{where}: experts stored as {pack.weight_format} group {pack.group_size}, the "
+                f"model's are q{bits} group {gp.group_size}"
+            )
+
+
+def load_model(
+    path_or_repo: str | os.PathLike[str],
+    *,
+    arena_bytes: int | None = None,
+    config: StreamConfig | None = None,
+    pack_path: str | os.PathLike[str] | None = None,
+    experts: str = "cpu",
+    progress: bool = True,
+    lazy: bool = False,
+    strict: bool = True,
+    model_config: dict[str, Any] | None = None,
+    trust_remote_code: bool = False,
+) -> tuple[Any, dict[str, Any]]:
+    """As ``mlx_lm.utils.load_model``, with the routed experts streamed.
+
+    arena_bytes: expert memory (None: sized from available memory after the dense weights,
+    leaving headroom for the KV cache). config: the StreamConfig (default: from the
+    environment); arena_bytes wins over config.arena_bytes when given. pack_path: the pack of
+    this model (default: converted on first load into strata_stream.paths.cache_dir()).
+    experts: "cpu" (the CPU backend computes the experts) or "mlx" (MLX's gather_qmm over the
+    arena). `lazy` is accepted for signature compatibility: the dense weights are evaluated
+    unless it is True; the experts are never loaded either way.
+    """
+    from mlx_lm.utils import load_model as mlx_load_model
+
+    if experts not in EXPERT_MODES:
+        raise ConfigError(f"experts must be one of {', '.join(EXPERT_MODES)}, got {experts!r}")
+    model_path = Path(path_or_repo)
+    model, model_cfg = mlx_load_model(
+        model_path,
+        lazy=True,
+        strict=strict,
+        model_config=model_config,
+        trust_remote_code=trust_remote_code,
+    )
+    found = _find_blocks(model)
+    if not found:
+        raise ConfigError(f"{model_path}: the model has no MoE blocks with routed experts")
+    pack_file = Path(pack_path) if pack_path is not None else default_pack_path(model_path)
+    if not pack_file.exists():
+        if pack_path is None:
+            pack_file.parent.mkdir(parents=True, exist_ok=True)
+        if progress:
+            print(f"strata-stream: converting the experts of {model_path} into {pack_file}",
+                  file=sys.stderr)  # fmt: skip
+        convert(model_path, pack_file, progress=progress)
+
+    decoder_layers = [t[0] for t in found]
+    blocks = [t[3] for t in found]
+    with ExpertPack.open(pack_file) as pack:
+        _check_pack(pack, decoder_layers, blocks)
+        refs = [
+            BlockRef(i, layer, block, family_of(block))
+            for i, (layer, block) in enumerate(zip(decoder_layers, blocks, strict=True))
+        ]
+        # Strip the experts first, so evaluating the parameters loads the dense weights only.
+        streamed: list[tuple[Any, str, Any]] = []
+        for ref, (_, _, parent, block, attr) in zip(refs, found, strict=True):
+            switch = block[ref.family.experts_attr]
+            if experts == "mlx":
+                stand_in: Any = _Deferred(ref, switch)
+                block[ref.family.experts_attr] = stand_in
+            else:
+                stand_in = _Deferred(ref, None)
+                parent[attr] = stand_in
+            streamed.append((parent, attr, stand_in))
+            strip_experts(switch)
+        if not lazy:
+            mx.eval(model.parameters())
+        base = config if config is not None else StreamConfig.from_env()
+        cfg = base.replace(arena_bytes=arena_size(pack, arena_bytes))
+        engine = MoeEngine(pack, cfg, experts, refs)
+    for ref, (parent, attr, deferred) in zip(refs, streamed, strict=True):
+        assert isinstance(deferred, _Deferred)
+        if experts == "mlx":
+            ref.block[ref.family.experts_attr] = StreamedExperts(engine, ref, deferred.switch)
+        else:
+            parent[attr] = StreamedMoE(engine, ref)
+    object.__setattr__(model, "strata_engine", engine)
+    weakref.finalize(model, engine.close)
+    return model, model_cfg
+
+
+class _Deferred(nn.Module):  # type: ignore[misc,name-defined]
+    """Placeholder while the engine does not exist yet (the arena is sized after the dense
+    weights are loaded)."""
+
+    def __init__(self, ref: BlockRef, switch: Any | None) -> None:
+        super().__init__()
+        object.__setattr__(self, "ref", ref)
+        object.__setattr__(self, "switch", switch)
+
+
+def load(
+    path_or_repo: str | os.PathLike[str],
+    *,
+    arena_bytes: int | None = None,
+    config: StreamConfig | None = None,
+    pack_path: str | os.PathLike[str] | None = None,
+    experts: str = "cpu",
+    progress: bool = True,
+    tokenizer_config: dict[str, Any] | None = None,
+    model_config: dict[str, Any] | None = None,
+    adapter_path: str | None = None,
+    lazy: bool = False,
+    return_config: bool = False,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+) -> Any:
+    """As ``mlx_lm.load``: (model, tokenizer) [+ config], the routed experts streamed.
+
+    The model works unchanged with mlx_lm.generate, stream_generate, generate_step, prompt
+    caches and samplers. See `load_model` for arena_bytes, config, pack_path and experts.
+    A Hugging Face repo id is downloaded by mlx-lm first.
+    """
+    from mlx_lm.utils import _download, load_adapters, load_tokenizer
+
+    model_path = _download(str(path_or_repo), revision=revision)
+    model, model_cfg = load_model(
+        model_path,
+        arena_bytes=arena_bytes,
+        config=config,
+        pack_path=pack_path,
+        experts=experts,
+        progress=progress,
+        lazy=lazy,
+        model_config=model_config,
+        trust_remote_code=trust_remote_code,
+    )
+    if adapter_path is not None:
+        model = load_adapters(model, adapter_path)
+        model.eval()
+    tokenizer = load_tokenizer(  # type: ignore[no-untyped-call]
+        model_path, tokenizer_config, eos_token_ids=model_cfg.get("eos_token_id", None)
+    )
+    if return_config:
+        return model, tokenizer, model_cfg
+    return model, tokenizer
+
+
+def describe(model: Any) -> dict[str, Any]:
+    """The streaming engine's figures for a model `load` returned (Window.stats() and more)."""
+    engine: MoeEngine = model.strata_engine
+    stats = engine.window.stats()
+    stats["experts"] = engine.experts
+    stats["arena_bytes"] = engine.config.arena_bytes
+    stats["n_slots"] = engine.stream.n_slots
+    stats["zero_copy"] = bool(engine.arena and engine.arena.zero_copy)
+    return stats
+
+
+__all__ = ["arena_size", "default_pack_path", "describe", "load", "load_model"]

@@ -1,0 +1,293 @@
+"""Real mlx-lm models through strata-stream, one tiny random checkpoint per family.
+
+Against plain `mlx_lm.load` on the same directory:
+- the MLX-kernel path (experts="mlx") is bitwise identical: teacher-forced logits, greedy tokens,
+  a prompt cache and a sampler, at every arena size;
+- the CPU-backend path (experts="cpu") computes each block exactly (to float32 accumulation
+  order) when mlx-lm evaluates the same block in float32, and within bf16 rounding of mlx-lm's
+  bfloat16 evaluation: docs/models.md derives the tolerances used here;
+- streamed output is bitwise identical across arena sizes (minimum to all-resident), lookahead
+  on/off, split turns and prompt chunking (I11);
+- MLX never reads the expert tensors: with them overwritten by NaN the output is unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+mx = pytest.importorskip("mlx.core")
+mlx_lm = pytest.importorskip("mlx_lm")
+
+from mlx_models import CONFIGS, make_checkpoint  # noqa: E402
+from strata_stream import ExpertPack, StreamConfig  # noqa: E402
+from strata_stream.convert import convert  # noqa: E402
+from strata_stream.convert.safetensors_index import SafetensorsIndex  # noqa: E402
+from strata_stream.mlx_lm import load  # noqa: E402
+from strata_stream.mlx_lm.families import family_of  # noqa: E402
+from strata_stream.mlx_lm.loader import _find_blocks  # noqa: E402
+
+FAMILIES = list(CONFIGS)
+PROMPT = [5, 9, 12, 3, 40, 22, 7, 8, 9, 10, 33, 2, 17, 61, 4, 4, 30, 12, 50, 6]
+GREEDY_TOKENS = 6
+BASE = StreamConfig(io_threads=2, direct_io=False, persist_profile=False)
+# Reference top-1 margins above this are "decisive": the CPU path must agree there.
+DECISIVE = 0.5
+
+
+class Family:
+    def __init__(self, name: str, root: Path) -> None:
+        self.name = name
+        self.path = make_checkpoint(name, root / name)
+        self.pack = convert(self.path, root / f"{name}.strpk", progress=False)
+        with ExpertPack.open(self.pack) as p:
+            self.stride = p.record_stride
+            self.n_records = p.geometry.n_records
+            self.top_k = p.geometry.top_k
+        self.ref, self.tokenizer = mlx_lm.load(str(self.path))
+        self.ref_logits = logits(self.ref)
+        self.ref_greedy = greedy(self.ref)
+
+    def load(self, experts: str, slots: int | None = None, **cfg: Any) -> Any:
+        n = slots if slots is not None else self.n_records
+        model, _ = load(
+            str(self.path),
+            pack_path=self.pack,
+            arena_bytes=n * self.stride,
+            config=BASE.replace(**cfg),
+            experts=experts,
+            progress=False,
+        )
+        return model
+
+
+def logits(model: Any) -> np.ndarray:
+    out = model(mx.array([PROMPT]))
+    return np.array(out.astype(mx.float32))[0]
+
+
+def greedy(model: Any) -> list[int]:
+    from mlx_lm.generate import generate_step
+
+    steps = generate_step(mx.array(PROMPT), model, max_tokens=GREEDY_TOKENS)
+    return [int(t) for t, _ in steps]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def fam(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Family:
+    return Family(request.param, tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture
+def closing() -> Iterator[list[Any]]:
+    models: list[Any] = []
+    yield models
+    for m in models:
+        m.strata_engine.close()
+
+
+def test_mlx_path_is_bitwise_plain_mlx_lm(fam: Family, closing: list[Any]) -> None:
+    for slots in (2 * fam.top_k, 2 * fam.top_k + 3, None):
+        model = fam.load("mlx", slots)
+        closing.append(model)
+        assert np.array_equal(logits(model), fam.ref_logits), slots
+        assert greedy(model) == fam.ref_greedy, slots
+
+
+def test_cpu_path_is_the_model_equations(fam: Family, closing: list[Any]) -> None:
+    # mlx-lm's own block evaluated in float32 (scales and biases widened exactly, so the weights
+    # are the same numbers) against the CPU backend on the same input and the same gate: they
+    # differ only in float32 accumulation order.
+    model = fam.load("cpu")
+    closing.append(model)
+    ref_modules = dict(fam.ref.named_modules())
+    streamed_modules = dict(model.named_modules())
+    mx.random.seed(7)
+    for _, path, _, _, attr in _find_blocks(fam.ref):
+        block = ref_modules[path]
+        switch = block[family_of(block).experts_attr]
+        saved = {}
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            for key in ("scales", "biases", "bias"):
+                if key in switch[name]:
+                    saved[(name, key)] = switch[name][key]
+                    switch[name][key] = switch[name][key].astype(mx.float32)
+        try:
+            x = mx.random.normal((1, 12, 64))
+            want = np.array(block(x))
+        finally:
+            for (name, key), v in saved.items():
+                switch[name][key] = v
+        got = np.array(streamed_modules[path.rpartition(".")[0]][attr](x))
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), path
+
+
+def test_cpu_path_within_bf16_rounding_of_mlx_lm(fam: Family, closing: list[Any]) -> None:
+    model = fam.load("cpu")
+    closing.append(model)
+    got = logits(model)
+    ref = fam.ref_logits
+    # docs/models.md: mlx-lm rounds every expert intermediate to bf16 (and dequantizes with bf16
+    # scales in bf16); the CPU path rounds once. That drift is ~1-2% of max|logit| per position
+    # (bounded here by 5% at the median position); where it tips a near-tie in some gate's
+    # top-k, that position legitimately uses another expert and moves more (seen: 30%), so the
+    # worst position is bounded loosely and the decisive top-1 must agree everywhere.
+    per_position = np.abs(got - ref).max(axis=-1) / np.abs(ref).max()
+    assert np.median(per_position) <= 0.05
+    assert per_position.max() <= 0.5
+    top2 = np.sort(ref, axis=-1)[:, -2:]
+    decisive = top2[:, 1] - top2[:, 0] > DECISIVE
+    assert decisive.sum() >= 2
+    assert (got.argmax(-1) == ref.argmax(-1))[decisive].all()
+    # Greedy decoding, teacher-forced on the reference's own tokens: every decisive step agrees.
+    seq = PROMPT + fam.ref_greedy
+    ref_seq = np.array(fam.ref(mx.array([seq])).astype(mx.float32))[0][len(PROMPT) - 1 : -1]
+    got_seq = np.array(model(mx.array([seq])).astype(mx.float32))[0][len(PROMPT) - 1 : -1]
+    assert list(ref_seq.argmax(-1)) == fam.ref_greedy
+    margin = np.diff(np.sort(ref_seq, axis=-1)[:, -2:], axis=-1)[:, 0]
+    assert (got_seq.argmax(-1) == ref_seq.argmax(-1))[margin > DECISIVE].all()
+
+
+@pytest.mark.parametrize("experts", ["cpu", "mlx"])
+def test_streamed_output_identical_across_configs(
+    fam: Family, experts: str, closing: list[Any]
+) -> None:
+    base = fam.load(experts)
+    closing.append(base)
+    want_logits, want_greedy = logits(base), greedy(base)
+    k = fam.top_k
+    for slots, cfg in (
+        (2 * k, {}),
+        (2 * k + 1, {"lookahead": False}),
+        (2 * k + 2, {"split_turn": True}),
+        (None, {"max_rows": 7, "decode_prefetch2": True, "prompt_pred2": True}),
+    ):
+        model = fam.load(experts, slots, **cfg)
+        closing.append(model)
+        assert np.array_equal(logits(model), want_logits), (slots, cfg)
+        assert greedy(model) == want_greedy, (slots, cfg)
+    stats = closing[-1].strata_engine.window.stats()["total"]
+    assert stats["hits"] + stats["misses"] > 0
+
+
+def _poison_experts(path: Path) -> None:
+    """Overwrite every routed expert tensor in the shards with 0xFF bytes (NaN in bf16/f32)."""
+    with SafetensorsIndex(path) as index:
+        spans = [
+            (t.file, t.offset, t.nbytes)
+            for name, t in index.tensors.items()
+            if (".switch_mlp." in name or ".experts." in name)
+        ]
+    assert spans
+    for file, offset, nbytes in spans:
+        fd = os.open(file, os.O_WRONLY)
+        try:
+            os.pwrite(fd, b"\xff" * nbytes, offset)
+        finally:
+            os.close(fd)
+
+
+@pytest.mark.parametrize("experts", ["cpu", "mlx"])
+@pytest.mark.parametrize("fam", ["qwen3_moe", "gpt_oss"], indirect=True)  # plain and biased
+def test_mlx_never_reads_the_expert_tensors(
+    fam: Family, experts: str, tmp_path: Path, closing: list[Any]
+) -> None:
+    import shutil
+
+    copy = tmp_path / "poisoned"
+    shutil.copytree(fam.path, copy)
+    _poison_experts(copy)
+    model, _ = load(
+        str(copy),
+        pack_path=fam.pack,
+        arena_bytes=fam.n_records * fam.stride,
+        config=BASE,
+        experts=experts,
+        progress=False,
+    )
+    closing.append(model)
+    clean = fam.load(experts)
+    closing.append(clean)
+    got = logits(model)
+    assert np.isfinite(got).all()
+    assert np.array_equal(got, logits(clean))
+
+
+@pytest.mark.parametrize("fam", ["qwen3_moe"], indirect=True)
+def test_prompt_cache_and_sampler_work_unchanged(fam: Family, closing: list[Any]) -> None:
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.sample_utils import make_sampler
+
+    def run(model: Any) -> list[int]:
+        cache = make_prompt_cache(model)
+        out = []
+        for prompt in ("w1 w2 w3", "w4 w5"):
+            mx.random.seed(3)
+            for r in stream_generate(
+                model, fam.tokenizer, prompt, max_tokens=5, sampler=make_sampler(temp=0.8),
+                prompt_cache=cache,
+            ):  # fmt: skip
+                out.append(r.token)
+        return out
+
+    model = fam.load("mlx", 2 * fam.top_k + 1)
+    closing.append(model)
+    assert run(model) == run(fam.ref)
+    text = mlx_lm.generate(model, fam.tokenizer, "w1 w2", max_tokens=4)
+    assert text == mlx_lm.generate(fam.ref, fam.tokenizer, "w1 w2", max_tokens=4)
+
+
+@pytest.mark.parametrize("fam", ["mixtral"], indirect=True)
+def test_first_load_converts_into_the_cache(
+    fam: Family, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, closing: list[Any]
+) -> None:
+    from strata_stream.errors import ConfigError
+    from strata_stream.mlx_lm import default_pack_path
+
+    monkeypatch.setenv("STRATA_CACHE", str(tmp_path / "cache"))
+    pack = default_pack_path(fam.path)
+    assert str(pack).startswith(str(tmp_path / "cache"))
+    model, _ = load(str(fam.path), arena_bytes=1 << 24, config=BASE, progress=False)
+    closing.append(model)
+    assert pack.exists()
+    made = pack.stat().st_mtime_ns
+    model2, _ = load(str(fam.path), arena_bytes=1 << 24, config=BASE, progress=False)
+    closing.append(model2)
+    assert pack.stat().st_mtime_ns == made  # reused, not converted again
+    assert np.array_equal(logits(model2), logits(fam.load("cpu")))
+    with pytest.raises(ConfigError, match="below the minimum"):
+        load(str(fam.path), arena_bytes=fam.stride, config=BASE, progress=False)
+
+
+@pytest.mark.parametrize("fam", ["qwen2_moe"], indirect=True)
+def test_cli_generate_prints_text_and_figures(
+    fam: Family, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from strata_stream.cli import main
+
+    arena = str(6 * fam.stride / (1 << 30))
+    args = ["generate", str(fam.path), "--prompt", "w1 w2 w3", "--max-tokens", "5",
+            "--arena-gb", arena, "--pack", str(fam.pack), "--experts", "mlx"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    want = mlx_lm.generate(fam.ref, fam.tokenizer, "w1 w2 w3", max_tokens=5)
+    assert out.startswith(want + "\n")  # the MLX path is bitwise: the same greedy text
+    assert "decode " in out and "hit rate" in out and "prediction recall" in out
+    assert "6 expert slots" in out
+
+
+def test_demo_generates_like_mlx_lm(capsys: pytest.CaptureFixture[str]) -> None:
+    from strata_stream.cli import main
+
+    assert main(["demo", "--mlx-lm", "--tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    import re
+
+    assert re.search(r"tokens identical to mlx-lm: (\d+)/\1 \(MLX's own kernels", out), out
+    assert "experts on cpu" in out and "hit rate" in out

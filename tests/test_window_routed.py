@@ -1,0 +1,240 @@
+"""Window.moe_routed / moe_routed_host: the model routes, the engine streams and computes.
+
+Checked against a numpy oracle of the block equations (biases and gpt-oss's clamped SwiGLU
+included), bitwise across arena sizes, lookahead, split turns and decode/prompt paths (I11), and
+for the host path: every entry is offered exactly once, with the slot that holds its expert.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from strata_stream import ExpertStream, StreamConfig, Window
+from strata_stream.errors import ConfigError, PackError
+from strata_stream.pack import ExpertPack, Geometry, write_pack
+from strata_stream.stream import ABSENT
+
+L, E, K, H, INTER = 4, 16, 2, 64, 64
+Any = npt.NDArray[np.float64]
+
+
+def _routing(rng: np.random.Generator, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(rows)]).astype(np.int32)
+    w = rng.random((rows, K)).astype(np.float32)
+    return ids, w / w.sum(axis=1, keepdims=True)
+
+
+def _pack(
+    tmp_path: Path,
+    name: str,
+    activation: str = "swiglu",
+    bias_dtype: str | None = None,
+    weight_format: str = "f32",
+) -> Path:
+    g = Geometry(L, E, K, H, INTER, "external", True, activation=activation)
+    n_mats = 6 if bias_dtype else 3
+
+    def experts(layer: int, expert: int) -> tuple[np.ndarray, ...]:
+        rng = np.random.default_rng((layer, expert))
+        mats = [
+            (rng.standard_normal((INTER, H)) / 8).astype(np.float32),
+            (rng.standard_normal((INTER, H)) / 8).astype(np.float32),
+            (rng.standard_normal((H, INTER)) / 8).astype(np.float32),
+            (rng.standard_normal(INTER)).astype(np.float32),
+            (rng.standard_normal(INTER)).astype(np.float32),
+            (rng.standard_normal(H)).astype(np.float32),
+        ]
+        return tuple(mats[:n_mats])
+
+    path = tmp_path / f"{name}.strpk"
+    write_pack(
+        path, g, None, experts, weight_format=weight_format, group_size=32,
+        scale_dtype="bf16", bias_dtype=bias_dtype, progress=False,
+    )  # fmt: skip
+    return path
+
+
+def _oracle(pack: ExpertPack, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray) -> Any:
+    g = pack.geometry
+    out = np.zeros(x.shape, np.float64)
+    for t in range(x.shape[0]):
+        for j in range(K):
+            e = int(ids[t, j])
+            gate, up, down = (m.astype(np.float64) for m in pack.expert_weights(layer, e))
+            gb, ub, db = (b.astype(np.float64) for b in pack.expert_biases(layer, e))
+            a, u = gate @ x[t] + gb, up @ x[t] + ub
+            if g.activation == "swiglu":
+                h = a / (1 + np.exp(-a)) * u
+            else:
+                a = np.minimum(a, g.act_limit)
+                u = np.clip(u, -g.act_limit, g.act_limit)
+                h = (u + 1) * (a / (1 + np.exp(-g.act_alpha * a)))
+            out[t] += w[t, j] * (down @ h + db)
+    return out
+
+
+def _run(path: Path, config: StreamConfig, xs: list[np.ndarray], routes: list[tuple]) -> list:
+    outs = []
+    with ExpertStream(path, config) as stream, Window(stream) as window, window.turn():
+        for layer, (x, (ids, w)) in enumerate(zip(xs, routes, strict=True)):
+            nxt = routes[layer + 1][0] if layer + 1 < L else None
+            outs.append(window.moe_routed(layer, x, ids, w, pred1=nxt))
+    return outs
+
+
+@pytest.mark.parametrize(
+    ("activation", "bias_dtype", "fmt"),
+    [("swiglu", None, "f32"), ("swiglu_oai", "bf16", "q4"), ("swiglu_oai", "f32", "bf16")],
+)
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_routed_matches_the_oracle_and_is_bitwise_across_configs(
+    tmp_path: Path, activation: str, bias_dtype: str | None, fmt: str, rows: int
+) -> None:
+    path = _pack(tmp_path, "p", activation, bias_dtype, fmt)
+    rng = np.random.default_rng(rows)
+    xs = [rng.standard_normal((rows, H)).astype(np.float32) for _ in range(L)]
+    routes = [_routing(rng, rows) for _ in range(L)]
+    with ExpertStream(path) as s:
+        stride = s.record_stride
+    base = StreamConfig(arena_bytes=E * L * stride, io_threads=2, direct_io=False)
+    ref = _run(path, base, xs, routes)
+    with ExpertPack.open(path) as pack:
+        for layer in range(L):
+            want = _oracle(pack, layer, xs[layer], *routes[layer])
+            scale = np.abs(want).max()
+            assert np.abs(ref[layer] - want).max() <= 1e-5 * scale + 1e-6
+    for cfg in (
+        base.replace(arena_bytes=2 * K * stride),  # the minimum: waves in the prompt path
+        base.replace(arena_bytes=5 * stride, lookahead=False),
+        base.replace(arena_bytes=7 * stride, split_turn=True),
+        base.replace(max_rows=16, decode_rows=0),
+    ):
+        got = _run(path, cfg, xs, routes)
+        for a, b in zip(ref, got, strict=True):
+            assert np.array_equal(a, b)
+
+
+def test_x_is_read_from_mlx_in_place_for_every_dtype(tmp_path: Path) -> None:
+    mx = pytest.importorskip("mlx.core")
+    path = _pack(tmp_path, "p")
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((5, H)).astype(np.float32)
+    ids, w = _routing(rng, 5)
+    cfg = StreamConfig(arena_bytes=1 << 24, io_threads=1, direct_io=False)
+    with ExpertStream(path, cfg) as stream, Window(stream) as window:
+        outs = {}
+        for dtype in (mx.float32, mx.float16, mx.bfloat16):
+            xm = mx.array(x).astype(dtype)
+            mx.eval(xm)
+            with window.turn():
+                outs[str(dtype)] = window.moe_routed(0, xm, ids, w)
+                for layer in range(1, L):
+                    window.moe_routed(layer, x, ids, w)
+            # The engine saw exactly the values the mx.array holds.
+            with window.turn():
+                want = window.moe_routed(0, np.array(xm.astype(mx.float32)), ids, w)
+                for layer in range(1, L):
+                    window.moe_routed(layer, x, ids, w)
+            assert np.array_equal(outs[str(dtype)], want)
+
+
+class _Checker:
+    """A host compute that checks each offered slot holds the entry's expert, byte for byte."""
+
+    def __init__(self, pack: ExpertPack, arena: np.ndarray, layer: int, ids: np.ndarray) -> None:
+        self.pack, self.arena, self.layer, self.ids = pack, arena, layer, ids
+        self.seen = np.zeros(ids.shape, np.int32)
+        self.calls = 0
+
+    def __call__(self, row0: int, n: int, slots: np.ndarray) -> None:
+        self.calls += 1
+        for t in range(n):
+            for j in range(K):
+                s = int(slots[t, j])
+                if s == ABSENT:
+                    continue
+                self.seen[row0 + t, j] += 1
+                e = int(self.ids[row0 + t, j])
+                got = self.arena[s, : self.pack.record_bytes].tobytes()
+                assert got == self.pack.read_record(self.layer, e)
+
+
+def test_host_path_offers_every_entry_once_with_its_experts_slot(tmp_path: Path) -> None:
+    path = _pack(tmp_path, "p", "swiglu_oai", "bf16", "q4")
+    rng = np.random.default_rng(5)
+    rows = 24
+    routes = [_routing(rng, rows) for _ in range(L)]
+    for n_slots in (2 * K, 6, E * L):
+        with ExpertPack.open(path) as pack:
+            stride = pack.record_stride
+            cfg = StreamConfig(arena_bytes=n_slots * stride, io_threads=2, direct_io=False)
+            with ExpertStream(path, cfg) as stream, Window(stream) as window, window.turn():
+                for layer, (ids, _) in enumerate(routes):
+                    check = _Checker(pack, stream.arena_view(), layer, ids)
+                    nxt = routes[layer + 1][0] if layer + 1 < L else None
+                    window.moe_routed_host(layer, ids, check, pred1=nxt)
+                    assert (check.seen == 1).all()
+                    if n_slots == 2 * K:
+                        assert check.calls > 1  # the minimum arena takes several waves
+
+
+def test_routed_arguments_are_validated(tmp_path: Path) -> None:
+    path = _pack(tmp_path, "p")
+    x = np.zeros((2, H), np.float32)
+    ids = np.array([[0, 1], [2, 3]], np.int32)
+    w = np.full((2, K), 0.5, np.float32)
+    cfg = StreamConfig(arena_bytes=1 << 24, io_threads=1, direct_io=False)
+    with ExpertStream(path, cfg) as stream, Window(stream) as window:
+        with pytest.raises(ConfigError, match="holds no routers"):
+            window.moe(0, x)
+        with pytest.raises(IndexError, match="expert 16 out of range"):
+            window.moe_routed(0, x, np.array([[0, 16], [1, 2]]), w)
+        with pytest.raises(IndexError, match="pred1: expert -1"):
+            window.moe_routed(0, x, ids, w, pred1=np.array([[0, -1], [1, 2]]))
+        with pytest.raises(ValueError, match=r"ids must have shape \[2, 2\]"):
+            window.moe_routed(0, x, ids[:1], w)
+        with pytest.raises(ValueError, match=r"weights must have shape"):
+            window.moe_routed(0, x, ids, w[:, :1])
+        with pytest.raises(ValueError, match=r"x must have shape \[T, 64\]"):
+            window.moe_routed(0, np.zeros((2, 8), np.float32), ids, w)
+        with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
+            window.moe_routed(0, np.zeros((2, H), np.float64), ids, w)
+        with pytest.raises(ValueError, match="C-contiguous"):
+            window.moe_routed(0, np.zeros((H, 2), np.float32).T, ids, w)
+        with pytest.raises(TypeError, match="integer expert ids"):
+            window.moe_routed(0, x, ids.astype(np.float32), w)
+
+        def boom(row0: int, n: int, slots: np.ndarray) -> None:
+            raise RuntimeError("compute failed")
+
+        with pytest.raises(RuntimeError, match="compute failed"):
+            window.moe_routed_host(0, ids, boom)
+        # The failed call ended the turn; the stream stays usable.
+        with window.turn():
+            for layer in range(L):
+                out = window.moe_routed(layer, x, ids, w)
+        assert np.isfinite(out).all()
+        assert stream.check_invariants() == ""
+    moce = cfg.replace(moce="scale")
+    with (
+        ExpertStream(path, moce) as stream,
+        Window(stream) as window,
+        pytest.raises(ConfigError, match="moce off"),
+    ):
+        window.moe_routed(0, x, ids, w)
+
+
+def test_external_pack_has_no_routers(tmp_path: Path) -> None:
+    path = _pack(tmp_path, "p", "swiglu_oai", "bf16")
+    with ExpertPack.open(path) as pack:
+        assert pack.header.router_bytes == 0
+        assert pack.geometry.activation == "swiglu_oai"
+        assert pack.geometry.act_alpha == pytest.approx(1.702)
+        assert pack.bias_dtype == "bf16"
+        with pytest.raises(PackError, match="holds no routers"):
+            pack.router_weights(0)
+        assert pack.verify(progress=False) == L * E
