@@ -291,3 +291,27 @@ def test_demo_generates_like_mlx_lm(capsys: pytest.CaptureFixture[str]) -> None:
 
     assert re.search(r"tokens identical to mlx-lm: (\d+)/\1 \(MLX's own kernels", out), out
     assert "experts on cpu" in out and "hit rate" in out
+
+
+def test_unquantized_checkpoint(tmp_path: Path) -> None:
+    # Float expert weights (no quantization; float32, the only dtype MLX's CPU gather_mm runs):
+    # copied into an f32 pack; MLX path bitwise (its gather_mm over arena views), CPU path
+    # within float32 accumulation order.
+    path = make_checkpoint("mixtral", tmp_path / "m", seed=1, quantize=False, dtype=mx.float32)
+    pack = convert(path, tmp_path / "m.strpk", progress=False)
+    with ExpertPack.open(pack) as p:
+        assert p.weight_format == "f32"
+        stride = p.record_stride
+    ref, _ = mlx_lm.load(str(path))
+    want = logits(ref)
+    for experts in ("mlx", "cpu"):
+        model, _ = load(str(path), pack_path=pack, arena_bytes=5 * stride, config=BASE,
+                        experts=experts, progress=False)  # fmt: skip
+        try:
+            got = logits(model)
+        finally:
+            model.strata_engine.close()
+        if experts == "mlx":
+            assert np.array_equal(got, want)
+        else:
+            assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
