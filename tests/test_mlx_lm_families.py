@@ -239,6 +239,12 @@ def test_prompt_cache_and_sampler_work_unchanged(fam: Family, closing: list[Any]
     model = fam.load("mlx", 2 * fam.top_k + 1)
     closing.append(model)
     assert run(model) == run(fam.ref)
+    from strata_stream.mlx_lm import describe, stats_source
+
+    snap = stats_source(model)()
+    assert snap["hits"] + snap["misses"] > 0 and snap["slots_total"] == 2 * fam.top_k + 1
+    assert 0 < snap["slots_in_use"] <= snap["slots_total"]
+    assert len(snap["per_layer_hit_rate"]) == len(describe(model)["layers"])
     text = mlx_lm.generate(model, fam.tokenizer, "w1 w2", max_tokens=4)
     assert text == mlx_lm.generate(fam.ref, fam.tokenizer, "w1 w2", max_tokens=4)
 
