@@ -19,8 +19,9 @@ from strata_stream.pack import ExpertPack
 
 
 def _synthetic(path: Path, n_layers: int = 2, e: int = 8, h: int = 128, i: int = 64,
-               mode: str = "affine", dense_first: int = 0) -> Path:  # fmt: skip
-    """A stacked mlx-lm-style q4 g64 checkpoint written with numpy (f16 scales)."""
+               mode: str = "affine", dense_first: int = 0, bits: int = 4, group: int = 64,
+               scale_dtype: type = np.float16) -> Path:  # fmt: skip
+    """A stacked mlx-lm-style affine checkpoint written with numpy (q4 g64 f16 by default)."""
     rng = np.random.default_rng(0)
     tensors: dict[str, np.ndarray] = {}
     for layer in range(dense_first, dense_first + n_layers):
@@ -28,15 +29,13 @@ def _synthetic(path: Path, n_layers: int = 2, e: int = 8, h: int = 128, i: int =
         for name, (rows, cols) in (("gate_proj", (i, h)), ("up_proj", (i, h)),
                                    ("down_proj", (h, i))):  # fmt: skip
             tensors[f"{p}.{name}.weight"] = rng.integers(
-                0, 2**32, (e, rows, cols // 8), dtype=np.uint32
+                0, 2**32, (e, rows, cols * bits // 32), dtype=np.uint32
             )
             if mode == "affine":
-                tensors[f"{p}.{name}.scales"] = rng.standard_normal((e, rows, cols // 64)).astype(
-                    np.float16
-                )
-                tensors[f"{p}.{name}.biases"] = rng.standard_normal((e, rows, cols // 64)).astype(
-                    np.float16
-                )
+                for role in ("scales", "biases"):
+                    tensors[f"{p}.{name}.{role}"] = rng.standard_normal(
+                        (e, rows, cols // group)
+                    ).astype(scale_dtype)
             else:
                 tensors[f"{p}.{name}.scales"] = rng.integers(
                     0, 255, (e, rows, cols // 32), dtype=np.uint8
@@ -72,6 +71,26 @@ def test_records_are_the_checkpoints_bytes(tmp_path: Path) -> None:
                     for role in ("weight", "scales", "biases"):
                         got = getattr(qm, role).tobytes()
                         assert got == index.read_expert(f"{base}.{role}", e).tobytes()
+
+
+@pytest.mark.parametrize(
+    ("bits", "group", "scale_dtype", "name"),
+    [(8, 32, np.float32, "f32"), (4, 128, np.float16, "f16"), (8, 64, np.float16, "f16")],
+)
+def test_every_affine_format_is_copied(
+    tmp_path: Path, bits: int, group: int, scale_dtype: type, name: str
+) -> None:
+    ckpt = _synthetic(
+        tmp_path / "m", i=max(64, group), bits=bits, group=group, scale_dtype=scale_dtype
+    )
+    out = convert(ckpt, tmp_path / "m.strpk", progress=False)
+    with ExpertPack.open(out) as pack, SafetensorsIndex(ckpt) as index:
+        assert (pack.weight_format, pack.group_size, pack.scale_dtype) == (f"q{bits}", group, name)
+        for e in (0, 7):
+            qm = pack.stored_weights(1, e)[2]
+            for role in ("weight", "scales", "biases"):
+                want = index.read_expert(f"model.layers.1.mlp.switch_mlp.down_proj.{role}", e)
+                assert getattr(qm, role).tobytes() == want.tobytes()
 
 
 def test_peak_memory_is_a_few_records(tmp_path: Path) -> None:

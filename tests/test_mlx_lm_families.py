@@ -239,6 +239,12 @@ def test_prompt_cache_and_sampler_work_unchanged(fam: Family, closing: list[Any]
     model = fam.load("mlx", 2 * fam.top_k + 1)
     closing.append(model)
     assert run(model) == run(fam.ref)
+    from strata_stream.mlx_lm import describe, stats_source
+
+    snap = stats_source(model)()
+    assert snap["hits"] + snap["misses"] > 0 and snap["slots_total"] == 2 * fam.top_k + 1
+    assert 0 < snap["slots_in_use"] <= snap["slots_total"]
+    assert len(snap["per_layer_hit_rate"]) == len(describe(model)["layers"])
     text = mlx_lm.generate(model, fam.tokenizer, "w1 w2", max_tokens=4)
     assert text == mlx_lm.generate(fam.ref, fam.tokenizer, "w1 w2", max_tokens=4)
 
@@ -291,3 +297,27 @@ def test_demo_generates_like_mlx_lm(capsys: pytest.CaptureFixture[str]) -> None:
 
     assert re.search(r"tokens identical to mlx-lm: (\d+)/\1 \(MLX's own kernels", out), out
     assert "experts on cpu" in out and "hit rate" in out
+
+
+def test_unquantized_checkpoint(tmp_path: Path) -> None:
+    # Float expert weights (no quantization; float32, the only dtype MLX's CPU gather_mm runs):
+    # copied into an f32 pack; MLX path bitwise (its gather_mm over arena views), CPU path
+    # within float32 accumulation order.
+    path = make_checkpoint("mixtral", tmp_path / "m", seed=1, quantize=False, dtype=mx.float32)
+    pack = convert(path, tmp_path / "m.strpk", progress=False)
+    with ExpertPack.open(pack) as p:
+        assert p.weight_format == "f32"
+        stride = p.record_stride
+    ref, _ = mlx_lm.load(str(path))
+    want = logits(ref)
+    for experts in ("mlx", "cpu"):
+        model, _ = load(str(path), pack_path=pack, arena_bytes=5 * stride, config=BASE,
+                        experts=experts, progress=False)  # fmt: skip
+        try:
+            got = logits(model)
+        finally:
+            model.strata_engine.close()
+        if experts == "mlx":
+            assert np.array_equal(got, want)
+        else:
+            assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()

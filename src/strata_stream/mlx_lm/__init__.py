@@ -15,6 +15,13 @@ and their tolerances.
 
 from __future__ import annotations
 
-from strata_stream.mlx_lm.loader import arena_size, default_pack_path, describe, load, load_model
+from strata_stream.mlx_lm.loader import (
+    arena_size,
+    default_pack_path,
+    describe,
+    load,
+    load_model,
+    stats_source,
+)
 
-__all__ = ["arena_size", "default_pack_path", "describe", "load", "load_model"]
+__all__ = ["arena_size", "default_pack_path", "describe", "load", "load_model", "stats_source"]

@@ -94,7 +94,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-def _randomize(model: Any, seed: int) -> None:
+def _randomize(model: Any, seed: int, dtype: Any = mx.bfloat16) -> None:
     mx.random.seed(seed)
     new: list[tuple[str, Any]] = []
     flat: Any = tree_flatten(model.parameters())
@@ -110,7 +110,7 @@ def _randomize(model: Any, seed: int) -> None:
             v = 1.0 + 0.1 * mx.random.normal(p.shape)
         else:  # biases, sinks, correction biases: small but not zero, so their paths count
             v = 0.2 * mx.random.normal(p.shape)
-        new.append((name, v.astype(mx.bfloat16)))
+        new.append((name, v.astype(dtype)))
     model.update(tree_unflatten(new))
 
 
@@ -141,10 +141,12 @@ def make_checkpoint(
     seed: int = 0,
     quantize: bool = True,
     dims: dict[str, Any] | None = None,
+    dtype: Any = mx.bfloat16,
 ) -> Path:
-    """A random checkpoint of `family` at `path` (q4 g64, 8-bit gates; or bf16 weights).
+    """A random checkpoint of `family` at `path` (q4 g64, 8-bit gates; or unquantized).
 
-    Tiny by default; `dims` overrides config entries (hidden_size, num_experts, ...)."""
+    Tiny by default; `dims` overrides config entries (hidden_size, num_experts, ...); `dtype` is
+    the model dtype (MLX's CPU gather_mm runs float32 only, so unquantized CPU models need it)."""
     from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
 
     if family not in CONFIGS:
@@ -152,7 +154,7 @@ def make_checkpoint(
     config = {**_COMMON, **CONFIGS[family], **(dims or {})}
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
-    _randomize(model, seed)
+    _randomize(model, seed, dtype)
     mx.eval(model.parameters())
     if quantize:
         model, config = quantize_model(model, config, 64, 4, quant_predicate=_predicate)
