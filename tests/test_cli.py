@@ -71,12 +71,12 @@ def test_demo_is_lazy_and_gets_its_arguments(monkeypatch: pytest.MonkeyPatch) ->
     demo = types.ModuleType("strata_stream.demo")
     demo.main = fake_main  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "strata_stream.demo", demo)
-    assert main(["demo", "--layers", "4", "--help"]) == 7
-    assert main(["demo"]) == 7
+    assert main(["demo", "--synthetic", "--layers", "4", "--help"]) == 7
+    assert main(["demo", "--synthetic"]) == 7
     assert seen == [["--layers", "4", "--help"], []]
 
 
 def test_demo_missing(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setitem(sys.modules, "strata_stream.demo", None)
-    assert main(["demo"]) == 2
+    assert main(["demo", "--synthetic"]) == 2
     assert "demo is unavailable" in capsys.readouterr().err

@@ -291,7 +291,7 @@ def test_cli_generate_prints_text_and_figures(
 def test_demo_generates_like_mlx_lm(capsys: pytest.CaptureFixture[str]) -> None:
     from strata_stream.cli import main
 
-    assert main(["demo", "--mlx-lm", "--tokens", "6"]) == 0
+    assert main(["demo", "--tokens", "6"]) == 0
     out = capsys.readouterr().out
     import re
 

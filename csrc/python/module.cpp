@@ -633,21 +633,25 @@ PYBIND11_MODULE(_core, m) {
 
   using FloatArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
   auto window_cls = py::reinterpret_borrow<py::class_<Window>>(m.attr("Window"));
-  // Validates one [rows, top_k] id table and returns its data (null for None).
+  using IntArray = py::array_t<std::int32_t, py::array::c_style | py::array::forcecast>;
+  // Validates one [rows, top_k] id table and copies it under the GIL (empty for None): the
+  // engine reads the copy without the GIL, so another thread writing the caller's array cannot
+  // change an id after the engine checked it.
   auto id_table = [](const std::optional<IntArray>& a, const char* name, std::uint32_t rows,
-                     std::uint32_t k, bool required) -> const std::int32_t* {
+                     std::uint32_t k, bool required) -> std::vector<std::int32_t> {
     if (!a) {
       if (required) throw std::invalid_argument(std::string(name) + " is required");
-      return nullptr;
+      return {};
     }
     if (a->ndim() != 2 || std::uint32_t(a->shape(0)) != rows || std::uint32_t(a->shape(1)) != k)
       throw std::invalid_argument(std::string(name) + " must have shape [" +
                                   std::to_string(rows) + ", " + std::to_string(k) + "]");
-    return a->data();
+    return std::vector<std::int32_t>(a->data(), a->data() + std::size_t(rows) * k);
   };
+  auto or_null = [](const std::vector<std::int32_t>& v) { return v.empty() ? nullptr : v.data(); };
   window_cls.def(
       "moe_routed",
-      [id_table](Window& w, std::uint32_t layer, py::buffer x, const std::string& dtype,
+      [id_table, or_null](Window& w, std::uint32_t layer, py::buffer x, const std::string& dtype,
                  IntArray ids, FloatArray weights, std::optional<IntArray> pred1,
                  std::optional<IntArray> pred2) {
         const PackLayout& L = w.layout();
@@ -673,15 +677,20 @@ PYBIND11_MODULE(_core, m) {
             xb.strides[0] != py::ssize_t(item) * py::ssize_t(L.hidden))
           throw std::invalid_argument("x must be C-contiguous");
         const std::uint32_t rows = std::uint32_t(xb.shape[0]), k = L.top_k;
-        Window::Routed r;
-        r.ids = id_table(ids, "ids", rows, k, true);
+        const auto ids_v = id_table(ids, "ids", rows, k, true);
         if (weights.ndim() != 2 || std::uint32_t(weights.shape(0)) != rows ||
             std::uint32_t(weights.shape(1)) != k)
           throw std::invalid_argument("weights must have shape [" + std::to_string(rows) + ", " +
                                       std::to_string(k) + "]");
-        r.weights = weights.data();
-        r.pred1 = id_table(pred1, "pred1", rows, k, false);
-        r.pred2 = id_table(pred2, "pred2", rows, k, false);
+        const std::vector<float> weights_v(weights.data(),
+                                           weights.data() + std::size_t(rows) * k);
+        const auto pred1_v = id_table(pred1, "pred1", rows, k, false);
+        const auto pred2_v = id_table(pred2, "pred2", rows, k, false);
+        Window::Routed r;
+        r.ids = ids_v.data();
+        r.weights = weights_v.data();
+        r.pred1 = or_null(pred1_v);
+        r.pred2 = or_null(pred2_v);
         py::array_t<float> out({py::ssize_t(rows), py::ssize_t(L.hidden)});
         float* dst = out.mutable_data();
         {
@@ -694,15 +703,18 @@ PYBIND11_MODULE(_core, m) {
       py::arg("pred1") = py::none(), py::arg("pred2") = py::none());
   window_cls.def(
       "moe_routed_host",
-      [id_table](Window& w, std::uint32_t layer, IntArray ids, std::optional<IntArray> pred1,
+      [id_table, or_null](Window& w, std::uint32_t layer, IntArray ids, std::optional<IntArray> pred1,
                  std::optional<IntArray> pred2, py::function compute) {
         const PackLayout& L = w.layout();
         if (ids.ndim() != 2) throw std::invalid_argument("ids must be 2-D [rows, top_k]");
         const std::uint32_t rows = std::uint32_t(ids.shape(0)), k = L.top_k;
+        const auto ids_v = id_table(ids, "ids", rows, k, true);
+        const auto pred1_v = id_table(pred1, "pred1", rows, k, false);
+        const auto pred2_v = id_table(pred2, "pred2", rows, k, false);
         Window::Routed r;
-        r.ids = id_table(ids, "ids", rows, k, true);
-        r.pred1 = id_table(pred1, "pred1", rows, k, false);
-        r.pred2 = id_table(pred2, "pred2", rows, k, false);
+        r.ids = ids_v.data();
+        r.pred1 = or_null(pred1_v);
+        r.pred2 = or_null(pred2_v);
         Window::WaveCompute fn = [&compute, k](std::uint32_t row0, std::uint32_t n,
                                                const std::uint32_t* slots) {
           py::gil_scoped_acquire gil;

@@ -100,7 +100,10 @@ def _build_parser() -> argparse.ArgumentParser:
 
     # add_help=False: `demo --help` and every other option belong to the demo's own parser.
     sub.add_parser(
-        "demo", help="run the streaming demo (demo --help for its options)", add_help=False
+        "demo",
+        help="generate with a random-weight mlx-lm model, streamed and plain (demo --help); "
+        "demo --synthetic streams the synthetic driver instead",
+        add_help=False,
     )
     return parser
 
@@ -203,7 +206,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _demo(rest: list[str]) -> int:
-    if "--mlx-lm" in rest:  # a real mlx-lm generation with streamed experts
+    if "--synthetic" not in rest:  # a real mlx-lm generation with streamed experts
         try:
             from strata_stream.mlx_lm.demo import main as mlx_demo
         except ImportError as e:
@@ -211,6 +214,7 @@ def _demo(rest: list[str]) -> int:
                   file=sys.stderr)  # fmt: skip
             return 2
         return int(mlx_demo(rest))
+    rest = [a for a in rest if a != "--synthetic"]
     try:
         from strata_stream.demo import main as demo_main  # type: ignore[import-not-found,unused-ignore]
     except ImportError as e:

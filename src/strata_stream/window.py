@@ -131,6 +131,15 @@ class Window:
             self._w.end_turn()  # nothing when the turn already ended (an error, or close())
             self._flush_trace()
 
+    def restart_pass(self) -> None:
+        """End this thread's turn if it stopped part-way through the layers, so that the next
+        call may start again at layer 0: a caller's forward pass that failed between two layer
+        calls (in attention, say) leaves the turn open at a later layer. Nothing otherwise."""
+        self._check_open()
+        if self._w.in_turn and self._w.next_layer != 0:
+            self._w.end_turn()
+            self._flush_trace()
+
     # ---- the layer call ----------------------------------------------------------------------
     def moe(self, layer: int, x: npt.ArrayLike) -> npt.NDArray[np.float32]:
         """MoE output of `layer` for x [T, hidden] (float32 or float16, C-contiguous)."""
@@ -239,25 +248,9 @@ class Window:
         return out
 
     def _routed_call(self, layer: int, call: Callable[[], Any]) -> Any:
-        if not self._w.in_turn:
-            if layer != 0:
-                raise TurnError(f"layer {layer} called outside a turn: a turn starts at layer 0")
-            self._w.begin_turn()
-            self._implicit_turn = True
-        if layer != self._w.next_layer:
-            raise TurnError(
-                f"layer {layer} called out of order: this turn expects layer "
-                f"{self._w.next_layer} next"
-            )
-        if not self._busy.acquire(blocking=False):
-            raise TurnError("Window.moe called from two threads at once; use one per thread")
-        try:
-            out = call()
-        finally:
-            self._busy.release()
-        if self._implicit_turn and layer == self.n_layers - 1:
-            self._w.end_turn()
-            self._implicit_turn = False
+        # As moe(): the engine keeps turn order and ownership under its own lock.
+        out = call()
+        if layer == self.n_layers - 1 and not self._w.in_turn:
             self._flush_trace()
         return out
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import numpy as np
@@ -99,19 +98,3 @@ def test_cli_has_serve(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     for opt in ("--host", "--port", "--arena-gb", "MODEL"):
         assert opt in out
-
-
-def test_loader_falls_back_to_mlx_lm_and_says_so(
-    tiny_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    import importlib.util
-
-    from strata_stream.serve.loader import load_for_serving
-
-    if importlib.util.find_spec("strata_stream.mlx_lm") is not None:
-        pytest.skip("strata_stream.mlx_lm exists: no fallback to test")
-    with caplog.at_level(logging.WARNING, logger="strata_stream.serve"):
-        loaded = load_for_serving(str(tiny_path), arena_bytes=2**30)
-    assert not loaded.streaming and loaded.stats is None
-    assert "plain mlx_lm.load" in caplog.text and "--arena-gb ignored" in caplog.text
-    assert loaded.tokenizer.encode("hello world")

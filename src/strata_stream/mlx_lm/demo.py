@@ -1,9 +1,10 @@
-"""`strata-stream demo --mlx-lm`: a real mlx-lm generation with streamed experts, offline.
+"""`strata-stream demo`: a real mlx-lm generation with streamed experts, offline.
 
 Builds a random-weight mlx-lm MoE checkpoint (q4, as `mlx_lm.convert -q` writes it), converts
 its experts into a pack, then generates the same prompt with plain mlx-lm and with the experts
 streaming through an arena a fraction of their size, and prints both side by side with the
-engine's figures. Runs in well under a minute on two cores.
+engine's figures. Runs in well under a minute on two cores. Exits 1 if the MLX-kernel path,
+which must be bitwise identical to plain mlx-lm, generates a different token.
 """
 
 from __future__ import annotations
@@ -33,8 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from strata_stream.mlx_lm.loader import load
     from strata_stream.mlx_lm.random_model import CONFIGS, VOCAB, make_checkpoint
 
-    p = argparse.ArgumentParser(prog="strata-stream demo --mlx-lm", description=__doc__)
-    p.add_argument("--mlx-lm", action="store_true", help="(selects this demo)")
+    p = argparse.ArgumentParser(prog="strata-stream demo", description=__doc__)
     p.add_argument("--family", choices=list(CONFIGS), default="qwen3_moe")
     p.add_argument("--tokens", type=int, default=24, help="tokens to generate (24)")
     p.add_argument("--arena-share", type=float, default=0.25,
@@ -71,6 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             total = pk.geometry.n_records * pk.record_stride
             arena = max(int(total * args.arena_share), 2 * pk.geometry.top_k * pk.record_stride)
         config = StreamConfig.from_env(direct_io=False, persist_profile=False)
+        status = 0
         for experts in ("mlx", "cpu") if args.experts == "both" else (args.experts,):
             model, tok = load(str(model_dir), pack_path=pack, arena_bytes=arena, config=config,
                               experts=experts, progress=False)  # fmt: skip
@@ -81,6 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             finally:
                 model.strata_engine.close()
             same = sum(a == b for a, b in zip(ref_tokens, tokens, strict=False))
+            if experts == "mlx" and tokens != ref_tokens:
+                status = 1
             note = {
                 "mlx": "MLX's own kernels over the arena: bitwise mlx-lm",
                 "cpu": "the CPU backend rounds once in float32 where mlx-lm rounds each step in "
@@ -95,4 +98,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"read, stall {stats['stall_seconds'] * 1e3:.0f} ms, prediction recall "
                 f"{'n/a' if recall is None else f'{recall:.1%}'}"
             )
-    return 0
+    if status:
+        print("FAILED: the MLX-kernel path must generate exactly mlx-lm's tokens")
+    return status

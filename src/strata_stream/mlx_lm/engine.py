@@ -125,10 +125,8 @@ class MoeEngine:
     def _begin(self, layer: int) -> None:
         # A forward pass that failed part-way (an exception in attention, say) leaves the turn
         # open at some later layer; the next pass starts at layer 0 again, so close it.
-        w = self.window._w
-        if layer == 0 and w.in_turn and w.next_layer != 0:
-            w.end_turn()
-            self.window._implicit_turn = False
+        if layer == 0:
+            self.window.restart_pass()
 
     # ---- prediction ------------------------------------------------------------------------
     def predictions(self, layer: int, x: mx.array, rows: int) -> list[mx.array | None]:

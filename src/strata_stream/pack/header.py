@@ -407,7 +407,8 @@ def parse_header(buf: bytes, where: str) -> PackHeader:
             "with CRC32C); repack with strata-stream pack/convert"
         )
     if version != VERSION:
-        hint = " (written by a newer strata-stream: upgrade to read it)" if version > VERSION else ""
+        newer = version > VERSION
+        hint = " (written by a newer strata-stream: upgrade to read it)" if newer else ""
         raise PackError(
             f"{where}: version {version} not supported (this reader knows {VERSION}){hint}"
         )

@@ -1,0 +1,97 @@
+"""The server over a model whose experts stream through strata_stream.mlx_lm, not a plain one:
+the same greedy text as plain mlx-lm, and the engine's figures in /metrics."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from serve.helpers import MODEL_ID, TIMEOUT_S, client_for, scrape, wait_until
+from strata_stream.config import StreamConfig
+from strata_stream.convert import convert
+from strata_stream.mlx_lm import load, stats_source
+from strata_stream.pack.reader import ExpertPack
+from strata_stream.serve import BackgroundServer, ServeConfig, create_app
+from strata_stream.serve.loader import load_for_serving
+
+
+def _metric(samples: dict[str, float], name: str) -> float:
+    """A sample by name, counters with Prometheus' _total suffix; -1 while it is not there."""
+    for k, v in samples.items():
+        if k.split("{")[0] in (name, name + "_total"):
+            return v
+    return -1.0
+
+
+def test_a_streamed_model_serves_mlx_lm_greedy_text_and_engine_metrics(
+    tiny_path: Path, tokenizer: Any, oracle: Callable[[list[int], int], str], tmp_path: Path
+) -> None:
+    pack = convert(tiny_path, tmp_path / "experts.strpk", progress=False)
+    with ExpertPack.open(pack) as p:
+        records, stride, top_k = p.geometry.n_records, p.record_stride, p.geometry.top_k
+    arena = max(records * stride // 4, 2 * top_k * stride)  # a quarter: experts must stream
+    config = StreamConfig(direct_io=False, persist_profile=False)
+    # experts="mlx": MLX's own kernels over the arena, bitwise plain mlx-lm, so the served text
+    # must equal the oracle's exactly.
+    model, tok = load(str(tiny_path), pack_path=pack, arena_bytes=arena, config=config,
+                      experts="mlx", progress=False)  # fmt: skip
+    try:
+        app = create_app(
+            model, tok, ServeConfig(model_id=MODEL_ID, stats_interval_s=0.05),
+            stats=stats_source(model),
+        )  # fmt: skip
+        with BackgroundServer(app, timeout_s=TIMEOUT_S) as server:
+            client = client_for(server.url)
+            msgs = [{"role": "user", "content": "hello world how are you"}]
+            r = client.chat.completions.create(
+                model=MODEL_ID, messages=msgs, max_tokens=16, temperature=0  # type: ignore[arg-type]
+            )
+            ids = [int(t) for t in tokenizer.apply_chat_template(msgs, add_generation_prompt=True)]
+            assert r.choices[0].message.content == oracle(ids, 16)
+            # The engine's figures reach /metrics at the next stats sample (every 0.05 s).
+            wait_until(
+                lambda: _metric(scrape(server.url), "strata_expert_misses") > 0,
+                "the engine's misses in /metrics",
+            )
+            samples = scrape(server.url)
+    finally:
+        model.strata_engine.close()
+    assert _metric(samples, "strata_expert_misses") > 0  # a quarter arena had to read
+    assert _metric(samples, "strata_expert_hits") >= 0
+    assert _metric(samples, "strata_expert_hits") + _metric(samples, "strata_expert_misses") > 0
+    assert _metric(samples, "strata_expert_bytes_read") >= stride
+    assert _metric(samples, "strata_arena_slots") == arena // stride
+    assert 0 < _metric(samples, "strata_arena_slots_in_use") <= arena // stride
+
+
+def test_the_loader_streams_when_strata_stream_mlx_lm_exists(
+    tiny_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("STRATA_CACHE", str(tmp_path))  # the first load converts into the cache
+    loaded = load_for_serving(str(tiny_path), arena_bytes=None)
+    try:
+        assert loaded.streaming and loaded.stats is not None
+        assert loaded.stats()["slots_total"] > 0
+    finally:
+        loaded.model.strata_engine.close()
+
+
+def test_the_loader_falls_back_to_plain_mlx_lm_and_says_so(
+    tiny_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = importlib.util.find_spec
+
+    def without_streaming(name: str, *args: Any) -> Any:
+        return None if name == "strata_stream.mlx_lm" else real(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", without_streaming)
+    with caplog.at_level(logging.WARNING, logger="strata_stream.serve"):
+        loaded = load_for_serving(str(tiny_path), arena_bytes=2**30)
+    assert not loaded.streaming and loaded.stats is None
+    assert "plain mlx_lm.load" in caplog.text and "--arena-gb ignored" in caplog.text
+    assert loaded.tokenizer.encode("hello world")
