@@ -100,6 +100,26 @@ def test_urgent_request_larger_than_the_unprotected_arena(make_pack: PackFactory
         s.wait(0, [0, 1])  # still usable
 
 
+def test_an_urgent_request_never_evicts_an_expert_it_holds(make_pack: PackFactory) -> None:
+    """Expert 6 of layer 2 is resident and unprotected; the request for (6, 0) must not make room
+    for 0 by evicting 6, which it has just counted as a hit. With every other slot protected or
+    loading there is no room: ArenaFullError, and 6 stays."""
+    path = make_pack()
+    with ExpertStream(path, config(4, stride_of(path), io_threads=0)) as s:
+        s.request(0, [0])
+        s.request(1, [0])
+        s.request(2, [6])
+        while s.run_io():
+            pass
+        s.request(0, [1])  # the fourth slot: an urgent read left queued
+        s.enter_layer(0)  # layer 0 executing, every slot of it protected
+        s.after_layer(0)  # layer 1 protected for its router
+        with pytest.raises(ArenaFullError):
+            s.request(2, [6, 0])
+        assert s.where(2, 6) is not None
+        assert s.check_invariants() == ""
+
+
 def test_bad_arguments_raise_clear_errors(make_pack: PackFactory) -> None:
     path = make_pack()
     with ExpertStream(path, config(8, stride_of(path))) as s:
