@@ -127,6 +127,8 @@ def test_bad_arguments_raise_clear_errors(make_pack: PackFactory) -> None:
             s.request(4, [0])
         with pytest.raises(IndexError, match="expert 16 out of range"):
             s.request(0, [16])
+        with pytest.raises(IndexError, match="expert 4294967299 out of range"):
+            s.request(0, [2**32 + 3])  # not expert 3 after an int32 wrap
         with pytest.raises(TypeError, match="integers"):
             s.request(0, [1.5])
         with pytest.raises(ValueError, match="1-D"):
