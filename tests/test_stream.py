@@ -100,6 +100,26 @@ def test_urgent_request_larger_than_the_unprotected_arena(make_pack: PackFactory
         s.wait(0, [0, 1])  # still usable
 
 
+def test_an_urgent_request_never_evicts_an_expert_it_holds(make_pack: PackFactory) -> None:
+    """Expert 6 of layer 2 is resident and unprotected; the request for (6, 0) must not make room
+    for 0 by evicting 6, which it has just counted as a hit. With every other slot protected or
+    loading there is no room: ArenaFullError, and 6 stays."""
+    path = make_pack()
+    with ExpertStream(path, config(4, stride_of(path), io_threads=0)) as s:
+        s.request(0, [0])
+        s.request(1, [0])
+        s.request(2, [6])
+        while s.run_io():
+            pass
+        s.request(0, [1])  # the fourth slot: an urgent read left queued
+        s.enter_layer(0)  # layer 0 executing, every slot of it protected
+        s.after_layer(0)  # layer 1 protected for its router
+        with pytest.raises(ArenaFullError):
+            s.request(2, [6, 0])
+        assert s.where(2, 6) is not None
+        assert s.check_invariants() == ""
+
+
 def test_bad_arguments_raise_clear_errors(make_pack: PackFactory) -> None:
     path = make_pack()
     with ExpertStream(path, config(8, stride_of(path))) as s:
@@ -107,6 +127,8 @@ def test_bad_arguments_raise_clear_errors(make_pack: PackFactory) -> None:
             s.request(4, [0])
         with pytest.raises(IndexError, match="expert 16 out of range"):
             s.request(0, [16])
+        with pytest.raises(IndexError, match="expert 4294967299 out of range"):
+            s.request(0, [2**32 + 3])  # not expert 3 after an int32 wrap
         with pytest.raises(TypeError, match="integers"):
             s.request(0, [1.5])
         with pytest.raises(ValueError, match="1-D"):
@@ -322,14 +344,18 @@ def test_direct_io_reads_every_record_exactly(make_pack: PackFactory, direct_dir
     """With O_DIRECT really on, every part read is aligned (a misaligned one fails EINVAL and
     would surface as ExpertReadError): records whose length is not a multiple of 4096 read
     through their padded tail, each byte equal to the file's, crc-verified."""
-    src = make_pack(n_layers=2, n_experts=8, top_k=2, hidden=64, moe_intermediate=40)
+    # f16 64 x 34: tensors of 17 x 256 bytes, so the record (13056 bytes) ends off any 512-byte
+    # sector: only the engine's rounding of the read up to 4096 keeps O_DIRECT aligned.
+    src = make_pack(
+        n_layers=2, n_experts=8, top_k=2, hidden=64, moe_intermediate=34, weight_format="f16"
+    )
     path = Path(shutil.copy(src, direct_dir / "direct.strpk"))
     stride = stride_of(path)
     with ExpertStream(path, config(4, stride, direct_io=True, verify_reads=True)) as s:
         assert s.direct_io, (
             f"O_DIRECT works in {direct_dir} but the stream fell back: {s.direct_note}"
         )
-        assert s.record_bytes % 4096 != 0 and s.n_parts > 1  # a partial last page, several parts
+        assert s.record_bytes % 512 != 0  # a partial last sector
         layout = s._s.layout
         for layer in range(2):
             for e in range(8):

@@ -56,6 +56,11 @@ def _experts(experts: int | Iterable[int] | npt.ArrayLike, what: str) -> npt.NDA
         raise ValueError(f"{what}: expected a 1-D list of expert ids, got shape {arr.shape}")
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         raise TypeError(f"{what}: expert ids must be integers, got dtype {arr.dtype}")
+    info = np.iinfo(np.int32)
+    if arr.size and (int(arr.min()) < info.min or int(arr.max()) > info.max):
+        # The cast below would wrap (2**32 + 3 -> 3) and pass the range check as another expert.
+        bad = arr[(arr < info.min) | (arr > info.max)][0]
+        raise IndexError(f"{what}: expert {bad} out of range")
     return np.ascontiguousarray(arr, dtype=np.int32)
 
 

@@ -529,6 +529,19 @@ RequestResult ExpertStream::request_locked(Lock& lk, ClientId who, std::uint32_t
   const std::uint32_t E = layout().n_experts;
   const bool speculative = cls != ReadClass::Urgent;
   RequestResult r;
+  // An urgent request never evicts an expert it already holds in this call (a later expert
+  // could otherwise pick an earlier, unprotected one as its victim): each resident slot it
+  // touches is pinned, as a plan pins (I8), until the request returns on any path.
+  struct CallPins {
+    ExpertStream& self;
+    Lock& lk;
+    std::vector<std::uint32_t> slots;
+    ~CallPins() {
+      if (slots.empty()) return;
+      if (!lk.owns_lock()) lk.lock();  // an interrupt throws with mu_ released
+      for (std::uint32_t s : slots) --self.slots_[s].pins;
+    }
+  } call_pins{*this, lk, {}};
   std::optional<ReadProgress> progress;  // from the first wait for a slot
   for (std::size_t i = 0; i < n; ++i) {
     const std::uint32_t key = layer * E + std::uint32_t(experts[i]);
@@ -546,6 +559,8 @@ RequestResult ExpertStream::request_locked(Lock& lk, ClientId who, std::uint32_t
         } else {
           touch(std::uint32_t(s));
           if (!speculative) {
+            ++sl.pins;
+            call_pins.slots.push_back(std::uint32_t(s));
             make_urgent(std::uint32_t(s));
             // A speculative read that completed before this handshake: publish it now.
             if (sl.load() == SlotState::Complete) publish_slot(std::uint32_t(s));
