@@ -17,6 +17,7 @@
 #include "common/errors.h"
 #include "residency/expert_stream.h"
 #include "kernel_bench.h"
+#include "raw_read_bench.h"
 #include "exec/window.h"
 #include "pack/checksum.h"
 
@@ -776,4 +777,22 @@ PYBIND11_MODULE(_core, m) {
       "CRC32C (Castagnoli) of a contiguous buffer, continuing from `seed` like zlib.crc32: "
       "crc32c(b, crc32c(a)) == crc32c(a + b). Releases the GIL for buffers of 64 KiB or more.");
   m.attr("CRC32C_IMPL") = std::string(crc32c_impl());
+
+  // ---- benchmarks/io_bandwidth.py --page-cache: the fair raw reference, GIL released ----
+  m.def(
+      "bench_raw_read",
+      [](const std::string& path, std::uint64_t first, std::uint64_t count,
+         std::uint64_t part_bytes, unsigned threads, std::uint64_t dest_bytes, bool direct) {
+        RawReadResult r;
+        {
+          py::gil_scoped_release nogil;
+          r = raw_read_records(path, first, count, part_bytes, threads, dest_bytes, direct);
+        }
+        py::dict d;
+        d["seconds"] = r.seconds;
+        d["bytes"] = r.bytes;
+        return d;
+      },
+      py::arg("path"), py::arg("first"), py::arg("count"), py::arg("part_bytes"),
+      py::arg("threads"), py::arg("dest_bytes"), py::arg("direct") = false);
 }

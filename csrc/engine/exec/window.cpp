@@ -355,7 +355,9 @@ std::vector<std::int32_t> Window::profile_ranked(std::uint32_t layer, std::size_
 }
 
 std::uint32_t Window::spec_cap() const {
-  return opt_.prefetch_backoff ? governor_.cap() : PrefetchGovernor::kUnlimited;
+  // The governor judges by wall time and by whether reads overlapped: IO timing. When the
+  // Window settles for deterministic moce routing, that timing must not reach what is read.
+  return opt_.prefetch_backoff && !settles_ ? governor_.cap() : PrefetchGovernor::kUnlimited;
 }
 
 std::uint32_t Window::limit_new(std::vector<std::int32_t>& experts, std::uint32_t layer,

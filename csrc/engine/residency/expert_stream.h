@@ -47,7 +47,7 @@ struct StreamOptions {
   std::uint32_t io_threads = 4;  // 0 = manual IO: tests run each part read with run_job()
   std::uint64_t part_bytes = 1ull << 20;
   bool direct_io = true;
-  bool verify_reads = false;
+  bool verify_reads = true;  // CRC32C of every record read (skipped with simulate_io)
   double io_timeout_s = 60.0;
   bool publish_prefetch = true;  // STRATA_METAL_PUBLISH_PREFETCH
   EvictionPolicy eviction = EvictionPolicy::DecayedLfu;  // STRATA_EVICTION
