@@ -23,7 +23,7 @@ from strata_stream.errors import (
     StreamClosedError,
 )
 from strata_stream.pack import Geometry
-from strata_stream.pack.header import build_header
+from strata_stream.pack.header import build_header, record_crc
 from strata_stream.stream import ABSENT
 
 
@@ -383,10 +383,10 @@ def _sparse_pack_past_4_gib(directory: Path) -> tuple[Path, dict[int, bytes]]:
     keys = [straddle, straddle + 1, g.n_records - 5, g.n_records - 1]
     rng = np.random.default_rng(7)
     written = {k: rng.integers(0, 256, header.record_bytes, dtype=np.uint8).tobytes() for k in keys}
-    zero_crc = zlib.crc32(bytes(header.record_bytes))
+    zero_crc = record_crc(bytes(header.record_bytes))
     crcs = np.full(g.n_records, zero_crc, dtype="<u4")
     for k, rec in written.items():
-        crcs[k] = zlib.crc32(rec)
+        crcs[k] = record_crc(rec)
     path = directory / "sparse.strpk"
     with open(path, "wb") as f:
         f.write(header.to_bytes())

@@ -437,7 +437,7 @@ class StreamMachine(RuleBasedStateMachine):
         before = self.table()
         cls = ReadClass.URGENT if urgent else ReadClass.PRED1
         try:
-            self.s._s.request(layer, np.array([expert], dtype=np.int32), int(cls))
+            self.s._s.request(layer, np.array([expert], dtype=np.int32), cls)
         except IndexError as e:
             assert f"layer {layer} out of range" in str(e)
         else:

@@ -9,6 +9,10 @@ the only difference is float32 rounding.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -293,12 +297,33 @@ def _memory_over_turns(pack: Path, n_turns: int, leak_a_record: bool) -> str | N
     return None
 
 
+def _memory_over_turns_in_a_fresh_process(pack: Path, leak_a_record: bool) -> str | None:
+    """_memory_over_turns (a warm-up run of 10 turns, then 300) in a new interpreter: in a
+    process that already freed memory (earlier tests), a leak can reuse resident free heap and
+    never show in RSS, so the measurement needs a process of its own."""
+    code = (
+        "import sys, json\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from pathlib import Path\n"
+        "from test_window import _memory_over_turns\n"
+        f"_memory_over_turns(Path({str(pack)!r}), 10, False)\n"
+        f"print(json.dumps(_memory_over_turns(Path({str(pack)!r}), 300, {leak_a_record!r})))\n"
+    )
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([*sys.path, env.get("PYTHONPATH", "")])
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert run.returncode == 0, run.stderr
+    result: str | None = json.loads(run.stdout.strip().splitlines()[-1])
+    return result
+
+
 def test_memory_stays_bounded_over_many_turns(pack: Path) -> None:
     """I12: arena + scratch + fixed overhead; nothing grows with conversation length."""
     if not Path("/proc/self/statm").exists():
         pytest.skip("needs /proc (Linux)")
-    _memory_over_turns(pack, 10, False)  # warm the process (code pages, allocator pools)
-    assert _memory_over_turns(pack, 300, False) is None
+    assert _memory_over_turns_in_a_fresh_process(pack, False) is None
 
 
 def test_the_memory_bound_catches_a_leak_of_one_record_per_turn(pack: Path) -> None:
@@ -308,8 +333,7 @@ def test_the_memory_bound_catches_a_leak_of_one_record_per_turn(pack: Path) -> N
         pytest.skip("needs /proc (Linux)")
     with ExpertPack.open(pack) as p:
         assert 300 * p.record_bytes > 4 * (_FIXED_OVERHEAD + _TURN_SLACK)
-    _memory_over_turns(pack, 10, False)
-    problem = _memory_over_turns(pack, 300, True)
+    problem = _memory_over_turns_in_a_fresh_process(pack, True)
     assert problem is not None and "resident memory grew" in problem
 
 
