@@ -200,6 +200,24 @@ def test_the_last_layer_requests_nothing_beyond(pack: Path) -> None:
                 assert after == before  # I10
 
 
+def test_backend_selection(pack: Path) -> None:
+    """cpu always; auto is the CPU backend where no Metal backend is built in; metal names why
+    it is unavailable instead of falling back silently; anything else is refused."""
+    from strata_stream.errors import ConfigError
+
+    with ExpertStream(pack, stream_config(pack)) as stream:
+        with Window(stream, backend="auto") as w:
+            macos = sys.platform == "darwin"  # a macOS build carries the Metal backend
+            assert w.stats()["backend"] in (("cpu", "metal") if macos else ("cpu",))
+        if sys.platform != "darwin":
+            with pytest.raises(ConfigError, match="built on macOS only"):
+                Window(stream, backend="metal")
+        with pytest.raises(ConfigError, match="backend must be cpu, metal or auto, got 'gpu'"):
+            Window(stream, backend="gpu")
+        with Window(stream, backend="cpu") as w:  # the stream is still usable
+            assert w.stats()["backend"] == "cpu"
+
+
 def test_bad_inputs_raise_clear_errors(pack: Path) -> None:
     with ExpertStream(pack, stream_config(pack)) as stream, Window(stream) as w:
         x = np.zeros((2, H), np.float32)

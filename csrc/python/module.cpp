@@ -20,6 +20,9 @@
 #include "raw_read_bench.h"
 #include "exec/window.h"
 #include "pack/checksum.h"
+#ifdef STRATA_HAVE_METAL
+#include "metal_backend.h"
+#endif
 
 namespace py = pybind11;
 using namespace strata;
@@ -122,6 +125,42 @@ py::dict layout_dict(const PackLayout& L) {
   d["records_offset"] = L.records_offset;
   d["file_bytes"] = L.file_bytes;
   return d;
+}
+
+}  // namespace
+
+namespace {
+
+// "cpu"; "metal" where this extension was built with the Metal backend (macOS), a clear error
+// elsewhere; "auto": Metal where it exists and takes this pack and configuration, else the CPU.
+// moce is CPU-only: the Metal route kernel does not implement it.
+std::unique_ptr<strata::Backend> make_backend(const std::string& name, unsigned threads,
+                                              bool moce_on) {
+  using strata::EngineError;
+  using strata::ErrorKind;
+  if (name == "cpu") return strata::make_cpu_backend(threads);
+  if (name != "metal" && name != "auto")
+    throw EngineError(ErrorKind::Config, "backend must be cpu, metal or auto, got '" + name + "'");
+#ifdef STRATA_HAVE_METAL
+  if (moce_on) {
+    if (name == "auto") return strata::make_cpu_backend(threads);
+    throw EngineError(ErrorKind::Config,
+                      "backend 'metal' does not implement cache-aware routing (moce); use "
+                      "backend 'cpu' or moce 'off'");
+  }
+  if (name == "metal") return strata::make_metal_backend();
+  try {
+    return strata::make_metal_backend();
+  } catch (const EngineError&) {  // no device, or a pack or flag the kernels do not cover
+    return strata::make_cpu_backend(threads);
+  }
+#else
+  (void)moce_on;
+  if (name == "auto") return strata::make_cpu_backend(threads);
+  throw EngineError(ErrorKind::Config,
+                    "backend 'metal' is not built into this extension: the Metal backend is "
+                    "built on macOS only (this build has: cpu)");
+#endif
 }
 
 }  // namespace
@@ -413,9 +452,6 @@ PYBIND11_MODULE(_core, m) {
                        bool record_routes, std::uint32_t start_layers, const std::string& moce,
                        float moce_strength, std::uint32_t moce_keep_top, bool profile_prefetch,
                        bool prefetch_backoff) {
-             if (backend != "cpu")
-               throw EngineError(ErrorKind::Config, "backend '" + backend +
-                                                        "' is not available here (have: cpu)");
              if (max_rows == 0 || max_rows > (1u << 20))
                throw EngineError(ErrorKind::Config, "max_rows must be 1.." +
                                                         std::to_string(1u << 20) + ", got " +
@@ -453,7 +489,8 @@ PYBIND11_MODULE(_core, m) {
              o.prefetch_backoff = prefetch_backoff;
              ExpertStream& es = stream.get();
              py::gil_scoped_release nogil;
-             return WindowHolder(new Window(es, make_cpu_backend(threads), o));
+             return WindowHolder(
+                 new Window(es, make_backend(backend, threads, o.moce.mode != MoceMode::Off), o));
            }),
            py::keep_alive<1, 2>(), py::arg("stream"), py::kw_only(), py::arg("backend") = "cpu",
            py::arg("lookahead") = true, py::arg("split_turn") = false,

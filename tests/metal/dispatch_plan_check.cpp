@@ -64,6 +64,14 @@ int main() {
   bad.n_experts = 64;
   check(refuses([&] { metal::DispatchPlanner(bad, slot, 10, 10); }, "top_k 33"),
         "top_k past 32 is refused");
+  bad = L;
+  bad.activation = Activation::SwigluOai;
+  check(refuses([&] { metal::DispatchPlanner(bad, slot, 10, 10); }, "swiglu_oai"),
+        "gpt-oss's clamped SwiGLU is refused by name, not computed as SwiGLU");
+  bad = L;
+  bad.bias_format = 1;
+  check(refuses([&] { metal::DispatchPlanner(bad, slot, 10, 10); }, "expert Linear biases"),
+        "expert biases are refused by name, not dropped");
 
   metal::DispatchPlanner planner(L, slot, 64, 16);
   std::vector<metal::Dispatch> ds;

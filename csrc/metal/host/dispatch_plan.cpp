@@ -64,6 +64,14 @@ DispatchPlanner::DispatchPlanner(const PackLayout& L, std::uint64_t slot_bytes,
   if (L.top_k == 0 || L.top_k > STRATA_MAX_TOP_K || L.top_k > L.n_experts)
     unsupported("top_k " + std::to_string(L.top_k) + " (kernels cover 1.." +
                 std::to_string(STRATA_MAX_TOP_K) + ")");
+  // The kernels instantiate SwiGLU without expert biases. Computing a gpt-oss pack with them
+  // would give wrong output without an error, so such packs are refused by name.
+  if (L.activation != Activation::SwiGLU)
+    unsupported("the clamped SwiGLU of gpt-oss (activation swiglu_oai) is not implemented; use "
+                "the CPU backend for this pack");
+  if (L.bias_format != 0)
+    unsupported("expert Linear biases (gpt-oss) are not implemented; use the CPU backend for "
+                "this pack");
   std::uint64_t* offsets[3][3] = {{&base_.gate_w, &base_.gate_s, &base_.gate_b},
                                   {&base_.up_w, &base_.up_s, &base_.up_b},
                                   {&base_.down_w, &base_.down_s, &base_.down_b}};
