@@ -69,6 +69,30 @@ def test_a_streamed_model_serves_mlx_lm_greedy_text_and_engine_metrics(
     assert 0 < _metric(samples, "strata_arena_slots_in_use") <= arena // stride
 
 
+def test_a_model_loaded_on_one_thread_generates_on_the_servers_worker(
+    tiny_path: Path, tokenizer: Any, tmp_path: Path
+) -> None:
+    """The CPU expert path, loaded here and run by the server's worker thread: every weight
+    the model needs is evaluated at load, on the loading thread (MLX cannot evaluate on one
+    thread an array made on another's stream). The served text is the model's own greedy text."""
+    import mlx_lm
+
+    model, tok = load(str(tiny_path), pack_path=tmp_path / "experts.strpk", experts="cpu",
+                      config=StreamConfig(direct_io=False, persist_profile=False),
+                      progress=False)  # fmt: skip
+    msgs = [{"role": "user", "content": "the water is hot"}]
+    try:
+        app = create_app(model, tok, ServeConfig(model_id=MODEL_ID), stats=stats_source(model))
+        with BackgroundServer(app, timeout_s=TIMEOUT_S) as server:
+            r = client_for(server.url).chat.completions.create(
+                model=MODEL_ID, messages=msgs, max_tokens=12, temperature=0  # type: ignore[arg-type]
+            )
+        ids = [int(t) for t in tokenizer.apply_chat_template(msgs, add_generation_prompt=True)]
+        assert r.choices[0].message.content == mlx_lm.generate(model, tok, ids, max_tokens=12)
+    finally:
+        model.strata_engine.close()
+
+
 def test_the_loader_streams_when_strata_stream_mlx_lm_exists(
     tiny_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -219,6 +219,12 @@ def load_model(
             ref.block[ref.family.experts_attr] = StreamedExperts(engine, ref, deferred.switch)
         else:
             parent[attr] = StreamedMoE(engine, ref)
+    if not lazy:
+        # On the CPU path each block was out of the model while the parameters above were
+        # evaluated: its gate and shared experts are evaluated now, on the loading thread. Left
+        # lazy, they would load on whichever thread first runs the model, and MLX refuses to
+        # evaluate there an array made on another thread's stream (a server's worker thread).
+        mx.eval(model.parameters())
     object.__setattr__(model, "strata_engine", engine)
     weakref.finalize(model, engine.close)
     return model, model_cfg
