@@ -271,6 +271,22 @@ def test_first_load_converts_into_the_cache(
         load(str(fam.path), arena_bytes=fam.stride, config=BASE, progress=False)
 
 
+@pytest.mark.parametrize("fam", ["qwen3_moe"], indirect=True)
+def test_metal_experts_name_why_they_are_unavailable(fam: Family) -> None:
+    """experts="metal" runs the routed calls on a Metal-backed Window: on a build without the
+    Metal backend, load fails saying so instead of computing elsewhere; a wrong name is refused."""
+    import sys
+
+    from strata_stream.errors import ConfigError
+
+    if sys.platform != "darwin":
+        with pytest.raises(ConfigError, match="built on macOS only"):
+            load(str(fam.path), pack_path=fam.pack, arena_bytes=1 << 24, config=BASE,
+                 experts="metal", progress=False)  # fmt: skip
+    with pytest.raises(ConfigError, match="experts must be one of cpu, mlx, metal"):
+        load(str(fam.path), pack_path=fam.pack, experts="gpu", config=BASE, progress=False)
+
+
 @pytest.mark.parametrize("fam", ["qwen2_moe"], indirect=True)
 def test_cli_generate_prints_text_and_figures(
     fam: Family, tmp_path: Path, capsys: pytest.CaptureFixture[str]

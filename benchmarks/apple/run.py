@@ -12,8 +12,8 @@ Steps, in order (each writes DIR/<step>.json; DIR/summary.json and DIR/summary.p
   window_cpu     each arena fraction - Metal and CPU side by side on the same preset pack
   io             engine read GB/s against a raw F_NOCACHE reader
   mlx_baseline   plain mlx-lm on --model: prompt and decode tokens/s
-  model_streamed the same model streamed through strata-stream at each arena (blocked: this
-                 tree has no mlx-lm checkpoint packer or streamed mlx-lm model yet; reported)
+  model_streamed the same model streamed through strata-stream at each arena, on MLX's
+                 kernels over the arena and on this Metal backend
 
 --dry-run (any OS) checks the plan without running it: every script exists and accepts every
 flag the plan passes it, and each step's requirements are evaluated and reported; it writes
@@ -171,10 +171,22 @@ def plan(out: Path, model: str, fractions: list[float]) -> list[Step]:
         ),
         Step(
             "model_streamed",
-            [],
-            [APPLE],
-            blocked="needs an mlx-lm checkpoint packer and a streamed mlx-lm model in "
-            "strata_stream; neither is in this tree yet",
+            [
+                [
+                    py,
+                    str(HERE / "mlx_streamed.py"),
+                    "--model",
+                    model,
+                    "--fractions",
+                    *fr,
+                    "--experts",
+                    "mlx",
+                    "metal",
+                    "--json",
+                    str(out / "model_streamed.json"),
+                ]
+            ],
+            [APPLE, _module("mlx_lm")],
         ),
     ]
 

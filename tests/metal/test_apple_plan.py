@@ -33,7 +33,11 @@ def test_dry_run_checks_the_plan(tmp_path: Path) -> None:
         "mlx_baseline",
         "model_streamed",
     ]
-    assert steps["model_streamed"]["blocked"]  # a known gap is reported, not hidden
+    # The streamed model runs on both expert paths, every flag checked against its --help.
+    streamed = steps["model_streamed"]
+    assert not streamed["blocked"]
+    assert any("mlx_streamed.py" in part for part in streamed["commands"][0])
+    assert streamed["commands"][0][-5:-2] == ["--experts", "mlx", "metal"]
     if sys.platform != "darwin":
         assert "macOS on Apple silicon" in steps["parity"]["unmet"]
 

@@ -23,7 +23,10 @@ from strata_stream.pack.reader import ExpertPack
 from strata_stream.stream import ExpertStream
 from strata_stream.window import Window
 
-EXPERT_MODES = ("cpu", "mlx")
+# "cpu": the Window's CPU backend computes the experts; "metal": the same routed calls on a
+# Window with the Metal backend (macOS builds; elsewhere a ConfigError at load); "mlx": MLX's own
+# gather_qmm over views of the arena.
+EXPERT_MODES = ("cpu", "mlx", "metal")
 _MX_DTYPES = {"f32": mx.float32, "f16": mx.float16, "bf16": mx.bfloat16, "u32": mx.uint32}
 _ROLE_KEYS = {0: "weight", 1: "scales", 2: "biases", 3: "bias"}
 _MATRIX_NAMES = ("gate_proj", "up_proj", "down_proj")
@@ -108,7 +111,7 @@ class MoeEngine:
         self.hidden = pack.geometry.hidden
         self.stream = ExpertStream(pack.path, config)
         try:
-            self.window = Window(self.stream)
+            self.window = Window(self.stream, backend="metal" if experts == "metal" else "cpu")
             self.arena = ArenaTensors(self.stream, pack.tensors) if experts == "mlx" else None
         except BaseException:
             self.stream.close()
@@ -153,7 +156,8 @@ class MoeEngine:
         inds: mx.array,
         scores: mx.array,
     ) -> mx.array:
-        """CPU backend: x read in place, ids and weights to the host, output back to MLX."""
+        """The Window's backend (CPU, or Metal with experts="metal"): x read in place, ids and
+        weights to the host, output back to MLX."""
         self._begin(layer)
         # Row-major as the engine reads it (a no-op for the contiguous activations mlx-lm has).
         flat = mx.contiguous(x.reshape(-1, self.hidden))

@@ -160,8 +160,9 @@ def load_model(
     leaving headroom for the KV cache). config: the StreamConfig (default: from the
     environment); arena_bytes wins over config.arena_bytes when given. pack_path: the pack of
     this model (default: converted on first load into strata_stream.paths.cache_dir()).
-    experts: "cpu" (the CPU backend computes the experts) or "mlx" (MLX's gather_qmm over the
-    arena). `lazy` is accepted for signature compatibility: the dense weights are evaluated
+    experts: "cpu" (the CPU backend computes the experts), "mlx" (MLX's gather_qmm over the
+    arena) or "metal" (the engine's Metal backend: macOS builds only, not yet run on a Mac).
+    `lazy` is accepted for signature compatibility: the dense weights are evaluated
     unless it is True; the experts are never loaded either way.
     """
     from mlx_lm.utils import load_model as mlx_load_model
