@@ -71,10 +71,18 @@ def _prompt(words: int) -> str:
 
 
 def measure_one(
-    model_dir: Path, mode: str, fraction: float | None, prompt_words: int, tokens: int
+    model_dir: Path,
+    mode: str,
+    fraction: float | None,
+    prompt_words: int,
+    tokens: int,
+    temp: float = 1.0,
+    seed: int = 0,
 ) -> dict[str, Any]:
     """One configuration in this process: a warm-up generation, then the measured one."""
+    import mlx.core as mx
     from mlx_lm.generate import stream_generate
+    from mlx_lm.sample_utils import make_sampler
 
     prompt = _prompt(prompt_words)
     row: dict[str, Any] = {"mode": mode, "arena_fraction": fraction}
@@ -102,11 +110,16 @@ def measure_one(
         row["direct_io"] = bool(engine.config.direct_io)
     for _ in stream_generate(model, tok, _prompt(8), max_tokens=2):  # warm up
         pass
+    # Sampled, not greedy: a random model decoding greedily soon repeats one token, so its
+    # routing would stay on the same experts and any arena would hit. The seed makes every
+    # configuration draw the same tokens (the CPU path's logits agree with mlx-lm's closely).
+    mx.random.seed(seed)
+    sampler = make_sampler(temp=temp)
     if engine is not None:
         engine.window.reset_stats()
     first: dict[str, Any] | None = None
     last: Any = None
-    for i, r in enumerate(stream_generate(model, tok, prompt, max_tokens=tokens)):
+    for i, r in enumerate(stream_generate(model, tok, prompt, max_tokens=tokens, sampler=sampler)):
         if i == 0 and engine is not None:  # after the prompt: decode counters start here
             first = dict(engine.window.stats()["total"])
         last = r
@@ -227,6 +240,7 @@ def main() -> None:
     p.add_argument("--prompt-words", type=int, default=32, help="prompt tokens (one per word)")
     p.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.25, 0.5],
                    help="arena sizes below all-resident, as shares of all experts")  # fmt: skip
+    p.add_argument("--temp", type=float, default=1.0, help="sampling temperature (0: greedy)")
     p.add_argument("--json", type=Path, help="write the rows and the headline ratio here")
     p.add_argument("--plot", type=Path, help="write tok/s and peak RSS vs arena share here")
     p.add_argument("--one", nargs=2, metavar=("MODE", "FRACTION"), help=argparse.SUPPRESS)
@@ -236,7 +250,7 @@ def main() -> None:
     if args.one is not None:
         mode, frac = args.one
         fraction = None if mode == _PLAIN else float(frac)
-        row = measure_one(model_dir, mode, fraction, args.prompt_words, args.tokens)
+        row = measure_one(model_dir, mode, fraction, args.prompt_words, args.tokens, args.temp)
         print("ROW " + json.dumps(row), flush=True)
         return
 
@@ -249,9 +263,9 @@ def main() -> None:
         # Rotate the order each repeat so no configuration always runs first (or last).
         order = configs[rep % len(configs) :] + configs[: rep % len(configs)]
         for mode, frac in order:
-            cmd = [sys.executable, __file__, "--model", str(model_dir), "--tokens",
-                   str(args.tokens), "--prompt-words", str(args.prompt_words),
-                   "--one", mode, str(frac)]  # fmt: skip
+            cmd = [sys.executable, __file__, "--model", str(model_dir),
+                   "--tokens", str(args.tokens), "--prompt-words", str(args.prompt_words),
+                   "--temp", str(args.temp), "--one", mode, str(frac)]  # fmt: skip
             t0 = time.perf_counter()
             out = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
             found = [ln for ln in out.stdout.splitlines() if ln.startswith("ROW ")]
