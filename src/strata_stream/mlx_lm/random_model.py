@@ -8,6 +8,7 @@ utilities, plus a small WordLevel tokenizer saved with transformers (no download
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,14 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-__all__ = ["CONFIGS", "VOCAB", "make_checkpoint", "save_tokenizer"]
+__all__ = [
+    "CONFIGS",
+    "QWEN3_30B_A3B_EXPERTS",
+    "VOCAB",
+    "make_checkpoint",
+    "make_large_checkpoint",
+    "save_tokenizer",
+]
 
 VOCAB = [f"w{i}" for i in range(60)]
 HIDDEN, INTER, EXPERTS, TOP_K = 64, 64, 8, 2
@@ -160,6 +168,109 @@ def make_checkpoint(
         model, config = quantize_model(model, config, 64, 4, quant_predicate=_predicate)
     path.mkdir(parents=True, exist_ok=True)
     save_model(path, model)
+    save_config({**config, "eos_token_id": 1}, path / "config.json")
+    save_tokenizer(path)
+    return path
+
+
+# Qwen3-30B-A3B's routed-expert shapes; attention and vocabulary kept tiny (they are not what
+# streaming is about, and small they cost nothing to build or load).
+QWEN3_30B_A3B_EXPERTS: dict[str, Any] = {
+    "hidden_size": 2048,
+    "moe_intermediate_size": 768,
+    "intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+}
+_LAYER0 = "model.layers.0."
+
+
+def _random_quantized(
+    shape: tuple[int, ...], bits: int, group_size: int, scale: float
+) -> tuple[Any, Any, Any]:
+    """(packed uint32 weight, bf16 scales, bf16 biases) of an affine-quantized random matrix
+    whose dequantized values have mean 0 and standard deviation about `scale`."""
+    *lead, rows, packed = shape
+    cols = packed * 32 // bits
+    levels = (1 << bits) - 1
+    low, high = -(1 << 31), (1 << 31) - 1  # every int32 (but one), seen as uint32 bit patterns
+    weight = mx.random.randint(low, high, tuple(shape), dtype=mx.int32).view(mx.uint32)
+    level_std = math.sqrt(((levels + 1) ** 2 - 1) / 12.0)  # of a uniform integer in [0, levels]
+    groups = (*lead, rows, cols // group_size)
+    scales = (scale / level_std) * (1.0 + 0.1 * mx.random.normal(groups))
+    biases = -(levels / 2.0) * scales  # centre the levels on zero
+    return weight, scales.astype(mx.bfloat16), biases.astype(mx.bfloat16)
+
+
+def make_large_checkpoint(
+    path: Path,
+    num_layers: int = 12,
+    seed: int = 0,
+    dims: dict[str, Any] | None = None,
+) -> Path:
+    """A random qwen3_moe checkpoint with large experts (Qwen3-30B-A3B's by default), written
+    straight to safetensors as ``mlx_lm.convert -q`` lays it out (q4 g64 experts, 8-bit gates).
+
+    Float init plus quantization of the whole model would need tens of GB, so only a 1-layer
+    model is built that way, as the template of names, shapes and dtypes (and of the small
+    dense tensors, which every layer shares); each layer's router and experts are random packed
+    integers with scales chosen so activations stay of order one. One shard per layer."""
+    from mlx_lm.utils import _get_classes, quantize_model, save_config
+
+    config = {**_COMMON, **CONFIGS["qwen3_moe"], **QWEN3_30B_A3B_EXPERTS, **(dims or {})}
+    config["num_hidden_layers"] = 1
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    _randomize(model, seed)
+    mx.eval(model.parameters())
+    model, config = quantize_model(model, config, 64, 4, quant_predicate=_predicate)
+    template: dict[str, Any] = dict(tree_flatten(model.parameters()))
+    del model
+
+    path.mkdir(parents=True, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for layer in range(num_layers):
+        mx.random.seed(seed * 100003 + layer + 1)
+        shard: dict[str, Any] = {}
+        prefix = f"model.layers.{layer}."
+        for name, value in template.items():
+            if not name.startswith(_LAYER0):
+                if layer == 0:
+                    shard[name] = value
+                continue
+            local = name[len(_LAYER0) :]
+            module, _, kind = local.rpartition(".")
+            if not (module == "mlp.gate" or module.startswith("mlp.switch_mlp.")):
+                shard[prefix + local] = value  # attention and norms: the template's
+                continue
+            if kind != "weight":
+                continue  # written with their weight
+            bits = 8 if module == "mlp.gate" else 4
+            fan_in = value.shape[-1] * 32 // bits
+            w, s, b = _random_quantized(value.shape, bits, 64, 1.0 / math.sqrt(fan_in))
+            shard[f"{prefix}{module}.weight"] = w
+            shard[f"{prefix}{module}.scales"] = s
+            shard[f"{prefix}{module}.biases"] = b
+        mx.eval(shard)
+        fname = f"model-{layer + 1:05d}-of-{num_layers:05d}.safetensors"
+        mx.save_safetensors(str(path / fname), shard, metadata={"format": "mlx"})
+        for name, value in shard.items():
+            weight_map[name] = fname
+            total += value.nbytes
+        del shard
+
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=4))
+    config["num_hidden_layers"] = num_layers
+    for key in ("quantization", "quantization_config"):
+        quant = config.get(key)
+        if not isinstance(quant, dict):
+            continue
+        per_layer = {k: v for k, v in quant.items() if k.startswith(_LAYER0)}
+        for k, v in per_layer.items():
+            for layer in range(num_layers):
+                quant[f"model.layers.{layer}." + k[len(_LAYER0) :]] = v
     save_config({**config, "eos_token_id": 1}, path / "config.json")
     save_tokenizer(path)
     return path
