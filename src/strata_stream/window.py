@@ -147,16 +147,12 @@ class Window:
     # ---- the layer call ----------------------------------------------------------------------
     def moe(self, layer: int, x: npt.ArrayLike) -> npt.NDArray[np.float32]:
         """MoE output of `layer` for x [T, hidden] (float32 or float16, C-contiguous)."""
-        self._check_open()
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
-            raise TypeError(f"layer must be an int, got {type(layer).__name__}")
-        if not 0 <= int(layer) < self.n_layers:
-            raise IndexError(f"layer {layer} out of range [0, {self.n_layers})")
+        layer = self._layer_arg(layer)
         arr = self._input(x)
         # The engine keeps turn order and ownership (opening a turn at layer 0 outside one,
         # closing it after layer L-1) under its own lock: checks here would race other threads.
-        out: npt.NDArray[np.float32] = self._w.moe(int(layer), arr)
-        if int(layer) == self.n_layers - 1 and not self._w.in_turn:
+        out: npt.NDArray[np.float32] = self._w.moe(layer, arr)
+        if layer == self.n_layers - 1 and not self._w.in_turn:
             self._flush_trace()
         return out
 
@@ -217,12 +213,17 @@ class Window:
             layer, lambda: self._w.moe_routed_host(layer, tables[0], *tables[1:], compute)
         )
 
-    def _routed_layer(self, layer: int) -> int:
+    def _layer_arg(self, layer: int) -> int:
+        """The layer argument of a layer call, checked: an open Window, an int in range."""
         self._check_open()
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
             raise TypeError(f"layer must be an int, got {type(layer).__name__}")
         if not 0 <= int(layer) < self.n_layers:
             raise IndexError(f"layer {layer} out of range [0, {self.n_layers})")
+        return int(layer)
+
+    def _routed_layer(self, layer: int) -> int:
+        layer = self._layer_arg(layer)
         if self.stream.config.moce != "off":
             raise ConfigError(
                 "moce steers the engine's own router; externally routed calls need moce off"

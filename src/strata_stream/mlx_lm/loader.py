@@ -12,7 +12,7 @@ import os
 import re
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -299,35 +299,17 @@ def describe(model: Any) -> dict[str, Any]:
     return stats
 
 
-def stats_source(model: Any) -> Callable[[], dict[str, Any]]:
+def stats_source(model: Any) -> Callable[[], Mapping[str, Any]]:
     """A snapshot function of the engine under a model `load` returned, in the schema the
-    server's metrics read (hits, misses, bytes_read, stall_s, slots_in_use, slots_total,
-    pred_correct, pred_predicted, pred_actual, per_layer_hit_rate). Call it from the thread
-    that generates: the engine has one host thread."""
+    server's metrics read (`strata_stream.serve.stats`: hits, misses, bytes_read, stall_s,
+    slots_in_use, slots_total, pred_correct, pred_predicted, pred_actual, per_layer_hit_rate).
+    Needs the `serve` extra. Call it from the thread that generates."""
+    # Imported here: the schema and its mapping belong to the server, whose package needs
+    # FastAPI, which loading a model does not.
+    from strata_stream.serve.stats import window_stats_source
+
     engine: MoeEngine = model.strata_engine
-
-    def snapshot() -> dict[str, Any]:
-        stats = engine.window.stats()
-        total = stats["total"]
-        per_layer: list[float | None] = []
-        for d in stats["layers"]:
-            looked = int(d["hits"]) + int(d["misses"])
-            per_layer.append(int(d["hits"]) / looked if looked else None)
-        states = engine.stream.slot_table()["state"]
-        return {
-            "hits": int(total["hits"]),
-            "misses": int(total["misses"]),
-            "bytes_read": int(total["bytes_read"]),
-            "stall_s": float(total["stall_seconds"]),
-            "slots_in_use": int((states != 0).sum()),  # SlotState.FREE is 0
-            "slots_total": engine.stream.n_slots,
-            "pred_correct": int(total["pred_correct"]),
-            "pred_predicted": int(total["pred_predicted"]),
-            "pred_actual": int(total["pred_actual"]),
-            "per_layer_hit_rate": per_layer,
-        }
-
-    return snapshot
+    return window_stats_source(engine.window)
 
 
 __all__ = ["arena_size", "default_pack_path", "describe", "load", "load_model", "stats_source"]
