@@ -57,6 +57,9 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--experts", choices=("cpu", "mlx"), default="cpu",
                      help="who computes the experts (default cpu)")  # fmt: skip
+    gen.add_argument("--arithmetic", choices=("auto", "mlx", "float32"), default="auto",
+                     help="CPU experts: auto/mlx give mlx-lm's own numbers bitwise; float32 "
+                     "rounds once (faster)")  # fmt: skip
     gen.add_argument("--pack", default=None, help="the model's pack (default: converted once)")
 
     inspect = sub.add_parser("inspect", help="print a pack's geometry, format and layout")
@@ -138,7 +141,7 @@ def _generate(args: argparse.Namespace) -> int:
               "pip install 'strata-stream[mlx]'", file=sys.stderr)  # fmt: skip
         return 2
     generate(args.model, args.prompt, max_tokens=args.max_tokens, arena_gb=args.arena_gb,
-             experts=args.experts, pack_path=args.pack)  # fmt: skip
+             experts=args.experts, arithmetic=args.arithmetic, pack_path=args.pack)  # fmt: skip
     return 0
 
 
