@@ -85,6 +85,14 @@ def greedy(model: Any, tokens: int = GREEDY_TOKENS) -> list[int]:
     return [int(t) for t, _ in steps]
 
 
+def block_pairs(ref: Any, model: Any) -> Iterator[tuple[str, Any, Any]]:
+    """(path, mlx-lm's MoE block, its streamed stand-in) for every MoE block, in decoder order."""
+    ref_modules = dict(ref.named_modules())
+    streamed_modules = dict(model.named_modules())
+    for _, path, _, _, attr in _find_blocks(ref):
+        yield path, ref_modules[path], streamed_modules[path.rpartition(".")[0]][attr]
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def fam(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Family:
     return Family(request.param, tmp_path_factory.mktemp("ckpt"))
@@ -144,13 +152,9 @@ def test_cpu_mlx_arithmetic_at_extremes(fam: Family, closing: list[Any]) -> None
     # NaN that follows: each block gives MLX's own values, NaN where mlx-lm has NaN.
     model = fam.load("cpu", arithmetic="mlx")
     closing.append(model)
-    ref_modules = dict(fam.ref.named_modules())
-    streamed_modules = dict(model.named_modules())
     mx.random.seed(11)
     for scale in (1.0, 40.0, 3e3, 1e30):  # a pass over the blocks in decoder order each
-        for _, path, _, _, attr in _find_blocks(fam.ref):
-            block = ref_modules[path]
-            streamed = streamed_modules[path.rpartition(".")[0]][attr]
+        for path, block, streamed in block_pairs(fam.ref, model):
             x = (mx.random.normal((1, 5, 64)) * scale).astype(mx.bfloat16)
             want = np.array(block(x).astype(mx.float32))
             got = np.array(streamed(x).astype(mx.float32))
@@ -165,11 +169,8 @@ def test_cpu_float32_arithmetic_is_the_model_equations(fam: Family, closing: lis
     # differ only in float32 accumulation order.
     model = fam.load("cpu", arithmetic="float32")
     closing.append(model)
-    ref_modules = dict(fam.ref.named_modules())
-    streamed_modules = dict(model.named_modules())
     mx.random.seed(7)
-    for _, path, _, _, attr in _find_blocks(fam.ref):
-        block = ref_modules[path]
+    for path, block, streamed in block_pairs(fam.ref, model):
         switch = block[family_of(block).experts_attr]
         saved = {}
         for name in ("gate_proj", "up_proj", "down_proj"):
@@ -183,7 +184,7 @@ def test_cpu_float32_arithmetic_is_the_model_equations(fam: Family, closing: lis
         finally:
             for (name, key), v in saved.items():
                 switch[name][key] = v
-        got = np.array(streamed_modules[path.rpartition(".")[0]][attr](x))
+        got = np.array(streamed(x))
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), path
 
 
