@@ -58,6 +58,12 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--experts", choices=("cpu", "mlx"), default="cpu",
                      help="who computes the experts (default cpu)")  # fmt: skip
     gen.add_argument("--pack", default=None, help="the model's pack (default: converted once)")
+    par = gen.add_mutually_exclusive_group()
+    par.add_argument("--pipeline", action="store_true",
+                     help="under mlx.launch: each rank runs and streams a range of layers")
+    par.add_argument("--tensor", action="store_true",
+                     help="under mlx.launch: each rank holds and streams a slice of every "
+                     "expert")  # fmt: skip
 
     inspect = sub.add_parser("inspect", help="print a pack's geometry, format and layout")
     inspect.add_argument("pack", metavar="PACK")
@@ -137,6 +143,17 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"strata-stream: error: generate needs mlx and mlx-lm ({e}); "
               "pip install 'strata-stream[mlx]'", file=sys.stderr)  # fmt: skip
         return 2
+    if args.pipeline or args.tensor:
+        if args.pack is not None:
+            print("strata-stream: error: --pack names one pack; with --pipeline/--tensor each "
+                  "rank converts or finds its own share", file=sys.stderr)  # fmt: skip
+            return 2
+        from strata_stream.mlx_lm.generate_cli import generate_distributed
+
+        generate_distributed(args.model, args.prompt, mode="pipeline" if args.pipeline else
+                             "tensor", max_tokens=args.max_tokens, arena_gb=args.arena_gb,
+                             experts=args.experts)  # fmt: skip
+        return 0
     generate(args.model, args.prompt, max_tokens=args.max_tokens, arena_gb=args.arena_gb,
              experts=args.experts, pack_path=args.pack)  # fmt: skip
     return 0

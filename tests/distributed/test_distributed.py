@@ -310,3 +310,33 @@ def test_sharding_never_evaluates_the_expert_tensors(
             poisoned = arr(rank, "poisoned_logits")
             assert np.isfinite(poisoned).all()
             assert np.array_equal(poisoned, arr(rank, "logits"))
+
+
+# ---- the command line under mlx.launch ------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["pipeline", "tensor"])
+def test_generate_command_under_mlx_launch(mode: str, request: pytest.FixtureRequest) -> None:
+    """`strata-stream generate --pipeline|--tensor`: every rank exits 0, only rank 0 prints (the
+    text once, a line per rank, their sum), and the text is plain mlx-lm's greedy text."""
+    from mlx_lm import generate
+
+    case: Case = request.getfixturevalue(mode)
+    prompt = "w1 w2 w3 w4 w5"
+    ref, tokenizer = mlx_lm.load(str(case.path))
+    want = generate(ref, tokenizer, prompt, max_tokens=6)
+    del ref
+    env = {
+        "STRATA_CACHE": str(case.root / "cache"),
+        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+        "STRATA_LOOKAHEAD": "0",
+    }
+    args = ["-m", "strata_stream.cli", "generate", str(case.path), "--prompt", prompt,
+            "--max-tokens", "6", "--experts", "mlx", f"--{mode}"]  # fmt: skip
+    r = run_ranks(args, n=2, timeout=TIMEOUT, env=env)
+    assert not r.timed_out and r.returncode == 0, f"{r.stdout}\n{r.stderr}"
+    lines = r.stdout.splitlines()
+    assert lines.count(want) == 1, (want, r.stdout)
+    assert sum(line.startswith("rank 0 ") for line in lines) == 1
+    assert sum(line.startswith("rank 1 ") for line in lines) == 1
+    assert sum(line.startswith("all 2 ") for line in lines) == 1

@@ -10,8 +10,8 @@ evaluated, so the sharding's slices of them are never computed and their shards 
 What crosses the network is what plain sharded mlx-lm sends: the pipeline's send/recv and
 all_gather of the hidden state, the tensor-parallel all_sum of each block's output (which the
 block's own code does with experts="mlx", and StreamedMoE does at the same point with
-experts="cpu"). Routing, prediction and the handshake are per rank. `sum_stats` is the one
-addition, a small all_sum the caller makes once at the end of a generation, not per token.
+experts="cpu"). Routing, prediction and the handshake are per rank. `gather_stats` is the one
+addition, a small all_gather the caller makes once at the end of a generation, not per token.
 
 Memory: each rank sizes its arena from its own available memory, divided by the number of
 ranks on its host (`local_ranks`).
@@ -186,9 +186,9 @@ def rank_stats(model: Any) -> dict[str, Any]:
     return out
 
 
-def sum_stats(stats: dict[str, Any], group: Any | None = None) -> dict[str, int]:
-    """The SUMMED figures of every rank, added with one all_sum of a small int64 array (every
-    rank must call it, once, at the same point: the end of a generation).
+def gather_stats(stats: dict[str, Any], group: Any | None = None) -> list[dict[str, int]]:
+    """The SUMMED figures of every rank, in rank order, from one all_gather of a small int64
+    array (every rank must call it, once, at the same point: the end of a generation).
 
     mlx-lm's generate_step leaves one step in flight on its generation stream when it stops
     (it computes the token after the last one it yields); with a pipeline that step holds an
@@ -199,10 +199,24 @@ def sum_stats(stats: dict[str, Any], group: Any | None = None) -> dict[str, int]
     mx.synchronize(generation_stream)
     mx.synchronize()
     values = mx.array([int(stats[k]) for k in SUMMED], dtype=mx.int64)
-    summed = mx.distributed.all_sum(values, group=group, stream=mx.cpu)
-    mx.eval(summed)
-    got = np.array(summed, dtype=np.int64)
-    return {k: int(v) for k, v in zip(SUMMED, got, strict=True)}
+    gathered = mx.distributed.all_gather(values, group=group, stream=mx.cpu)
+    mx.eval(gathered)
+    rows = np.array(gathered, dtype=np.int64).reshape(-1, len(SUMMED))
+    return [{k: int(v) for k, v in zip(SUMMED, row, strict=True)} for row in rows]
 
 
-__all__ = ["SUMMED", "local_ranks", "rank_share", "rank_stats", "sharded_load", "sum_stats"]
+def sum_stats(stats: dict[str, Any], group: Any | None = None) -> dict[str, int]:
+    """The SUMMED figures added over ranks (see gather_stats)."""
+    ranks = gather_stats(stats, group)
+    return {k: sum(r[k] for r in ranks) for k in SUMMED}
+
+
+__all__ = [
+    "SUMMED",
+    "gather_stats",
+    "local_ranks",
+    "rank_share",
+    "rank_stats",
+    "sharded_load",
+    "sum_stats",
+]
