@@ -99,6 +99,13 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
     serve.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 = any)")
     serve.add_argument("--arena-gb", type=float, metavar="G", help="expert arena size in GiB")
+    spar = serve.add_mutually_exclusive_group()
+    spar.add_argument("--pipeline", action="store_true",
+                      help="under mlx.launch: ranks split the layers; rank 0 serves")
+    spar.add_argument("--tensor", action="store_true",
+                      help="under mlx.launch: ranks split every expert; rank 0 serves")
+    serve.add_argument("--experts", choices=("cpu", "mlx"), default="cpu",
+                       help="who computes the experts with --pipeline/--tensor (default cpu)")
     serve.add_argument("--model-id", help="model name clients use (default: MODEL's basename)")
     serve.add_argument(
         "--max-queue", type=int, default=8, help="waiting requests before 503 (default 8)"
@@ -300,6 +307,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 arena_gb=args.arena_gb,
                 model_id=args.model_id,
                 max_queue=args.max_queue,
+                distributed="pipeline" if args.pipeline else "tensor" if args.tensor else None,
+                experts=args.experts,
             )
             return 0
         return _demo(rest)

@@ -340,3 +340,66 @@ def test_generate_command_under_mlx_launch(mode: str, request: pytest.FixtureReq
     assert sum(line.startswith("rank 0 ") for line in lines) == 1
     assert sum(line.startswith("rank 1 ") for line in lines) == 1
     assert sum(line.startswith("all 2 ") for line in lines) == 1
+
+
+# ---- the server under mlx.launch ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["pipeline", "tensor"])
+def test_serve_under_mlx_launch(mode: str, request: pytest.FixtureRequest) -> None:
+    """`strata-stream serve --pipeline|--tensor`: rank 0 answers HTTP, the follower runs every
+    request in step (a sampled request between two greedy ones leaves them in step: the second
+    greedy answer is still plain mlx-lm's), and when rank 0 stops the follower returns."""
+    import signal
+    import time
+    import urllib.request
+
+    from mlx_lm import generate
+
+    from strata_stream.mlx_lm.launch import free_port_range, kill_ranks, rank_pids, start_ranks
+
+    case: Case = request.getfixturevalue(mode)
+    prompt = "w1 w2 w3 w4 w5"
+    ref, tokenizer = mlx_lm.load(str(case.path))
+    want = generate(ref, tokenizer, prompt, max_tokens=6)
+    del ref
+    port = free_port_range(1)
+    env = {
+        "STRATA_CACHE": str(case.root / "cache"),
+        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+    }
+    args = ["-m", "strata_stream.cli", "serve", str(case.path), "--port", str(port),
+            f"--{mode}", "--experts", "mlx", "--model-id", "m"]  # fmt: skip
+    launch = start_ranks(args, n=2, env=env)
+    url = f"http://127.0.0.1:{port}"
+
+    def post(body: dict[str, Any]) -> dict[str, Any]:
+        req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(req, timeout=60) as r:
+            answer: dict[str, Any] = json.loads(r.read())
+            return answer
+
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            assert launch.poll() is None, "the launch ended before serving"
+            assert time.monotonic() < deadline, "the server did not come up"
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.5)
+        greedy = {"model": "m", "prompt": prompt, "max_tokens": 6, "temperature": 0}
+        assert post(greedy)["choices"][0]["text"] == want
+        post({**greedy, "temperature": 1.0, "seed": 7, "max_tokens": 5})
+        post({**greedy, "temperature": 1.0, "max_tokens": 3})  # no seed: rank 0 picks one
+        assert post(greedy)["choices"][0]["text"] == want
+        pids = rank_pids(launch)
+        assert sorted(pids) == [0, 1], pids
+        os.kill(pids[0], signal.SIGINT)  # rank 0 alone: the follower must learn it from rank 0
+        out, err = launch.communicate(timeout=60)
+        assert "rank 1: rank 0 stopped after 4 requests" in out + err, out + err
+    finally:
+        kill_ranks(launch)

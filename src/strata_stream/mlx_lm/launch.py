@@ -7,7 +7,9 @@ launcher in its own session so a timeout kills every rank with it.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -15,6 +17,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+_RANK_EXIT = re.compile(r"Node with rank (\d+) exited with code (-?\d+)")
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,51 @@ def free_port_range(n: int) -> int:
     raise RuntimeError("no free range of loopback ports found")
 
 
+def start_ranks(
+    args: list[str], n: int = 2, env: dict[str, str] | None = None, cwd: str | None = None
+) -> subprocess.Popen[str]:
+    """`mlx.launch` as run_ranks does, without waiting (a server); output to pipes. Stop it
+    with `kill_ranks`."""
+    exe = launcher()
+    if exe is None:
+        raise FileNotFoundError("mlx.launch not found (install mlx)")
+    cmd = [exe, "-n", str(n), "--backend", "ring", "--python", sys.executable,
+           "--starting-port", str(free_port_range(n)), *args]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, **(env or {})},
+                            cwd=cwd)  # fmt: skip
+
+
+def rank_pids(launch: subprocess.Popen[str]) -> dict[int, int]:
+    """MLX rank -> pid of the ranks a `start_ranks` launch runs on this machine (Linux /proc:
+    the processes of the launch's session whose environment has MLX_RANK)."""
+    out: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.getsid(int(entry.name)) != launch.pid:
+                continue
+            env = (entry / "environ").read_bytes().split(b"\0")
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, ProcessLookupError):
+            continue
+        if not cmdline.startswith(sys.executable.encode()):
+            continue  # the shells mlx.launch starts each rank with
+        for var in env:
+            if var.startswith(b"MLX_RANK="):
+                out[int(var[len(b"MLX_RANK=") :])] = int(entry.name)
+    return out
+
+
+def kill_ranks(launch: subprocess.Popen[str]) -> None:
+    """Kills every process of a launch (its session's process group) and reaps the launcher."""
+    if launch.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launch.pid, signal.SIGKILL)
+    launch.communicate()
+
+
 def run_ranks(
     args: list[str],
     n: int = 2,
@@ -63,12 +112,19 @@ def run_ranks(
 ) -> LaunchResult:
     """`mlx.launch -n N --backend ring --python <this python> args...` on loopback.
 
-    Kills the launcher's whole process group (every rank) on timeout."""
-    exe = launcher()
-    if exe is None:
-        raise FileNotFoundError("mlx.launch not found (install mlx)")
-    cmd = [exe, "-n", str(n), "--backend", "ring", "--python", sys.executable,
-           "--starting-port", str(free_port_range(n)), *args]  # fmt: skip
+    n == 1 runs `python args...` directly: mlx.launch writes an empty hostfile for one rank,
+    which the ring backend cannot parse, and a single process is MLX's singleton group anyway.
+    mlx.launch exits 0 even when a rank fails (it only warns "Node with rank R exited with code
+    C"), so such a warning's code becomes the result's returncode. Kills the launcher's whole
+    process group (every rank) on timeout."""
+    if n == 1:
+        cmd = [sys.executable, *args]
+    else:
+        exe = launcher()
+        if exe is None:
+            raise FileNotFoundError("mlx.launch not found (install mlx)")
+        cmd = [exe, "-n", str(n), "--backend", "ring", "--python", sys.executable,
+               "--starting-port", str(free_port_range(n)), *args]  # fmt: skip
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
@@ -80,7 +136,11 @@ def run_ranks(
     )
     try:
         out, err = proc.communicate(timeout=timeout)
-        return LaunchResult(proc.returncode, out, err, False)
+        code = proc.returncode
+        for m in _RANK_EXIT.finditer(out + err):
+            if code == 0 and int(m.group(2)) != 0:
+                code = int(m.group(2))
+        return LaunchResult(code, out, err, False)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
@@ -91,4 +151,12 @@ def run_ranks(
             proc.wait()
 
 
-__all__ = ["LaunchResult", "free_port_range", "launcher", "run_ranks"]
+__all__ = [
+    "LaunchResult",
+    "free_port_range",
+    "kill_ranks",
+    "launcher",
+    "rank_pids",
+    "run_ranks",
+    "start_ranks",
+]
