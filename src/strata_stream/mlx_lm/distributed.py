@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +31,12 @@ import numpy as np
 from strata_stream.config import StreamConfig
 from strata_stream.convert.share import Share
 from strata_stream.errors import ConfigError
-from strata_stream.mlx_lm.loader import available_memory, stream_experts
+from strata_stream.mlx_lm.loader import stream_experts
 
 # The figures of Window.stats()["total"] summed over ranks by `sum_stats`.
 SUMMED = ("tokens", "hits", "misses", "bytes_read", "pred_correct", "pred_actual")
 _LOOPBACK_PREFIX = "127."
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 def local_ranks(rank: int | None = None, hostfile: str | None = None) -> int:
@@ -79,6 +81,31 @@ def local_ranks(rank: int | None = None, hostfile: str | None = None) -> int:
     return max(1, sum(1 for h in hosts if host_of(h) == mine))
 
 
+_NO_WEIGHTS = ["*.json", "*.py", "tokenizer.model", "*.tiktoken", "tiktoken.model", "*.txt",
+               "*.jsonl", "*.jinja"]  # fmt: skip
+
+
+def _fetch_share(repo: str | os.PathLike[str], model_path: Path, model: Any) -> Path:
+    """The weight files this rank needs, fetched as mlx-lm's sharded_load fetches them: for a
+    pipeline rank the shards holding its layers (and the layer-less tensors: embeddings, norm,
+    head), else all. ConfigError when a pipeline's checkpoint has no weight index."""
+    from mlx_lm.utils import _download
+
+    inner = getattr(model, "model", None)
+    start, end = getattr(inner, "start_idx", 0), getattr(inner, "end_idx", None)
+    if getattr(inner, "pipeline_size", 1) <= 1 or end is None:
+        return Path(_download(str(repo)))
+    index = model_path / "model.safetensors.index.json"
+    if not index.exists():
+        raise ConfigError(f"{repo}: no model.safetensors.index.json to find a pipeline's shards")
+    files: set[str] = set()
+    for name, file in json.loads(index.read_text())["weight_map"].items():
+        m = _LAYER.search(name)
+        if m is None or start <= int(m.group(1)) < end:
+            files.add(file)
+    return Path(_download(str(repo), allow_patterns=sorted(files)))
+
+
 def rank_share(model: Any, pipeline_group: Any | None, tensor_group: Any | None) -> Share:
     """The share of a model after mlx-lm's pipeline/shard calls for these groups."""
     layers = None
@@ -116,7 +143,9 @@ def sharded_load(
     from mlx_lm.utils import _download, load_tokenizer
     from mlx_lm.utils import load_model as mlx_load_model
 
-    model_path = Path(_download(str(path_or_repo)))
+    # As mlx-lm: everything but the weights first; the weights this rank needs once its layers
+    # are known (_fetch_share). A local directory is used as it is.
+    model_path = Path(_download(str(path_or_repo), allow_patterns=_NO_WEIGHTS))
     model, model_cfg = mlx_load_model(
         model_path, lazy=True, strict=False, trust_remote_code=trust_remote_code
     )
@@ -135,14 +164,21 @@ def sharded_load(
         else:
             pipeline_group = mx.distributed.init()
 
+    if not Path(path_or_repo).exists():
+        # A Hugging Face repo: fetch this rank's weights (a pipeline rank: its layers' shards
+        # only), then build the model again over them, as mlx-lm does.
+        if pipeline_group is not None:
+            model.model.pipeline(pipeline_group)
+        model_path = _fetch_share(path_or_repo, model_path, model)
+        model, model_cfg = mlx_load_model(
+            model_path, lazy=True, strict=False, trust_remote_code=trust_remote_code
+        )
     # mlx-lm's order: shard, then pipeline, both on the lazy model.
     if tensor_group is not None:
         model.shard(tensor_group)
     if pipeline_group is not None:
         model.model.pipeline(pipeline_group)
     share = rank_share(model, pipeline_group, tensor_group)
-    group = tensor_group if tensor_group is not None else pipeline_group
-    available = available_memory() // local_ranks(group.rank() if group is not None else None)
     engine = stream_experts(
         model,
         model_path,
@@ -153,7 +189,7 @@ def sharded_load(
         progress=progress,
         lazy=False,
         share=share,
-        available=available,
+        memory_share=local_ranks(mx.distributed.init().rank()),
     )
     object.__setattr__(model, "strata_share", share)
     if engine is None:

@@ -217,12 +217,13 @@ def stream_experts(
     progress: bool,
     lazy: bool,
     share: Share = WHOLE,
-    available: int | None = None,
+    memory_share: int = 1,
 ) -> MoeEngine | None:
     """Puts the streamed stand-ins into a lazily built mlx-lm `model` (already sharded or
     pipelined for `share`, see distributed.py), then evaluates its dense weights. The pack is
-    `share`'s (converted on first use); `available` sizes the arena when arena_bytes is None
-    (default: this machine's available memory). Returns the engine, or None when the model
+    `share`'s (converted on first use). Without arena_bytes the arena is sized from the
+    memory available once the dense weights are loaded, divided by `memory_share` (the ranks
+    sharing this machine). Returns the engine, or None when the model
     holds no MoE block (a pipeline rank of dense layers only)."""
     if experts not in EXPERT_MODES:
         raise ConfigError(f"experts must be one of {', '.join(EXPERT_MODES)}, got {experts!r}")
@@ -265,6 +266,7 @@ def stream_experts(
         if not lazy:
             mx.eval(model.parameters())
         base = config if config is not None else StreamConfig.from_env()
+        available = available_memory() // memory_share if memory_share > 1 else None
         cfg = base.replace(arena_bytes=arena_size(pack, arena_bytes, available))
         engine = MoeEngine(pack, cfg, experts, refs)
     for ref, (parent, attr, deferred) in zip(refs, streamed, strict=True):
