@@ -5,7 +5,7 @@
 
 The model is a random qwen3_moe (strata_stream.mlx_lm.random_model.make_large_checkpoint) with
 hidden 1024, moe_intermediate 512 (256 per tensor rank: four whole q4 groups of 64), 64
-experts, top-8, over --layers layers: about 55 MB of experts per layer, built once into the
+experts, top-8, over --layers layers: about 57 MB of experts per layer, built once into the
 cache. Each configuration is one `mlx.launch -n N --backend ring` on loopback of this script
 (the hidden --rank flag), the ranks loading with strata_stream.mlx_lm.sharded_load:
 

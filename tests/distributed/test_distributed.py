@@ -403,3 +403,29 @@ def test_serve_under_mlx_launch(mode: str, request: pytest.FixtureRequest) -> No
         assert "rank 1: rank 0 stopped after 4 requests" in out + err, out + err
     finally:
         kill_ranks(launch)
+
+
+def test_pipeline_rank_without_moe_layers(tmp_path: Path) -> None:
+    """3 deepseek_v3 layers over 2 ranks: rank 1 gets layer 0 alone, which is dense (MoE from
+    layer 1): it has no pack and no engine, and still runs its part; rank 0 streams layers 1-2."""
+    from mlx_lm import generate
+
+    path = make_checkpoint("deepseek_v3", tmp_path / "ds3", dims={"num_hidden_layers": 3})
+    prompt = "w1 w2 w3 w4 w5"
+    ref, tokenizer = mlx_lm.load(str(path))
+    want = generate(ref, tokenizer, prompt, max_tokens=6)
+    del ref
+    env = {
+        "STRATA_CACHE": str(tmp_path / "cache"),
+        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+    }
+    args = ["-m", "strata_stream.cli", "generate", str(path), "--prompt", prompt,
+            "--max-tokens", "6", "--experts", "mlx", "--pipeline"]  # fmt: skip
+    r = run_ranks(args, n=2, timeout=TIMEOUT, env=env)
+    assert not r.timed_out and r.returncode == 0, f"{r.stdout}\n{r.stderr}"
+    lines = r.stdout.splitlines()
+    assert lines.count(want) == 1, (want, r.stdout)
+    rank1 = [line for line in lines if line.startswith("rank 1 ")]
+    assert rank1 == ["rank 1  hit rate n/a, 0.00 MB read, 0 expert reads"], r.stdout
+    packs = sorted(p.name for p in (tmp_path / "cache" / "packs").glob("*.strpk"))
+    assert len(packs) == 1 and packs[0].endswith("-pp1-3.strpk"), packs
