@@ -54,6 +54,9 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any]]] = {
         "qwen3_moe",
         {"moe_intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2},
     ),
+    # Shared experts (sharded too, summed with the routed ones before the block's all_sum) and
+    # a dense first layer; 4 heads so o_proj's input splits into whole groups.
+    "tensor_deepseek": ("deepseek_v3", {"moe_intermediate_size": 512, "num_attention_heads": 4}),
 }
 
 
@@ -96,9 +99,9 @@ def poison_experts(path: Path) -> None:
 class Case:
     """One checkpoint, its single-process references, and a 2-rank launch per experts mode."""
 
-    def __init__(self, mode: str, root: Path) -> None:
-        family, dims = CHECKPOINTS[mode]
-        self.mode = mode
+    def __init__(self, case: str, root: Path) -> None:
+        family, dims = CHECKPOINTS[case]
+        self.mode = case.split("_")[0]
         self.root = root
         self.path = make_checkpoint(family, root / family, dims=dims)
         self.poisoned = root / f"{family}-poisoned"
@@ -150,6 +153,11 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Case:
 @pytest.fixture(scope="module")
 def tensor(tmp_path_factory: pytest.TempPathFactory) -> Case:
     return Case("tensor", tmp_path_factory.mktemp("tensor"))
+
+
+@pytest.fixture(scope="module")
+def tensor_deepseek(tmp_path_factory: pytest.TempPathFactory) -> Case:
+    return Case("tensor_deepseek", tmp_path_factory.mktemp("tensor_deepseek"))
 
 
 def within_bf16(got: np.ndarray, ref: np.ndarray) -> None:
@@ -244,6 +252,18 @@ def test_tensor_cpu_is_near_mlx_lm(tensor: Case) -> None:
     for rank in tensor.launch("cpu"):
         within_bf16(arr(rank, "logits"), arr(rank, "plain_logits"))
         within_bf16(arr(rank, "logits"), tensor.ref_logits)
+
+
+def test_tensor_deepseek_shared_experts_summed_where_mlx_lm_sums(tensor_deepseek: Case) -> None:
+    """The CPU path's block applies the all_sum itself: after the (sharded) shared experts, as
+    DeepseekV3MoE does. Summed anywhere else the partial outputs would be far off."""
+    case = tensor_deepseek
+    for rank in case.launch("mlx"):
+        assert np.array_equal(arr(rank, "logits"), arr(rank, "plain_logits"))
+        assert rank["greedy"] == rank["plain_greedy"]
+    for rank in case.launch("cpu"):
+        within_bf16(arr(rank, "logits"), arr(rank, "plain_logits"))
+        within_bf16(arr(rank, "logits"), case.ref_logits)
 
 
 def test_tensor_rank_packs_hold_only_their_slice(tensor: Case) -> None:
