@@ -135,8 +135,11 @@ def launch(model: Path, mode: str, n: int, tokens: int, share: float, timeout: f
     with tempfile.TemporaryDirectory() as out:
         args = [__file__, "--rank", "--model", str(model), "--mode", mode, "--out", out,
                 "--tokens", str(tokens), "--arena-share", str(share)]  # fmt: skip
-        src = str(Path(__file__).resolve().parents[1] / "src")
-        env = {"PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+        import strata_stream
+
+        # The ranks import the strata_stream this process imported.
+        root = str(Path(strata_stream.__file__).resolve().parents[1])
+        env = {"PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
         r = run_ranks(args, n=n, timeout=timeout, env=env)
         if r.timed_out or r.returncode != 0:
             raise RuntimeError(f"{mode} x{n} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")

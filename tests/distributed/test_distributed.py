@@ -30,6 +30,7 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 mlx_lm = pytest.importorskip("mlx_lm")
 
+import strata_stream  # noqa: E402
 from mlx_models import make_checkpoint  # noqa: E402
 from strata_stream import ExpertPack, StreamConfig  # noqa: E402
 from strata_stream.convert import convert  # noqa: E402
@@ -38,7 +39,9 @@ from strata_stream.mlx_lm import load  # noqa: E402
 from strata_stream.mlx_lm.launch import launcher, run_ranks  # noqa: E402
 
 HERE = Path(__file__).parent
-SRC = HERE.parents[1] / "src"
+# The ranks import the strata_stream this process imported (src/ in a checkout, site-packages
+# when installed: then src/ has no compiled extension and must not come first).
+PACKAGE_ROOT = Path(strata_stream.__file__).resolve().parents[1]
 TOKENS = [3, 5, 7, 9, 11, 13, 40, 22, 8, 17]
 MAX_TOKENS = 8
 TIMEOUT = 240.0
@@ -63,7 +66,11 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any]]] = {
 def _ring_available() -> str | None:
     if launcher() is None:
         return "mlx.launch is not installed"
-    if not hasattr(mx, "distributed") or not mx.distributed.is_available(backend="ring"):
+    try:
+        ring = mx.distributed.is_available(backend="ring")
+    except (AttributeError, TypeError):  # an MLX without distributed, or without backends
+        ring = False
+    if not ring:
         return "MLX's ring backend is not available in this build"
     return None
 
@@ -135,7 +142,7 @@ class Case:
                 str(self.poisoned)]  # fmt: skip
         env = {
             "STRATA_CACHE": str(self.root / "cache"),
-            "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+            "PYTHONPATH": os.pathsep.join([str(PACKAGE_ROOT), os.environ.get("PYTHONPATH", "")]),
         }
         r = run_ranks(args, n=2, timeout=TIMEOUT, env=env)
         assert not r.timed_out, f"ranks timed out after {TIMEOUT} s:\n{r.stdout}\n{r.stderr}"
@@ -348,7 +355,7 @@ def test_generate_command_under_mlx_launch(mode: str, request: pytest.FixtureReq
     del ref
     env = {
         "STRATA_CACHE": str(case.root / "cache"),
-        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([str(PACKAGE_ROOT), os.environ.get("PYTHONPATH", "")]),
         "STRATA_LOOKAHEAD": "0",
     }
     args = ["-m", "strata_stream.cli", "generate", str(case.path), "--prompt", prompt,
@@ -386,7 +393,7 @@ def test_serve_under_mlx_launch(mode: str, request: pytest.FixtureRequest) -> No
     port = free_port_range(1)
     env = {
         "STRATA_CACHE": str(case.root / "cache"),
-        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([str(PACKAGE_ROOT), os.environ.get("PYTHONPATH", "")]),
     }
     args = ["-m", "strata_stream.cli", "serve", str(case.path), "--port", str(port),
             f"--{mode}", "--experts", "mlx", "--model-id", "m"]  # fmt: skip
@@ -437,7 +444,7 @@ def test_pipeline_rank_without_moe_layers(tmp_path: Path) -> None:
     del ref
     env = {
         "STRATA_CACHE": str(tmp_path / "cache"),
-        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([str(PACKAGE_ROOT), os.environ.get("PYTHONPATH", "")]),
     }
     args = ["-m", "strata_stream.cli", "generate", str(path), "--prompt", prompt,
             "--max-tokens", "6", "--experts", "mlx", "--pipeline"]  # fmt: skip
