@@ -9,12 +9,13 @@ moe_intermediate 768, 128 experts, top-8, q4 g64 experts and 8-bit routers as `m
 It is built once into strata_stream.paths.cache_dir() and converted once into a pack there.
 
 Configurations: plain mlx-lm; streamed (CPU expert backend, StreamConfig defaults from the
-environment) with every expert resident; streamed with arenas of each --fractions share of all
-experts. Each configuration runs in a fresh subprocess of this script (the hidden --one flag)
-so its peak RSS (getrusage ru_maxrss at the end) is its own; the configurations are interleaved
-across --repeats so a noisy machine hits them alike. Prompt and decode tokens/s come from
-mlx_lm.stream_generate after one short warm-up generation; hit rate and GB read per token are
-the engine's over the decode tokens only.
+environment, arithmetic="auto": bitwise mlx-lm's numbers) with every expert resident; the same
+with arithmetic="float32" (each output rounded once: faster, not bitwise); streamed with arenas
+of each --fractions share of all experts. Each configuration runs in a fresh subprocess of this
+script (the hidden --one flag) so its peak RSS (getrusage ru_maxrss at the end) is its own; the
+configurations are interleaved across --repeats so a noisy machine hits them alike. Prompt and
+decode tokens/s come from mlx_lm.stream_generate after one short warm-up generation; hit rate
+and GB read per token are the engine's over the decode tokens only.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from pathlib import Path
 from typing import Any
 
 _PLAIN, _STREAMED = "plain", "streamed"
+# The CPU backend rounding once in float32 instead of reproducing mlx-lm's arithmetic (the
+# default, arithmetic="auto"): all resident, to show what exactness costs.
+_STREAMED_F32 = "streamed-float32"
 
 
 def default_model(layers: int) -> Path:
@@ -103,9 +107,11 @@ def measure_one(
             minimum = 2 * pk.geometry.top_k * pk.record_stride
         arena = max(minimum, int(total * fraction))
         config = StreamConfig.from_env()
+        arithmetic = "float32" if mode == _STREAMED_F32 else "auto"
         model, tok = load(str(model_dir), pack_path=pack, arena_bytes=arena, config=config,
-                          experts="cpu", progress=False)  # fmt: skip
+                          experts="cpu", arithmetic=arithmetic, progress=False)  # fmt: skip
         engine = model.strata_engine
+        row["arithmetic"] = arithmetic
         row["arena_bytes"] = arena
         row["direct_io"] = bool(engine.config.direct_io)
     for _ in stream_generate(model, tok, _prompt(8), max_tokens=2):  # warm up
@@ -155,6 +161,8 @@ def _spread(values: list[float], fmt: str = ".3g") -> str:
 def _label(mode: str, fraction: float | None) -> str:
     if mode == _PLAIN:
         return "plain mlx-lm"
+    if mode == _STREAMED_F32:
+        return "streamed, all resident, float32"
     return "streamed, all resident" if fraction == 1.0 else f"streamed, arena {fraction:.0%}"
 
 
@@ -195,6 +203,15 @@ def summarize(rows: list[dict[str, Any]]) -> tuple[str, float | None]:
         lines.append("")
         lines.append(f"streamed all-resident / plain decode: x{_spread(ratios)} (median [min, max] "
                      f"over {len(ratios)} repeats; target >= 0.95)")  # fmt: skip
+    f32 = []
+    for rep in sorted({r["repeat"] for r in rows}):
+        s = [r for r in rows if r["repeat"] == rep and r["mode"] == _STREAMED
+             and r["arena_fraction"] == 1.0]  # fmt: skip
+        f = [r for r in rows if r["repeat"] == rep and r["mode"] == _STREAMED_F32]
+        if s and f:
+            f32.append(f[0]["decode_tokens_per_s"] / s[0]["decode_tokens_per_s"])
+    if f32:
+        lines.append(f"float32 / mlx arithmetic, all resident, decode: x{_spread(f32)}")
     return "\n".join(lines), headline
 
 
@@ -255,7 +272,11 @@ def main() -> None:
         return
 
     pack_for(model_dir)  # convert once, before any timed subprocess
-    configs: list[tuple[str, float | None]] = [(_PLAIN, None), (_STREAMED, 1.0)]
+    configs: list[tuple[str, float | None]] = [
+        (_PLAIN, None),
+        (_STREAMED, 1.0),
+        (_STREAMED_F32, 1.0),
+    ]
     configs += [(_STREAMED, f) for f in sorted(args.fractions, reverse=True) if f < 1.0]
     rows: list[dict[str, Any]] = []
     t_start = time.perf_counter()

@@ -3,7 +3,10 @@
 Against plain `mlx_lm.load` on the same directory:
 - the MLX-kernel path (experts="mlx") is bitwise identical: teacher-forced logits, greedy tokens,
   a prompt cache and a sampler, at every arena size;
-- the CPU-backend path (experts="cpu") computes each block exactly (to float32 accumulation
+- the CPU-backend path (experts="cpu") with its default arithmetic ("auto", which reproduces
+  MLX's CPU arithmetic for these bfloat16 q4 packs) is bitwise identical too, for bfloat16 and
+  float32 checkpoints;
+- the CPU path with arithmetic="float32" computes each block exactly (to float32 accumulation
   order) when mlx-lm evaluates the same block in float32, and within bf16 rounding of mlx-lm's
   bfloat16 evaluation: docs/models.md derives the tolerances used here;
 - streamed output is bitwise identical across arena sizes (minimum to all-resident), lookahead
@@ -35,6 +38,7 @@ from strata_stream.mlx_lm.loader import _find_blocks  # noqa: E402
 FAMILIES = list(CONFIGS)
 PROMPT = [5, 9, 12, 3, 40, 22, 7, 8, 9, 10, 33, 2, 17, 61, 4, 4, 30, 12, 50, 6]
 GREEDY_TOKENS = 6
+LONG_GREEDY_TOKENS = 24
 BASE = StreamConfig(io_threads=2, direct_io=False, persist_profile=False)
 # Reference top-1 margins above this are "decisive": the CPU path must agree there.
 DECISIVE = 0.5
@@ -53,7 +57,9 @@ class Family:
         self.ref_logits = logits(self.ref)
         self.ref_greedy = greedy(self.ref)
 
-    def load(self, experts: str, slots: int | None = None, **cfg: Any) -> Any:
+    def load(
+        self, experts: str, slots: int | None = None, arithmetic: str = "auto", **cfg: Any
+    ) -> Any:
         n = slots if slots is not None else self.n_records
         model, _ = load(
             str(self.path),
@@ -61,6 +67,7 @@ class Family:
             arena_bytes=n * self.stride,
             config=BASE.replace(**cfg),
             experts=experts,
+            arithmetic=arithmetic,
             progress=False,
         )
         return model
@@ -71,10 +78,10 @@ def logits(model: Any) -> np.ndarray:
     return np.array(out.astype(mx.float32))[0]
 
 
-def greedy(model: Any) -> list[int]:
+def greedy(model: Any, tokens: int = GREEDY_TOKENS) -> list[int]:
     from mlx_lm.generate import generate_step
 
-    steps = generate_step(mx.array(PROMPT), model, max_tokens=GREEDY_TOKENS)
+    steps = generate_step(mx.array(PROMPT), model, max_tokens=tokens)
     return [int(t) for t, _ in steps]
 
 
@@ -91,19 +98,72 @@ def closing() -> Iterator[list[Any]]:
         m.strata_engine.close()
 
 
-def test_mlx_path_is_bitwise_plain_mlx_lm(fam: Family, closing: list[Any]) -> None:
+@pytest.mark.parametrize("experts", ["mlx", "cpu"])
+def test_streamed_is_bitwise_plain_mlx_lm(fam: Family, experts: str, closing: list[Any]) -> None:
+    # experts="cpu" with the default arithmetic reproduces MLX's CPU arithmetic op by op.
     for slots in (2 * fam.top_k, 2 * fam.top_k + 3, None):
-        model = fam.load("mlx", slots)
+        model = fam.load(experts, slots)
         closing.append(model)
         assert np.array_equal(logits(model), fam.ref_logits), slots
         assert greedy(model) == fam.ref_greedy, slots
+    long = greedy(model, LONG_GREEDY_TOKENS)
+    assert long == greedy(fam.ref, LONG_GREEDY_TOKENS)
 
 
-def test_cpu_path_is_the_model_equations(fam: Family, closing: list[Any]) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "bits", "group_size", "width"),
+    [("bfloat16", 4, 32, 96), ("bfloat16", 8, 128, 128), ("float32", 4, 64, 64)],
+)
+@pytest.mark.parametrize("fam", ["qwen3_moe", "deepseek_v3", "gpt_oss"], indirect=True)
+def test_cpu_mlx_arithmetic_bitwise_other_formats(
+    fam: Family, dtype: str, bits: int, group_size: int, width: int, tmp_path: Path,
+    closing: list[Any],
+) -> None:  # fmt: skip
+    # q4 at group 32 and q8 at group 128 in bf16; float32 checkpoints (float32 scales), where
+    # MLX's CPU kernels compute in float32 in their own order, and arithmetic="mlx" follows
+    # (float32 mixture weights, gpt-oss biases and all). Width 96: the CPU backend's workers
+    # take rows in chunks of 12, so the kernels' 8-row tiles end part-full.
+    dims = {key: width for key in ("hidden_size", "moe_intermediate_size", "intermediate_size")
+            if key in CONFIGS[fam.name] or key == "hidden_size"}  # fmt: skip
+    path = make_checkpoint(fam.name, tmp_path / dtype, dims=dims, dtype=getattr(mx, dtype),
+                           bits=bits, group_size=group_size)  # fmt: skip
+    pack = convert(path, tmp_path / "other.strpk", progress=False)
+    with ExpertPack.open(pack) as p:
+        assert (p.weight_format, p.group_size) == (f"q{bits}", group_size)
+    ref, _ = mlx_lm.load(str(path))
+    model, _ = load(str(path), pack_path=pack, arena_bytes=1 << 24, config=BASE,
+                    arithmetic="mlx", progress=False)  # fmt: skip
+    closing.append(model)
+    assert np.array_equal(logits(model), logits(ref))
+    assert greedy(model, LONG_GREEDY_TOKENS) == greedy(ref, LONG_GREEDY_TOKENS)
+
+
+@pytest.mark.parametrize("fam", ["qwen3_moe", "deepseek_v3", "gpt_oss"], indirect=True)
+def test_cpu_mlx_arithmetic_at_extremes(fam: Family, closing: list[Any]) -> None:
+    # Saturated sigmoids (inputs beyond the range of MLX's exp), overflow to infinity and the
+    # NaN that follows: each block gives MLX's own values, NaN where mlx-lm has NaN.
+    model = fam.load("cpu", arithmetic="mlx")
+    closing.append(model)
+    ref_modules = dict(fam.ref.named_modules())
+    streamed_modules = dict(model.named_modules())
+    mx.random.seed(11)
+    for scale in (1.0, 40.0, 3e3, 1e30):  # a pass over the blocks in decoder order each
+        for _, path, _, _, attr in _find_blocks(fam.ref):
+            block = ref_modules[path]
+            streamed = streamed_modules[path.rpartition(".")[0]][attr]
+            x = (mx.random.normal((1, 5, 64)) * scale).astype(mx.bfloat16)
+            want = np.array(block(x).astype(mx.float32))
+            got = np.array(streamed(x).astype(mx.float32))
+            assert np.array_equal(got, want, equal_nan=True), (path, scale)
+    if fam.name != "gpt_oss":  # gpt-oss clamps its activations: it stays finite
+        assert not np.isfinite(want).all()  # the largest scale did overflow
+
+
+def test_cpu_float32_arithmetic_is_the_model_equations(fam: Family, closing: list[Any]) -> None:
     # mlx-lm's own block evaluated in float32 (scales and biases widened exactly, so the weights
     # are the same numbers) against the CPU backend on the same input and the same gate: they
     # differ only in float32 accumulation order.
-    model = fam.load("cpu")
+    model = fam.load("cpu", arithmetic="float32")
     closing.append(model)
     ref_modules = dict(fam.ref.named_modules())
     streamed_modules = dict(model.named_modules())
@@ -127,8 +187,10 @@ def test_cpu_path_is_the_model_equations(fam: Family, closing: list[Any]) -> Non
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), path
 
 
-def test_cpu_path_within_bf16_rounding_of_mlx_lm(fam: Family, closing: list[Any]) -> None:
-    model = fam.load("cpu")
+def test_cpu_float32_arithmetic_within_bf16_rounding_of_mlx_lm(
+    fam: Family, closing: list[Any]
+) -> None:
+    model = fam.load("cpu", arithmetic="float32")
     closing.append(model)
     got = logits(model)
     ref = fam.ref_logits
@@ -153,11 +215,13 @@ def test_cpu_path_within_bf16_rounding_of_mlx_lm(fam: Family, closing: list[Any]
     assert (got_seq.argmax(-1) == ref_seq.argmax(-1))[margin > DECISIVE].all()
 
 
-@pytest.mark.parametrize("experts", ["cpu", "mlx"])
+@pytest.mark.parametrize("experts", ["cpu", "cpu-float32", "mlx"])
 def test_streamed_output_identical_across_configs(
     fam: Family, experts: str, closing: list[Any]
 ) -> None:
-    base = fam.load(experts)
+    arithmetic = "float32" if experts == "cpu-float32" else "auto"
+    experts = experts.removesuffix("-float32")
+    base = fam.load(experts, arithmetic=arithmetic)
     closing.append(base)
     want_logits, want_greedy = logits(base), greedy(base)
     k = fam.top_k
@@ -167,7 +231,7 @@ def test_streamed_output_identical_across_configs(
         (2 * k + 2, {"split_turn": True}),
         (None, {"max_rows": 7, "decode_prefetch2": True, "prompt_pred2": True}),
     ):
-        model = fam.load(experts, slots, **cfg)
+        model = fam.load(experts, slots, arithmetic, **cfg)
         closing.append(model)
         assert np.array_equal(logits(model), want_logits), (slots, cfg)
         assert greedy(model) == want_greedy, (slots, cfg)
@@ -218,8 +282,11 @@ def test_mlx_never_reads_the_expert_tensors(
     assert np.array_equal(got, logits(clean))
 
 
+@pytest.mark.parametrize("experts", ["mlx", "cpu"])
 @pytest.mark.parametrize("fam", ["qwen3_moe"], indirect=True)
-def test_prompt_cache_and_sampler_work_unchanged(fam: Family, closing: list[Any]) -> None:
+def test_prompt_cache_and_sampler_work_unchanged(
+    fam: Family, experts: str, closing: list[Any]
+) -> None:
     from mlx_lm.generate import stream_generate
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.sample_utils import make_sampler
@@ -236,7 +303,7 @@ def test_prompt_cache_and_sampler_work_unchanged(fam: Family, closing: list[Any]
                 out.append(r.token)
         return out
 
-    model = fam.load("mlx", 2 * fam.top_k + 1)
+    model = fam.load(experts, 2 * fam.top_k + 1)
     closing.append(model)
     assert run(model) == run(fam.ref)
     from strata_stream.mlx_lm import describe, stats_source
@@ -287,19 +354,20 @@ def test_metal_experts_name_why_they_are_unavailable(fam: Family) -> None:
         load(str(fam.path), pack_path=fam.pack, experts="gpu", config=BASE, progress=False)
 
 
+@pytest.mark.parametrize("experts", ["mlx", "cpu"])
 @pytest.mark.parametrize("fam", ["qwen2_moe"], indirect=True)
 def test_cli_generate_prints_text_and_figures(
-    fam: Family, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    fam: Family, experts: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from strata_stream.cli import main
 
     arena = str(6 * fam.stride / (1 << 30))
     args = ["generate", str(fam.path), "--prompt", "w1 w2 w3", "--max-tokens", "5",
-            "--arena-gb", arena, "--pack", str(fam.pack), "--experts", "mlx"]  # fmt: skip
+            "--arena-gb", arena, "--pack", str(fam.pack), "--experts", experts]  # fmt: skip
     assert main(args) == 0
     out = capsys.readouterr().out
     want = mlx_lm.generate(fam.ref, fam.tokenizer, "w1 w2 w3", max_tokens=5)
-    assert out.startswith(want + "\n")  # the MLX path is bitwise: the same greedy text
+    assert out.startswith(want + "\n")  # both paths are bitwise: the same greedy text
     assert "decode " in out and "hit rate" in out and "prediction recall" in out
     assert "6 expert slots" in out
 
@@ -312,6 +380,7 @@ def test_demo_generates_like_mlx_lm(capsys: pytest.CaptureFixture[str]) -> None:
     import re
 
     assert re.search(r"tokens identical to mlx-lm: (\d+)/\1 \(MLX's own kernels", out), out
+    assert re.search(r"tokens identical to mlx-lm: (\d+)/\1 \(the CPU backend", out), out
     assert "experts on cpu" in out and "hit rate" in out
 
 
@@ -337,3 +406,40 @@ def test_unquantized_checkpoint(tmp_path: Path) -> None:
             assert np.array_equal(got, want)
         else:
             assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    # MLX's own arithmetic is reproduced for quantized experts only (gather_mm is another kernel).
+    from strata_stream.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="q4/q8 pack"):
+        load(str(path), pack_path=pack, arena_bytes=5 * stride, config=BASE, arithmetic="mlx",
+             progress=False)  # fmt: skip
+
+
+@pytest.mark.parametrize("fam", ["qwen3_moe"], indirect=True)
+def test_arithmetic_is_checked(fam: Family) -> None:
+    from strata_stream import Window
+    from strata_stream.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="arithmetic must be one of auto, mlx, float32"):
+        fam.load("cpu", arithmetic="bf16")
+    with pytest.raises(ConfigError, match="needs experts='cpu'"):
+        fam.load("mlx", arithmetic="mlx")
+    model = fam.load("cpu")
+    try:
+        window: Window = model.strata_engine.window
+        x = np.zeros((1, 64), np.float16)
+        ids, w = np.zeros((1, fam.top_k), np.int32), np.ones((1, fam.top_k), np.float32)
+        with pytest.raises(ConfigError, match="not float16"):
+            window.moe_routed(0, x, ids, w, arithmetic="mlx")
+        with pytest.raises(ConfigError, match="arithmetic must be 'float32' or 'mlx'"):
+            window.moe_routed(0, x, ids, w, arithmetic="exact")
+        with pytest.raises(ConfigError, match="weights_dtype must be"):
+            window.moe_routed(0, x, ids, w, arithmetic="mlx", weights_dtype="f16")
+        # float32 activations on a pack with bfloat16 scales: MLX would compute in float32
+        # with bfloat16 scales, which the CPU backend does not reproduce; refused by name.
+        with pytest.raises(ConfigError, match="float32 scales"):
+            window.moe_routed(0, x.astype(np.float32), ids, w, arithmetic="mlx")
+        # and the Window is still usable afterwards
+        out = window.moe_routed(0, x.astype(np.float32), ids, w)
+        assert out.shape == (1, 64)
+    finally:
+        model.strata_engine.close()

@@ -57,6 +57,9 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--experts", choices=("cpu", "mlx"), default="cpu",
                      help="who computes the experts (default cpu)")  # fmt: skip
+    gen.add_argument("--arithmetic", choices=("auto", "mlx", "float32"), default="auto",
+                     help="CPU experts: auto/mlx give mlx-lm's own numbers bitwise; float32 "
+                     "rounds once (faster)")  # fmt: skip
     gen.add_argument("--pack", default=None, help="the model's pack (default: converted once)")
     par = gen.add_mutually_exclusive_group()
     par.add_argument("--pipeline", action="store_true",
@@ -159,10 +162,10 @@ def _generate(args: argparse.Namespace) -> int:
 
         generate_distributed(args.model, args.prompt, mode="pipeline" if args.pipeline else
                              "tensor", max_tokens=args.max_tokens, arena_gb=args.arena_gb,
-                             experts=args.experts)  # fmt: skip
+                             experts=args.experts, arithmetic=args.arithmetic)  # fmt: skip
         return 0
     generate(args.model, args.prompt, max_tokens=args.max_tokens, arena_gb=args.arena_gb,
-             experts=args.experts, pack_path=args.pack)  # fmt: skip
+             experts=args.experts, arithmetic=args.arithmetic, pack_path=args.pack)  # fmt: skip
     return 0
 
 

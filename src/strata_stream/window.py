@@ -165,6 +165,9 @@ class Window:
         weights: npt.ArrayLike,
         pred1: npt.ArrayLike | None = None,
         pred2: npt.ArrayLike | None = None,
+        *,
+        arithmetic: str = "float32",
+        weights_dtype: str = "float32",
     ) -> npt.NDArray[np.float32]:
         """MoE output of `layer` for x with the routing given: the model chose the experts.
 
@@ -173,9 +176,27 @@ class Window:
         ids, weights: [T, top_k] expert ids and mixture weights. pred1 / pred2: [T, top_k] the
         experts the model's gates of layers layer+1 / layer+2 pick on this input (None: no
         prediction). Same handshake and expert passes as `moe`; moce must be off.
+
+        arithmetic: "float32" (every output element one float32 dot product, rounded once) or
+        "mlx": the operation order and roundings of MLX's CPU kernels for x's dtype (bfloat16
+        or float32), so the result is bitwise what mlx-lm computes on the CPU; it needs the cpu
+        backend and q4/q8 experts whose scales have x's dtype (ConfigError otherwise).
+        weights_dtype: the dtype of the model's mixture weights ("float32" or "bfloat16"; the
+        weights are passed widened to float32): with "mlx", bfloat16 weights round each
+        weighted expert output to bfloat16 as MLX does.
         """
+        if arithmetic not in ("float32", "mlx"):
+            raise ConfigError(f"arithmetic must be 'float32' or 'mlx', got {arithmetic!r}")
+        if weights_dtype not in ("float32", "bfloat16"):
+            raise ConfigError(
+                f"weights_dtype must be 'float32' or 'bfloat16', got {weights_dtype!r}"
+            )
         layer = self._routed_layer(layer)
         view, dtype = _x_buffer(x, self.hidden)
+        if arithmetic == "mlx" and dtype not in ("bfloat16", "float32"):
+            raise ConfigError(
+                f"arithmetic='mlx' reproduces MLX for bfloat16 and float32 inputs, not {dtype}"
+            )
         rows = view.shape[0] if view.shape else 0
         tables = self._routed_tables(rows, ids, pred1, pred2)
         w = np.ascontiguousarray(weights, dtype=np.float32)
@@ -184,7 +205,17 @@ class Window:
                 f"weights must have shape [{rows}, {self.stream.top_k}], got {list(w.shape)}"
             )
         out: npt.NDArray[np.float32] = self._routed_call(
-            layer, lambda: self._w.moe_routed(layer, view, dtype, tables[0], w, *tables[1:])
+            layer,
+            lambda: self._w.moe_routed(
+                layer,
+                view,
+                dtype,
+                tables[0],
+                w,
+                *tables[1:],
+                arithmetic=arithmetic,
+                weights_bf16=weights_dtype == "bfloat16",
+            ),
         )
         return out
 

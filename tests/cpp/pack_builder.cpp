@@ -114,10 +114,33 @@ std::vector<unsigned char> make_header(const TestGeometry& g, std::uint32_t fmt,
 
 void rehash(std::vector<unsigned char>& h) { put<std::uint32_t>(h, 4092, header_crc(h.data())); }
 
-std::string build_test_pack(const TestGeometry& g, const std::string& name) {
+namespace {
+
+// Small bfloat16 numbers, +-[2^-7, 2^-1), one every 16 bits.
+std::vector<unsigned char> quantized_record(std::uint64_t bytes, std::uint32_t layer,
+                                            std::uint32_t expert) {
+  std::vector<unsigned char> r(bytes, 0);
+  std::uint32_t x = 0x85EBCA6Bu ^ (layer * 7919u + expert * 104729u + 1u);
+  for (std::uint64_t i = 0; i + 2 <= bytes; i += 2) {
+    x ^= x << 13;
+    x ^= x >> 17;
+    x ^= x << 5;
+    const std::uint16_t v = std::uint16_t(0x3C00u + (x % 0x380u)) | std::uint16_t((x >> 31) << 15);
+    std::memcpy(r.data() + i, &v, 2);
+  }
+  return r;
+}
+
+}  // namespace
+
+std::string build_test_pack(const TestGeometry& g, const std::string& name,
+                            std::uint32_t weight_format, std::uint32_t group_size,
+                            std::uint32_t scale_format) {
   const std::uint64_t keys = std::uint64_t(g.n_layers) * g.n_experts;
   const std::string meta = "{\"format\": \"strata-pack\", \"version\": 2, \"source\": \"c++ test\"}";
-  std::vector<unsigned char> h = make_header(g, 0, 0, 0, meta.size());
+  std::vector<unsigned char> h = make_header(g, weight_format, group_size, scale_format,
+                                             meta.size());
+  const std::uint64_t record_bytes = get_field<std::uint64_t>(h, 56);
   const std::uint64_t stride = get_field<std::uint64_t>(h, 64);
   const std::uint64_t router_offset = get_field<std::uint64_t>(h, 88);
   const std::uint64_t checksum_offset = get_field<std::uint64_t>(h, 104);
@@ -142,7 +165,8 @@ std::string build_test_pack(const TestGeometry& g, const std::string& name) {
   std::vector<std::uint32_t> crcs(keys);
   for (std::uint32_t l = 0; l < g.n_layers; ++l)
     for (std::uint32_t e = 0; e < g.n_experts; ++e) {
-      auto rec = expected_record(g, l, e);
+      auto rec = weight_format == 0 ? expected_record(g, l, e)
+                                    : quantized_record(record_bytes, l, e);
       std::uint64_t key = std::uint64_t(l) * g.n_experts + e;
       crcs[key] = crc32c(rec.data(), rec.size());
       write_at(records_offset + key * stride, rec.data(), rec.size());

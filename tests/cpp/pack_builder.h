@@ -37,7 +37,12 @@ void set_field(std::vector<unsigned char>& h, std::size_t off, T v) {
 
 // Returns the path of a fresh pack under a temporary directory. Record bytes are a
 // deterministic function of (layer, expert), so any slot can be checked against the file.
-std::string build_test_pack(const TestGeometry& g, const std::string& name);
+// weight_format / group_size / scale_format as make_header: f32 by default; a quantized pack's
+// records are a stream of small bfloat16 numbers (every 16 bits), so whatever its tensor
+// layout, its scales and biases are finite and its packed words arbitrary codes.
+std::string build_test_pack(const TestGeometry& g, const std::string& name,
+                            std::uint32_t weight_format = 0, std::uint32_t group_size = 0,
+                            std::uint32_t scale_format = 0);
 
 // The record payload (layer, expert) as written: a distinct xorshift stream seeded by
 // (layer, expert), so a slot holding another record never matches (tests/cpp/test_pack_file.cpp

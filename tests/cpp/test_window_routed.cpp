@@ -6,6 +6,10 @@
 
 #include <random>
 
+#include <cstring>
+
+#include "common/errors.h"
+#include "cpu/mlx_arithmetic.h"
 #include "exec/window.h"
 #include "stream_test_util.h"
 
@@ -47,7 +51,8 @@ std::vector<std::vector<Call>> make_turns(const PackLayout& L, const std::vector
 
 std::vector<std::vector<float>> run_routed(const std::string& path, const PackLayout& L,
                                            std::uint32_t slots, bool split,
-                                           const std::vector<std::vector<Call>>& turns) {
+                                           const std::vector<std::vector<Call>>& turns,
+                                           Rounding rounding = {}) {
   ExpertStream stream(path, small_options(slots, L, 3));
   WindowOptions wo;
   wo.split_turn = split;
@@ -62,6 +67,7 @@ std::vector<std::vector<float>> run_routed(const std::string& path, const PackLa
       Window::Routed r;
       r.ids = c.ids.data();
       r.weights = c.w.data();
+      r.rounding = rounding;
       if (l + 1 < L.n_layers) r.pred1 = calls[l + 1].ids.data();  // a perfect prediction
       std::vector<float> out(c.x.size());
       w.moe_routed(l, c.x.data(), Window::XType::F32, T, r, out.data());
@@ -90,6 +96,69 @@ TEST_CASE("window: routed calls are bitwise identical across arena sizes and spl
       REQUIRE(got.size() == want.size());
       for (std::size_t i = 0; i < got.size(); ++i) REQUIRE(got[i] == want[i]);
     }
+  std::remove(path.c_str());
+}
+
+// Bits, not values: NaN must compare equal to the same NaN.
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+}
+
+TEST_CASE("window: routed calls in MLX's arithmetic are bitwise identical across arena sizes") {
+  // A q4 pack with bfloat16 scales (group 32): the Mlx kernels' tiles, lanes past the last row
+  // and both activations' paths run here under the sanitizers too.
+  TestGeometry g;
+  g.n_layers = 3;
+  g.n_experts = 10;
+  g.top_k = 2;
+  g.hidden = 96;  // with 2 workers, rows go in chunks of 12: a full tile of 8 lanes, then 4
+  g.moe_intermediate = 96;
+  auto path = build_test_pack(g, "routed_mlx", 3, 32, 2);
+  PackLayout L = read_pack_layout(path);
+  auto turns = make_turns(L, {8, 1, 3});
+  for (auto& calls : turns)  // bfloat16 activations, as MLX would hand them over
+    for (auto& c : calls)
+      for (auto& v : c.x) v = cpu::mlx::round_bf16(v);
+  for (bool weights_bf16 : {false, true}) {
+    Rounding rounding{Arithmetic::MlxBfloat16, weights_bf16};
+    auto want = run_routed(path, L, L.n_keys(), false, turns, rounding);
+    auto f32 = run_routed(path, L, L.n_keys(), false, turns);
+    REQUIRE(!same_bits(want[0], f32[0]));  // the two arithmetics differ on these inputs
+    for (std::uint32_t slots : {2 * g.top_k, 2 * g.top_k + 3})
+      for (bool split : {false, true}) {
+        auto got = run_routed(path, L, slots, split, turns, rounding);
+        REQUIRE(got.size() == want.size());
+        for (std::size_t i = 0; i < got.size(); ++i) REQUIRE(same_bits(got[i], want[i]));
+      }
+  }
+  std::remove(path.c_str());
+}
+
+TEST_CASE("window: an arithmetic the pack cannot have is refused by name, the stream usable") {
+  TestGeometry g;
+  g.n_layers = 2;
+  g.n_experts = 6;
+  auto path = build_test_pack(g, "routed_f32_mlx");  // f32 experts: MLX uses another kernel
+  PackLayout L = read_pack_layout(path);
+  ExpertStream stream(path, small_options(L.n_keys(), L, 2));
+  Window w(stream, make_cpu_backend(1), WindowOptions{});
+  std::vector<float> x(L.hidden, 0.5f), out(L.hidden), wt = {0.5f, 0.5f};
+  std::vector<std::int32_t> ids = {0, 1};
+  Window::Routed r;
+  r.ids = ids.data();
+  r.weights = wt.data();
+  r.rounding.arithmetic = Arithmetic::MlxBfloat16;
+  try {
+    w.moe_routed(0, x.data(), Window::XType::F32, 1, r, out.data());
+    FAIL("an f32 pack ran in MLX's bf16 arithmetic");
+  } catch (const EngineError& e) {
+    REQUIRE(e.kind() == ErrorKind::Config);
+    REQUIRE(std::string(e.what()).find("q4/q8") != std::string::npos);
+  }
+  r.rounding = {};
+  w.moe_routed(0, x.data(), Window::XType::F32, 1, r, out.data());
+  w.moe_routed(1, x.data(), Window::XType::F32, 1, r, out.data());
+  REQUIRE(stream.check_invariants().empty());
   std::remove(path.c_str());
 }
 

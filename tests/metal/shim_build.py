@@ -24,6 +24,7 @@ ENGINE_SOURCES = [
     ENGINE / "pack" / "pack_file.cpp",
     ENGINE / "pack" / "weights.cpp",
     ENGINE / "cpu" / "cpu_kernels.cpp",
+    ENGINE / "cpu" / "mlx_kernels.cpp",
     ENGINE / "policy" / "moce.cpp",
 ]
 FLAGS = ["-std=c++20", "-O2", "-pthread", "-Wall", "-Wno-attributes", "-Wno-unknown-pragmas"]

@@ -13,6 +13,7 @@
 #include "exec/backend.h"
 #include "common/check.h"
 #include "cpu/cpu_kernels.h"
+#include "cpu/mlx_kernels.h"
 
 namespace strata {
 namespace {
@@ -109,6 +110,10 @@ class CpuBackend final : public Backend {
 
   std::string name() const override { return "cpu"; }
 
+  std::string arithmetic_unsupported(const PackLayout& layout, Arithmetic a) const override {
+    return cpu::mlx::unsupported(layout, a);
+  }
+
   void bind(const DeviceBuffers& buffers) override {
     synchronize();
     std::lock_guard<std::mutex> lk(mu_);
@@ -194,11 +199,11 @@ class CpuBackend final : public Backend {
         cpu::plan(b, c.layer, c.rows);
         return "";
       case Op::GateUp:
-        return cpu::gate_up(b, c.layer, c.rows, c.pass, pf) ? "" : absent(c);
+        return cpu::gate_up(b, c.layer, c.rows, c.pass, pf, c.rounding) ? "" : absent(c);
       case Op::Down:
-        return cpu::down(b, c.layer, c.rows, c.pass, pf) ? "" : absent(c);
+        return cpu::down(b, c.layer, c.rows, c.pass, pf, c.rounding) ? "" : absent(c);
       case Op::MoeMM:
-        return cpu::moe_mm(b, c.layer, c.rows, pf) ? "" : absent(c);
+        return cpu::moe_mm(b, c.layer, c.rows, pf, c.rounding) ? "" : absent(c);
       case Op::Combine:
         cpu::combine(b, c.rows, pf);
         return "";

@@ -7,6 +7,7 @@
 #include <limits>
 #include <vector>
 
+#include "cpu/mlx_kernels.h"
 #include "residency/slot.h"
 #include "residency/smap.h"
 #include "pack/weights.h"
@@ -84,17 +85,20 @@ enum class Stage { GateUp, Down, Both };
 
 // Runs a stage over groups, parallel over matrix rows (each output element has one writer).
 void run_groups(const DeviceBuffers& b, const std::vector<Group>& groups, Stage stage,
-                const ParallelFor& pf) {
+                const ParallelFor& pf, Rounding rounding) {
   const std::uint32_t H = b.layout->hidden, I = b.layout->moe_intermediate;
+  const bool as_mlx = rounding.arithmetic != Arithmetic::Float32;
   for (const Group& g : groups) {
     ExpertView ev = expert_view(*b.layout, b.arena + std::uint64_t(g.slot) * b.slot_bytes);
     if (stage != Stage::Down)
       pf(I, [&](std::uint32_t r0, std::uint32_t r1) {
+        if (as_mlx) return mlx::gate_up_rows(b, ev, g.entries, r0, r1, rounding);
         std::vector<float> gbuf(H), ubuf(H);
         gate_up_rows(b, ev, g, r0, r1, gbuf.data(), ubuf.data());
       });
     if (stage != Stage::GateUp)
       pf(H, [&](std::uint32_t r0, std::uint32_t r1) {
+        if (as_mlx) return mlx::down_rows(b, ev, g.entries, r0, r1, rounding);
         std::vector<float> dbuf(I);
         down_rows(b, ev, g, r0, r1, dbuf.data());
       });
@@ -222,22 +226,23 @@ void plan(const DeviceBuffers& b, std::uint32_t layer, std::uint32_t rows) {
 }
 
 bool gate_up(const DeviceBuffers& b, std::uint32_t layer, std::uint32_t rows, Pass pass,
-             const ParallelFor& pf) {
+             const ParallelFor& pf, Rounding rounding) {
   std::vector<Group> groups;
   if (!resolve_pass(b, layer, rows, pass, &groups)) return false;
-  run_groups(b, groups, Stage::GateUp, pf);
+  run_groups(b, groups, Stage::GateUp, pf, rounding);
   return true;
 }
 
 bool down(const DeviceBuffers& b, std::uint32_t layer, std::uint32_t rows, Pass pass,
-          const ParallelFor& pf) {
+          const ParallelFor& pf, Rounding rounding) {
   std::vector<Group> groups;
   if (!resolve_pass(b, layer, rows, pass, &groups)) return false;
-  run_groups(b, groups, Stage::Down, pf);
+  run_groups(b, groups, Stage::Down, pf, rounding);
   return true;
 }
 
-bool moe_mm(const DeviceBuffers& b, std::uint32_t layer, std::uint32_t rows, const ParallelFor& pf) {
+bool moe_mm(const DeviceBuffers& b, std::uint32_t layer, std::uint32_t rows, const ParallelFor& pf,
+            Rounding rounding) {
   const std::uint32_t E = b.layout->n_experts;
   const std::uint32_t n_wave = *b.wave_n;
   std::vector<char> in_wave(E, 0);
@@ -247,7 +252,7 @@ bool moe_mm(const DeviceBuffers& b, std::uint32_t layer, std::uint32_t rows, con
     g.slot = smap_load(b.smap, layer * E + g.expert);
     if (g.slot == kAbsent || g.slot >= b.n_slots) return false;
   }
-  run_groups(b, groups, Stage::Both, pf);
+  run_groups(b, groups, Stage::Both, pf, rounding);
   return true;
 }
 

@@ -25,11 +25,13 @@ void route(const DeviceBuffers& b, std::uint32_t layer, std::uint32_t rows, std:
            float* weights, const ParallelFor& pf, const MoceParams& moce = {});
 void plan(const DeviceBuffers& b, std::uint32_t layer, std::uint32_t rows);
 // Returns false when an entry of the pass has no published slot (an invariant violation).
+// `rounding`: Float32 here, the Mlx modes in mlx_kernels.cpp.
 bool gate_up(const DeviceBuffers& b, std::uint32_t layer, std::uint32_t rows, Pass pass,
-             const ParallelFor& pf);
+             const ParallelFor& pf, Rounding rounding = {});
 bool down(const DeviceBuffers& b, std::uint32_t layer, std::uint32_t rows, Pass pass,
-          const ParallelFor& pf);
-bool moe_mm(const DeviceBuffers& b, std::uint32_t layer, std::uint32_t rows, const ParallelFor& pf);
+          const ParallelFor& pf, Rounding rounding = {});
+bool moe_mm(const DeviceBuffers& b, std::uint32_t layer, std::uint32_t rows, const ParallelFor& pf,
+            Rounding rounding = {});
 void combine(const DeviceBuffers& b, std::uint32_t rows, const ParallelFor& pf);
 
 }  // namespace strata::cpu

@@ -57,6 +57,20 @@ enum class Op : std::uint8_t {
 
 enum class Pass : std::uint8_t { Resident = 0, Missing = 1 };
 
+// How the expert passes (GateUp, Down, MoeMM) round. Float32: every output element is one
+// float32 dot product, rounded once: the fastest and the most exact. MlxBfloat16 / MlxFloat32:
+// the operation order and roundings of MLX's CPU kernels for activations of that dtype
+// (quantized matmul accumulating in that dtype, its exp and sigmoid, each elementwise op
+// rounded), so a model mlx-lm evaluates on the CPU gets bitwise its own numbers. Only the CPU
+// backend implements them; a routed call asks for them (Window::Routed::rounding).
+enum class Arithmetic : std::uint8_t { Float32 = 0, MlxBfloat16 = 1, MlxFloat32 = 2 };
+struct Rounding {
+  Arithmetic arithmetic = Arithmetic::Float32;
+  // Mlx modes: the model's mixture weights are bfloat16, so each weighted expert output is
+  // rounded to bfloat16 before the (float32) sum; float32 weights give a float32 product.
+  bool weights_bf16 = false;
+};
+
 struct Command {
   Op op;
   std::uint32_t layer = 0;
@@ -66,6 +80,7 @@ struct Command {
   SharedEvent* event = nullptr;
   std::uint64_t value = 0;
   MoceParams moce;  // Route: cache-aware routing (off: exact top-k)
+  Rounding rounding;  // GateUp, Down, MoeMM
 };
 
 class Backend {
@@ -83,6 +98,12 @@ class Backend {
   // A kernel found something impossible (a missing-pass expert still absent from smap):
   // returns and clears the message, "" when none.
   virtual std::string take_device_error() = 0;
+  // Whether this backend computes a layout's expert passes with `a`: "" when it does, else why
+  // not. Every backend has Float32.
+  virtual std::string arithmetic_unsupported(const PackLayout& layout, Arithmetic a) const {
+    (void)layout;
+    return a == Arithmetic::Float32 ? "" : "the " + name() + " backend computes in float32 only";
+  }
 };
 
 std::unique_ptr<Backend> make_cpu_backend(unsigned threads = 0);

@@ -492,6 +492,9 @@ void Window::check_routed(const Routed& routed, std::uint32_t rows, bool need_we
     throw EngineError(ErrorKind::Config,
                       "moce steers the engine's own router; an externally routed call "
                       "(moe_routed) needs moce off");
+  if (std::string why = backend_->arithmetic_unsupported(L_, routed.rounding.arithmetic);
+      !why.empty())
+    throw EngineError(ErrorKind::Config, why);
   if (rows == 0) return;
   if (!routed.ids || (need_weights && !routed.weights))
     throw std::invalid_argument("moe_routed needs ids and weights");
@@ -504,6 +507,12 @@ void Window::check_routed(const Routed& routed, std::uint32_t rows, bool need_we
                                 std::to_string(i) + " out of range [0, " +
                                 std::to_string(L_.n_experts) + ")");
   }
+}
+
+void Window::submit(std::vector<Command> commands) {
+  for (Command& c : commands)
+    if (c.op == Op::GateUp || c.op == Op::Down || c.op == Op::MoeMM) c.rounding = chunk_rounding_;
+  backend_->submit(std::move(commands));
 }
 
 void Window::stage_routed(const Routed& routed, std::uint32_t r0, std::uint32_t n) {
@@ -741,6 +750,7 @@ std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t c
   const std::uint32_t cap = wave_capacity();
   chunk_pred1_ = !routed || routed->pred1;
   chunk_pred2_ = !routed || routed->pred2;
+  chunk_rounding_ = routed ? routed->rounding : Rounding{};
   // The host computes in waves whatever the size: there is no device pass to overlap.
   const bool decode = !host && rows <= opt_.decode_rows && rows * k <= cap;
   const bool predict = opt_.lookahead && chunk_pred1_ && layer + 1 < L_.n_layers;
@@ -786,7 +796,7 @@ std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t c
     s1.push_back(cmd(Op::Combine, layer, rows));
     s1.push_back(event_cmd(Op::Signal, done_, v));
   }
-  backend_->submit(std::move(s1));
+  submit(std::move(s1));
   wait_device(routed_, v, interrupt);
   note_moce(layer, rows);
   settle(layer, interrupt);
@@ -822,7 +832,7 @@ std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t c
     count_urgent(layer, r.urgent);
     add_host_time(layer, at_layer);
     if (opt_.split_turn)
-      backend_->submit({cmd(Op::Plan, layer, rows),
+      submit({cmd(Op::Plan, layer, rows),
                         pass_cmd(Op::GateUp, layer, rows, Pass::Resident),
                         pass_cmd(Op::Down, layer, rows, Pass::Resident)});
     else
@@ -833,7 +843,7 @@ std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t c
     const bool missed = r.urgent.misses > 0;
     const bool contended = missed && spec_overlapped(watch);
     if (opt_.split_turn)
-      backend_->submit({pass_cmd(Op::GateUp, layer, rows, Pass::Missing),
+      submit({pass_cmd(Op::GateUp, layer, rows, Pass::Missing),
                         pass_cmd(Op::Down, layer, rows, Pass::Missing),
                         cmd(Op::Combine, layer, rows), event_cmd(Op::Signal, done_, v)});
     else
@@ -901,7 +911,7 @@ std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t c
     wave_n_[0] = std::uint32_t(wave.size());
     const std::uint64_t wv = ++wave_seq_;
     if (opt_.split_turn)
-      backend_->submit({cmd(Op::MoeMM, layer, rows), event_cmd(Op::Signal, wave_done_, wv)});
+      submit({cmd(Op::MoeMM, layer, rows), event_cmd(Op::Signal, wave_done_, wv)});
     else
       wave_release_.signal(wv);
     wait_device(wave_done_, wv, interrupt);
@@ -913,7 +923,7 @@ std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t c
     return chosen;
   }
   if (opt_.split_turn) {
-    backend_->submit({cmd(Op::Combine, layer, rows), event_cmd(Op::Signal, done_, v)});
+    submit({cmd(Op::Combine, layer, rows), event_cmd(Op::Signal, done_, v)});
   } else {
     for (std::uint32_t w = n_waves; w < max_waves; ++w) {  // encoded waves this chunk needs not
       wave_n_[0] = 0;

@@ -111,6 +111,10 @@ class Window {
     const float* weights = nullptr;  // mixture weights; unused by moe_routed_host
     const std::int32_t* pred1 = nullptr;
     const std::int32_t* pred2 = nullptr;
+    // How moe_routed's expert passes round (backend.h): an Mlx mode reproduces mlx-lm's own
+    // CPU arithmetic; only the CPU backend has it, and only for the formats MLX computes that
+    // way (the call throws EngineError(Config) naming why not).
+    Rounding rounding;
   };
   // As moe(), with the routing given: the same handshake (urgent requests, predictions queued,
   // publish, retire) and expert passes on the backend. x: [rows, hidden] of type xt, converted
@@ -186,6 +190,8 @@ class Window {
   void check_routed(const Routed& routed, std::uint32_t rows, bool need_weights) const;
   // Copies rows [r0, r0 + n) of the routing into the scratch (ids, weights, predictions).
   void stage_routed(const Routed& routed, std::uint32_t r0, std::uint32_t n);
+  // backend_->submit with the chunk's rounding on its expert passes.
+  void submit(std::vector<Command> commands);
   // Returns the experts the chunk chose, most popular first. routed: the routing is already in
   // the scratch (no Route commands); host: the host computes each wave (no expert commands).
   std::vector<std::int32_t> run_chunk(std::uint32_t layer, std::uint32_t chunk, std::uint32_t rows,
@@ -255,6 +261,8 @@ class Window {
   // Whether this chunk has predictions at distance 1 / 2 to use (an externally routed call may
   // bring none).
   bool chunk_pred1_ = true, chunk_pred2_ = true;
+  // The rounding of this chunk's expert passes, stamped on them by submit().
+  Rounding chunk_rounding_;
 
   // Handshake events. Values only grow: every chunk takes seq_ + 1, every prompt wave
   // wave_seq_ + 1, so a stale signal can never release a later wait.

@@ -1,21 +1,6 @@
 #include "pack/weights.h"
 
 namespace strata {
-namespace {
-
-inline float load_scale(const unsigned char* p, std::uint32_t i, std::uint32_t fmt) {
-  if (fmt == 0) {
-    float f;
-    std::memcpy(&f, p + 4 * i, 4);
-    return f;
-  }
-  std::uint16_t h;
-  std::memcpy(&h, p + 2 * i, 2);
-  return fmt == 1 ? half_to_float(h) : bf16_to_float(h);
-}
-
-}  // namespace
-
 void MatrixView::row(std::uint32_t r, float* out) const {
   switch (format) {
     case WeightFormat::F32:
@@ -40,8 +25,8 @@ void MatrixView::row(std::uint32_t r, float* out) const {
           reinterpret_cast<const std::uint32_t*>(weight + std::size_t(r) * words * 4);
       const std::uint32_t group_words = group_size / per_word;
       for (std::uint32_t g = 0; g < groups; ++g) {
-        const float s = load_scale(scales, r * groups + g, scale_format);
-        const float b = load_scale(biases, r * groups + g, scale_format);
+        const float s = scale_value(scales, r * groups + g, scale_format);
+        const float b = scale_value(biases, r * groups + g, scale_format);
         const std::uint32_t* gw = w + g * group_words;
         float* o = out + g * group_size;
         // MLX affine dequant, w = s * q + b, one 32-bit word at a time as a vector of its
@@ -73,7 +58,7 @@ void MatrixView::row(std::uint32_t r, float* out) const {
 }
 
 float MatrixView::bias_at(std::uint32_t r) const {
-  return bias ? load_scale(bias, r, bias_format - 1) : 0.0f;
+  return bias ? scale_value(bias, r, bias_format - 1) : 0.0f;
 }
 
 ExpertView expert_view(const PackLayout& L, const unsigned char* base) {

@@ -41,6 +41,18 @@ inline float bf16_to_float(std::uint16_t b) {
   return f;
 }
 
+// Element i of a scale-format array (0 f32, 1 f16, 2 bf16) as float32: an exact widening.
+inline float scale_value(const unsigned char* p, std::uint32_t i, std::uint32_t fmt) {
+  if (fmt == 0) {
+    float f;
+    std::memcpy(&f, p + 4 * i, 4);
+    return f;
+  }
+  std::uint16_t h;
+  std::memcpy(&h, p + 2 * i, 2);
+  return fmt == 1 ? half_to_float(h) : bf16_to_float(h);
+}
+
 // One matrix (gate, up or down) of one expert record.
 struct MatrixView {
   const unsigned char* weight = nullptr;

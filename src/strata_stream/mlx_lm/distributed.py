@@ -125,6 +125,7 @@ def sharded_load(
     arena_bytes: int | None = None,
     config: StreamConfig | None = None,
     experts: str = "cpu",
+    arithmetic: str = "auto",
     pack_path: str | os.PathLike[str] | None = None,
     progress: bool = True,
     return_config: bool = False,
@@ -138,7 +139,7 @@ def sharded_load(
     the model supports it, else pipeline). arena_bytes: this rank's expert memory (None: from
     this host's available memory divided by its local ranks, see `local_ranks`). pack_path:
     this rank's pack (default: converted on first load into the cache, named by the share).
-    See `strata_stream.mlx_lm.load_model` for config and experts.
+    See `strata_stream.mlx_lm.load_model` for config, experts and arithmetic.
     """
     from mlx_lm.utils import _download, load_tokenizer
     from mlx_lm.utils import load_model as mlx_load_model
@@ -186,6 +187,7 @@ def sharded_load(
         config=config,
         pack_path=pack_path,
         experts=experts,
+        arithmetic=arithmetic,
         progress=progress,
         lazy=False,
         share=share,

@@ -27,6 +27,12 @@ from strata_stream.window import Window
 # Window with the Metal backend (macOS builds; elsewhere a ConfigError at load); "mlx": MLX's own
 # gather_qmm over views of the arena.
 EXPERT_MODES = ("cpu", "mlx", "metal")
+# How the CPU backend rounds (experts="cpu"): "mlx" reproduces mlx-lm's own CPU arithmetic
+# bitwise (q4/q8 packs, activations in the scales' dtype); "float32" rounds each output once
+# (faster, and closer to the exact value, but not mlx-lm's numbers); "auto" takes "mlx"
+# wherever the pack and the activations allow it.
+ARITHMETICS = ("auto", "mlx", "float32")
+_MLX_ARITHMETIC_DTYPES = {"bf16": mx.bfloat16, "f32": mx.float32}
 _MX_DTYPES = {"f32": mx.float32, "f16": mx.float16, "bf16": mx.bfloat16, "u32": mx.uint32}
 _ROLE_KEYS = {0: "weight", 1: "scales", 2: "biases", 3: "bias"}
 _MATRIX_NAMES = ("gate_proj", "up_proj", "down_proj")
@@ -101,9 +107,28 @@ class MoeEngine:
         config: StreamConfig,
         experts: str,
         blocks: list[BlockRef],
+        arithmetic: str = "auto",
     ) -> None:
         if experts not in EXPERT_MODES:
             raise ConfigError(f"experts must be one of {', '.join(EXPERT_MODES)}, got {experts!r}")
+        if arithmetic not in ARITHMETICS:
+            raise ConfigError(
+                f"arithmetic must be one of {', '.join(ARITHMETICS)}, got {arithmetic!r}"
+            )
+        # The dtype in which MLX computes this pack's experts, when the CPU backend can
+        # reproduce it: the scales' dtype of a q4/q8 pack (bfloat16 or float32).
+        self.mlx_dtype = (
+            _MLX_ARITHMETIC_DTYPES.get(pack.scale_dtype or "")
+            if pack.weight_format in ("q4", "q8") and experts == "cpu"
+            else None
+        )
+        if arithmetic == "mlx" and self.mlx_dtype is None:
+            raise ConfigError(
+                "arithmetic='mlx' needs experts='cpu' and a q4/q8 pack with bfloat16 or float32 "
+                f"scales (this is experts={experts!r}, {pack.weight_format} with "
+                f"{pack.scale_dtype} scales)"
+            )
+        self.arithmetic = arithmetic
         self.experts = experts
         self.config = config
         self.blocks = blocks
@@ -173,8 +198,24 @@ class MoeEngine:
             np.asarray(w2),
             pred1=None if preds[0] is None else _ids(preds[0]),
             pred2=None if preds[1] is None else _ids(preds[1]),
+            arithmetic=self.arithmetic_for(x.dtype),
+            weights_dtype="bfloat16" if scores.dtype == mx.bfloat16 else "float32",
         )
+        # The block's sum over k comes back in float32; MLX rounds it to x's dtype the same way.
         return mx.array(out).reshape(x.shape).astype(x.dtype)
+
+    def arithmetic_for(self, dtype: mx.Dtype) -> str:
+        """The Window's arithmetic for activations of `dtype` (see ARITHMETICS)."""
+        if self.arithmetic == "float32":
+            return "float32"
+        if self.mlx_dtype is not None and dtype == self.mlx_dtype:
+            return "mlx"
+        if self.arithmetic == "mlx":
+            raise ConfigError(
+                f"arithmetic='mlx' needs activations in the scales' dtype {self.mlx_dtype}, "
+                f"got {dtype}"
+            )
+        return "float32"
 
     def run_mlx(
         self,

@@ -38,17 +38,20 @@ def generate(
     max_tokens: int = 100,
     arena_gb: float | None = None,
     experts: str = "cpu",
+    arithmetic: str = "auto",
     pack_path: str | None = None,
-    out: TextIO = sys.stdout,
+    out: TextIO | None = None,
 ) -> dict[str, Any]:
-    """Generates greedily with streamed experts, printing as it goes; returns the figures."""
+    """Generates greedily with streamed experts, printing as it goes (to `out`, default the
+    sys.stdout of the moment); returns the figures."""
+    out = sys.stdout if out is None else out
     from mlx_lm.generate import stream_generate
 
     from strata_stream.mlx_lm.loader import load
 
     arena = None if arena_gb is None else int(arena_gb * (1 << 30))
     model, tokenizer = load(model_path, arena_bytes=arena, pack_path=pack_path, experts=experts,
-                            config=StreamConfig.from_env())  # fmt: skip
+                            arithmetic=arithmetic, config=StreamConfig.from_env())  # fmt: skip
     engine = model.strata_engine
     try:
         window = engine.window
@@ -91,7 +94,8 @@ def generate_distributed(
     max_tokens: int = 100,
     arena_gb: float | None = None,
     experts: str = "cpu",
-    out: TextIO = sys.stdout,
+    arithmetic: str = "auto",
+    out: TextIO | None = None,
 ) -> dict[str, Any]:
     """`generate --pipeline|--tensor` under mlx.launch: every rank loads its share and runs the
     same greedy steps; rank 0 prints the text, every rank's figures and their sum, the others
@@ -107,7 +111,7 @@ def generate_distributed(
         raise ValueError(f"mode must be pipeline or tensor, got {mode!r}")
     group = mx.distributed.init(strict=False)
     rank = group.rank()
-    say = out if rank == 0 else io.StringIO()
+    say = (sys.stdout if out is None else out) if rank == 0 else io.StringIO()
     arena = None if arena_gb is None else int(arena_gb * (1 << 30))
     model, tokenizer = sharded_load(
         model_path,
@@ -115,6 +119,7 @@ def generate_distributed(
         tensor_group=group if mode == "tensor" else None,
         arena_bytes=arena,
         experts=experts,
+        arithmetic=arithmetic,
         config=StreamConfig.from_env(),
         progress=rank == 0,
     )

@@ -164,6 +164,7 @@ def load_model(
     config: StreamConfig | None = None,
     pack_path: str | os.PathLike[str] | None = None,
     experts: str = "cpu",
+    arithmetic: str = "auto",
     progress: bool = True,
     lazy: bool = False,
     strict: bool = True,
@@ -178,6 +179,9 @@ def load_model(
     this model (default: converted on first load into strata_stream.paths.cache_dir()).
     experts: "cpu" (the CPU backend computes the experts), "mlx" (MLX's gather_qmm over the
     arena) or "metal" (the engine's Metal backend: macOS builds only, not yet run on a Mac).
+    arithmetic (experts="cpu"): "auto" (default) reproduces mlx-lm's own CPU arithmetic
+    bitwise wherever the pack allows (q4/q8 experts with bfloat16 or float32 scales), else
+    float32; "mlx" insists on it; "float32" rounds each output once (faster, not bitwise).
     `lazy` is accepted for signature compatibility: the dense weights are evaluated
     unless it is True; the experts are never loaded either way.
     """
@@ -200,6 +204,7 @@ def load_model(
         config=config,
         pack_path=pack_path,
         experts=experts,
+        arithmetic=arithmetic,
         progress=progress,
         lazy=lazy,
     )
@@ -216,6 +221,7 @@ def stream_experts(
     experts: str,
     progress: bool,
     lazy: bool,
+    arithmetic: str = "auto",
     share: Share = WHOLE,
     memory_share: int = 1,
 ) -> MoeEngine | None:
@@ -268,7 +274,7 @@ def stream_experts(
         base = config if config is not None else StreamConfig.from_env()
         available = available_memory() // memory_share if memory_share > 1 else None
         cfg = base.replace(arena_bytes=arena_size(pack, arena_bytes, available))
-        engine = MoeEngine(pack, cfg, experts, refs)
+        engine = MoeEngine(pack, cfg, experts, refs, arithmetic)
     for ref, (parent, attr, deferred) in zip(refs, streamed, strict=True):
         assert isinstance(deferred, _Deferred)
         if experts == "mlx":
@@ -304,6 +310,7 @@ def load(
     config: StreamConfig | None = None,
     pack_path: str | os.PathLike[str] | None = None,
     experts: str = "cpu",
+    arithmetic: str = "auto",
     progress: bool = True,
     tokenizer_config: dict[str, Any] | None = None,
     model_config: dict[str, Any] | None = None,
@@ -316,7 +323,8 @@ def load(
     """As ``mlx_lm.load``: (model, tokenizer) [+ config], the routed experts streamed.
 
     The model works unchanged with mlx_lm.generate, stream_generate, generate_step, prompt
-    caches and samplers. See `load_model` for arena_bytes, config, pack_path and experts.
+    caches and samplers. See `load_model` for arena_bytes, config, pack_path, experts and
+    arithmetic.
     A Hugging Face repo id is downloaded by mlx-lm first.
     """
     from mlx_lm.utils import _download, load_adapters, load_tokenizer
@@ -328,6 +336,7 @@ def load(
         config=config,
         pack_path=pack_path,
         experts=experts,
+        arithmetic=arithmetic,
         progress=progress,
         lazy=lazy,
         model_config=model_config,

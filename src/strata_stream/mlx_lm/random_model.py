@@ -124,7 +124,8 @@ def _randomize(model: Any, seed: int, dtype: Any = mx.bfloat16) -> None:
 
 def _predicate(path: str, module: Any) -> bool | dict[str, int]:
     if path.endswith(("mlp.gate", "router", "shared_expert_gate", "moe.gate")):
-        return {"group_size": 64, "bits": 8}
+        # 8-bit group 64 where the width allows (a narrower model keeps float gates).
+        return {"group_size": 64, "bits": 8} if module.weight.shape[-1] % 64 == 0 else False
     return True
 
 
@@ -150,11 +151,15 @@ def make_checkpoint(
     quantize: bool = True,
     dims: dict[str, Any] | None = None,
     dtype: Any = mx.bfloat16,
+    bits: int = 4,
+    group_size: int = 64,
 ) -> Path:
     """A random checkpoint of `family` at `path` (q4 g64, 8-bit gates; or unquantized).
 
     Tiny by default; `dims` overrides config entries (hidden_size, num_experts, ...); `dtype` is
-    the model dtype (MLX's CPU gather_mm runs float32 only, so unquantized CPU models need it)."""
+    the model dtype (MLX's CPU gather_mm runs float32 only, so unquantized CPU models need it);
+    `bits` / `group_size` quantize everything but the gates (8-bit, group 64, where the width
+    allows)."""
     from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
 
     if family not in CONFIGS:
@@ -165,7 +170,9 @@ def make_checkpoint(
     _randomize(model, seed, dtype)
     mx.eval(model.parameters())
     if quantize:
-        model, config = quantize_model(model, config, 64, 4, quant_predicate=_predicate)
+        model, config = quantize_model(
+            model, config, group_size, bits, quant_predicate=_predicate
+        )
     path.mkdir(parents=True, exist_ok=True)
     save_model(path, model)
     save_config({**config, "eos_token_id": 1}, path / "config.json")

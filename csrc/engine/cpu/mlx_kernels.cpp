@@ -1,0 +1,187 @@
+#include "cpu/mlx_kernels.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "cpu/mlx_arithmetic.h"
+
+namespace strata::cpu::mlx {
+namespace {
+
+constexpr std::uint32_t kLanes = 8;  // output rows computed side by side, one per vector lane
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef std::uint32_t v8u __attribute__((vector_size(32)));
+
+// round_bf16 on a vector, without the NaN guard: every value it rounds comes from bfloat16
+// operands (activations, scales, biases, earlier rounded results), and a NaN made from those
+// carries its payload in the high 16 bits (or is x86's default NaN), which rounding keeps a
+// NaN. Only a NaN with a payload confined to the low 16 bits could turn into infinity, and none
+// can arise here.
+v8f round_bf16_vec(v8f v) {
+  v8u u;
+  std::memcpy(&u, &v, 32);
+  u = (u + ((u >> 16) & 1u) + 0x7FFFu) & 0xFFFF0000u;
+  std::memcpy(&v, &u, 32);
+  return v;
+}
+
+// The vector rounding of each dtype policy.
+template <class R>
+v8f round_vec(v8f v);
+template <>
+v8f round_vec<Bf16>(v8f v) {
+  return round_bf16_vec(v);
+}
+template <>
+v8f round_vec<F32>(v8f v) {
+  return v;
+}
+
+// Rows [r, r + n) of m, dequantized as MLX does ((s * q) + b, each rounded), transposed into
+// tile[c * kLanes + lane] so that column c of all lanes is one vector. The transpose is free:
+// one 32-bit word of each of the 8 rows makes a vector, and its codes at one shift are 8 rows'
+// codes of one column. Lanes >= n repeat row r; their results are never stored.
+template <class R, std::uint32_t Bits>
+void decode_tile(const MatrixView& m, std::uint32_t r, std::uint32_t n, float* tile) {
+  constexpr std::uint32_t per_word = 32 / Bits, mask = (1u << Bits) - 1;
+  const std::uint32_t words = m.cols / per_word, groups = m.cols / m.group_size;
+  const std::uint32_t group_words = m.group_size / per_word;
+  const std::uint32_t* w[kLanes];
+  std::uint32_t rows[kLanes];
+  for (std::uint32_t lane = 0; lane < kLanes; ++lane) {
+    rows[lane] = r + (lane < n ? lane : 0);
+    w[lane] = reinterpret_cast<const std::uint32_t*>(m.weight) + std::size_t(rows[lane]) * words;
+  }
+  float* out = tile;
+  for (std::uint32_t g = 0; g < groups; ++g) {
+    v8f s, b;
+    for (std::uint32_t lane = 0; lane < kLanes; ++lane) {
+      s[lane] = scale_value(m.scales, rows[lane] * groups + g, m.scale_format);
+      b[lane] = scale_value(m.biases, rows[lane] * groups + g, m.scale_format);
+    }
+    for (std::uint32_t i = g * group_words; i < (g + 1) * group_words; ++i) {
+      const v8u word = {w[0][i], w[1][i], w[2][i], w[3][i], w[4][i], w[5][i], w[6][i], w[7][i]};
+      for (std::uint32_t j = 0; j < per_word; ++j) {
+        const v8f q = __builtin_convertvector((word >> (Bits * j)) & mask, v8f);
+        const v8f v = round_vec<R>(round_vec<R>(s * q) + b);
+        std::memcpy(out, &v, 32);
+        out += kLanes;
+      }
+    }
+  }
+}
+
+template <class R>
+void decode_tile(const MatrixView& m, std::uint32_t r, std::uint32_t n, float* tile) {
+  if (m.format == WeightFormat::Q4)
+    decode_tile<R, 4>(m, r, n, tile);
+  else
+    decode_tile<R, 8>(m, r, n, tile);
+}
+
+// MLX's quantized dot for kLanes rows at once: sum = sum + x[c] * w[c], k in order, each step
+// rounded. The lanes are independent rows, so the vector keeps MLX's order in every lane.
+template <class R>
+v8f dot_lanes(const float* tile, const float* x, std::uint32_t cols) {
+  v8f acc = {};
+  for (std::uint32_t c = 0; c < cols; ++c) {
+    v8f w;
+    std::memcpy(&w, tile + std::size_t(c) * kLanes, 32);
+    const float xc = x[c];
+    const v8f xv = {xc, xc, xc, xc, xc, xc, xc, xc};
+    acc = round_vec<R>(acc + round_vec<R>(xv * w));
+  }
+  return acc;
+}
+
+template <class R>
+float activate(const ExpertView& ev, float g, float u) {
+  if (ev.activation == Activation::SwiGLU) return swiglu<R>(g, u);
+  return swiglu_oai<R>(g, u, ev.act_alpha, ev.act_limit);
+}
+
+template <class R>
+void gate_up_typed(const DeviceBuffers& b, const ExpertView& ev,
+                   const std::vector<std::uint32_t>& entries, std::uint32_t r0,
+                   std::uint32_t r1) {
+  const std::uint32_t H = b.layout->hidden, I = b.layout->moe_intermediate, k = b.layout->top_k;
+  std::vector<float> gate(std::size_t(H) * kLanes), up(std::size_t(H) * kLanes);
+  for (std::uint32_t r = r0; r < r1; r += kLanes) {
+    const std::uint32_t n = std::min(kLanes, r1 - r);
+    decode_tile<R>(ev.gate, r, n, gate.data());
+    decode_tile<R>(ev.up, r, n, up.data());
+    for (std::uint32_t i : entries) {
+      const float* x = b.x + std::size_t(i / k) * H;
+      const v8f g = dot_lanes<R>(gate.data(), x, H), u = dot_lanes<R>(up.data(), x, H);
+      for (std::uint32_t lane = 0; lane < n; ++lane) {
+        float gv = g[lane], uv = u[lane];
+        // mlx-lm adds a SwitchLinear's bias after the matmul, one more rounded op.
+        if (ev.gate.bias) gv = R::one(gv + ev.gate.bias_at(r + lane));
+        if (ev.up.bias) uv = R::one(uv + ev.up.bias_at(r + lane));
+        b.h[std::size_t(i) * I + r + lane] = activate<R>(ev, gv, uv);
+      }
+    }
+  }
+}
+
+template <class R>
+void down_typed(const DeviceBuffers& b, const ExpertView& ev,
+                const std::vector<std::uint32_t>& entries, std::uint32_t r0, std::uint32_t r1,
+                bool weights_bf16) {
+  const std::uint32_t H = b.layout->hidden, I = b.layout->moe_intermediate;
+  std::vector<float> down(std::size_t(I) * kLanes);
+  for (std::uint32_t r = r0; r < r1; r += kLanes) {
+    const std::uint32_t n = std::min(kLanes, r1 - r);
+    decode_tile<R>(ev.down, r, n, down.data());
+    for (std::uint32_t i : entries) {
+      const v8f d = dot_lanes<R>(down.data(), b.h + std::size_t(i) * I, I);
+      for (std::uint32_t lane = 0; lane < n; ++lane) {
+        float v = d[lane];
+        if (ev.down.bias) v = R::one(v + ev.down.bias_at(r + lane));
+        // The block's (y * scores): in the weights' dtype when they are bfloat16, else float32
+        // (MLX promotes bfloat16 * float32 to float32). The sum over k is Combine's, in float32
+        // and in k order, as MLX's reduction of either dtype is.
+        const float p = b.weights[i] * v;
+        b.y[std::size_t(i) * H + r + lane] = weights_bf16 ? round_bf16(p) : p;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+const char* unsupported(const PackLayout& L, Arithmetic a) {
+  if (a == Arithmetic::Float32) return "";
+  if (L.weight_format != WeightFormat::Q4 && L.weight_format != WeightFormat::Q8)
+    return "MLX arithmetic is reproduced for affine-quantized (q4/q8) experts only";
+  const std::uint32_t want = a == Arithmetic::MlxBfloat16 ? 2 : 0;
+  if (L.scale_format != want)
+    return a == Arithmetic::MlxBfloat16
+               ? "MLX bfloat16 arithmetic needs bfloat16 scales (MLX computes in the scales' "
+                 "dtype)"
+               : "MLX float32 arithmetic needs float32 scales (MLX computes in the scales' dtype)";
+  if (L.bias_format != 0 && L.bias_format != want + 1)
+    return "MLX arithmetic needs the expert biases in the scales' dtype";
+  return "";
+}
+
+void gate_up_rows(const DeviceBuffers& b, const ExpertView& ev,
+                  const std::vector<std::uint32_t>& entries, std::uint32_t r0, std::uint32_t r1,
+                  Rounding rounding) {
+  if (rounding.arithmetic == Arithmetic::MlxBfloat16)
+    gate_up_typed<Bf16>(b, ev, entries, r0, r1);
+  else
+    gate_up_typed<F32>(b, ev, entries, r0, r1);
+}
+
+void down_rows(const DeviceBuffers& b, const ExpertView& ev,
+               const std::vector<std::uint32_t>& entries, std::uint32_t r0, std::uint32_t r1,
+               Rounding rounding) {
+  if (rounding.arithmetic == Arithmetic::MlxBfloat16)
+    down_typed<Bf16>(b, ev, entries, r0, r1, rounding.weights_bf16);
+  else
+    down_typed<F32>(b, ev, entries, r0, r1, rounding.weights_bf16);
+}
+
+}  // namespace strata::cpu::mlx
