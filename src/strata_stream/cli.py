@@ -61,6 +61,12 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="CPU experts: auto/mlx give mlx-lm's own numbers bitwise; float32 "
                      "rounds once (faster)")  # fmt: skip
     gen.add_argument("--pack", default=None, help="the model's pack (default: converted once)")
+    par = gen.add_mutually_exclusive_group()
+    par.add_argument("--pipeline", action="store_true",
+                     help="under mlx.launch: each rank runs and streams a range of layers")
+    par.add_argument("--tensor", action="store_true",
+                     help="under mlx.launch: each rank holds and streams a slice of every "
+                     "expert")  # fmt: skip
 
     inspect = sub.add_parser("inspect", help="print a pack's geometry, format and layout")
     inspect.add_argument("pack", metavar="PACK")
@@ -96,6 +102,13 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
     serve.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 = any)")
     serve.add_argument("--arena-gb", type=float, metavar="G", help="expert arena size in GiB")
+    spar = serve.add_mutually_exclusive_group()
+    spar.add_argument("--pipeline", action="store_true",
+                      help="under mlx.launch: ranks split the layers; rank 0 serves")
+    spar.add_argument("--tensor", action="store_true",
+                      help="under mlx.launch: ranks split every expert; rank 0 serves")
+    serve.add_argument("--experts", choices=("cpu", "mlx"), default="cpu",
+                       help="who computes the experts with --pipeline/--tensor (default cpu)")
     serve.add_argument("--model-id", help="model name clients use (default: MODEL's basename)")
     serve.add_argument(
         "--max-queue", type=int, default=8, help="waiting requests before 503 (default 8)"
@@ -140,6 +153,17 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"strata-stream: error: generate needs mlx and mlx-lm ({e}); "
               "pip install 'strata-stream[mlx]'", file=sys.stderr)  # fmt: skip
         return 2
+    if args.pipeline or args.tensor:
+        if args.pack is not None:
+            print("strata-stream: error: --pack names one pack; with --pipeline/--tensor each "
+                  "rank converts or finds its own share", file=sys.stderr)  # fmt: skip
+            return 2
+        from strata_stream.mlx_lm.generate_cli import generate_distributed
+
+        generate_distributed(args.model, args.prompt, mode="pipeline" if args.pipeline else
+                             "tensor", max_tokens=args.max_tokens, arena_gb=args.arena_gb,
+                             experts=args.experts, arithmetic=args.arithmetic)  # fmt: skip
+        return 0
     generate(args.model, args.prompt, max_tokens=args.max_tokens, arena_gb=args.arena_gb,
              experts=args.experts, arithmetic=args.arithmetic, pack_path=args.pack)  # fmt: skip
     return 0
@@ -286,6 +310,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 arena_gb=args.arena_gb,
                 model_id=args.model_id,
                 max_queue=args.max_queue,
+                distributed="pipeline" if args.pipeline else "tensor" if args.tensor else None,
+                experts=args.experts,
             )
             return 0
         return _demo(rest)

@@ -14,8 +14,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from strata_stream.convert.checkpoint import ExpertLayout, find_experts, read_config
+from strata_stream.convert.checkpoint import ExpertLayout, find_experts, read_config, share_layout
 from strata_stream.convert.safetensors_index import SafetensorsIndex
+from strata_stream.convert.share import WHOLE, Share
 from strata_stream.pack.writer import write_pack
 
 
@@ -30,15 +31,19 @@ def convert(
     out: str | os.PathLike[str],
     *,
     progress: bool = True,
+    share: Share = WHOLE,
 ) -> Path:
     """Pack the routed experts of the checkpoint in `model_dir` into `out`; returns the path.
 
+    `share`: one rank's part under MLX distributed (strata_stream.convert.share): only the
+    experts of its decoder layers, renumbered from pack layer 0, and/or its slice of every
+    expert's intermediate dimension; recorded in the pack's "model" metadata.
     Raises ConfigError for a checkpoint it cannot convert (naming why: no experts, mxfp4
     experts, mixed formats) and PackError for malformed safetensors files.
     """
     model_dir = Path(model_dir)
     with SafetensorsIndex(model_dir) as index:
-        layout = find_experts(model_dir, index)
+        layout = share_layout(find_experts(model_dir, index), share)
         return write_pack(
             out,
             layout.geometry,
@@ -55,4 +60,11 @@ def convert(
         )
 
 
-__all__ = ["ExpertLayout", "SafetensorsIndex", "convert", "inspect_checkpoint", "read_config"]
+__all__ = [
+    "ExpertLayout",
+    "SafetensorsIndex",
+    "Share",
+    "convert",
+    "inspect_checkpoint",
+    "read_config",
+]

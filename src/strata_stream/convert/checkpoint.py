@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from strata_stream.convert.safetensors_index import SafetensorsIndex
+from strata_stream.convert.share import WHOLE, Share
 from strata_stream.errors import ConfigError, PackError
 from strata_stream.pack.geometry import Geometry
 from strata_stream.pack.quant import QuantizedMatrix, bf16_bits_to_f32
@@ -80,16 +81,42 @@ class ExpertLayout:
     bias_dtype: str | None
     layers: tuple[_Layer, ...]
     model: dict[str, Any]
+    # This rank's share; the geometry and `layers` are already the share's. `rows` is the slice
+    # of the checkpoint's intermediate dimension it holds.
+    share: Share = WHOLE
+    rows: tuple[int, int] | None = None
 
     def experts_fn(self, index: SafetensorsIndex) -> Callable[[int, int], tuple[Any, ...]]:
-        """experts(layer, e) for write_pack: one expert's tensors, read one pread each."""
+        """experts(layer, e) for write_pack: one expert's tensors, read one pread each (gate
+        and up: just the share's rows; down: the whole expert, its share's columns kept)."""
         bits = {"q4": 4, "q8": 8}.get(self.weight_format, 0)
+        rows = self.rows
 
         def read(layer: _Layer, key: tuple[int, str], expert: int) -> npt.NDArray[Any]:
             name = layer.names[key]
-            if layer.stacked:
-                return index.read_expert(name, expert)
-            return index.read(name.format(e=expert))
+            matrix, role = key
+            if rows is None:
+                if layer.stacked:
+                    return index.read_expert(name, expert)
+                return index.read(name.format(e=expert))
+            r0, r1 = rows
+            if matrix < 2:  # gate, up: rows of the intermediate dimension, contiguous bytes
+                if layer.stacked:
+                    return index.read_expert_rows(name, expert, r0, r1)
+                return index.read(name.format(e=expert))[r0:r1]
+            # down: columns of the intermediate dimension, strided: one pread of the expert.
+            full = (
+                index.read_expert(name, expert)
+                if layer.stacked
+                else index.read(name.format(e=expert))
+            )
+            if role == "weight" and bits:
+                c0, c1 = r0 * bits // 32, r1 * bits // 32
+            elif role in ("scales", "biases"):
+                c0, c1 = r0 // self.group_size, r1 // self.group_size
+            else:
+                c0, c1 = r0, r1
+            return np.ascontiguousarray(full[:, c0:c1])
 
         def experts(pack_layer: int, expert: int) -> tuple[Any, ...]:
             layer = self.layers[pack_layer]
@@ -266,6 +293,37 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
         ordered,
         model,
     )
+
+
+def share_layout(layout: ExpertLayout, share: Share) -> ExpertLayout:
+    """The part of `layout` one rank holds: the MoE layers in its decoder range, renumbered from
+    pack layer 0, and its slice of every expert (see share.py). ConfigError when the share holds
+    no MoE layer or the slice is not whole quantization groups."""
+    if share.whole:
+        return layout
+    layers = tuple(layer for layer in layout.layers if share.holds_layer(layer.decoder_layer))
+    if not layers:
+        raise ConfigError(f"{share.describe()} holds no MoE layer of this {layout.model_type}")
+    g = layout.geometry
+    rows = None
+    inter = g.moe_intermediate
+    if share.tp_size > 1:
+        if layout.bias_dtype is not None:
+            raise ConfigError(
+                "tensor parallel streaming of experts with Linear biases is not supported "
+                "(mlx-lm rescales their down bias per family)"
+            )
+        quantized = layout.weight_format in ("q4", "q8")
+        rows = share.intermediate_slice(inter, layout.group_size, quantized)
+        inter = rows[1] - rows[0]
+    geometry = replace(g, n_layers=len(layers), moe_intermediate=inter)
+    model = {
+        **layout.model,
+        "decoder_layers": [layer.decoder_layer for layer in layers],
+        "experts_prefixes": [layer.prefix for layer in layers],
+        "share": share.to_json(),
+    }
+    return replace(layout, geometry=geometry, layers=layers, model=model, share=share, rows=rows)
 
 
 def _to_st(name: str | None) -> str | None:

@@ -133,3 +133,22 @@ class SafetensorsIndex:
         per = loc.nbytes // n_experts
         raw = self._pread(loc, loc.offset + expert * per, per, f"{name}[{expert}]")
         return np.frombuffer(raw, dtype=loc.numpy_dtype).reshape(loc.shape[1:])
+
+    def read_expert_rows(
+        self, name: str, expert: int, begin: int, end: int
+    ) -> npt.NDArray[np.generic]:
+        """Rows [begin, end) of expert `expert` of a stacked ``[E, rows, ...]`` tensor: one
+        contiguous pread of just those rows (a tensor-parallel share of gate or up)."""
+        loc = self.tensors[name]
+        n_experts, n_rows = loc.shape[0], loc.shape[1]
+        if not 0 <= expert < n_experts:
+            raise IndexError(f"{name}: expert {expert} out of range [0, {n_experts})")
+        if not 0 <= begin < end <= n_rows:
+            raise IndexError(f"{name}: rows [{begin}, {end}) out of range [0, {n_rows})")
+        per = loc.nbytes // n_experts
+        row = per // n_rows
+        raw = self._pread(
+            loc, loc.offset + expert * per + begin * row, (end - begin) * row,
+            f"{name}[{expert}, {begin}:{end}]",
+        )  # fmt: skip
+        return np.frombuffer(raw, dtype=loc.numpy_dtype).reshape((end - begin, *loc.shape[2:]))

@@ -11,6 +11,9 @@ its own gates (every supported family exactly, see families.py); the engine stre
 experts into a bounded arena and computes them on the CPU backend (experts="cpu") or with MLX's
 own gather_qmm over the arena (experts="mlx"). docs/models.md has the families, the two paths
 and their tolerances.
+
+`sharded_load` mirrors mlx_lm.utils.sharded_load under `mlx.launch`: pipeline and/or tensor
+parallel, each rank streaming only its share of the experts (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -24,4 +27,21 @@ from strata_stream.mlx_lm.loader import (
     stats_source,
 )
 
-__all__ = ["arena_size", "default_pack_path", "describe", "load", "load_model", "stats_source"]
+__all__ = [
+    "arena_size",
+    "default_pack_path",
+    "describe",
+    "load",
+    "load_model",
+    "sharded_load",
+    "stats_source",
+]
+
+
+def __getattr__(name: str) -> object:
+    # Imported on first use: it needs mx.distributed, which plain loading does not.
+    if name == "sharded_load":
+        from strata_stream.mlx_lm.distributed import sharded_load
+
+        return sharded_load
+    raise AttributeError(name)

@@ -83,4 +83,10 @@ class StreamedMoE(nn.Module):  # type: ignore[misc,name-defined]
         inds, scores = ref.family.route(block, xr)
         y = self._engine.run_cpu(ref.layer, xr, inds, scores)
         y = ref.family.finish(block, xr, y)
+        # Tensor parallel (mlx-lm's model.shard): this rank's experts and shared experts are
+        # its slice, so the block's partial output is summed over the group exactly where
+        # mlx-lm's block sums it, after the shared experts; nothing else crosses the network.
+        group = getattr(block, "sharding_group", None)
+        if group is not None:
+            y = mx.distributed.all_sum(y, group=group)
         return y.reshape(shape)

@@ -84,3 +84,68 @@ def generate(
                 "generation_tps": last.generation_tps}  # fmt: skip
     finally:
         engine.close()
+
+
+def generate_distributed(
+    model_path: str,
+    prompt: str,
+    *,
+    mode: str,
+    max_tokens: int = 100,
+    arena_gb: float | None = None,
+    experts: str = "cpu",
+    arithmetic: str = "auto",
+    out: TextIO | None = None,
+) -> dict[str, Any]:
+    """`generate --pipeline|--tensor` under mlx.launch: every rank loads its share and runs the
+    same greedy steps; rank 0 prints the text, every rank's figures and their sum, the others
+    print nothing. Returns this rank's figures and the per-rank list."""
+    import io
+
+    import mlx.core as mx
+    from mlx_lm.generate import stream_generate
+
+    from strata_stream.mlx_lm.distributed import SUMMED, gather_stats, rank_stats, sharded_load
+
+    if mode not in ("pipeline", "tensor"):
+        raise ValueError(f"mode must be pipeline or tensor, got {mode!r}")
+    group = mx.distributed.init(strict=False)
+    rank = group.rank()
+    say = (sys.stdout if out is None else out) if rank == 0 else io.StringIO()
+    arena = None if arena_gb is None else int(arena_gb * (1 << 30))
+    model, tokenizer = sharded_load(
+        model_path,
+        pipeline_group=group if mode == "pipeline" else None,
+        tensor_group=group if mode == "tensor" else None,
+        arena_bytes=arena,
+        experts=experts,
+        arithmetic=arithmetic,
+        config=StreamConfig.from_env(),
+        progress=rank == 0,
+    )
+    engine = model.strata_engine
+    try:
+        last = None
+        for r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens):
+            say.write(r.text)
+            say.flush()
+            last = r
+        say.write("\n")
+        mine = rank_stats(model)
+        ranks = gather_stats(mine, group)
+        for i, st in enumerate(ranks):
+            looked = st["hits"] + st["misses"]
+            hit = f"{st['hits'] / looked:.1%}" if looked else "n/a"
+            print(f"rank {i}  hit rate {hit}, {st['bytes_read'] / 1e6:.2f} MB read, "
+                  f"{st['misses']} expert reads", file=say)  # fmt: skip
+        total = {k: sum(st[k] for st in ranks) for k in SUMMED}
+        print(f"all {len(ranks)}  {total['bytes_read'] / 1e6:.2f} MB read, {total['misses']} "
+              f"expert reads", file=say)  # fmt: skip
+        if last is not None:
+            print(f"decode  {last.generation_tokens} tokens, {last.generation_tps:.2f} tok/s "
+                  f"(rank 0), peak memory {last.peak_memory:.2f} GB", file=say)  # fmt: skip
+        return {"rank": rank, "stats": mine, "ranks": ranks,
+                "generation_tps": 0.0 if last is None else last.generation_tps}  # fmt: skip
+    finally:
+        if engine is not None:
+            engine.close()

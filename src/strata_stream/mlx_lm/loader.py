@@ -21,6 +21,7 @@ import mlx.nn as nn
 
 from strata_stream.config import StreamConfig
 from strata_stream.convert import convert
+from strata_stream.convert.share import WHOLE, Share
 from strata_stream.errors import ConfigError, PackError
 from strata_stream.mlx_lm.blocks import StreamedExperts, StreamedMoE, strip_experts
 from strata_stream.mlx_lm.engine import EXPERT_MODES, BlockRef, MoeEngine
@@ -36,16 +37,18 @@ _HEADROOM_FIXED = _GiB
 _HEADROOM_SHARE = 0.10
 
 
-def default_pack_path(model_path: Path) -> Path:
+def default_pack_path(model_path: Path, share: Share = WHOLE) -> Path:
     """Where `load` keeps the pack of a model it converted: the cache directory, under a name
-    derived from the model's path, config and weight files (so a changed model converts anew)."""
+    derived from the model's path, config and weight files (so a changed model converts anew),
+    ending in the share's suffix for one rank of a distributed model (convert/share.py)."""
     h = hashlib.sha256(str(model_path.resolve()).encode())
     config = model_path / "config.json"
     if config.exists():
         h.update(config.read_bytes())
     for f in sorted(model_path.glob("*.safetensors")):
         h.update(f"{f.name}:{f.stat().st_size}".encode())
-    return cache_dir() / "packs" / f"{model_path.name}-{h.hexdigest()[:16]}.strpk"
+    name = f"{model_path.name}-{h.hexdigest()[:16]}{share.suffix()}.strpk"
+    return cache_dir() / "packs" / name
 
 
 def available_memory() -> int:
@@ -111,11 +114,19 @@ def _find_blocks(model: Any) -> list[tuple[int, str, Any, Any, str]]:
     return found
 
 
-def _check_pack(pack: ExpertPack, decoder_layers: list[int], blocks: list[Any]) -> None:
+def _check_pack(
+    pack: ExpertPack, decoder_layers: list[int], blocks: list[Any], share: Share = WHOLE
+) -> None:
     meta = pack.metadata.get("model") or {}
     where = f"pack {pack.path}"
     if pack.geometry.routing != "external":
         raise PackError(f"{where}: not converted from a model checkpoint (routing is not external)")
+    held = Share.from_json(meta.get("share"))
+    if held != share:
+        raise PackError(
+            f"{where}: holds {held.describe()} of the model's experts, but this process needs "
+            f"{share.describe()} (a pack converted for another rank or layout?)"
+        )
     if meta.get("decoder_layers") != decoder_layers:
         raise PackError(
             f"{where}: holds the experts of decoder layers {meta.get('decoder_layers')}, but the "
@@ -125,7 +136,12 @@ def _check_pack(pack: ExpertPack, decoder_layers: list[int], blocks: list[Any]) 
     for layer, block in zip(decoder_layers, blocks, strict=True):
         switch = block[family_of(block).experts_attr]
         gp = switch.gate_proj
-        n_experts = gp.weight.shape[0]
+        n_experts, rows = gp.weight.shape[0], gp.weight.shape[1]
+        if rows != g.moe_intermediate:
+            raise PackError(
+                f"{where}: experts of intermediate width {g.moe_intermediate}, the model's "
+                f"layer {layer} has {rows}"
+            )
         if n_experts != g.n_experts:
             raise PackError(
                 f"{where}: {g.n_experts} experts per layer, the model's layer {layer} has "
@@ -181,22 +197,62 @@ def load_model(
         model_config=model_config,
         trust_remote_code=trust_remote_code,
     )
+    stream_experts(
+        model,
+        model_path,
+        arena_bytes=arena_bytes,
+        config=config,
+        pack_path=pack_path,
+        experts=experts,
+        arithmetic=arithmetic,
+        progress=progress,
+        lazy=lazy,
+    )
+    return model, model_cfg
+
+
+def stream_experts(
+    model: Any,
+    model_path: Path,
+    *,
+    arena_bytes: int | None,
+    config: StreamConfig | None,
+    pack_path: str | os.PathLike[str] | None,
+    experts: str,
+    progress: bool,
+    lazy: bool,
+    arithmetic: str = "auto",
+    share: Share = WHOLE,
+    memory_share: int = 1,
+) -> MoeEngine | None:
+    """Puts the streamed stand-ins into a lazily built mlx-lm `model` (already sharded or
+    pipelined for `share`, see distributed.py), then evaluates its dense weights. The pack is
+    `share`'s (converted on first use). Without arena_bytes the arena is sized from the
+    memory available once the dense weights are loaded, divided by `memory_share` (the ranks
+    sharing this machine). Returns the engine, or None when the model
+    holds no MoE block (a pipeline rank of dense layers only)."""
+    if experts not in EXPERT_MODES:
+        raise ConfigError(f"experts must be one of {', '.join(EXPERT_MODES)}, got {experts!r}")
     found = _find_blocks(model)
     if not found:
-        raise ConfigError(f"{model_path}: the model has no MoE blocks with routed experts")
-    pack_file = Path(pack_path) if pack_path is not None else default_pack_path(model_path)
+        if share.whole:
+            raise ConfigError(f"{model_path}: the model has no MoE blocks with routed experts")
+        if not lazy:
+            mx.eval(model.parameters())
+        return None
+    pack_file = Path(pack_path) if pack_path is not None else default_pack_path(model_path, share)
     if not pack_file.exists():
         if pack_path is None:
             pack_file.parent.mkdir(parents=True, exist_ok=True)
         if progress:
-            print(f"strata-stream: converting the experts of {model_path} into {pack_file}",
-                  file=sys.stderr)  # fmt: skip
-        convert(model_path, pack_file, progress=progress)
+            print(f"strata-stream: converting the experts of {model_path} ({share.describe()}) "
+                  f"into {pack_file}", file=sys.stderr)  # fmt: skip
+        convert(model_path, pack_file, progress=progress, share=share)
 
     decoder_layers = [t[0] for t in found]
     blocks = [t[3] for t in found]
     with ExpertPack.open(pack_file) as pack:
-        _check_pack(pack, decoder_layers, blocks)
+        _check_pack(pack, decoder_layers, blocks, share)
         refs = [
             BlockRef(i, layer, block, family_of(block))
             for i, (layer, block) in enumerate(zip(decoder_layers, blocks, strict=True))
@@ -216,7 +272,8 @@ def load_model(
         if not lazy:
             mx.eval(model.parameters())
         base = config if config is not None else StreamConfig.from_env()
-        cfg = base.replace(arena_bytes=arena_size(pack, arena_bytes))
+        available = available_memory() // memory_share if memory_share > 1 else None
+        cfg = base.replace(arena_bytes=arena_size(pack, arena_bytes, available))
         engine = MoeEngine(pack, cfg, experts, refs, arithmetic)
     for ref, (parent, attr, deferred) in zip(refs, streamed, strict=True):
         assert isinstance(deferred, _Deferred)
@@ -231,8 +288,9 @@ def load_model(
         # evaluate there an array made on another thread's stream (a server's worker thread).
         mx.eval(model.parameters())
     object.__setattr__(model, "strata_engine", engine)
+    object.__setattr__(model, "strata_pack_path", pack_file)
     weakref.finalize(model, engine.close)
-    return model, model_cfg
+    return engine
 
 
 class _Deferred(nn.Module):  # type: ignore[misc,name-defined]

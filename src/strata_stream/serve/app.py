@@ -26,6 +26,7 @@ from strata_stream.serve.errors import (
     queue_full,
     server_error,
 )
+from strata_stream.serve.lockstep import RequestChannel
 from strata_stream.serve.metrics import ServerMetrics
 from strata_stream.serve.requests import (
     ChatCompletionRequest,
@@ -63,10 +64,13 @@ def create_app(
     config: ServeConfig,
     *,
     stats: StatsSource | None = None,
+    lockstep: RequestChannel | None = None,
 ) -> FastAPI:
     """An app serving `model` (an mlx-lm model; the worker thread is its only user) and
     `tokenizer` (a TokenizerWrapper or a Hugging Face tokenizer). `stats` feeds the engine
-    metrics (schema in serve/stats.py). The worker starts and stops with the app's lifespan."""
+    metrics (schema in serve/stats.py). The worker starts and stops with the app's lifespan.
+    `lockstep`: rank 0 of a sharded model, whose followers run every request too
+    (serve/lockstep.py)."""
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
     if not isinstance(tokenizer, TokenizerWrapper):
@@ -79,6 +83,7 @@ def create_app(
         metrics=metrics,
         stats=stats,
         stats_interval_s=config.stats_interval_s,
+        lockstep=lockstep,
     )
     routes = _Routes(model, tokenizer, config, worker)
 

@@ -23,7 +23,12 @@ def serve(
     context_length: int | None = None,
     default_max_tokens: int = 512,
     log_level: str = "info",
+    distributed: str | None = None,
+    experts: str = "cpu",
 ) -> None:
+    """Serves MODEL until interrupted. `distributed` ("pipeline" or "tensor", under
+    mlx.launch): every rank loads its share with strata_stream.mlx_lm.sharded_load; rank 0
+    serves HTTP, the others follow it (serve/lockstep.py) and return when it stops."""
     from strata_stream.serve.app import create_app
     from strata_stream.serve.loader import load_for_serving
 
@@ -41,7 +46,51 @@ def serve(
         default_max_tokens=default_max_tokens,
     )
     arena_bytes = None if arena_gb is None else int(arena_gb * 2**30)
+    if distributed is not None:
+        _serve_distributed(model_path, distributed, experts, arena_bytes, config, host, port,
+                           log_level)  # fmt: skip
+        return
     loaded = load_for_serving(model_path, arena_bytes=arena_bytes)
     app = create_app(loaded.model, loaded.tokenizer, config, stats=loaded.stats)
     log.info("serving %s as model id '%s'", model_path, config.model_id)
+    run_foreground(app, host, port, log_level=log_level)
+
+
+def _serve_distributed(
+    model_path: str,
+    mode: str,
+    experts: str,
+    arena_bytes: int | None,
+    config: ServeConfig,
+    host: str,
+    port: int,
+    log_level: str,
+) -> None:
+    import mlx.core as mx
+
+    from strata_stream.mlx_lm import stats_source
+    from strata_stream.mlx_lm.distributed import sharded_load
+    from strata_stream.serve.app import create_app
+    from strata_stream.serve.lockstep import RequestChannel, follow
+
+    if mode not in ("pipeline", "tensor"):
+        raise ConfigError(f"distributed must be pipeline or tensor, got {mode!r}")
+    group = mx.distributed.init()
+    model, tokenizer = sharded_load(
+        model_path,
+        pipeline_group=group if mode == "pipeline" else None,
+        tensor_group=group if mode == "tensor" else None,
+        arena_bytes=arena_bytes,
+        experts=experts,
+        progress=group.rank() == 0,
+    )
+    channel = RequestChannel(group)
+    if group.rank() != 0:
+        served = follow(model, tokenizer, channel)
+        log.info("rank %d: rank 0 stopped after %d requests", group.rank(), served)
+        return
+    stats = stats_source(model) if getattr(model, "strata_engine", None) is not None else None
+    app = create_app(model, tokenizer, config, stats=stats, lockstep=channel)
+    log.info("serving %s as model id '%s' on %d ranks (%s)", model_path, config.model_id,
+             group.size(), mode)  # fmt: skip
     run_foreground(app, host, port, log_level=log_level)

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from strata_stream.serve.lockstep import STOP, RequestChannel, with_seed
 from strata_stream.serve.metrics import ServerMetrics
 from strata_stream.serve.stats import StatsSource
 from strata_stream.serve.stop import StopMatcher
@@ -116,8 +117,12 @@ class GenerationWorker:
         metrics: ServerMetrics,
         stats: StatsSource | None = None,
         stats_interval_s: float = 0.5,
+        lockstep: RequestChannel | None = None,
     ) -> None:
         self._model = model
+        # Rank 0 of a sharded model (serve/lockstep.py): every request goes to the followers
+        # before it runs, and runs to the end they will reach even when its client goes away.
+        self._lockstep = lockstep
         self._tokenizer = tokenizer
         self._metrics = metrics
         self._stats = stats
@@ -179,6 +184,9 @@ class GenerationWorker:
                 continue
             job.state = JobState.RUNNING
             self._running = job
+            if self._lockstep is not None:
+                job.request = with_seed(job.request)
+                self._lockstep.send(job.request)
             self._metrics.busy.set(1)
             try:
                 result = self._generate(job)
@@ -190,6 +198,8 @@ class GenerationWorker:
                 self._metrics.busy.set(0)
             self._finish(job, result)
             self._refresh_stats()
+        if self._lockstep is not None:
+            self._lockstep.send(STOP)
         self._drain()
 
     def _drain(self) -> None:
@@ -199,6 +209,10 @@ class GenerationWorker:
             except queue.Empty:
                 return
             self._finish(job, Finished("cancelled", len(job.request.prompt), 0))
+
+    def run_one(self, job: Job) -> Finished:
+        """Runs one job on the calling thread: a follower rank's loop (serve/lockstep.py)."""
+        return self._generate(job)
 
     def _finish(self, job: Job, result: Finished) -> None:
         job.state = JobState.FINISHED
@@ -260,21 +274,24 @@ class GenerationWorker:
                     m.prompt_tokens.inc(len(req.prompt))
                     m.prompt_tps.set(len(req.prompt) / max(now - t0, 1e-9))
                 m.generated_tokens.inc()
-                if job.cancelled or self._stop.is_set():
+                if reason != "cancelled" and (job.cancelled or self._stop.is_set()):
                     reason = "cancelled"
-                    break
+                    if self._lockstep is None:
+                        break
+                    # In lockstep the followers cannot know: run on to the end they reach
+                    # (EOS, a stop string, the length), delivering nothing.
                 if token in eos:
-                    reason = "stop"
+                    reason = "stop" if reason != "cancelled" else reason
                     break
                 completion += 1
                 with self.tokenizer_lock:
                     detok.add_token(token)
                     segment = detok.last_segment
                 text, hit = stop.feed(segment)
-                if text:
+                if text and reason != "cancelled":
                     job.emit(TextChunk(text))
                 if hit:
-                    reason = "stop"
+                    reason = "stop" if reason != "cancelled" else reason
                     break
                 if now - last_stats >= self._stats_interval_s:
                     last_stats = now
