@@ -313,6 +313,7 @@ PYBIND11_MODULE(_core, m) {
                self.get().enter_layer(l);
                return;
              }
+             // A list, even an empty one, protects exactly its experts.
              const std::vector<std::int32_t> ids = ids_arg(experts, "enter_layer");
              self.get().enter_layer(l, ids.data(), ids.size());
            },

@@ -819,22 +819,32 @@ std::uint32_t ExpertStream::publish_locked(std::uint32_t layer) {
   return n;
 }
 
+void ExpertStream::enter_layer(ClientId who, std::uint32_t layer) {
+  check_layer(layer);
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    enter_layer_locked(client_locked(who), layer, true, nullptr, 0);
+  }
+  done_cv_.notify_all();  // the previous layer's protections may have made room
+}
+
 void ExpertStream::enter_layer(ClientId who, std::uint32_t layer, const std::int32_t* experts,
                                std::size_t n) {
   check_layer(layer);
   {
     std::lock_guard<std::mutex> lk(mu_);
-    enter_layer_locked(client_locked(who), layer, experts, n);
+    enter_layer_locked(client_locked(who), layer, false, experts, n);
   }
   done_cv_.notify_all();  // the previous layer's protections may have made room
 }
 
-void ExpertStream::enter_layer_locked(ProtectionSet& p, std::uint32_t layer,
+void ExpertStream::enter_layer_locked(ProtectionSet& p, std::uint32_t layer, bool whole_layer,
                                       const std::int32_t* experts, std::size_t n) {
   const std::uint32_t E = layout().n_experts;
+  STRATA_ASSERT(whole_layer || experts || n == 0, "an expert list of n > 0 needs its pointer");
   p.executing = layer;
-  p.executing_keep.assign(E, experts ? 0 : 1);
-  for (std::size_t i = 0; experts && i < n; ++i)
+  p.executing_keep.assign(E, whole_layer ? 1 : 0);
+  for (std::size_t i = 0; !whole_layer && i < n; ++i)
     if (experts[i] >= 0 && std::uint32_t(experts[i]) < E)
       p.executing_keep[std::uint32_t(experts[i])] = 1;
   p.next = -1;
@@ -987,7 +997,7 @@ AtLayerResult ExpertStream::at_layer(ClientId who, std::uint32_t layer,
   Lock lk(mu_);
   require_open();
   AtLayerResult r;
-  enter_layer_locked(client_locked(who), layer, chosen, n);  // I4: what the device reads now
+  enter_layer_locked(client_locked(who), layer, false, chosen, n);  // I4: what the device reads
   done_cv_.notify_all();  // the previous layer's protections may have made room for others
   r.urgent = request_locked(lk, who, layer, chosen, n, ReadClass::Urgent, interrupt);
   r.published = publish_locked(layer);  // I2: before the device is released

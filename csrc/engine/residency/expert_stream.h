@@ -196,16 +196,17 @@ class ExpertStream {
   // ---- handshake pieces -----------------------------------------------------------------
   // Publishes completed, non-limbo slots of layers l+1..l+2 (I2); scans <= 2 * n_experts keys.
   std::uint32_t publish(std::uint32_t layer);
-  // Marks `layer` as executing (I4). With `experts` null its every slot is protected until the
-  // next enter/end; otherwise only the listed experts are: the ones the device reads in this
-  // call (a prompt chunk may route to more experts of a layer than the arena holds, and runs
-  // them in waves, each entering with its own experts).
+  // Marks `layer` as executing (I4). Without an expert list its every slot is protected until
+  // the next enter/end; with one, only the listed experts are (none for an empty list): the
+  // ones the device reads in this call (a prompt chunk may route to more experts of a layer
+  // than the arena holds, and runs them in waves, each entering with its own experts).
   // Each takes the client whose protections it changes; without one, the stream's own set.
-  void enter_layer(std::uint32_t layer, const std::int32_t* experts = nullptr, std::size_t n = 0) {
+  void enter_layer(std::uint32_t layer) { enter_layer(kStreamClient, layer); }
+  void enter_layer(std::uint32_t layer, const std::int32_t* experts, std::size_t n) {
     enter_layer(kStreamClient, layer, experts, n);
   }
-  void enter_layer(ClientId who, std::uint32_t layer, const std::int32_t* experts = nullptr,
-                   std::size_t n = 0);
+  void enter_layer(ClientId who, std::uint32_t layer);
+  void enter_layer(ClientId who, std::uint32_t layer, const std::int32_t* experts, std::size_t n);
   void after_layer(std::uint32_t layer) { after_layer(kStreamClient, layer); }
   void after_layer(ClientId who, std::uint32_t layer);  // also protect layer+1 (its router may run)
   void end_turn() { end_turn(kStreamClient); }
@@ -259,8 +260,10 @@ class ExpertStream {
   std::uint32_t publish_locked(std::uint32_t layer);
   // The client's protection set; throws Closed when it is not registered (closed under a call).
   ProtectionSet& client_locked(ClientId who);
-  void enter_layer_locked(ProtectionSet& p, std::uint32_t layer, const std::int32_t* experts,
-                          std::size_t n);
+  // whole_layer: protect every slot of `layer`; else exactly experts[0, n) (n may be 0: the
+  // pointer is not the signal, since an empty vector's data() may be null).
+  void enter_layer_locked(ProtectionSet& p, std::uint32_t layer, bool whole_layer,
+                          const std::int32_t* experts, std::size_t n);
   void after_layer_locked(ProtectionSet& p, std::uint32_t layer);
   void release_plan_locked(ProtectionSet& p);
   // Whether some client other than `who` holds protections and is not itself waiting for space:
