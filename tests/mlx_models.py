@@ -1,5 +1,27 @@
-"""The tests' checkpoints: strata_stream.mlx_lm.random_model (tiny by default)."""
+"""The tests' checkpoints: strata_stream.mlx_lm.random_model (tiny by default), and a way to
+spoil their expert tensors (to prove MLX never reads them)."""
 
+import os
+from pathlib import Path
+
+from strata_stream.convert.safetensors_index import SafetensorsIndex
 from strata_stream.mlx_lm.random_model import CONFIGS, make_checkpoint
 
-__all__ = ["CONFIGS", "make_checkpoint"]
+__all__ = ["CONFIGS", "make_checkpoint", "poison_experts"]
+
+
+def poison_experts(path: Path) -> None:
+    """Overwrite every routed expert tensor in the shards with 0xFF bytes (NaN in bf16/f32)."""
+    with SafetensorsIndex(path) as index:
+        spans = [
+            (t.file, t.offset, t.nbytes)
+            for name, t in index.tensors.items()
+            if (".switch_mlp." in name or ".experts." in name)
+        ]
+    assert spans
+    for file, offset, nbytes in spans:
+        fd = os.open(file, os.O_WRONLY)
+        try:
+            os.pwrite(fd, b"\xff" * nbytes, offset)
+        finally:
+            os.close(fd)

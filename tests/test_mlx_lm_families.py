@@ -16,7 +16,6 @@ Against plain `mlx_lm.load` on the same directory:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,10 +26,9 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 mlx_lm = pytest.importorskip("mlx_lm")
 
-from mlx_models import CONFIGS, make_checkpoint  # noqa: E402
+from mlx_models import CONFIGS, make_checkpoint, poison_experts  # noqa: E402
 from strata_stream import ExpertPack, StreamConfig  # noqa: E402
 from strata_stream.convert import convert  # noqa: E402
-from strata_stream.convert.safetensors_index import SafetensorsIndex  # noqa: E402
 from strata_stream.mlx_lm import load  # noqa: E402
 from strata_stream.mlx_lm.families import family_of  # noqa: E402
 from strata_stream.mlx_lm.loader import _find_blocks  # noqa: E402
@@ -240,23 +238,6 @@ def test_streamed_output_identical_across_configs(
     assert stats["hits"] + stats["misses"] > 0
 
 
-def _poison_experts(path: Path) -> None:
-    """Overwrite every routed expert tensor in the shards with 0xFF bytes (NaN in bf16/f32)."""
-    with SafetensorsIndex(path) as index:
-        spans = [
-            (t.file, t.offset, t.nbytes)
-            for name, t in index.tensors.items()
-            if (".switch_mlp." in name or ".experts." in name)
-        ]
-    assert spans
-    for file, offset, nbytes in spans:
-        fd = os.open(file, os.O_WRONLY)
-        try:
-            os.pwrite(fd, b"\xff" * nbytes, offset)
-        finally:
-            os.close(fd)
-
-
 @pytest.mark.parametrize("experts", ["cpu", "mlx"])
 @pytest.mark.parametrize("fam", ["qwen3_moe", "gpt_oss"], indirect=True)  # plain and biased
 def test_mlx_never_reads_the_expert_tensors(
@@ -266,7 +247,7 @@ def test_mlx_never_reads_the_expert_tensors(
 
     copy = tmp_path / "poisoned"
     shutil.copytree(fam.path, copy)
-    _poison_experts(copy)
+    poison_experts(copy)
     model, _ = load(
         str(copy),
         pack_path=fam.pack,

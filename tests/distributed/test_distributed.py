@@ -31,10 +31,9 @@ mx = pytest.importorskip("mlx.core")
 mlx_lm = pytest.importorskip("mlx_lm")
 
 import strata_stream  # noqa: E402
-from mlx_models import make_checkpoint  # noqa: E402
+from mlx_models import make_checkpoint, poison_experts  # noqa: E402
 from strata_stream import ExpertPack, StreamConfig  # noqa: E402
 from strata_stream.convert import convert  # noqa: E402
-from strata_stream.convert.safetensors_index import SafetensorsIndex  # noqa: E402
 from strata_stream.mlx_lm import load  # noqa: E402
 from strata_stream.mlx_lm.launch import launcher, run_ranks  # noqa: E402
 
@@ -86,21 +85,6 @@ def run(model: Any) -> tuple[np.ndarray, list[int]]:
         mx.array(TOKENS), model, max_tokens=MAX_TOKENS, sampler=lambda x: mx.argmax(x, axis=-1)
     )
     return logits, [int(t) for t, _ in steps]
-
-
-def poison_experts(path: Path) -> None:
-    """Overwrite every routed expert tensor with 0xFF bytes (NaN scales and biases)."""
-    with SafetensorsIndex(path) as index:
-        spans = [
-            (t.file, t.offset, t.nbytes) for n, t in index.tensors.items() if ".switch_mlp." in n
-        ]
-    assert spans
-    for file, offset, nbytes in spans:
-        fd = os.open(file, os.O_WRONLY)
-        try:
-            os.pwrite(fd, b"\xff" * nbytes, offset)
-        finally:
-            os.close(fd)
 
 
 class Case:
