@@ -38,12 +38,12 @@ v8f round_vec<F32>(v8f v) {
   return v;
 }
 
-// Rows [r, r + n) of m, dequantized as MLX does ((s * q) + b, each rounded), transposed into
-// tile[c * kLanes + lane] so that column c of all lanes is one vector. The transpose is free:
-// one 32-bit word of each of the 8 rows makes a vector, and its codes at one shift are 8 rows'
-// codes of one column. Lanes >= n repeat row r; their results are never stored.
-template <class R, std::uint32_t Bits>
-void decode_tile(const MatrixView& m, std::uint32_t r, std::uint32_t n, float* tile) {
+// Rows [r, r + n) of m, dequantized as MLX does ((s * q) + b, each rounded), column by column:
+// visit(v) gets column c of all lanes as one vector, c = 0, 1, ... in order. The transpose is
+// free: one 32-bit word of each of the 8 rows makes a vector, and its codes at one shift are 8
+// rows' codes of one column. Lanes >= n repeat row r; their results are never stored.
+template <class R, std::uint32_t Bits, class Visit>
+void walk_columns(const MatrixView& m, std::uint32_t r, std::uint32_t n, Visit&& visit) {
   constexpr std::uint32_t per_word = 32 / Bits, mask = (1u << Bits) - 1;
   const std::uint32_t words = m.cols / per_word, groups = m.cols / m.group_size;
   const std::uint32_t group_words = m.group_size / per_word;
@@ -53,7 +53,6 @@ void decode_tile(const MatrixView& m, std::uint32_t r, std::uint32_t n, float* t
     rows[lane] = r + (lane < n ? lane : 0);
     w[lane] = reinterpret_cast<const std::uint32_t*>(m.weight) + std::size_t(rows[lane]) * words;
   }
-  float* out = tile;
   for (std::uint32_t g = 0; g < groups; ++g) {
     v8f s, b;
     for (std::uint32_t lane = 0; lane < kLanes; ++lane) {
@@ -64,20 +63,43 @@ void decode_tile(const MatrixView& m, std::uint32_t r, std::uint32_t n, float* t
       const v8u word = {w[0][i], w[1][i], w[2][i], w[3][i], w[4][i], w[5][i], w[6][i], w[7][i]};
       for (std::uint32_t j = 0; j < per_word; ++j) {
         const v8f q = __builtin_convertvector((word >> (Bits * j)) & mask, v8f);
-        const v8f v = round_vec<R>(round_vec<R>(s * q) + b);
-        std::memcpy(out, &v, 32);
-        out += kLanes;
+        visit(round_vec<R>(round_vec<R>(s * q) + b));
       }
     }
   }
 }
 
+template <class R, class Visit>
+void walk_columns(const MatrixView& m, std::uint32_t r, std::uint32_t n, Visit&& visit) {
+  if (m.format == WeightFormat::Q4)
+    walk_columns<R, 4>(m, r, n, visit);
+  else
+    walk_columns<R, 8>(m, r, n, visit);
+}
+
+// The rows decoded into tile[c * kLanes + lane], for several entries to read.
 template <class R>
 void decode_tile(const MatrixView& m, std::uint32_t r, std::uint32_t n, float* tile) {
-  if (m.format == WeightFormat::Q4)
-    decode_tile<R, 4>(m, r, n, tile);
-  else
-    decode_tile<R, 8>(m, r, n, tile);
+  walk_columns<R>(m, r, n, [&tile](v8f v) {
+    std::memcpy(tile, &v, 32);
+    tile += kLanes;
+  });
+}
+
+// One step of MLX's quantized dot for all lanes: sum = sum + x * w, each op rounded.
+template <class R>
+v8f accumulate(v8f acc, float x, v8f w) {
+  const v8f xv = {x, x, x, x, x, x, x, x};
+  return round_vec<R>(acc + round_vec<R>(xv * w));
+}
+
+// The rows' dot with one x, decoding as it goes (a single entry, as in decode: the tile would
+// only round-trip through memory). The same steps in the same order as dot_lanes on a tile.
+template <class R>
+v8f fused_dot(const MatrixView& m, std::uint32_t r, std::uint32_t n, const float* x) {
+  v8f acc = {};
+  walk_columns<R>(m, r, n, [&](v8f w) { acc = accumulate<R>(acc, *x++, w); });
+  return acc;
 }
 
 // MLX's quantized dot for kLanes rows at once: sum = sum + x[c] * w[c], k in order, each step
@@ -88,9 +110,7 @@ v8f dot_lanes(const float* tile, const float* x, std::uint32_t cols) {
   for (std::uint32_t c = 0; c < cols; ++c) {
     v8f w;
     std::memcpy(&w, tile + std::size_t(c) * kLanes, 32);
-    const float xc = x[c];
-    const v8f xv = {xc, xc, xc, xc, xc, xc, xc, xc};
-    acc = round_vec<R>(acc + round_vec<R>(xv * w));
+    acc = accumulate<R>(acc, x[c], w);
   }
   return acc;
 }
@@ -106,14 +126,19 @@ void gate_up_typed(const DeviceBuffers& b, const ExpertView& ev,
                    const std::vector<std::uint32_t>& entries, std::uint32_t r0,
                    std::uint32_t r1) {
   const std::uint32_t H = b.layout->hidden, I = b.layout->moe_intermediate, k = b.layout->top_k;
-  std::vector<float> gate(std::size_t(H) * kLanes), up(std::size_t(H) * kLanes);
+  const bool single = entries.size() == 1;
+  std::vector<float> gate(single ? 0 : std::size_t(H) * kLanes);
+  std::vector<float> up(single ? 0 : std::size_t(H) * kLanes);
   for (std::uint32_t r = r0; r < r1; r += kLanes) {
     const std::uint32_t n = std::min(kLanes, r1 - r);
-    decode_tile<R>(ev.gate, r, n, gate.data());
-    decode_tile<R>(ev.up, r, n, up.data());
+    if (!single) {
+      decode_tile<R>(ev.gate, r, n, gate.data());
+      decode_tile<R>(ev.up, r, n, up.data());
+    }
     for (std::uint32_t i : entries) {
       const float* x = b.x + std::size_t(i / k) * H;
-      const v8f g = dot_lanes<R>(gate.data(), x, H), u = dot_lanes<R>(up.data(), x, H);
+      const v8f g = single ? fused_dot<R>(ev.gate, r, n, x) : dot_lanes<R>(gate.data(), x, H);
+      const v8f u = single ? fused_dot<R>(ev.up, r, n, x) : dot_lanes<R>(up.data(), x, H);
       for (std::uint32_t lane = 0; lane < n; ++lane) {
         float gv = g[lane], uv = u[lane];
         // mlx-lm adds a SwitchLinear's bias after the matmul, one more rounded op.
@@ -130,12 +155,14 @@ void down_typed(const DeviceBuffers& b, const ExpertView& ev,
                 const std::vector<std::uint32_t>& entries, std::uint32_t r0, std::uint32_t r1,
                 bool weights_bf16) {
   const std::uint32_t H = b.layout->hidden, I = b.layout->moe_intermediate;
-  std::vector<float> down(std::size_t(I) * kLanes);
+  const bool single = entries.size() == 1;
+  std::vector<float> down(single ? 0 : std::size_t(I) * kLanes);
   for (std::uint32_t r = r0; r < r1; r += kLanes) {
     const std::uint32_t n = std::min(kLanes, r1 - r);
-    decode_tile<R>(ev.down, r, n, down.data());
+    if (!single) decode_tile<R>(ev.down, r, n, down.data());
     for (std::uint32_t i : entries) {
-      const v8f d = dot_lanes<R>(down.data(), b.h + std::size_t(i) * I, I);
+      const float* h = b.h + std::size_t(i) * I;
+      const v8f d = single ? fused_dot<R>(ev.down, r, n, h) : dot_lanes<R>(down.data(), h, I);
       for (std::uint32_t lane = 0; lane < n; ++lane) {
         float v = d[lane];
         if (ev.down.bias) v = R::one(v + ev.down.bias_at(r + lane));
