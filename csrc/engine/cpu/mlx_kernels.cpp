@@ -13,25 +13,20 @@ constexpr std::uint32_t kLanes = 8;  // output rows computed side by side, one p
 typedef float v8f __attribute__((vector_size(32)));
 typedef std::uint32_t v8u __attribute__((vector_size(32)));
 
-// round_bf16 on a vector, without the NaN guard: every value it rounds comes from bfloat16
-// operands (activations, scales, biases, earlier rounded results), and a NaN made from those
-// carries its payload in the high 16 bits (or is x86's default NaN), which rounding keeps a
-// NaN. Only a NaN with a payload confined to the low 16 bits could turn into infinity, and none
-// can arise here.
-v8f round_bf16_vec(v8f v) {
+// The vector rounding of each dtype policy. Bf16: round_bf16 without the NaN guard: every
+// value it rounds comes from bfloat16 operands (activations, scales, biases, earlier rounded
+// results), and a NaN made from those carries its payload in the high 16 bits (or is x86's
+// default NaN), which rounding keeps a NaN. Only a NaN with a payload confined to the low 16
+// bits could turn into infinity, and none can arise here.
+template <class R>
+v8f round_vec(v8f v);
+template <>
+v8f round_vec<Bf16>(v8f v) {
   v8u u;
   std::memcpy(&u, &v, 32);
   u = (u + ((u >> 16) & 1u) + 0x7FFFu) & 0xFFFF0000u;
   std::memcpy(&v, &u, 32);
   return v;
-}
-
-// The vector rounding of each dtype policy.
-template <class R>
-v8f round_vec(v8f v);
-template <>
-v8f round_vec<Bf16>(v8f v) {
-  return round_bf16_vec(v);
 }
 template <>
 v8f round_vec<F32>(v8f v) {
@@ -93,8 +88,8 @@ v8f accumulate(v8f acc, float x, v8f w) {
   return round_vec<R>(acc + round_vec<R>(xv * w));
 }
 
-// The rows' dot with one x, decoding as it goes (a single entry, as in decode: the tile would
-// only round-trip through memory). The same steps in the same order as dot_lanes on a tile.
+// The rows' dot with one x, decoding as it goes: the same steps in the same order as dot_lanes
+// on a tile.
 template <class R>
 v8f fused_dot(const MatrixView& m, std::uint32_t r, std::uint32_t n, const float* x) {
   v8f acc = {};
@@ -115,6 +110,29 @@ v8f dot_lanes(const float* tile, const float* x, std::uint32_t cols) {
   return acc;
 }
 
+// Rows [r, r + n) of one matrix, dotted with each entry's input: decoded once into a tile when
+// several entries read them (a prompt), decoded on the fly when one does (decode: the tile
+// would only round-trip through memory). The same steps in the same order either way.
+template <class R>
+class RowBlock {
+ public:
+  RowBlock(const MatrixView& m, std::size_t entries)
+      : m_(m), tile_(entries > 1 ? std::size_t(m.cols) * kLanes : 0) {}
+  void load(std::uint32_t r, std::uint32_t n) {
+    r_ = r;
+    n_ = n;
+    if (!tile_.empty()) decode_tile<R>(m_, r, n, tile_.data());
+  }
+  v8f dot(const float* x) const {
+    return tile_.empty() ? fused_dot<R>(m_, r_, n_, x) : dot_lanes<R>(tile_.data(), x, m_.cols);
+  }
+
+ private:
+  const MatrixView& m_;
+  std::vector<float> tile_;
+  std::uint32_t r_ = 0, n_ = 0;
+};
+
 template <class R>
 float activate(const ExpertView& ev, float g, float u) {
   if (ev.activation == Activation::SwiGLU) return swiglu<R>(g, u);
@@ -126,19 +144,14 @@ void gate_up_typed(const DeviceBuffers& b, const ExpertView& ev,
                    const std::vector<std::uint32_t>& entries, std::uint32_t r0,
                    std::uint32_t r1) {
   const std::uint32_t H = b.layout->hidden, I = b.layout->moe_intermediate, k = b.layout->top_k;
-  const bool single = entries.size() == 1;
-  std::vector<float> gate(single ? 0 : std::size_t(H) * kLanes);
-  std::vector<float> up(single ? 0 : std::size_t(H) * kLanes);
+  RowBlock<R> gate(ev.gate, entries.size()), up(ev.up, entries.size());
   for (std::uint32_t r = r0; r < r1; r += kLanes) {
     const std::uint32_t n = std::min(kLanes, r1 - r);
-    if (!single) {
-      decode_tile<R>(ev.gate, r, n, gate.data());
-      decode_tile<R>(ev.up, r, n, up.data());
-    }
+    gate.load(r, n);
+    up.load(r, n);
     for (std::uint32_t i : entries) {
       const float* x = b.x + std::size_t(i / k) * H;
-      const v8f g = single ? fused_dot<R>(ev.gate, r, n, x) : dot_lanes<R>(gate.data(), x, H);
-      const v8f u = single ? fused_dot<R>(ev.up, r, n, x) : dot_lanes<R>(up.data(), x, H);
+      const v8f g = gate.dot(x), u = up.dot(x);
       for (std::uint32_t lane = 0; lane < n; ++lane) {
         float gv = g[lane], uv = u[lane];
         // mlx-lm adds a SwitchLinear's bias after the matmul, one more rounded op.
@@ -155,14 +168,12 @@ void down_typed(const DeviceBuffers& b, const ExpertView& ev,
                 const std::vector<std::uint32_t>& entries, std::uint32_t r0, std::uint32_t r1,
                 bool weights_bf16) {
   const std::uint32_t H = b.layout->hidden, I = b.layout->moe_intermediate;
-  const bool single = entries.size() == 1;
-  std::vector<float> down(single ? 0 : std::size_t(I) * kLanes);
+  RowBlock<R> down(ev.down, entries.size());
   for (std::uint32_t r = r0; r < r1; r += kLanes) {
     const std::uint32_t n = std::min(kLanes, r1 - r);
-    if (!single) decode_tile<R>(ev.down, r, n, down.data());
+    down.load(r, n);
     for (std::uint32_t i : entries) {
-      const float* h = b.h + std::size_t(i) * I;
-      const v8f d = single ? fused_dot<R>(ev.down, r, n, h) : dot_lanes<R>(down.data(), h, I);
+      const v8f d = down.dot(b.h + std::size_t(i) * I);
       for (std::uint32_t lane = 0; lane < n; ++lane) {
         float v = d[lane];
         if (ev.down.bias) v = R::one(v + ev.down.bias_at(r + lane));
