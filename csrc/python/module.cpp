@@ -693,7 +693,7 @@ PYBIND11_MODULE(_core, m) {
       [id_table, or_null](Window& w, std::uint32_t layer, py::buffer x, const std::string& dtype,
                  IntArray ids, FloatArray weights, std::optional<IntArray> pred1,
                  std::optional<IntArray> pred2, const std::string& arithmetic,
-                 bool weights_bf16) {
+                 const std::string& weights_dtype) {
         const PackLayout& L = w.layout();
         py::buffer_info xb = x.request();
         Window::XType xt;
@@ -727,18 +727,23 @@ PYBIND11_MODULE(_core, m) {
         const auto pred1_v = id_table(pred1, "pred1", rows, k, false);
         const auto pred2_v = id_table(pred2, "pred2", rows, k, false);
         Window::Routed r;
-        // "mlx": MLX's own arithmetic for x's dtype (bfloat16 or float32).
+        // "mlx": MLX's own arithmetic for x's dtype (bfloat16 or float32). The one place these
+        // arguments are checked (Window.moe_routed forwards them).
+        if (arithmetic != "float32" && arithmetic != "mlx")
+          throw EngineError(ErrorKind::Config,
+                            "arithmetic must be 'float32' or 'mlx', got '" + arithmetic + "'");
+        if (weights_dtype != "float32" && weights_dtype != "bfloat16")
+          throw EngineError(ErrorKind::Config,
+                            "weights_dtype must be 'float32' or 'bfloat16', got '" +
+                                weights_dtype + "'");
         if (arithmetic == "mlx") {
           if (xt == Window::XType::F16)
-            throw std::invalid_argument(
-                "arithmetic='mlx' reproduces MLX for bfloat16 and float32 activations, not "
-                "float16");
+            throw EngineError(ErrorKind::Config,
+                              "arithmetic='mlx' reproduces MLX for bfloat16 and float32 inputs, "
+                              "not float16");
           r.rounding.arithmetic =
               xt == Window::XType::BF16 ? Arithmetic::MlxBfloat16 : Arithmetic::MlxFloat32;
-          r.rounding.weights_bf16 = weights_bf16;
-        } else if (arithmetic != "float32") {
-          throw std::invalid_argument("arithmetic must be 'float32' or 'mlx', got '" +
-                                      arithmetic + "'");
+          r.rounding.weights_bf16 = weights_dtype == "bfloat16";
         }
         r.ids = ids_v.data();
         r.weights = weights_v.data();
@@ -754,7 +759,7 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("layer"), py::arg("x"), py::arg("dtype"), py::arg("ids"), py::arg("weights"),
       py::arg("pred1") = py::none(), py::arg("pred2") = py::none(),
-      py::arg("arithmetic") = "float32", py::arg("weights_bf16") = false);
+      py::arg("arithmetic") = "float32", py::arg("weights_dtype") = "float32");
   window_cls.def(
       "moe_routed_host",
       [id_table, or_null](Window& w, std::uint32_t layer, IntArray ids, std::optional<IntArray> pred1,

@@ -185,18 +185,8 @@ class Window:
         weights are passed widened to float32): with "mlx", bfloat16 weights round each
         weighted expert output to bfloat16 as MLX does.
         """
-        if arithmetic not in ("float32", "mlx"):
-            raise ConfigError(f"arithmetic must be 'float32' or 'mlx', got {arithmetic!r}")
-        if weights_dtype not in ("float32", "bfloat16"):
-            raise ConfigError(
-                f"weights_dtype must be 'float32' or 'bfloat16', got {weights_dtype!r}"
-            )
         layer = self._routed_layer(layer)
         view, dtype = _x_buffer(x, self.hidden)
-        if arithmetic == "mlx" and dtype not in ("bfloat16", "float32"):
-            raise ConfigError(
-                f"arithmetic='mlx' reproduces MLX for bfloat16 and float32 inputs, not {dtype}"
-            )
         rows = view.shape[0] if view.shape else 0
         tables = self._routed_tables(rows, ids, pred1, pred2)
         w = np.ascontiguousarray(weights, dtype=np.float32)
@@ -214,7 +204,7 @@ class Window:
                 w,
                 *tables[1:],
                 arithmetic=arithmetic,
-                weights_bf16=weights_dtype == "bfloat16",
+                weights_dtype=weights_dtype,
             ),
         )
         return out
