@@ -208,6 +208,28 @@ def sharded_load(
     return model, tokenizer
 
 
+SPLITS = ("pipeline", "tensor")
+
+
+def load_split(
+    path_or_repo: str | os.PathLike[str], split: str, **kwargs: Any
+) -> tuple[Any, Any, Any]:
+    """(model, tokenizer, group) for the `--pipeline` / `--tensor` commands: `sharded_load`
+    over the world group mlx.launch set up, split one way, showing progress on rank 0 only.
+    kwargs go to sharded_load."""
+    if split not in SPLITS:
+        raise ConfigError(f"split must be pipeline or tensor, got {split!r}")
+    group = mx.distributed.init()
+    model, tokenizer = sharded_load(
+        path_or_repo,
+        pipeline_group=group if split == "pipeline" else None,
+        tensor_group=group if split == "tensor" else None,
+        progress=group.rank() == 0,
+        **kwargs,
+    )
+    return model, tokenizer, group
+
+
 def rank_stats(model: Any) -> dict[str, Any]:
     """This rank's engine figures: Window.stats()["total"] plus the arena and share."""
     engine = getattr(model, "strata_engine", None)

@@ -102,27 +102,21 @@ def generate_distributed(
     print nothing. Returns this rank's figures and the per-rank list."""
     import io
 
-    import mlx.core as mx
     from mlx_lm.generate import stream_generate
 
-    from strata_stream.mlx_lm.distributed import SUMMED, gather_stats, rank_stats, sharded_load
+    from strata_stream.mlx_lm.distributed import SUMMED, gather_stats, load_split, rank_stats
 
-    if mode not in ("pipeline", "tensor"):
-        raise ValueError(f"mode must be pipeline or tensor, got {mode!r}")
-    group = mx.distributed.init(strict=False)
-    rank = group.rank()
-    say = (sys.stdout if out is None else out) if rank == 0 else io.StringIO()
     arena = None if arena_gb is None else int(arena_gb * (1 << 30))
-    model, tokenizer = sharded_load(
+    model, tokenizer, group = load_split(
         model_path,
-        pipeline_group=group if mode == "pipeline" else None,
-        tensor_group=group if mode == "tensor" else None,
+        mode,
         arena_bytes=arena,
         experts=experts,
         arithmetic=arithmetic,
         config=StreamConfig.from_env(),
-        progress=rank == 0,
     )
+    rank = group.rank()
+    say = (sys.stdout if out is None else out) if rank == 0 else io.StringIO()
     engine = model.strata_engine
     try:
         last = None

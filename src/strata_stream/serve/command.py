@@ -66,23 +66,14 @@ def _serve_distributed(
     port: int,
     log_level: str,
 ) -> None:
-    import mlx.core as mx
 
     from strata_stream.mlx_lm import stats_source
-    from strata_stream.mlx_lm.distributed import sharded_load
+    from strata_stream.mlx_lm.distributed import load_split
     from strata_stream.serve.app import create_app
     from strata_stream.serve.lockstep import RequestChannel, follow
 
-    if mode not in ("pipeline", "tensor"):
-        raise ConfigError(f"distributed must be pipeline or tensor, got {mode!r}")
-    group = mx.distributed.init()
-    model, tokenizer = sharded_load(
-        model_path,
-        pipeline_group=group if mode == "pipeline" else None,
-        tensor_group=group if mode == "tensor" else None,
-        arena_bytes=arena_bytes,
-        experts=experts,
-        progress=group.rank() == 0,
+    model, tokenizer, group = load_split(
+        model_path, mode, arena_bytes=arena_bytes, experts=experts
     )
     channel = RequestChannel(group)
     if group.rank() != 0:
