@@ -12,6 +12,7 @@
 
 #include "exec/backend.h"
 #include "common/check.h"
+#include "common/thread_name.h"
 #include "cpu/cpu_kernels.h"
 #include "cpu/mlx_kernels.h"
 
@@ -22,7 +23,10 @@ namespace {
 class WorkerPool {
  public:
   explicit WorkerPool(unsigned workers) {
-    for (unsigned i = 0; i < workers; ++i) threads_.emplace_back([this] { loop(); });
+    for (unsigned i = 0; i < workers; ++i) threads_.emplace_back([this] {
+        name_this_thread("strata-pool");
+        loop();
+      });
   }
   ~WorkerPool() {
     {
@@ -96,7 +100,10 @@ class WorkerPool {
 class CpuBackend final : public Backend {
  public:
   explicit CpuBackend(unsigned threads)
-      : pool_(threads > 1 ? threads - 1 : 0), device_([this] { device_loop(); }) {}
+      : pool_(threads > 1 ? threads - 1 : 0), device_([this] {
+          name_this_thread("strata-device");
+          device_loop();
+        }) {}
 
   ~CpuBackend() override {
     {

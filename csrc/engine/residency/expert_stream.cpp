@@ -11,6 +11,7 @@
 
 #include "common/check.h"
 #include "common/errors.h"
+#include "common/thread_name.h"
 #include "common/timing.h"
 #include "pack/checksum.h"
 #include "residency/smap.h"
@@ -80,6 +81,7 @@ ExpertStream::ExpertStream(const std::string& pack_path, const StreamOptions& op
   threads_.reserve(opt_.io_threads);
   for (std::uint32_t i = 0; i < opt_.io_threads; ++i) {
     threads_.emplace_back([this] {
+      name_this_thread("strata-io");
       io_loop();
       io_exited();
     });
@@ -145,6 +147,7 @@ void ExpertStream::dispose(std::unique_ptr<ExpertStream> stream, double bound_s)
   if (stream->close(bound_s)) return;  // joined: the unique_ptr frees it here
   g_disposing.fetch_add(1);
   std::thread([s = std::move(stream)]() mutable {
+    name_this_thread("strata-dispose");
     s.reset();  // the destructor waits for the stuck read, then frees the arena
     g_disposing.fetch_sub(1);
   }).detach();

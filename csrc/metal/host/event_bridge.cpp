@@ -1,5 +1,7 @@
 #include "event_bridge.h"
 
+#include "common/thread_name.h"
+
 namespace strata::metal {
 namespace {
 constexpr auto kPoll = std::chrono::milliseconds(50);  // how often a blocked wait checks stop_
@@ -7,8 +9,14 @@ constexpr auto kPoll = std::chrono::milliseconds(50);  // how often a blocked wa
 
 EventBridge::EventBridge(DeviceEventFactory make_event)
     : make_event_(std::move(make_event)),
-      to_device_([this] { host_to_device_loop(); }),
-      to_host_([this] { device_to_host_loop(); }) {}
+      to_device_([this] {
+        name_this_thread("strata-to-gpu");
+        host_to_device_loop();
+      }),
+      to_host_([this] {
+        name_this_thread("strata-to-cpu");
+        device_to_host_loop();
+      }) {}
 
 EventBridge::~EventBridge() {
   {
