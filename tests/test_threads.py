@@ -329,8 +329,13 @@ def test_close_frees_the_device_thread_pool_and_scratch_at_once(pack: Path) -> N
     with ExpertStream(pack, config(pack, prompt_buf_reuse=True)) as stream:
         before = live_threads()
         w = Window(stream, threads=3)  # a device thread and two pool workers
-        ours = {t: n for t, n in live_threads().items() if t not in before}
-        assert sorted(ours.values()) == ["strata-device", "strata-pool", "strata-pool"]
+        want = ["strata-device", "strata-pool", "strata-pool"]
+
+        def started() -> dict[int, str]:  # a thread names itself once it runs
+            return {t: n for t, n in live_threads().items() if t not in before and n in want}
+
+        wait_until(lambda: sorted(started().values()) == want, "the Window's threads started")
+        ours = started()
         with w.turn():
             for layer, x in enumerate(xs):
                 w.moe(layer, x)
