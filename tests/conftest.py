@@ -73,6 +73,7 @@ def make_pack(tmp_path_factory: pytest.TempPathFactory) -> PackFactory:
                 random_experts(g, seed),
                 weight_format=weight_format,
                 group_size=group_size,
+                scale_dtype="e8m0" if weight_format == "mxfp4" else "f16",
                 progress=False,
             )
             cache[key] = path

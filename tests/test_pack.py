@@ -17,8 +17,10 @@ from strata_stream.pack import (
     ExpertPack,
     Geometry,
     QuantizedMatrix,
+    dequantize,
     pack_preset,
     quantize,
+    quantize_mxfp4,
     write_pack,
 )
 from strata_stream.pack.header import PackHeader, record_crc
@@ -215,6 +217,33 @@ def test_layout_matches_spec_offsets(tmp_path: Path) -> None:
         assert not any(data[rec_off + i * stride + record_bytes : rec_off + (i + 1) * stride])
 
 
+def test_mxfp4_layout_matches_spec_and_round_trips(tmp_path: Path) -> None:
+    # Header fields and tensor table as docs/pack-format.md gives them for mxfp4, decoded
+    # independently of header.py; the values are quantize_mxfp4's, read back exactly.
+    path = write(tmp_path, weight_format="mxfp4", group_size=32, scale_dtype="e8m0")
+    data = path.read_bytes()
+    # weight_format 5 (mxfp4), group_size 32, scale_format 3 (e8m0)
+    assert [int(struct.unpack_from("<I", data, o)[0]) for o in (44, 48, 52)] == [5, 32, 3]
+    table = [struct.unpack_from("<IIQQII", data, 144 + 32 * i) for i in range(6)]
+    assert int(struct.unpack_from("<I", data, 136)[0]) == 6  # weight and scales per matrix
+    # gate weight: [128 rows, 256 cols / 8 words]; scales: one u8 per 32 columns.
+    assert table[0] == (0, 0, 0, 128 * 32 * 4, 128, 32)
+    assert table[1] == (0, 1, 16384, 128 * 8, 128, 8)
+    assert [t[:2] for t in table] == [(m, r) for m in range(3) for r in (0, 1)]
+    ref = float_experts(GEOM)
+    with ExpertPack.open(path) as pack:
+        assert (pack.weight_format, pack.group_size, pack.scale_dtype) == ("mxfp4", 32, "e8m0")
+        for got, w in zip(pack.expert_weights(1, 2), ref(1, 2), strict=True):
+            np.testing.assert_array_equal(got, dequantize(quantize_mxfp4(w)))
+        assert pack.verify(progress=False) == GEOM.n_records
+    for bad in ({"group_size": 64}, {"scale_dtype": "f16"}):
+        with pytest.raises(ConfigError, match="mxfp4 has groups of 32 and e8m0 scales"):
+            write(tmp_path, "x.strpk", weight_format="mxfp4", **{"group_size": 32,
+                  "scale_dtype": "e8m0", **bad})  # fmt: skip
+    with pytest.raises(ConfigError, match="e8m0 is mxfp4's"):
+        write(tmp_path, "x.strpk", weight_format="q4", scale_dtype="e8m0")
+
+
 def test_qwen3_layout_is_one_exact_stride() -> None:
     p = PRESETS["qwen3-30b-a3b"]
     h = PackHeader(p.geometry, "q4", 64, "f16", meta_bytes=3000)
@@ -323,7 +352,7 @@ def test_presets_are_deterministic(tmp_path: Path) -> None:
         assert pack.geometry == PRESETS["tiny"].geometry and pack.weight_format == "f16"
 
 
-@pytest.mark.parametrize("fmt", ["q4", "q8", "bf16"])
+@pytest.mark.parametrize("fmt", ["q4", "q8", "bf16", "mxfp4"])
 def test_preset_formats_have_sane_weights(tmp_path: Path, fmt: str) -> None:
     path = pack_preset("tiny", tmp_path / "t.strpk", weight_format=fmt, progress=False)
     with ExpertPack.open(path) as pack:

@@ -18,6 +18,7 @@ from strata_stream.pack.quant import (
     f32_to_bf16_bits,
     pack_bits,
     quantize,
+    quantize_mxfp4,
     unpack_bits,
 )
 
@@ -185,3 +186,44 @@ def test_byte_identical_to_mx_quantize(bits: int, group_size: int, dtype: str) -
         if dtype == "float32":
             back = np.array(mx.dequantize(mw, ms, mb, group_size=group_size, bits=bits))
             np.testing.assert_array_equal(dequantize(ours), back)
+
+
+# -- mxfp4 ----------------------------------------------------------------------------------------
+
+
+def test_mxfp4_dequantize_is_mlx_dequantize() -> None:
+    # Every code and every exponent (0 and 255 included), decoded as MLX decodes them.
+    mx: Any = pytest.importorskip("mlx.core")
+    rng = np.random.default_rng(5)
+    words = rng.integers(0, 2**32, (256, 16), dtype=np.uint32)
+    words[0] = 0x76543210  # codes 0..7 in order
+    words[1] = 0xFEDCBA98  # and 8..15 (the negatives, -0 first)
+    scales = np.tile(np.arange(256, dtype=np.uint8)[:, None], (1, 4))
+    qm = QuantizedMatrix(words, scales, None, 4, 32, mode="mxfp4")
+    theirs = mx.dequantize(mx.array(words), mx.array(scales), group_size=32, bits=4, mode="mxfp4")
+    np.testing.assert_array_equal(dequantize(qm), np.array(theirs.astype(mx.float32)))
+
+
+@settings(max_examples=30, deadline=None)
+@given(hnp.arrays(np.float32, (4, 64), elements=st.floats(-1e4, 1e4, width=32)))
+def test_quantize_mxfp4_rounds_to_the_nearest_code(w: npt.NDArray[np.float32]) -> None:
+    qm = quantize_mxfp4(w)
+    back = dequantize(qm).reshape(4, 2, 32)
+    scale = 2.0 ** (qm.scales.astype(np.float64) - 127)
+    g = w.reshape(4, 2, 32) / scale[..., None]
+    assert np.all(np.abs(g) <= 6.0)  # the scale brings every value within FP4's range
+    grid = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6])
+    nearest = grid[np.abs(np.abs(g)[..., None] - grid).argmin(-1)] * np.sign(g)
+    np.testing.assert_array_equal(back, (nearest * scale[..., None]).astype(np.float32))
+
+
+def test_mxfp4_matrices_are_checked() -> None:
+    w = np.zeros((2, 8), np.uint32)
+    with pytest.raises(ValueError, match="groups of 32"):
+        QuantizedMatrix(w, np.zeros((2, 4), np.uint8), None, 4, 16, mode="mxfp4")
+    with pytest.raises(ValueError, match="uint8"):
+        QuantizedMatrix(w, np.zeros((2, 2), np.float16), None, 4, 32, mode="mxfp4")
+    with pytest.raises(TypeError, match="no biases"):
+        QuantizedMatrix(w, np.zeros((2, 2), np.uint8), np.zeros((2, 2), np.uint8), 4, 32, "mxfp4")
+    with pytest.raises(ValueError, match="mode"):
+        QuantizedMatrix(w, np.zeros((2, 2), np.uint8), None, 4, 32, mode="nvfp4")

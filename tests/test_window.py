@@ -63,6 +63,8 @@ def pack(make_pack: PackFactory) -> Path:
         ("q4", 64, "topk_softmax"),
         ("q8", 128, "softmax_topk"),
         ("q8", 32, "topk_softmax"),
+        ("mxfp4", 32, "softmax_topk"),
+        ("mxfp4", 32, "topk_softmax"),
     ],
 )
 def test_matches_the_oracle_for_every_format(

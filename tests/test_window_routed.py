@@ -53,7 +53,8 @@ def _pack(
     path = tmp_path / f"{name}.strpk"
     write_pack(
         path, g, None, experts, weight_format=weight_format, group_size=32,
-        scale_dtype="bf16", bias_dtype=bias_dtype, progress=False,
+        scale_dtype="e8m0" if weight_format == "mxfp4" else "bf16", bias_dtype=bias_dtype,
+        progress=False,
     )  # fmt: skip
     return path
 
@@ -88,7 +89,12 @@ def _run(path: Path, config: StreamConfig, xs: list[np.ndarray], routes: list[tu
 
 @pytest.mark.parametrize(
     ("activation", "bias_dtype", "fmt"),
-    [("swiglu", None, "f32"), ("swiglu_oai", "bf16", "q4"), ("swiglu_oai", "f32", "bf16")],
+    [
+        ("swiglu", None, "f32"),
+        ("swiglu_oai", "bf16", "q4"),
+        ("swiglu_oai", "f32", "bf16"),
+        ("swiglu_oai", "bf16", "mxfp4"),
+    ],
 )
 @pytest.mark.parametrize("rows", [1, 3, 40])
 def test_routed_matches_the_oracle_and_is_bitwise_across_configs(

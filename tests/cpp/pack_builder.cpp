@@ -49,7 +49,8 @@ std::vector<unsigned char> make_header(const TestGeometry& g, std::uint32_t fmt,
                                        std::uint32_t group_size, std::uint32_t scale_format,
                                        std::uint64_t meta_bytes) {
   const bool quant = fmt >= 3;
-  const std::uint64_t elem = fmt == 0 ? 4 : 2, scale_elem = scale_format == 0 ? 4 : 2;
+  const std::uint64_t elem = fmt == 0 ? 4 : 2;
+  const std::uint64_t scale_elem = scale_format == 0 ? 4 : scale_format == 3 ? 1 : 2;
   const std::uint64_t keys = std::uint64_t(g.n_layers) * g.n_experts;
   std::vector<unsigned char> h(kHeaderBytes, 0);
   // Tensor table first: record_bytes is the end of its last tensor.
@@ -73,9 +74,9 @@ std::vector<unsigned char> make_header(const TestGeometry& g, std::uint32_t fmt,
     if (!quant) {
       tensor(m, 0, rows, cols, elem);
     } else {
-      tensor(m, 0, rows, cols * (fmt == 3 ? 4 : 8) / 32, 4);
+      tensor(m, 0, rows, cols * (fmt == 4 ? 8 : 4) / 32, 4);
       tensor(m, 1, rows, cols / group_size, scale_elem);
-      tensor(m, 2, rows, cols / group_size, scale_elem);
+      if (fmt != 5) tensor(m, 2, rows, cols / group_size, scale_elem);  // mxfp4: no biases
     }
   }
   const std::uint64_t record_bytes = at;
@@ -167,6 +168,13 @@ std::string build_test_pack(const TestGeometry& g, const std::string& name,
     for (std::uint32_t e = 0; e < g.n_experts; ++e) {
       auto rec = weight_format == 0 ? expected_record(g, l, e)
                                     : quantized_record(record_bytes, l, e);
+      if (weight_format == 5)  // mxfp4: E8M0 exponents near 2^-5, so values stay finite
+        for (std::uint32_t t = 0; t < get_field<std::uint32_t>(h, 136); ++t)
+          if (get_field<std::uint32_t>(h, 144 + 32 * t + 4) == 1) {
+            const std::uint64_t off = get_field<std::uint64_t>(h, 144 + 32 * t + 8);
+            const std::uint64_t n = get_field<std::uint64_t>(h, 144 + 32 * t + 16);
+            for (std::uint64_t i = 0; i < n; ++i) rec[off + i] = 120 + rec[off + i] % 4;
+          }
       std::uint64_t key = std::uint64_t(l) * g.n_experts + e;
       crcs[key] = crc32c(rec.data(), rec.size());
       write_at(records_offset + key * stride, rec.data(), rec.size());

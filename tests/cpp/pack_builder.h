@@ -14,7 +14,7 @@ struct TestGeometry {
 };
 
 // The 4096 header bytes docs/pack-format.md prescribes for this geometry, weight format
-// (0 f32 .. 4 q8), group size and scale format (quantized formats only) and metadata length,
+// (0 f32 .. 4 q8, 5 mxfp4), group size and scale format (quantized formats only) and metadata length,
 // computed here from the spec rather than by the engine; header_crc set, router_crc and
 // meta_crc 0 (the caller sets them, then recomputes the header crc).
 std::vector<unsigned char> make_header(const TestGeometry& g, std::uint32_t weight_format = 0,

@@ -238,9 +238,10 @@ TEST_CASE("every fixed header field is checked and named") {
       {1024, 4, 2, "header field activation is 2"},
       {1036, 4, 4, "header field bias_format is 4"},
       {40, 4, 2, "header field norm_topk_prob is 2"},
-      {44, 4, 5, "header field weight_format is 5"},
+      {44, 4, 6, "header field weight_format is 6"},
+      {44, 4, 5, "header fields group_size 0 and scale_format 0 must be 32 and 3 (e8m0) for mxfp4"},
       {48, 4, 64, "header fields group_size 64 and scale_format 0 must be 0"},
-      {52, 4, 3, "header field scale_format is 3"},
+      {52, 4, 4, "header field scale_format is 4"},
       {52, 4, 1, "header fields group_size 0 and scale_format 1 must be 0"},
       {56, 8, 1, "header field record_bytes is 1 "},
       {64, 8, 4096, "header field record_stride is 4096"},
@@ -264,6 +265,22 @@ TEST_CASE("every fixed header field is checked and named") {
     INFO("offset " << c.offset << ": " << msg);
     CHECK(msg.find(kFuzzPath) != std::string::npos);
     CHECK(msg.find(c.message) != std::string::npos);
+  }
+  // mxfp4: its own layout (weight and u8 scales per matrix) parses; e8m0 scales are its alone.
+  {
+    TestGeometry g;
+    g.moe_intermediate = 64;  // whole groups of 32
+    auto mx = make_header(g, 5, 32, 3);
+    const PackLayout L = parse_pack_header(mx.data(), mx.size(), kFuzzPath,
+                                           get_field<std::uint64_t>(mx, 128));
+    CHECK(L.weight_format == WeightFormat::Mxfp4);
+    REQUIRE(L.tensors.size() == 6);
+    CHECK(L.tensors[1].role == 1);
+    CHECK(L.tensors[1].nbytes == std::uint64_t(L.moe_intermediate) * (L.hidden / 32));
+    auto q4 = make_header(g, 3, 32, 3);
+    CHECK(parse_error(q4).find("scale_format 3 (e8m0) is for mxfp4 only") != std::string::npos);
+    auto g64 = make_header(g, 5, 64, 3);
+    CHECK(parse_error(g64).find("must be 32 and 3 (e8m0) for mxfp4") != std::string::npos);
   }
   // file_bytes is checked against the geometry, then against the file.
   auto h = make_header(TestGeometry{});

@@ -156,9 +156,12 @@ PackLayout parse_pack_header(const unsigned char* h, std::size_t n, const std::s
         std::isfinite(L.act_limit)))
     bad(path, "header fields act_alpha/act_limit must be finite and positive for swiglu_oai");
   if (norm > 1) bad(path, field_value("norm_topk_prob", norm) + " (expected 0 or 1)");
-  if (fmt > 4) bad(path, field_value("weight_format", fmt) + " (known: 0 f32, 1 f16, 2 bf16, 3 q4, 4 q8)");
-  if (L.scale_format > 2)
-    bad(path, field_value("scale_format", L.scale_format) + " (known: 0 f32, 1 f16, 2 bf16)");
+  if (fmt > 5)
+    bad(path, field_value("weight_format", fmt) +
+                  " (known: 0 f32, 1 f16, 2 bf16, 3 q4, 4 q8, 5 mxfp4)");
+  if (L.scale_format > kScaleE8m0)
+    bad(path, field_value("scale_format", L.scale_format) +
+                  " (known: 0 f32, 1 f16, 2 bf16, 3 e8m0)");
   L.routing = static_cast<Routing>(routing);
   L.norm_topk_prob = norm == 1;
   L.weight_format = static_cast<WeightFormat>(fmt);
@@ -166,6 +169,12 @@ PackLayout parse_pack_header(const unsigned char* h, std::size_t n, const std::s
   if (!quant && (L.group_size != 0 || L.scale_format != 0))
     bad(path, "header fields group_size " + std::to_string(L.group_size) + " and scale_format " +
                   std::to_string(L.scale_format) + " must be 0 for a float weight_format");
+  const bool mxfp4 = L.weight_format == WeightFormat::Mxfp4;
+  if (mxfp4 && (L.group_size != 32 || L.scale_format != kScaleE8m0))
+    bad(path, "header fields group_size " + std::to_string(L.group_size) + " and scale_format " +
+                  std::to_string(L.scale_format) + " must be 32 and 3 (e8m0) for mxfp4");
+  if (quant && !mxfp4 && L.scale_format == kScaleE8m0)
+    bad(path, "header field scale_format 3 (e8m0) is for mxfp4 only, not affine q4/q8");
   if (quant) {
     if (L.group_size != 32 && L.group_size != 64 && L.group_size != 128)
       bad(path, field_value("group_size", L.group_size) + " (expected 32, 64 or 128)");
@@ -195,6 +204,9 @@ PackLayout parse_pack_header(const unsigned char* h, std::size_t n, const std::s
     const std::uint32_t cols = mat == 2 ? L.moe_intermediate : L.hidden;
     if (!quant) {
       add(mat, 0, rows, cols, float_bytes(fmt));
+    } else if (mxfp4) {  // codes, then one u8 exponent per group: no biases
+      add(mat, 0, rows, std::uint64_t(cols) * 4 / 32, 4);
+      add(mat, 1, rows, cols / L.group_size, 1);
     } else {
       const std::uint64_t bits = fmt == 3 ? 4 : 8;
       add(mat, 0, rows, std::uint64_t(cols) * bits / 32, 4);  // cols % 32 == 0 (group_size)

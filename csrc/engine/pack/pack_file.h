@@ -22,7 +22,11 @@ constexpr std::uint32_t kModelBlockOffset = 1024;
 constexpr std::uint32_t kMaxLayers = 4096;
 constexpr std::uint32_t kMaxExperts = 65536;
 
-enum class WeightFormat : std::uint32_t { F32 = 0, F16 = 1, BF16 = 2, Q4 = 3, Q8 = 4 };
+// Q4/Q8: MLX affine (w = s * q + b per group). Mxfp4: OCP microscaling FP4 as MLX stores it
+// (gpt-oss checkpoints): E2M1 codes packed like Q4, one E8M0 scale per 32, no biases.
+enum class WeightFormat : std::uint32_t { F32 = 0, F16 = 1, BF16 = 2, Q4 = 3, Q8 = 4, Mxfp4 = 5 };
+// scale_format codes: 0 f32, 1 f16, 2 bf16 (affine), 3 e8m0 (a u8 exponent; Mxfp4 only).
+constexpr std::uint32_t kScaleE8m0 = 3;
 // External: the pack holds no routers; the model routes and calls Window::moe_routed.
 enum class Routing : std::uint32_t { SoftmaxTopk = 0, TopkSoftmax = 1, External = 2 };
 // SwiGLU: silu(g) * u. SwigluOai (gpt-oss): (clip(u, -limit, limit) + 1) * g' * sigmoid(alpha g')
@@ -46,7 +50,7 @@ struct PackLayout {
   Routing routing = Routing::SoftmaxTopk;
   bool norm_topk_prob = false;
   WeightFormat weight_format = WeightFormat::F32;
-  std::uint32_t group_size = 0, scale_format = 0;
+  std::uint32_t group_size = 0, scale_format = 0;  // scale_format: see kScaleE8m0
   Activation activation = Activation::SwiGLU;
   float act_alpha = 0, act_limit = 0;  // SwigluOai only
   // 0: the experts have no Linear biases; else 1 + scale-format code (1 f32, 2 f16, 3 bf16).

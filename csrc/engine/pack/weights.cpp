@@ -54,6 +54,19 @@ void MatrixView::row(std::uint32_t r, float* out) const {
       }
       return;
     }
+    case WeightFormat::Mxfp4: {
+      // MLX's dequantize for mxfp4: w = FP4(q) * 2^(e - 127); both factors are exact in float32
+      // and their product is too (at most 3 significant bits), so this is MLX's value exactly.
+      const std::uint32_t words = cols / 8, groups = cols / group_size;
+      const std::uint32_t* w =
+          reinterpret_cast<const std::uint32_t*>(weight + std::size_t(r) * words * 4);
+      for (std::uint32_t g = 0; g < groups; ++g) {
+        const float s = e8m0_to_float(scales[std::size_t(r) * groups + g]);
+        for (std::uint32_t c = g * group_size; c < (g + 1) * group_size; ++c)
+          out[c] = kFp4Values[(w[c / 8] >> (4 * (c % 8))) & 15u] * s;
+      }
+      return;
+    }
   }
 }
 

@@ -53,6 +53,16 @@ inline float scale_value(const unsigned char* p, std::uint32_t i, std::uint32_t 
   return fmt == 1 ? half_to_float(h) : bf16_to_float(h);
 }
 
+// An E2M1 (FP4) code's value, as MLX's FP4_LUT: sign bit 3, then 2 exponent bits and 1 mantissa.
+inline constexpr float kFp4Values[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                         -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+// An E8M0 scale (2^(e - 127)) as MLX decodes it: the exponent moved into a bfloat16's exponent
+// bits, so 0 gives bfloat16 0x0040 (2^-127, a subnormal) and 255 gives infinity, not NaN.
+inline float e8m0_to_float(std::uint8_t e) {
+  return bf16_to_float(e == 0 ? std::uint16_t(0x0040) : std::uint16_t(std::uint16_t(e) << 7));
+}
+
 // One matrix (gate, up or down) of one expert record.
 struct MatrixView {
   const unsigned char* weight = nullptr;

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from strata_stream.pack.geometry import Geometry
 from strata_stream.pack.presets import PRESETS, pack_preset
-from strata_stream.pack.quant import QuantizedMatrix, dequantize, quantize
+from strata_stream.pack.quant import QuantizedMatrix, dequantize, quantize, quantize_mxfp4
 from strata_stream.pack.reader import ExpertPack
 from strata_stream.pack.writer import write_pack
 
@@ -19,5 +19,6 @@ __all__ = [
     "dequantize",
     "pack_preset",
     "quantize",
+    "quantize_mxfp4",
     "write_pack",
 ]

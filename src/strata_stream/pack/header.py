@@ -34,19 +34,26 @@ RECORD_ALIGN = 16384
 # Tensors inside a record start on this boundary so every tensor is aligned for SIMD/GPU loads.
 TENSOR_ALIGN = 256
 
-WEIGHT_FORMATS = ("f32", "f16", "bf16", "q4", "q8")
-SCALE_FORMATS = ("f32", "f16", "bf16")
+# q4/q8: MLX affine; mxfp4: OCP microscaling FP4 as MLX stores it (codes packed like q4, one
+# E8M0 scale per 32, no biases).
+WEIGHT_FORMATS = ("f32", "f16", "bf16", "q4", "q8", "mxfp4")
+# "e8m0" (a u8 power-of-two exponent) is mxfp4's, and mxfp4 has only it.
+SCALE_FORMATS = ("f32", "f16", "bf16", "e8m0")
 FLOAT_FORMATS = ("f32", "f16", "bf16")
-QUANT_FORMAT_BITS = {"q4": 4, "q8": 8}
+QUANT_FORMAT_BITS = {"q4": 4, "q8": 8, "mxfp4": 4}
 GROUP_SIZES = (32, 64, 128)
 MATRICES = ("gate", "up", "down")
 # "biases" are the affine quantization offsets; "bias" is a Linear layer's own bias (gpt-oss).
 ROLES = ("weight", "scales", "biases", "bias")
-# Header field bias_format: 0 = no expert biases, else 1 + index into SCALE_FORMATS.
-BIAS_FORMATS = SCALE_FORMATS
+# Header field bias_format: 0 = no expert biases, else 1 + index into BIAS_FORMATS.
+BIAS_FORMATS = FLOAT_FORMATS
 # Bytes per stored element and the dtype name the JSON metadata uses for it.
-_ELEM_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "u32": 4}
-_JSON_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "u32": "uint32"}
+_ELEM_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "u32": 4, "e8m0": 1}
+# The little-endian numpy dtype a stored tensor reads as (bf16 as its uint16 bit patterns).
+NUMPY_DTYPES = {"f32": "<f4", "f16": "<f2", "bf16": "<u2", "u32": "<u4", "e8m0": "u1"}
+_JSON_DTYPES = {
+    "f32": "float32", "f16": "float16", "bf16": "bfloat16", "u32": "uint32", "e8m0": "uint8",
+}  # fmt: skip
 
 # magic, 12 x u32 (version .. scale_format), 10 x u64 (record_bytes .. file_bytes),
 # n_tensors, meta_crc: 144 bytes, then the tensor table.
@@ -111,8 +118,8 @@ class TensorEntry:
     offset: int  # inside the record, a multiple of TENSOR_ALIGN
     nbytes: int
     rows: int
-    cols: int  # in stored elements (u32 words for packed q4/q8)
-    dtype: str  # "f32", "f16", "bf16" or "u32"; implied by the header, not stored
+    cols: int  # in stored elements (u32 words for packed q4/q8/mxfp4)
+    dtype: str  # a key of NUMPY_DTYPES; implied by the header, not stored
 
     @property
     def name(self) -> str:
@@ -143,6 +150,15 @@ def normalize_format(
         )
     if weight_format in FLOAT_FORMATS:
         return 0, None
+    if weight_format == "mxfp4":
+        if group_size != 32 or scale_dtype not in (None, "e8m0"):
+            raise ConfigError(
+                f"mxfp4 has groups of 32 and e8m0 scales, got group_size {group_size} and "
+                f"scale_dtype {scale_dtype!r}"
+            )
+        group_size, scale_dtype = 32, "e8m0"
+    elif scale_dtype == "e8m0":
+        raise ConfigError(f"scale_dtype e8m0 is mxfp4's; {weight_format} needs f32, f16 or bf16")
     if group_size not in GROUP_SIZES:
         raise ConfigError(f"group_size must be 32, 64 or 128 for {weight_format}, got {group_size}")
     if scale_dtype not in SCALE_FORMATS:
@@ -169,8 +185,8 @@ def record_layout(
 ) -> tuple[tuple[TensorEntry, ...], int]:
     """Tensor table and payload size of one record, for an already normalized format.
 
-    Per matrix (gate, up, down): weight, then scales and biases (q4/q8), then the expert's
-    Linear bias ``[1, rows]`` in `bias_dtype` when the model has one (gpt-oss).
+    Per matrix (gate, up, down): weight, then scales and biases (q4/q8; mxfp4 has scales only),
+    then the expert's Linear bias ``[1, rows]`` in `bias_dtype` when the model has one (gpt-oss).
     """
     entries: list[TensorEntry] = []
     offset = 0
@@ -190,7 +206,8 @@ def record_layout(
             bits = QUANT_FORMAT_BITS[weight_format]
             add(m, 0, rows, cols * bits // 32, "u32")
             add(m, 1, rows, cols // group_size, scale_dtype)
-            add(m, 2, rows, cols // group_size, scale_dtype)
+            if weight_format != "mxfp4":
+                add(m, 2, rows, cols // group_size, scale_dtype)
         if bias_dtype is not None:
             add(m, 3, 1, rows, bias_dtype)
     # record_bytes is the end of the last tensor: the checksum covers no trailing padding.

@@ -103,9 +103,22 @@ def preset_expert(
     for rows, cols in preset.geometry.matrix_shapes():
         if bits is None:
             mats.append(rng.standard_normal((rows, cols), np.float32) * np.float32(WEIGHT_STD))
+        elif weight_format == "mxfp4":
+            mats.append(_random_mxfp4(rng, rows, cols))
         else:
             mats.append(_random_quantized(rng, rows, cols, bits, group_size, preset.scale_dtype))
     return mats[0], mats[1], mats[2]
+
+
+def _random_mxfp4(rng: np.random.Generator, rows: int, cols: int) -> QuantizedMatrix:
+    # Uniform codes have FP4 values of mean 0 and rms sqrt(68.5 / 8); exponents one apart
+    # around the scale that makes that ~WEIGHT_STD.
+    rms = math.sqrt(68.5 / 8)
+    centre = 127 + round(math.log2(WEIGHT_STD / rms))
+    n_words = rows * cols // 8
+    words = rng.bit_generator.random_raw((n_words + 1) // 2).view(np.uint32)[:n_words]
+    scales = rng.integers(centre - 1, centre + 1, (rows, cols // 32), dtype=np.uint8, endpoint=True)
+    return QuantizedMatrix(words.reshape(rows, cols // 8), scales, None, 4, 32, mode="mxfp4")
 
 
 def _random_quantized(
@@ -194,8 +207,9 @@ def pack_preset(
     fmt = weight_format or preset.weight_format
     if fmt not in WEIGHT_FORMATS:
         raise ConfigError(f"weight_format must be one of {', '.join(WEIGHT_FORMATS)}, got {fmt!r}")
-    gs = group_size or preset.group_size
-    normalize_format(preset.geometry, fmt, gs, preset.scale_dtype)
+    gs = group_size or (32 if fmt == "mxfp4" else preset.group_size)
+    sd = "e8m0" if fmt == "mxfp4" else preset.scale_dtype
+    normalize_format(preset.geometry, fmt, gs, sd)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ConfigError(f"seed must be a non-negative int, got {seed!r}")
     g = preset.geometry
@@ -211,7 +225,7 @@ def pack_preset(
             experts,
             weight_format=fmt,
             group_size=gs,
-            scale_dtype=preset.scale_dtype,
+            scale_dtype=sd,
             architecture=preset.architecture,
             source=f"synthetic preset {name} (seed {seed})",
             progress=progress,

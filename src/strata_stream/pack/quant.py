@@ -1,4 +1,5 @@
-"""MLX affine quantization in numpy, so packs hold the bytes mlx-lm checkpoints hold.
+"""MLX affine quantization in numpy, so packs hold the bytes mlx-lm checkpoints hold (and
+mxfp4's decoding, for checkpoints quantized that way).
 
 `quantize` reproduces MLX's CPU kernel (`mlx/backend/cpu/quantized.cpp`, `quantize<T, U>`)
 step by step in float32, so its output is byte-identical to ``mx.quantize(w, group_size, bits)``
@@ -25,6 +26,12 @@ F32Array = npt.NDArray[np.float32]
 
 QUANT_BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
+MXFP4_GROUP = 32
+# The value of each E2M1 (FP4) code: sign bit 3, two exponent bits, one mantissa bit.
+FP4_VALUES: F32Array = np.array(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+    np.float32,
+)
 # Scale/bias storage dtypes by pack name; bf16 is stored as its uint16 bit pattern.
 SCALE_NUMPY_DTYPES: dict[str, np.dtype[Any]] = {
     "f32": np.dtype(np.float32),
@@ -81,21 +88,33 @@ def scale_dtype_name(dtype: np.dtype[Any]) -> str:
 
 @dataclass(frozen=True)
 class QuantizedMatrix:
-    """One MLX affine-quantized matrix, exactly as ``mx.quantize`` returns it.
+    """One MLX-quantized matrix, exactly as ``mx.quantize`` returns it.
 
     weight: uint32 ``[rows, cols * bits / 32]``, element j of a row in word ``j * bits // 32``
-    at bit ``(j * bits) % 32``. scales, biases: ``[rows, cols / group_size]`` as float32,
-    float16, or uint16 holding bfloat16 bit patterns. Logical value
-    ``w[r, j] = scales[r, j // g] * q[r, j] + biases[r, j // g]``.
+    at bit ``(j * bits) % 32``.
+
+    mode "affine": scales, biases ``[rows, cols / group_size]`` as float32, float16, or uint16
+    holding bfloat16 bit patterns; ``w[r, j] = scales[r, j // g] * q[r, j] + biases[r, j // g]``.
+
+    mode "mxfp4" (OCP microscaling, gpt-oss): 4 bits, groups of 32, q an E2M1 code, scales uint8
+    E8M0 exponents, biases None; ``w[r, j] = FP4[q[r, j]] * 2 ** (scales[r, j // 32] - 127)``.
     """
 
     weight: U32Array
     scales: npt.NDArray[Any]
-    biases: npt.NDArray[Any]
+    biases: npt.NDArray[Any] | None
     bits: int
     group_size: int
+    mode: str = "affine"
 
     def __post_init__(self) -> None:
+        if self.mode == "mxfp4":
+            self._check_mxfp4()
+            return
+        if self.mode != "affine":
+            raise ValueError(f"QuantizedMatrix.mode must be affine or mxfp4, got {self.mode!r}")
+        if self.biases is None:
+            raise TypeError("an affine QuantizedMatrix needs biases")
         if self.bits not in QUANT_BITS:
             raise ValueError(f"QuantizedMatrix.bits must be 4 or 8, got {self.bits}")
         if self.group_size not in GROUP_SIZES:
@@ -123,6 +142,27 @@ class QuantizedMatrix:
                     f"(expected {(rows, groups)})"
                 )
 
+    def _check_mxfp4(self) -> None:
+        if self.bits != 4 or self.group_size != MXFP4_GROUP:
+            raise ValueError(
+                f"mxfp4 is 4 bits in groups of {MXFP4_GROUP}, got {self.bits} bits, "
+                f"group {self.group_size}"
+            )
+        if self.weight.dtype != np.uint32 or self.weight.ndim != 2:
+            raise TypeError(
+                f"QuantizedMatrix.weight must be a 2-D uint32 array, got "
+                f"{self.weight.dtype} {self.weight.shape}"
+            )
+        if self.biases is not None:
+            raise TypeError("an mxfp4 QuantizedMatrix has no biases (pass biases=None)")
+        rows, words = self.weight.shape
+        want = (rows, words * 8 // MXFP4_GROUP)
+        if self.scales.dtype != np.uint8 or self.scales.shape != want:
+            raise ValueError(
+                f"mxfp4 scales must be uint8 {want} for weight {self.weight.shape}, got "
+                f"{self.scales.dtype} {self.scales.shape}"
+            )
+
     @property
     def shape(self) -> tuple[int, int]:
         """Logical (rows, cols) of the matrix."""
@@ -131,7 +171,8 @@ class QuantizedMatrix:
 
     @property
     def scale_dtype(self) -> str:
-        return scale_dtype_name(self.scales.dtype)
+        """The pack's name for the scales' dtype: "e8m0" for mxfp4."""
+        return "e8m0" if self.mode == "mxfp4" else scale_dtype_name(self.scales.dtype)
 
 
 def quantize(
@@ -189,6 +230,30 @@ def quantize(
     )
 
 
+def quantize_mxfp4(w: npt.ArrayLike) -> QuantizedMatrix:
+    """Quantize a 2-D float matrix to mxfp4: per group of 32 the smallest power-of-two scale
+    that brings the largest magnitude within FP4's 6, then each value to its nearest FP4 code.
+
+    For tests and synthetic packs: a correct mxfp4 matrix, not byte-identical to
+    ``mx.quantize(mode="mxfp4")`` (converted checkpoints are copied, never requantized).
+    """
+    a = np.asarray(w, dtype=np.float32)
+    if a.ndim != 2 or a.shape[1] % MXFP4_GROUP:
+        raise ValueError(f"quantize_mxfp4 needs [rows, 32 k] values, got shape {a.shape}")
+    if not np.isfinite(a).all():
+        raise ValueError("quantize_mxfp4 input contains NaN or infinity")
+    rows, cols = a.shape
+    g = a.reshape(rows, cols // MXFP4_GROUP, MXFP4_GROUP)
+    amax = np.abs(g).max(axis=-1)
+    exp = np.ceil(np.log2(np.maximum(amax, np.float32(1e-30)) / np.float32(6.0)))
+    e = np.clip(exp + 127, 1, 254).astype(np.uint8)
+    v = g / e8m0_values(e)[..., None]
+    mags = FP4_VALUES[:8]
+    nearest = np.abs(np.abs(v)[..., None] - mags).argmin(axis=-1).astype(np.uint32)
+    codes = nearest | np.where(np.signbit(v), np.uint32(8), np.uint32(0))
+    return QuantizedMatrix(pack_bits(codes.reshape(rows, cols), 4), e, None, 4, 32, mode="mxfp4")
+
+
 def pack_bits(q: U32Array, bits: int) -> U32Array:
     """Pack [rows, cols] values of `bits` bits into uint32 words, lowest bits first."""
     rows, cols = q.shape
@@ -209,9 +274,23 @@ def unpack_bits(weight: U32Array, bits: int) -> U32Array:
     return q.reshape(rows, words * per_word)
 
 
+def e8m0_values(e: npt.ArrayLike) -> F32Array:
+    """2 ** (e - 127) for uint8 E8M0 exponents, as MLX decodes them (through bfloat16's exponent
+    bits: 0 gives 2**-127, 255 gives infinity)."""
+    b = np.asarray(e, dtype=np.uint8).astype(np.uint16) << np.uint16(7)
+    return bf16_bits_to_f32(np.where(b == 0, np.uint16(0x40), b))
+
+
 def dequantize(qm: QuantizedMatrix) -> F32Array:
-    """Float32 values of a quantized matrix: ``scales * q + biases`` per group."""
+    """Float32 values of a quantized matrix: ``scales * q + biases`` per group (affine), or
+    ``FP4[q] * 2 ** (e - 127)`` (mxfp4; exact in float32)."""
     rows, cols = qm.shape
+    if qm.mode == "mxfp4":
+        codes = unpack_bits(qm.weight, 4).reshape(rows, cols // qm.group_size, qm.group_size)
+        with np.errstate(over="ignore", invalid="ignore"):  # 6 * 2**127 is inf, as in MLX
+            fp4: F32Array = FP4_VALUES[codes] * e8m0_values(qm.scales)[..., None]
+        return fp4.reshape(rows, cols)
+    assert qm.biases is not None
     q = unpack_bits(qm.weight, qm.bits).astype(np.float32)
     q = q.reshape(rows, cols // qm.group_size, qm.group_size)
     s = scale_values_f32(qm.scales)[..., None]

@@ -19,6 +19,7 @@ from strata_stream.errors import PackError
 from strata_stream.pack.geometry import Geometry
 from strata_stream.pack.header import (
     FLOAT_FORMATS,
+    NUMPY_DTYPES,
     QUANT_FORMAT_BITS,
     PackHeader,
     TensorEntry,
@@ -32,7 +33,6 @@ StoredMatrix = npt.NDArray[Any] | QuantizedMatrix
 
 # Bytes of routers read per step of the router checksum, to keep verify's memory flat.
 _ROUTER_CHUNK = 64 << 20
-_NUMPY_DTYPES = {"f32": "<f4", "f16": "<f2", "bf16": "<u2", "u32": "<u4"}
 
 
 class ExpertPack:
@@ -119,7 +119,8 @@ class ExpertPack:
 
     @property
     def scale_dtype(self) -> str | None:
-        """Dtype of scales and biases ("f32", "f16", "bf16"); None for float formats."""
+        """Dtype of scales and biases ("f32", "f16", "bf16"; "e8m0" for mxfp4's exponents);
+        None for float formats."""
         return self.header.scale_dtype
 
     @property
@@ -207,6 +208,12 @@ class ExpertPack:
         arrays = [_tensor(record, t) for t in self.tensors if t.role != 3]
         if self.weight_format in FLOAT_FORMATS:
             return arrays[0], arrays[1], arrays[2]
+        if self.weight_format == "mxfp4":
+            m = [
+                QuantizedMatrix(arrays[i], arrays[i + 1], None, 4, self.group_size, mode="mxfp4")
+                for i in (0, 2, 4)
+            ]
+            return m[0], m[1], m[2]
         bits = QUANT_FORMAT_BITS[self.weight_format]
         q = [
             QuantizedMatrix(arrays[i], arrays[i + 1], arrays[i + 2], bits, self.group_size)
@@ -298,6 +305,6 @@ class ExpertPack:
 
 def _tensor(record: bytes, t: TensorEntry) -> npt.NDArray[Any]:
     count = t.rows * t.cols
-    arr = np.frombuffer(record, dtype=_NUMPY_DTYPES[t.dtype], count=count, offset=t.offset)
+    arr = np.frombuffer(record, dtype=NUMPY_DTYPES[t.dtype], count=count, offset=t.offset)
     # Native byte order so callers (and mlx) get ordinary arrays.
     return arr.astype(arr.dtype.newbyteorder("="), copy=False).reshape(t.rows, t.cols)

@@ -20,6 +20,7 @@ from strata_stream.pack.geometry import Geometry
 from strata_stream.pack.header import (
     FLOAT_FORMATS,
     MATRICES,
+    NUMPY_DTYPES,
     QUANT_FORMAT_BITS,
     PackHeader,
     TensorEntry,
@@ -31,6 +32,7 @@ from strata_stream.pack.quant import (
     dequantize,
     f32_to_bf16_bits,
     quantize,
+    quantize_mxfp4,
     scale_values_f32,
     to_scale_dtype,
 )
@@ -74,8 +76,11 @@ def write_pack(
     matches). With ``geometry.routing == "external"`` the pack holds no routers: pass
     ``routers=None``. `model` is the converted checkpoint's layout (JSON metadata "model").
 
-    group_size and scale_dtype apply to q4/q8 only. The file appears at `path` only once it is
-    complete (written to a temporary file in the same directory, then renamed).
+    mxfp4 packs take group_size 32 and scale_dtype "e8m0"; an mxfp4 `QuantizedMatrix` is copied,
+    a float array quantized by `quantize_mxfp4` (not byte-identical to MLX's quantizer).
+
+    group_size and scale_dtype apply to quantized formats only. The file appears at `path` only
+    once it is complete (written to a temporary file in the same directory, then renamed).
     """
     if not isinstance(geometry, Geometry):
         raise TypeError(f"geometry must be a Geometry, got {type(geometry).__name__}")
@@ -189,7 +194,8 @@ class _RecordFiller:
             raise TypeError(
                 f"experts({layer}, {expert}) must return {what}, got {type(mats).__name__}{count}"
             )
-        per = (1 if self.fmt in FLOAT_FORMATS else 3) + (bias_dtype is not None)
+        per = {"mxfp4": 2}.get(self.fmt, 1 if self.fmt in FLOAT_FORMATS else 3)
+        per += bias_dtype is not None
         for m, mat in enumerate(mats[:3]):
             where = f"layer {layer} expert {expert} {MATRICES[m]}"
             dst = views[m * per : (m + 1) * per]
@@ -219,7 +225,22 @@ class _RecordFiller:
     ) -> None:
         gs, sd = self.header.group_size, self.header.scale_dtype
         assert sd is not None
+        if self.fmt == "mxfp4":
+            if isinstance(mat, QuantizedMatrix):
+                if mat.mode != "mxfp4":
+                    raise TypeError(f"{where}: a {mat.mode} QuantizedMatrix in an mxfp4 pack")
+                mx4 = mat  # copied as it comes
+                _check_shape(mx4.shape, shape, where)
+            else:
+                arr = _float_array(mat, where)
+                _check_shape(arr.shape, shape, where)
+                mx4 = quantize_mxfp4(arr)
+            dst[0][...] = mx4.weight
+            dst[1][...] = mx4.scales
+            return
         if isinstance(mat, QuantizedMatrix):
+            if mat.mode != "affine":
+                raise TypeError(f"{where}: a {mat.mode} QuantizedMatrix in a {self.fmt} pack")
             if mat.bits != self.bits or mat.group_size != gs:
                 raise ValueError(
                     f"{where}: QuantizedMatrix has {mat.bits} bits, group {mat.group_size}; "
@@ -232,6 +253,7 @@ class _RecordFiller:
             _check_shape(arr.shape, shape, where)
             qm = quantize(arr, gs, self.bits, sd)
         dst[0][...] = qm.weight
+        assert qm.biases is not None  # affine
         for view, values in ((dst[1], qm.scales), (dst[2], qm.biases)):
             if qm.scale_dtype == sd:
                 view[...] = values  # same dtype: a byte copy, as converters expect
@@ -255,8 +277,7 @@ def _fill_bias(dst: npt.NDArray[Any], values: Any, dtype: str, rows: int, where:
 
 
 def _view(buf: bytearray, t: TensorEntry) -> npt.NDArray[Any]:
-    dtype = {"f32": "<f4", "f16": "<f2", "bf16": "<u2", "u32": "<u4"}[t.dtype]
-    arr = np.frombuffer(buf, dtype=dtype, count=t.rows * t.cols, offset=t.offset)
+    arr = np.frombuffer(buf, dtype=NUMPY_DTYPES[t.dtype], count=t.rows * t.cols, offset=t.offset)
     return arr.reshape(t.rows, t.cols)
 
 
