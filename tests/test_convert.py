@@ -36,9 +36,9 @@ def _synthetic(path: Path, n_layers: int = 2, e: int = 8, h: int = 128, i: int =
                     tensors[f"{p}.{name}.{role}"] = rng.standard_normal(
                         (e, rows, cols // group)
                     ).astype(scale_dtype)
-            else:
+            else:  # MLX's microscaling modes: u8 scales, no biases
                 tensors[f"{p}.{name}.scales"] = rng.integers(
-                    0, 255, (e, rows, cols // 32), dtype=np.uint8
+                    0, 255, (e, rows, cols // group), dtype=np.uint8
                 )
         tensors[f"model.layers.{layer}.mlp.gate.weight"] = rng.standard_normal((e, h)).astype(
             np.float16
@@ -134,9 +134,26 @@ def test_per_expert_layout_packs_the_same_records(tmp_path: Path) -> None:
                 assert pa.read_record(layer, e) == pb.read_record(layer, e)
 
 
+def test_mxfp4_experts_are_copied(tmp_path: Path) -> None:
+    ckpt = _synthetic(tmp_path / "m", mode="mxfp4", group=32)
+    out = convert(ckpt, tmp_path / "m.strpk", progress=False)
+    with ExpertPack.open(out) as pack, SafetensorsIndex(ckpt) as index:
+        assert (pack.weight_format, pack.group_size, pack.scale_dtype) == ("mxfp4", 32, "e8m0")
+        assert [t.name for t in pack.tensors[:2]] == ["gate.weight", "gate.scales"]
+        assert pack.verify(progress=False) == 16
+        for e in (0, 7):
+            qm = pack.stored_weights(1, e)[2]
+            assert qm.mode == "mxfp4" and qm.biases is None
+            for role in ("weight", "scales"):
+                want = index.read_expert(f"model.layers.1.mlp.switch_mlp.down_proj.{role}", e)
+                assert getattr(qm, role).tobytes() == want.tobytes()
+
+
 def test_unsupported_checkpoints_are_refused_clearly(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="mxfp4"):
-        convert(_synthetic(tmp_path / "fp4", mode="mxfp4"), tmp_path / "x.strpk", progress=False)
+    for mode, bits, group in (("nvfp4", 4, 16), ("mxfp8", 8, 32)):
+        ckpt = _synthetic(tmp_path / mode, mode=mode, bits=bits, group=group)
+        with pytest.raises(ConfigError, match="only mxfp4 is supported"):
+            convert(ckpt, tmp_path / "x.strpk", progress=False)
     empty = tmp_path / "dense"
     empty.mkdir()
     save_file({"model.embed_tokens.weight": np.zeros((4, 4), np.float32)},

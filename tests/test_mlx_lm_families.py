@@ -396,6 +396,37 @@ def test_unquantized_checkpoint(tmp_path: Path) -> None:
              progress=False)  # fmt: skip
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_mxfp4_experts_gpt_oss(tmp_path: Path, dtype: str, closing: list[Any]) -> None:
+    # gpt-oss as its published MLX checkpoints are: mxfp4 routed experts (u8 E8M0 scales, no
+    # biases), the rest affine 8-bit. Copied into an mxfp4 pack; the MLX path and the CPU path
+    # in MLX's arithmetic (MLX's fp_qmm_t: group sums, then the scale) are bitwise mlx-lm at the
+    # minimum arena and all-resident; float32 arithmetic within bf16 rounding of it.
+    path = make_checkpoint("gpt_oss", tmp_path / "m", experts_mode="mxfp4", bits=8,
+                           dtype=getattr(mx, dtype))  # fmt: skip
+    pack = convert(path, tmp_path / "m.strpk", progress=False)
+    with ExpertPack.open(pack) as p:
+        assert (p.weight_format, p.scale_dtype) == ("mxfp4", "e8m0")
+        stride, k, n = p.record_stride, p.geometry.top_k, p.geometry.n_records
+    ref, _ = mlx_lm.load(str(path))
+    want, want_greedy = logits(ref), greedy(ref, LONG_GREEDY_TOKENS)
+    for experts, arithmetic in (("mlx", "auto"), ("cpu", "mlx")):
+        for slots in (2 * k, n):
+            model, _ = load(str(path), pack_path=pack, arena_bytes=slots * stride, config=BASE,
+                            experts=experts, arithmetic=arithmetic, progress=False)  # fmt: skip
+            closing.append(model)
+            assert np.array_equal(logits(model), want), (experts, slots)
+            assert greedy(model, LONG_GREEDY_TOKENS) == want_greedy, (experts, slots)
+    model, _ = load(str(path), pack_path=pack, arena_bytes=n * stride, config=BASE,
+                    arithmetic="float32", progress=False)  # fmt: skip
+    closing.append(model)
+    per_position = np.abs(logits(model) - want).max(axis=-1) / np.abs(want).max()
+    if dtype == "float32":  # float32 throughout: only the accumulation order differs
+        assert per_position.max() <= 1e-4
+    else:  # the bounds the affine families meet (test above, docs/models.md)
+        assert np.median(per_position) <= 0.05 and per_position.max() <= 0.5
+
+
 @pytest.mark.parametrize("fam", ["qwen3_moe"], indirect=True)
 def test_arithmetic_is_checked(fam: Family) -> None:
     from strata_stream import Window

@@ -113,7 +113,10 @@ TEST_CASE("window: routed calls in MLX's arithmetic are bitwise identical across
   g.top_k = 2;
   g.hidden = 96;  // with 2 workers, rows go in chunks of 12: a full tile of 8 lanes, then 4
   g.moe_intermediate = 96;
-  auto path = build_test_pack(g, "routed_mlx", 3, 32, 2);
+  // And an mxfp4 pack: MLX's other quantized kernel (group sums, then the E8M0 scale).
+  const auto format = GENERATE(std::pair<std::uint32_t, std::uint32_t>{3, 2},
+                               std::pair<std::uint32_t, std::uint32_t>{5, 3});
+  auto path = build_test_pack(g, "routed_mlx", format.first, 32, format.second);
   PackLayout L = read_pack_layout(path);
   auto turns = make_turns(L, {8, 1, 3});
   for (auto& calls : turns)  // bfloat16 activations, as MLX would hand them over

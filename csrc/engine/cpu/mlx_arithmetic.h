@@ -1,11 +1,13 @@
 // MLX's CPU arithmetic, reproduced: the roundings, exp and sigmoid of MLX's CPU kernels, so the
 // CPU backend can compute a block exactly as mlx-lm does on the CPU (Arithmetic::Mlx*).
 //
-// What MLX does (mlx/backend/cpu, checked bitwise against MLX 0.32 by tests/test_mlx_arithmetic.py):
+// What MLX does (mlx/backend/cpu; checked bitwise against MLX 0.32 by tests/cpp/test_mlx_arithmetic
+// (rounding, exp, sigmoid) and tests/test_mlx_lm_families.py (whole blocks and models)):
 // - bfloat16 values are float32 with the low 16 bits rounded away to nearest-even; every binary
 //   op on two bfloat16 values computes in float32 and rounds the result back to bfloat16;
 // - the quantized matmul (no SIMD on x86-64) walks k in order: w = (s * q) + b and x * w and
-//   sum + x * w each rounded to the activation dtype;
+//   sum + x * w each rounded to the activation dtype; for mxfp4 (fp_qmm_t), per group of 32
+//   gsum + x * FP4(q), then sum + scale * gsum, each rounded likewise;
 // - exp is a Cephes-style polynomial (a float32 fma chain), not libm; sigmoid(x) is
 //   1 / (1 + exp(|x|)) mirrored for x >= 0, with exp's result rounded to the dtype.
 // Float32 rounds nothing: the same op order, no fused multiply-add (the kernels' file is

@@ -110,6 +110,49 @@ v8f dot_lanes(const float* tile, const float* x, std::uint32_t cols) {
   return acc;
 }
 
+// mxfp4 (MLX's fp_qmm_t, which x86-64 runs without SIMD): per group of 32 columns,
+// gsum = gsum + x * FP4(q), then sum = sum + scale * gsum, each op rounded. The FP4 values and
+// E8M0 scales are exact in any dtype, so only the sums and products round. walk_mxfp4 visits a
+// group's scales (begin), its columns in order (column) and its end (end) for kLanes rows.
+template <class Visit>
+void walk_mxfp4(const MatrixView& m, std::uint32_t r, std::uint32_t n, Visit&& visit) {
+  const std::uint32_t words = m.cols / 8, groups = m.cols / m.group_size;
+  const std::uint32_t group_words = m.group_size / 8;
+  const std::uint32_t* w[kLanes];
+  std::uint32_t rows[kLanes];
+  for (std::uint32_t lane = 0; lane < kLanes; ++lane) {
+    rows[lane] = r + (lane < n ? lane : 0);
+    w[lane] = reinterpret_cast<const std::uint32_t*>(m.weight) + std::size_t(rows[lane]) * words;
+  }
+  for (std::uint32_t g = 0; g < groups; ++g) {
+    v8f s;
+    for (std::uint32_t lane = 0; lane < kLanes; ++lane)
+      s[lane] = e8m0_to_float(m.scales[std::size_t(rows[lane]) * groups + g]);
+    visit.begin(s);
+    for (std::uint32_t i = g * group_words; i < (g + 1) * group_words; ++i)
+      for (std::uint32_t j = 0; j < 8; ++j) {
+        v8f q;
+        for (std::uint32_t lane = 0; lane < kLanes; ++lane)
+          q[lane] = kFp4Values[(w[lane][i] >> (4 * j)) & 15u];
+        visit.column(q);
+      }
+    visit.end();
+  }
+}
+
+// The grouped dot of walk_mxfp4's values with x, in MLX's order.
+template <class R>
+struct Mxfp4Dot {
+  const float* x;
+  v8f sum = {}, gsum = {}, scale = {};
+  void begin(v8f s) {
+    scale = s;
+    gsum = v8f{};
+  }
+  void column(v8f q) { gsum = accumulate<R>(gsum, *x++, q); }
+  void end() { sum = round_vec<R>(sum + round_vec<R>(scale * gsum)); }
+};
+
 // Rows [r, r + n) of one matrix, dotted with each entry's input: decoded once into a tile when
 // several entries read them (a prompt), decoded on the fly when one does (decode: the tile
 // would only round-trip through memory). The same steps in the same order either way.
@@ -117,19 +160,58 @@ template <class R>
 class RowBlock {
  public:
   RowBlock(const MatrixView& m, std::size_t entries)
-      : m_(m), tile_(entries > 1 ? std::size_t(m.cols) * kLanes : 0) {}
+      : m_(m),
+        mxfp4_(m.format == WeightFormat::Mxfp4),
+        tile_(entries > 1 ? std::size_t(m.cols) * kLanes : 0),
+        group_scales_(entries > 1 && mxfp4_ ? std::size_t(m.cols / m.group_size) * kLanes : 0) {}
   void load(std::uint32_t r, std::uint32_t n) {
     r_ = r;
     n_ = n;
-    if (!tile_.empty()) decode_tile<R>(m_, r, n, tile_.data());
+    if (tile_.empty()) return;
+    if (!mxfp4_) return decode_tile<R>(m_, r, n, tile_.data());
+    struct {
+      float *tile, *scales;
+      void begin(v8f s) {
+        std::memcpy(scales, &s, 32);
+        scales += kLanes;
+      }
+      void column(v8f q) {
+        std::memcpy(tile, &q, 32);
+        tile += kLanes;
+      }
+      void end() {}
+    } decode{tile_.data(), group_scales_.data()};
+    walk_mxfp4(m_, r, n, decode);
   }
   v8f dot(const float* x) const {
-    return tile_.empty() ? fused_dot<R>(m_, r_, n_, x) : dot_lanes<R>(tile_.data(), x, m_.cols);
+    if (!mxfp4_)
+      return tile_.empty() ? fused_dot<R>(m_, r_, n_, x) : dot_lanes<R>(tile_.data(), x, m_.cols);
+    Mxfp4Dot<R> d{x};
+    if (tile_.empty()) {
+      walk_mxfp4(m_, r_, n_, d);
+      return d.sum;
+    }
+    const float* q = tile_.data();
+    const float* s = group_scales_.data();
+    for (std::uint32_t c = 0; c < m_.cols; c += m_.group_size, s += kLanes) {
+      v8f sv;
+      std::memcpy(&sv, s, 32);
+      d.begin(sv);
+      for (std::uint32_t j = 0; j < m_.group_size; ++j, q += kLanes) {
+        v8f qv;
+        std::memcpy(&qv, q, 32);
+        d.column(qv);
+      }
+      d.end();
+    }
+    return d.sum;
   }
 
  private:
   const MatrixView& m_;
-  std::vector<float> tile_;
+  const bool mxfp4_;
+  std::vector<float> tile_;          // affine: w values; mxfp4: FP4 values [col][lane]
+  std::vector<float> group_scales_;  // mxfp4: E8M0 scales [group][lane]
   std::uint32_t r_ = 0, n_ = 0;
 };
 
@@ -191,9 +273,14 @@ void down_typed(const DeviceBuffers& b, const ExpertView& ev,
 
 const char* unsupported(const PackLayout& L, Arithmetic a) {
   if (a == Arithmetic::Float32) return "";
-  if (L.weight_format != WeightFormat::Q4 && L.weight_format != WeightFormat::Q8)
-    return "MLX arithmetic is reproduced for affine-quantized (q4/q8) experts only";
   const std::uint32_t want = a == Arithmetic::MlxBfloat16 ? 2 : 0;
+  if (L.weight_format == WeightFormat::Mxfp4) {  // MLX computes in the activations' dtype
+    if (L.bias_format != 0 && L.bias_format != want + 1)
+      return "MLX arithmetic needs the expert biases in the activations' dtype";
+    return "";
+  }
+  if (L.weight_format != WeightFormat::Q4 && L.weight_format != WeightFormat::Q8)
+    return "MLX arithmetic is reproduced for quantized (q4/q8/mxfp4) experts only";
   if (L.scale_format != want)
     return a == Arithmetic::MlxBfloat16
                ? "MLX bfloat16 arithmetic needs bfloat16 scales (MLX computes in the scales' "

@@ -89,7 +89,7 @@ class ExpertLayout:
     def experts_fn(self, index: SafetensorsIndex) -> Callable[[int, int], tuple[Any, ...]]:
         """experts(layer, e) for write_pack: one expert's tensors, read one pread each (gate
         and up: just the share's rows; down: the whole expert, its share's columns kept)."""
-        bits = {"q4": 4, "q8": 8}.get(self.weight_format, 0)
+        bits = {"q4": 4, "q8": 8, "mxfp4": 4}.get(self.weight_format, 0)
         rows = self.rows
 
         def read(layer: _Layer, key: tuple[int, str], expert: int) -> npt.NDArray[Any]:
@@ -124,13 +124,15 @@ class ExpertLayout:
             for m in range(3):
                 w = read(layer, (m, "weight"), expert)
                 if bits:
+                    mxfp4 = self.weight_format == "mxfp4"
                     out.append(
                         QuantizedMatrix(
                             np.ascontiguousarray(w, dtype=np.uint32),
                             read(layer, (m, "scales"), expert),
-                            read(layer, (m, "biases"), expert),
+                            None if mxfp4 else read(layer, (m, "biases"), expert),
                             bits,
                             self.group_size,
+                            mode="mxfp4" if mxfp4 else "affine",
                         )
                     )
                 else:
@@ -192,13 +194,21 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
     if not hidden:
         raise ConfigError(f"{model_dir}: config.json has no hidden_size")
     quantized = "scales" in roles
+    mxfp4 = False
     if quantized:
         sdtype, sshape = loc(first, (0, "scales"))
         if sdtype == "U8" or "biases" not in roles:
-            raise ConfigError(
-                f"{model_dir}: the experts are quantized without affine biases "
-                f"(scales {sdtype}: mxfp4/nvfp4-style); only MLX affine q4/q8 is supported yet"
-            )
+            # MLX's microscaling modes: u8 scales, no biases. mxfp4 is 4 bits in groups of 32
+            # (gpt-oss); nvfp4 (groups of 16, FP8 scales) and mxfp8 are not taken on.
+            group = hidden // sshape[2] if sshape[2] else 0
+            if not (sdtype == "U8" and "biases" not in roles and wdtype == "U32"
+                    and gshape[2] * 8 == hidden and group == 32):  # fmt: skip
+                raise ConfigError(
+                    f"{model_dir}: the experts are quantized without affine biases (scales "
+                    f"{sdtype}, groups of {group}) but are not mxfp4: of MLX's microscaling "
+                    "modes only mxfp4 is supported (nvfp4 and mxfp8 are not)"
+                )
+            mxfp4 = True
         bits = gshape[2] * 32 // hidden
         if wdtype != "U32" or bits not in (4, 8) or gshape[2] * 32 != bits * hidden:
             raise ConfigError(
@@ -206,8 +216,8 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
                 f"q4/q8 of width {hidden}"
             )
         group = hidden // sshape[2]
-        weight_format = f"q{bits}"
-        scale_dtype: str | None = _FLOAT_FORMATS.get(sdtype)
+        weight_format = "mxfp4" if mxfp4 else f"q{bits}"
+        scale_dtype: str | None = "e8m0" if mxfp4 else _FLOAT_FORMATS.get(sdtype)
         if scale_dtype is None or group * sshape[2] != hidden:
             raise ConfigError(f"{model_dir}: expert scales {sdtype} {list(sshape)} not understood")
     else:
@@ -232,11 +242,11 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
         for mat, (rows, cols) in enumerate(((inter, hidden), (inter, hidden), (hidden, inter))):
             want: dict[str, tuple[str | None, tuple[int, ...]]] = {}
             if quantized:
-                b = int(weight_format[1:])
-                want["weight"] = ("U32", (n_experts, rows, cols // words[b]))
+                want["weight"] = ("U32", (n_experts, rows, cols // words[bits]))
                 sd = _to_st(scale_dtype)
                 want["scales"] = (sd, (n_experts, rows, cols // group))
-                want["biases"] = (sd, (n_experts, rows, cols // group))
+                if not mxfp4:
+                    want["biases"] = (sd, (n_experts, rows, cols // group))
             else:
                 want["weight"] = (_to_st(weight_format), (n_experts, rows, cols))
             if bias_dtype is not None:
@@ -313,7 +323,7 @@ def share_layout(layout: ExpertLayout, share: Share) -> ExpertLayout:
                 "tensor parallel streaming of experts with Linear biases is not supported "
                 "(mlx-lm rescales their down bias per family)"
             )
-        quantized = layout.weight_format in ("q4", "q8")
+        quantized = layout.weight_format in ("q4", "q8", "mxfp4")
         rows = share.intermediate_slice(inter, layout.group_size, quantized)
         inter = rows[1] - rows[0]
     geometry = replace(g, n_layers=len(layers), moe_intermediate=inter)
@@ -327,7 +337,7 @@ def share_layout(layout: ExpertLayout, share: Share) -> ExpertLayout:
 
 
 def _to_st(name: str | None) -> str | None:
-    return {"f32": "F32", "f16": "F16", "bf16": "BF16"}.get(name or "")
+    return {"f32": "F32", "f16": "F16", "bf16": "BF16", "e8m0": "U8"}.get(name or "")
 
 
 def _per_expert_of(name: str, template: str) -> bool:

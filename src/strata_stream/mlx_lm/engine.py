@@ -28,12 +28,15 @@ from strata_stream.window import Window
 # gather_qmm over views of the arena.
 EXPERT_MODES = ("cpu", "mlx", "metal")
 # How the CPU backend rounds (experts="cpu"): "mlx" reproduces mlx-lm's own CPU arithmetic
-# bitwise (q4/q8 packs, activations in the scales' dtype); "float32" rounds each output once
+# bitwise (q4/q8 packs with activations in the scales' dtype; mxfp4 packs with bfloat16 or
+# float32 activations and biases of the same dtype); "float32" rounds each output once
 # (faster, and closer to the exact value, but not mlx-lm's numbers); "auto" takes "mlx"
 # wherever the pack and the activations allow it.
 ARITHMETICS = ("auto", "mlx", "float32")
 _MLX_ARITHMETIC_DTYPES = {"bf16": mx.bfloat16, "f32": mx.float32}
-_MX_DTYPES = {"f32": mx.float32, "f16": mx.float16, "bf16": mx.bfloat16, "u32": mx.uint32}
+_MX_DTYPES = {
+    "f32": mx.float32, "f16": mx.float16, "bf16": mx.bfloat16, "u32": mx.uint32, "e8m0": mx.uint8,
+}  # fmt: skip
 _ROLE_KEYS = {0: "weight", 1: "scales", 2: "biases", 3: "bias"}
 _MATRIX_NAMES = ("gate_proj", "up_proj", "down_proj")
 
@@ -115,18 +118,23 @@ class MoeEngine:
             raise ConfigError(
                 f"arithmetic must be one of {', '.join(ARITHMETICS)}, got {arithmetic!r}"
             )
-        # The dtype in which MLX computes this pack's experts, when the CPU backend can
-        # reproduce it: the scales' dtype of a q4/q8 pack (bfloat16 or float32).
-        self.mlx_dtype = (
-            _MLX_ARITHMETIC_DTYPES.get(pack.scale_dtype or "")
-            if pack.weight_format in ("q4", "q8") and experts == "cpu"
-            else None
-        )
-        if arithmetic == "mlx" and self.mlx_dtype is None:
+        # The dtypes in which MLX computes this pack's experts and the CPU backend can
+        # reproduce it: a q4/q8 pack's scales' dtype (bfloat16 or float32); for mxfp4 (u8
+        # scales) the activations' dtype, which its Linear biases, if any, must share.
+        self.mlx_dtypes: tuple[mx.Dtype, ...] = ()
+        if experts == "cpu" and pack.weight_format in ("q4", "q8"):
+            d = _MLX_ARITHMETIC_DTYPES.get(pack.scale_dtype or "")
+            self.mlx_dtypes = () if d is None else (d,)
+        elif experts == "cpu" and pack.weight_format == "mxfp4":
+            bias = pack.header.bias_dtype
+            self.mlx_dtypes = tuple(
+                d for name, d in _MLX_ARITHMETIC_DTYPES.items() if bias in (None, name)
+            )
+        if arithmetic == "mlx" and not self.mlx_dtypes:
             raise ConfigError(
                 "arithmetic='mlx' needs experts='cpu' and a q4/q8 pack with bfloat16 or float32 "
-                f"scales (this is experts={experts!r}, {pack.weight_format} with "
-                f"{pack.scale_dtype} scales)"
+                "scales, or an mxfp4 pack with bfloat16 or float32 biases (this is "
+                f"experts={experts!r}, {pack.weight_format} with {pack.scale_dtype} scales)"
             )
         self.arithmetic = arithmetic
         self.experts = experts
@@ -208,12 +216,12 @@ class MoeEngine:
         """The Window's arithmetic for activations of `dtype` (see ARITHMETICS)."""
         if self.arithmetic == "float32":
             return "float32"
-        if self.mlx_dtype is not None and dtype == self.mlx_dtype:
+        if dtype in self.mlx_dtypes:
             return "mlx"
         if self.arithmetic == "mlx":
             raise ConfigError(
-                f"arithmetic='mlx' needs activations in the scales' dtype {self.mlx_dtype}, "
-                f"got {dtype}"
+                "arithmetic='mlx' needs activations in "
+                f"{' or '.join(str(d) for d in self.mlx_dtypes)} for this pack, got {dtype}"
             )
         return "float32"
 

@@ -148,12 +148,14 @@ def _check_pack(
                 f"{n_experts}"
             )
         bits = getattr(gp, "bits", None)
-        if bits is not None and (
-            pack.weight_format != f"q{bits}" or getattr(gp, "group_size", 0) != pack.group_size
-        ):
+        if bits is None:
+            continue
+        mode = getattr(gp, "mode", "affine")
+        model_format = "mxfp4" if mode == "mxfp4" else f"q{bits}" if mode == "affine" else mode
+        if pack.weight_format != model_format or getattr(gp, "group_size", 0) != pack.group_size:
             raise PackError(
                 f"{where}: experts stored as {pack.weight_format} group {pack.group_size}, the "
-                f"model's are q{bits} group {gp.group_size}"
+                f"model's are {model_format} group {gp.group_size}"
             )
 
 

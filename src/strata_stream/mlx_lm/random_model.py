@@ -122,7 +122,7 @@ def _randomize(model: Any, seed: int, dtype: Any = mx.bfloat16) -> None:
     model.update(tree_unflatten(new))
 
 
-def _predicate(path: str, module: Any) -> bool | dict[str, int]:
+def _predicate(path: str, module: Any) -> bool | dict[str, Any]:
     if path.endswith(("mlp.gate", "router", "shared_expert_gate", "moe.gate")):
         # 8-bit group 64 where the width allows (a narrower model keeps float gates).
         return {"group_size": 64, "bits": 8} if module.weight.shape[-1] % 64 == 0 else False
@@ -153,13 +153,15 @@ def make_checkpoint(
     dtype: Any = mx.bfloat16,
     bits: int = 4,
     group_size: int = 64,
+    experts_mode: str = "affine",
 ) -> Path:
     """A random checkpoint of `family` at `path` (q4 g64, 8-bit gates; or unquantized).
 
     Tiny by default; `dims` overrides config entries (hidden_size, num_experts, ...); `dtype` is
     the model dtype (MLX's CPU gather_mm runs float32 only, so unquantized CPU models need it);
     `bits` / `group_size` quantize everything but the gates (8-bit, group 64, where the width
-    allows)."""
+    allows). experts_mode "mxfp4" quantizes the routed experts to mxfp4 instead, as gpt-oss's
+    published MLX checkpoints are (the rest as `bits` / `group_size` say)."""
     from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
 
     if family not in CONFIGS:
@@ -170,9 +172,16 @@ def make_checkpoint(
     _randomize(model, seed, dtype)
     mx.eval(model.parameters())
     if quantize:
-        model, config = quantize_model(
-            model, config, group_size, bits, quant_predicate=_predicate
-        )
+        predicate = _predicate
+        if experts_mode != "affine":
+            from mlx_lm.models.switch_layers import SwitchLinear
+
+            def predicate(path: str, module: Any) -> bool | dict[str, Any]:
+                if isinstance(module, SwitchLinear):
+                    return {"group_size": 32, "bits": 4, "mode": experts_mode}
+                return _predicate(path, module)
+
+        model, config = quantize_model(model, config, group_size, bits, quant_predicate=predicate)
     path.mkdir(parents=True, exist_ok=True)
     save_model(path, model)
     save_config({**config, "eos_token_id": 1}, path / "config.json")
