@@ -180,7 +180,8 @@ class Window:
         arithmetic: "float32" (every output element one float32 dot product, rounded once) or
         "mlx": the operation order and roundings of MLX's CPU kernels for x's dtype (bfloat16
         or float32), so the result is bitwise what mlx-lm computes on the CPU; it needs the cpu
-        backend and q4/q8 experts whose scales have x's dtype (ConfigError otherwise).
+        backend and q4/q8 experts whose scales have x's dtype, or mxfp4 experts whose Linear
+        biases (if any) have x's dtype (ConfigError otherwise).
         weights_dtype: the dtype of the model's mixture weights ("float32" or "bfloat16"; the
         weights are passed widened to float32): with "mlx", bfloat16 weights round each
         weighted expert output to bfloat16 as MLX does.

@@ -3,8 +3,8 @@
     from strata_stream.convert import convert
     convert("path/to/mlx-model", "model.strpk")
 
-The experts are copied byte for byte (q4/q8 words, scales and biases in their dtype, float
-weights) one expert at a time, each read with one pread per tensor from the parsed safetensors
+The experts are copied byte for byte (q4/q8/mxfp4 words, scales and biases in their dtype,
+float weights) one expert at a time, each read with one pread per tensor from the parsed safetensors
 headers: no tensor and no model is ever loaded whole, so peak memory is a few records. The pack
 routes "externally": the model keeps its own gate (strata_stream.mlx_lm), so no router is stored.
 """

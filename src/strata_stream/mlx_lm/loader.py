@@ -182,7 +182,8 @@ def load_model(
     experts: "cpu" (the CPU backend computes the experts), "mlx" (MLX's gather_qmm over the
     arena) or "metal" (the engine's Metal backend: macOS builds only, not yet run on a Mac).
     arithmetic (experts="cpu"): "auto" (default) reproduces mlx-lm's own CPU arithmetic
-    bitwise wherever the pack allows (q4/q8 experts with bfloat16 or float32 scales), else
+    bitwise wherever the pack allows (q4/q8 experts with bfloat16 or float32 scales, or mxfp4
+    experts), else
     float32; "mlx" insists on it; "float32" rounds each output once (faster, not bitwise).
     `lazy` is accepted for signature compatibility: the dense weights are evaluated
     unless it is True; the experts are never loaded either way.
