@@ -33,6 +33,18 @@ v8f round_vec<F32>(v8f v) {
   return v;
 }
 
+// The packed words of rows [r, r + n), one row per lane; lanes >= n repeat row r.
+struct LaneRows {
+  const std::uint32_t* w[kLanes];
+  std::uint32_t rows[kLanes];
+  LaneRows(const MatrixView& m, std::uint32_t r, std::uint32_t n, std::uint32_t words) {
+    for (std::uint32_t lane = 0; lane < kLanes; ++lane) {
+      rows[lane] = r + (lane < n ? lane : 0);
+      w[lane] = reinterpret_cast<const std::uint32_t*>(m.weight) + std::size_t(rows[lane]) * words;
+    }
+  }
+};
+
 // Rows [r, r + n) of m, dequantized as MLX does ((s * q) + b, each rounded), column by column:
 // visit(v) gets column c of all lanes as one vector, c = 0, 1, ... in order. The transpose is
 // free: one 32-bit word of each of the 8 rows makes a vector, and its codes at one shift are 8
@@ -42,12 +54,9 @@ void walk_columns(const MatrixView& m, std::uint32_t r, std::uint32_t n, Visit&&
   constexpr std::uint32_t per_word = 32 / Bits, mask = (1u << Bits) - 1;
   const std::uint32_t words = m.cols / per_word, groups = m.cols / m.group_size;
   const std::uint32_t group_words = m.group_size / per_word;
-  const std::uint32_t* w[kLanes];
-  std::uint32_t rows[kLanes];
-  for (std::uint32_t lane = 0; lane < kLanes; ++lane) {
-    rows[lane] = r + (lane < n ? lane : 0);
-    w[lane] = reinterpret_cast<const std::uint32_t*>(m.weight) + std::size_t(rows[lane]) * words;
-  }
+  const LaneRows lr(m, r, n, words);
+  const auto& w = lr.w;
+  const auto& rows = lr.rows;
   for (std::uint32_t g = 0; g < groups; ++g) {
     v8f s, b;
     for (std::uint32_t lane = 0; lane < kLanes; ++lane) {
@@ -118,12 +127,9 @@ template <class Visit>
 void walk_mxfp4(const MatrixView& m, std::uint32_t r, std::uint32_t n, Visit&& visit) {
   const std::uint32_t words = m.cols / 8, groups = m.cols / m.group_size;
   const std::uint32_t group_words = m.group_size / 8;
-  const std::uint32_t* w[kLanes];
-  std::uint32_t rows[kLanes];
-  for (std::uint32_t lane = 0; lane < kLanes; ++lane) {
-    rows[lane] = r + (lane < n ? lane : 0);
-    w[lane] = reinterpret_cast<const std::uint32_t*>(m.weight) + std::size_t(rows[lane]) * words;
-  }
+  const LaneRows lr(m, r, n, words);
+  const auto& w = lr.w;
+  const auto& rows = lr.rows;
   for (std::uint32_t g = 0; g < groups; ++g) {
     v8f s;
     for (std::uint32_t lane = 0; lane < kLanes; ++lane)
