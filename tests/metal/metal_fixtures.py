@@ -20,6 +20,7 @@ from strata_stream.pack.quant import QuantizedMatrix, to_scale_dtype
 # (weight_format, group_size, scale_dtype): every format the pack defines.
 FORMATS: list[tuple[str, int, str]] = [("f32", 64, "f16"), ("f16", 64, "f16"), ("bf16", 64, "f16")]
 FORMATS += [(q, g, s) for q in ("q4", "q8") for g in (32, 64, 128) for s in ("f32", "f16", "bf16")]
+FORMATS += [("mxfp4", 32, "e8m0")]
 
 
 def format_id(fmt: tuple[str, int, str]) -> str:
@@ -64,7 +65,7 @@ def format_pack_fixture(tmp_path_factory: pytest.TempPathFactory) -> PackMaker:
         if key in cache:
             return cache[key]
         weight_format, group, scale_dtype = fmt
-        quant = weight_format.startswith("q")
+        quant = weight_format not in ("f32", "f16", "bf16")
         # Float formats: widths that are not multiples of a lane's 16 columns (tail path).
         hidden, inter = (256, 128) if quant else (72, 40)
         top_k = 3 if routing == "topk_softmax" else 2
@@ -74,6 +75,9 @@ def format_pack_fixture(tmp_path_factory: pytest.TempPathFactory) -> PackMaker:
         def experts(layer: int, expert: int) -> tuple[Any, ...]:
             rng = np.random.default_rng((7, layer, expert))
             shapes = ((inter, hidden), (inter, hidden), (hidden, inter))
+            if weight_format == "mxfp4":  # float values the writer quantizes (quantize_mxfp4)
+                return tuple((rng.standard_normal(s) / np.sqrt(s[1])).astype(np.float32)
+                             for s in shapes)  # fmt: skip
             if quant:
                 return tuple(
                     _random_quantized(rng, r, c, bits, group, scale_dtype) for r, c in shapes

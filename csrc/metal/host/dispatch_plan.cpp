@@ -48,8 +48,7 @@ std::string format_suffix(const PackLayout& L) {
     case WeightFormat::Q8:
       break;
     case WeightFormat::Mxfp4:
-      unsupported("mxfp4 experts are not implemented in the Metal kernels; use the CPU backend, "
-                  "or MLX's kernels (experts=\"mlx\"), for them");
+      return "mxfp4";
     default:
       unsupported("unknown weight format " + std::to_string(std::uint32_t(L.weight_format)));
   }

@@ -138,6 +138,39 @@ struct Q8Format {
   }
 };
 
+// --- mxfp4: w = FP4(q) * 2^(e - 127) per group of 32 columns ---------------------------------
+
+// An E2M1 code's value without its sign (bit 3): 0, 0.5, 1, 1.5, 2, 3, 4, 6. Computed, not
+// looked up, so no constant table is needed: exponent bits e = (c >> 1) & 3, mantissa m = c & 1.
+inline float fp4_value(uint c) {
+  const uint e = (c >> 1) & 3u, m = c & 1u;
+  const float mag = e == 0 ? 0.5f * float(m) : float(2u + m) * float(1u << e) * 0.25f;
+  return (c & 8u) ? -mag : mag;
+}
+
+// The E8M0 exponent as MLX decodes it: through bfloat16's exponent bits (0 is 2^-127, 255 inf).
+inline float e8m0_value(uint e) { return as_type<float>((e == 0 ? 0x40u : e << 7) << 16); }
+
+// Codes packed like q4; the lane's 16 codes are two 32-bit words, one group's scale (G = 32:
+// a block never crosses a group). Each product FP4 * x is exact up to x's rounding, and the
+// group's sum is scaled once, as MLX's fp_qmm does.
+struct Mxfp4Format {
+  static float prepare_x(device const float* x, uint k0, uint K, thread float* xr) {
+    return load_x_block(x, k0, K, xr);
+  }
+  static float block_dot(thread const MatrixRef& m, uint row, uint k0, uint K,
+                         thread const float* xr, float xsum) {
+    (void)K;
+    (void)xsum;
+    device const uint* q = (device const uint*)m.w + (ulong(row) * m.cols + k0) / 8;
+    float acc = 0.0f;
+    for (uint i = 0; i < kBlock; ++i)
+      acc = fma(xr[i], fp4_value((q[i / 8] >> (4 * (i % 8))) & 15u), acc);
+    const uint g = row * (m.cols / 32) + k0 / 32;
+    return e8m0_value(uint(m.s[g])) * acc;
+  }
+};
+
 // Every format the pack defines, as (name suffix, type): the kernels instantiate through this
 // list so a format cannot be forgotten in one kernel and present in another.
 #define STRATA_FOR_EACH_QUANT_GROUP(X, bits, Fmt, G) \
@@ -154,4 +187,5 @@ struct Q8Format {
   STRATA_FOR_EACH_QUANT_GROUP(X, 4, Q4Format, 128)         \
   STRATA_FOR_EACH_QUANT_GROUP(X, 8, Q8Format, 32)          \
   STRATA_FOR_EACH_QUANT_GROUP(X, 8, Q8Format, 64)          \
-  STRATA_FOR_EACH_QUANT_GROUP(X, 8, Q8Format, 128)
+  STRATA_FOR_EACH_QUANT_GROUP(X, 8, Q8Format, 128)         \
+  X("mxfp4", Mxfp4Format)
