@@ -42,6 +42,13 @@ inline float load_x_block(device const float* x, uint k0, uint K, thread float* 
   return sum;
 }
 
+// The x block as it is, for the formats whose block_dot wants it unscaled.
+struct PlainX {
+  static float prepare_x(device const float* x, uint k0, uint K, thread float* xr) {
+    return load_x_block(x, k0, K, xr);
+  }
+};
+
 // --- float formats: w[row][col] stored as float, half or bfloat16 bits ---------------------
 
 struct LoadF32 {
@@ -57,10 +64,7 @@ struct LoadBF16 {
 };
 
 template <class Load>
-struct FloatFormat {
-  static float prepare_x(device const float* x, uint k0, uint K, thread float* xr) {
-    return load_x_block(x, k0, K, xr);
-  }
+struct FloatFormat : PlainX {
   static float block_dot(thread const MatrixRef& m, uint row, uint k0, uint K,
                          thread const float* xr, float xsum) {
     (void)xsum;
@@ -123,10 +127,7 @@ struct Q4Format {
 
 // 8-bit codes, four to a word (byte j = code j).
 template <uint G, class Scale>
-struct Q8Format {
-  static float prepare_x(device const float* x, uint k0, uint K, thread float* xr) {
-    return load_x_block(x, k0, K, xr);
-  }
+struct Q8Format : PlainX {
   static float block_dot(thread const MatrixRef& m, uint row, uint k0, uint K,
                          thread const float* xr, float xsum) {
     (void)K;
@@ -154,10 +155,7 @@ inline float e8m0_value(uint e) { return as_type<float>((e == 0 ? 0x40u : e << 7
 // Codes packed like q4; the lane's 16 codes are two 32-bit words, one group's scale (G = 32:
 // a block never crosses a group). Each product FP4 * x is exact up to x's rounding, and the
 // group's sum is scaled once, as MLX's fp_qmm does.
-struct Mxfp4Format {
-  static float prepare_x(device const float* x, uint k0, uint K, thread float* xr) {
-    return load_x_block(x, k0, K, xr);
-  }
+struct Mxfp4Format : PlainX {
   static float block_dot(thread const MatrixRef& m, uint row, uint k0, uint K,
                          thread const float* xr, float xsum) {
     (void)K;
