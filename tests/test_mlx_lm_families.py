@@ -396,13 +396,18 @@ def test_unquantized_checkpoint(tmp_path: Path) -> None:
              progress=False)  # fmt: skip
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_mxfp4_experts_gpt_oss(tmp_path: Path, dtype: str, closing: list[Any]) -> None:
-    # gpt-oss as its published MLX checkpoints are: mxfp4 routed experts (u8 E8M0 scales, no
-    # biases), the rest affine 8-bit. Copied into an mxfp4 pack; the MLX path and the CPU path
-    # in MLX's arithmetic (MLX's fp_qmm_t: group sums, then the scale) are bitwise mlx-lm at the
-    # minimum arena and all-resident; float32 arithmetic within bf16 rounding of it.
-    path = make_checkpoint("gpt_oss", tmp_path / "m", experts_mode="mxfp4", bits=8,
+@pytest.mark.parametrize(
+    ("family", "dtype"),
+    [("gpt_oss", "bfloat16"), ("gpt_oss", "float32"), ("qwen3_moe", "bfloat16"),
+     ("deepseek_v3", "bfloat16")],
+)  # fmt: skip
+def test_mxfp4_experts(tmp_path: Path, family: str, dtype: str, closing: list[Any]) -> None:
+    # As gpt-oss's published MLX checkpoints are: mxfp4 routed experts (u8 E8M0 scales, no
+    # biases), the rest affine 8-bit (and the same for two other families). Copied into an mxfp4
+    # pack; the MLX path and the CPU path in MLX's arithmetic (MLX's fp_qmm_t: group sums, then
+    # the scale) are bitwise mlx-lm at the minimum arena and all-resident; float32 arithmetic
+    # within bf16 rounding of it.
+    path = make_checkpoint(family, tmp_path / "m", experts_mode="mxfp4", bits=8,
                            dtype=getattr(mx, dtype))  # fmt: skip
     pack = convert(path, tmp_path / "m.strpk", progress=False)
     with ExpertPack.open(pack) as p:
