@@ -15,6 +15,7 @@ compared against, so a bug here must not be able to hide the same bug there.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -68,6 +69,16 @@ def _silu(z: F64) -> F64:
     return out
 
 
+@dataclass(frozen=True)
+class OaiExperts:
+    """gpt-oss's experts: the clamped SwiGLU's alpha and limit, and biases(e) -> (gate, up,
+    down) Linear biases."""
+
+    alpha: float
+    limit: float
+    biases: Callable[[int], tuple[F32, F32, F32]]
+
+
 def moe_reference(
     x: F32,
     router: F32,
@@ -75,13 +86,18 @@ def moe_reference(
     top_k: int,
     routing: str,
     norm_topk_prob: bool,
+    oai: OaiExperts | None = None,
 ) -> F32:
-    """Block output [T, hidden] float32 for x [T, hidden]; experts(e) -> (gate, up, down)."""
+    """Block output [T, hidden] float32 for x [T, hidden]; experts(e) -> (gate, up, down).
+    With `oai`, gpt-oss's experts: (clip(u + bu) + 1) * g' * sigmoid(alpha g'), g' = min(g + bg,
+    limit), then down h + bd."""
     ids, w = route_reference(x, router, top_k, routing, norm_topk_prob)
-    return _mixture(x, experts, ids, w)
+    return _mixture(x, experts, ids, w, oai)
 
 
-def _mixture(x: F32, experts: ExpertFn, ids: npt.NDArray[np.int32], w: F32) -> F32:
+def _mixture(
+    x: F32, experts: ExpertFn, ids: npt.NDArray[np.int32], w: F32, oai: OaiExperts | None = None
+) -> F32:
     x64 = np.asarray(x, np.float64)
     out = np.zeros(x64.shape, np.float64)
     # Loading an expert can be costly (a pack read), so fetch each chosen one once and run it on
@@ -90,7 +106,13 @@ def _mixture(x: F32, experts: ExpertFn, ids: npt.NDArray[np.int32], w: F32) -> F
         rows, slots = np.nonzero(ids == e)
         gate, up, down = (np.asarray(m, np.float64) for m in experts(int(e)))
         xe = x64[rows]
-        y = (_silu(xe @ gate.T) * (xe @ up.T)) @ down.T
+        if oai is None:
+            y = (_silu(xe @ gate.T) * (xe @ up.T)) @ down.T
+        else:
+            bg, bu, bd = (np.asarray(b, np.float64) for b in oai.biases(int(e)))
+            g = np.minimum(xe @ gate.T + bg, oai.limit)
+            u = np.clip(xe @ up.T + bu, -oai.limit, oai.limit)
+            y = ((u + 1) * g / (1 + np.exp(-oai.alpha * g))) @ down.T + bd
         out[rows] += w[rows, slots, None].astype(np.float64) * y
     return out.astype(np.float32)
 

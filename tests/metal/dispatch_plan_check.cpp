@@ -1,6 +1,7 @@
 // The Metal host's dispatch plan (csrc/metal/host/dispatch_plan.h) on its edges: what it
 // refuses, and by which message; how the arena is cut into views. Exit 0 only when all pass.
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <string>
 #include <vector>
@@ -64,14 +65,30 @@ int main() {
   bad.n_experts = 64;
   check(refuses([&] { metal::DispatchPlanner(bad, slot, 10, 10); }, "top_k 33"),
         "top_k past 32 is refused");
-  bad = L;
-  bad.activation = Activation::SwigluOai;
-  check(refuses([&] { metal::DispatchPlanner(bad, slot, 10, 10); }, "swiglu_oai"),
-        "gpt-oss's clamped SwiGLU is refused by name, not computed as SwiGLU");
-  bad = L;
-  bad.bias_format = 1;
-  check(refuses([&] { metal::DispatchPlanner(bad, slot, 10, 10); }, "expert Linear biases"),
-        "expert biases are refused by name, not dropped");
+  {  // gpt-oss: its own activation kernels, alpha/limit and the Linear biases handed over
+    PackLayout oai = L;
+    oai.activation = Activation::SwigluOai;
+    oai.act_alpha = 1.702f;
+    oai.act_limit = 7.0f;
+    oai.bias_format = 3;
+    oai.tensors = {TensorEntry{0, kRoleBias, 512, 200, 1, 100},
+                   TensorEntry{2, kRoleBias, 1024, 512, 1, 256}};
+    metal::DispatchPlanner planner(oai, slot, 10, 10);
+    std::vector<metal::Dispatch> ds;
+    Command c;
+    c.op = Op::GateUp;
+    c.rows = 1;
+    planner.plan(c, &ds);
+    float alpha = 0, limit = 0;
+    std::memcpy(&alpha, &ds[0].params.act_alpha_bits, 4);
+    std::memcpy(&limit, &ds[0].params.act_limit_bits, 4);
+    check(ds.size() == 1 && ds[0].kernel == "gate_up_q8_g32_sf16_oai" && alpha == 1.702f &&
+              limit == 7.0f,
+          "gpt-oss's clamped SwiGLU runs its own kernels with the pack's alpha and limit");
+    check(ds[0].params.bias_format == 3 && ds[0].params.gate_bias == 512 &&
+              ds[0].params.down_bias == 1024,
+          "expert Linear biases reach the kernels: format and offsets");
+  }
 
   metal::DispatchPlanner planner(L, slot, 64, 16);
   std::vector<metal::Dispatch> ds;

@@ -60,8 +60,11 @@ def format_pack_fixture(tmp_path_factory: pytest.TempPathFactory) -> PackMaker:
     """format_pack((fmt, group, scale_dtype), routing) -> a small pack in that format."""
     cache: dict[tuple[Any, ...], Path] = {}
 
-    def make(fmt: tuple[str, int, str], routing: str = "softmax_topk") -> Path:
-        key = (fmt, routing)
+    def make(
+        fmt: tuple[str, int, str], routing: str = "softmax_topk", gpt_oss: bool = False
+    ) -> Path:
+        """gpt_oss: the clamped SwiGLU and bf16 expert Linear biases."""
+        key = (fmt, routing, gpt_oss)
         if key in cache:
             return cache[key]
         weight_format, group, scale_dtype = fmt
@@ -69,10 +72,21 @@ def format_pack_fixture(tmp_path_factory: pytest.TempPathFactory) -> PackMaker:
         # Float formats: widths that are not multiples of a lane's 16 columns (tail path).
         hidden, inter = (256, 128) if quant else (72, 40)
         top_k = 3 if routing == "topk_softmax" else 2
-        g = Geometry(3, 8, top_k, hidden, inter, routing, True)
+        act = "swiglu_oai" if gpt_oss else "swiglu"
+        g = Geometry(3, 8, top_k, hidden, inter, routing, True, activation=act)
         bits = 4 if weight_format == "q4" else 8
 
         def experts(layer: int, expert: int) -> tuple[Any, ...]:
+            mats = matrices(layer, expert)
+            if not gpt_oss:
+                return mats
+            rng = np.random.default_rng((8, layer, expert))
+            return (
+                *mats,
+                *(rng.standard_normal(n).astype(np.float32) for n in (inter, inter, hidden)),
+            )
+
+        def matrices(layer: int, expert: int) -> tuple[Any, ...]:
             rng = np.random.default_rng((7, layer, expert))
             shapes = ((inter, hidden), (inter, hidden), (hidden, inter))
             if weight_format == "mxfp4":  # float values the writer quantizes (quantize_mxfp4)
@@ -88,7 +102,8 @@ def format_pack_fixture(tmp_path_factory: pytest.TempPathFactory) -> PackMaker:
 
         rng = np.random.default_rng(11)
         routers = [rng.standard_normal((8, hidden)).astype(np.float32) for _ in range(3)]
-        path = tmp_path_factory.mktemp("metal-packs") / f"{format_id(fmt)}-{routing}.strpk"
+        name = f"{format_id(fmt)}-{routing}{'-oai' if gpt_oss else ''}"
+        path = tmp_path_factory.mktemp("metal-packs") / f"{name}.strpk"
         write_pack(
             path,
             g,
@@ -97,6 +112,7 @@ def format_pack_fixture(tmp_path_factory: pytest.TempPathFactory) -> PackMaker:
             weight_format=weight_format,
             group_size=group,
             scale_dtype=scale_dtype,
+            bias_dtype="bf16" if gpt_oss else None,
             progress=False,
         )
         cache[key] = path

@@ -1,6 +1,6 @@
 """The Metal host's dispatch plan on its edges (tests/metal/dispatch_plan_check.cpp): arena
-views, the configurations it refuses by name (moce, group 256, top_k past 32, too many views,
-gpt-oss's activation and expert biases), and the grids it plans."""
+views, the configurations it refuses by name (moce, group 256, top_k past 32, too many views),
+gpt-oss's activation and expert biases handed to their kernels, and the grids it plans."""
 
 from __future__ import annotations
 

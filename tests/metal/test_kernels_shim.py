@@ -27,7 +27,7 @@ from metal_fixtures import (  # the two fixtures register under the names harnes
 )
 from shim_build import KERNELS, build_harness
 
-from oracle import moe_reference, route_reference
+from oracle import OaiExperts, moe_reference, route_reference
 from strata_stream.pack import ExpertPack
 
 ROWS, LAYER, SEED = 5, 1, 3
@@ -69,15 +69,27 @@ def close(a: npt.NDArray[Any], b: npt.NDArray[Any], rel: float) -> None:
     assert err <= rel * scale, f"max |diff| {err:.3g} > {rel} * {scale:.3g}"
 
 
-@pytest.mark.parametrize("fmt", FORMATS, ids=[format_id(f) for f in FORMATS])
+# gpt-oss's experts (clamped SwiGLU, bf16 Linear biases) in the formats its checkpoints come in.
+GPT_OSS = [("q4", 64, "bf16"), ("mxfp4", 32, "e8m0")]
+CASES = [(f, False) for f in FORMATS] + [(f, True) for f in GPT_OSS]
+
+
+@pytest.mark.parametrize(
+    ("fmt", "gpt_oss"), CASES, ids=[format_id(f) + ("-gpt_oss" if o else "") for f, o in CASES]
+)
 def test_kernels_match_cpu_backend_and_oracle(
-    fmt: tuple[str, int, str], harness: Path, format_pack: PackMaker, tmp_path: Path
-) -> None:
+    fmt: tuple[str, int, str], gpt_oss: bool, harness: Path, format_pack: PackMaker,
+    tmp_path: Path,
+) -> None:  # fmt: skip
     routing = "topk_softmax" if fmt[0] in ("bf16", "q8") else "softmax_topk"
-    pack_path = format_pack(fmt, routing)
+    pack_path = format_pack(fmt, routing, gpt_oss)
     run = run_harness(harness, pack_path, tmp_path / "out")
     with ExpertPack.open(pack_path) as pack:
         g = pack.geometry
+        oai = None
+        if gpt_oss:
+            assert g.activation == "swiglu_oai" and pack.bias_dtype == "bf16"
+            oai = OaiExperts(g.act_alpha, g.act_limit, lambda e: pack.expert_biases(LAYER, e))
         x = run.x.reshape(ROWS, g.hidden)
         router = pack.router_weights(LAYER)
         ids_ref, w_ref = route_reference(x, router, g.top_k, g.routing, g.norm_topk_prob)
@@ -88,6 +100,7 @@ def test_kernels_match_cpu_backend_and_oracle(
             g.top_k,
             g.routing,
             g.norm_topk_prob,
+            oai,
         )
         pred_ref = [
             # The harness predicts for layer + d, or repeats layer past the last one.
@@ -155,8 +168,10 @@ def test_every_planned_kernel_is_registered(harness: Path) -> None:
         suffix = format_id(fmt)
         for kernel in (
             f"gate_up_{suffix}_silu",
+            f"gate_up_{suffix}_oai",
             f"down_{suffix}",
             f"moe_gate_up_{suffix}_silu",
+            f"moe_gate_up_{suffix}_oai",
             f"moe_down_{suffix}",
         ):
             assert kernel in names
@@ -172,9 +187,9 @@ def test_planted_change_in_a_kernel_source_breaks_parity(
     shutil.copytree(KERNELS, kernels)
     shutil.copytree(KERNELS.parent / "shim", kernels.parent / "shim")  # included as ../shim
     src = (kernels / "down.metal").read_text()
-    needle = "weights[i] * res[lane]"
+    needle = "weights[i] * add_bias("
     assert src.count(needle) == 1
-    (kernels / "down.metal").write_text(src.replace(needle, "-weights[i] * res[lane]"))
+    (kernels / "down.metal").write_text(src.replace(needle, "-weights[i] * add_bias("))
     planted = build_harness(kernels, name="shim_harness_planted")
     assert planted != harness
     run = run_harness(planted, format_pack(("q4", 64, "f16")), tmp_path / "out")

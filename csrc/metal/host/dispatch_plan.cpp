@@ -1,6 +1,7 @@
 #include "dispatch_plan.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "common/errors.h"
 
@@ -66,19 +67,25 @@ DispatchPlanner::DispatchPlanner(const PackLayout& L, std::uint64_t slot_bytes,
   if (L.top_k == 0 || L.top_k > STRATA_MAX_TOP_K || L.top_k > L.n_experts)
     unsupported("top_k " + std::to_string(L.top_k) + " (kernels cover 1.." +
                 std::to_string(STRATA_MAX_TOP_K) + ")");
-  // The kernels instantiate SwiGLU without expert biases. Computing a gpt-oss pack with them
-  // would give wrong output without an error, so such packs are refused by name.
-  if (L.activation != Activation::SwiGLU)
-    unsupported("the clamped SwiGLU of gpt-oss (activation swiglu_oai) is not implemented; use "
-                "the CPU backend for this pack");
-  if (L.bias_format != 0)
-    unsupported("expert Linear biases (gpt-oss) are not implemented; use the CPU backend for "
-                "this pack");
-  std::uint64_t* offsets[3][3] = {{&base_.gate_w, &base_.gate_s, &base_.gate_b},
-                                  {&base_.up_w, &base_.up_s, &base_.up_b},
-                                  {&base_.down_w, &base_.down_s, &base_.down_b}};
+  switch (L.activation) {
+    case Activation::SwiGLU:
+      act_ = "silu";
+      break;
+    case Activation::SwigluOai:
+      act_ = "oai";
+      break;
+    default:
+      unsupported("activation " + std::to_string(std::uint32_t(L.activation)));
+  }
+  std::uint64_t* offsets[3][4] = {
+      {&base_.gate_w, &base_.gate_s, &base_.gate_b, &base_.gate_bias},
+      {&base_.up_w, &base_.up_s, &base_.up_b, &base_.up_bias},
+      {&base_.down_w, &base_.down_s, &base_.down_b, &base_.down_bias}};
   for (const TensorEntry& t : L.tensors)
-    if (t.matrix < 3 && t.role < 3) *offsets[t.matrix][t.role] = t.offset;
+    if (t.matrix < 3 && t.role <= kRoleBias) *offsets[t.matrix][t.role] = t.offset;
+  base_.bias_format = L.bias_format;
+  std::memcpy(&base_.act_alpha_bits, &L.act_alpha, 4);
+  std::memcpy(&base_.act_limit_bits, &L.act_limit, 4);
   base_.slot_bytes = slot_bytes;
   base_.slots_per_view = slots_per_view;
   base_.n_slots = n_slots;
@@ -139,7 +146,7 @@ void DispatchPlanner::plan(const Command& c, std::vector<Dispatch>* out) const {
       return;
     }
     case Op::GateUp:
-      out->push_back(matvec("gate_up_" + fmt_ + "_silu", L_.moe_intermediate, entries));
+      out->push_back(matvec("gate_up_" + fmt_ + "_" + act_, L_.moe_intermediate, entries));
       return;
     case Op::Down:
       out->push_back(matvec("down_" + fmt_, L_.hidden, entries));
@@ -147,7 +154,7 @@ void DispatchPlanner::plan(const Command& c, std::vector<Dispatch>* out) const {
     case Op::MoeMM: {
       // A wave never holds more experts than there are routed entries.
       const std::uint32_t cols = std::min(L_.n_experts, entries);
-      Dispatch g = matvec("moe_gate_up_" + fmt_ + "_silu", L_.moe_intermediate, cols);
+      Dispatch g = matvec("moe_gate_up_" + fmt_ + "_" + act_, L_.moe_intermediate, cols);
       Dispatch d = matvec("moe_down_" + fmt_, L_.hidden, cols);
       g.params.wave_groups = d.params.wave_groups = cols;
       out->push_back(g);
@@ -169,8 +176,8 @@ void DispatchPlanner::plan(const Command& c, std::vector<Dispatch>* out) const {
 }
 
 std::vector<std::string> DispatchPlanner::kernel_names() const {
-  return {"route_logits", "route_select", "route_predict", "plan", "gate_up_" + fmt_ + "_silu",
-          "down_" + fmt_, "moe_gate_up_" + fmt_ + "_silu", "moe_down_" + fmt_, "combine"};
+  return {"route_logits", "route_select", "route_predict", "plan", "gate_up_" + fmt_ + "_" + act_,
+          "down_" + fmt_, "moe_gate_up_" + fmt_ + "_" + act_, "moe_down_" + fmt_, "combine"};
 }
 
 }  // namespace strata::metal

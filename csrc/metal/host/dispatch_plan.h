@@ -51,6 +51,7 @@ class DispatchPlanner {
   const PackLayout& L_;
   KernelParams base_{};
   std::string fmt_;
+  std::string act_;  // the activation's kernel-name suffix: "silu" or "oai"
 };
 
 }  // namespace strata::metal

@@ -1,5 +1,6 @@
 // down: y[i] = w_i * (down h_i), the routing weight applied here so that combine is a plain,
 // ordered sum. Grid (ceil(hidden / 8), rows * top_k); threadgroup (32, 2).
+#include "activation.h"
 #include "matvec.h"
 
 template <class Fmt>
@@ -20,8 +21,9 @@ template <class Fmt>
   const uint row0 = tg.x * kRowsPerGroup + sg * kRowsPerSimd;
   float res[kRowsPerSimd];
   dot_rows<Fmt, 1>(m, row0, p.hidden, h + ulong(i) * p.inter, p.inter, lane, res);
-  if (lane < kRowsPerSimd && row0 + lane < p.hidden)
-    y[ulong(i) * p.hidden + row0 + lane] = weights[i] * res[lane];
+  const uint r = row0 + lane;
+  if (lane < kRowsPerSimd && r < p.hidden)
+    y[ulong(i) * p.hidden + r] = weights[i] * add_bias(p, rec, p.down_bias, r, res[lane]);
 }
 
 #define STRATA_DOWN(fmt_name, ...) STRATA_KERNEL("down_" fmt_name, down, __VA_ARGS__)

@@ -23,11 +23,17 @@ template <class Fmt, class Act>
   const uint row0 = tg.x * kRowsPerGroup + sg * kRowsPerSimd;
   float res[2 * kRowsPerSimd];
   dot_rows<Fmt, 2>(m, row0, p.inter, x + ulong(i / p.top_k) * p.hidden, p.hidden, lane, res);
-  if (lane < kRowsPerSimd && row0 + lane < p.inter)
-    h[ulong(i) * p.inter + row0 + lane] = Act::apply(res[lane], res[kRowsPerSimd + lane]);
+  const uint r = row0 + lane;
+  if (lane < kRowsPerSimd && r < p.inter) {
+    const float g = add_bias(p, rec, p.gate_bias, r, res[lane]);
+    const float u = add_bias(p, rec, p.up_bias, r, res[kRowsPerSimd + lane]);
+    h[ulong(i) * p.inter + r] = Act::apply(p, g, u);
+  }
 }
 
 // A format type may hold commas (Q4Format<64, ScaleF16>): it travels as __VA_ARGS__.
-#define STRATA_GATE_UP_SILU(fmt_name, ...) \
-  STRATA_KERNEL("gate_up_" fmt_name "_silu", gate_up, __VA_ARGS__, SiluGlu)
-STRATA_FOR_EACH_FORMAT(STRATA_GATE_UP_SILU)
+#define STRATA_GATE_UP_ACT(fmt_name, act_name, Act, ...) \
+  STRATA_KERNEL("gate_up_" fmt_name "_" act_name, gate_up, __VA_ARGS__, Act)
+#define STRATA_GATE_UP(fmt_name, ...) \
+  STRATA_FOR_EACH_ACTIVATION(STRATA_GATE_UP_ACT, fmt_name, __VA_ARGS__)
+STRATA_FOR_EACH_FORMAT(STRATA_GATE_UP)

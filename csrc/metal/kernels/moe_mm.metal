@@ -36,8 +36,12 @@ template <class Fmt, class Act>
     if (uint(ids[i]) != expert) continue;
     float res[2 * kRowsPerSimd];
     dot_rows<Fmt, 2>(m, row0, p.inter, x + ulong(i / p.top_k) * p.hidden, p.hidden, lane, res);
-    if (lane < kRowsPerSimd && row0 + lane < p.inter)
-      h[ulong(i) * p.inter + row0 + lane] = Act::apply(res[lane], res[kRowsPerSimd + lane]);
+    const uint r = row0 + lane;
+    if (lane < kRowsPerSimd && r < p.inter) {
+      const float g = add_bias(p, rec, p.gate_bias, r, res[lane]);
+      const float u = add_bias(p, rec, p.up_bias, r, res[kRowsPerSimd + lane]);
+      h[ulong(i) * p.inter + r] = Act::apply(p, g, u);
+    }
   }
 }
 
@@ -54,14 +58,17 @@ template <class Fmt>
     if (uint(ids[i]) != expert) continue;
     float res[kRowsPerSimd];
     dot_rows<Fmt, 1>(m, row0, p.hidden, h + ulong(i) * p.inter, p.inter, lane, res);
-    if (lane < kRowsPerSimd && row0 + lane < p.hidden)
-      y[ulong(i) * p.hidden + row0 + lane] = weights[i] * res[lane];
+    const uint r = row0 + lane;
+    if (lane < kRowsPerSimd && r < p.hidden)
+      y[ulong(i) * p.hidden + r] = weights[i] * add_bias(p, rec, p.down_bias, r, res[lane]);
   }
 }
 
-#define STRATA_MOE_GATE_UP_SILU(fmt_name, ...) \
-  STRATA_KERNEL("moe_gate_up_" fmt_name "_silu", moe_gate_up, __VA_ARGS__, SiluGlu)
+#define STRATA_MOE_GATE_UP_ACT(fmt_name, act_name, Act, ...) \
+  STRATA_KERNEL("moe_gate_up_" fmt_name "_" act_name, moe_gate_up, __VA_ARGS__, Act)
+#define STRATA_MOE_GATE_UP(fmt_name, ...) \
+  STRATA_FOR_EACH_ACTIVATION(STRATA_MOE_GATE_UP_ACT, fmt_name, __VA_ARGS__)
 #define STRATA_MOE_DOWN(fmt_name, ...) \
   STRATA_KERNEL("moe_down_" fmt_name, moe_down, __VA_ARGS__)
-STRATA_FOR_EACH_FORMAT(STRATA_MOE_GATE_UP_SILU)
+STRATA_FOR_EACH_FORMAT(STRATA_MOE_GATE_UP)
 STRATA_FOR_EACH_FORMAT(STRATA_MOE_DOWN)

@@ -20,6 +20,8 @@ struct KernelParams {
   STRATA_U64 gate_w, gate_s, gate_b;
   STRATA_U64 up_w, up_s, up_b;
   STRATA_U64 down_w, down_s, down_b;
+  // ... and of each matrix's Linear bias [rows] (gpt-oss), read when bias_format != 0.
+  STRATA_U64 gate_bias, up_bias, down_bias;
   STRATA_U64 slot_bytes;       // record_stride: slot s starts at s * slot_bytes
   STRATA_U32 slots_per_view;   // arena view v holds slots [v * spv, (v + 1) * spv)
   STRATA_U32 n_slots;
@@ -31,6 +33,9 @@ struct KernelParams {
   STRATA_U32 routing;          // 0 softmax_topk, 1 topk_softmax
   STRATA_U32 norm_topk_prob;
   STRATA_U32 wave_groups;      // MoeMM: threadgroup columns encoded (>= any *wave_n)
+  STRATA_U32 bias_format;      // 0 no Linear biases, else 1 + (0 f32, 1 f16, 2 bf16)
+  STRATA_U32 act_alpha_bits;   // swiglu_oai's alpha and limit, as float bit patterns
+  STRATA_U32 act_limit_bits;
   STRATA_U32 pad_;
 };
 
