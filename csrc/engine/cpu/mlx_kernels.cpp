@@ -280,20 +280,18 @@ void down_typed(const DeviceBuffers& b, const ExpertView& ev,
 const char* unsupported(const PackLayout& L, Arithmetic a) {
   if (a == Arithmetic::Float32) return "";
   const std::uint32_t want = a == Arithmetic::MlxBfloat16 ? 2 : 0;
-  if (L.weight_format == WeightFormat::Mxfp4) {  // MLX computes in the activations' dtype
-    if (L.bias_format != 0 && L.bias_format != want + 1)
-      return "MLX arithmetic needs the expert biases in the activations' dtype";
-    return "";
-  }
-  if (L.weight_format != WeightFormat::Q4 && L.weight_format != WeightFormat::Q8)
+  // MLX computes mxfp4 (u8 scales) in the activations' dtype, q4/q8 in the scales' dtype.
+  const bool mxfp4 = L.weight_format == WeightFormat::Mxfp4;
+  if (!mxfp4 && L.weight_format != WeightFormat::Q4 && L.weight_format != WeightFormat::Q8)
     return "MLX arithmetic is reproduced for quantized (q4/q8/mxfp4) experts only";
-  if (L.scale_format != want)
+  if (!mxfp4 && L.scale_format != want)
     return a == Arithmetic::MlxBfloat16
                ? "MLX bfloat16 arithmetic needs bfloat16 scales (MLX computes in the scales' "
                  "dtype)"
                : "MLX float32 arithmetic needs float32 scales (MLX computes in the scales' dtype)";
   if (L.bias_format != 0 && L.bias_format != want + 1)
-    return "MLX arithmetic needs the expert biases in the scales' dtype";
+    return mxfp4 ? "MLX arithmetic needs the expert biases in the activations' dtype"
+                 : "MLX arithmetic needs the expert biases in the scales' dtype";
   return "";
 }
 
