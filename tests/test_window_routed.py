@@ -244,3 +244,24 @@ def test_external_pack_has_no_routers(tmp_path: Path) -> None:
         with pytest.raises(PackError, match="holds no routers"):
             pack.router_weights(0)
         assert pack.verify(progress=False) == L * E
+
+
+@pytest.mark.parametrize(
+    ("fmt", "bias_dtype", "bf16_why", "f32_why"),
+    [
+        ("q4", None, "", "needs float32 scales"),  # _pack's q4 scales are bf16
+        ("mxfp4", "bf16", "", "biases in the activations' dtype"),
+        ("f32", None, "q4/q8/mxfp4", "q4/q8/mxfp4"),
+    ],
+)
+def test_the_window_says_which_mlx_arithmetic_it_can_run(
+    tmp_path: Path, fmt: str, bias_dtype: str | None, bf16_why: str, f32_why: str
+) -> None:
+    act = "swiglu_oai" if bias_dtype else "swiglu"
+    path = _pack(tmp_path, "p", act, bias_dtype, fmt)
+    with ExpertStream(path) as stream, Window(stream) as window:
+        for x_dtype, want in (("bfloat16", bf16_why), ("float32", f32_why)):
+            why = window.arithmetic_unsupported(x_dtype)
+            assert (why == "") if not want else (want in why), (x_dtype, why)
+        with pytest.raises(ConfigError, match="x_dtype"):
+            window.arithmetic_unsupported("float16")

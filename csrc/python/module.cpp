@@ -549,6 +549,17 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("in_turn", &Window::in_turn)
       .def_property_readonly("next_layer", &Window::next_layer)
       .def_property_readonly("backend", &Window::backend_name)
+      .def(
+          "arithmetic_unsupported",
+          [](const Window& w, const std::string& x_dtype) {
+            // Why moe_routed(arithmetic="mlx") cannot run for inputs of x_dtype; "" when it can.
+            if (x_dtype != "bfloat16" && x_dtype != "float32")
+              throw EngineError(ErrorKind::Config,
+                                "x_dtype must be 'bfloat16' or 'float32', got '" + x_dtype + "'");
+            return w.arithmetic_unsupported(x_dtype == "bfloat16" ? Arithmetic::MlxBfloat16
+                                                                  : Arithmetic::MlxFloat32);
+          },
+          py::arg("x_dtype"))
       .def_property_readonly("scratch_bytes", &Window::scratch_bytes)
       .def("reset_stats", &Window::reset_stats)
       .def_property_readonly("settles", &Window::settles)

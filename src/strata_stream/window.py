@@ -157,6 +157,12 @@ class Window:
         return out
 
     # ---- externally routed calls (the model routes with its own gate) -------------------------
+    def arithmetic_unsupported(self, x_dtype: str) -> str:
+        """Why `moe_routed(..., arithmetic="mlx")` cannot run for x of `x_dtype` ("bfloat16" or
+        "float32") on this Window's backend and pack; "" when it can."""
+        why: str = self._w.arithmetic_unsupported(x_dtype)
+        return why
+
     def moe_routed(
         self,
         layer: int,

@@ -117,6 +117,8 @@ Window::Window(ExpertStream& stream, std::unique_ptr<Backend> backend,
       scratch_(stream, routers_.data()),
       governor_(governor_options(options.governor, L_.n_layers, settles_io(options, stream))) {
   if (!backend_) throw EngineError(ErrorKind::Config, "Window needs a backend");
+  for (Arithmetic a : {Arithmetic::Float32, Arithmetic::MlxBfloat16, Arithmetic::MlxFloat32})
+    arithmetic_why_[std::size_t(a)] = backend_->arithmetic_unsupported(L_, a);
   if (opt_.max_rows == 0) throw EngineError(ErrorKind::Config, "max_rows must be positive");
   if (!(opt_.device_timeout_s > 0) || !std::isfinite(opt_.device_timeout_s))
     throw EngineError(ErrorKind::Config, "device_timeout_s must be positive and finite");
@@ -492,8 +494,7 @@ void Window::check_routed(const Routed& routed, std::uint32_t rows, bool need_we
     throw EngineError(ErrorKind::Config,
                       "moce steers the engine's own router; an externally routed call "
                       "(moe_routed) needs moce off");
-  if (std::string why = backend_->arithmetic_unsupported(L_, routed.rounding.arithmetic);
-      !why.empty())
+  if (const std::string& why = arithmetic_unsupported(routed.rounding.arithmetic); !why.empty())
     throw EngineError(ErrorKind::Config, why);
   if (rows == 0) return;
   if (!routed.ids || (need_weights && !routed.weights))

@@ -16,6 +16,7 @@
 // ExpertStream: each registers its own client there and owns its protections (protection_set.h).
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -163,6 +164,11 @@ class Window {
   bool settles() const { return settles_; }
   PrefetchGovernor governor() const;  // a snapshot
   std::string backend_name() const { return backend_name_; }
+  // Why this Window's backend cannot compute its pack's expert passes in `a`; "" when it can
+  // (Backend::arithmetic_unsupported, asked once at construction).
+  const std::string& arithmetic_unsupported(Arithmetic a) const {
+    return arithmetic_why_[std::size_t(a)];
+  }
   std::uint64_t scratch_bytes() const { return scratch_bytes_.load(std::memory_order_relaxed); }
   ClientId client() const { return client_; }  // this Window's protections in the stream
 
@@ -244,6 +250,7 @@ class Window {
   ExpertStream& stream_;
   std::unique_ptr<Backend> backend_;  // null once closed
   const std::string backend_name_;
+  std::array<std::string, 3> arithmetic_why_;  // written by the constructor only, then read-only
   WindowOptions opt_;
   const PackLayout& L_;
   std::vector<float> routers_;  // [n_layers][n_experts][hidden], read once from the pack

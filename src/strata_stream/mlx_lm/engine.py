@@ -33,7 +33,7 @@ EXPERT_MODES = ("cpu", "mlx", "metal")
 # (faster, and closer to the exact value, but not mlx-lm's numbers); "auto" takes "mlx"
 # wherever the pack and the activations allow it.
 ARITHMETICS = ("auto", "mlx", "float32")
-_MLX_ARITHMETIC_DTYPES = {"bf16": mx.bfloat16, "f32": mx.float32}
+_MLX_ARITHMETIC_DTYPES = {"bfloat16": mx.bfloat16, "float32": mx.float32}
 _MX_DTYPES = {
     "f32": mx.float32, "f16": mx.float16, "bf16": mx.bfloat16, "u32": mx.uint32, "e8m0": mx.uint8,
 }  # fmt: skip
@@ -118,24 +118,6 @@ class MoeEngine:
             raise ConfigError(
                 f"arithmetic must be one of {', '.join(ARITHMETICS)}, got {arithmetic!r}"
             )
-        # The dtypes in which MLX computes this pack's experts and the CPU backend can
-        # reproduce it: a q4/q8 pack's scales' dtype (bfloat16 or float32); for mxfp4 (u8
-        # scales) the activations' dtype, which its Linear biases, if any, must share.
-        self.mlx_dtypes: tuple[mx.Dtype, ...] = ()
-        if experts == "cpu" and pack.weight_format in ("q4", "q8"):
-            d = _MLX_ARITHMETIC_DTYPES.get(pack.scale_dtype or "")
-            self.mlx_dtypes = () if d is None else (d,)
-        elif experts == "cpu" and pack.weight_format == "mxfp4":
-            bias = pack.header.bias_dtype
-            self.mlx_dtypes = tuple(
-                d for name, d in _MLX_ARITHMETIC_DTYPES.items() if bias in (None, name)
-            )
-        if arithmetic == "mlx" and not self.mlx_dtypes:
-            raise ConfigError(
-                "arithmetic='mlx' needs experts='cpu' and a q4/q8 pack with bfloat16 or float32 "
-                "scales, or an mxfp4 pack with bfloat16 or float32 biases (this is "
-                f"experts={experts!r}, {pack.weight_format} with {pack.scale_dtype} scales)"
-            )
         self.arithmetic = arithmetic
         self.experts = experts
         self.config = config
@@ -146,7 +128,23 @@ class MoeEngine:
         try:
             self.window = Window(self.stream, backend="metal" if experts == "metal" else "cpu")
             self.arena = ArenaTensors(self.stream, pack.tensors) if experts == "mlx" else None
+            # The activation dtypes whose MLX arithmetic the Window's backend reproduces for
+            # this pack (the engine decides: a q4/q8 pack's scales' dtype; mxfp4, any whose
+            # Linear biases, if any, share it); none on the MLX-kernel path.
+            self.mlx_dtypes: tuple[mx.Dtype, ...] = tuple(
+                d
+                for name, d in _MLX_ARITHMETIC_DTYPES.items()
+                if experts != "mlx" and not self.window.arithmetic_unsupported(name)
+            )
+            if arithmetic == "mlx" and not self.mlx_dtypes:
+                raise ConfigError(
+                    "arithmetic='mlx' needs experts='cpu' and a q4/q8 pack with bfloat16 or "
+                    "float32 scales, or an mxfp4 pack with bfloat16 or float32 biases (this is "
+                    f"experts={experts!r}, {pack.weight_format} with {pack.scale_dtype} scales)"
+                )
         except BaseException:
+            if hasattr(self, "window"):
+                self.window.close()
             self.stream.close()
             raise
         self.closed = False
