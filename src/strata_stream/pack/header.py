@@ -47,10 +47,10 @@ MATRICES = ("gate", "up", "down")
 ROLES = ("weight", "scales", "biases", "bias")
 # Header field bias_format: 0 = no expert biases, else 1 + index into BIAS_FORMATS.
 BIAS_FORMATS = FLOAT_FORMATS
-# Bytes per stored element and the dtype name the JSON metadata uses for it.
-_ELEM_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "u32": 4, "e8m0": 1}
-# The little-endian numpy dtype a stored tensor reads as (bf16 as its uint16 bit patterns).
+# The little-endian numpy dtype a stored tensor reads as (bf16 as its uint16 bit patterns);
+# from it, the bytes per stored element; and the dtype name the JSON metadata uses for it.
 NUMPY_DTYPES = {"f32": "<f4", "f16": "<f2", "bf16": "<u2", "u32": "<u4", "e8m0": "u1"}
+_ELEM_BYTES = {name: int(code[-1]) for name, code in NUMPY_DTYPES.items()}  # "<f4": 4 bytes
 _JSON_DTYPES = {
     "f32": "float32", "f16": "float16", "bf16": "bfloat16", "u32": "uint32", "e8m0": "uint8",
 }  # fmt: skip

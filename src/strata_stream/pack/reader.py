@@ -205,19 +205,18 @@ class ExpertPack:
     ) -> tuple[StoredMatrix, StoredMatrix, StoredMatrix]:
         """(gate, up, down) as stored: float arrays (bf16 as uint16 bits) or QuantizedMatrix."""
         record = self.read_record(layer, expert)
-        arrays = [_tensor(record, t) for t in self.tensors if t.role != 3]
+        # Per matrix, its weight, then scales (quantized) and biases (affine) in role order.
+        by_matrix = [
+            [_tensor(record, t) for t in self.tensors if t.matrix == m and t.role != 3]
+            for m in range(3)
+        ]
         if self.weight_format in FLOAT_FORMATS:
-            return arrays[0], arrays[1], arrays[2]
-        if self.weight_format == "mxfp4":
-            m = [
-                QuantizedMatrix(arrays[i], arrays[i + 1], None, 4, self.group_size, mode="mxfp4")
-                for i in (0, 2, 4)
-            ]
-            return m[0], m[1], m[2]
+            return by_matrix[0][0], by_matrix[1][0], by_matrix[2][0]
         bits = QUANT_FORMAT_BITS[self.weight_format]
+        mode = "mxfp4" if self.weight_format == "mxfp4" else "affine"
         q = [
-            QuantizedMatrix(arrays[i], arrays[i + 1], arrays[i + 2], bits, self.group_size)
-            for i in (0, 3, 6)
+            QuantizedMatrix(w, s, biases[0] if biases else None, bits, self.group_size, mode)
+            for w, s, *biases in by_matrix
         ]
         return q[0], q[1], q[2]
 

@@ -194,8 +194,7 @@ class _RecordFiller:
             raise TypeError(
                 f"experts({layer}, {expert}) must return {what}, got {type(mats).__name__}{count}"
             )
-        per = {"mxfp4": 2}.get(self.fmt, 1 if self.fmt in FLOAT_FORMATS else 3)
-        per += bias_dtype is not None
+        per = len(self.header.tensors) // 3  # each matrix's tensors, in the header's order
         for m, mat in enumerate(mats[:3]):
             where = f"layer {layer} expert {expert} {MATRICES[m]}"
             dst = views[m * per : (m + 1) * per]
