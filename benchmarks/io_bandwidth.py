@@ -16,7 +16,7 @@ neither. The ratio engine / raw is what the engine leaves on the table.
 --page-cache: a device faster than this machine's disk (an Apple SSD reads 7-17 GB/s) stood in
 for by a warm page cache. One region of the pack is read once to warm it, then engine and raw
 read that same region with buffered preads, alternating which goes first, --rounds pairs per
-(threads, part size). The raw reference is C++ (`_core.bench_raw_read`, no GIL): the same
+(threads, part size). The raw reference is C++ (`_bench.bench_raw_read`, no GIL): the same
 records split into the same parts, `threads` threads taking the next part from a shared counter,
 into a pre-faulted destination as large as the engine's arena, as the engine's slots are. It
 prints engine_gbps, raw_gbps and ratio (median of the per-pair ratios, with their spread).
@@ -52,7 +52,7 @@ def engine_read(path: Path, layers: range, config: StreamConfig) -> tuple[float,
 
 
 def page_cache(args: argparse.Namespace, path: Path) -> int:
-    from strata_stream import _core
+    from strata_stream import _bench
 
     with ExpertPack.open(path) as pack:
         g = pack.geometry
@@ -63,7 +63,7 @@ def page_cache(args: argparse.Namespace, path: Path) -> int:
     first, count = 0, len(layers) * g.n_experts
     # Warm the region (twice: the second pass finds it cached unless memory is short).
     for _ in range(2):
-        _core.bench_raw_read(str(path), first, count, 4 << 20, 2, arena, False)
+        _bench.bench_raw_read(str(path), first, count, 4 << 20, 2, arena, False)
     print(
         f"{path}: page cache, {len(layers)} layers ({count * stride / 1e9:.2f} GB) per "
         f"measurement, arena {arena / 1e9:.2f} GB, {args.rounds} interleaved pairs"
@@ -84,7 +84,7 @@ def page_cache(args: argparse.Namespace, path: Path) -> int:
                     if engine_first:
                         eng.append(engine_read(path, layers, config)[0])
                     else:
-                        res = _core.bench_raw_read(
+                        res = _bench.bench_raw_read(
                             str(path), first, count, part_mib << 20, threads, arena, False
                         )
                         raw.append(res["bytes"] / res["seconds"])

@@ -434,14 +434,19 @@ def test_core_stream_checks_its_arguments(pack: Path) -> None:
             s.request(0, [1], 0)  # a ReadClass, not an int
         with pytest.raises(TypeError, match="integers"):
             s.plan(0, np.array([0.5]))
-        with pytest.raises(IndexError, match="out of range"):
-            s.inject_fault(key=L * E, part=0, kind=0, err=5, count=1, delay_ms=0)
+        hooks = core.testing
+        with pytest.raises(IndexError, match=rf"expert {E} out of range \[0, {E}\)"):
+            hooks.inject_fault(s, layer=0, expert=E)
+        with pytest.raises(IndexError, match=rf"layer -1 out of range \[0, {L}\)"):
+            hooks.inject_fault(s, layer=-1, expert=0)
         with pytest.raises(IndexError, match="part"):
-            s.inject_fault(key=0, part=stream.n_parts, kind=0, err=5, count=1, delay_ms=0)
-        with pytest.raises(ValueError, match="delay_ms"):
-            s.inject_fault(key=0, part=0, kind=2, err=0, count=1, delay_ms=-1)
+            hooks.inject_fault(s, layer=0, expert=0, part=stream.n_parts)
+        with pytest.raises(ValueError, match="delay_s"):
+            hooks.inject_fault(s, layer=0, expert=0, kind="delay", delay_s=-1.0)
+        with pytest.raises(ValueError, match="fault kind"):
+            hooks.inject_fault(s, layer=0, expert=0, kind="boom")
         with pytest.raises(TypeError):
-            s.inject_fault(0, 0, 0, 5, 1, 0)  # keywords only
+            hooks.inject_fault(s, 0, 0)  # keywords only
         assert s.request(0, [1, 2], urgent) == (0, 2, 0)
         assert stream.check_invariants() == ""
 
@@ -464,12 +469,24 @@ def test_core_constructors_take_keywords_only(pack: Path) -> None:
         )
     with ExpertStream(pack, c) as stream:
         with pytest.raises(TypeError):
-            core.Window(stream._s, "cpu", True, False)  # two bools cannot swap by position
+            core.Window(stream._s, core.WindowOptions(), "cpu", 0)  # backend, threads by name
+        with pytest.raises(TypeError):
+            core.Window(stream._s, split_turn=True)  # options travel as one WindowOptions
+        options = core.WindowOptions()
+        options.device_timeout_s = float("nan")
         with pytest.raises(ConfigError, match="device_timeout_s"):
-            core.Window(stream._s, device_timeout_s=float("nan"))
+            core.Window(stream._s, options)
+        options = core.WindowOptions()
+        options.max_rows = 0
         with pytest.raises(ConfigError, match="max_rows"):
-            core.Window(stream._s, max_rows=0)
-        w = core.Window(stream._s, split_turn=True, lookahead=False)
+            core.Window(stream._s, options)
+        with pytest.raises(ConfigError, match="max_rows must be 0..4294967295, got -1"):
+            options.max_rows = -1
+        with pytest.raises(ConfigError, match="moce must be off, scale or prune"):
+            options.moce = "sometimes"
+        options = core.WindowOptions()
+        options.split_turn, options.lookahead = True, False
+        w = core.Window(stream._s, options)
         w.close()
 
 

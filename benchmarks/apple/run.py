@@ -82,7 +82,8 @@ def plan(out: Path, model: str, fractions: list[float]) -> list[Step]:
     install = (
         "import glob, shutil; "
         f"[shutil.copy(f, r'{ROOT / 'src' / 'strata_stream'}') for f in "
-        f"glob.glob(r'{BUILD}/_core*.so') + glob.glob(r'{BUILD}/strata_kernels.metallib')]"
+        f"glob.glob(r'{BUILD}/_core*.so') + glob.glob(r'{BUILD}/_bench*.so') + "
+        f"glob.glob(r'{BUILD}/strata_kernels.metallib')]"
     )
     return [
         Step(

@@ -2,7 +2,7 @@
 
 The engine owns the arena, the IO threads and the slot map; this wrapper checks arguments
 and converts engine errors into strata_stream.errors (the extension does that already; see
-csrc/python/module.cpp). Every blocking call releases the GIL and can be interrupted with
+csrc/python/errors.cpp). Every blocking call releases the GIL and can be interrupted with
 Ctrl-C. Every method may be called from any thread; closing the stream closes the Windows on it
 first (each waits for its layer in flight).
 
@@ -239,7 +239,7 @@ class ExpertStream:
         return None if v < 0 else v
 
     def evict(self) -> int | None:
-        v = int(self._s.evict_one())
+        v = int(_core().testing.evict_one(self._s))
         return None if v < 0 else v
 
     # ---- views -------------------------------------------------------------------------------
@@ -280,17 +280,17 @@ class ExpertStream:
 
     def check_invariants(self) -> str:
         """'' when the engine's own invariant scan (I1, I3-I7) passes, else the violation."""
-        return str(self._s.check_invariants())
+        return str(_core().testing.check_invariants(self._s))
 
     # ---- test hooks --------------------------------------------------------------------------
     def pending_io(self) -> list[tuple[int, int, int, ReadClass]]:
         """Queued part reads in the order the IO threads would take them: (slot, key, part, cls)."""
         classes = _core().ReadClass
-        return [(s, k, p, classes(c)) for s, k, p, c in self._s.pending_jobs()]
+        return [(s, k, p, classes(c)) for s, k, p, c in _core().testing.pending_jobs(self._s)]
 
     def run_io(self, index: int = 0) -> bool:
         """Manual IO (io_threads=0): performs the index-th pending part read now."""
-        return bool(self._s.run_job(int(index)))
+        return bool(_core().testing.run_job(self._s, index))
 
     def inject_fault(
         self,
@@ -304,20 +304,19 @@ class ExpertStream:
     ) -> None:
         """Makes the next `count` reads of a record part (-1: any part) misbehave: 'eio' fails
         with errno_value, 'short' returns short, 'delay' stalls delay_s and then reads."""
-        kinds = {"eio": 0, "short": 1, "delay": 2}
-        if kind not in kinds:
-            raise ValueError(f"fault kind must be one of {sorted(kinds)}, got {kind!r}")
-        self._s.inject_fault(
-            key=self.key(layer, expert),
-            part=int(part),
-            kind=kinds[kind],
-            err=int(errno_value),
-            count=int(count),
-            delay_ms=int(delay_s * 1000),
+        _core().testing.inject_fault(
+            self._s,
+            layer=layer,
+            expert=expert,
+            part=part,
+            kind=kind,
+            count=count,
+            errno_value=errno_value,
+            delay_s=delay_s,
         )
 
     def clear_faults(self) -> None:
-        self._s.clear_faults()
+        _core().testing.clear_faults(self._s)
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{self.n_slots} slots"

@@ -89,27 +89,24 @@ class Window:
         self.stream = stream
         self.n_layers = stream.n_layers
         self.hidden = int(stream._s.layout["hidden"])
-        self._w = core.Window(
-            stream._s,
-            backend=backend,
-            lookahead=c.lookahead,
-            split_turn=c.split_turn,
-            max_rows=c.max_rows,
-            decode_rows=c.decode_rows,
-            device_timeout_s=c.device_timeout_s,
-            threads=threads,
-            prompt_pred2=c.prompt_pred2,
-            pred2_max=c.prompt_pred2_max,
-            decode_prefetch2=c.decode_prefetch2,
-            prompt_buf_reuse=c.prompt_buf_reuse,
-            record_routes=c.trace_path is not None,
-            start_layers=c.prompt_start_layers,
-            moce=c.moce,
-            moce_strength=c.moce_strength_value,
-            moce_keep_top=c.moce_keep_top,
-            profile_prefetch=c.profile_prefetch,
-            prefetch_backoff=c.prefetch_backoff,
-        )
+        options = core.WindowOptions()
+        options.lookahead = c.lookahead
+        options.split_turn = c.split_turn
+        options.max_rows = c.max_rows
+        options.decode_rows = c.decode_rows
+        options.device_timeout_s = c.device_timeout_s
+        options.prompt_pred2 = c.prompt_pred2
+        options.pred2_max = c.prompt_pred2_max
+        options.decode_prefetch2 = c.decode_prefetch2
+        options.prompt_buf_reuse = c.prompt_buf_reuse
+        options.record_routes = c.trace_path is not None
+        options.start_layers = c.prompt_start_layers
+        options.moce = c.moce
+        options.moce_strength = c.moce_strength_value
+        options.moce_keep_top = c.moce_keep_top
+        options.profile_prefetch = c.profile_prefetch
+        options.prefetch_backoff = c.prefetch_backoff
+        self._w = core.Window(stream._s, options, backend=backend, threads=threads)
         self.profile_path = profile_path(stream.path)
         self._persist = c.persist_profile
         if self._persist:
