@@ -17,7 +17,7 @@ import pytest
 
 from conftest import PackFactory, random_turns, run_turns
 from oracle import moce_reference, moe_reference_selected
-from strata_stream import ExpertPack, ExpertStream, StreamConfig, Window
+from strata_stream import ExpertPack, ExpertStream, StreamConfig, Window, testing
 from strata_stream.errors import ConfigError
 
 L, E, K, H, INTER = 4, 16, 4, 64, 48
@@ -151,7 +151,9 @@ def timed_run(
             rng = np.random.default_rng(delay_seed)
             for layer in range(L):
                 for e in rng.choice(E, E // 2, replace=False):
-                    stream.inject_fault(layer, int(e), kind="delay", delay_s=0.004, count=1000)
+                    testing.inject_fault(
+                        stream, layer, int(e), kind="delay", delay_s=0.004, count=1000
+                    )
         for xs in turns:
             with window.turn():
                 out.extend(window.moe(layer, x) for layer, x in enumerate(xs))
@@ -217,7 +219,9 @@ def test_moce_determinism_holds_past_the_governors_trial_point(pack: Path) -> No
                 for layer in range(L):
                     for e in range(E):
                         ms = float(rng.choice([0.0, 1.0, 8.0, 20.0]))
-                        stream.inject_fault(layer, e, kind="delay", delay_s=ms / 1000, count=1000)
+                        testing.inject_fault(
+                            stream, layer, e, kind="delay", delay_s=ms / 1000, count=1000
+                        )
             for xs in turns:
                 with window.turn():
                     out.extend(window.moe(layer, x) for layer, x in enumerate(xs))

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from strata_stream import ExpertStream, StreamConfig
+from strata_stream import ExpertStream, StreamConfig, testing
 from strata_stream.cli import main
 from strata_stream.errors import PackError
 from strata_stream.pack import ExpertPack, pack_preset
@@ -321,4 +321,4 @@ def test_crafted_headers_are_a_pack_error_or_a_working_stream(
             py_header.geometry.n_experts,
         )
         stream.wait(stream.n_layers - 1, [stream.n_experts - 1])
-        assert stream.check_invariants() == ""
+        assert testing.check_invariants(stream) == ""

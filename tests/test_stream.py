@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import PackFactory, record_bytes_of
-from strata_stream import ExpertStream, ReadClass, StreamConfig
+from strata_stream import ExpertStream, ReadClass, StreamConfig, testing
 from strata_stream.errors import (
     ArenaFullError,
     ConfigError,
@@ -54,7 +54,7 @@ def test_urgent_request_reads_the_records(make_pack: PackFactory) -> None:
         st = s.stats()
         assert st["misses"] == 2 and st["hits"] == 1
         assert st["bytes_read"] >= 2 * s.record_bytes
-        assert s.check_invariants() == ""
+        assert testing.check_invariants(s) == ""
 
 
 def test_smap_is_a_read_only_view(make_pack: PackFactory) -> None:
@@ -80,7 +80,7 @@ def test_every_expert_through_a_small_arena(make_pack: PackFactory) -> None:
                     got = s.expert_bytes(layer, x)
                     assert got is not None
                     assert got.tobytes() == record_bytes_of(path, layout, s.key(layer, x))
-                assert s.check_invariants() == ""
+                assert testing.check_invariants(s) == ""
         assert s.stats()["evicted"] > 0
 
 
@@ -109,7 +109,7 @@ def test_an_urgent_request_never_evicts_an_expert_it_holds(make_pack: PackFactor
         s.request(0, [0])
         s.request(1, [0])
         s.request(2, [6])
-        while s.run_io():
+        while testing.run_io(s):
             pass
         s.request(0, [1])  # the fourth slot: an urgent read left queued
         s.enter_layer(0)  # layer 0 executing, every slot of it protected
@@ -117,7 +117,7 @@ def test_an_urgent_request_never_evicts_an_expert_it_holds(make_pack: PackFactor
         with pytest.raises(ArenaFullError):
             s.request(2, [6, 0])
         assert s.where(2, 6) is not None
-        assert s.check_invariants() == ""
+        assert testing.check_invariants(s) == ""
 
 
 def test_bad_arguments_raise_clear_errors(make_pack: PackFactory) -> None:
@@ -136,7 +136,7 @@ def test_bad_arguments_raise_clear_errors(make_pack: PackFactory) -> None:
         with pytest.raises(ValueError, match="contradicts"):
             s.request(0, [1], urgent=True, cls=ReadClass.PRED1)
         with pytest.raises(ValueError, match="fault kind"):
-            s.inject_fault(0, 1, kind="boom")
+            testing.inject_fault(s, 0, 1, kind="boom")
         s.wait(0, [1])
 
 
@@ -190,7 +190,7 @@ def test_urgent_read_failure_names_layer_expert_offset_errno(
 ) -> None:
     path = make_pack()
     with ExpertStream(path, config(8, stride_of(path))) as s:
-        s.inject_fault(2, 7, part=1, kind=kind)
+        testing.inject_fault(s, 2, 7, part=1, kind=kind)
         with pytest.raises(ExpertReadError) as info:
             s.wait(2, [7])
         err = info.value
@@ -204,15 +204,15 @@ def test_urgent_read_failure_names_layer_expert_offset_errno(
         s.wait(2, [7])  # one-shot fault: the retry reads it
         got = s.expert_bytes(2, 7)
         assert got is not None and got.tobytes() == record_bytes_of(path, layout, s.key(2, 7))
-        assert s.check_invariants() == ""
+        assert testing.check_invariants(s) == ""
 
 
 def test_speculative_failure_is_dropped_and_counted(make_pack: PackFactory) -> None:
     path = make_pack()
     with ExpertStream(path, config(8, stride_of(path), io_threads=0)) as s:
-        s.inject_fault(1, 4, kind="eio")
+        testing.inject_fault(s, 1, 4, kind="eio")
         s.request(1, [4], urgent=False)
-        while s.run_io(0):
+        while testing.run_io(s, 0):
             pass
         assert s.stats()["spec_failed"] == 1
         assert s.where(1, 4) is None
@@ -257,13 +257,13 @@ def test_a_stuck_read_times_out_and_the_stream_recovers(make_pack: PackFactory) 
 
     path = make_pack()
     with ExpertStream(path, config(8, stride_of(path), io_timeout_s=0.2)) as s:
-        s.inject_fault(0, 3, part=0, kind="delay", delay_s=1.0)
+        testing.inject_fault(s, 0, 3, part=0, kind="delay", delay_s=1.0)
         with pytest.raises(StreamTimeoutError, match="no read progress"):
             s.wait(0, [3])
         s.wait(0, [4])  # other reads go on; the slow one lands eventually
         time.sleep(1.0)
         s.wait(0, [3])
-        assert s.check_invariants() == ""
+        assert testing.check_invariants(s) == ""
 
 
 def test_ctrl_c_interrupts_a_wait(make_pack: PackFactory) -> None:
@@ -274,7 +274,7 @@ def test_ctrl_c_interrupts_a_wait(make_pack: PackFactory) -> None:
 
     path = make_pack()
     with ExpertStream(path, config(8, stride_of(path))) as s:
-        s.inject_fault(1, 2, part=0, kind="delay", delay_s=1.5)
+        testing.inject_fault(s, 1, 2, part=0, kind="delay", delay_s=1.5)
         # A shell that starts pytest in the background (`cmd &`) hands it SIGINT ignored, and
         # Python then never raises KeyboardInterrupt: install Python's own handler for the test.
         previous = signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -290,7 +290,7 @@ def test_ctrl_c_interrupts_a_wait(make_pack: PackFactory) -> None:
             signal.signal(signal.SIGINT, previous)
         timer.join()
         s.wait(1, [2])
-        assert s.check_invariants() == ""
+        assert testing.check_invariants(s) == ""
 
 
 def test_demo_streams_the_tiny_preset(tmp_path: object) -> None:
@@ -364,7 +364,7 @@ def test_direct_io_reads_every_record_exactly(make_pack: PackFactory, direct_dir
                 assert got is not None
                 assert got.tobytes() == record_bytes_of(path, layout, s.key(layer, e))
         assert s.stats()["failed"] == 0
-        assert s.check_invariants() == ""
+        assert testing.check_invariants(s) == ""
 
 
 def _sparse_pack_past_4_gib(directory: Path) -> tuple[Path, dict[int, bytes]]:

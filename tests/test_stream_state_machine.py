@@ -27,7 +27,7 @@ from hypothesis.stateful import (
 )
 
 from conftest import record_bytes_of
-from strata_stream import ExpertStream, ReadClass, SlotState, StreamConfig
+from strata_stream import ExpertStream, ReadClass, SlotState, StreamConfig, testing
 from strata_stream.errors import ArenaFullError, ExpertReadError
 from strata_stream.stream import ABSENT
 
@@ -198,9 +198,9 @@ class StreamMachine(RuleBasedStateMachine):
         assert set(self.published()) <= set(before_pub)
 
     def _complete(self, index: int) -> None:
-        slot, key, _part, cls = self.s.pending_io()[index]
+        slot, key, _part, cls = testing.pending_io(self.s)[index]
         before_pub = self.published()
-        self.s.run_io(index)
+        testing.run_io(self.s, index)
         pub = self.published()
         t = self.table()
         if cls != ReadClass.URGENT:  # I2: IO threads never publish speculative reads
@@ -210,14 +210,14 @@ class StreamMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def complete_a_part(self, data: st.DataObject) -> None:
-        jobs = self.s.pending_io()
+        jobs = testing.pending_io(self.s)
         if jobs:
             self._complete(data.draw(st.integers(0, len(jobs) - 1), label="job"))
 
     @rule(order=st.randoms(use_true_random=False))
     def complete_everything(self, order: random.Random) -> None:
         """Every pending read lands, in an order hypothesis picks."""
-        while jobs := self.s.pending_io():
+        while jobs := testing.pending_io(self.s):
             self._complete(order.randrange(len(jobs)))
 
     @rule(layer=st.integers(0, L - 1))
@@ -325,7 +325,7 @@ class StreamMachine(RuleBasedStateMachine):
         assert t["parts_started"][v] == t["parts_done"][v]  # no read in flight
         assert t["pins"][v] == 0  # I8
         assert t["state"][v] in (SlotState.COMPLETE, SlotState.FAILED)
-        evicted = self.s.evict()
+        evicted = testing.evict(self.s)
         assert evicted == v
         assert self.s.smap[k] == ABSENT and self.s.where(k // E, k % E) is None  # I5
 
@@ -390,7 +390,7 @@ class StreamMachine(RuleBasedStateMachine):
     def failing_wait(self, layer: int, expert: int) -> None:
         if self.s.where(layer, expert) is not None:
             return
-        self.s.inject_fault(layer, expert, kind="eio", errno_value=5)
+        testing.inject_fault(self.s, layer, expert, kind="eio", errno_value=5)
         room = self.room_for_urgent({layer * E + expert})
         self.present_before = self.present()
         try:
@@ -409,13 +409,13 @@ class StreamMachine(RuleBasedStateMachine):
                 f"wait for layer {layer} expert {expert} returned although its read fails with EIO"
             )
         finally:
-            self.s.clear_faults()
+            testing.clear_faults(self.s)
 
     # ---- invariants after every step ------------------------------------------------------
     @invariant()
     def engine_invariants(self) -> None:
         if hasattr(self, "s"):
-            assert self.s.check_invariants() == ""
+            assert testing.check_invariants(self.s) == ""
 
     @invariant()
     def published_slots_hold_their_bytes(self) -> None:  # I1, from outside the engine
@@ -455,7 +455,7 @@ class StreamMachine(RuleBasedStateMachine):
         t = self.table()
         held = [int(k) for i, k in enumerate(t["key"]) if t["state"][i] != SlotState.FREE]
         assert all(k < L * E for k in held), f"a slot holds key {max(held)} >= {L * E}"
-        assert all(key < L * E for _slot, key, _part, _cls in self.s.pending_io())
+        assert all(key < L * E for _slot, key, _part, _cls in testing.pending_io(self.s))
         assert len(self.s.smap) == L * E
 
 

@@ -19,7 +19,7 @@ import pytest
 import strata_stream
 from conftest import PackFactory, random_turns, run_turns
 from oracle import moe_reference, route_reference
-from strata_stream import ExpertPack, ExpertStream, StreamConfig, Window
+from strata_stream import ExpertPack, ExpertStream, StreamConfig, Window, testing
 from strata_stream.errors import (
     ArenaFullError,
     ConfigError,
@@ -117,7 +117,7 @@ def test_two_windows_on_two_threads_stay_bitwise_exact(
             for t in workers:
                 t.start()
             got = [t.finish() for t in workers]
-            assert stream.check_invariants() == ""
+            assert testing.check_invariants(stream) == ""
             for w in windows:
                 w.close()
         for g, w_ in zip(got, want, strict=True):
@@ -172,7 +172,7 @@ def test_windows_whose_protections_fill_the_arena_raise_arena_full(pack: Path) -
             wa.moe(0, xa)  # wa now protects layer 0's experts and all of layer 1's: 2k slots
             with pytest.raises(ArenaFullError, match="another window"):
                 wb.moe(0, xb)
-        assert stream.check_invariants() == ""
+        assert testing.check_invariants(stream) == ""
         with wb.turn():  # wa's turn ended: wb has the arena
             got = [wb.moe(layer, xb) for layer in range(L)]
     assert all(np.array_equal(a, b) for a, b in zip(got, want_b, strict=True))
@@ -234,7 +234,7 @@ def test_close_from_another_thread_waits_for_the_layer_in_flight(pack: Path, spl
     for _ in range(3):
         with ExpertStream(pack, cfg) as stream:
             w = Window(stream)
-            stream.inject_fault(1, slow, kind="delay", delay_s=0.2, count=-1)
+            testing.inject_fault(stream, 1, slow, kind="delay", delay_s=0.2, count=-1)
             entered = threading.Event()
             outputs: list[np.ndarray] = []
 
@@ -258,8 +258,8 @@ def test_close_from_another_thread_waits_for_the_layer_in_flight(pack: Path, spl
             # Every layer that returned is exact: the one in flight finished before close().
             assert all(np.array_equal(o, want[i % L]) for i, o in enumerate(outputs))
             assert w.stats()["scratch_bytes"] == 0
-            assert stream.check_invariants() == ""
-            stream.clear_faults()
+            assert testing.check_invariants(stream) == ""
+            testing.clear_faults(stream)
             with Window(stream) as again:  # the stream stays usable
                 assert all(
                     np.array_equal(a, b) for a, b in zip(run_window(again, [xs]), want, strict=True)
@@ -363,10 +363,10 @@ def test_a_destroyed_window_ends_its_turn_on_the_stream(pack: Path) -> None:
 
 
 def test_a_stuck_read_does_not_hang_close(pack: Path) -> None:
-    core = strata_stream.stream._core()
+    from strata_stream import _core as core
     streams = [ExpertStream(pack, config(pack, io_timeout_s=0.3, io_threads=1))]
     s = streams[0]
-    s.inject_fault(0, 3, kind="delay", delay_s=2.0)
+    testing.inject_fault(s, 0, 3, kind="delay", delay_s=2.0)
     s.request(0, [3])
     wait_until(
         lambda s=s: int(s.slot_table()["parts_started"][s.where(0, 3) or 0]) > 0,
@@ -416,7 +416,7 @@ def test_core_window_moe_checks_its_array(pack: Path) -> None:
 
 
 def test_core_stream_checks_its_arguments(pack: Path) -> None:
-    core = strata_stream.stream._core()
+    from strata_stream import _core as core
     with ExpertStream(pack, config(pack, io_threads=0)) as stream:
         s = stream._s
         urgent = core.ReadClass.URGENT
@@ -448,11 +448,11 @@ def test_core_stream_checks_its_arguments(pack: Path) -> None:
         with pytest.raises(TypeError):
             hooks.inject_fault(s, 0, 0)  # keywords only
         assert s.request(0, [1, 2], urgent) == (0, 2, 0)
-        assert stream.check_invariants() == ""
+        assert testing.check_invariants(stream) == ""
 
 
 def test_core_constructors_take_keywords_only(pack: Path) -> None:
-    core = strata_stream.stream._core()
+    from strata_stream import _core as core
     c = config(pack)
     with pytest.raises(TypeError):
         core.Stream(str(pack), c.arena_bytes, 2, c.part_bytes, False, False, 5.0, True)
@@ -491,9 +491,9 @@ def test_core_constructors_take_keywords_only(pack: Path) -> None:
 
 
 def test_enums_and_absent_come_from_the_extension() -> None:
-    core = strata_stream.stream._core()
     from enum import IntEnum
 
+    from strata_stream import _core as core
     from strata_stream.stream import ABSENT
 
     assert strata_stream.ReadClass is core.ReadClass

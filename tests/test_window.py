@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from conftest import PackFactory, random_turns, run_turns
 from oracle import moe_reference
-from strata_stream import ExpertPack, ExpertStream, StreamConfig, Window
+from strata_stream import ExpertPack, ExpertStream, StreamConfig, Window, testing
 from strata_stream.errors import ExpertReadError, StreamClosedError, TurnError
 
 L, E, K, H, INTER = 4, 16, 4, 64, 48
@@ -262,11 +262,11 @@ def test_an_io_error_fails_the_call_and_the_window_stays_usable(pack: Path) -> N
             from oracle import route_reference
 
             ids, _ = route_reference(xs[1], p.router_weights(1), K, "softmax_topk", True)
-        stream.inject_fault(1, int(ids[0, 0]), kind="eio")
+        testing.inject_fault(stream, 1, int(ids[0, 0]), kind="eio")
         w.moe(0, xs[0])
         with pytest.raises(ExpertReadError, match=f"layer 1 expert {int(ids[0, 0])}"):
             w.moe(1, xs[1])
-        assert stream.check_invariants() == ""
+        assert testing.check_invariants(stream) == ""
         with w.turn():  # a fresh turn works and is still exact
             got = [w.moe(layer, x) for layer, x in enumerate(xs)]
     assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
@@ -435,7 +435,7 @@ def test_a_second_thread_cannot_enter_a_busy_window(pack: Path) -> None:
     with ExpertPack.open(pack) as p:
         ids, _ = route_reference(x, p.router_weights(0), K, "softmax_topk", True)
     with ExpertStream(pack, stream_config(pack, 2 * K)) as stream, Window(stream) as w:
-        stream.inject_fault(0, int(ids[0, 0]), kind="delay", delay_s=0.5)
+        testing.inject_fault(stream, 0, int(ids[0, 0]), kind="delay", delay_s=0.5)
         first = threading.Thread(target=w.moe, args=(0, x))
         first.start()
         for _ in range(100):  # until the first call is inside the engine
@@ -462,7 +462,8 @@ def test_an_io_error_in_a_later_wave_leaves_the_next_turn_exact(pack: Path, spli
             ids, _ = route_reference(xs[0], p.router_weights(0), K, "softmax_topk", True)
         counts = np.bincount(ids.ravel(), minlength=E)
         last = sorted(range(E), key=lambda e: (-counts[e], e))[int((counts > 0).sum()) - 1]
-        stream.inject_fault(0, last, kind="eio")  # the least popular: read in the last wave
+        # The least popular expert: read in the last wave.
+        testing.inject_fault(stream, 0, last, kind="eio")
         with pytest.raises(ExpertReadError):
             w.moe(0, xs[0])
         with w.turn():

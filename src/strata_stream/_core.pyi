@@ -1,7 +1,39 @@
-# Types of the compiled extension (csrc/python/module.cpp) that the Python modules name in their
-# own signatures; the values live in C++ (residency/slot.h). Everything else is typed Any.
+# Types of the compiled extension strata_stream._core (csrc/python/: one binding file per
+# concept, named beside each section below). mypy checks the Python layer's calls into it
+# against these; keep them in step with the bindings.
+from collections.abc import Callable
 from enum import IntEnum
-from typing import Any
+from typing import Any, TypedDict
+
+import numpy as np
+import numpy.typing as npt
+from typing_extensions import Buffer
+
+# ---- pack.cpp ------------------------------------------------------------------------------
+
+class Layout(TypedDict):
+    n_layers: int
+    n_experts: int
+    top_k: int
+    hidden: int
+    moe_intermediate: int
+    routing: str  # "softmax_topk", "topk_softmax" or "external"
+    activation: str  # "swiglu" or "swiglu_oai"
+    bias_format: int
+    norm_topk_prob: bool
+    weight_format: int
+    group_size: int
+    record_bytes: int
+    record_stride: int
+    records_offset: int
+    file_bytes: int
+
+CRC32C_IMPL: str  # "sse4.2", "armv8-crc" or "table"
+
+def read_layout(path: str) -> Layout: ...
+def crc32c(buffer: Buffer, seed: int = 0) -> int: ...
+
+# ---- stream.cpp: residency/slot.h and ExpertStream -----------------------------------------
 
 ABSENT: int
 
@@ -19,4 +51,198 @@ class SlotState(IntEnum):
     LIMBO = ...
     FAILED = ...
 
-def __getattr__(name: str) -> Any: ...
+def disposing() -> int: ...
+
+# Expert ids: an integer array, sequence or int (0-d or 1-d); the engine checks their range.
+_Ids = npt.ArrayLike
+
+class Stream:
+    def __init__(
+        self,
+        path: str,
+        *,
+        arena_bytes: int,
+        io_threads: int,
+        part_bytes: int,
+        direct_io: bool,
+        verify_reads: bool,
+        io_timeout_s: float,
+        publish_prefetch: bool,
+        simulate_io: bool = False,
+        eviction: str = "decayed_lfu",
+    ) -> None: ...
+    def close(self) -> None: ...
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def n_clients(self) -> int: ...
+    @property
+    def clients_waiting_for_space(self) -> int: ...
+    @property
+    def n_slots(self) -> int: ...
+    @property
+    def n_parts(self) -> int: ...
+    @property
+    def layout(self) -> Layout: ...
+    @property
+    def direct_io(self) -> bool: ...
+    @property
+    def direct_note(self) -> str: ...
+    def request(self, layer: int, experts: _Ids, cls: ReadClass) -> tuple[int, int, int]: ...
+    def wait(self, layer: int, experts: _Ids) -> None: ...
+    def publish(self, layer: int) -> int: ...
+    def enter_layer(self, layer: int, experts: _Ids | None = None) -> None: ...
+    def after_layer(self, layer: int) -> None: ...
+    def end_turn(self) -> None: ...
+    def plan(self, layer: int, experts: _Ids) -> npt.NDArray[np.uint8]: ...
+    def release_plan(self) -> None: ...
+    def cancel(self, layer: int, expert: int) -> bool: ...
+    def retire_unused_pre(self, layer: int, chosen: _Ids) -> int: ...
+    def release_limbo(self) -> int: ...
+    def victim(self, speculative: bool = False) -> int: ...  # -1: none
+    @property
+    def smap(self) -> npt.NDArray[np.uint32]: ...
+    @property
+    def arena(self) -> npt.NDArray[np.uint8]: ...
+    @property
+    def slot_bytes_stride(self) -> int: ...
+    def key(self, layer: int, expert: int) -> int: ...
+    def where(self, layer: int, expert: int) -> int: ...  # -1: nowhere
+    def slot_bytes(self, slot: int) -> npt.NDArray[np.uint8]: ...
+    def slots(self) -> dict[str, npt.NDArray[Any]]: ...
+    def stats(self) -> dict[str, float]: ...
+
+# ---- window.cpp: exec/window.h ---------------------------------------------------------------
+
+class WindowOptions:
+    lookahead: bool
+    split_turn: bool
+    max_rows: int
+    decode_rows: int
+    device_timeout_s: float
+    prompt_pred2: bool
+    pred2_max: int
+    decode_prefetch2: bool
+    prompt_buf_reuse: bool
+    record_routes: bool
+    start_layers: int
+    moce: str  # "off", "scale" or "prune"
+    moce_strength: float
+    moce_keep_top: int
+    profile_prefetch: bool
+    prefetch_backoff: bool
+    def __init__(self) -> None: ...
+
+class LayerStats(TypedDict):
+    calls: int
+    tokens: int
+    hits: int
+    misses: int
+    bytes_read: int
+    stall_seconds: float
+    handshake_seconds: float
+    handshake_cpu_seconds: float
+    waves: int
+    pred_correct: int
+    pred_predicted: int
+    pred_actual: int
+    moce_moved_mass: float
+    moce_changed: int
+    settle_seconds: float
+
+class PrefetchStats(TypedDict):
+    backoff: bool
+    state: str
+    cap: int | None
+    peak: int
+    epochs: int
+    cuts: int
+    raises: int
+    probes: int
+    last_precision: float | None
+    last_busy: float | None
+    trials: int
+    abandoned_trials: int
+    deterministic: bool
+    last_wall_on_s: float | None
+    last_wall_off_s: float | None
+
+class Window:
+    def __init__(
+        self,
+        stream: Stream,
+        options: WindowOptions = ...,
+        *,
+        backend: str = "cpu",
+        threads: int = 0,
+    ) -> None: ...
+    def moe(self, layer: int, x: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]: ...
+    def moe_routed(
+        self,
+        layer: int,
+        x: Buffer,
+        dtype: str,
+        ids: _Ids,
+        weights: npt.ArrayLike,
+        pred1: _Ids | None = None,
+        pred2: _Ids | None = None,
+        *,
+        arithmetic: str = "float32",
+        weights_dtype: str = "float32",
+    ) -> npt.NDArray[np.float32]: ...
+    def moe_routed_host(
+        self,
+        layer: int,
+        ids: _Ids,
+        pred1: _Ids | None,
+        pred2: _Ids | None,
+        compute: Callable[[int, int, npt.NDArray[np.uint32]], object],
+    ) -> None: ...
+    def arithmetic_unsupported(self, x_dtype: str) -> str: ...
+    def close(self) -> None: ...
+    @property
+    def closed(self) -> bool: ...
+    def begin_turn(self) -> None: ...
+    def end_turn(self) -> None: ...
+    @property
+    def in_turn(self) -> bool: ...
+    @property
+    def next_layer(self) -> int: ...
+    @property
+    def backend(self) -> str: ...
+    @property
+    def scratch_bytes(self) -> int: ...
+    def reset_stats(self) -> None: ...
+    @property
+    def settles(self) -> bool: ...
+    @property
+    def route_layer(self) -> int: ...  # -1: nothing routed yet (or moce off)
+    def route_resident(self) -> npt.NDArray[np.bool_]: ...
+    def prefetch_stats(self) -> PrefetchStats: ...
+    def profile(self) -> npt.NDArray[np.uint32]: ...
+    def set_profile(self, counts: npt.NDArray[np.integer[Any]]) -> None: ...
+    def take_routes(self) -> npt.NDArray[np.int32]: ...  # [n, 3]: token, layer, expert
+    def layer_stats(self) -> list[LayerStats]: ...
+
+# ---- testing.cpp: the `testing` submodule (strata_stream.testing is its Python face) -------
+
+class _Testing:
+    def pending_jobs(self, stream: Stream) -> list[tuple[int, int, int, ReadClass]]: ...
+    def run_job(self, stream: Stream, index: int = 0) -> bool: ...
+    def inject_fault(
+        self,
+        stream: Stream,
+        *,
+        layer: int,
+        expert: int,
+        part: int = -1,
+        kind: str = "eio",
+        count: int = 1,
+        errno_value: int = 5,
+        delay_s: float = 0.0,
+    ) -> None: ...
+    def clear_faults(self, stream: Stream) -> None: ...
+    def evict_one(self, stream: Stream) -> int: ...  # -1: none may go
+    def check_invariants(self, stream: Stream) -> str: ...
+
+testing: _Testing

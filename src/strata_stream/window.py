@@ -3,7 +3,8 @@
 `Window(stream, backend="cpu").moe(layer, x)` routes x through the layer's router, streams the
 chosen experts in (predicting the next layer's as it goes), runs the expert passes on the
 backend and returns the layer's MoE output. The per-layer work runs in C++ with the GIL
-released; this wrapper validates arguments and keeps turn order.
+released; the engine checks every argument against the pack (layer, expert ids, max_rows) and
+keeps turn order; this wrapper adds the Python-side resources (trace file, saved profile).
 
 Turns: layer calls go 0, 1, ..., L-1 (then 0 again for the next token). `with window.turn():`
 marks a turn explicitly (protections span it); a call outside one opens a turn that closes when
@@ -24,7 +25,6 @@ x propagates to the output rows it touches, as in the unstreamed model.
 
 from __future__ import annotations
 
-import importlib
 import os
 import threading
 import warnings
@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -40,6 +40,8 @@ import numpy.typing as npt
 from strata_stream.errors import ConfigError, StreamClosedError
 from strata_stream.stream import ExpertStream
 from strata_stream.trace.format import strata_trace_header, strata_trace_rows
+
+_T = TypeVar("_T")
 
 _BUFFER_DTYPES = {"f": "float32", "e": "float16", "bfloat16": "bfloat16"}
 
@@ -85,11 +87,12 @@ class Window:
                 f"StreamConfig.moce_keep_top: {c.moce_keep_top} exceeds the pack's top_k "
                 f"({stream.top_k})"
             )
-        core = importlib.import_module("strata_stream._core")
+        from strata_stream import _core
+
         self.stream = stream
         self.n_layers = stream.n_layers
-        self.hidden = int(stream._s.layout["hidden"])
-        options = core.WindowOptions()
+        self.hidden = stream._s.layout["hidden"]
+        options = _core.WindowOptions()
         options.lookahead = c.lookahead
         options.split_turn = c.split_turn
         options.max_rows = c.max_rows
@@ -106,7 +109,7 @@ class Window:
         options.moce_keep_top = c.moce_keep_top
         options.profile_prefetch = c.profile_prefetch
         options.prefetch_backoff = c.prefetch_backoff
-        self._w = core.Window(stream._s, options, backend=backend, threads=threads)
+        self._w: _core.Window = _core.Window(stream._s, options, backend=backend, threads=threads)
         self.profile_path = profile_path(stream.path)
         self._persist = c.persist_profile
         if self._persist:
@@ -148,7 +151,7 @@ class Window:
         arr = self._input(x)
         # The engine keeps turn order and ownership (opening a turn at layer 0 outside one,
         # closing it after layer L-1) under its own lock: checks here would race other threads.
-        out: npt.NDArray[np.float32] = self._w.moe(layer, arr)
+        out = self._w.moe(layer, arr)
         if layer == self.n_layers - 1 and not self._w.in_turn:
             self._flush_trace()
         return out
@@ -157,8 +160,7 @@ class Window:
     def arithmetic_unsupported(self, x_dtype: str) -> str:
         """Why `moe_routed(..., arithmetic="mlx")` cannot run for x of `x_dtype` ("bfloat16" or
         "float32") on this Window's backend and pack; "" when it can."""
-        why: str = self._w.arithmetic_unsupported(x_dtype)
-        return why
+        return self._w.arithmetic_unsupported(x_dtype)
 
     def moe_routed(
         self,
@@ -191,27 +193,22 @@ class Window:
         """
         layer = self._routed_layer(layer)
         view, dtype = _x_buffer(x, self.hidden)
-        rows = view.shape[0] if view.shape else 0
-        tables = self._routed_tables(rows, ids, pred1, pred2)
-        w = np.ascontiguousarray(weights, dtype=np.float32)
-        if w.shape != (rows, self.stream.top_k):
-            raise ValueError(
-                f"weights must have shape [{rows}, {self.stream.top_k}], got {list(w.shape)}"
-            )
-        out: npt.NDArray[np.float32] = self._routed_call(
+        # ids, weights and predictions: their shapes, dtypes and expert ranges are checked by
+        # the extension and the engine, once.
+        return self._routed_call(
             layer,
             lambda: self._w.moe_routed(
                 layer,
                 view,
                 dtype,
-                tables[0],
-                w,
-                *tables[1:],
+                ids,
+                weights,
+                pred1,
+                pred2,
                 arithmetic=arithmetic,
                 weights_dtype=weights_dtype,
             ),
         )
-        return out
 
     def moe_routed_host(
         self,
@@ -230,13 +227,7 @@ class Window:
         one wave. An exception from compute abandons the turn and propagates.
         """
         layer = self._routed_layer(layer)
-        arr = np.asarray(ids)
-        if arr.ndim != 2:
-            raise ValueError(f"ids must have shape [T, {self.stream.top_k}], got {list(arr.shape)}")
-        tables = self._routed_tables(arr.shape[0], arr, pred1, pred2)
-        self._routed_call(
-            layer, lambda: self._w.moe_routed_host(layer, tables[0], *tables[1:], compute)
-        )
+        self._routed_call(layer, lambda: self._w.moe_routed_host(layer, ids, pred1, pred2, compute))
 
     def _layer_arg(self, layer: int) -> int:
         """The layer argument of a layer call, checked: an open Window, an int in range."""
@@ -255,29 +246,7 @@ class Window:
             )
         return int(layer)
 
-    def _routed_tables(
-        self, rows: int, *tables: npt.ArrayLike | None
-    ) -> list[npt.NDArray[np.int32] | None]:
-        k, e = self.stream.top_k, self.stream.n_experts
-        out: list[npt.NDArray[np.int32] | None] = []
-        for name, t in zip(("ids", "pred1", "pred2"), tables, strict=True):
-            if t is None:
-                if name == "ids":
-                    raise ValueError("ids are required")
-                out.append(None)
-                continue
-            a = np.asarray(t)
-            if a.size and not np.issubdtype(a.dtype, np.integer):
-                raise TypeError(f"{name} must be integer expert ids, got dtype {a.dtype}")
-            if a.shape != (rows, k):
-                raise ValueError(f"{name} must have shape [{rows}, {k}], got {list(a.shape)}")
-            if a.size and (a.min() < 0 or a.max() >= e):
-                bad = a[(a < 0) | (a >= e)][0]
-                raise IndexError(f"{name}: expert {bad} out of range [0, {e})")
-            out.append(np.ascontiguousarray(a, dtype=np.int32))
-        return out
-
-    def _routed_call(self, layer: int, call: Callable[[], Any]) -> Any:
+    def _routed_call(self, layer: int, call: Callable[[], _T]) -> _T:
         # As moe(): the engine keeps turn order and ownership under its own lock.
         out = call()
         if layer == self.n_layers - 1 and not self._w.in_turn:
@@ -290,8 +259,7 @@ class Window:
         A layer call routes each chunk of at most max_rows rows; this is the last chunk's."""
         if self._w.route_layer < 0:
             return None
-        resident: npt.NDArray[np.bool_] = self._w.route_resident()
-        return int(self._w.route_layer), resident
+        return self._w.route_layer, self._w.route_resident()
 
     def _load_profile(self) -> None:
         if not self.profile_path.exists():
@@ -306,8 +274,7 @@ class Window:
 
     def profile(self) -> npt.NDArray[np.uint32]:
         """Tokens that chose each expert, [n_layers, n_experts], learned online."""
-        counts: npt.NDArray[np.uint32] = self._w.profile().reshape(self.n_layers, -1)
-        return counts
+        return self._w.profile().reshape(self.n_layers, -1)
 
     def save_profile(self) -> None:
         """Writes the profile beside the pack (atomically); close() does it too."""
@@ -347,7 +314,7 @@ class Window:
         under "prefetch", the back-off governor: state (open, throttled, closed, probing;
         "disabled" with backoff off), cap (new speculative reads per handshake, None =
         unlimited), its judgements so far and the precision and busy fraction of the last one."""
-        layers = [dict(d) for d in self._w.layer_stats()]
+        layers: list[dict[str, Any]] = [dict(d) for d in self._w.layer_stats()]
         for d in layers:
             d["precision"] = (
                 d["pred_correct"] / d["pred_predicted"] if d["pred_predicted"] else None
@@ -384,8 +351,8 @@ class Window:
         return {
             "layers": layers,
             "total": total,
-            "scratch_bytes": int(self._w.scratch_bytes),
-            "backend": str(self._w.backend),
+            "scratch_bytes": self._w.scratch_bytes,
+            "backend": self._w.backend,
             "prefetch": dict(self._w.prefetch_stats()),
         }
 
@@ -411,7 +378,7 @@ class Window:
 
     @property
     def closed(self) -> bool:
-        return bool(self._w.closed)
+        return self._w.closed
 
     def _check_open(self) -> None:
         if self._w.closed:

@@ -8,7 +8,6 @@ and `read_header` rejects any file whose stored fields differ from that canonica
 from __future__ import annotations
 
 import functools
-import importlib
 import json
 import os
 import struct
@@ -16,10 +15,13 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from strata_stream.errors import ConfigError, PackError
 from strata_stream.pack.geometry import ACTIVATIONS, ROUTINGS, Geometry
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 MAGIC = b"STRATAPK"
 # Version 2: record checksums are CRC32C (version 1 used zlib's CRC-32 for them); expert
@@ -83,26 +85,25 @@ assert _TABLE_OFFSET == 144 and _TENSOR.size == 32 and len(_FIXED_FIELDS) == 25
 
 
 @functools.cache
-def _crc32c_impl() -> Callable[[Any, int], int]:
+def _crc32c_impl() -> Callable[[Buffer, int], int]:
     try:
-        core = importlib.import_module("strata_stream._core")
+        from strata_stream import _core
     except ImportError as e:  # pragma: no cover - the extension is part of every install
         raise ImportError(
             "strata_stream._core is not built: pack record checksums (CRC32C) are computed by "
             f"the engine's code ({e})"
         ) from e
-    fn: Callable[[Any, int], int] = core.crc32c
-    return fn
+    return _core.crc32c
 
 
-def record_crc(data: Any, seed: int = 0) -> int:
+def record_crc(data: Buffer, seed: int = 0) -> int:
     """CRC32C of a record payload (any contiguous buffer), continuing from `seed`.
 
     The engine's own implementation (`_core.crc32c`: SSE4.2 / ARMv8 CRC instructions, a table
     otherwise), so the writer, the reader and the engine cannot disagree. Releases the GIL for
     large buffers.
     """
-    return int(_crc32c_impl()(data, seed))
+    return _crc32c_impl()(data, seed)
 
 
 def align_up(n: int, alignment: int) -> int:

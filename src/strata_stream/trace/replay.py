@@ -21,6 +21,7 @@ from strata_stream.pack import Geometry, write_pack
 from strata_stream.pack.header import VERSION as PACK_VERSION
 from strata_stream.paths import cache_dir as default_cache_dir
 from strata_stream.stream import ExpertStream
+from strata_stream.testing import run_io
 from strata_stream.trace.format import Trace
 
 
@@ -166,7 +167,9 @@ def engine_hit_rate(
                 stream.after_layer(layer)
                 stream.retire_unused_pre(layer, experts)
                 stream.release_limbo()
-                while stream.run_io(0):  # speculative reads land before the next step
+                # Manual IO (io_threads=0), as the tests drive it: speculative reads land
+                # before the next step.
+                while run_io(stream):
                     pass
         stream.end_turn()
         reads = misses + int(stream.stats()["spec_requests"])
