@@ -3,8 +3,8 @@
 `Window(stream, backend="cpu").moe(layer, x)` routes x through the layer's router, streams the
 chosen experts in (predicting the next layer's as it goes), runs the expert passes on the
 backend and returns the layer's MoE output. The per-layer work runs in C++ with the GIL
-released; the engine checks every argument against the pack (layer, expert ids, max_rows) and
-keeps turn order; this wrapper adds the Python-side resources (trace file, saved profile).
+released; the engine checks expert ids and options against the pack (once, in C++) and keeps
+turn order; this wrapper adds the Python-side resources (trace file, saved profile).
 
 Turns: layer calls go 0, 1, ..., L-1 (then 0 again for the next token). `with window.turn():`
 marks a turn explicitly (protections span it); a call outside one opens a turn that closes when
@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from strata_stream.errors import ConfigError, StreamClosedError
+from strata_stream.errors import StreamClosedError
 from strata_stream.stream import ExpertStream
 from strata_stream.trace.format import strata_trace_header, strata_trace_rows
 
@@ -81,12 +81,7 @@ class Window:
         run on a Mac (docs/metal.md). threads: CPU kernel threads, 0 = one per core."""
         if not isinstance(stream, ExpertStream):
             raise TypeError(f"Window needs an ExpertStream, got {type(stream).__name__}")
-        c = stream.config
-        if c.moce != "off" and c.moce_keep_top > stream.top_k:
-            raise ConfigError(
-                f"StreamConfig.moce_keep_top: {c.moce_keep_top} exceeds the pack's top_k "
-                f"({stream.top_k})"
-            )
+        c = stream.config  # checked against the pack by the engine's Window
         from strata_stream import _core
 
         self.stream = stream
@@ -191,10 +186,10 @@ class Window:
         weights are passed widened to float32): with "mlx", bfloat16 weights round each
         weighted expert output to bfloat16 as MLX does.
         """
-        layer = self._routed_layer(layer)
+        layer = self._layer_arg(layer)
         view, dtype = _x_buffer(x, self.hidden)
-        # ids, weights and predictions: their shapes, dtypes and expert ranges are checked by
-        # the extension and the engine, once.
+        # ids, weights and predictions (shapes, dtypes, expert ranges) and moce being off are
+        # checked by the extension and the engine, once.
         return self._routed_call(
             layer,
             lambda: self._w.moe_routed(
@@ -226,7 +221,7 @@ class Window:
         compute returns (read them through `ExpertStream.arena_view`). Each entry is in exactly
         one wave. An exception from compute abandons the turn and propagates.
         """
-        layer = self._routed_layer(layer)
+        layer = self._layer_arg(layer)
         self._routed_call(layer, lambda: self._w.moe_routed_host(layer, ids, pred1, pred2, compute))
 
     def _layer_arg(self, layer: int) -> int:
@@ -236,14 +231,6 @@ class Window:
             raise TypeError(f"layer must be an int, got {type(layer).__name__}")
         if not 0 <= int(layer) < self.n_layers:
             raise IndexError(f"layer {layer} out of range [0, {self.n_layers})")
-        return int(layer)
-
-    def _routed_layer(self, layer: int) -> int:
-        layer = self._layer_arg(layer)
-        if self.stream.config.moce != "off":
-            raise ConfigError(
-                "moce steers the engine's own router; externally routed calls need moce off"
-            )
         return int(layer)
 
     def _routed_call(self, layer: int, call: Callable[[], _T]) -> _T:
