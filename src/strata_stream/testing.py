@@ -15,7 +15,10 @@ checks every argument.
 
 from __future__ import annotations
 
-from strata_stream.stream import ExpertStream, ReadClass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the extension is imported when a hook is called, not before
+    from strata_stream.stream import ExpertStream, ReadClass
 
 
 def pending_io(stream: ExpertStream) -> list[tuple[int, int, int, ReadClass]]:
