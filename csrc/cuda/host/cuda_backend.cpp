@@ -1,0 +1,478 @@
+#include "cuda_backend.h"
+
+#include <cuda_runtime_api.h>
+
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include "host_registry.h"
+#include "kernels/kernels.h"
+
+namespace strata::cuda {
+namespace {
+
+std::string cuda_message(const char* what, cudaError_t e) {
+  return std::string("cuda: ") + what + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) +
+         ")";
+}
+
+// Device memory, freed with its owner.
+class DeviceArray {
+ public:
+  DeviceArray() = default;
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+  ~DeviceArray() { reset(); }
+  void reset() {
+    if (p_) cudaFree(p_);
+    p_ = nullptr;
+    bytes_ = 0;
+  }
+  void ensure(std::size_t bytes) {
+    if (bytes <= bytes_) return;
+    reset();
+    cudaError_t e = cudaMalloc(&p_, bytes ? bytes : 4);
+    if (e != cudaSuccess) {
+      p_ = nullptr;
+      throw std::runtime_error(cuda_message("cudaMalloc", e));
+    }
+    bytes_ = bytes;
+  }
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(p_);
+  }
+
+ private:
+  void* p_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+DevLayout device_layout(const PackLayout& L) {
+  DevLayout d;
+  d.n_experts = L.n_experts;
+  d.top_k = L.top_k;
+  d.hidden = L.hidden;
+  d.inter = L.moe_intermediate;
+  d.routing = std::uint32_t(L.routing);
+  d.norm_topk = L.norm_topk_prob ? 1 : 0;
+  d.format = std::uint32_t(L.weight_format);
+  d.group_size = L.group_size;
+  d.scale_format = L.scale_format;
+  d.bias_format = L.bias_format;
+  d.activation = std::uint32_t(L.activation);
+  d.act_alpha = L.act_alpha;
+  d.act_limit = L.act_limit;
+  for (const TensorEntry& t : L.tensors) {
+    DevMatrix& m = d.m[t.matrix];
+    if (t.role == 0) m.weight = t.offset;
+    if (t.role == 1) m.scales = t.offset;
+    if (t.role == 2) m.biases = t.offset;
+    if (t.role == kRoleBias) m.bias = t.offset;
+    m.rows = t.matrix == 2 ? L.hidden : L.moe_intermediate;
+    m.cols = t.matrix == 2 ? L.moe_intermediate : L.hidden;
+  }
+  // Tests only: a planted kernel error the parity tests must catch (device_types.h).
+  if (const char* p = std::getenv("STRATA_CUDA_TEST_PLANT")) {
+    if (std::strcmp(p, "gate_up") == 0) d.plant = kPlantGateUp;
+    if (std::strcmp(p, "route") == 0) d.plant = kPlantRoute;
+  }
+  return d;
+}
+
+// A queued command and the facts of the submission it came in.
+struct Item {
+  Command c;
+  bool batch_start = false;
+  bool batch_routes = false;     // the submission routes on the device (else the host did)
+  std::uint32_t batch_rows = 0;  // the largest row count among its commands
+};
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend() {
+    check(cudaSetDevice(0), "cudaSetDevice");
+    check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+    void* p = nullptr;
+    check(cudaHostAlloc(&p, sizeof(DevError), cudaHostAllocMapped | cudaHostAllocPortable),
+          "cudaHostAlloc");
+    err_host_ = static_cast<DevError*>(p);
+    std::memset(err_host_, 0, sizeof(DevError));
+    check(cudaHostGetDevicePointer(&p, err_host_, 0), "cudaHostGetDevicePointer");
+    dev_.error = static_cast<DevError*>(p);
+    device_ = std::thread([this] { device_loop(); });
+  }
+
+  ~CudaBackend() override {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stop_ = true;
+      abort_ = true;
+    }
+    cv_.notify_all();
+    device_.join();
+    cudaStreamSynchronize(stream_);
+    unmap();
+    cudaFreeHost(err_host_);
+    cudaStreamDestroy(stream_);
+    cudaGetLastError();
+  }
+
+  std::string name() const override { return "cuda"; }
+
+  void bind(const DeviceBuffers& b) override {
+    synchronize();
+    std::lock_guard<std::mutex> lk(mu_);
+    cudaSetDevice(0);
+    const PackLayout& L = *b.layout;
+    layout_ = device_layout(L);
+    if (layout_.top_k > 64)
+      throw std::runtime_error("the cuda backend routes at most top-64, the pack has top-" +
+                               std::to_string(L.top_k));
+    check(prepare_kernels(layout_), "cudaFuncSetAttribute (shared memory for the hidden size)");
+    // The stream's arena and slot map: mapped once, in place (the IO threads write them).
+    if (b.arena != host_arena_) {
+      unmap();
+      std::string why;
+      const std::size_t arena_bytes = std::size_t(b.n_slots) * b.slot_bytes;
+      void* a = map_host(b.arena, arena_bytes, &why);
+      if (!a) throw std::runtime_error("cuda: mapping the arena into the GPU: " + why);
+      host_arena_ = b.arena;
+      // smap: page-aligned and page-rounded (ExpertStream), so whole pages are registered.
+      const std::size_t smap_bytes = (std::size_t(L.n_keys()) * 4 + kPage - 1) / kPage * kPage;
+      void* s = map_host(b.smap, smap_bytes, &why);
+      if (!s) {
+        unmap();
+        throw std::runtime_error("cuda: mapping the slot map into the GPU: " + why);
+      }
+      host_smap_ = b.smap;
+      dev_.arena = static_cast<const unsigned char*>(a);
+      dev_.smap = static_cast<const std::uint32_t*>(s);
+    }
+    dev_.slot_bytes = b.slot_bytes;
+    dev_.n_slots = b.n_slots;
+    // Routers: copied once (the Window reads them once from the pack and keeps them).
+    const std::size_t router_bytes = L.has_routers() && b.routers
+                                         ? std::size_t(L.n_layers) * L.n_experts * L.hidden * 4
+                                         : 0;
+    if (router_bytes && b.routers != host_routers_) {
+      routers_.ensure(router_bytes);
+      check(cudaMemcpy(routers_.as<void>(), b.routers, router_bytes, cudaMemcpyHostToDevice),
+            "cudaMemcpy (routers)");
+      host_routers_ = b.routers;
+      dev_.routers = routers_.as<float>();
+    }
+    // Scratch in device memory, for max_rows rows (grown, never shrunk: I12 bounds it).
+    const std::size_t R = b.max_rows, H = L.hidden, I = L.moe_intermediate, E = L.n_experts,
+                      k = L.top_k;
+    x_.ensure(R * H * 4);
+    ids_.ensure(R * k * 4);
+    weights_.ensure(R * k * 4);
+    pred_[0].ensure(R * k * 4);
+    pred_[1].ensure(R * k * 4);
+    logits_.ensure(R * E * 4);
+    plan_.ensure(R * k * 4);
+    h_.ensure(R * k * I * 4);
+    y_.ensure(R * k * H * 4);
+    out_.ensure(R * H * 4);
+    wave_.ensure(E * 4);
+    wave_n_.ensure(4);
+    groups_.ensure((1 + 8 * E + R * k) * 4);
+    dev_.x = x_.as<float>();
+    dev_.ids = ids_.as<std::int32_t>();
+    dev_.weights = weights_.as<float>();
+    dev_.pred_ids[0] = pred_[0].as<std::int32_t>();
+    dev_.pred_ids[1] = pred_[1].as<std::int32_t>();
+    dev_.logits = logits_.as<float>();
+    dev_.plan = plan_.as<std::uint32_t>();
+    dev_.h = h_.as<float>();
+    dev_.y = y_.as<float>();
+    dev_.out = out_.as<float>();
+    dev_.wave = wave_.as<std::int32_t>();
+    dev_.wave_n = wave_n_.as<std::uint32_t>();
+    std::uint32_t* g = groups_.as<std::uint32_t>();
+    dev_.groups_n = g;
+    dev_.group_slot = g + 1;
+    dev_.group_start = g + 1 + E;
+    dev_.group_count = g + 1 + 2 * E;
+    dev_.expert_count = g + 1 + 3 * E;
+    dev_.expert_cursor = g + 1 + 4 * E;
+    dev_.expert_first = g + 1 + 5 * E;
+    dev_.in_wave = g + 1 + 6 * E;
+    dev_.group_entries = g + 1 + 8 * E;
+    host_ = b;
+  }
+
+  void submit(std::vector<Command> commands) override {
+    Item meta;
+    for (const Command& c : commands) {
+      if (c.op == Op::Route) meta.batch_routes = true;
+      if (c.rows > meta.batch_rows) meta.batch_rows = c.rows;
+    }
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      bool first = true;
+      for (const Command& c : commands) {
+        Item it = meta;
+        it.c = c;
+        it.batch_start = first;
+        first = false;
+        queue_.push_back(it);
+      }
+    }
+    cv_.notify_all();
+  }
+
+  void synchronize() override {
+    std::unique_lock<std::mutex> lk(mu_);
+    idle_cv_.wait(lk, [&] { return queue_.empty() && !running_; });
+    abort_ = false;
+    // Kernels launched before an abort may still run: none may read a slot the host recycles
+    // next (I4, I5), so the stream drains too. An error word they set is kept for the host.
+    cudaError_t e = cudaStreamSynchronize(stream_);
+    if (e != cudaSuccess && error_.empty()) error_ = cuda_message("stream", e);
+    std::string flagged = read_error_word();
+    if (!flagged.empty() && error_.empty()) error_ = flagged;
+    dirty_ = {};
+  }
+
+  void abort_pending() override {
+    SharedEvent* ev;
+    std::uint64_t v;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      abort_ = true;
+      ev = parked_event_;
+      v = parked_value_;
+    }
+    if (ev) ev->signal(v);  // a device thread parked on a Wait must wake
+    cv_.notify_all();
+  }
+
+  std::string take_device_error() override {
+    std::lock_guard<std::mutex> lk(mu_);
+    std::string e;
+    e.swap(error_);
+    return e;
+  }
+
+ private:
+  static void check(cudaError_t e, const char* what) {
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      throw std::runtime_error(cuda_message(what, e));
+    }
+  }
+
+  void unmap() {
+    if (host_arena_) unmap_host(host_arena_);
+    if (host_smap_) unmap_host(host_smap_);
+    host_arena_ = nullptr;
+    host_smap_ = nullptr;
+  }
+
+  void device_loop() {
+    cudaSetDevice(0);
+    std::unique_lock<std::mutex> lk(mu_);
+    for (;;) {
+      cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
+      if (stop_ && queue_.empty()) return;
+      Item it = queue_.front();
+      queue_.pop_front();
+      if (abort_) {  // skip everything until the host synchronizes
+        dirty_ = {};
+        if (queue_.empty()) idle_cv_.notify_all();
+        continue;
+      }
+      running_ = true;
+      if (it.c.op == Op::Wait) {
+        parked_event_ = it.c.event;
+        parked_value_ = it.c.value;
+      }
+      lk.unlock();
+      std::string err;
+      try {
+        err = execute(it);
+      } catch (const std::exception& e) {
+        err = e.what();
+      }
+      lk.lock();
+      parked_event_ = nullptr;
+      running_ = false;
+      if (!err.empty() && error_.empty()) error_ = err;
+      if (queue_.empty()) idle_cv_.notify_all();
+    }
+  }
+
+  // What the host reads, written on the device since the last Signal.
+  struct Dirty {
+    std::uint32_t ids_rows = 0, pred_rows[2] = {0, 0}, out_rows = 0;
+  };
+
+  void upload(void* dst, const void* src, std::size_t bytes) {
+    // From pageable host memory: the driver stages the bytes before returning, so the copy is
+    // the host's values at this point of the device thread (after the submission or release).
+    if (bytes) check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_), "upload");
+  }
+  void download(void* dst, const void* src, std::size_t bytes) {
+    if (bytes) check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_), "download");
+  }
+
+  // The device thread alone touches what follows (bind() runs only when it is idle).
+  std::string execute(const Item& it) {
+    const Command& c = it.c;
+    const DeviceBuffers& b = host_;
+    const std::size_t H = layout_.hidden, k = layout_.top_k;
+    if (it.batch_start && it.batch_rows > 0 && b.x) {
+      const std::size_t R = it.batch_rows;
+      upload(dev_.x, b.x, R * H * 4);
+      if (!it.batch_routes) {  // the host routed (or the device did and the host has a copy)
+        upload(dev_.ids, b.ids, R * k * 4);
+        upload(dev_.weights, b.weights, R * k * 4);
+      }
+    }
+    const bool regroup = !(c.op == Op::Down && last_op_ == Op::GateUp && last_pass_ == c.pass &&
+                           last_layer_ == c.layer && last_rows_ == c.rows);
+    last_op_ = c.op;
+    last_pass_ = c.pass;
+    last_layer_ = c.layer;
+    last_rows_ = c.rows;
+    switch (c.op) {
+      case Op::Route:
+        if (c.moce.mode != MoceMode::Off)
+          return "the cuda backend does not implement cache-aware routing (moce)";
+        check(launch_route(layout_, dev_, c.layer, c.rows, dev_.ids, dev_.weights, stream_),
+              "route");
+        dirty_.ids_rows = std::max(dirty_.ids_rows, c.rows);
+        return "";
+      case Op::RoutePredict:
+        check(launch_route(layout_, dev_, c.layer, c.rows, dev_.pred_ids[c.distance - 1], nullptr,
+                           stream_),
+              "route_predict");
+        dirty_.pred_rows[c.distance - 1] = std::max(dirty_.pred_rows[c.distance - 1], c.rows);
+        return "";
+      case Op::Plan:
+        check(launch_plan(layout_, dev_, c.layer, c.rows, stream_), "plan");
+        return "";
+      case Op::GateUp:
+      case Op::Down: {
+        const Select sel = c.pass == Pass::Resident ? Select::Resident : Select::Missing;
+        if (regroup) check(launch_group(layout_, dev_, c.layer, c.rows, sel, stream_), "group");
+        if (c.op == Op::GateUp)
+          check(launch_gate_up(layout_, dev_, c.rows, stream_), "gate_up");
+        else
+          check(launch_down(layout_, dev_, c.rows, stream_), "down");
+        return "";
+      }
+      case Op::MoeMM: {
+        // The host wrote the wave before releasing it; this thread runs after that release.
+        const std::uint32_t n = *b.wave_n;
+        upload(const_cast<std::uint32_t*>(dev_.wave_n), b.wave_n, 4);
+        upload(const_cast<std::int32_t*>(dev_.wave), b.wave, std::size_t(n) * 4);
+        check(launch_group(layout_, dev_, c.layer, c.rows, Select::Wave, stream_), "group");
+        check(launch_gate_up(layout_, dev_, c.rows, stream_), "gate_up");
+        check(launch_down(layout_, dev_, c.rows, stream_), "down");
+        return "";
+      }
+      case Op::Combine:
+        check(launch_combine(layout_, dev_, c.rows, stream_), "combine");
+        dirty_.out_rows = std::max(dirty_.out_rows, c.rows);
+        return "";
+      case Op::Signal: {
+        std::string err = settle();
+        c.event->signal(c.value);
+        return err;
+      }
+      case Op::Wait:
+        c.event->wait(c.value);
+        return "";
+    }
+    return "unknown op";
+  }
+
+  // Brings the host what it reads, waits for the stream and reads the error word.
+  std::string settle() {
+    const DeviceBuffers& b = host_;
+    const std::size_t H = layout_.hidden, k = layout_.top_k;
+    if (dirty_.ids_rows) {
+      download(b.ids, dev_.ids, dirty_.ids_rows * k * 4);
+      download(b.weights, dev_.weights, dirty_.ids_rows * k * 4);
+    }
+    for (int d = 0; d < 2; ++d)
+      if (dirty_.pred_rows[d]) download(b.pred_ids[d], dev_.pred_ids[d], dirty_.pred_rows[d] * k * 4);
+    if (dirty_.out_rows) download(b.out, dev_.out, dirty_.out_rows * H * 4);
+    dirty_ = {};
+    check(cudaStreamSynchronize(stream_), "stream");
+    return read_error_word();
+  }
+
+  // The error word a kernel set, as a message (and cleared); "" when none. After a sync only.
+  std::string read_error_word() {
+    volatile DevError* e = err_host_;
+    if (!e->flag) return "";
+    const std::string what = e->what == 1 ? "resident" : e->what == 2 ? "missing" : "wave";
+    std::string m = "device: expert " + std::to_string(e->expert) + " of layer " +
+                    std::to_string(e->layer) + " has no published slot when its " + what +
+                    " pass runs (handshake bug)";
+    e->flag = 0;
+    return m;
+  }
+
+  cudaStream_t stream_ = nullptr;
+  DevError* err_host_ = nullptr;  // mapped pinned; written by kernels, read after a sync
+  // Bound state: written by bind() while the device thread is idle, read by it afterwards
+  // (mu_ orders the two).
+  DevLayout layout_;
+  DevBuffers dev_;
+  DeviceBuffers host_;
+  const unsigned char* host_arena_ = nullptr;
+  const std::uint32_t* host_smap_ = nullptr;
+  const float* host_routers_ = nullptr;
+  DeviceArray routers_, x_, ids_, weights_, pred_[2], logits_, plan_, h_, y_, out_, wave_,
+      wave_n_, groups_;
+  // The device thread's own.
+  Dirty dirty_;
+  Op last_op_ = Op::Signal;
+  Pass last_pass_ = Pass::Resident;
+  std::uint32_t last_layer_ = 0, last_rows_ = 0;
+
+  std::mutex mu_;
+  std::condition_variable cv_;       // commands queued or stopping
+  std::condition_variable idle_cv_;  // queue drained
+  std::deque<Item> queue_;           // mu_
+  bool running_ = false;             // mu_
+  bool abort_ = false;               // mu_
+  bool stop_ = false;                // mu_
+  SharedEvent* parked_event_ = nullptr;  // mu_
+  std::uint64_t parked_value_ = 0;       // mu_
+  std::string error_;                    // mu_
+  std::thread device_;                   // started last, in the constructor body
+};
+
+}  // namespace
+
+std::string unavailable() {
+  int n = 0;
+  cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return std::string("no usable CUDA driver or GPU (") + cudaGetErrorName(e) + ": " +
+           cudaGetErrorString(e) + ")";
+  }
+  if (n == 0) return "no CUDA GPU on this machine";
+  return "";
+}
+
+std::unique_ptr<Backend> make_cuda_backend() {
+  std::string why = unavailable();
+  if (!why.empty()) throw std::runtime_error(why);
+  return std::make_unique<CudaBackend>();
+}
+
+}  // namespace strata::cuda
