@@ -20,6 +20,7 @@
 #include "raw_read_bench.h"
 #include "exec/window.h"
 #include "pack/checksum.h"
+#include "cuda_loader.h"
 #ifdef STRATA_HAVE_METAL
 #include "metal_backend.h"
 #endif
@@ -134,13 +135,18 @@ namespace {
 // "cpu"; "metal" where this extension was built with the Metal backend (macOS), a clear error
 // elsewhere; "auto": Metal where it exists and takes this pack and configuration, else the CPU.
 // moce is CPU-only: the Metal route kernel does not implement it.
+// "cuda": strata_stream._cuda's backend where a GPU exists, else a ConfigError naming why;
+// "auto" takes it where it runs (and moce is off) on a build without Metal.
 std::unique_ptr<strata::Backend> make_backend(const std::string& name, unsigned threads,
-                                              bool moce_on) {
+                                              bool moce_on,
+                                              const strata::python::CudaFactory& cuda = {}) {
   using strata::EngineError;
   using strata::ErrorKind;
   if (name == "cpu") return strata::make_cpu_backend(threads);
+  if (name == "cuda") return cuda.make(moce_on);
   if (name != "metal" && name != "auto")
-    throw EngineError(ErrorKind::Config, "backend must be cpu, metal or auto, got '" + name + "'");
+    throw EngineError(ErrorKind::Config,
+                      "backend must be cpu, cuda, metal or auto, got '" + name + "'");
 #ifdef STRATA_HAVE_METAL
   if (moce_on) {
     if (name == "auto") return strata::make_cpu_backend(threads);
@@ -155,8 +161,10 @@ std::unique_ptr<strata::Backend> make_backend(const std::string& name, unsigned 
     return strata::make_cpu_backend(threads);
   }
 #else
-  (void)moce_on;
-  if (name == "auto") return strata::make_cpu_backend(threads);
+  if (name == "auto") {
+    if (!moce_on && cuda.unavailable().empty()) return cuda.make(moce_on);
+    return strata::make_cpu_backend(threads);
+  }
   throw EngineError(ErrorKind::Config,
                     "backend 'metal' is not built into this extension: the Metal backend is "
                     "built on macOS only (this build has: cpu)");
@@ -489,9 +497,12 @@ PYBIND11_MODULE(_core, m) {
              o.profile_prefetch = profile_prefetch;
              o.prefetch_backoff = prefetch_backoff;
              ExpertStream& es = stream.get();
+             const auto cuda = backend == "cuda" || backend == "auto"
+                                   ? strata::python::CudaFactory::load()  // imports: needs the GIL
+                                   : strata::python::CudaFactory{};
              py::gil_scoped_release nogil;
-             return WindowHolder(
-                 new Window(es, make_backend(backend, threads, o.moce.mode != MoceMode::Off), o));
+             return WindowHolder(new Window(
+                 es, make_backend(backend, threads, o.moce.mode != MoceMode::Off, cuda), o));
            }),
            py::keep_alive<1, 2>(), py::arg("stream"), py::kw_only(), py::arg("backend") = "cpu",
            py::arg("lookahead") = true, py::arg("split_turn") = false,
