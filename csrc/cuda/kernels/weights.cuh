@@ -4,17 +4,18 @@
 // never fused, as on the CPU).
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <cstdint>
 
 #include "device_types.h"
 
 namespace strata::cuda {
 
+// The hardware's exact half -> float conversion (subnormals included), without cuda_fp16.h,
+// whose CCCL dependency PyPI's nvcc wheel lacks.
 __device__ __forceinline__ float half_bits(std::uint16_t h) {
-  return __half2float(__ushort_as_half(h));
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
 }
 __device__ __forceinline__ float bf16_bits(std::uint16_t b) {
   return __uint_as_float(std::uint32_t(b) << 16);
