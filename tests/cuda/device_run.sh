@@ -29,12 +29,23 @@ fi
 build=/tmp/strata-build
 step build 240 bash -c "cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DSTRATA_BUILD_PYTHON=ON -DSTRATA_CUDA=ON -DPython_EXECUTABLE=\$(command -v $py) \
-  -Dpybind11_DIR=\$($py -m pybind11 --cmakedir) && cmake --build $build -j16 --target _core _cuda" \
+  -Dpybind11_DIR=\$($py -m pybind11 --cmakedir) && cmake --build $build -j16 --target _core _cuda strata_cuda_check" \
   || exit 1
 cp "$build"/_core*.so "$build"/_cuda*.so src/strata_stream/
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
 $py -c "import strata_stream._cuda as c; print('cuda:', c.unavailable() or 'available')"
 if [ "$what" = all ] || [ "$what" = tests ]; then
+  $py - <<'PY'
+import numpy as np
+from strata_stream.pack import Geometry, write_pack
+g = Geometry(2, 8, 2, 256, 128, "softmax_topk", True)
+rng = np.random.default_rng(0)
+write_pack("/tmp/check.strpk", g, [rng.standard_normal((8, 256)).astype(np.float32)] * 2,
+           lambda l, e: tuple(rng.standard_normal(s).astype(np.float32) / 8
+                              for s in ((128, 256), (128, 256), (256, 128))),
+           weight_format="q4", group_size=64, scale_dtype="bf16", progress=False)
+PY
+  step backend_check 60 "$build/strata_cuda_check" /tmp/check.strpk
   step tests 300 $py -m pytest -q -p no:cacheprovider -m cuda tests/cuda
   step probe_build 60 nvcc -O2 -arch=sm_90 -o /tmp/probe \
     benchmarks/native/cuda_handshake_probe.cu -lcuda && step probe 30 /tmp/probe

@@ -143,12 +143,14 @@ FORMATS = (
 
 
 @cuda
+@pytest.mark.parametrize("arena", ["device", "mapped"])
 @pytest.mark.parametrize(("fmt", "group", "scale"), FORMATS)
 def test_every_format_matches_the_cpu_backend(
-    tmp_path: Path, fmt: str, group: int, scale: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str, group: int, scale: str, arena: str
 ) -> None:
     """Decode (the resident and missing passes) and a prompt chunk (moe_mm waves), routed on the
-    device by both routing rules."""
+    device by both routing rules, with the arena mirrored in device memory and mapped."""
+    monkeypatch.setenv("STRATA_CUDA_ARENA", arena)
     routing = "topk_softmax" if (group + len(scale)) % 2 else "softmax_topk"
     path = make_pack(tmp_path, fmt, group, scale, routing)
     xs = turns(384, [1, 13, 2])
@@ -202,12 +204,18 @@ def test_routed_calls_with_biases_and_clamped_swiglu(
 
 
 @cuda
-def test_bitwise_across_arena_sizes_split_lookahead_and_chunking(tmp_path: Path) -> None:
+def test_bitwise_across_arena_sizes_split_lookahead_and_chunking(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """I11 on CUDA: minimum to all-resident arenas, split on/off, lookahead on/off, decode and
-    prompt paths, cold and warm turns: the same bits."""
+    prompt paths, cold and warm turns, device-memory and mapped arenas: the same bits."""
     path = make_pack(tmp_path, "q4", 64, "f16")
     xs = turns(384, [1, 1, 17, 4, 1, 33, 1])
     ref = run(path, config(path), xs, "cuda")
+    monkeypatch.setenv("STRATA_CUDA_ARENA", "mapped")
+    mapped = run(path, config(path, 2 * K), xs, "cuda")
+    assert all(np.array_equal(a, b) for a, b in zip(ref, mapped, strict=True))
+    monkeypatch.delenv("STRATA_CUDA_ARENA")
     for cfg in (
         config(path, 2 * K),
         config(path, 2 * K, split_turn=True),
@@ -302,6 +310,19 @@ def test_close_during_moe_leaves_the_stream_usable(tmp_path: Path) -> None:
         with Window(stream, backend="cuda") as again, again.turn():
             got = [again.moe(layer, x) for layer, x in enumerate(xs)]
         assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+@cuda
+def test_a_bad_arena_mode_is_a_config_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = make_pack(tmp_path, "f32", hidden=64, inter=32)
+    monkeypatch.setenv("STRATA_CUDA_ARENA", "unified")
+    with (
+        ExpertStream(path, config(path)) as stream,
+        pytest.raises(ConfigError, match="STRATA_CUDA_ARENA must be device or mapped"),
+    ):
+        Window(stream, backend="cuda")
 
 
 def test_cuda_without_a_gpu_is_a_clear_config_error(tmp_path: Path) -> None:

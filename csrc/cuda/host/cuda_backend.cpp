@@ -2,17 +2,21 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <mutex>
 #include <stdexcept>
+#include <unordered_set>
 #include <thread>
 #include <vector>
 
 #include "host_registry.h"
 #include "kernels/kernels.h"
+#include "residency/smap.h"
 
 namespace strata::cuda {
 namespace {
@@ -86,6 +90,11 @@ DevLayout device_layout(const PackLayout& L) {
   return d;
 }
 
+// How long the device thread spins before it blocks on a condition variable: a thread woken
+// from a futex costs tens of microseconds on a virtual machine (the H200's: docs/cuda.md), more
+// than a whole decode layer's kernels; spinning this long costs one core at most that long.
+constexpr auto kSpin = std::chrono::microseconds(200);
+
 // A queued command and the facts of the submission it came in.
 struct Item {
   Command c;
@@ -94,9 +103,24 @@ struct Item {
   std::uint32_t batch_rows = 0;  // the largest row count among its commands
 };
 
+// Where the kernels read experts (STRATA_CUDA_ARENA, read when the backend is made).
+//   Device (default): a device-memory mirror of the arena, slot for slot. Before a pass the
+//     device thread copies each slot it will read whose mirror does not hold that key yet
+//     (stream-ordered, from the registered host arena), so the kernels read HBM.
+//   Mapped: the kernels read the host arena itself through the mapping (over PCIe).
+enum class ArenaMode : std::uint8_t { Device, Mapped };
+
+ArenaMode arena_mode_from_env() {
+  const char* v = std::getenv("STRATA_CUDA_ARENA");
+  if (!v || !*v || std::strcmp(v, "device") == 0) return ArenaMode::Device;
+  if (std::strcmp(v, "mapped") == 0) return ArenaMode::Mapped;
+  throw std::runtime_error(std::string("STRATA_CUDA_ARENA must be device or mapped, got '") + v +
+                           "'");
+}
+
 class CudaBackend final : public Backend {
  public:
-  CudaBackend() {
+  CudaBackend() : mode_(arena_mode_from_env()) {
     check(cudaSetDevice(0), "cudaSetDevice");
     check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
     void* p = nullptr;
@@ -125,6 +149,7 @@ class CudaBackend final : public Backend {
   }
 
   std::string name() const override { return "cuda"; }
+  ArenaMode mode() const { return mode_; }
 
   void bind(const DeviceBuffers& b) override {
     synchronize();
@@ -154,7 +179,15 @@ class CudaBackend final : public Backend {
       host_smap_ = b.smap;
       dev_.arena = static_cast<const unsigned char*>(a);
       dev_.smap = static_cast<const std::uint32_t*>(s);
+      if (mode_ == ArenaMode::Device) {
+        mirror_.reset();
+        mirror_.ensure(arena_bytes);
+        dev_.arena = mirror_.as<const unsigned char>();
+        mirror_key_.assign(b.n_slots, kAbsentSlot);  // nothing copied yet
+      }
     }
+    record_bytes_ = L.record_bytes;
+    n_experts_ = L.n_experts;
     dev_.slot_bytes = b.slot_bytes;
     dev_.n_slots = b.n_slots;
     // Routers: copied once (the Window reads them once from the pack and keeps them).
@@ -225,6 +258,7 @@ class CudaBackend final : public Backend {
         first = false;
         queue_.push_back(it);
       }
+      queued_.fetch_add(commands.size(), std::memory_order_release);
     }
     cv_.notify_all();
   }
@@ -280,11 +314,21 @@ class CudaBackend final : public Backend {
   void device_loop() {
     cudaSetDevice(0);
     std::unique_lock<std::mutex> lk(mu_);
+    std::uint64_t taken = 0;  // commands this thread has taken off the queue
     for (;;) {
+      if (queue_.empty() && !stop_) {  // spin a little before sleeping (kSpin)
+        lk.unlock();
+        const auto until = std::chrono::steady_clock::now() + kSpin;
+        while (queued_.load(std::memory_order_acquire) == taken &&
+               std::chrono::steady_clock::now() < until) {
+        }
+        lk.lock();
+      }
       cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
       if (stop_ && queue_.empty()) return;
       Item it = queue_.front();
       queue_.pop_front();
+      ++taken;
       if (abort_) {  // skip everything until the host synchronizes
         dirty_ = {};
         if (queue_.empty()) idle_cv_.notify_all();
@@ -358,11 +402,23 @@ class CudaBackend final : public Backend {
         dirty_.pred_rows[c.distance - 1] = std::max(dirty_.pred_rows[c.distance - 1], c.rows);
         return "";
       case Op::Plan:
-        check(launch_plan(layout_, dev_, c.layer, c.rows, stream_), "plan");
+        if (mode_ == ArenaMode::Mapped) {
+          check(launch_plan(layout_, dev_, c.layer, c.rows, stream_), "plan");
+        } else {
+          // The same snapshot, taken here, at the point of the stream where the plan kernel
+          // would run (after release 1): the device thread must know the slots to mirror them.
+          host_plan_.resize(std::size_t(c.rows) * k);
+          for (std::size_t i = 0; i < host_plan_.size(); ++i)
+            host_plan_[i] = smap_load(b.smap, key(c.layer, b.ids[i]));
+          check(cudaMemcpyAsync(dev_.plan, host_plan_.data(), host_plan_.size() * 4,
+                                cudaMemcpyHostToDevice, stream_),
+                "plan upload");
+        }
         return "";
       case Op::GateUp:
       case Op::Down: {
         const Select sel = c.pass == Pass::Resident ? Select::Resident : Select::Missing;
+        if (regroup && mode_ == ArenaMode::Device) mirror_pass(c.layer, c.rows, c.pass);
         if (regroup) check(launch_group(layout_, dev_, c.layer, c.rows, sel, stream_), "group");
         if (c.op == Op::GateUp)
           check(launch_gate_up(layout_, dev_, c.rows, stream_), "gate_up");
@@ -375,6 +431,8 @@ class CudaBackend final : public Backend {
         const std::uint32_t n = *b.wave_n;
         upload(const_cast<std::uint32_t*>(dev_.wave_n), b.wave_n, 4);
         upload(const_cast<std::int32_t*>(dev_.wave), b.wave, std::size_t(n) * 4);
+        if (mode_ == ArenaMode::Device)
+          for (std::uint32_t w = 0; w < n; ++w) mirror(key(c.layer, b.wave[w]));
         check(launch_group(layout_, dev_, c.layer, c.rows, Select::Wave, stream_), "group");
         check(launch_gate_up(layout_, dev_, c.rows, stream_), "gate_up");
         check(launch_down(layout_, dev_, c.rows, stream_), "down");
@@ -389,11 +447,59 @@ class CudaBackend final : public Backend {
         c.event->signal(c.value);
         return err;
       }
-      case Op::Wait:
-        c.event->wait(c.value);
+      case Op::Wait: {
+        const auto until = std::chrono::steady_clock::now() + kSpin;
+        while (c.event->value() < c.value && std::chrono::steady_clock::now() < until) {
+        }
+        c.event->wait(c.value);  // abort_pending() signals it, so this cannot strand
         return "";
+      }
     }
     return "unknown op";
+  }
+
+  std::uint32_t key(std::uint32_t layer, std::int32_t expert) const {
+    return layer * n_experts_ + std::uint32_t(expert);
+  }
+
+  // Device mode: makes slot smap[key]'s mirror hold `key`. A published slot is complete and
+  // stays so while its layer runs (I1, I4, I8); the copy is queued before the kernels that read
+  // it, on their stream, and the layer's last Signal drains the stream before the host may
+  // recycle the slot. A mirror tagged with a key holds that key's bytes: records never change.
+  // An absent key is left to the group kernel, which reports it.
+  void mirror(std::uint32_t k) {
+    const std::uint32_t slot = smap_load(host_.smap, k);
+    if (slot == kAbsentSlot || slot >= host_.n_slots || mirror_key_[slot] == k) return;
+    const std::uint64_t off = std::uint64_t(slot) * host_.slot_bytes;
+    check(cudaMemcpyAsync(mirror_.as<unsigned char>() + off, host_.arena + off, record_bytes_,
+                          cudaMemcpyHostToDevice, stream_),
+          "slot copy");
+    mirror_key_[slot] = k;
+    ++mirror_copies_;
+  }
+
+  // The slots a decode pass will read: the plan's for Resident, smap's now for Missing.
+  void mirror_pass(std::uint32_t layer, std::uint32_t rows, Pass pass) {
+    const std::size_t n = std::size_t(rows) * layout_.top_k;
+    for (std::size_t i = 0; i < n && i < host_plan_.size(); ++i) {
+      const bool resident = host_plan_[i] != kAbsentSlot;
+      if (resident != (pass == Pass::Resident)) continue;
+      const std::uint32_t k = key(layer, host_.ids[i]);
+      if (pass == Pass::Resident) {
+        // The plan's slot (it is smap[k] still: the layer's slots stay put, I8).
+        const std::uint32_t slot = host_plan_[i];
+        if (slot < host_.n_slots && mirror_key_[slot] != k) {
+          const std::uint64_t off = std::uint64_t(slot) * host_.slot_bytes;
+          check(cudaMemcpyAsync(mirror_.as<unsigned char>() + off, host_.arena + off,
+                                record_bytes_, cudaMemcpyHostToDevice, stream_),
+                "slot copy");
+          mirror_key_[slot] = k;
+          ++mirror_copies_;
+        }
+      } else {
+        mirror(k);
+      }
+    }
   }
 
   // Brings the host what it reads, waits for the stream and reads the error word.
@@ -436,6 +542,14 @@ class CudaBackend final : public Backend {
   const float* host_routers_ = nullptr;
   DeviceArray routers_, x_, ids_, weights_, pred_[2], logits_, plan_, h_, y_, out_, wave_,
       wave_n_, groups_;
+  const ArenaMode mode_;
+  DeviceArray mirror_;                    // Device mode: the arena's device copy
+  std::uint64_t record_bytes_ = 0;
+  std::uint32_t n_experts_ = 0;
+  // The device thread's own (bind() resets them while it is idle).
+  std::vector<std::uint32_t> mirror_key_;  // per slot: the key its mirror holds, or absent
+  std::vector<std::uint32_t> host_plan_;   // Device mode: the last Plan's snapshot
+  std::uint64_t mirror_copies_ = 0;
   // The device thread's own.
   Dirty dirty_;
   Op last_op_ = Op::Signal;
@@ -446,6 +560,7 @@ class CudaBackend final : public Backend {
   std::condition_variable cv_;       // commands queued or stopping
   std::condition_variable idle_cv_;  // queue drained
   std::deque<Item> queue_;           // mu_
+  std::atomic<std::uint64_t> queued_{0};  // commands ever queued (written under mu_): the spin
   bool running_ = false;             // mu_
   bool abort_ = false;               // mu_
   bool stop_ = false;                // mu_
