@@ -1,4 +1,4 @@
-# The CUDA backend: strata_stream._cuda, an extension module of its own (csrc/cuda/README.md).
+# The CUDA backend: strata_stream._cuda, an extension module of its own (docs/cuda.md).
 # STRATA_CUDA=AUTO builds it where nvcc is found, ON requires it, OFF skips it. The default
 # builds are unchanged where there is no nvcc.
 set(STRATA_CUDA "AUTO" CACHE STRING "Build the CUDA backend (strata_stream._cuda): AUTO, ON or OFF")

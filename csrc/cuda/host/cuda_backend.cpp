@@ -5,6 +5,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -141,6 +142,7 @@ class CudaBackend final : public Backend {
     }
     cv_.notify_all();
     device_.join();
+    if (trace_) print_trace();
     cudaStreamSynchronize(stream_);
     unmap();
     cudaFreeHost(err_host_);
@@ -341,10 +343,18 @@ class CudaBackend final : public Backend {
       }
       lk.unlock();
       std::string err;
+      const auto t0 = std::chrono::steady_clock::now();
       try {
         err = execute(it);
       } catch (const std::exception& e) {
         err = e.what();
+      }
+      if (trace_) {
+        const auto op = std::size_t(it.c.op);
+        op_ns_[op] += std::uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                        std::chrono::steady_clock::now() - t0)
+                                        .count());
+        ++op_calls_[op];
       }
       lk.lock();
       parked_event_ = nullptr;
@@ -458,6 +468,19 @@ class CudaBackend final : public Backend {
     return "unknown op";
   }
 
+  // STRATA_CUDA_TRACE=1: the device thread's time per command kind, printed when the backend
+  // goes (where a layer's microseconds go: launches, copies, waits for the host, syncs).
+  void print_trace() const {
+    static const char* names[] = {"Route", "RoutePredict", "Plan", "GateUp", "Down",
+                                  "MoeMM", "Combine",      "Signal", "Wait"};
+    std::fprintf(stderr, "strata cuda trace (device thread, us per command):");
+    for (std::size_t i = 0; i < 9; ++i)
+      if (op_calls_[i])
+        std::fprintf(stderr, " %s %.1f x%llu", names[i], 1e-3 * double(op_ns_[i]) / double(op_calls_[i]),
+                     static_cast<unsigned long long>(op_calls_[i]));
+    std::fprintf(stderr, " | slot copies %llu\n", static_cast<unsigned long long>(mirror_copies_));
+  }
+
   std::uint32_t key(std::uint32_t layer, std::int32_t expert) const {
     return layer * n_experts_ + std::uint32_t(expert);
   }
@@ -550,6 +573,8 @@ class CudaBackend final : public Backend {
   std::vector<std::uint32_t> mirror_key_;  // per slot: the key its mirror holds, or absent
   std::vector<std::uint32_t> host_plan_;   // Device mode: the last Plan's snapshot
   std::uint64_t mirror_copies_ = 0;
+  const bool trace_ = std::getenv("STRATA_CUDA_TRACE") != nullptr;
+  std::uint64_t op_ns_[9] = {}, op_calls_[9] = {};  // the device thread's (trace_)
   // The device thread's own.
   Dirty dirty_;
   Op last_op_ = Op::Signal;
