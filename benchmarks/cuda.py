@@ -73,6 +73,41 @@ def time_layers(path: Path, backend: str, rows: int, calls: int) -> float:
     return statistics.median(us)
 
 
+def torch_prompt_us(rows: int, experts: int, hidden: int, inter: int, k: int) -> float | None:
+    """torch's bf16 reference for one prompt layer's expert work (rows * k entries spread evenly
+    over the experts, each expert a gate/up matmul, SwiGLU and a down matmul), median us;
+    None without torch or a GPU."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    dev, bf = "cuda", torch.bfloat16
+    per = rows * k // experts
+    x = torch.randn(experts, per, hidden, device=dev, dtype=bf)
+    w1 = torch.randn(experts, hidden, 2 * inter, device=dev, dtype=bf) / hidden**0.5
+    w2 = torch.randn(experts, inter, hidden, device=dev, dtype=bf) / inter**0.5
+
+    def layer() -> object:
+        gu = torch.bmm(x, w1)  # one batched matmul over the experts: equal group sizes
+        g, u = gu[..., :inter], gu[..., inter:]
+        return torch.bmm(torch.nn.functional.silu(g) * u, w2)
+
+    for _ in range(3):
+        layer()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(20):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        layer()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -102,6 +137,11 @@ def main() -> int:
                 r[f"prompt{rows}_layer_us"] = time_layers(big, backend, rows, 2)
             results[name] = r
             print(name, json.dumps(r), flush=True)
+    for rows in args.prompt_rows:
+        t = torch_prompt_us(rows, args.experts, 2048, 768, 8)
+        if t is not None:
+            results.setdefault("torch-bf16-bmm", {})[f"prompt{rows}_layer_us"] = t  # type: ignore[union-attr]
+    print("torch-bf16-bmm", json.dumps(results.get("torch-bf16-bmm")), flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0

@@ -4,6 +4,12 @@
 set(STRATA_CUDA "AUTO" CACHE STRING "Build the CUDA backend (strata_stream._cuda): AUTO, ON or OFF")
 set_property(CACHE STRATA_CUDA PROPERTY STRINGS AUTO ON OFF)
 
+if(STRATA_SANITIZE AND STRATA_CUDA STREQUAL "AUTO")
+  # The sanitizer builds test the engine; their -fsanitize flags are not nvcc's.
+  message(STATUS "strata-stream: no CUDA backend in a sanitizer build (STRATA_CUDA=AUTO)")
+  set(STRATA_CUDA "OFF")
+endif()
+
 if(NOT STRATA_CUDA STREQUAL "OFF")
   if(NOT CMAKE_CUDA_COMPILER AND NOT DEFINED ENV{CUDACXX})
     # nvcc off the PATH, where the toolkit installs it.

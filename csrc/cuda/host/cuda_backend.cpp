@@ -59,6 +59,39 @@ class DeviceArray {
   std::size_t bytes_ = 0;
 };
 
+// Pinned host memory (staging for the scratch copies), freed with its owner.
+class PinnedArray {
+ public:
+  PinnedArray() = default;
+  PinnedArray(const PinnedArray&) = delete;
+  PinnedArray& operator=(const PinnedArray&) = delete;
+  ~PinnedArray() { reset(); }
+  void reset() {
+    if (p_) cudaFreeHost(p_);
+    p_ = nullptr;
+    bytes_ = 0;
+  }
+  void ensure(std::size_t bytes) {
+    if (bytes <= bytes_) return;
+    reset();
+    cudaError_t e = cudaHostAlloc(&p_, bytes, cudaHostAllocPortable);
+    if (e != cudaSuccess) {
+      p_ = nullptr;
+      throw std::runtime_error(cuda_message("cudaHostAlloc", e));
+    }
+    bytes_ = bytes;
+  }
+  std::size_t bytes() const { return bytes_; }
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(p_);
+  }
+
+ private:
+  void* p_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
 DevLayout device_layout(const PackLayout& L) {
   DevLayout d;
   d.n_experts = L.n_experts;
@@ -219,6 +252,9 @@ class CudaBackend final : public Backend {
     wave_.ensure(E * 4);
     wave_n_.ensure(4);
     groups_.ensure((1 + 8 * E + R * k) * 4);
+    // Staging: what moves between two drains of the stream, with 256-byte alignment slack.
+    up_.ensure((R * H + 3 * R * k + E + 1) * 4 + 8 * 256);
+    down_.ensure((R * H + 4 * R * k) * 4 + 8 * 256);
     dev_.x = x_.as<float>();
     dev_.ids = ids_.as<std::int32_t>();
     dev_.weights = weights_.as<float>();
@@ -276,6 +312,8 @@ class CudaBackend final : public Backend {
     std::string flagged = read_error_word();
     if (!flagged.empty() && error_.empty()) error_ = flagged;
     dirty_ = {};
+    pending_.clear();  // an aborted layer's downloads are not delivered
+    up_used_ = down_used_ = 0;
   }
 
   void abort_pending() override {
@@ -369,13 +407,37 @@ class CudaBackend final : public Backend {
     std::uint32_t ids_rows = 0, pred_rows[2] = {0, 0}, out_rows = 0;
   };
 
+  // Copies go through pinned staging (pageable copies synchronise and stage in the driver):
+  // an upload's bytes are copied into the staging at this point of the device thread (after
+  // the submission or the release), so it carries the host's values of that moment; staging is
+  // reused only after the stream drained (settle(), synchronize()).
   void upload(void* dst, const void* src, std::size_t bytes) {
-    // From pageable host memory: the driver stages the bytes before returning, so the copy is
-    // the host's values at this point of the device thread (after the submission or release).
-    if (bytes) check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_), "upload");
+    if (!bytes) return;
+    if (up_used_ + bytes > up_.bytes()) {  // full: drain, then start over
+      check(cudaStreamSynchronize(stream_), "upload");
+      up_used_ = 0;
+    }
+    if (bytes > up_.bytes()) {  // larger than the staging: the driver's own path
+      check(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), "upload");
+      return;
+    }
+    unsigned char* stage = up_.as<unsigned char>() + up_used_;
+    std::memcpy(stage, src, bytes);
+    check(cudaMemcpyAsync(dst, stage, bytes, cudaMemcpyHostToDevice, stream_), "upload");
+    up_used_ += (bytes + 255) / 256 * 256;
   }
+  // Queued into staging now, delivered to `dst` by settle() once the stream drained.
   void download(void* dst, const void* src, std::size_t bytes) {
-    if (bytes) check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_), "download");
+    if (!bytes) return;
+    if (down_used_ + bytes > down_.bytes()) {
+      check(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), "download");
+      return;
+    }
+    check(cudaMemcpyAsync(down_.as<unsigned char>() + down_used_, src, bytes,
+                          cudaMemcpyDeviceToHost, stream_),
+          "download");
+    pending_.push_back(Pending{dst, down_used_, bytes});
+    down_used_ += (bytes + 255) / 256 * 256;
   }
 
   // The device thread alone touches what follows (bind() runs only when it is idle).
@@ -420,9 +482,7 @@ class CudaBackend final : public Backend {
           host_plan_.resize(std::size_t(c.rows) * k);
           for (std::size_t i = 0; i < host_plan_.size(); ++i)
             host_plan_[i] = smap_load(b.smap, key(c.layer, b.ids[i]));
-          check(cudaMemcpyAsync(dev_.plan, host_plan_.data(), host_plan_.size() * 4,
-                                cudaMemcpyHostToDevice, stream_),
-                "plan upload");
+          upload(dev_.plan, host_plan_.data(), host_plan_.size() * 4);
         }
         return "";
       case Op::GateUp:
@@ -538,6 +598,10 @@ class CudaBackend final : public Backend {
     if (dirty_.out_rows) download(b.out, dev_.out, dirty_.out_rows * H * 4);
     dirty_ = {};
     check(cudaStreamSynchronize(stream_), "stream");
+    for (const Pending& p : pending_)
+      std::memcpy(p.dst, down_.as<unsigned char>() + p.offset, p.bytes);
+    pending_.clear();
+    up_used_ = down_used_ = 0;
     return read_error_word();
   }
 
@@ -565,6 +629,13 @@ class CudaBackend final : public Backend {
   const float* host_routers_ = nullptr;
   DeviceArray routers_, x_, ids_, weights_, pred_[2], logits_, plan_, h_, y_, out_, wave_,
       wave_n_, groups_;
+  PinnedArray up_, down_;  // staging; the device thread's (bind() sizes them while it is idle)
+  std::size_t up_used_ = 0, down_used_ = 0;
+  struct Pending {
+    void* dst;
+    std::size_t offset, bytes;
+  };
+  std::vector<Pending> pending_;  // downloads settle() delivers
   const ArenaMode mode_;
   DeviceArray mirror_;                    // Device mode: the arena's device copy
   std::uint64_t record_bytes_ = 0;
