@@ -488,6 +488,9 @@ class CudaBackend final : public Backend {
       case Op::GateUp:
       case Op::Down: {
         const Select sel = c.pass == Pass::Resident ? Select::Resident : Select::Missing;
+        // Device mode knows the plan: a pass with no entry (decode with every expert resident,
+        // or none) launches nothing. With entries, the group kernel still checks each slot.
+        if (mode_ == ArenaMode::Device && pass_is_empty(c.rows, c.pass)) return "";
         if (regroup && mode_ == ArenaMode::Device) mirror_pass(c.layer, c.rows, c.pass);
         if (regroup) check(launch_group(layout_, dev_, c.layer, c.rows, sel, stream_), "group");
         if (c.op == Op::GateUp)
@@ -559,6 +562,13 @@ class CudaBackend final : public Backend {
           "slot copy");
     mirror_key_[slot] = k;
     ++mirror_copies_;
+  }
+
+  bool pass_is_empty(std::uint32_t rows, Pass pass) const {
+    if (host_plan_.size() != std::size_t(rows) * layout_.top_k) return false;  // no plan: unknown
+    for (std::uint32_t slot : host_plan_)
+      if ((slot != kAbsentSlot) == (pass == Pass::Resident)) return false;
+    return true;
   }
 
   // The slots a decode pass will read: the plan's for Resident, smap's now for Missing.
