@@ -22,10 +22,15 @@ step() {  # step NAME SECONDS CMD...: runs CMD under timeout, log in $out/NAME.l
   return $rc
 }
 nvidia-smi -L
-if ls ../.whl/*.whl > /dev/null 2>&1; then  # pybind11 >= 3 (native_enum) if the image lacks it
-  $py -m pip install -q --no-index --no-deps --no-compile --target /tmp/site ../.whl/*.whl
-  export PYTHONPATH=/tmp/site
-fi
+# Carried wheels (pybind11 >= 3 for native_enum, which the image may lack): .whl in the
+# repository root, or beside it when this tree was copied into a folder of another checkout.
+for whl in .whl ../.whl; do
+  if ls "$whl"/*.whl > /dev/null 2>&1; then
+    $py -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$whl"/*.whl
+    export PYTHONPATH=/tmp/site
+    break
+  fi
+done
 build=/tmp/strata-build
 step build 240 bash -c "cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DSTRATA_BUILD_PYTHON=ON -DSTRATA_CUDA=ON -DPython_EXECUTABLE=\$(command -v $py) \
