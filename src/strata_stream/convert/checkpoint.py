@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -86,30 +86,48 @@ class ExpertLayout:
     share: Share = WHOLE
     rows: tuple[int, int] | None = None
 
-    def experts_fn(self, index: SafetensorsIndex) -> Callable[[int, int], tuple[Any, ...]]:
+    def tensor_names(self) -> list[str]:
+        """The checkpoint names of the expert tensors `experts_fn` reads, in record order (a
+        per-expert layout's names hold "{e}" for the expert index)."""
+        return [name for layer in self.layers for _, name in sorted(layer.names.items())]
+
+    def experts_fn(
+        self, index: SafetensorsIndex, digests: Mapping[str, Any] | None = None
+    ) -> Callable[[int, int], tuple[Any, ...]]:
         """experts(layer, e) for write_pack: one expert's tensors, read one pread each (gate
-        and up: just the share's rows; down: the whole expert, its share's columns kept)."""
+        and up: just the share's rows; down: the whole expert, its share's columns kept).
+
+        `digests` (tensor name as in `tensor_names()` -> a hashlib object): each read's bytes
+        are fed to its tensor's digest as they are read, so calling experts(l, e) for every
+        record in order digests exactly the bytes the pack was made from (convert/source.py).
+        """
         bits = {"q4": 4, "q8": 8, "mxfp4": 4}.get(self.weight_format, 0)
         rows = self.rows
 
-        def read(layer: _Layer, key: tuple[int, str], expert: int) -> npt.NDArray[Any]:
+        def fetch(layer: _Layer, key: tuple[int, str], expert: int) -> npt.NDArray[Any]:
             name = layer.names[key]
+            matrix, _ = key
+            if rows is not None and matrix < 2 and layer.stacked:
+                # gate, up of a tensor share: rows of the intermediate dimension, contiguous
+                got = index.read_expert_rows(name, expert, *rows)
+            elif layer.stacked:
+                got = index.read_expert(name, expert)
+            else:
+                got = index.read(name.format(e=expert))
+            if digests is not None:
+                digests[name].update(np.ascontiguousarray(got).data)
+            return got
+
+        def read(layer: _Layer, key: tuple[int, str], expert: int) -> npt.NDArray[Any]:
             matrix, role = key
             if rows is None:
-                if layer.stacked:
-                    return index.read_expert(name, expert)
-                return index.read(name.format(e=expert))
+                return fetch(layer, key, expert)
             r0, r1 = rows
-            if matrix < 2:  # gate, up: rows of the intermediate dimension, contiguous bytes
-                if layer.stacked:
-                    return index.read_expert_rows(name, expert, r0, r1)
-                return index.read(name.format(e=expert))[r0:r1]
+            if matrix < 2:  # gate, up: rows of the intermediate dimension
+                got = fetch(layer, key, expert)
+                return got if layer.stacked else got[r0:r1]
             # down: columns of the intermediate dimension, strided: one pread of the expert.
-            full = (
-                index.read_expert(name, expert)
-                if layer.stacked
-                else index.read(name.format(e=expert))
-            )
+            full = fetch(layer, key, expert)
             if role == "weight" and bits:
                 c0, c1 = r0 * bits // 32, r1 * bits // 32
             elif role in ("scales", "biases"):
