@@ -10,7 +10,9 @@ import sys
 from typing import Any, TextIO
 
 from strata_stream.config import StreamConfig
+from strata_stream.errors import ConfigError
 
+DEFAULT_MAX_TOKENS = 100
 _COUNTERS = ("tokens", "hits", "misses", "bytes_read", "stall_seconds", "pred_correct",
              "pred_actual")  # fmt: skip
 
@@ -31,11 +33,42 @@ def _line(name: str, d: dict[str, float], tokens: int, tps: float) -> str:
     )
 
 
+def prompt_tokens(tokenizer: Any, prompt: str) -> list[int]:
+    """The prompt's token ids, encoded as mlx_lm.stream_generate encodes a string."""
+    bos = getattr(tokenizer, "bos_token", None)
+    add_special = bos is None or not prompt.startswith(bos)
+    return list(tokenizer.encode(prompt, add_special_tokens=add_special))
+
+
+def token_budget(model: Any, n_prompt: int, max_tokens: int | None) -> int:
+    """Tokens to generate after a prompt of `n_prompt` tokens, refused as the server refuses a
+    request (serve/app.py): an empty prompt, or a prompt plus --max-tokens beyond the model's
+    context (max_position_embeddings). Without --max-tokens: 100, or what the context leaves."""
+    if n_prompt == 0:
+        raise ConfigError("the prompt is empty (it encodes to no tokens)")
+    if max_tokens is not None and max_tokens < 1:
+        raise ConfigError(f"--max-tokens must be at least 1, got {max_tokens}")
+    ctx = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+    ctx = ctx if isinstance(ctx, int) and ctx > 0 else None
+    if ctx is not None and n_prompt >= ctx:
+        raise ConfigError(
+            f"the model's maximum context length is {ctx} tokens, and the prompt is {n_prompt}"
+        )
+    if max_tokens is None:
+        return DEFAULT_MAX_TOKENS if ctx is None else min(DEFAULT_MAX_TOKENS, ctx - n_prompt)
+    if ctx is not None and n_prompt + max_tokens > ctx:
+        raise ConfigError(
+            f"--max-tokens {max_tokens} is beyond the model's maximum context length of {ctx} "
+            f"tokens: the prompt takes {n_prompt}, so at most {ctx - n_prompt} can be generated"
+        )
+    return max_tokens
+
+
 def generate(
     model_path: str,
     prompt: str,
     *,
-    max_tokens: int = 100,
+    max_tokens: int | None = None,
     arena_gb: float | None = None,
     experts: str = "cpu",
     arithmetic: str = "auto",
@@ -54,11 +87,13 @@ def generate(
                             arithmetic=arithmetic, config=StreamConfig.from_env())  # fmt: skip
     engine = model.strata_engine
     try:
+        ids = prompt_tokens(tokenizer, prompt)
+        budget = token_budget(model, len(ids), max_tokens)
         window = engine.window
         start = window.stats()["total"]
         at_first: dict[str, Any] | None = None
         last = None
-        for r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens):
+        for r in stream_generate(model, tokenizer, ids, max_tokens=budget):
             if at_first is None:
                 at_first = window.stats()["total"]
             out.write(r.text)
@@ -91,7 +126,7 @@ def generate_distributed(
     prompt: str,
     *,
     mode: str,
-    max_tokens: int = 100,
+    max_tokens: int | None = None,
     arena_gb: float | None = None,
     experts: str = "cpu",
     arithmetic: str = "auto",
@@ -119,8 +154,10 @@ def generate_distributed(
     say = (sys.stdout if out is None else out) if rank == 0 else io.StringIO()
     engine = model.strata_engine
     try:
+        ids = prompt_tokens(tokenizer, prompt)
+        budget = token_budget(model, len(ids), max_tokens)
         last = None
-        for r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens):
+        for r in stream_generate(model, tokenizer, ids, max_tokens=budget):
             say.write(r.text)
             say.flush()
             last = r
