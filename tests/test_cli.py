@@ -183,3 +183,13 @@ def test_generate_refuses_more_tokens_than_the_context(
                     "512 tokens", "at most 509 can be generated")  # fmt: skip
     assert main([*argv, "--max-tokens", "2"]) == 0
     assert "decode  1 tokens" in capsys.readouterr().out
+
+
+def test_byte_counts_are_in_a_unit_that_fits() -> None:
+    from strata_stream.units import human_bytes
+
+    assert human_bytes(12) == "12 bytes"
+    assert human_bytes(1536) == "1.50 KiB"
+    assert human_bytes(6 * 16384) == "96.0 KiB"
+    assert human_bytes(300 << 20) == "300 MiB"
+    assert human_bytes(4.08e9) == "3.80 GiB"

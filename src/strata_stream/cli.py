@@ -238,6 +238,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     from strata_stream.pack.header import MATRICES, ROLES
     from strata_stream.pack.reader import ExpertPack
+    from strata_stream.units import human_bytes
 
     with ExpertPack.open(args.pack) as pack:
         g = pack.geometry
@@ -260,7 +261,7 @@ def _inspect(args: argparse.Namespace) -> int:
             f"(stride {pack.record_stride:,}) at offset {pack.records_offset:,}",
             f"routers        {pack.header.router_bytes:,} bytes at offset "
             f"{pack.header.router_offset:,}",
-            f"file size      {pack.file_bytes:,} bytes ({_human(pack.file_bytes)})",
+            f"file size      {pack.file_bytes:,} bytes ({human_bytes(pack.file_bytes)})",
             *(
                 [f"decoder layers {meta['model'].get('decoder_layers')}"]
                 if isinstance(meta.get("model"), dict)
@@ -275,13 +276,6 @@ def _inspect(args: argparse.Namespace) -> int:
             )
     print("\n".join(lines))
     return 0
-
-
-def _human(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} bytes"
 
 
 def _verify(args: argparse.Namespace) -> int:
