@@ -20,6 +20,7 @@ import mlx.nn as nn
 from strata_stream.config import StreamConfig
 from strata_stream.convert.pack_cache import default_pack_path, ensure_pack
 from strata_stream.convert.share import WHOLE, Share
+from strata_stream.engine_stats import window_stats_source
 from strata_stream.errors import ConfigError, PackError
 from strata_stream.mlx_lm.blocks import StreamedExperts, StreamedMoE, strip_experts
 from strata_stream.mlx_lm.engine import EXPERT_MODES, BlockRef, MoeEngine
@@ -349,13 +350,9 @@ def describe(model: Any) -> dict[str, Any]:
 
 def stats_source(model: Any) -> Callable[[], Mapping[str, Any]]:
     """A snapshot function of the engine under a model `load` returned, in the schema the
-    server's metrics read (`strata_stream.serve.stats`: hits, misses, bytes_read, stall_s,
+    server's metrics read (`strata_stream.engine_stats`: hits, misses, bytes_read, stall_s,
     slots_in_use, slots_total, pred_correct, pred_predicted, pred_actual, per_layer_hit_rate).
-    Needs the `serve` extra. Call it from the thread that generates."""
-    # Imported here: the schema and its mapping belong to the server, whose package needs
-    # FastAPI, which loading a model does not.
-    from strata_stream.serve.stats import window_stats_source
-
+    Call it from the thread that generates."""
     engine: MoeEngine = model.strata_engine
     return window_stats_source(engine.window)
 

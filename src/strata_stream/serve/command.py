@@ -73,7 +73,8 @@ def _serve_distributed(
     from strata_stream.mlx_lm import stats_source
     from strata_stream.mlx_lm.distributed import load_split
     from strata_stream.serve.app import create_app
-    from strata_stream.serve.lockstep import RequestChannel, follow
+    from strata_stream.serve.follower import follow
+    from strata_stream.serve.lockstep import RequestChannel
 
     model, tokenizer, group = load_split(
         model_path, mode, arena_bytes=arena_bytes, experts=experts

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from strata_stream.serve.stats import StatsSource
+from strata_stream.engine_stats import StatsSource
 
 
 @dataclass
