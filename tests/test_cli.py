@@ -193,3 +193,24 @@ def test_byte_counts_are_in_a_unit_that_fits() -> None:
     assert human_bytes(6 * 16384) == "96.0 KiB"
     assert human_bytes(300 << 20) == "300 MiB"
     assert human_bytes(4.08e9) == "3.80 GiB"
+
+
+def test_inspect_needs_no_extension_and_verify_says_it_does(tmp_path: Path) -> None:
+    """What stream._core's comment promises: a pack's header reads where the extension failed
+    to build; checking records (CRC32C, the engine's code) fails with one line naming it."""
+    import subprocess
+
+    out = tmp_path / "t.strpk"
+    assert main(["pack", "--synthetic", "tiny", str(out), "--quiet"]) == 0
+    code = (
+        "import sys; sys.modules['strata_stream._core'] = None\n"
+        "from strata_stream.cli import main\n"
+        f"sys.exit(main([sys.argv[1], {str(out)!r}, *sys.argv[2:]]))"
+    )
+    for command, rc in (("inspect", 0), ("verify", 2)):  # verify: --quiet, no progress bar
+        quiet = ["--quiet"] if command == "verify" else []
+        r = subprocess.run([sys.executable, "-c", code, command, *quiet], capture_output=True,
+                           text=True, timeout=120)  # fmt: skip
+        assert r.returncode == rc, r.stderr
+        assert "Traceback" not in r.stderr
+    assert r.stderr.startswith("strata-stream: error: strata_stream._core is not built")

@@ -363,7 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "serve":
             return _serve(args)
         return _demo(rest)
-    except (StrataError, OSError) as e:
+    except (StrataError, OSError, ImportError) as e:  # ImportError: an extension not built
         print(f"strata-stream: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

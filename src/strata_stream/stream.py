@@ -32,8 +32,10 @@ if TYPE_CHECKING:
 
 
 def _core() -> Any:
-    # The compiled extension, imported on first use so that the pure-Python parts (pack
-    # writer, CLI inspect/verify) work even where the extension failed to build.
+    # The compiled extension, imported on first use: importing strata_stream, reading a pack's
+    # header and metadata (`inspect`, ExpertPack.open) and the CLI's help need no extension, so
+    # they still work where it failed to build. Writing or verifying records does need it, for
+    # their CRC32C (pack/header.py).
     return importlib.import_module("strata_stream._core")
 
 
