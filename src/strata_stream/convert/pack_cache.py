@@ -47,9 +47,11 @@ def default_pack_path(model_path: Path, share: Share = WHOLE) -> Path:
     return cache_dir() / "packs" / name
 
 
-def stale_reason(pack_path: Path, model_path: Path, share: Share = WHOLE) -> str | None:
+def stale_reason(
+    pack_path: Path, model_path: Path, share: Share = WHOLE, progress: bool = False
+) -> str | None:
     """None when the pack at `pack_path` was made from the experts `model_path` holds now;
-    else why not (an unreadable pack included)."""
+    else why not (an unreadable pack included). `progress`: say when the digests are read."""
     try:
         with ExpertPack.open(pack_path) as pack:
             model = pack.metadata.get("model")
@@ -58,7 +60,7 @@ def stale_reason(pack_path: Path, model_path: Path, share: Share = WHOLE) -> str
         return str(e)
     if not isinstance(model, dict):
         return "it was not converted from a model checkpoint"
-    return source_mismatch(pack_path, model, crc, model_path, share)
+    return source_mismatch(pack_path, model, crc, model_path, share, progress)
 
 
 @contextlib.contextmanager
@@ -91,7 +93,7 @@ def ensure_pack(
             _say(progress, f"converting the experts of {model_path} ({share.describe()}) "
                  f"into {named}")  # fmt: skip
             return convert(model_path, named, progress=progress, share=share)
-        reason = stale_reason(named, model_path, share)
+        reason = stale_reason(named, model_path, share, progress)
         if reason is not None:
             raise PackError(
                 f"pack {named} was not made from the weights in {model_path}: {reason}; convert "
@@ -105,7 +107,7 @@ def ensure_pack(
     remove_stale_temporaries(pack.parent)
     with _locked(pack.with_name(f".{pack.name}.lock")):
         if pack.exists():
-            reason = stale_reason(pack, model_path, share)
+            reason = stale_reason(pack, model_path, share, progress)
             if reason is None:
                 return pack
             _say(True, f"the cached pack {pack} is out of date ({reason}): converting again")

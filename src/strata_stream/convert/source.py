@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import struct
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from strata_stream.convert.checkpoint import ExpertLayout, find_experts, share_l
 from strata_stream.convert.safetensors_index import SafetensorsIndex
 from strata_stream.convert.share import Share
 from strata_stream.errors import StrataError
+from strata_stream.pack.writer import temporary_path
 
 DIGEST = "sha256"
 # What a digest is written as before its bytes have all been read: same length as the real one,
@@ -123,7 +125,7 @@ def _confirmed(pack_path: Path, meta_crc: int) -> list[dict[str, Any]] | None:
 
 def _confirm(pack_path: Path, meta_crc: int, now: list[dict[str, Any]]) -> None:
     side = _sidecar(pack_path)
-    tmp = side.with_name(f".{side.name}.{os.getpid()}.tmp")
+    tmp = temporary_path(side)
     try:
         tmp.write_text(json.dumps({"meta_crc": meta_crc, "shards": now}, indent=1))
         os.replace(tmp, side)
@@ -132,10 +134,16 @@ def _confirm(pack_path: Path, meta_crc: int, now: list[dict[str, Any]]) -> None:
 
 
 def source_mismatch(
-    pack_path: Path, model: dict[str, Any], meta_crc: int, model_dir: Path, share: Share
+    pack_path: Path,
+    model: dict[str, Any],
+    meta_crc: int,
+    model_dir: Path,
+    share: Share,
+    progress: bool = False,
 ) -> str | None:
     """None when the pack at `pack_path` (its metadata's ``model`` object and meta_crc) was
-    made from the expert bytes `model_dir` holds now; else why not, in a phrase."""
+    made from the expert bytes `model_dir` holds now; else why not, in a phrase. `progress`:
+    say so on stderr before reading the experts again (as long as a conversion's reads)."""
     record = model.get("source_weights")
     if not isinstance(record, dict) or not isinstance(record.get("tensors"), dict):
         return "it does not record which weights it was made from (an older strata-stream wrote it)"
@@ -143,6 +151,9 @@ def source_mismatch(
     if now == record.get("shards") or now == _confirmed(pack_path, meta_crc):
         return None
     # The cheap identity changed: compare the bytes themselves.
+    if progress:
+        print(f"strata-stream: the shards of {model_dir} changed since {pack_path} was made: "
+              "comparing their expert bytes with it", file=sys.stderr)  # fmt: skip
     try:
         digests, files = expert_digests(model_dir, share)
     except StrataError as e:
