@@ -18,8 +18,8 @@ from strata_stream.convert.checkpoint import ExpertLayout, find_experts, read_co
 from strata_stream.convert.safetensors_index import SafetensorsIndex
 from strata_stream.convert.share import WHOLE, Share
 from strata_stream.convert.source import (
+    TensorDigests,
     final_record,
-    new_digests,
     placeholder_record,
     shard_signatures,
 )
@@ -53,22 +53,26 @@ def convert(
         # What the pack is made from (convert/source.py): the shards' identity now, and the
         # digest of every expert tensor's bytes as they are read.
         shards = shard_signatures(model_dir)
-        digests = new_digests(layout)
-        return write_pack(
-            out,
-            layout.geometry,
-            None,
-            layout.experts_fn(index, digests),
-            weight_format=layout.weight_format,
-            group_size=layout.group_size or 64,
-            scale_dtype=layout.scale_dtype or "f16",
-            architecture=layout.model_type,
-            source=str(model_dir.resolve()),
-            progress=progress,
-            bias_dtype=layout.bias_dtype,
-            model={**layout.model, "source_weights": placeholder_record(shards, layout)},
-            final_model=lambda: {**layout.model, "source_weights": final_record(shards, digests)},
-        )
+        placeholder = {**layout.model, "source_weights": placeholder_record(shards, layout)}
+        with TensorDigests(layout) as digests:
+            return write_pack(
+                out,
+                layout.geometry,
+                None,
+                layout.experts_fn(index, digests.update),
+                weight_format=layout.weight_format,
+                group_size=layout.group_size or 64,
+                scale_dtype=layout.scale_dtype or "f16",
+                architecture=layout.model_type,
+                source=str(model_dir.resolve()),
+                progress=progress,
+                bias_dtype=layout.bias_dtype,
+                model=placeholder,
+                final_model=lambda: {
+                    **layout.model,
+                    "source_weights": final_record(shards, digests),
+                },
+            )
 
 
 __all__ = [

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -93,14 +93,14 @@ class ExpertLayout:
         return [name for layer in self.layers for _, name in sorted(layer.names.items())]
 
     def experts_fn(
-        self, index: SafetensorsIndex, digests: Mapping[str, Any] | None = None
+        self, index: SafetensorsIndex, digest: Callable[[str, Any], None] | None = None
     ) -> Callable[[int, int], tuple[Any, ...]]:
         """experts(layer, e) for write_pack: one expert's tensors, read one pread each (gate
         and up: just the share's rows; down: the whole expert, its share's columns kept).
 
-        `digests` (tensor name as in `tensor_names()` -> a hashlib object): each read's bytes
-        are fed to its tensor's digest as they are read, so calling experts(l, e) for every
-        record in order digests exactly the bytes the pack was made from (convert/source.py).
+        `digest(name, data)` (name as in `tensor_names()`) is given each read's bytes as they
+        are read, so calling experts(l, e) for every record in order digests exactly the bytes
+        the pack was made from (convert/source.py's TensorDigests).
         """
         bits = QUANT_FORMAT_BITS.get(self.weight_format, 0)
         rows = self.rows
@@ -115,8 +115,8 @@ class ExpertLayout:
                 got = index.read_expert(name, expert)
             else:
                 got = index.read(name.format(e=expert))
-            if digests is not None:
-                digests[name].update(np.ascontiguousarray(got).data)
+            if digest is not None:
+                digest(name, np.ascontiguousarray(got).data)
             return got
 
         def read(layer: _Layer, key: tuple[int, str], expert: int) -> npt.NDArray[Any]:

@@ -20,8 +20,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import struct
 import sys
+import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -65,9 +67,47 @@ def shard_signatures(model_dir: Path) -> list[ShardSignature]:
     return [shard_signature(f) for f in sorted(model_dir.glob("*.safetensors"))]
 
 
-def new_digests(layout: ExpertLayout) -> dict[str, Any]:
-    """One fresh digest per expert tensor of `layout` (for ExpertLayout.experts_fn)."""
-    return {name: hashlib.new(DIGEST) for name in layout.tensor_names()}
+class TensorDigests:
+    """One SHA-256 per expert tensor of a layout, fed in read order (`update`, the `digest`
+    callback of ExpertLayout.experts_fn) and computed on a thread of its own: hashlib releases
+    the GIL, so hashing overlaps the reads and the pack writer instead of adding to them. A
+    bounded queue keeps at most a few tensors' bytes waiting. Use it as a context manager."""
+
+    _QUEUED = 16
+
+    def __init__(self, layout: ExpertLayout) -> None:
+        self._digests = {name: hashlib.new(DIGEST) for name in layout.tensor_names()}
+        self._queue: queue.Queue[tuple[str, Any] | None] = queue.Queue(self._QUEUED)
+        self._thread = threading.Thread(target=self._run, name="strata-digest", daemon=True)
+        self._thread.start()
+        self._done = False
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            name, data = item
+            self._digests[name].update(data)
+
+    def update(self, name: str, data: Any) -> None:
+        if name not in self._digests:
+            raise KeyError(f"{name} is not an expert tensor of this layout")
+        self._queue.put((name, data))
+
+    def _finish(self) -> None:
+        if not self._done:
+            self._done = True
+            self._queue.put(None)
+            self._thread.join()
+
+    def hexdigests(self) -> dict[str, str]:
+        """Every tensor's digest, once all the bytes fed so far are hashed."""
+        self._finish()
+        return {name: d.hexdigest() for name, d in self._digests.items()}
+
+    def __enter__(self) -> TensorDigests:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._finish()
 
 
 def placeholder_record(signatures: list[ShardSignature], layout: ExpertLayout) -> dict[str, Any]:
@@ -80,12 +120,12 @@ def placeholder_record(signatures: list[ShardSignature], layout: ExpertLayout) -
     }
 
 
-def final_record(signatures: list[ShardSignature], digests: dict[str, Any]) -> dict[str, Any]:
+def final_record(signatures: list[ShardSignature], digests: TensorDigests) -> dict[str, Any]:
     """The ``source_weights`` object once every record was read through `digests`."""
     return {
         "digest": DIGEST,
         "shards": [asdict(s) for s in signatures],
-        "tensors": {name: d.hexdigest() for name, d in digests.items()},
+        "tensors": digests.hexdigests(),
     }
 
 
@@ -94,17 +134,18 @@ def expert_digests(model_dir: Path, share: Share) -> tuple[dict[str, str], dict[
     file name), reading every expert of the checkpoint once and writing nothing."""
     with SafetensorsIndex(model_dir) as index:
         layout = share_layout(find_experts(model_dir, index), share)
-        digests = new_digests(layout)
-        experts = layout.experts_fn(index, digests)
-        g = layout.geometry
-        for layer in range(g.n_layers):
-            for e in range(g.n_experts):
-                experts(layer, e)
+        with TensorDigests(layout) as digests:
+            experts = layout.experts_fn(index, digests.update)
+            g = layout.geometry
+            for layer in range(g.n_layers):
+                for e in range(g.n_experts):
+                    experts(layer, e)
+            result = digests.hexdigests()
         files = {}
-        for name in digests:
+        for name in result:
             loc = index.tensors.get(name.format(e=0))
             files[name] = loc.file.name if loc is not None else "?"
-    return {n: d.hexdigest() for n, d in digests.items()}, files
+    return result, files
 
 
 def _sidecar(pack_path: Path) -> Path:
