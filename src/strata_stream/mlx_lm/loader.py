@@ -7,10 +7,8 @@ read by MLX. Without a pack one is converted on first load into the cache direct
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
-import sys
 import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -20,14 +18,15 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from strata_stream.config import StreamConfig
-from strata_stream.convert import convert
+from strata_stream.convert.pack_cache import default_pack_path, ensure_pack
 from strata_stream.convert.share import WHOLE, Share
+from strata_stream.engine_stats import window_stats_source
 from strata_stream.errors import ConfigError, PackError
 from strata_stream.mlx_lm.blocks import StreamedExperts, StreamedMoE, strip_experts
 from strata_stream.mlx_lm.engine import EXPERT_MODES, BlockRef, MoeEngine
 from strata_stream.mlx_lm.families import family_of
 from strata_stream.pack.reader import ExpertPack
-from strata_stream.paths import cache_dir
+from strata_stream.paths import model_location
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _GiB = 1 << 30
@@ -35,20 +34,6 @@ _GiB = 1 << 30
 # automatically: 1 GiB plus a tenth of what is available.
 _HEADROOM_FIXED = _GiB
 _HEADROOM_SHARE = 0.10
-
-
-def default_pack_path(model_path: Path, share: Share = WHOLE) -> Path:
-    """Where `load` keeps the pack of a model it converted: the cache directory, under a name
-    derived from the model's path, config and weight files (so a changed model converts anew),
-    ending in the share's suffix for one rank of a distributed model (convert/share.py)."""
-    h = hashlib.sha256(str(model_path.resolve()).encode())
-    config = model_path / "config.json"
-    if config.exists():
-        h.update(config.read_bytes())
-    for f in sorted(model_path.glob("*.safetensors")):
-        h.update(f"{f.name}:{f.stat().st_size}".encode())
-    name = f"{model_path.name}-{h.hexdigest()[:16]}{share.suffix()}.strpk"
-    return cache_dir() / "packs" / name
 
 
 def available_memory() -> int:
@@ -243,14 +228,9 @@ def stream_experts(
         if not lazy:
             mx.eval(model.parameters())
         return None
-    pack_file = Path(pack_path) if pack_path is not None else default_pack_path(model_path, share)
-    if not pack_file.exists():
-        if pack_path is None:
-            pack_file.parent.mkdir(parents=True, exist_ok=True)
-        if progress:
-            print(f"strata-stream: converting the experts of {model_path} ({share.describe()}) "
-                  f"into {pack_file}", file=sys.stderr)  # fmt: skip
-        convert(model_path, pack_file, progress=progress, share=share)
+    # The cached pack (converted on first use, again when the weights changed) or the one
+    # named, refused if it was made from other weights (convert/pack_cache.py).
+    pack_file = ensure_pack(model_path, pack_path, share=share, progress=progress)
 
     decoder_layers = [t[0] for t in found]
     blocks = [t[3] for t in found]
@@ -332,7 +312,8 @@ def load(
     """
     from mlx_lm.utils import _download, load_adapters, load_tokenizer
 
-    model_path = _download(str(path_or_repo), revision=revision)
+    # A mistyped local path is refused here, not looked up as a repo on the network.
+    model_path = _download(model_location(path_or_repo), revision=revision)
     model, model_cfg = load_model(
         model_path,
         arena_bytes=arena_bytes,
@@ -369,13 +350,9 @@ def describe(model: Any) -> dict[str, Any]:
 
 def stats_source(model: Any) -> Callable[[], Mapping[str, Any]]:
     """A snapshot function of the engine under a model `load` returned, in the schema the
-    server's metrics read (`strata_stream.serve.stats`: hits, misses, bytes_read, stall_s,
+    server's metrics read (`strata_stream.engine_stats`: hits, misses, bytes_read, stall_s,
     slots_in_use, slots_total, pred_correct, pred_predicted, pred_actual, per_layer_hit_rate).
-    Needs the `serve` extra. Call it from the thread that generates."""
-    # Imported here: the schema and its mapping belong to the server, whose package needs
-    # FastAPI, which loading a model does not.
-    from strata_stream.serve.stats import window_stats_source
-
+    Call it from the thread that generates."""
     engine: MoeEngine = model.strata_engine
     return window_stats_source(engine.window)
 
