@@ -469,9 +469,9 @@ PYBIND11_MODULE(_core, m) {
              o.max_rows = max_rows;
              o.decode_rows = decode_rows;
              o.device_timeout_s = device_timeout_s;
-             o.prompt_pred2 = prompt_pred2;
-             o.pred2_max = pred2_max;
-             o.decode_prefetch2 = decode_prefetch2;
+             o.two_layer_prompt = prompt_pred2;
+             o.two_layer_max = pred2_max;
+             o.two_layer_decode = decode_prefetch2;
              o.prompt_buf_reuse = prompt_buf_reuse;
              o.record_routes = record_routes;
              o.start_layers = start_layers;
@@ -560,6 +560,14 @@ PYBIND11_MODULE(_core, m) {
                                                                   : Arithmetic::MlxFloat32);
           },
           py::arg("x_dtype"))
+      .def(
+          "wants_predictions",
+          [](const Window& w, std::uint32_t layer, std::uint32_t rows) {
+            // (router l+1, router l+2): which predictions a routed call of `rows` rows uses.
+            const Lookahead l = w.wants_predictions(layer, rows);
+            return py::make_tuple(l.next, l.two_layer);
+          },
+          py::arg("layer"), py::arg("rows"))
       .def_property_readonly("scratch_bytes", &Window::scratch_bytes)
       .def("reset_stats", &Window::reset_stats)
       .def_property_readonly("settles", &Window::settles)
@@ -772,7 +780,7 @@ PYBIND11_MODULE(_core, m) {
       py::arg("pred1") = py::none(), py::arg("pred2") = py::none(),
       py::arg("arithmetic") = "float32", py::arg("weights_dtype") = "float32");
   window_cls.def(
-      "moe_routed_host",
+      "moe_routed_external",
       [id_table, or_null](Window& w, std::uint32_t layer, IntArray ids, std::optional<IntArray> pred1,
                  std::optional<IntArray> pred2, py::function compute) {
         const PackLayout& L = w.layout();
@@ -793,7 +801,7 @@ PYBIND11_MODULE(_core, m) {
           compute(row0, n, s);
         };
         py::gil_scoped_release nogil;
-        w.moe_routed_host(layer, rows, r, fn, check_signals);
+        w.moe_routed_external(layer, rows, r, fn, check_signals);
       },
       py::arg("layer"), py::arg("ids"), py::arg("pred1"), py::arg("pred2"), py::arg("compute"));
 

@@ -99,7 +99,7 @@ TEST_CASE("threads: two windows sharing a small arena stay bitwise exact, split 
         WindowOptions wo;
         wo.split_turn = split;
         wo.max_rows = 4;
-        wo.prompt_pred2 = wo.decode_prefetch2 = true;
+        wo.two_layer_prompt = wo.two_layer_decode = true;
         Window wa(stream, make_cpu_backend(2), wo), wb(stream, make_cpu_backend(1), wo);
         Outputs got_a, got_b;
         std::string err_a, err_b;

@@ -184,7 +184,7 @@ TEST_CASE("window: the host path offers every entry once, in a slot holding its 
         std::vector<int> seen(c.ids.size(), 0);
         Window::Routed r;
         r.ids = c.ids.data();
-        w.moe_routed_host(l, T, r, [&](std::uint32_t row0, std::uint32_t n, const std::uint32_t* s) {
+        w.moe_routed_external(l, T, r, [&](std::uint32_t row0, std::uint32_t n, const std::uint32_t* s) {
           for (std::uint32_t i = 0; i < n * L.top_k; ++i) {
             if (s[i] == kAbsent) continue;
             const std::size_t entry = std::size_t(row0) * L.top_k + i;

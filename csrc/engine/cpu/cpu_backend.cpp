@@ -127,7 +127,7 @@ class CpuBackend final : public Backend {
     buffers_ = buffers;  // CPU memory is already shared with the host: nothing to wrap
   }
 
-  void submit(std::vector<Command> commands) override {
+  void submit(const std::vector<Command>& commands) override {
     {
       std::lock_guard<std::mutex> lk(mu_);
       for (auto& c : commands) queue_.push_back(c);

@@ -88,8 +88,9 @@ class Backend {
   virtual ~Backend() = default;
   virtual std::string name() const = 0;
   virtual void bind(const DeviceBuffers& buffers) = 0;
-  // Runs asynchronously, in order, after everything submitted before it.
-  virtual void submit(std::vector<Command> commands) = 0;
+  // Runs asynchronously, in order, after everything submitted before it. The commands are
+  // copied: the caller reuses its vector.
+  virtual void submit(const std::vector<Command>& commands) = 0;
   // Blocks until every submitted command has run.
   virtual void synchronize() = 0;
   // Makes the device skip the rest of what is queued (Wait commands included) until

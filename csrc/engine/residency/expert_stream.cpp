@@ -878,16 +878,22 @@ void ExpertStream::end_turn(ClientId who) {
 
 void ExpertStream::plan(ClientId who, std::uint32_t layer, const std::int32_t* experts,
                         std::size_t n, std::uint8_t* resident) {
+  std::vector<std::uint32_t> slots(n);
+  plan_slots(who, layer, experts, n, slots.data(), true);
+  for (std::size_t i = 0; i < n; ++i) resident[i] = slots[i] != kAbsent;
+}
+
+void ExpertStream::plan_slots(ClientId who, std::uint32_t layer, const std::int32_t* experts,
+                              std::size_t n, std::uint32_t* slots, bool pin) {
   check_experts(layer, experts, n);  // before any pin, so a bad id leaves no partial plan
   const std::uint32_t E = layout().n_experts;
   std::lock_guard<std::mutex> lk(mu_);
   require_open();
   ProtectionSet& p = client_locked(who);
   for (std::size_t i = 0; i < n; ++i) {
-    const std::uint32_t key = layer * E + std::uint32_t(experts[i]);
-    std::uint32_t s = smap_load(smap_.get(), key);
-    resident[i] = s != kAbsent;
-    if (s != kAbsent) {
+    const std::uint32_t s = smap_load(smap_.get(), layer * E + std::uint32_t(experts[i]));
+    slots[i] = s;
+    if (pin && s != kAbsent) {
       ++slots_[s].pins;
       p.pinned.push_back(s);
     }
@@ -989,27 +995,31 @@ std::int32_t ExpertStream::evict_one() {
 
 // ---- the two host points of a layer, each under one lock hold -------------------------------
 
-AtLayerResult ExpertStream::at_layer(ClientId who, std::uint32_t layer,
-                                     const std::int32_t* chosen, std::size_t n,
-                                     const std::int32_t* predicted, std::size_t n_predicted,
-                                     const InterruptCheck& interrupt,
-                                     const std::int32_t* predicted2, std::size_t n_predicted2,
-                                     std::uint32_t max_new2) {
-  check_experts(layer, chosen, n);
+AtLayerResult ExpertStream::at_layer(ClientId who, const HandshakeRequest& q,
+                                     const InterruptCheck& interrupt) {
+  check_experts(q.layer, q.urgent, q.n_urgent);
   IoWaker waker{this};
   Lock lk(mu_);
   require_open();
   AtLayerResult r;
-  enter_layer_locked(client_locked(who), layer, false, chosen, n);  // I4: what the device reads
+  enter_layer_locked(client_locked(who), q.layer, false, q.urgent, q.n_urgent);  // I4
   done_cv_.notify_all();  // the previous layer's protections may have made room for others
-  r.urgent = request_locked(lk, who, layer, chosen, n, ReadClass::Urgent, interrupt);
-  r.published = publish_locked(layer);  // I2: before the device is released
-  if (n_predicted > 0 && layer + 1 < layout().n_layers)  // I10
-    r.predicted =
-        request_locked(lk, who, layer + 1, predicted, n_predicted, ReadClass::Pred1, interrupt);
-  if (n_predicted2 > 0 && layer + 2 < layout().n_layers)  // I10
-    r.predicted2 = request_locked(lk, who, layer + 2, predicted2, n_predicted2, ReadClass::Pred2,
-                                  interrupt, max_new2);
+  r.urgent = request_locked(lk, who, q.layer, q.urgent, q.n_urgent, ReadClass::Urgent, interrupt);
+  if (q.publish) r.published = publish_locked(q.layer);  // I2: before the device is released
+  // Speculation behind the urgent reads, one budget for every class, in queue order.
+  std::uint32_t budget = q.spec_budget;
+  auto speculate = [&](std::uint32_t distance, const std::int32_t* experts, std::size_t n,
+                       ReadClass cls, std::uint32_t cap) {
+    RequestResult out;
+    if (n == 0 || budget == 0 || q.layer + distance >= layout().n_layers) return out;  // I10
+    out = request_locked(lk, who, q.layer + distance, experts, n, cls, interrupt,
+                         std::min(budget, cap));
+    if (budget != kUnlimitedReads) budget -= std::min(budget, out.spec_started);
+    return out;
+  };
+  r.predicted = speculate(1, q.next_layer, q.n_next_layer, ReadClass::Pred1, kUnlimitedReads);
+  r.predicted2 = speculate(2, q.two_layer, q.n_two_layer, ReadClass::Pred2, q.two_layer_max);
+  r.profile = speculate(1, q.profile, q.n_profile, ReadClass::Profile, kUnlimitedReads);
   return r;
 }
 

@@ -63,10 +63,38 @@ struct RequestResult {
   std::uint32_t dropped = 0;  // speculative requests that found no space
 };
 
+// New reads without a cap (request's max_new, a handshake's speculation budget).
+constexpr std::uint32_t kUnlimitedReads = 0xFFFFFFFFu;
+
+// One host point of the handshake (docs/architecture.md section 2): a decode chunk's at_layer,
+// or one wave of a prompt chunk. The lists are expert ids; each speculative list is ordered
+// most wanted first and queued behind everything before it.
+struct HandshakeRequest {
+  std::uint32_t layer = 0;
+  // The routed experts the device reads next: protected (I4) and requested urgently.
+  const std::int32_t* urgent = nullptr;
+  std::size_t n_urgent = 0;
+  bool publish = true;  // publish completed prefetches of l+1..l+2 (I2): a chunk's first point
+  // Router l+1's picks (lookahead), router l+2's (two-layer lookahead), and (lookahead off)
+  // layer l+1's profile favourites.
+  const std::int32_t* next_layer = nullptr;
+  std::size_t n_next_layer = 0;
+  const std::int32_t* two_layer = nullptr;
+  std::size_t n_two_layer = 0;
+  const std::int32_t* profile = nullptr;
+  std::size_t n_profile = 0;
+  // The one speculation budget: new reads Pred1, then Pred2, then Profile may start together
+  // (0: none of them is requested); Pred2's share is further capped by two_layer_max. I9 holds
+  // regardless: speculation never waits for space.
+  std::uint32_t spec_budget = kUnlimitedReads;
+  std::uint32_t two_layer_max = kUnlimitedReads;
+};
+
 struct AtLayerResult {
   RequestResult urgent;     // the routed experts
   RequestResult predicted;  // router l+1's picks, queued behind them
   RequestResult predicted2; // router l+2's picks, behind those
+  RequestResult profile;    // the profile fallback, last
   std::uint32_t published = 0;
 };
 
@@ -145,7 +173,7 @@ class ExpertStream {
   // max_new caps how many experts not already present it starts reading (speculative caps).
   RequestResult request(std::uint32_t layer, const std::int32_t* experts, std::size_t n,
                         ReadClass cls, const InterruptCheck& interrupt = {},
-                        std::uint32_t max_new = 0xFFFFFFFFu) {
+                        std::uint32_t max_new = kUnlimitedReads) {
     return request(kStreamClient, layer, experts, n, cls, interrupt, max_new);
   }
   // As the client `who`: an urgent request that finds every slot protected waits (bounded by
@@ -153,7 +181,7 @@ class ExpertStream {
   // with ArenaFull when none can (every other holder is itself waiting, or the time is up).
   RequestResult request(ClientId who, std::uint32_t layer, const std::int32_t* experts,
                         std::size_t n, ReadClass cls, const InterruptCheck& interrupt = {},
-                        std::uint32_t max_new = 0xFFFFFFFFu);
+                        std::uint32_t max_new = kUnlimitedReads);
   // Blocks until every listed expert is complete and published. Throws ExpertReadError for a
   // failed read (and recycles that slot), EngineError(Timeout) after io_timeout_s with no
   // progress. Experts not yet requested are requested urgently first.
@@ -165,23 +193,15 @@ class ExpertStream {
             const InterruptCheck& interrupt = {});
 
   // ---- the handshake's host points, each one lock hold (the Window's hot path) --------------
-  // at_layer(l): protect and request the routed experts, publish completed prefetches of
-  // l+1..l+2, queue the predicted experts of l+1 behind the urgent reads.
-  // With `predicted2` (router l+2's picks) those follow, as Pred2, at most `max_new2` of them
-  // not already resident or loading (STRATA_METAL_PROMPT_PRED2_MAX).
-  AtLayerResult at_layer(std::uint32_t layer, const std::int32_t* chosen, std::size_t n,
-                         const std::int32_t* predicted, std::size_t n_predicted,
-                         const InterruptCheck& interrupt = {},
-                         const std::int32_t* predicted2 = nullptr, std::size_t n_predicted2 = 0,
-                         std::uint32_t max_new2 = 0xFFFFFFFFu) {
-    return at_layer(kStreamClient, layer, chosen, n, predicted, n_predicted, interrupt, predicted2,
-                    n_predicted2, max_new2);
+  // at_layer: the one call of a host point, for decode and for every prompt wave alike.
+  // Protects exactly the urgent experts as the executing layer's (I4), requests them urgently,
+  // publishes completed prefetches of l+1..l+2 (I2, when asked), then queues the speculative
+  // lists within the budget (I9, I10: nothing for a layer >= L).
+  AtLayerResult at_layer(ClientId who, const HandshakeRequest& request,
+                         const InterruptCheck& interrupt = {});
+  AtLayerResult at_layer(const HandshakeRequest& request, const InterruptCheck& interrupt = {}) {
+    return at_layer(kStreamClient, request, interrupt);
   }
-  AtLayerResult at_layer(ClientId who, std::uint32_t layer, const std::int32_t* chosen,
-                         std::size_t n, const std::int32_t* predicted, std::size_t n_predicted,
-                         const InterruptCheck& interrupt = {},
-                         const std::int32_t* predicted2 = nullptr, std::size_t n_predicted2 = 0,
-                         std::uint32_t max_new2 = 0xFFFFFFFFu);
   // after_layer(l) + retire_unused_pre(l, chosen) + release_limbo().
   void finish_layer(std::uint32_t layer, const std::int32_t* chosen, std::size_t n) {
     finish_layer(kStreamClient, layer, chosen, n);
@@ -217,6 +237,10 @@ class ExpertStream {
   }
   void plan(ClientId who, std::uint32_t layer, const std::int32_t* experts, std::size_t n,
             std::uint8_t* resident);
+  // The same snapshot as slot numbers, taken under mu_: slots[i] is the published slot of
+  // experts[i], kAbsent when it has none; with `pin` those slots are pinned until release_plan.
+  void plan_slots(ClientId who, std::uint32_t layer, const std::int32_t* experts, std::size_t n,
+                  std::uint32_t* slots, bool pin);
   void release_plan() { release_plan(kStreamClient); }
   void release_plan(ClientId who);
 
@@ -256,7 +280,7 @@ class ExpertStream {
   RequestResult request_locked(Lock& lk, ClientId who, std::uint32_t layer,
                                const std::int32_t* experts, std::size_t n, ReadClass cls,
                                const InterruptCheck& interrupt,
-                               std::uint32_t max_new = 0xFFFFFFFFu);
+                               std::uint32_t max_new = kUnlimitedReads);
   std::uint32_t publish_locked(std::uint32_t layer);
   // The client's protection set; throws Closed when it is not registered (closed under a call).
   ProtectionSet& client_locked(ClientId who);

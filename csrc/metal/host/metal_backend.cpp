@@ -174,7 +174,7 @@ class MetalBackend final : public Backend {
     buffers_ = b;
   }
 
-  void submit(std::vector<Command> commands) override {
+  void submit(const std::vector<Command>& commands) override {
     if (!planner_) fail("submit before bind");
     Pool pool;  // commandBuffer() and the encoders are autoreleased
     MTL::CommandBuffer* cb = queue_->commandBuffer();

@@ -164,13 +164,11 @@ class MoeEngine:
 
     # ---- prediction ------------------------------------------------------------------------
     def predictions(self, layer: int, x: mx.array, rows: int) -> list[mx.array | None]:
-        """Router l+1 (and l+2 when asked for) on this layer's input: the next blocks' own
-        routing, unevaluated, [rows, k] each, or None."""
-        c = self.config
+        """Router l+1 and l+2 on this layer's input where the engine will use them (it decides:
+        `Window.wants_predictions`): the next blocks' own routing, unevaluated, [rows, k] each,
+        or None."""
         out: list[mx.array | None] = [None, None]
-        if not c.lookahead:
-            return out
-        want = [True, c.decode_prefetch2 if rows <= c.decode_rows else c.prompt_pred2]
+        want = self.window.wants_predictions(layer, rows)
         for d in (1, 2):
             nxt = layer + d
             if want[d - 1] and nxt < len(self.blocks):
@@ -259,7 +257,7 @@ class MoeEngine:
             mx.eval(y)
             result[0] = y
 
-        self.window.moe_routed_host(
+        self.window.moe_routed_external(
             layer,
             ids,
             wave,
