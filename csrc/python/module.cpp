@@ -18,11 +18,10 @@
 #include "residency/expert_stream.h"
 #include "kernel_bench.h"
 #include "raw_read_bench.h"
+#include "backends.h"
+#include "exec/backend_registry.h"
 #include "exec/window.h"
 #include "pack/checksum.h"
-#ifdef STRATA_HAVE_METAL
-#include "metal_backend.h"
-#endif
 
 namespace py = pybind11;
 using namespace strata;
@@ -129,44 +128,9 @@ py::dict layout_dict(const PackLayout& L) {
 
 }  // namespace
 
-namespace {
-
-// "cpu"; "metal" where this extension was built with the Metal backend (macOS), a clear error
-// elsewhere; "auto": Metal where it exists and takes this pack and configuration, else the CPU.
-// moce is CPU-only: the Metal route kernel does not implement it.
-std::unique_ptr<strata::Backend> make_backend(const std::string& name, unsigned threads,
-                                              bool moce_on) {
-  using strata::EngineError;
-  using strata::ErrorKind;
-  if (name == "cpu") return strata::make_cpu_backend(threads);
-  if (name != "metal" && name != "auto")
-    throw EngineError(ErrorKind::Config, "backend must be cpu, metal or auto, got '" + name + "'");
-#ifdef STRATA_HAVE_METAL
-  if (moce_on) {
-    if (name == "auto") return strata::make_cpu_backend(threads);
-    throw EngineError(ErrorKind::Config,
-                      "backend 'metal' does not implement cache-aware routing (moce); use "
-                      "backend 'cpu' or moce 'off'");
-  }
-  if (name == "metal") return strata::make_metal_backend();
-  try {
-    return strata::make_metal_backend();
-  } catch (const EngineError&) {  // no device, or a pack or flag the kernels do not cover
-    return strata::make_cpu_backend(threads);
-  }
-#else
-  (void)moce_on;
-  if (name == "auto") return strata::make_cpu_backend(threads);
-  throw EngineError(ErrorKind::Config,
-                    "backend 'metal' is not built into this extension: the Metal backend is "
-                    "built on macOS only (this build has: cpu)");
-#endif
-}
-
-}  // namespace
-
 PYBIND11_MODULE(_core, m) {
   m.doc() = "strata-stream engine (C++)";
+  strata::python::bind_backends(m);
 
   py::register_exception_translator([](std::exception_ptr p) {
     try {
@@ -491,7 +455,10 @@ PYBIND11_MODULE(_core, m) {
              ExpertStream& es = stream.get();
              py::gil_scoped_release nogil;
              return WindowHolder(
-                 new Window(es, make_backend(backend, threads, o.moce.mode != MoceMode::Off), o));
+                 new Window(es,
+                            strata::make_backend(backend, strata::BackendOptions{threads, {}},
+                                                 {strata::route_capability(es.layout(), o.moce)}),
+                            o));
            }),
            py::keep_alive<1, 2>(), py::arg("stream"), py::kw_only(), py::arg("backend") = "cpu",
            py::arg("lookahead") = true, py::arg("split_turn") = false,

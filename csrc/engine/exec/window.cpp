@@ -44,6 +44,10 @@ GovernorOptions governor_options(GovernorOptions o, std::uint32_t n_layers, bool
 
 }  // namespace
 
+Capability route_capability(const PackLayout& layout, const MoceParams& moce) {
+  return Capability{Op::Route, &layout, Arithmetic::Float32, moce.mode};
+}
+
 // ---- admission: one driving call at a time, on the turn owner's thread ------------------------
 
 class Window::Call {
@@ -96,8 +100,13 @@ Window::Window(ExpertStream& stream, std::unique_ptr<Backend> backend,
       rules_(rules()),
       governor_(governor_options(options.governor, L_.n_layers, settles_io(options, stream))) {
   if (!backend_) throw EngineError(ErrorKind::Config, "Window needs a backend");
+  // The capabilities a call may need, asked once: the expert passes' arithmetic (a routed call
+  // chooses it) and the route's moce mode (this Window's own).
   for (Arithmetic a : {Arithmetic::Float32, Arithmetic::MlxBfloat16, Arithmetic::MlxFloat32})
-    arithmetic_why_[std::size_t(a)] = backend_->arithmetic_unsupported(L_, a);
+    arithmetic_why_[std::size_t(a)] =
+        backend_->unsupported(Capability{Op::MoeMM, &L_, a, MoceMode::Off}).value_or("");
+  if (auto why = backend_->unsupported(route_capability(L_, options.moce)))
+    throw EngineError(ErrorKind::Config, "backend '" + backend_name_ + "': " + *why);
   if (opt_.max_rows == 0) throw EngineError(ErrorKind::Config, "max_rows must be positive");
   if (!(opt_.device_timeout_s > 0) || !std::isfinite(opt_.device_timeout_s))
     throw EngineError(ErrorKind::Config, "device_timeout_s must be positive and finite");

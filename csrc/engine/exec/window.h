@@ -84,6 +84,9 @@ struct LayerStats {
   std::uint64_t settle_ns = 0;  // host waiting for speculative reads (deterministic moce path)
 };
 
+// What a Window's own route needs of its backend (moce), for choosing one (make_backend).
+Capability route_capability(const PackLayout& layout, const MoceParams& moce);
+
 struct HostTimer;  // window.cpp: times a host-work section as wall and thread CPU time
 
 class Window {
@@ -173,7 +176,7 @@ class Window {
   PrefetchGovernor governor() const;  // a snapshot
   std::string backend_name() const { return backend_name_; }
   // Why this Window's backend cannot compute its pack's expert passes in `a`; "" when it can
-  // (Backend::arithmetic_unsupported, asked once at construction).
+  // (Backend::unsupported, asked once at construction).
   const std::string& arithmetic_unsupported(Arithmetic a) const {
     return arithmetic_why_[std::size_t(a)];
   }

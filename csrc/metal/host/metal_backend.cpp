@@ -77,6 +77,16 @@ class MetalBackend final : public Backend {
 
   std::string name() const override { return "metal"; }
 
+  std::optional<std::string> unsupported(const Capability& c) const override {
+    if (c.moce != MoceMode::Off)
+      return "the Metal backend does not implement cache-aware routing (moce); use the cpu "
+             "backend for it";
+    if (c.arithmetic != Arithmetic::Float32)
+      return "the Metal backend computes in float32 only (MLX's arithmetic is the cpu "
+             "backend's)";
+    return std::nullopt;
+  }
+
  private:
   void open(const MetalBackendOptions& options) {
     Pool pool;
