@@ -16,6 +16,7 @@
 
 #include "common/errors.h"
 #include "residency/expert_stream.h"
+#include "residency/stream_testing.h"
 #include "kernel_bench.h"
 #include "raw_read_bench.h"
 #include "backends.h"
@@ -301,13 +302,13 @@ PYBIND11_MODULE(_core, m) {
            },
            py::arg("layer"), py::arg("chosen"))
       .def("release_limbo", [](Stream& self) { return self.get().release_limbo(); })
-      .def("victim", [](Stream& self, bool spec) { return self.get().victim(spec); },
+      .def("victim", [](Stream& self, bool spec) { return StreamTesting::victim(self.get(), spec); },
            py::arg("speculative") = false)
-      .def("evict_one", [](Stream& self) { return self.get().evict_one(); })
+      .def("evict_one", [](Stream& self) { return StreamTesting::evict_one(self.get()); })
       .def("pending_jobs",
            [](Stream& self) {
              py::list out;
-             for (const JobInfo& j : self.get().pending_jobs())
+             for (const JobInfo& j : StreamTesting::pending_jobs(self.get()))
                out.append(py::make_tuple(j.slot, j.key, j.part, int(j.cls)));
              return out;
            })
@@ -315,7 +316,7 @@ PYBIND11_MODULE(_core, m) {
            [](Stream& self, std::size_t i) {
              auto& s = self.get();
              py::gil_scoped_release nogil;
-             return s.run_job(i);
+             return StreamTesting::run_job(s, i);
            })
       .def("inject_fault",
            [](Stream& self, std::uint32_t key, int part, int kind, int err, int count,
@@ -337,11 +338,11 @@ PYBIND11_MODULE(_core, m) {
              f.err = err;
              f.delay_ms = delay_ms;
              f.remaining = count;
-             s.faults().add(key, part, f);
+             StreamTesting::faults(s).add(key, part, f);
            },
            py::kw_only(), py::arg("key"), py::arg("part"), py::arg("kind"), py::arg("err"),
            py::arg("count"), py::arg("delay_ms"))
-      .def("clear_faults", [](Stream& self) { self.get().faults().clear(); })
+      .def("clear_faults", [](Stream& self) { StreamTesting::faults(self.get()).clear(); })
       .def_property_readonly("smap",
                              [](py::object obj) {
                                Stream& self = obj.cast<Stream&>();
@@ -407,7 +408,7 @@ PYBIND11_MODULE(_core, m) {
              }
              return d;
            })
-      .def("check_invariants", [](Stream& self) { return self.get().check_invariants(); });
+      .def("check_invariants", [](Stream& self) { return StreamTesting::check_invariants(self.get()); });
 
   py::class_<Window, WindowHolder>(m, "Window")
       .def(py::init([](Stream& stream, const std::string& backend, bool lookahead,

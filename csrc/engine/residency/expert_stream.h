@@ -13,8 +13,16 @@
 // concurrently is race-free.
 //
 // Invariants I1-I10 of docs/architecture.md: each slot transition asserts the ones it relies on
-// (STRATA_ASSERT, on in debug and sanitizer builds); check_invariants() scans the whole table
+// (STRATA_ASSERT, on in debug and sanitizer builds); the invariant checker scans the whole table
 // for I1 and I3-I7 on demand, and tests/test_stream_state_machine.py calls it after every step.
+//
+// Tests reach the hooks that are no part of the product (manual IO, fault injection, the
+// invariant checker, forced eviction) through StreamTesting (residency/stream_testing.h) only.
+//
+// The implementation is one file per concept: expert_stream.cpp (construction, close, views),
+// stream_clients.cpp, slot_transitions.cpp, stream_eviction.cpp, stream_requests.cpp (with the
+// one bounded wait), stream_handshake.cpp, stream_io.cpp, stream_disposal.cpp and
+// stream_invariants.cpp.
 #pragma once
 
 #include <atomic>
@@ -29,9 +37,9 @@
 #include <thread>
 #include <vector>
 
+#include "common/errors.h"
 #include "residency/arena.h"
 #include "residency/eviction_policy.h"
-#include "residency/fault_injection.h"
 #include "residency/io_queue.h"
 #include "residency/lru_list.h"
 #include "residency/protection_set.h"
@@ -44,7 +52,7 @@ namespace strata {
 
 struct StreamOptions {
   std::uint64_t arena_bytes = 1ull << 30;
-  std::uint32_t io_threads = 4;  // 0 = manual IO: tests run each part read with run_job()
+  std::uint32_t io_threads = 4;  // 0 = manual IO: tests run each part read (StreamTesting)
   std::uint64_t part_bytes = 1ull << 20;
   bool direct_io = true;
   bool verify_reads = true;  // CRC32C of every record read (skipped with simulate_io)
@@ -108,17 +116,17 @@ struct SlotInfo {
   std::uint64_t last_use;
 };
 
-struct JobInfo {
-  std::uint32_t slot, key, part;
-  ReadClass cls;
-};
-
 // Called (without mu_) while a wait blocks; returns normally or throws to abort the wait.
 using InterruptCheck = std::function<void()>;
 
-// Error codes kept in a failed slot besides errno values.
+// Why a failed slot failed (Slot::err), where it is not an errno (> 0): a read that came back
+// short (kShortRead), or a record that failed its CRC32C (kChecksumMismatch).
 constexpr int kShortRead = -1;
 constexpr int kChecksumMismatch = -2;
+
+class FaultInjector;        // residency/fault_injection.h: tests' failing reads
+struct StreamTesting;       // residency/stream_testing.h: the testing seam
+struct JobInfo;
 
 class ExpertStream {
  public:
@@ -249,13 +257,6 @@ class ExpertStream {
   // Parks this layer's speculative slots whose expert is not in `chosen` in limbo (I7).
   std::uint32_t retire_unused_pre(std::uint32_t layer, const std::int32_t* chosen, std::size_t n);
   std::uint32_t release_limbo();  // recycles limbo slots whose reads finished
-  std::int32_t victim(bool speculative = false) const;  // the slot eviction would pick, or -1
-  std::int32_t evict_one();                              // evicts victim(), returns it or -1
-
-  // ---- manual IO (io_threads == 0) ------------------------------------------------------
-  std::vector<JobInfo> pending_jobs() const;
-  bool run_job(std::size_t index);  // runs the index-th pending part read, in priority order
-  FaultInjector& faults() { return faults_; }
 
   // ---- views ----------------------------------------------------------------------------
   const std::uint32_t* smap() const { return smap_.get(); }
@@ -267,10 +268,17 @@ class ExpertStream {
   std::int32_t where(std::int64_t layer, std::int64_t expert) const;
   std::vector<SlotInfo> slots() const;
   const StreamStats& stats() const { return stats_; }
-  // Debug: verifies I1, I3-I7 over the whole table; returns "" or the first violation.
-  std::string check_invariants() const;
 
  private:
+  friend struct StreamTesting;
+  // ---- testing hooks, reached through StreamTesting only ------------------------------------
+  std::int32_t victim(bool speculative = false) const;  // the slot eviction would pick, or -1
+  std::int32_t evict_one();                              // evicts victim(), returns it or -1
+  std::vector<JobInfo> pending_jobs() const;             // manual IO: the queue, in order
+  bool run_job(std::size_t index);  // runs the index-th pending part read, in priority order
+  // Verifies I1, I3-I7 over the whole table; returns "" or the first violation.
+  std::string check_invariants() const;
+
   using Lock = std::unique_lock<std::mutex>;
 
   struct IoWaker {  // wakes the IO threads once mu_ is released, on every exit path
@@ -306,9 +314,11 @@ class ExpertStream {
     std::uint64_t bytes_read;  // stats_.bytes_read then
   };
   ReadProgress read_progress() const;
-  // Blocks (mu_ released) up to 50 ms for a part to finish; false once io_timeout_s has passed
-  // with no read progress.
-  bool await_part(Lock& lk, ReadProgress& p);
+  // One step of that wait, the only one: blocks (mu_ released) up to 50 ms for a part to
+  // finish; throws timed_out() once io_timeout_s has passed with no read progress; polls
+  // `interrupt` with mu_ released (it may throw); throws Closed when the stream closed meanwhile.
+  void bounded_wait_step(Lock& lk, ReadProgress& p, const InterruptCheck& interrupt,
+                         const std::function<EngineError()>& timed_out);
   void io_loop();
   // Runs one part read: bookkeeping under mu_, the pread (and, for a record's last part, the
   // checksum) with mu_ released. Entered and left with `lk` held. `wake_another`: work remains
@@ -383,7 +393,8 @@ class ExpertStream {
   // mu_: the IO threads; close() moves them out under mu_ and joins them once they returned, so
   // two closers never join one thread twice. Empty for manual IO (while open).
   std::vector<std::thread> threads_;
-  FaultInjector faults_;
+  // Consulted by every part read (one relaxed load while no fault was ever added); its own lock.
+  std::unique_ptr<FaultInjector> faults_;
   StreamStats stats_;
 };
 
