@@ -20,12 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
-
 import time
+from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
+
 from common import ensure_pack
 from strata_stream import ExpertPack, ExpertStream, StreamConfig, Window
 from strata_stream.synthetic import SyntheticDriver, route_ids

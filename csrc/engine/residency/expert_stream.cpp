@@ -35,7 +35,8 @@ void ExpertStream::SmapFree::operator()(std::uint32_t* p) const { std::free(p); 
 ExpertStream::ExpertStream(const std::string& pack_path, const StreamOptions& options)
     : opt_(options), faults_(std::make_unique<FaultInjector>()) {
   if (opt_.part_bytes == 0 || opt_.part_bytes % kPage)
-    throw EngineError(ErrorKind::Config, "part_bytes must be a positive multiple of 16384, got " +
+    throw EngineError(ErrorKind::Config, "part_bytes must be a positive multiple of " +
+                                             std::to_string(kPage) + ", got " +
                                              std::to_string(opt_.part_bytes));
   if (!(opt_.io_timeout_s > 0))
     throw EngineError(ErrorKind::Config, "io_timeout_s must be positive");

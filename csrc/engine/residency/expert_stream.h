@@ -71,9 +71,6 @@ struct RequestResult {
   std::uint32_t dropped = 0;  // speculative requests that found no space
 };
 
-// New reads without a cap (request's max_new, a handshake's speculation budget).
-constexpr std::uint32_t kUnlimitedReads = 0xFFFFFFFFu;
-
 // One host point of the handshake (docs/architecture.md section 2): a decode chunk's at_layer,
 // or one wave of a prompt chunk. The lists are expert ids; each speculative list is ordered
 // most wanted first and queued behind everything before it.

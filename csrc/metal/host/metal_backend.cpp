@@ -32,7 +32,9 @@ namespace {
 using metal::Dispatch;
 using metal::DispatchPlanner;
 
-constexpr std::uint64_t kHostPage = 16384;  // Apple silicon VM page: no-copy buffers need it
+// Apple silicon's VM page, which no-copy buffers need: the pack's record alignment (kPage), to
+// which the arena and the smap are aligned.
+constexpr std::uint64_t kHostPage = kPage;
 
 [[noreturn]] void fail(const std::string& what) {
   throw EngineError(ErrorKind::Config, "Metal backend: " + what);

@@ -20,7 +20,7 @@ from strata_stream.errors import ConfigError
 from strata_stream.mlx_lm.families import Family
 from strata_stream.pack.header import TensorEntry
 from strata_stream.pack.reader import ExpertPack
-from strata_stream.stream import ExpertStream
+from strata_stream.stream import ABSENT, ExpertStream
 from strata_stream.window import Window
 
 # "cpu": the Window's CPU backend computes the experts; "metal": the same routed calls on a
@@ -243,7 +243,7 @@ class MoeEngine:
         def wave(row0: int, n: int, slots: npt.NDArray[np.uint32]) -> None:
             full = np.zeros((rows, k), np.uint32)
             mask = np.zeros((rows, k), bool)
-            valid = slots != np.uint32(0xFFFFFFFF)
+            valid = slots != np.uint32(ABSENT)
             full[row0 : row0 + n][valid] = slots[valid]
             mask[row0 : row0 + n] = valid
             assert self.arena is not None
