@@ -321,3 +321,32 @@ def test_each_two_layer_flag_alone_predicts_and_reads_on_both_expert_paths(
     assert queued(1, ReadClass.PRED1) == want1
     assert queued(2, ReadClass.PRED2) == want2
     assert spec == len(want1) + len(want2)  # read: exactly what was predicted, nothing else
+
+
+def test_prediction_precision_is_counted_per_chunk_of_a_long_call(tmp_path: Path) -> None:
+    """A call of several chunks notes each chunk's router l+1 picks and compares them with that
+    chunk's own choice at layer l+1: the sums Window.stats() reports, from the routing alone."""
+    pack_path = _pack(tmp_path, "p")
+    rng = np.random.default_rng(3)
+    rows, max_rows = 12, 5
+    routes = [_routing(rng, rows) for _ in range(2)]
+    predicted, actual = _routing(rng, rows)[0], routes[1][0]  # a guess that is partly right
+    x = rng.standard_normal((rows, H)).astype(np.float32)
+    with ExpertPack.open(pack_path) as pack:
+        cfg = StreamConfig(
+            arena_bytes=L * E * pack.record_stride, io_threads=2, direct_io=False,
+            max_rows=max_rows, persist_profile=False,
+        )  # fmt: skip
+    with ExpertStream(pack_path, cfg) as stream, Window(stream) as window, window.turn():
+        window.moe_routed(0, x, *routes[0], pred1=predicted)
+        window.moe_routed(1, x, *routes[1])
+        got = window.stats()["layers"][1]
+    want = {"pred_correct": 0, "pred_predicted": 0, "pred_actual": 0}
+    for r0 in range(0, rows, max_rows):
+        p = set(predicted[r0 : r0 + max_rows].ravel().tolist())
+        a = set(actual[r0 : r0 + max_rows].ravel().tolist())
+        want["pred_correct"] += len(p & a)
+        want["pred_predicted"] += len(p)
+        want["pred_actual"] += len(a)
+    assert 0 < want["pred_correct"] < want["pred_predicted"]  # the check can tell them apart
+    assert {k: got[k] for k in want} == want

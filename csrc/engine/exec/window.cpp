@@ -124,6 +124,7 @@ Window::Window(ExpertStream& stream, std::unique_ptr<Backend> backend,
   predicted_.assign(L_.n_layers, {});
   buf_.votes.assign(L_.n_experts, 0);
   buf_.seen.assign(L_.n_experts, 0);
+  buf_.actual.assign(L_.n_experts, 0);
   buf_.slot_of.assign(L_.n_experts, kAbsent);
   profile_.assign(std::size_t(L_.n_layers) * L_.n_experts, 0);
   const auto snap = stream_.stats().snapshot();
@@ -678,7 +679,7 @@ void Window::record_actual(std::uint32_t layer, std::uint32_t chunk,
                            const std::vector<std::int32_t>& chosen) {
   auto& noted = predicted_[layer];
   if (chunk >= noted.size() || noted[chunk].empty()) return;
-  std::vector<char>& actual = buf_.seen;  // all zero between uses
+  std::vector<char>& actual = buf_.actual;  // all zero between uses
   for (std::int32_t e : chosen) actual[std::uint32_t(e)] = 1;
   std::uint64_t correct = 0;
   for (std::int32_t e : noted[chunk]) correct += actual[std::uint32_t(e)];

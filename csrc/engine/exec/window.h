@@ -288,7 +288,8 @@ class Window {
     std::vector<std::uint32_t> votes;       // [n_experts] by_popularity's counts, kept zero
     std::vector<std::int32_t> chosen;       // this chunk's distinct experts, most popular first
     std::vector<std::int32_t> call_chosen;  // the call's distinct experts, in chunk order
-    std::vector<char> seen;                 // [n_experts] marks, kept zero between uses
+    std::vector<char> seen;                 // [n_experts] run_call's marks, zero between calls
+    std::vector<char> actual;               // [n_experts] record_actual's marks, kept zero
     std::vector<std::int32_t> pred1, pred2, profile;  // the chunk's speculative lists
     std::vector<std::uint32_t> wave_slots;  // the wave's experts' slots (plan_slots)
     std::vector<std::uint32_t> slot_of;     // [n_experts] expert -> slot this wave, else kAbsent
