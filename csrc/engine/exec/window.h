@@ -1,10 +1,13 @@
 // Window: one MoE layer call = route -> handshake -> expert passes (docs/architecture.md section 2).
 //
 // The host side of the per-layer CPU/GPU handshake. Owns the backend, the routers and the
-// scratch; drives ExpertStream at the two host points of every layer:
-//   at_layer(l):    read the routed ids, request missing experts urgently, publish completed
-//                   prefetches of l+1..l+2, queue predictions behind urgent work, release device;
-//   after_layer(l): protect l+1, retire unchosen predictions of l to limbo, release limbo.
+// scratch. Every chunk of a call is planned once (plan_chunk, exec/chunk_plan.h), encoded into
+// backend commands and run by one of two executors (decode, waves), which drive ExpertStream at
+// the host points of every layer:
+//   at_layer(l):     one call per host point (decode, or each wave): protect and request the
+//                    routed experts urgently, publish completed prefetches of l+1..l+2, queue
+//                    the predictions behind them within one budget; then the device is released;
+//   finish_layer(l): protect l+1, retire unchosen predictions of l to limbo, release limbo.
 //
 // Threads. Every method may be called from any thread at any time. A turn belongs to the thread
 // that opened it: moe(), begin_turn() and end_turn() from another thread while it is open raise
@@ -206,6 +209,7 @@ class Window {
   void check_routed(const Routed& routed, std::uint32_t rows, bool need_weights) const;
   // Copies rows [r0, r0 + n) of the routing into the scratch (ids, weights, predictions).
   void stage_routed(const Routed& routed, std::uint32_t r0, std::uint32_t n);
+  // plan_chunk with this Window's rules, its wave capacity now and the governor's cap now.
   ChunkPlan plan(CallKind kind, std::uint32_t layer, std::uint32_t r0, std::uint32_t rows,
                  const Routed* routed) const;
   // Runs one planned chunk: the first submission, the host point's bookkeeping, then the
