@@ -134,9 +134,11 @@ def test_routed_ids_are_checked_by_the_engine_and_never_wrap(stream: ExpertStrea
             with pytest.raises(IndexError, match=rf"expert id {E} at entry 3 out of range"):
                 window.moe_routed(0, x, args["ids"], w, args["pred1"], args["pred2"])
         with pytest.raises(ValueError, match=rf"ids must have shape \[T, {K}\]"):
-            window.moe_routed_host(0, np.array([0, 1]), lambda *a: None)
+            window.moe_routed_external(0, np.array([0, 1]), lambda *a: None)
         with pytest.raises(TypeError, match="pred2 must be integer expert ids"):
-            window.moe_routed_host(0, np.array([[0, 1]]), lambda *a: None, None, np.ones((1, K)))
+            window.moe_routed_external(
+                0, np.array([[0, 1]]), lambda *a: None, None, np.ones((1, K))
+            )
 
 
 # ---- the test hooks are off the product classes -----------------------------------------------

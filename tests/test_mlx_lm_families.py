@@ -512,3 +512,46 @@ def test_the_first_load_of_a_new_pack_lacks_only_the_profile_head_start(tmp_path
     assert later[0]["bytes_read"] < first[0]["bytes_read"]  # the Window counts misses only
     for run_ in (no_head_start, again_first):
         assert (run_[0]["hits"], run_[0]["misses"]) == (first[0]["hits"], first[0]["misses"])
+
+
+@pytest.mark.parametrize("flag", ["decode_prefetch2", "prompt_pred2"])
+@pytest.mark.parametrize("experts", ["cpu", "mlx"])
+@pytest.mark.parametrize("fam", ["qwen3_moe"], indirect=True)
+def test_each_two_layer_flag_alone_runs_only_the_gates_the_engine_uses(
+    fam: Family, experts: str, flag: str, closing: list[Any]
+) -> None:
+    """The engine decides which next-layer gates run (Window.wants_predictions); the loader
+    runs exactly those and the Window reads what they predict: decode_prefetch2 alone gives a
+    decode token router l+2 and a prompt none, prompt_pred2 alone the other way round, on the
+    CPU-backend path and on the MLX-kernel path alike. Output stays bitwise the same."""
+    base = fam.load(experts)
+    closing.append(base)
+    want_logits, want_greedy = logits(base), greedy(base)
+    model = fam.load(experts, **{flag: True})
+    closing.append(model)
+    engine = model.strata_engine
+    window = engine.window
+    n_layers = window.n_layers
+    calls: list[tuple[int, int, bool, bool]] = []
+    name = "moe_routed" if experts == "cpu" else "moe_routed_external"
+    inner = getattr(window, name)
+
+    def spy(layer: int, *args: Any, pred1: Any = None, pred2: Any = None, **kw: Any) -> Any:
+        rows = int(np.asarray(args[1] if experts == "cpu" else args[0]).shape[0])
+        calls.append((layer, rows, pred1 is not None, pred2 is not None))
+        return inner(layer, *args, pred1=pred1, pred2=pred2, **kw)
+
+    setattr(window, name, spy)
+    before = engine.stream.stats()["spec_requests"]
+    assert np.array_equal(logits(model), want_logits)
+    prompt_reads = engine.stream.stats()["spec_requests"] - before
+    assert greedy(model) == want_greedy
+    decode_rows = engine.config.decode_rows
+    for layer, rows, has1, has2 in calls:
+        decode = rows <= decode_rows
+        on = flag == ("decode_prefetch2" if decode else "prompt_pred2")
+        assert has1 == (layer + 1 < n_layers), (layer, rows)
+        assert has2 == (on and layer + 2 < n_layers), (layer, rows, flag)
+    assert {rows <= decode_rows for _, rows, _, _ in calls} == {True, False}  # both sizes ran
+    assert prompt_reads > 0  # the predictions were read (a fresh arena holds nothing)
+    assert window.stats()["total"]["pred_predicted"] > 0

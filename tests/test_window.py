@@ -215,9 +215,7 @@ def test_backend_selection(pack: Path) -> None:
         if sys.platform != "darwin":
             with pytest.raises(ConfigError, match="built on macOS only"):
                 Window(stream, backend="metal")
-        with pytest.raises(
-            ConfigError, match="backend must be cpu, cuda, metal or auto, got 'gpu'"
-        ):
+        with pytest.raises(ConfigError, match=r"backend must be auto or one of .*got 'gpu'"):
             Window(stream, backend="gpu")
         with Window(stream, backend="cpu") as w:  # the stream is still usable
             assert w.stats()["backend"] == "cpu"

@@ -1,4 +1,4 @@
-"""Window.moe_routed / moe_routed_host: the model routes, the engine streams and computes.
+"""Window.moe_routed / moe_routed_external: the model routes, the engine streams and computes.
 
 Checked against a numpy oracle of the block equations (biases and gpt-oss's clamped SwiGLU
 included), bitwise across arena sizes, lookahead, split turns and decode/prompt paths (I11), and
@@ -182,7 +182,7 @@ def test_host_path_offers_every_entry_once_with_its_experts_slot(tmp_path: Path)
                 for layer, (ids, _) in enumerate(routes):
                     check = _Checker(pack, stream.arena_view(), layer, ids)
                     nxt = routes[layer + 1][0] if layer + 1 < L else None
-                    window.moe_routed_host(layer, ids, check, pred1=nxt)
+                    window.moe_routed_external(layer, ids, check, pred1=nxt)
                     assert (check.seen == 1).all()
                     if n_slots == 2 * K:
                         assert check.calls > 1  # the minimum arena takes several waves
@@ -218,7 +218,7 @@ def test_routed_arguments_are_validated(tmp_path: Path) -> None:
             raise RuntimeError("compute failed")
 
         with pytest.raises(RuntimeError, match="compute failed"):
-            window.moe_routed_host(0, ids, boom)
+            window.moe_routed_external(0, ids, boom)
         # The failed call ended the turn; the stream stays usable.
         with window.turn():
             for layer in range(L):
@@ -265,3 +265,88 @@ def test_the_window_says_which_mlx_arithmetic_it_can_run(
             assert (why == "") if not want else (want in why), (x_dtype, why)
         with pytest.raises(ConfigError, match="x_dtype"):
             window.arithmetic_unsupported("float16")
+
+
+_FLAGS = {"prefetch2": "decode_prefetch2", "prompt_pred2": "prompt_pred2"}
+
+
+@pytest.mark.parametrize("flag", list(_FLAGS))
+@pytest.mark.parametrize("path", ["moe_routed", "moe_routed_external"])
+@pytest.mark.parametrize("rows", [1, 12])
+def test_each_two_layer_flag_alone_predicts_and_reads_on_both_expert_paths(
+    tmp_path: Path, flag: str, path: str, rows: int
+) -> None:
+    """STRATA_METAL_PREFETCH2 alone: two-layer lookahead for decode-sized calls only;
+    STRATA_METAL_PROMPT_PRED2 alone: for larger calls only; the same on the CPU-backend path and
+    on the caller-computes path. The caller brings every prediction, the engine says which it
+    uses (wants_predictions), and exactly those are read: manual IO keeps every speculative read
+    queued where the slot table shows its class."""
+    from strata_stream import ReadClass
+
+    pack_path = _pack(tmp_path, "p")
+    rng = np.random.default_rng(9)
+    routes = [_routing(rng, rows) for _ in range(3)]
+    x = rng.standard_normal((rows, H)).astype(np.float32)
+    with ExpertPack.open(pack_path) as pack:
+        cfg = StreamConfig(
+            arena_bytes=L * E * pack.record_stride, io_threads=0, direct_io=False,
+            prompt_start_layers=0, prefetch_backoff=False, persist_profile=False,
+            **{_FLAGS[flag]: True},
+        )  # fmt: skip
+    decode_sized = rows <= cfg.decode_rows
+    two_layer = decode_sized if flag == "prefetch2" else not decode_sized
+    with ExpertStream(pack_path, cfg) as stream, Window(stream) as window, window.turn():
+        assert window.wants_predictions(0, rows) == (True, two_layer)
+        # I10: layer L-2 has no layer beyond the next, L-1 none at all, whatever the flags.
+        assert window.wants_predictions(L - 2, rows) == (True, False)
+        assert window.wants_predictions(L - 1, rows) == (False, False)
+        ids, w = routes[0]
+        pred1, pred2 = routes[1][0], routes[2][0]
+        if path == "moe_routed":
+            window.moe_routed(0, x, ids, w, pred1=pred1, pred2=pred2)
+        else:
+            window.moe_routed_external(0, ids, lambda *_: None, pred1=pred1, pred2=pred2)
+        table = stream.slot_table()
+        spec = stream.stats()["spec_requests"]
+
+    def queued(layer: int, cls: Any) -> set[int]:
+        return {
+            int(k) % E
+            for k, c, st in zip(table["key"], table["cls"], table["state"], strict=True)
+            if st != 0 and int(k) // E == layer and c == cls
+        }
+
+    want1 = set(pred1.ravel().tolist())
+    want2 = set(pred2.ravel().tolist()) if two_layer else set()
+    assert queued(1, ReadClass.PRED1) == want1
+    assert queued(2, ReadClass.PRED2) == want2
+    assert spec == len(want1) + len(want2)  # read: exactly what was predicted, nothing else
+
+
+def test_prediction_precision_is_counted_per_chunk_of_a_long_call(tmp_path: Path) -> None:
+    """A call of several chunks notes each chunk's router l+1 picks and compares them with that
+    chunk's own choice at layer l+1: the sums Window.stats() reports, from the routing alone."""
+    pack_path = _pack(tmp_path, "p")
+    rng = np.random.default_rng(3)
+    rows, max_rows = 12, 5
+    routes = [_routing(rng, rows) for _ in range(2)]
+    predicted, actual = _routing(rng, rows)[0], routes[1][0]  # a guess that is partly right
+    x = rng.standard_normal((rows, H)).astype(np.float32)
+    with ExpertPack.open(pack_path) as pack:
+        cfg = StreamConfig(
+            arena_bytes=L * E * pack.record_stride, io_threads=2, direct_io=False,
+            max_rows=max_rows, persist_profile=False,
+        )  # fmt: skip
+    with ExpertStream(pack_path, cfg) as stream, Window(stream) as window, window.turn():
+        window.moe_routed(0, x, *routes[0], pred1=predicted)
+        window.moe_routed(1, x, *routes[1])
+        got = window.stats()["layers"][1]
+    want = {"pred_correct": 0, "pred_predicted": 0, "pred_actual": 0}
+    for r0 in range(0, rows, max_rows):
+        p = set(predicted[r0 : r0 + max_rows].ravel().tolist())
+        a = set(actual[r0 : r0 + max_rows].ravel().tolist())
+        want["pred_correct"] += len(p & a)
+        want["pred_predicted"] += len(p)
+        want["pred_actual"] += len(a)
+    assert 0 < want["pred_correct"] < want["pred_predicted"]  # the check can tell them apart
+    assert {k: got[k] for k in want} == want

@@ -14,6 +14,7 @@ namespace py = pybind11;
 void init_errors(py::module_& m);   // errors.cpp: engine exceptions -> strata_stream.errors
 void init_pack(py::module_& m);     // pack.cpp: pack layout, CRC32C
 void init_stream(py::module_& m);   // stream.cpp: ExpertStream, ReadClass, SlotState, ABSENT
+void init_backends(py::module_& m);  // backends.cpp: the backend registry (register_backend)
 void init_window(py::module_& m);   // window.cpp: WindowOptions, Window (the layer calls)
 void init_testing(py::module_& m);  // testing.cpp: the `testing` submodule (test hooks)
 

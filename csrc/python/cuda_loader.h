@@ -5,11 +5,13 @@
 
 #include <pybind11/pybind11.h>
 
+#include <atomic>
 #include <memory>
 #include <string>
 
 #include "../cuda/host/factory.h"
 #include "common/errors.h"
+#include "exec/backend_registry.h"
 
 namespace strata::python {
 
@@ -41,30 +43,35 @@ inline const cuda::BackendFactory* load_cuda_factory(std::string* why) {
 
 namespace strata::python {
 
-// The factory lookup's outcome, taken with the GIL before a Window is built without it.
-struct CudaFactory {
-  const cuda::BackendFactory* factory = nullptr;
-  std::string why;  // why there is none
-  static CudaFactory load() {
-    CudaFactory c;
-    c.factory = load_cuda_factory(&c.why);
-    return c;
+// The CUDA backend in the registry (exec/backend_registry.h): strata_stream._cuda is imported
+// once, on the first Window that may want it (with the GIL), and its factory registered as
+// "cuda". Where it is missing or no GPU can run it, "cuda" stays unregistered ("auto" then
+// takes another backend) and `required` (backend="cuda") raises ConfigError naming why.
+inline std::atomic<const cuda::BackendFactory*>& cuda_factory_slot() {
+  static std::atomic<const cuda::BackendFactory*> f{nullptr};
+  return f;
+}
+
+inline std::unique_ptr<Backend> make_cuda_backend(const BackendOptions&) {
+  const cuda::BackendFactory* f = cuda_factory_slot().load(std::memory_order_acquire);
+  std::string err;
+  Backend* b = f ? f->make(&err) : nullptr;
+  if (!b) throw EngineError(ErrorKind::Config, "backend 'cuda' could not start: " + err);
+  return std::unique_ptr<Backend>(b);
+}
+
+inline void register_cuda_backend(bool required) {
+  if (!cuda_factory_slot().load(std::memory_order_acquire)) {
+    std::string why;
+    const cuda::BackendFactory* f = load_cuda_factory(&why);
+    if (f) why = f->unavailable();
+    if (!f || !why.empty()) {
+      if (required) throw EngineError(ErrorKind::Config, "backend 'cuda' is unavailable: " + why);
+      return;
+    }
+    cuda_factory_slot().store(f, std::memory_order_release);
   }
-  // "" when a GPU can run the backend here, else why not.
-  std::string unavailable() const { return factory ? factory->unavailable() : why; }
-  // A CUDA backend, or EngineError(Config) naming why there is none.
-  std::unique_ptr<Backend> make(bool moce_on) const {
-    if (moce_on)
-      throw EngineError(ErrorKind::Config,
-                        "backend 'cuda' does not implement cache-aware routing (moce); use "
-                        "backend 'cpu' or moce 'off'");
-    std::string no = unavailable();
-    if (!no.empty()) throw EngineError(ErrorKind::Config, "backend 'cuda' is unavailable: " + no);
-    std::string err;
-    Backend* b = factory->make(&err);
-    if (!b) throw EngineError(ErrorKind::Config, "backend 'cuda' could not start: " + err);
-    return std::unique_ptr<Backend>(b);
-  }
-};
+  register_backend("cuda", &make_cuda_backend);  // the same factory again is a no-op
+}
 
 }  // namespace strata::python

@@ -9,6 +9,7 @@ PYBIND11_MODULE(_core, m) {
   init_errors(m);
   init_pack(m);
   init_stream(m);
+  init_backends(m);
   init_window(m);
   init_testing(m);
 }

@@ -11,6 +11,7 @@
 
 #include "arguments.h"
 #include "pack.h"
+#include "residency/stream_testing.h"
 
 namespace strata::python {
 
@@ -235,7 +236,7 @@ void init_stream(py::module_& m) {
           },
           py::arg("layer"), py::arg("chosen"))
       .def("release_limbo", [](Stream& self) { return self.get().release_limbo(); })
-      .def("victim", [](Stream& self, bool spec) { return self.get().victim(spec); },
+      .def("victim", [](Stream& self, bool spec) { return StreamTesting::victim(self.get(), spec); },
            py::arg("speculative") = false)
       // ---- views ----
       .def_property_readonly("smap",

@@ -9,6 +9,7 @@
 
 #include "arguments.h"
 #include "residency/fault_injection.h"
+#include "residency/stream_testing.h"
 #include "stream.h"
 
 namespace strata::python {
@@ -39,7 +40,7 @@ void inject_fault(Stream& stream, const py::object& layer, const py::object& exp
   f.err = errno_value;
   f.delay_ms = int(delay_s * 1000);
   f.remaining = count;
-  s.faults().add(s.key(l, e), part, f);
+  StreamTesting::faults(s).add(s.key(l, e), part, f);
 }
 
 }  // namespace
@@ -51,7 +52,7 @@ void init_testing(py::module_& parent) {
       "pending_jobs",
       [](Stream& self) {
         py::list out;
-        for (const JobInfo& j : self.get().pending_jobs())
+        for (const JobInfo& j : StreamTesting::pending_jobs(self.get()))
           out.append(py::make_tuple(j.slot, j.key, j.part, j.cls));
         return out;
       },
@@ -64,7 +65,7 @@ void init_testing(py::module_& parent) {
         const std::int64_t i = int_arg(index, "index");
         if (i < 0) throw py::index_error("run_job: index " + std::to_string(i) + " is negative");
         py::gil_scoped_release nogil;
-        return s.run_job(std::size_t(i));
+        return StreamTesting::run_job(s, std::size_t(i));
       },
       py::arg("stream"), py::arg("index") = 0,
       "Manual IO (io_threads=0): performs the index-th pending part read now; False when there "
@@ -76,12 +77,12 @@ void init_testing(py::module_& parent) {
         "misbehave: 'eio' fails with errno_value, 'short' returns short, 'delay' stalls delay_s "
         "and then reads.");
   m.def(
-      "clear_faults", [](Stream& self) { self.get().faults().clear(); }, py::arg("stream"));
+      "clear_faults", [](Stream& self) { StreamTesting::faults(self.get()).clear(); }, py::arg("stream"));
   m.def(
-      "evict_one", [](Stream& self) { return self.get().evict_one(); }, py::arg("stream"),
+      "evict_one", [](Stream& self) { return StreamTesting::evict_one(self.get()); }, py::arg("stream"),
       "Evicts the slot victim() picks; returns it, or -1 when none may go.");
   m.def(
-      "check_invariants", [](Stream& self) { return self.get().check_invariants(); },
+      "check_invariants", [](Stream& self) { return StreamTesting::check_invariants(self.get()); },
       py::arg("stream"), "'' when the engine's invariant scan (I1, I3-I7) passes, else the violation.");
 }
 

@@ -14,9 +14,7 @@
 #include "cuda_loader.h"
 #include "exec/window.h"
 #include "stream.h"
-#ifdef STRATA_HAVE_METAL
-#include "metal_backend.h"
-#endif
+#include "exec/backend_registry.h"
 
 namespace strata::python {
 
@@ -35,42 +33,6 @@ struct WindowDeleter {
   }
 };
 using WindowHolder = std::unique_ptr<Window, WindowDeleter>;
-
-// "cpu"; "metal" where this extension was built with the Metal backend (macOS), a clear error
-// elsewhere; "auto": Metal where it exists and takes this pack and configuration, else the CPU.
-// moce is CPU-only: the Metal route kernel does not implement it.
-// "cuda": strata_stream._cuda's backend where a GPU exists, else a ConfigError naming why;
-// "auto" takes it where it runs (and moce is off) on a build without Metal.
-std::unique_ptr<Backend> make_backend(const std::string& name, unsigned threads, bool moce_on,
-                                      const CudaFactory& cuda) {
-  if (name == "cpu") return make_cpu_backend(threads);
-  if (name == "cuda") return cuda.make(moce_on);
-  if (name != "metal" && name != "auto")
-    throw EngineError(ErrorKind::Config,
-                      "backend must be cpu, cuda, metal or auto, got '" + name + "'");
-#ifdef STRATA_HAVE_METAL
-  if (moce_on) {
-    if (name == "auto") return make_cpu_backend(threads);
-    throw EngineError(ErrorKind::Config,
-                      "backend 'metal' does not implement cache-aware routing (moce); use "
-                      "backend 'cpu' or moce 'off'");
-  }
-  if (name == "metal") return make_metal_backend();
-  try {
-    return make_metal_backend();
-  } catch (const EngineError&) {  // no device, or a pack or flag the kernels do not cover
-    return make_cpu_backend(threads);
-  }
-#else
-  if (name == "auto") {
-    if (!moce_on && cuda.unavailable().empty()) return cuda.make(moce_on);
-    return make_cpu_backend(threads);
-  }
-  throw EngineError(ErrorKind::Config,
-                    "backend 'metal' is not built into this extension: the Metal backend is "
-                    "built on macOS only (this build has: cpu)");
-#endif
-}
 
 // ---- WindowOptions ----------------------------------------------------------------------------
 
@@ -102,15 +64,15 @@ void bind_options(py::module_& m) {
       .def_readwrite("lookahead", &WindowOptions::lookahead)
       .def_readwrite("split_turn", &WindowOptions::split_turn)
       .def_readwrite("device_timeout_s", &WindowOptions::device_timeout_s)
-      .def_readwrite("prompt_pred2", &WindowOptions::prompt_pred2)
-      .def_readwrite("decode_prefetch2", &WindowOptions::decode_prefetch2)
+      .def_readwrite("two_layer_prompt", &WindowOptions::two_layer_prompt)
+      .def_readwrite("two_layer_decode", &WindowOptions::two_layer_decode)
       .def_readwrite("prompt_buf_reuse", &WindowOptions::prompt_buf_reuse)
       .def_readwrite("record_routes", &WindowOptions::record_routes)
       .def_readwrite("profile_prefetch", &WindowOptions::profile_prefetch)
       .def_readwrite("prefetch_backoff", &WindowOptions::prefetch_backoff);
   uint32_field<&WindowOptions::max_rows>(c, "max_rows");
   uint32_field<&WindowOptions::decode_rows>(c, "decode_rows");
-  uint32_field<&WindowOptions::pred2_max>(c, "pred2_max");
+  uint32_field<&WindowOptions::two_layer_max>(c, "two_layer_max");
   uint32_field<&WindowOptions::start_layers>(c, "start_layers");
   c.def_property(
       "moce", [](const WindowOptions& o) { return std::string(moce_name(o.moce.mode)); },
@@ -141,12 +103,14 @@ WindowHolder make_window(Stream& stream, const WindowOptions& options, const std
                          const py::object& threads) {
   const unsigned n_threads = count_arg(threads, 1024, "threads", " (0 = one per core)");
   ExpertStream& es = stream.get();
-  const CudaFactory cuda = backend == "cuda" || backend == "auto"
-                               ? CudaFactory::load()  // imports _cuda: needs the GIL
-                               : CudaFactory{};
+  // "cuda" and "auto" may need strata_stream._cuda: importing it needs the GIL.
+  if (backend == "cuda" || backend == "auto") register_cuda_backend(backend == "cuda");
   py::gil_scoped_release nogil;
   return WindowHolder(new Window(
-      es, make_backend(backend, n_threads, options.moce.mode != MoceMode::Off, cuda), options));
+      es,
+      make_backend(backend, BackendOptions{n_threads, {}},
+                   {route_capability(es.layout(), options.moce)}),
+      options));
 }
 
 py::array_t<float> moe(Window& w, std::uint32_t layer, const py::array& x) {
@@ -253,7 +217,7 @@ py::array_t<float> moe_routed(Window& w, std::uint32_t layer, const py::buffer& 
   return out;
 }
 
-void moe_routed_host(Window& w, std::uint32_t layer, const py::object& ids,
+void moe_routed_external(Window& w, std::uint32_t layer, const py::object& ids,
                      const py::object& pred1, const py::object& pred2,
                      const py::function& compute) {
   const PackLayout& L = w.layout();
@@ -277,7 +241,7 @@ void moe_routed_host(Window& w, std::uint32_t layer, const py::object& ids,
     compute(row0, n, s);
   };
   py::gil_scoped_release nogil;
-  w.moe_routed_host(layer, rows, r, fn, check_signals);
+  w.moe_routed_external(layer, rows, r, fn, check_signals);
 }
 
 // ---- what a Window learned and measured ---------------------------------------------------
@@ -382,7 +346,7 @@ void init_window(py::module_& m) {
            py::arg("ids"), py::arg("weights"), py::arg("pred1") = py::none(),
            py::arg("pred2") = py::none(), py::kw_only(), py::arg("arithmetic") = "float32",
            py::arg("weights_dtype") = "float32")
-      .def("moe_routed_host", &moe_routed_host, py::arg("layer"), py::arg("ids"),
+      .def("moe_routed_external", &moe_routed_external, py::arg("layer"), py::arg("ids"),
            py::arg("pred1"), py::arg("pred2"), py::arg("compute"))
       .def(
           "arithmetic_unsupported",
@@ -395,6 +359,14 @@ void init_window(py::module_& m) {
                                                                   : Arithmetic::MlxFloat32);
           },
           py::arg("x_dtype"))
+      .def(
+          "wants_predictions",
+          [](const Window& w, std::uint32_t layer, std::uint32_t rows) {
+            // (router l+1, router l+2): which predictions a routed call of `rows` rows uses.
+            const Lookahead l = w.wants_predictions(layer, rows);
+            return py::make_tuple(l.next, l.two_layer);
+          },
+          py::arg("layer"), py::arg("rows"))
       // ---- turns and lifecycle ----
       .def("close",
            [](Window& w) {

@@ -52,6 +52,8 @@ class SlotState(IntEnum):
     FAILED = ...
 
 def disposing() -> int: ...
+def backend_names() -> list[str]: ...
+def register_backend(name: str, factory: object) -> None: ...
 
 # Expert ids: an integer array, sequence or int (0-d or 1-d); the engine checks their range.
 _Ids = npt.ArrayLike
@@ -120,9 +122,9 @@ class WindowOptions:
     max_rows: int
     decode_rows: int
     device_timeout_s: float
-    prompt_pred2: bool
-    pred2_max: int
-    decode_prefetch2: bool
+    two_layer_prompt: bool
+    two_layer_max: int
+    two_layer_decode: bool
     prompt_buf_reuse: bool
     record_routes: bool
     start_layers: int
@@ -190,7 +192,7 @@ class Window:
         arithmetic: str = "float32",
         weights_dtype: str = "float32",
     ) -> npt.NDArray[np.float32]: ...
-    def moe_routed_host(
+    def moe_routed_external(
         self,
         layer: int,
         ids: _Ids,
@@ -199,6 +201,7 @@ class Window:
         compute: Callable[[int, int, npt.NDArray[np.uint32]], object],
     ) -> None: ...
     def arithmetic_unsupported(self, x_dtype: str) -> str: ...
+    def wants_predictions(self, layer: int, rows: int) -> tuple[bool, bool]: ...
     def close(self) -> None: ...
     @property
     def closed(self) -> bool: ...

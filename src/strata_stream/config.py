@@ -106,6 +106,9 @@ class StreamConfig:
     verify_reads: bool = True
     io_timeout_s: float = 60.0
     publish_prefetch: bool = True
+    # Two-layer lookahead (router l+2 on layer l's input too) for chunks larger than decode_rows
+    # (prompt_pred2) and for decode-sized ones (decode_prefetch2), on every expert path; at most
+    # prompt_pred2_max new two-layer reads per handshake. The names are the flags' (section 6).
     prompt_pred2: bool = False
     prompt_pred2_max: int = 64
     prompt_start_layers: int = 1

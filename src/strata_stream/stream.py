@@ -235,7 +235,8 @@ class ExpertStream:
     def arena_view(self) -> npt.NDArray[np.uint8]:
         """Read-only view of the whole arena, [n_slots, slot_stride] bytes (no copy); slot s
         holds its record at row s. Valid while the stream is open; contents change as slots are
-        recycled, so read a slot only while the handshake guarantees it (Window.moe_routed_host).
+        recycled, so read a slot only while the handshake guarantees it
+        (Window.moe_routed_external).
         """
         return self._s.arena.reshape(self.n_slots, self._s.slot_bytes_stride)
 

@@ -96,9 +96,9 @@ class Window:
         options.max_rows = c.max_rows
         options.decode_rows = c.decode_rows
         options.device_timeout_s = c.device_timeout_s
-        options.prompt_pred2 = c.prompt_pred2
-        options.pred2_max = c.prompt_pred2_max
-        options.decode_prefetch2 = c.decode_prefetch2
+        options.two_layer_prompt = c.prompt_pred2
+        options.two_layer_max = c.prompt_pred2_max
+        options.two_layer_decode = c.decode_prefetch2
         options.prompt_buf_reuse = c.prompt_buf_reuse
         options.record_routes = c.trace_path is not None
         options.start_layers = c.prompt_start_layers
@@ -208,7 +208,7 @@ class Window:
             ),
         )
 
-    def moe_routed_host(
+    def moe_routed_external(
         self,
         layer: int,
         ids: npt.ArrayLike,
@@ -216,7 +216,8 @@ class Window:
         pred1: npt.ArrayLike | None = None,
         pred2: npt.ArrayLike | None = None,
     ) -> None:
-        """The same handshake, with the experts computed by the caller (the MLX-kernel path).
+        """The same handshake, with the experts computed by the caller (the MLX-kernel path;
+        on a Mac MLX computes them on the GPU). Nothing runs on this Window's backend.
 
         For every wave the engine calls ``compute(row0, rows, slots)``: slots [rows, top_k]
         uint32 gives the arena slot of each entry of rows [row0, row0 + rows) whose expert is in
@@ -225,7 +226,23 @@ class Window:
         one wave. An exception from compute abandons the turn and propagates.
         """
         layer = self._layer_arg(layer)
-        self._routed_call(layer, lambda: self._w.moe_routed_host(layer, ids, pred1, pred2, compute))
+        self._routed_call(
+            layer, lambda: self._w.moe_routed_external(layer, ids, pred1, pred2, compute)
+        )
+
+    # The name this method had before it was named for what it does.
+    moe_routed_host = moe_routed_external
+
+    def wants_predictions(self, layer: int, rows: int) -> tuple[bool, bool]:
+        """Which predictions an externally routed call (`moe_routed` or `moe_routed_external`)
+        of `rows` rows at `layer` uses: (router layer+1, router layer+2) on this layer's input.
+        The engine decides (lookahead, the two-layer flags for decode-sized and larger calls,
+        the last layers); a caller runs only the gates it names and passes None for the rest."""
+        layer = self._layer_arg(layer)
+        if isinstance(rows, bool) or not isinstance(rows, (int, np.integer)) or rows < 0:
+            raise ValueError(f"rows must be an int >= 0, got {rows!r}")
+        nxt, two = self._w.wants_predictions(layer, int(rows))
+        return bool(nxt), bool(two)
 
     def _layer_arg(self, layer: int) -> int:
         """The layer argument of a layer call, checked: an open Window, an int in range."""

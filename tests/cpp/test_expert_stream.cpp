@@ -6,6 +6,7 @@
 
 #include "common/errors.h"
 #include "stream_test_util.h"
+#include "residency/stream_testing.h"
 
 using namespace strata;
 using namespace strata::test;
@@ -22,7 +23,7 @@ TEST_CASE("urgent reads land, publish and match the file") {
   for (auto e : ex) CHECK(slot_matches(s, g, 2, std::uint32_t(e)));
   r = s.request(2, ex, 3, ReadClass::Urgent);
   CHECK(r.hits == 3);
-  CHECK(s.check_invariants().empty());
+  CHECK(StreamTesting::check_invariants(s).empty());
   std::remove(path.c_str());
 }
 
@@ -48,7 +49,7 @@ TEST_CASE("speculative reads publish only at the handshake (I2) and limbo is nev
   std::int32_t ex[] = {3, 4};
   s.enter_layer(0);
   s.request(1, ex, 2, ReadClass::Pred1);
-  while (s.run_job(0)) {
+  while (StreamTesting::run_job(s, 0)) {
   }
   CHECK(s.smap_at(1 * g.n_experts + 3) == kAbsent);  // complete but unpublished
   CHECK(s.publish(0) == 2);
@@ -57,7 +58,7 @@ TEST_CASE("speculative reads publish only at the handshake (I2) and limbo is nev
   std::int32_t chosen[] = {4};
   CHECK(s.retire_unused_pre(1, chosen, 1) == 1);
   CHECK(s.smap_at(1 * g.n_experts + 3) == kAbsent);
-  CHECK(s.check_invariants().empty());
+  CHECK(StreamTesting::check_invariants(s).empty());
   CHECK(s.release_limbo() == 1);
   CHECK(s.where(1, 3) < 0);
   std::remove(path.c_str());
@@ -74,11 +75,11 @@ TEST_CASE("victim never picks protected slots (I4) and cancel only queued (I6)")
   s.request(1, a, 2, ReadClass::Urgent);
   s.wait(1, a, 2);
   s.enter_layer(0);
-  std::int32_t v = s.victim();
+  std::int32_t v = StreamTesting::victim(s);
   REQUIRE(v >= 0);
   CHECK(s.slots()[std::uint32_t(v)].key / g.n_experts == 1);
   s.after_layer(0);  // layer 1's router may run now: both layers protected
-  CHECK(s.victim() == -1);
+  CHECK(StreamTesting::victim(s) == -1);
   // Speculation finds no space and stops (I9).
   std::int32_t b[] = {5};
   CHECK(s.request(2, b, 1, ReadClass::Pred2).dropped == 1);
@@ -87,7 +88,7 @@ TEST_CASE("victim never picks protected slots (I4) and cancel only queued (I6)")
   s.plan(1, a, 2, res);
   CHECK(res[0] == 1);
   CHECK(res[1] == 1);
-  std::int32_t v2 = s.victim();
+  std::int32_t v2 = StreamTesting::victim(s);
   REQUIRE(v2 >= 0);
   CHECK(s.slots()[std::uint32_t(v2)].key / g.n_experts == 0);  // plan-pinned layer 1 kept (I8)
   s.release_plan();
@@ -96,9 +97,9 @@ TEST_CASE("victim never picks protected slots (I4) and cancel only queued (I6)")
   CHECK(s.cancel(3, 5));
   CHECK(s.where(3, 5) < 0);
   s.request(3, b, 1, ReadClass::Urgent);
-  s.run_job(0);
+  StreamTesting::run_job(s, 0);
   CHECK_FALSE(s.cancel(3, 5));
-  CHECK(s.check_invariants().empty());
+  CHECK(StreamTesting::check_invariants(s).empty());
   std::remove(path.c_str());
 }
 
@@ -109,7 +110,7 @@ TEST_CASE("a failed urgent read names layer, expert, offset and errno; the strea
   ExpertStream s(path, small_options(8, L, 2));
   Fault f;
   f.err = 5;
-  s.faults().add(2 * g.n_experts + 6, 1, f);
+  StreamTesting::faults(s).add(2 * g.n_experts + 6, 1, f);
   std::int32_t ex[] = {6};
   s.request(2, ex, 1, ReadClass::Urgent);
   try {
@@ -128,14 +129,14 @@ TEST_CASE("a failed urgent read names layer, expert, offset and errno; the strea
   // A short speculative read is dropped and counted.
   Fault sr;
   sr.kind = FaultKind::ShortRead;
-  s.faults().add(3 * g.n_experts + 1, -1, sr);
+  StreamTesting::faults(s).add(3 * g.n_experts + 1, -1, sr);
   std::int32_t p[] = {1};
   s.request(3, p, 1, ReadClass::Pred1);
   for (int i = 0; i < 200 && s.stats().spec_failed.load() == 0; ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   CHECK(s.stats().spec_failed.load() == 1);
   CHECK(s.where(3, 1) < 0);
-  CHECK(s.check_invariants().empty());
+  CHECK(StreamTesting::check_invariants(s).empty());
   std::remove(path.c_str());
 }
 
@@ -149,7 +150,7 @@ void slow_down(ExpertStream& s, const PackLayout& L, std::uint32_t layer,
     f.kind = FaultKind::Delay;
     f.delay_ms = ms;
     f.remaining = -1;
-    s.faults().add(layer * L.n_experts + e, -1, f);
+    StreamTesting::faults(s).add(layer * L.n_experts + e, -1, f);
   }
 }
 
@@ -189,7 +190,7 @@ TEST_CASE("bounded waits time out on no progress, never on a slow but moving dis
     s.request(1, next, 1, ReadClass::Urgent);  // waits for a slot, then gets one
     s.wait(1, next, 1);
     CHECK(slot_matches(s, g, 1, 5));
-    CHECK(s.check_invariants().empty());
+    CHECK(StreamTesting::check_invariants(s).empty());
   }
   SECTION("wait() and settle() behind slow reads") {
     ExpertStream s(path, o);
@@ -201,7 +202,7 @@ TEST_CASE("bounded waits time out on no progress, never on a slow but moving dis
     s.request(3, spec, 1, ReadClass::Pred1);
     s.request(2, spec, 1, ReadClass::Urgent);
     s.settle();
-    CHECK(s.check_invariants().empty());
+    CHECK(StreamTesting::check_invariants(s).empty());
   }
   SECTION("each of the three times out when nothing lands") {
     o.io_timeout_s = 0.2;
@@ -213,7 +214,7 @@ TEST_CASE("bounded waits time out on no progress, never on a slow but moving dis
     CHECK(kind_of([&] { s.request(1, next, 1, ReadClass::Urgent); }) == ErrorKind::Timeout);
     CHECK(kind_of([&] { s.wait(0, first, 1); }) == ErrorKind::Timeout);
     CHECK(kind_of([&] { s.settle(); }) == ErrorKind::Timeout);
-    s.faults().clear();
+    StreamTesting::faults(s).clear();
   }
   std::remove(path.c_str());
 }

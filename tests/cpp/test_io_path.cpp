@@ -9,6 +9,7 @@
 
 #include "common/errors.h"
 #include "stream_test_util.h"
+#include "residency/stream_testing.h"
 
 using namespace strata;
 using namespace strata::test;
@@ -33,7 +34,7 @@ void eventually(const std::function<bool()>& ready) {
 
 std::size_t jobs_of(const ExpertStream& s, std::uint32_t slot) {
   std::size_t n = 0;
-  for (const JobInfo& j : s.pending_jobs()) n += j.slot == slot;
+  for (const JobInfo& j : StreamTesting::pending_jobs(s)) n += j.slot == slot;
   return n;
 }
 
@@ -49,7 +50,7 @@ TEST_CASE("parking a reading slot cancels its parts not yet begun; limbo waits f
   Fault gate;
   gate.kind = FaultKind::Gate;
   gate.delay_ms = 60000;
-  s.faults().add(key, 0, gate);  // part 0 stays in flight until the test opens the gate
+  StreamTesting::faults(s).add(key, 0, gate);  // part 0 stays in flight until the test opens the gate
 
   std::int32_t predicted[] = {5};
   s.request(1, predicted, 1, ReadClass::Pred1);
@@ -64,13 +65,13 @@ TEST_CASE("parking a reading slot cancels its parts not yet begun; limbo waits f
   CHECK(jobs_of(s, slot) == 0);  // parts 1 and 2 are not read
   CHECK(s.release_limbo() == 0);  // part 0 is still in flight: not recycled (I7)
   CHECK(slot_of(s, key).state == SlotState::Limbo);
-  CHECK(s.check_invariants().empty());
+  CHECK(StreamTesting::check_invariants(s).empty());
 
-  s.faults().open_gate();
+  StreamTesting::faults(s).open_gate();
   eventually([&] { return slot_of(s, key).parts_done == 1; });
   CHECK(s.release_limbo() == 1);
   CHECK(s.where(key / s.layout().n_experts, key % s.layout().n_experts) < 0);
-  CHECK(s.check_invariants().empty());
+  CHECK(StreamTesting::check_invariants(s).empty());
   s.settle();
   const auto& st = s.stats();
   CHECK(st.spec_parts_started.load() == 1);  // one part begun, of three
@@ -87,11 +88,11 @@ TEST_CASE("a slot parked while reading, asked for again, reads exactly its cance
   const std::uint32_t key = 2 * g.n_experts + 7;
   std::int32_t predicted[] = {7};
   s.request(2, predicted, 1, ReadClass::Pred2);
-  REQUIRE(s.pending_jobs().size() == 3);
-  REQUIRE(s.run_job(1));  // part 1 first: the cancelled ones need not be a suffix
+  REQUIRE(StreamTesting::pending_jobs(s).size() == 3);
+  REQUIRE(StreamTesting::run_job(s, 1));  // part 1 first: the cancelled ones need not be a suffix
   std::int32_t chosen[] = {3};
   CHECK(s.retire_unused_pre(2, chosen, 1) == 1);
-  CHECK(s.pending_jobs().empty());
+  CHECK(StreamTesting::pending_jobs(s).empty());
   CHECK(slot_of(s, key).state == SlotState::Limbo);
 
   s.wait(2, predicted, 1);  // revives it: parts 0 and 2 are read, part 1 is not read again
@@ -101,18 +102,18 @@ TEST_CASE("a slot parked while reading, asked for again, reads exactly its cance
   // Every byte of the record read exactly once (its span is a multiple of 4096 here).
   CHECK(st.bytes_read.load() == L.record_bytes);
   CHECK(st.revived.load() == 1);
-  CHECK(s.check_invariants().empty());
+  CHECK(StreamTesting::check_invariants(s).empty());
 
   // The same, released instead: nothing in flight, so limbo recycles it at once.
   const std::uint32_t key2 = 2 * g.n_experts + 8;
   std::int32_t other[] = {8};
   s.request(2, other, 1, ReadClass::Pred1);
-  REQUIRE(s.run_job(0));
+  REQUIRE(StreamTesting::run_job(s, 0));
   CHECK(s.retire_unused_pre(2, chosen, 1) == 1);
-  CHECK(s.pending_jobs().empty());
+  CHECK(StreamTesting::pending_jobs(s).empty());
   CHECK(s.release_limbo() == 1);
   CHECK(s.where(key2 / s.layout().n_experts, key2 % s.layout().n_experts) < 0);
-  CHECK(s.check_invariants().empty());
+  CHECK(StreamTesting::check_invariants(s).empty());
   std::remove(path.c_str());
 }
 
@@ -141,7 +142,7 @@ TEST_CASE("verify_reads reports a record that changed on disk, naming layer, exp
     }
     s.wait(3, ex + 1, 1);  // the stream stays usable; the good record reads
     CHECK(slot_matches(s, g, 3, 4));
-    CHECK(s.check_invariants().empty());
+    CHECK(StreamTesting::check_invariants(s).empty());
     auto good = expected_record(g, 3, 2);
     poke(path, L.record_offset(key) + 20000, good.data() + 20000, sizeof zeros);
   }

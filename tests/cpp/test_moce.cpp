@@ -6,6 +6,7 @@
 
 #include "policy/moce.h"
 #include "stream_test_util.h"
+#include "residency/stream_testing.h"
 
 using namespace strata;
 using namespace strata::test;
@@ -80,14 +81,14 @@ TEST_CASE("settle returns only when no read is queued or in flight") {
     s.request(1, ex, 3, ReadClass::Pred1);
     s.request(2, ex, 2, ReadClass::Pred2);
     s.settle();
-    CHECK(s.pending_jobs().empty());
+    CHECK(StreamTesting::pending_jobs(s).empty());
     for (const SlotInfo& si : s.slots()) {
       CHECK(si.parts_started == si.parts_done);
       CHECK(si.state != SlotState::Queued);
       CHECK(si.state != SlotState::Reading);
     }
     CHECK(s.smap_at(1 * g.n_experts + 1) == kAbsent);  // settled, still unpublished (I2)
-    CHECK(s.check_invariants().empty());
+    CHECK(StreamTesting::check_invariants(s).empty());
   }
   std::remove(path.c_str());
 }

@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "stream_test_util.h"
+#include "residency/stream_testing.h"
 
 using namespace strata;
 using namespace strata::test;
@@ -152,7 +153,7 @@ TEST_CASE("stress: threads, parts and the handshake order keep every invariant")
         s.after_layer(l);
         s.retire_unused_pre(l, chosen.data(), chosen.size());
         s.release_limbo();
-        std::string bad = s.check_invariants();
+        std::string bad = StreamTesting::check_invariants(s);
         REQUIRE(bad.empty());
       }
       s.end_turn();

@@ -13,6 +13,7 @@
 #include "common/errors.h"
 #include "exec/window.h"
 #include "stream_test_util.h"
+#include "residency/stream_testing.h"
 
 using namespace strata;
 using namespace strata::test;
@@ -99,7 +100,7 @@ TEST_CASE("threads: two windows sharing a small arena stay bitwise exact, split 
         WindowOptions wo;
         wo.split_turn = split;
         wo.max_rows = 4;
-        wo.prompt_pred2 = wo.decode_prefetch2 = true;
+        wo.two_layer_prompt = wo.two_layer_decode = true;
         Window wa(stream, make_cpu_backend(2), wo), wb(stream, make_cpu_backend(1), wo);
         Outputs got_a, got_b;
         std::string err_a, err_b;
@@ -124,7 +125,7 @@ TEST_CASE("threads: two windows sharing a small arena stay bitwise exact, split 
         REQUIRE(err_b.empty());
         REQUIRE(got_a == want_a);
         REQUIRE(got_b == want_b);
-        REQUIRE(stream.check_invariants().empty());
+        REQUIRE(StreamTesting::check_invariants(stream).empty());
       }
   std::remove(path.c_str());
 }
@@ -142,7 +143,7 @@ TEST_CASE("threads: close() from another thread waits for the layer in flight, t
       slow.kind = FaultKind::Delay;
       slow.delay_ms = 20;
       slow.remaining = -1;
-      stream.faults().add(1 * L.n_experts + e, -1, slow);
+      StreamTesting::faults(stream).add(1 * L.n_experts + e, -1, slow);
     }
     WindowOptions wo;
     wo.split_turn = split;
@@ -173,7 +174,7 @@ TEST_CASE("threads: close() from another thread waits for the layer in flight, t
     for (std::size_t i = 0; i < got.size(); ++i) REQUIRE(got[i] == want[i % want.size()]);
     REQUIRE(w.closed());
     REQUIRE(w.scratch_bytes() == 0);
-    REQUIRE(stream.check_invariants().empty());
+    REQUIRE(StreamTesting::check_invariants(stream).empty());
   }
   std::remove(path.c_str());
 }
@@ -251,7 +252,7 @@ TEST_CASE("threads: a read stuck past close() keeps the arena alive until it ret
   Fault stuck;
   stuck.kind = FaultKind::Delay;
   stuck.delay_ms = 400;
-  stream->faults().add(0, -1, stuck);  // layer 0 expert 0, every part
+  StreamTesting::faults(*stream).add(0, -1, stuck);  // layer 0 expert 0, every part
   const std::int32_t e0 = 0;
   stream->request(0, &e0, 1, ReadClass::Urgent);
   REQUIRE(eventually([&] {

@@ -7,6 +7,7 @@
 #include <random>
 
 #include "stream_test_util.h"
+#include "residency/stream_testing.h"
 #include "common/errors.h"
 #include "exec/window.h"
 
@@ -25,9 +26,9 @@ std::vector<std::vector<float>> run_turns(const std::string& path, const PackLay
   wo.split_turn = split;
   wo.lookahead = lookahead;
   wo.max_rows = max_rows;
-  wo.prompt_pred2 = lookahead;  // two-layer prediction too, wherever prediction is on
-  wo.decode_prefetch2 = lookahead;
-  wo.pred2_max = 2;
+  wo.two_layer_prompt = lookahead;  // two-layer prediction too, wherever prediction is on
+  wo.two_layer_decode = lookahead;
+  wo.two_layer_max = 2;
   Window w(stream, make_cpu_backend(2), wo);
   std::mt19937 rng(99);
   std::normal_distribution<float> nd;
@@ -39,7 +40,7 @@ std::vector<std::vector<float>> run_turns(const std::string& path, const PackLay
       for (auto& v : x) v = nd(rng);
       w.moe(l, x.data(), T, out.data());
       outs.push_back(out);
-      REQUIRE(stream.check_invariants().empty());
+      REQUIRE(StreamTesting::check_invariants(stream).empty());
     }
     w.end_turn();
   }

@@ -12,6 +12,7 @@
 #include "cpu/mlx_arithmetic.h"
 #include "exec/window.h"
 #include "stream_test_util.h"
+#include "residency/stream_testing.h"
 
 using namespace strata;
 using namespace strata::test;
@@ -72,7 +73,7 @@ std::vector<std::vector<float>> run_routed(const std::string& path, const PackLa
       std::vector<float> out(c.x.size());
       w.moe_routed(l, c.x.data(), Window::XType::F32, T, r, out.data());
       outs.push_back(out);
-      REQUIRE(stream.check_invariants().empty());
+      REQUIRE(StreamTesting::check_invariants(stream).empty());
     }
     w.end_turn();
   }
@@ -161,7 +162,7 @@ TEST_CASE("window: an arithmetic the pack cannot have is refused by name, the st
   r.rounding = {};
   w.moe_routed(0, x.data(), Window::XType::F32, 1, r, out.data());
   w.moe_routed(1, x.data(), Window::XType::F32, 1, r, out.data());
-  REQUIRE(stream.check_invariants().empty());
+  REQUIRE(StreamTesting::check_invariants(stream).empty());
   std::remove(path.c_str());
 }
 
@@ -184,7 +185,7 @@ TEST_CASE("window: the host path offers every entry once, in a slot holding its 
         std::vector<int> seen(c.ids.size(), 0);
         Window::Routed r;
         r.ids = c.ids.data();
-        w.moe_routed_host(l, T, r, [&](std::uint32_t row0, std::uint32_t n, const std::uint32_t* s) {
+        w.moe_routed_external(l, T, r, [&](std::uint32_t row0, std::uint32_t n, const std::uint32_t* s) {
           for (std::uint32_t i = 0; i < n * L.top_k; ++i) {
             if (s[i] == kAbsent) continue;
             const std::size_t entry = std::size_t(row0) * L.top_k + i;
@@ -194,7 +195,7 @@ TEST_CASE("window: the host path offers every entry once, in a slot holding its 
           }
         });
         for (int v : seen) REQUIRE(v == 1);
-        REQUIRE(stream.check_invariants().empty());
+        REQUIRE(StreamTesting::check_invariants(stream).empty());
       }
       w.end_turn();
     }
@@ -226,7 +227,7 @@ TEST_CASE("window: routed calls reject bad ids and keep the stream usable") {
   w.moe_routed(0, x.data(), Window::XType::F32, 1, r, out.data());
   w.moe_routed(1, x.data(), Window::XType::F32, 1, r, out.data());
   w.end_turn();
-  REQUIRE(stream.check_invariants().empty());
+  REQUIRE(StreamTesting::check_invariants(stream).empty());
   std::remove(path.c_str());
 }
 
@@ -263,5 +264,79 @@ TEST_CASE("pack: version 2's model block is validated") {
   patch(kModelBlockOffset + 12, 0);
   patch(36, 2);  // external routing, but router_bytes is still set
   REQUIRE_THROWS_WITH(read_pack_layout(path), Catch::Contains("router_bytes"));
+  std::remove(path.c_str());
+}
+
+namespace {
+
+// The CPU backend, counting the submissions it is handed.
+class CountingBackend final : public Backend {
+ public:
+  explicit CountingBackend(std::uint32_t* submits) : inner_(make_cpu_backend(1)), n_(submits) {}
+  std::string name() const override { return inner_->name(); }
+  std::optional<std::string> unsupported(const Capability& c) const override {
+    return inner_->unsupported(c);
+  }
+  void bind(const DeviceBuffers& b) override { inner_->bind(b); }
+  void submit(const std::vector<Command>& cs) override {
+    ++*n_;
+    inner_->submit(cs);
+  }
+  void synchronize() override { inner_->synchronize(); }
+  void abort_pending() override { inner_->abort_pending(); }
+  std::string take_device_error() override { return inner_->take_device_error(); }
+
+ private:
+  std::unique_ptr<Backend> inner_;
+  std::uint32_t* n_;
+};
+
+}  // namespace
+
+TEST_CASE("window: the external path never submits to the device; moe_routed once per chunk") {
+  TestGeometry g;
+  g.n_layers = 3;
+  g.n_experts = 10;
+  g.top_k = 2;
+  auto path = build_test_pack(g, "routed_submits");
+  PackLayout L = read_pack_layout(path);
+  auto turns = make_turns(L, {9, 1, 2});
+  for (bool split : {false, true}) {
+    ExpertStream stream(path, small_options(L.n_keys(), L, 2));
+    std::uint32_t submits = 0;
+    WindowOptions wo;
+    wo.split_turn = split;
+    Window w(stream, std::make_unique<CountingBackend>(&submits), wo);
+    for (const auto& calls : turns) {
+      w.begin_turn();
+      for (std::uint32_t l = 0; l < L.n_layers; ++l) {
+        const Call& c = calls[l];
+        const std::uint32_t T = std::uint32_t(c.x.size() / L.hidden);
+        Window::Routed r;
+        r.ids = c.ids.data();
+        std::uint32_t waves = 0;
+        w.moe_routed_external(l, T, r, [&](std::uint32_t, std::uint32_t, const std::uint32_t*) {
+          ++waves;
+        });
+        CHECK(waves >= 1);
+      }
+      w.end_turn();
+    }
+    CHECK(submits == 0);  // no round trip through the device thread for a host-computed layer
+    // The same calls through the backend: one-piece mode submits once per chunk; split mode
+    // skips the first submission (routing given) and submits each step.
+    std::vector<float> out;
+    w.begin_turn();
+    for (std::uint32_t l = 0; l < L.n_layers; ++l) {
+      const Call& c = turns[1][l];  // one decode row
+      Window::Routed r;
+      r.ids = c.ids.data();
+      r.weights = c.w.data();
+      out.resize(c.x.size());
+      w.moe_routed(l, c.x.data(), Window::XType::F32, 1, r, out.data());
+    }
+    w.end_turn();
+    CHECK(submits == (split ? 2u : 1u) * L.n_layers);
+  }
   std::remove(path.c_str());
 }

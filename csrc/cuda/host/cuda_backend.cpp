@@ -280,7 +280,7 @@ class CudaBackend final : public Backend {
     host_ = b;
   }
 
-  void submit(std::vector<Command> commands) override {
+  void submit(const std::vector<Command>& commands) override {
     Item meta;
     for (const Command& c : commands) {
       if (c.op == Op::Route) meta.batch_routes = true;

@@ -13,7 +13,7 @@
 namespace strata::cuda {
 
 constexpr const char* kFactoryCapsule = "strata_stream._cuda.factory";
-constexpr std::uint32_t kFactoryAbi = 1;
+constexpr std::uint32_t kFactoryAbi = 2;  // 2: Backend::unsupported(Capability), submit by reference
 
 struct BackendFactory {
   std::uint32_t abi = kFactoryAbi;

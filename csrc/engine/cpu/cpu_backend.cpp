@@ -117,8 +117,11 @@ class CpuBackend final : public Backend {
 
   std::string name() const override { return "cpu"; }
 
-  std::string arithmetic_unsupported(const PackLayout& layout, Arithmetic a) const override {
-    return cpu::mlx::unsupported(layout, a);
+  // The reference runs everything: moce, and MLX's arithmetic for the formats MLX computes so.
+  std::optional<std::string> unsupported(const Capability& c) const override {
+    if (c.arithmetic == Arithmetic::Float32 || !c.layout) return std::nullopt;
+    const char* why = cpu::mlx::unsupported(*c.layout, c.arithmetic);
+    return *why ? std::optional<std::string>(why) : std::nullopt;
   }
 
   void bind(const DeviceBuffers& buffers) override {
@@ -127,7 +130,7 @@ class CpuBackend final : public Backend {
     buffers_ = buffers;  // CPU memory is already shared with the host: nothing to wrap
   }
 
-  void submit(std::vector<Command> commands) override {
+  void submit(const std::vector<Command>& commands) override {
     {
       std::lock_guard<std::mutex> lk(mu_);
       for (auto& c : commands) queue_.push_back(c);

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -83,13 +84,33 @@ struct Command {
   Rounding rounding;  // GateUp, Down, MoeMM
 };
 
+// One thing a Window may ask a backend to run, by type (ggml's supports_op): an op on a pack's
+// layout, with the arithmetic of its expert passes and the mode of its route.
+struct Capability {
+  Op op = Op::GateUp;
+  const PackLayout* layout = nullptr;  // the pack (weight format, group size, biases, ...)
+  Arithmetic arithmetic = Arithmetic::Float32;  // GateUp, Down, MoeMM
+  MoceMode moce = MoceMode::Off;                // Route
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
   virtual std::string name() const = 0;
+  // Why this backend cannot run `c`, or nullopt when it can. The Window asks at construction,
+  // once per capability it may need, and refuses by this reason when a call needs one that is
+  // missing. Every backend runs every op in Float32 without moce; by default nothing more.
+  virtual std::optional<std::string> unsupported(const Capability& c) const {
+    if (c.arithmetic != Arithmetic::Float32)
+      return "the " + name() + " backend computes in float32 only";
+    if (c.moce != MoceMode::Off)
+      return "the " + name() + " backend does not implement cache-aware routing (moce)";
+    return std::nullopt;
+  }
   virtual void bind(const DeviceBuffers& buffers) = 0;
-  // Runs asynchronously, in order, after everything submitted before it.
-  virtual void submit(std::vector<Command> commands) = 0;
+  // Runs asynchronously, in order, after everything submitted before it. The commands are
+  // copied: the caller reuses its vector.
+  virtual void submit(const std::vector<Command>& commands) = 0;
   // Blocks until every submitted command has run.
   virtual void synchronize() = 0;
   // Makes the device skip the rest of what is queued (Wait commands included) until
@@ -98,12 +119,12 @@ class Backend {
   // A kernel found something impossible (a missing-pass expert still absent from smap):
   // returns and clears the message, "" when none.
   virtual std::string take_device_error() = 0;
-  // Whether this backend computes a layout's expert passes with `a`: "" when it does, else why
-  // not. Every backend has Float32.
-  virtual std::string arithmetic_unsupported(const PackLayout& layout, Arithmetic a) const {
-    (void)layout;
-    return a == Arithmetic::Float32 ? "" : "the " + name() + " backend computes in float32 only";
-  }
+};
+
+// What every backend factory is given (exec/backend_registry.h). A backend uses what applies.
+struct BackendOptions {
+  unsigned threads = 0;      // CPU kernel threads, 0 = one per core
+  std::string library_path;  // Metal: the compiled kernels (empty: beside the binary)
 };
 
 std::unique_ptr<Backend> make_cpu_backend(unsigned threads = 0);

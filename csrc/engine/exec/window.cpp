@@ -42,29 +42,11 @@ GovernorOptions governor_options(GovernorOptions o, std::uint32_t n_layers, bool
   return o;
 }
 
-Command cmd(Op op, std::uint32_t layer = 0, std::uint32_t rows = 0) {
-  Command c{};
-  c.op = op;
-  c.layer = layer;
-  c.rows = rows;
-  return c;
-}
-
-Command event_cmd(Op op, SharedEvent& ev, std::uint64_t v) {
-  Command c{};
-  c.op = op;
-  c.event = &ev;
-  c.value = v;
-  return c;
-}
-
-Command pass_cmd(Op op, std::uint32_t layer, std::uint32_t rows, Pass pass) {
-  Command c = cmd(op, layer, rows);
-  c.pass = pass;
-  return c;
-}
-
 }  // namespace
+
+Capability route_capability(const PackLayout& layout, const MoceParams& moce) {
+  return Capability{Op::Route, &layout, Arithmetic::Float32, moce.mode};
+}
 
 // ---- admission: one driving call at a time, on the turn owner's thread ------------------------
 
@@ -115,10 +97,16 @@ Window::Window(ExpertStream& stream, std::unique_ptr<Backend> backend,
       L_(stream.layout()),
       routers_(stream.file().read_routers()),
       scratch_(stream, routers_.data()),
+      rules_(rules()),
       governor_(governor_options(options.governor, L_.n_layers, settles_io(options, stream))) {
   if (!backend_) throw EngineError(ErrorKind::Config, "Window needs a backend");
+  // The capabilities a call may need, asked once: the expert passes' arithmetic (a routed call
+  // chooses it) and the route's moce mode (this Window's own).
   for (Arithmetic a : {Arithmetic::Float32, Arithmetic::MlxBfloat16, Arithmetic::MlxFloat32})
-    arithmetic_why_[std::size_t(a)] = backend_->arithmetic_unsupported(L_, a);
+    arithmetic_why_[std::size_t(a)] =
+        backend_->unsupported(Capability{Op::MoeMM, &L_, a, MoceMode::Off}).value_or("");
+  if (auto why = backend_->unsupported(route_capability(L_, options.moce)))
+    throw EngineError(ErrorKind::Config, "backend '" + backend_name_ + "': " + *why);
   if (opt_.max_rows == 0) throw EngineError(ErrorKind::Config, "max_rows must be positive");
   if (!(opt_.device_timeout_s > 0) || !std::isfinite(opt_.device_timeout_s))
     throw EngineError(ErrorKind::Config, "device_timeout_s must be positive and finite");
@@ -134,6 +122,10 @@ Window::Window(ExpertStream& stream, std::unique_ptr<Backend> backend,
   settles_ = settles_io(opt_, stream);
   stats_.assign(L_.n_layers, LayerStats{});
   predicted_.assign(L_.n_layers, {});
+  buf_.votes.assign(L_.n_experts, 0);
+  buf_.seen.assign(L_.n_experts, 0);
+  buf_.actual.assign(L_.n_experts, 0);
+  buf_.slot_of.assign(L_.n_experts, kAbsent);
   profile_.assign(std::size_t(L_.n_layers) * L_.n_experts, 0);
   const auto snap = stream_.stats().snapshot();
   gov_issued_ = std::uint64_t(snap.at("spec_requests"));
@@ -336,24 +328,25 @@ void Window::queue_start_layers() {
   stream_.enter_layer(client_, 0);  // until layer 0 runs, speculation evicts neither 0 nor 1 (I9)
   for (std::uint32_t layer = 0; layer < n; ++layer) {
     // Layer 0 is needed first: as many as one token uses. Later layers: a bounded head start.
-    std::vector<std::int32_t> ranked = profile_ranked(layer, layer == 0 ? L_.top_k : E);
+    std::vector<std::int32_t> ranked;
+    profile_ranked(layer, layer == 0 ? L_.top_k : E, ranked);
     if (!ranked.empty())
       stream_.request(client_, layer, ranked.data(), ranked.size(), ReadClass::Profile, {},
-                      layer == 0 ? 0xFFFFFFFFu : 32u);
+                      layer == 0 ? kUnlimitedReads : 32u);
   }
 }
 
-std::vector<std::int32_t> Window::profile_ranked(std::uint32_t layer, std::size_t n) const {
+void Window::profile_ranked(std::uint32_t layer, std::size_t n,
+                            std::vector<std::int32_t>& ranked) const {
   const std::uint32_t E = L_.n_experts;
   const std::uint32_t* counts = profile_.data() + std::size_t(layer) * E;
-  std::vector<std::int32_t> ranked;
+  ranked.clear();
   for (std::uint32_t e = 0; e < E; ++e)
     if (counts[e]) ranked.push_back(std::int32_t(e));
   std::stable_sort(ranked.begin(), ranked.end(), [&](std::int32_t a, std::int32_t b) {
     return counts[std::uint32_t(a)] > counts[std::uint32_t(b)];
   });
   if (ranked.size() > n) ranked.resize(n);
-  return ranked;
 }
 
 std::uint32_t Window::spec_cap() const {
@@ -362,29 +355,13 @@ std::uint32_t Window::spec_cap() const {
   return opt_.prefetch_backoff && !settles_ ? governor_.cap() : PrefetchGovernor::kUnlimited;
 }
 
-std::uint32_t Window::limit_new(std::vector<std::int32_t>& experts, std::uint32_t layer,
-                                std::uint32_t cap) const {
-  if (cap == PrefetchGovernor::kUnlimited) return cap;
-  // Published experts cost no read (the request only refreshes them), so they do not count.
-  // An expert loading but not yet published counts: a conservative estimate, read lock-free.
-  std::uint32_t fresh = 0;
-  std::size_t keep = 0;
-  for (; keep < experts.size(); ++keep) {
-    const std::uint32_t key = layer * L_.n_experts + std::uint32_t(experts[keep]);
-    if (stream_.smap_at(key) != kAbsent) continue;
-    if (fresh == cap) break;
-    ++fresh;
-  }
-  experts.resize(keep);
-  return cap - fresh;
-}
-
-void Window::queue_profile(std::uint32_t layer, std::uint32_t rows, std::uint32_t cap,
-                           const InterruptCheck& interrupt) {
-  if (opt_.lookahead || !opt_.profile_prefetch || layer + 1 >= L_.n_layers || cap == 0)
+void Window::profile_candidates(std::uint32_t layer, std::uint32_t rows,
+                                std::vector<std::int32_t>& ranked) const {
+  ranked.clear();
+  if (opt_.lookahead || !opt_.profile_prefetch || layer + 1 >= L_.n_layers)
     return;  // I10: nothing beyond the last layer
   const std::size_t want = std::size_t(L_.top_k) * std::min(rows, kProfileRowsMax);
-  std::vector<std::int32_t> ranked = profile_ranked(layer + 1, want);
+  profile_ranked(layer + 1, want, ranked);
   // Only experts the chunk is more likely than not to use: with p the share of tokens that
   // chose the expert, 1 - (1 - p)^rows >= 1/2. A popularity guess below that costs a read more
   // often than it saves one (on the synthetic driver, the unfiltered top_k tripled the bytes
@@ -397,11 +374,8 @@ void Window::queue_profile(std::uint32_t layer, std::uint32_t rows, std::uint32_
     const double p = std::min(1.0, double(counts[std::uint32_t(e)]) / tokens);
     return 1.0 - std::pow(1.0 - p, double(rows)) < 0.5;
   });
-  if (ranked.empty()) return;
   // Speculative: behind urgent work in the IO queue, never waits for space, never evicts layer
-  // `layer` or `layer + 1` (I9), at most `cap` new reads.
-  stream_.request(client_, layer + 1, ranked.data(), ranked.size(), ReadClass::Profile, interrupt,
-                  cap);
+  // `layer` or `layer + 1` (I9), within the handshake's budget.
 }
 
 Window::SpecWatch Window::watch_spec() const {
@@ -452,6 +426,43 @@ std::uint32_t Window::wave_capacity() const {
   return std::max(L_.top_k, share > L_.top_k ? share - L_.top_k : 0u);
 }
 
+PlanRules Window::rules() const {
+  PlanRules r;
+  r.n_layers = L_.n_layers;
+  r.n_experts = L_.n_experts;
+  r.top_k = L_.top_k;
+  r.lookahead = opt_.lookahead;
+  r.two_layer_decode = opt_.two_layer_decode;
+  r.two_layer_prompt = opt_.two_layer_prompt;
+  r.two_layer_max = opt_.two_layer_max;
+  r.decode_rows = opt_.decode_rows;
+  r.split_turn = opt_.split_turn;
+  r.moce = opt_.moce;
+  return r;
+}
+
+Lookahead Window::wants_predictions(std::uint32_t layer, std::uint32_t rows) const {
+  if (layer >= L_.n_layers)
+    throw std::out_of_range("layer " + std::to_string(layer) + " out of range [0, " +
+                            std::to_string(L_.n_layers) + ")");
+  return call_lookahead(rules_, layer, rows, opt_.max_rows, wave_capacity());
+}
+
+ChunkPlan Window::plan(CallKind kind, std::uint32_t layer, std::uint32_t r0, std::uint32_t rows,
+                       const Routed* routed) const {
+  ChunkRequest q;
+  q.kind = kind;
+  q.layer = layer;
+  q.row0 = r0;
+  q.rows = rows;
+  if (routed) {
+    q.has_pred1 = routed->pred1 != nullptr;
+    q.has_pred2 = routed->pred2 != nullptr;
+    q.rounding = routed->rounding;
+  }
+  return plan_chunk(rules_, q, wave_capacity(), spec_cap());
+}
+
 void Window::moe(std::uint32_t layer, const float* x, std::uint32_t rows, float* out,
                  const InterruptCheck& interrupt) {
   if (!L_.has_routers())
@@ -463,9 +474,8 @@ void Window::moe(std::uint32_t layer, const float* x, std::uint32_t rows, float*
       layer, rows,
       [&](std::uint32_t r0, std::uint32_t n, std::uint32_t chunk) {
         std::memcpy(x_, x + std::size_t(r0) * H, std::size_t(n) * H * 4);
-        auto chosen = run_chunk(layer, chunk, n, interrupt);
+        run_chunk(plan(CallKind::Engine, layer, r0, n, nullptr), chunk, interrupt);
         std::memcpy(out + std::size_t(r0) * H, out_, std::size_t(n) * H * 4);
-        return chosen;
       },
       interrupt);
 }
@@ -510,12 +520,6 @@ void Window::check_routed(const Routed& routed, std::uint32_t rows, bool need_we
   }
 }
 
-void Window::submit(std::vector<Command> commands) {
-  for (Command& c : commands)
-    if (c.op == Op::GateUp || c.op == Op::Down || c.op == Op::MoeMM) c.rounding = chunk_rounding_;
-  backend_->submit(std::move(commands));
-}
-
 void Window::stage_routed(const Routed& routed, std::uint32_t r0, std::uint32_t n) {
   const std::size_t k = L_.top_k, first = std::size_t(r0) * k, count = std::size_t(n) * k;
   std::copy(routed.ids + first, routed.ids + first + count, ids_);
@@ -533,22 +537,21 @@ void Window::moe_routed(std::uint32_t layer, const void* x, XType xt, std::uint3
       [&](std::uint32_t r0, std::uint32_t n, std::uint32_t chunk) {
         load_x(x, xt, std::size_t(r0) * H, std::size_t(n) * H, x_);
         stage_routed(routed, r0, n);
-        auto chosen = run_chunk(layer, chunk, n, interrupt, &routed);
+        run_chunk(plan(CallKind::Routed, layer, r0, n, &routed), chunk, interrupt);
         std::memcpy(out + std::size_t(r0) * H, out_, std::size_t(n) * H * 4);
-        return chosen;
       },
       interrupt);
 }
 
-void Window::moe_routed_host(std::uint32_t layer, std::uint32_t rows, const Routed& routed,
-                             const WaveCompute& compute, const InterruptCheck& interrupt) {
+void Window::moe_routed_external(std::uint32_t layer, std::uint32_t rows, const Routed& routed,
+                                 const WaveCompute& compute, const InterruptCheck& interrupt) {
   check_routed(routed, rows, false);
-  if (!compute) throw std::invalid_argument("moe_routed_host needs a compute function");
+  if (!compute) throw std::invalid_argument("moe_routed_external needs a compute function");
   run_call(
       layer, rows,
       [&](std::uint32_t r0, std::uint32_t n, std::uint32_t chunk) {
         stage_routed(routed, r0, n);
-        return run_chunk(layer, chunk, n, interrupt, &routed, &compute);
+        run_chunk(plan(CallKind::External, layer, r0, n, &routed), chunk, interrupt, &compute);
       },
       interrupt);
 }
@@ -584,26 +587,27 @@ void Window::run_call(std::uint32_t layer, std::uint32_t rows, const ChunkFn& ru
   }
   try {
     if (opens) queue_start_layers();
-    std::vector<std::int32_t> chosen;
-    std::vector<char> seen(L_.n_experts, 0);
+    std::vector<std::int32_t>& chosen = buf_.call_chosen;
+    chosen.clear();
     const std::uint32_t chunk_rows = std::min(rows, opt_.max_rows);
     ensure_scratch(chunk_rows);
     std::uint32_t chunk = 0;
     for (std::uint32_t r0 = 0; r0 < rows; r0 += opt_.max_rows, ++chunk) {
-      const std::uint32_t n = std::min(opt_.max_rows, rows - r0);
-      row0_ = r0;
-      for (std::int32_t e : run(r0, n, chunk))
-        if (!seen[std::uint32_t(e)]) {
-          seen[std::uint32_t(e)] = 1;
+      run(r0, std::min(opt_.max_rows, rows - r0), chunk);
+      for (std::int32_t e : buf_.chosen)
+        if (!buf_.seen[std::uint32_t(e)]) {
+          buf_.seen[std::uint32_t(e)] = 1;
           chosen.push_back(e);
         }
     }
+    for (std::int32_t e : chosen) buf_.seen[std::uint32_t(e)] = 0;
     after(layer, chosen, interrupt);
     with_stats(layer, [&](LayerStats& st) {
       st.calls += 1;
       st.tokens += rows;
     });
   } catch (...) {
+    std::fill(buf_.seen.begin(), buf_.seen.end(), 0);  // a chunk may have failed mid-way
     abandon_call();
     throw;
   }
@@ -635,53 +639,57 @@ void Window::abandon_call() {
   next_layer_ = 0;
 }
 
-std::vector<std::int32_t> Window::by_popularity(const std::int32_t* ids, std::uint32_t n) const {
-  std::vector<std::uint32_t> count(L_.n_experts, 0);
-  std::vector<std::int32_t> experts;
+void Window::by_popularity(const std::int32_t* ids, std::uint32_t n,
+                           std::vector<std::int32_t>& experts) {
+  std::vector<std::uint32_t>& count = buf_.votes;  // all zero between calls
+  experts.clear();
   for (std::uint32_t i = 0; i < n; ++i)
     if (count[std::uint32_t(ids[i])]++ == 0) experts.push_back(ids[i]);
   std::sort(experts.begin(), experts.end(), [&](std::int32_t a, std::int32_t b) {
     return count[std::uint32_t(a)] > count[std::uint32_t(b)] ||
            (count[std::uint32_t(a)] == count[std::uint32_t(b)] && a < b);
   });
-  return experts;
+  for (std::int32_t e : experts) count[std::uint32_t(e)] = 0;
 }
 
-bool Window::predicts2(std::uint32_t layer, bool decode) const {
-  return opt_.lookahead && chunk_pred2_ && layer + 2 < L_.n_layers &&  // I10: the last two layers skip it
-         (decode ? opt_.decode_prefetch2 : opt_.prompt_pred2);
-}
-
-std::vector<std::int32_t> Window::predictions2(std::uint32_t layer, std::uint32_t rows,
-                                               bool decode) {
-  if (!predicts2(layer, decode)) return {};
-  return by_popularity(pred2_, rows * L_.top_k);  // ordered by how many tokens chose each
-}
-
-std::vector<std::int32_t> Window::predictions(std::uint32_t layer, std::uint32_t chunk,
-                                              std::uint32_t rows) {
-  if (!opt_.lookahead || !chunk_pred1_ || layer + 1 >= L_.n_layers) return {};  // I10
-  std::vector<std::int32_t> p = by_popularity(pred1_, rows * L_.top_k);
-  auto& slot = predicted_[layer + 1];
-  if (slot.size() <= chunk) slot.resize(chunk + 1);
-  slot[chunk] = p;
-  return p;
+void Window::add_speculation(const ChunkPlan& p, std::uint32_t chunk, HandshakeRequest& r) {
+  const std::uint32_t n = p.rows * L_.top_k;
+  buf_.pred1.clear();
+  buf_.pred2.clear();
+  if (p.predict.next) {
+    by_popularity(pred1_, n, buf_.pred1);  // ordered by how many tokens chose each
+    // Noted for precision/recall when this chunk reaches layer + 1.
+    auto& noted = predicted_[p.layer + 1];
+    if (noted.size() <= chunk) noted.resize(chunk + 1);
+    noted[chunk].assign(buf_.pred1.begin(), buf_.pred1.end());
+  }
+  if (p.predict.two_layer) by_popularity(pred2_, n, buf_.pred2);
+  profile_candidates(p.layer, p.rows, buf_.profile);
+  r.next_layer = buf_.pred1.data();
+  r.n_next_layer = buf_.pred1.size();
+  r.two_layer = buf_.pred2.data();
+  r.n_two_layer = buf_.pred2.size();
+  r.profile = buf_.profile.data();
+  r.n_profile = buf_.profile.size();
+  r.spec_budget = p.spec_budget;
+  r.two_layer_max = p.two_layer_max;
 }
 
 void Window::record_actual(std::uint32_t layer, std::uint32_t chunk,
                            const std::vector<std::int32_t>& chosen) {
-  auto& slot = predicted_[layer];
-  if (chunk >= slot.size() || slot[chunk].empty()) return;
-  std::vector<char> actual(L_.n_experts, 0);
+  auto& noted = predicted_[layer];
+  if (chunk >= noted.size() || noted[chunk].empty()) return;
+  std::vector<char>& actual = buf_.actual;  // all zero between uses
   for (std::int32_t e : chosen) actual[std::uint32_t(e)] = 1;
   std::uint64_t correct = 0;
-  for (std::int32_t e : slot[chunk]) correct += actual[std::uint32_t(e)];
+  for (std::int32_t e : noted[chunk]) correct += actual[std::uint32_t(e)];
+  for (std::int32_t e : chosen) actual[std::uint32_t(e)] = 0;
   with_stats(layer, [&](LayerStats& s) {
     s.pred_correct += correct;
-    s.pred_predicted += slot[chunk].size();
+    s.pred_predicted += noted[chunk].size();
     s.pred_actual += chosen.size();
   });
-  slot[chunk].clear();
+  noted[chunk].clear();
 }
 
 void Window::wait_device(SharedEvent& ev, std::uint64_t v, const InterruptCheck& interrupt) {
@@ -693,10 +701,10 @@ void Window::wait_device(SharedEvent& ev, std::uint64_t v, const InterruptCheck&
   if (!err.empty()) throw std::logic_error(err);
 }
 
-void Window::stall_for(std::uint32_t layer, const std::vector<std::int32_t>& experts,
+void Window::stall_for(std::uint32_t layer, const std::int32_t* experts, std::size_t n,
                        const InterruptCheck& interrupt) {
   auto t0 = Clock::now();
-  stream_.wait(client_, layer, experts.data(), experts.size(), interrupt);
+  stream_.wait(client_, layer, experts, n, interrupt);
   const std::uint64_t dt = ns_since(t0);
   with_stats(layer, [&](LayerStats& st) { st.stall_ns += dt; });
 }
@@ -742,200 +750,158 @@ void Window::after(std::uint32_t layer, const std::vector<std::int32_t>& chosen,
   add_host_time(layer, timer);
 }
 
-std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t chunk,
-                                            std::uint32_t rows, const InterruptCheck& interrupt,
-                                            const Routed* routed, const WaveCompute* host) {
-  const Clock::time_point chunk_start = Clock::now();  // the governor's trials compare this
-  const std::uint32_t k = L_.top_k;
-  const std::uint64_t v = ++seq_;
-  const std::uint32_t cap = wave_capacity();
-  chunk_pred1_ = !routed || routed->pred1;
-  chunk_pred2_ = !routed || routed->pred2;
-  chunk_rounding_ = routed ? routed->rounding : Rounding{};
-  // The host computes in waves whatever the size: there is no device pass to overlap.
-  const bool decode = !host && rows <= opt_.decode_rows && rows * k <= cap;
-  const bool predict = opt_.lookahead && chunk_pred1_ && layer + 1 < L_.n_layers;
-  const std::uint32_t max_waves =
-      decode ? 0 : (std::min(L_.n_experts, rows * k) + cap - 1) / cap;
-  const std::uint64_t first_wave = wave_seq_ + 1;
+// ---- one chunk: the first submission, the host point, then the plan's executor -----------------
 
-  // ---- submission: route (+ predict), then, in one piece, every step behind an event wait ----
-  // (An externally routed chunk has its ids and predictions in the scratch already.)
-  std::vector<Command> s1;
-  if (!routed) {
-    Command route = cmd(Op::Route, layer, rows);
-    route.moce = opt_.moce;
-    s1.push_back(route);
-    if (predict) {
-      Command c = cmd(Op::RoutePredict, layer + 1, rows);
-      c.distance = 1;
-      s1.push_back(c);
-    }
-    if (predicts2(layer, decode)) {  // router scratch is reused; only the id buffer is its own
-      Command c = cmd(Op::RoutePredict, layer + 2, rows);
-      c.distance = 2;
-      s1.push_back(c);
-    }
-  }
-  s1.push_back(event_cmd(Op::Signal, routed_, v));
-  if (!opt_.split_turn && !host) {
-    if (decode) {
-      s1.push_back(event_cmd(Op::Wait, release1_, v));
-      s1.push_back(cmd(Op::Plan, layer, rows));
-      s1.push_back(pass_cmd(Op::GateUp, layer, rows, Pass::Resident));
-      s1.push_back(pass_cmd(Op::Down, layer, rows, Pass::Resident));
-      s1.push_back(event_cmd(Op::Wait, release2_, v));
-      s1.push_back(pass_cmd(Op::GateUp, layer, rows, Pass::Missing));
-      s1.push_back(pass_cmd(Op::Down, layer, rows, Pass::Missing));
-    } else {
-      for (std::uint32_t w = 0; w < max_waves; ++w) {
-        s1.push_back(event_cmd(Op::Wait, wave_release_, first_wave + w));
-        s1.push_back(cmd(Op::MoeMM, layer, rows));
-        s1.push_back(event_cmd(Op::Signal, wave_done_, first_wave + w));
-      }
-    }
-    s1.push_back(cmd(Op::Combine, layer, rows));
-    s1.push_back(event_cmd(Op::Signal, done_, v));
-  }
-  submit(std::move(s1));
-  wait_device(routed_, v, interrupt);
-  note_moce(layer, rows);
-  settle(layer, interrupt);
-
-  // ---- at_layer(l): the host reads the ids and makes the experts come ----
-  HostTimer at_layer;
-  std::vector<std::int32_t> chosen = by_popularity(ids_, rows * k);
+void Window::read_routing(const ChunkPlan& p, std::uint32_t chunk) {
+  const std::uint32_t k = L_.top_k, n = p.rows * k;
+  by_popularity(ids_, n, buf_.chosen);
   {
     std::lock_guard<std::mutex> lk(stats_mu_);
-    for (std::uint32_t i = 0; i < rows * k; ++i)  // learn the popularity profile online
-      ++profile_[std::size_t(layer) * L_.n_experts + std::uint32_t(ids_[i])];
+    for (std::uint32_t i = 0; i < n; ++i)  // learn the popularity profile online
+      ++profile_[std::size_t(p.layer) * L_.n_experts + std::uint32_t(ids_[i])];
     if (opt_.record_routes)
-      for (std::uint32_t i = 0; i < rows * k; ++i)
-        routes_.insert(routes_.end(), {std::int32_t(pass_first_token_ + row0_ + i / k),
-                                       std::int32_t(layer), ids_[i]});
+      for (std::uint32_t i = 0; i < n; ++i)
+        routes_.insert(routes_.end(), {std::int32_t(pass_first_token_ + p.row0 + i / k),
+                                       std::int32_t(p.layer), ids_[i]});
   }
-  record_actual(layer, chunk, chosen);
-  const std::uint32_t n_waves =
-      decode ? 1 : std::uint32_t((chosen.size() + cap - 1) / cap);
-  STRATA_ASSERT(decode || n_waves <= max_waves, "waves fit the encoded submission");
+  record_actual(p.layer, chunk, buf_.chosen);
+}
+
+void Window::run_chunk(const ChunkPlan& p, std::uint32_t chunk, const InterruptCheck& interrupt,
+                       const WaveCompute* compute) {
+  STRATA_ASSERT((compute != nullptr) == (p.kind == CallKind::External),
+                "the caller computes exactly the external path's experts");
+  const Clock::time_point start = Clock::now();  // the governor's trials compare this
+  const std::uint64_t v = ++seq_;
+  const std::uint64_t first_wave = wave_seq_ + 1;
+  if (p.device_before_host) {
+    encode_chunk(p, events_, v, first_wave, buf_.commands);
+    submit(buf_.commands);
+    wait_device(routed_, v, interrupt);
+    note_moce(p.layer, p.rows);
+  }
+  settle(p.layer, interrupt);
+  if (p.executor == Executor::Decode)
+    run_decode(p, chunk, v, start, interrupt);
+  else
+    run_waves(p, chunk, v, first_wave, start, interrupt, compute);
+}
+
+void Window::run_decode(const ChunkPlan& p, std::uint32_t chunk, std::uint64_t v,
+                        Clock::time_point start, const InterruptCheck& interrupt) {
+  HostTimer at_layer;
+  read_routing(p, chunk);
+  const std::vector<std::int32_t>& chosen = buf_.chosen;
+  HandshakeRequest q;
+  q.layer = p.layer;
+  q.urgent = chosen.data();
+  q.n_urgent = chosen.size();
+  add_speculation(p, chunk, q);
+  const SpecWatch watch = watch_spec();
+  const AtLayerResult r = stream_.at_layer(client_, q, interrupt);
+  count_urgent(p.layer, r.urgent);
+  add_host_time(p.layer, at_layer);
+  if (p.split) {
+    encode_step(p, Step::ResidentPass, events_, v, buf_.commands);
+    submit(buf_.commands);
+  } else {
+    release1_.signal(v);
+  }
+  stall_for(p.layer, chosen.data(), chosen.size(), interrupt);  // the resident pass runs meanwhile
+  const bool missed = r.urgent.misses > 0;
+  const bool contended = missed && spec_overlapped(watch);
+  if (p.split) {
+    encode_step(p, Step::MissingPass, events_, v, buf_.commands);
+    submit(buf_.commands);
+  } else {
+    release2_.signal(v);
+  }
+  wait_device(done_, v, interrupt);
+  observe_handshake(true, missed, contended, ns_since(start));
+}
+
+void Window::run_waves(const ChunkPlan& p, std::uint32_t chunk, std::uint64_t v,
+                       std::uint64_t first_wave, Clock::time_point start,
+                       const InterruptCheck& interrupt, const WaveCompute* compute) {
+  HostTimer at_layer;
+  read_routing(p, chunk);
+  const std::vector<std::int32_t>& chosen = buf_.chosen;
+  const std::uint32_t n_waves = p.waves(chosen.size());
+  STRATA_ASSERT(compute || n_waves <= p.max_waves, "waves fit the encoded submission");
   const bool multi = n_waves > 1;
-
-  if (decode) {
-    std::vector<std::int32_t> predicted = predictions(layer, chunk, rows);
-    std::vector<std::int32_t> predicted2 = predictions2(layer, rows, true);
-    std::uint32_t cap = spec_cap();  // the governor's, shared by every speculative class
-    cap = limit_new(predicted, layer + 1, cap);
-    const std::uint32_t cap2 = limit_new(predicted2, layer + 2, cap);
-    const SpecWatch watch = watch_spec();
-    AtLayerResult r = stream_.at_layer(client_, layer, chosen.data(), chosen.size(),
-                                       predicted.data(), predicted.size(), interrupt,
-                                       predicted2.data(), predicted2.size());
-    count_urgent(layer, r.urgent);
-    add_host_time(layer, at_layer);
-    if (opt_.split_turn)
-      submit({cmd(Op::Plan, layer, rows),
-                        pass_cmd(Op::GateUp, layer, rows, Pass::Resident),
-                        pass_cmd(Op::Down, layer, rows, Pass::Resident)});
-    else
-      release1_.signal(v);
-    // With the device released: the fallback costs the device nothing while it waits.
-    queue_profile(layer, rows, cap2, interrupt);
-    stall_for(layer, chosen, interrupt);  // the resident pass runs meanwhile
-    const bool missed = r.urgent.misses > 0;
-    const bool contended = missed && spec_overlapped(watch);
-    if (opt_.split_turn)
-      submit({pass_cmd(Op::GateUp, layer, rows, Pass::Missing),
-                        pass_cmd(Op::Down, layer, rows, Pass::Missing),
-                        cmd(Op::Combine, layer, rows), event_cmd(Op::Signal, done_, v)});
-    else
-      release2_.signal(v);
-    wait_device(done_, v, interrupt);
-    observe_handshake(true, missed, contended, ns_since(chunk_start));
-    return chosen;
-  }
-
-  // Prompt: every expert of a wave is resident before the device may start it.
-  add_host_time(layer, at_layer);
+  add_host_time(p.layer, at_layer);
+  // Every expert of a wave is resident before the wave may start.
   bool missed = false, contended = false;
   for (std::uint32_t w = 0; w < n_waves; ++w) {
-    auto begin = chosen.begin() + std::ptrdiff_t(w) * cap;
-    auto end = chosen.begin() + std::ptrdiff_t(std::min<std::size_t>((w + 1) * cap, chosen.size()));
-    std::vector<std::int32_t> wave(begin, end);
+    const std::size_t begin = std::size_t(w) * p.wave_capacity;
+    const std::size_t end = std::min<std::size_t>(begin + p.wave_capacity, chosen.size());
+    const std::int32_t* wave = chosen.data() + begin;
+    const std::size_t n = end - begin;
     HostTimer wave_timer;
-    stream_.enter_layer(client_, layer, wave.data(), wave.size());  // finished waves make room
+    HandshakeRequest q;  // finished waves make room: only this wave's experts are protected
+    q.layer = p.layer;
+    q.urgent = wave;
+    q.n_urgent = n;
+    q.publish = w == 0;
+    if (w + 1 == n_waves) add_speculation(p, chunk, q);  // behind the last wave's reads
     const SpecWatch watch = watch_spec();
-    RequestResult r = stream_.request(client_, layer, wave.data(), wave.size(), ReadClass::Urgent,
-                                      interrupt);
-    count_urgent(layer, r);
-    if (w == 0) stream_.publish(layer);
-    if (w + 1 == n_waves) {  // predictions queue behind the last wave's reads
-      std::uint32_t cap = spec_cap();  // the governor's, shared by every speculative class
-      std::vector<std::int32_t> p = predictions(layer, chunk, rows);
-      if (!p.empty() && cap > 0) {
-        RequestResult r1 =
-            stream_.request(client_, layer + 1, p.data(), p.size(), ReadClass::Pred1, interrupt,
-                            cap);
-        if (cap != PrefetchGovernor::kUnlimited) cap -= std::min(cap, r1.spec_started);
-      }
-      std::vector<std::int32_t> p2 = predictions2(layer, rows, false);
-      if (!p2.empty() && cap > 0)
-        stream_.request(client_, layer + 2, p2.data(), p2.size(), ReadClass::Pred2, interrupt,
-                        std::min(cap, opt_.pred2_max));
-      queue_profile(layer, rows, cap, interrupt);
-    }
-    add_host_time(layer, wave_timer);
-    stall_for(layer, wave, interrupt);
-    if (r.misses > 0) {
+    const AtLayerResult r = stream_.at_layer(client_, q, interrupt);
+    count_urgent(p.layer, r.urgent);
+    add_host_time(p.layer, wave_timer);
+    stall_for(p.layer, wave, n, interrupt);
+    if (r.urgent.misses > 0) {
       missed = true;
       contended = contended || spec_overlapped(watch);
     }
-    std::vector<std::uint8_t> resident(wave.size());
-    if (multi)  // I8 by pins
-      stream_.plan(client_, layer, wave.data(), wave.size(), resident.data());
-    if (host) {
-      // The host's expert pass over this wave: slots from smap, now stable (enter_layer
-      // protects them; with several waves the plan pins them too).
-      std::vector<char> in_wave(L_.n_experts, 0);
-      for (std::int32_t e : wave) in_wave[std::uint32_t(e)] = 1;
-      std::vector<std::uint32_t> slots(std::size_t(rows) * k, kAbsent);
-      for (std::size_t i = 0; i < slots.size(); ++i) {
-        const std::uint32_t e = std::uint32_t(ids_[i]);
-        if (!in_wave[e]) continue;
-        slots[i] = stream_.smap_at(layer * L_.n_experts + e);
-        STRATA_ASSERT(slots[i] != kAbsent, "a waited-for expert is published");
+    if (compute) {
+      // The caller's expert pass over this wave: each entry's slot from one locked snapshot
+      // (at_layer protects them; with several waves the snapshot pins them too: I4, I8).
+      buf_.wave_slots.resize(n);
+      stream_.plan_slots(client_, p.layer, wave, n, buf_.wave_slots.data(), multi);
+      for (std::size_t i = 0; i < n; ++i) {
+        STRATA_ASSERT(buf_.wave_slots[i] != kAbsent, "a waited-for expert is published");
+        buf_.slot_of[std::uint32_t(wave[i])] = buf_.wave_slots[i];
       }
-      (*host)(row0_, rows, slots.data());
+      buf_.entry_slots.resize(std::size_t(p.rows) * L_.top_k);
+      for (std::size_t i = 0; i < buf_.entry_slots.size(); ++i)
+        buf_.entry_slots[i] = buf_.slot_of[std::uint32_t(ids_[i])];
+      for (std::size_t i = 0; i < n; ++i) buf_.slot_of[std::uint32_t(wave[i])] = kAbsent;
+      (*compute)(p.row0, p.rows, buf_.entry_slots.data());
       if (multi) stream_.release_plan(client_);
       continue;
     }
-    std::copy(wave.begin(), wave.end(), wave_);
-    wave_n_[0] = std::uint32_t(wave.size());
+    if (multi) {  // I8 by pins
+      buf_.wave_slots.resize(n);
+      stream_.plan_slots(client_, p.layer, wave, n, buf_.wave_slots.data(), true);
+    }
+    std::copy(wave, wave + n, wave_);
+    wave_n_[0] = std::uint32_t(n);
     const std::uint64_t wv = ++wave_seq_;
-    if (opt_.split_turn)
-      submit({cmd(Op::MoeMM, layer, rows), event_cmd(Op::Signal, wave_done_, wv)});
-    else
+    if (p.split) {
+      encode_step(p, Step::Wave, events_, wv, buf_.commands);
+      submit(buf_.commands);
+    } else {
       wave_release_.signal(wv);
+    }
     wait_device(wave_done_, wv, interrupt);
     if (multi) stream_.release_plan(client_);
   }
-  with_stats(layer, [&](LayerStats& st) { st.waves += n_waves; });
-  if (host) {
-    observe_handshake(false, missed, contended, ns_since(chunk_start));
-    return chosen;
-  }
-  if (opt_.split_turn) {
-    submit({cmd(Op::Combine, layer, rows), event_cmd(Op::Signal, done_, v)});
-  } else {
-    for (std::uint32_t w = n_waves; w < max_waves; ++w) {  // encoded waves this chunk needs not
-      wave_n_[0] = 0;
-      const std::uint64_t wv = ++wave_seq_;
-      wave_release_.signal(wv);
-      wait_device(wave_done_, wv, interrupt);
+  with_stats(p.layer, [&](LayerStats& st) { st.waves += n_waves; });
+  if (!compute) {
+    if (p.split) {
+      encode_step(p, Step::Finish, events_, v, buf_.commands);
+      submit(buf_.commands);
+    } else {
+      for (std::uint64_t wv = first_wave + n_waves; wv < first_wave + p.max_waves; ++wv) {
+        wave_n_[0] = 0;  // encoded waves this chunk needs not
+        wave_seq_ = wv;
+        wave_release_.signal(wv);
+        wait_device(wave_done_, wv, interrupt);
+      }
     }
+    wait_device(done_, v, interrupt);
   }
-  wait_device(done_, v, interrupt);
-  observe_handshake(false, missed, contended, ns_since(chunk_start));
-  return chosen;
+  observe_handshake(false, missed, contended, ns_since(start));
 }
 
 }  // namespace strata

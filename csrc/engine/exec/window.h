@@ -1,10 +1,13 @@
 // Window: one MoE layer call = route -> handshake -> expert passes (docs/architecture.md section 2).
 //
 // The host side of the per-layer CPU/GPU handshake. Owns the backend, the routers and the
-// scratch; drives ExpertStream at the two host points of every layer:
-//   at_layer(l):    read the routed ids, request missing experts urgently, publish completed
-//                   prefetches of l+1..l+2, queue predictions behind urgent work, release device;
-//   after_layer(l): protect l+1, retire unchosen predictions of l to limbo, release limbo.
+// scratch. Every chunk of a call is planned once (plan_chunk, exec/chunk_plan.h), encoded into
+// backend commands and run by one of two executors (decode, waves), which drive ExpertStream at
+// the host points of every layer:
+//   at_layer(l):     one call per host point (decode, or each wave): protect and request the
+//                    routed experts urgently, publish completed prefetches of l+1..l+2, queue
+//                    the predictions behind them within one budget; then the device is released;
+//   finish_layer(l): protect l+1, retire unchosen predictions of l to limbo, release limbo.
 //
 // Threads. Every method may be called from any thread at any time. A turn belongs to the thread
 // that opened it: moe(), begin_turn() and end_turn() from another thread while it is open raise
@@ -29,6 +32,7 @@
 #include <vector>
 
 #include "exec/backend.h"
+#include "exec/chunk_plan.h"
 #include "residency/expert_stream.h"
 #include "policy/prefetch_governor.h"
 #include "exec/scratch.h"
@@ -38,9 +42,11 @@ namespace strata {
 
 struct WindowOptions {
   bool lookahead = true;         // router l+1 on layer l's input, in prompt and decode
-  bool prompt_pred2 = false;     // STRATA_METAL_PROMPT_PRED2: also router l+2, prompt path
-  std::uint32_t pred2_max = 64;  // STRATA_METAL_PROMPT_PRED2_MAX: new l+2 reads per handshake
-  bool decode_prefetch2 = false; // STRATA_METAL_PREFETCH2: also router l+2, decode path
+  // Two-layer lookahead: router l+2 on layer l's input too, for decode-sized chunks
+  // (STRATA_METAL_PREFETCH2) and for larger ones (STRATA_METAL_PROMPT_PRED2), on every path.
+  bool two_layer_decode = false;
+  bool two_layer_prompt = false;
+  std::uint32_t two_layer_max = 64;  // STRATA_METAL_PROMPT_PRED2_MAX: new l+2 reads per handshake
   // STRATA_METAL_PROMPT_BUF_REUSE: keep the prompt scratch (and the backend's views of it)
   // across turns instead of releasing it when a turn ends.
   bool prompt_buf_reuse = false;
@@ -81,6 +87,9 @@ struct LayerStats {
   std::uint64_t settle_ns = 0;  // host waiting for speculative reads (deterministic moce path)
 };
 
+// What a Window's own route needs of its backend (moce), for choosing one (make_backend).
+Capability route_capability(const PackLayout& layout, const MoceParams& moce);
+
 struct HostTimer;  // window.cpp: times a host-work section as wall and thread CPU time
 
 class Window {
@@ -105,11 +114,11 @@ class Window {
   // ---- externally routed calls: the model routes with its own gate (any family) ----
   enum class XType : std::uint8_t { F32, F16, BF16 };
   // One call's routing, [rows, top_k] each, row-major. pred1/pred2: the model's gates of layers
-  // l+1 / l+2 applied to this layer's input (null: no prediction at that distance). pred1 is
-  // used when lookahead is on, pred2 when two-layer prediction is on for the path taken.
+  // l+1 / l+2 applied to this layer's input (null: no prediction at that distance), used as
+  // wants_predictions says.
   struct Routed {
     const std::int32_t* ids = nullptr;
-    const float* weights = nullptr;  // mixture weights; unused by moe_routed_host
+    const float* weights = nullptr;  // mixture weights; unused by moe_routed_external
     const std::int32_t* pred1 = nullptr;
     const std::int32_t* pred2 = nullptr;
     // How moe_routed's expert passes round (backend.h): an Mlx mode reproduces mlx-lm's own
@@ -123,15 +132,20 @@ class Window {
   // the engine's own router) and std::out_of_range for an expert id outside [0, n_experts).
   void moe_routed(std::uint32_t layer, const void* x, XType xt, std::uint32_t rows,
                   const Routed& routed, float* out, const InterruptCheck& interrupt = {});
-  // The host computes the experts (the MLX-kernel path): the same handshake, then for every
+  // The caller computes the experts (the MLX-kernel path; on a Mac MLX runs them on the GPU):
+  // the same handshake, with nothing submitted to this Window's device, then for every
   // wave compute(row0, rows, slots) with slots[rows * top_k] the arena slot of each entry of
   // rows [row0, row0 + rows) whose expert is in the wave, kAbsent for the others. Those slots
   // hold their experts (published, protected by enter_layer and, with several waves, pinned by
   // a plan: I4, I8) until compute returns. Every entry appears in exactly one wave.
   using WaveCompute =
       std::function<void(std::uint32_t row0, std::uint32_t rows, const std::uint32_t* slots)>;
-  void moe_routed_host(std::uint32_t layer, std::uint32_t rows, const Routed& routed,
-                       const WaveCompute& compute, const InterruptCheck& interrupt = {});
+  void moe_routed_external(std::uint32_t layer, std::uint32_t rows, const Routed& routed,
+                           const WaveCompute& compute, const InterruptCheck& interrupt = {});
+  // Which predictions (router l+1, l+2 on layer l's input) an externally routed call of `rows`
+  // rows at `layer` uses, so that its caller runs only those gates: the engine's one decision
+  // (chunk_plan.h), the same for moe_routed and moe_routed_external.
+  Lookahead wants_predictions(std::uint32_t layer, std::uint32_t rows) const;
 
   // Opens an explicit turn (ending an implicit one of this thread). Turn error if one is open.
   void begin_turn();
@@ -165,7 +179,7 @@ class Window {
   PrefetchGovernor governor() const;  // a snapshot
   std::string backend_name() const { return backend_name_; }
   // Why this Window's backend cannot compute its pack's expert passes in `a`; "" when it can
-  // (Backend::arithmetic_unsupported, asked once at construction).
+  // (Backend::unsupported, asked once at construction).
   const std::string& arithmetic_unsupported(Arithmetic a) const {
     return arithmetic_why_[std::size_t(a)];
   }
@@ -187,35 +201,40 @@ class Window {
   // The one teardown path of the scratch: at turn end (unless kept) and at destruction.
   void release_scratch();
   // Checks turn order, runs chunk(r0, n, index) over the call's chunks of at most max_rows rows
-  // (each returns the experts it chose), then the after-layer host point. Any error abandons
-  // the turn with the stream usable.
-  using ChunkFn = std::function<std::vector<std::int32_t>(std::uint32_t r0, std::uint32_t n,
-                                                          std::uint32_t chunk)>;
+  // (each leaves the experts it chose in buf_.chosen), then the after-layer host point. Any error
+  // abandons the turn with the stream usable.
+  using ChunkFn = std::function<void(std::uint32_t r0, std::uint32_t n, std::uint32_t chunk)>;
   void run_call(std::uint32_t layer, std::uint32_t rows, const ChunkFn& chunk,
                 const InterruptCheck& interrupt);
   void check_routed(const Routed& routed, std::uint32_t rows, bool need_weights) const;
   // Copies rows [r0, r0 + n) of the routing into the scratch (ids, weights, predictions).
   void stage_routed(const Routed& routed, std::uint32_t r0, std::uint32_t n);
-  // backend_->submit with the chunk's rounding on its expert passes.
-  void submit(std::vector<Command> commands);
-  // Returns the experts the chunk chose, most popular first. routed: the routing is already in
-  // the scratch (no Route commands); host: the host computes each wave (no expert commands).
-  std::vector<std::int32_t> run_chunk(std::uint32_t layer, std::uint32_t chunk, std::uint32_t rows,
-                                      const InterruptCheck& interrupt,
-                                      const Routed* routed = nullptr,
-                                      const WaveCompute* host = nullptr);
-  std::vector<std::int32_t> by_popularity(const std::int32_t* ids, std::uint32_t n) const;
-  // Router l+1's picks for this chunk, most popular first (empty when not predicting), noted
-  // for precision/recall.
-  std::vector<std::int32_t> predictions(std::uint32_t layer, std::uint32_t chunk,
-                                        std::uint32_t rows);
-  bool predicts2(std::uint32_t layer, bool decode) const;
-  // Router l+2's picks, most popular first (empty unless two-layer prediction is on here).
-  std::vector<std::int32_t> predictions2(std::uint32_t layer, std::uint32_t rows, bool decode);
+  // plan_chunk with this Window's rules, its wave capacity now and the governor's cap now.
+  ChunkPlan plan(CallKind kind, std::uint32_t layer, std::uint32_t r0, std::uint32_t rows,
+                 const Routed* routed) const;
+  // Runs one planned chunk: the first submission, the host point's bookkeeping, then the
+  // plan's executor. Leaves the experts the chunk chose in buf_.chosen, most popular first.
+  // compute: the caller's expert pass (CallKind::External).
+  void run_chunk(const ChunkPlan& p, std::uint32_t chunk, const InterruptCheck& interrupt,
+                 const WaveCompute* compute = nullptr);
+  void run_decode(const ChunkPlan& p, std::uint32_t chunk, std::uint64_t v,
+                  Clock::time_point start, const InterruptCheck& interrupt);
+  void run_waves(const ChunkPlan& p, std::uint32_t chunk, std::uint64_t v,
+                 std::uint64_t first_wave, Clock::time_point start,
+                 const InterruptCheck& interrupt, const WaveCompute* compute);
+  void submit(const std::vector<Command>& commands) { backend_->submit(commands); }
+  // Learns the chunk's routing (profile, recorded routes, precision) and leaves its experts in
+  // buf_.chosen, most popular first.
+  void read_routing(const ChunkPlan& p, std::uint32_t chunk);
+  // The distinct ids of ids[0, n) into `out`, most chosen first (ties to the lower id).
+  void by_popularity(const std::int32_t* ids, std::uint32_t n, std::vector<std::int32_t>& out);
+  // The speculative lists of the chunk's last host point, per the plan, into `r` (their lists
+  // live in buf_): router l+1's and l+2's picks, or with lookahead off the profile's.
+  void add_speculation(const ChunkPlan& p, std::uint32_t chunk, HandshakeRequest& r);
   void record_actual(std::uint32_t layer, std::uint32_t chunk,
                      const std::vector<std::int32_t>& chosen);
   void wait_device(SharedEvent& ev, std::uint64_t v, const InterruptCheck& interrupt);
-  void stall_for(std::uint32_t layer, const std::vector<std::int32_t>& experts,
+  void stall_for(std::uint32_t layer, const std::int32_t* experts, std::size_t n,
                  const InterruptCheck& interrupt);
   void after(std::uint32_t layer, const std::vector<std::int32_t>& chosen,
              const InterruptCheck& interrupt);
@@ -226,17 +245,14 @@ class Window {
 
   // ---- speculation policy ----
   // Layer `layer`'s experts the profile has seen, most popular first (ties to the lower id),
-  // at most n of them.
-  std::vector<std::int32_t> profile_ranked(std::uint32_t layer, std::size_t n) const;
+  // at most n of them, into `out`.
+  void profile_ranked(std::uint32_t layer, std::size_t n, std::vector<std::int32_t>& out) const;
   // New speculative reads this handshake may start: the governor's cap, or unlimited.
   std::uint32_t spec_cap() const;
-  // Truncates `experts` (of `layer`) so that at most `cap` of them are unpublished, i.e. may
-  // start a read; returns the cap left over (kUnlimited stays kUnlimited).
-  std::uint32_t limit_new(std::vector<std::int32_t>& experts, std::uint32_t layer,
-                          std::uint32_t cap) const;
-  // Lookahead off: queue the profile's favourites of layer+1 as Profile reads (I9, I10).
-  void queue_profile(std::uint32_t layer, std::uint32_t rows, std::uint32_t cap,
-                     const InterruptCheck& interrupt);
+  // Lookahead off: layer+1's profile favourites that a chunk of `rows` rows more likely than not
+  // uses, into `out` (empty when the fallback is off or beyond the last layer: I10).
+  void profile_candidates(std::uint32_t layer, std::uint32_t rows,
+                          std::vector<std::int32_t>& out) const;
   // Was speculation reading while the host waited for urgent reads? Brackets the wait.
   struct SpecWatch {
     std::uint64_t in_flight_before = 0, started_before = 0;
@@ -246,6 +262,7 @@ class Window {
   // One handshake's evidence for the governor.
   void observe_handshake(bool decode, bool missed, bool contended, std::uint64_t wall_ns);
   std::uint32_t wave_capacity() const;
+  PlanRules rules() const;
 
   ExpertStream& stream_;
   std::unique_ptr<Backend> backend_;  // null once closed
@@ -265,15 +282,29 @@ class Window {
   std::int32_t* wave_ = nullptr;
   std::uint32_t* wave_n_ = nullptr;
   float* weights_ = nullptr;
-  // Whether this chunk has predictions at distance 1 / 2 to use (an externally routed call may
-  // bring none).
-  bool chunk_pred1_ = true, chunk_pred2_ = true;
-  // The rounding of this chunk's expert passes, stamped on them by submit().
-  Rounding chunk_rounding_;
+
+  const PlanRules rules_;  // immutable after construction: what plan_chunk decides by
+  // The driving call's working lists, reused from chunk to chunk so that a warm layer call
+  // allocates nothing (busy_ holder only; each sized once by the constructor or by the largest
+  // chunk seen).
+  struct ChunkBuffers {
+    std::vector<Command> commands;          // the submission being encoded
+    std::vector<std::uint32_t> votes;       // [n_experts] by_popularity's counts, kept zero
+    std::vector<std::int32_t> chosen;       // this chunk's distinct experts, most popular first
+    std::vector<std::int32_t> call_chosen;  // the call's distinct experts, in chunk order
+    std::vector<char> seen;                 // [n_experts] run_call's marks, zero between calls
+    std::vector<char> actual;               // [n_experts] record_actual's marks, kept zero
+    std::vector<std::int32_t> pred1, pred2, profile;  // the chunk's speculative lists
+    std::vector<std::uint32_t> wave_slots;  // the wave's experts' slots (plan_slots)
+    std::vector<std::uint32_t> slot_of;     // [n_experts] expert -> slot this wave, else kAbsent
+    std::vector<std::uint32_t> entry_slots; // [rows * top_k] the slots compute() is given
+  } buf_;
 
   // Handshake events. Values only grow: every chunk takes seq_ + 1, every prompt wave
   // wave_seq_ + 1, so a stale signal can never release a later wait.
   SharedEvent routed_, release1_, release2_, done_, wave_release_, wave_done_;
+  const HandshakeEvents events_{&routed_, &release1_, &release2_, &done_, &wave_release_,
+                                &wave_done_};
   std::uint64_t seq_ = 0, wave_seq_ = 0;
 
   // door_mu_: who may drive the Window. The busy_ holder alone touches everything below that
@@ -305,7 +336,6 @@ class Window {
   void queue_start_layers();
   std::int64_t tokens_seen_ = 0;      // tokens whose layer-0 call has started
   std::int64_t pass_first_token_ = 0; // first token of the pass now running
-  std::uint32_t row0_ = 0;            // first row of the chunk now running
   // predicted_[layer][chunk]: experts router `layer` chose on layer-1's input, for
   // precision/recall when that chunk reaches `layer`.
   std::vector<std::vector<std::vector<std::int32_t>>> predicted_;

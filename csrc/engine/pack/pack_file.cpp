@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <stdexcept>
 #include <utility>
 #include <sstream>
 
@@ -84,6 +85,49 @@ std::string field_value(const char* name, std::uint64_t value) {
 std::uint64_t float_bytes(std::uint32_t fmt) { return fmt == 0 ? 4 : 2; }
 
 }  // namespace
+
+std::uint64_t canonical_tensors(const PackLayout& L, std::vector<TensorEntry>* out) {
+  auto add = [](std::uint64_t a, std::uint64_t b) {
+    std::uint64_t r;
+    if (__builtin_add_overflow(a, b, &r)) throw std::overflow_error("record_bytes");
+    return r;
+  };
+  auto mul = [](std::uint64_t a, std::uint64_t b) {
+    std::uint64_t r;
+    if (__builtin_mul_overflow(a, b, &r)) throw std::overflow_error("record_bytes");
+    return r;
+  };
+  const std::uint32_t fmt = static_cast<std::uint32_t>(L.weight_format);
+  const bool quant = fmt >= 3, mxfp4 = L.weight_format == WeightFormat::Mxfp4;
+  out->clear();
+  std::uint64_t at = 0;
+  auto tensor = [&](std::uint32_t matrix, std::uint32_t role, std::uint32_t rows,
+                    std::uint64_t cols, std::uint64_t elem) {
+    at = add(at, kTensorAlign - 1) / kTensorAlign * kTensorAlign;
+    const std::uint64_t nbytes = mul(mul(rows, cols), elem);
+    // cols is at most a u32 (a quantized row has fewer words than elements).
+    out->push_back(TensorEntry{matrix, role, at, nbytes, rows, std::uint32_t(cols)});
+    at = add(at, nbytes);
+  };
+  for (std::uint32_t mat = 0; mat < 3; ++mat) {
+    const std::uint32_t rows = mat == 2 ? L.hidden : L.moe_intermediate;
+    const std::uint32_t cols = mat == 2 ? L.moe_intermediate : L.hidden;
+    if (!quant) {
+      tensor(mat, 0, rows, cols, float_bytes(fmt));
+    } else if (mxfp4) {  // codes, then one u8 exponent per group: no biases
+      tensor(mat, 0, rows, std::uint64_t(cols) * 4 / 32, 4);
+      tensor(mat, 1, rows, cols / L.group_size, 1);
+    } else {
+      const std::uint64_t bits = L.weight_format == WeightFormat::Q4 ? 4 : 8;
+      tensor(mat, 0, rows, std::uint64_t(cols) * bits / 32, 4);  // cols % 32 == 0 (group_size)
+      tensor(mat, 1, rows, cols / L.group_size, float_bytes(L.scale_format));
+      tensor(mat, 2, rows, cols / L.group_size, float_bytes(L.scale_format));
+    }
+    // The expert's own Linear bias [1, rows] (gpt-oss), after the weight's tensors.
+    if (L.bias_format) tensor(mat, kRoleBias, 1, rows, float_bytes(L.bias_format - 1));
+  }
+  return at;
+}
 
 PackLayout parse_pack_header(const unsigned char* h, std::size_t n, const std::string& path,
                              std::uint64_t actual) {
@@ -186,38 +230,16 @@ PackLayout parse_pack_header(const unsigned char* h, std::size_t n, const std::s
                     ", not a multiple of group_size " + std::to_string(L.group_size));
   }
 
-  // The canonical tensor table: gate, up, down; weight (then scales, biases when quantized),
-  // each at the previous end rounded up to 256.
   const LayoutMath m(path);
   std::vector<TensorEntry> want;
-  std::uint64_t at = 0;
-  auto add = [&](std::uint32_t matrix, std::uint32_t role, std::uint32_t rows, std::uint64_t cols,
-                 std::uint64_t elem) {
-    at = m.align(at, 256, "record_bytes");
-    const std::uint64_t nbytes = m.mul(m.mul(rows, cols, "record_bytes"), elem, "record_bytes");
-    // cols is at most a u32 (a quantized row has fewer words than elements).
-    want.push_back(TensorEntry{matrix, role, at, nbytes, rows, std::uint32_t(cols)});
-    at = m.add(at, nbytes, "record_bytes");
-  };
-  for (std::uint32_t mat = 0; mat < 3; ++mat) {
-    const std::uint32_t rows = mat == 2 ? L.hidden : L.moe_intermediate;
-    const std::uint32_t cols = mat == 2 ? L.moe_intermediate : L.hidden;
-    if (!quant) {
-      add(mat, 0, rows, cols, float_bytes(fmt));
-    } else if (mxfp4) {  // codes, then one u8 exponent per group: no biases
-      add(mat, 0, rows, std::uint64_t(cols) * 4 / 32, 4);
-      add(mat, 1, rows, cols / L.group_size, 1);
-    } else {
-      const std::uint64_t bits = fmt == 3 ? 4 : 8;
-      add(mat, 0, rows, std::uint64_t(cols) * bits / 32, 4);  // cols % 32 == 0 (group_size)
-      add(mat, 1, rows, cols / L.group_size, float_bytes(L.scale_format));
-      add(mat, 2, rows, cols / L.group_size, float_bytes(L.scale_format));
-    }
-    // The expert's own Linear bias [1, rows] (gpt-oss), after the weight's tensors.
-    if (L.bias_format) add(mat, kRoleBias, 1, rows, float_bytes(L.bias_format - 1));
+  std::uint64_t record_bytes = 0;
+  try {
+    record_bytes = canonical_tensors(L, &want);
+  } catch (const std::overflow_error&) {
+    bad(path, "header field record_bytes: the layout the geometry and format imply overflows 64 "
+              "bits");
   }
   const std::uint64_t keys = std::uint64_t(L.n_layers) * L.n_experts;  // <= 2^28
-  const std::uint64_t record_bytes = at;
   const std::uint64_t stride = m.align(record_bytes, kPage, "record_stride");
   const std::uint64_t router_offset =
       m.align(m.add(kHeaderBytes, L.meta_bytes, "meta_bytes"), kPage, "meta_bytes");

@@ -69,6 +69,14 @@ struct PackLayout {
   }
 };
 
+// The weight-format-to-tensor-table rule, the engine's one statement of it (docs/pack-format.md):
+// gate, up, down; each matrix's weight, then its scales (and biases, for affine q4/q8), then its
+// own Linear bias when the pack has them, each at the previous end rounded up to kTensorAlign.
+// Fills `out` for L's geometry and formats (already validated) and returns the record's bytes,
+// the end of its last tensor. Throws std::overflow_error when a size overflows 64 bits.
+constexpr std::uint64_t kTensorAlign = 256;
+std::uint64_t canonical_tensors(const PackLayout& L, std::vector<TensorEntry>* out);
+
 // Parses and validates the header of `path`. Throws EngineError(Pack) naming the file and the
 // field on bad magic, version, crc, a file size that disagrees, or any field that differs from
 // the canonical layout its geometry, format and meta_bytes imply (docs/pack-format.md): as strict

@@ -65,6 +65,8 @@
 #include <cstdint>
 #include <utility>
 
+#include "residency/slot.h"
+
 namespace strata {
 
 enum class GovernorState : std::uint8_t { Open, Throttled, Closed, Probing, Trial };
@@ -109,7 +111,7 @@ struct GovernorSample {
 
 class PrefetchGovernor {
  public:
-  static constexpr std::uint32_t kUnlimited = 0xFFFFFFFFu;
+  static constexpr std::uint32_t kUnlimited = kUnlimitedReads;
 
   explicit PrefetchGovernor(const GovernorOptions& options = {});
 

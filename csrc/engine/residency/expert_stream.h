@@ -13,8 +13,16 @@
 // concurrently is race-free.
 //
 // Invariants I1-I10 of docs/architecture.md: each slot transition asserts the ones it relies on
-// (STRATA_ASSERT, on in debug and sanitizer builds); check_invariants() scans the whole table
+// (STRATA_ASSERT, on in debug and sanitizer builds); the invariant checker scans the whole table
 // for I1 and I3-I7 on demand, and tests/test_stream_state_machine.py calls it after every step.
+//
+// Tests reach the hooks that are no part of the product (manual IO, fault injection, the
+// invariant checker, forced eviction) through StreamTesting (residency/stream_testing.h) only.
+//
+// The implementation is one file per concept: expert_stream.cpp (construction, close, views),
+// stream_clients.cpp, slot_transitions.cpp, stream_eviction.cpp, stream_requests.cpp (with the
+// one bounded wait), stream_handshake.cpp, stream_io.cpp, stream_disposal.cpp and
+// stream_invariants.cpp.
 #pragma once
 
 #include <atomic>
@@ -29,9 +37,9 @@
 #include <thread>
 #include <vector>
 
+#include "common/errors.h"
 #include "residency/arena.h"
 #include "residency/eviction_policy.h"
-#include "residency/fault_injection.h"
 #include "residency/io_queue.h"
 #include "residency/lru_list.h"
 #include "residency/protection_set.h"
@@ -44,7 +52,7 @@ namespace strata {
 
 struct StreamOptions {
   std::uint64_t arena_bytes = 1ull << 30;
-  std::uint32_t io_threads = 4;  // 0 = manual IO: tests run each part read with run_job()
+  std::uint32_t io_threads = 4;  // 0 = manual IO: tests run each part read (StreamTesting)
   std::uint64_t part_bytes = 1ull << 20;
   bool direct_io = true;
   bool verify_reads = true;  // CRC32C of every record read (skipped with simulate_io)
@@ -63,10 +71,35 @@ struct RequestResult {
   std::uint32_t dropped = 0;  // speculative requests that found no space
 };
 
+// One host point of the handshake (docs/architecture.md section 2): a decode chunk's at_layer,
+// or one wave of a prompt chunk. The lists are expert ids; each speculative list is ordered
+// most wanted first and queued behind everything before it.
+struct HandshakeRequest {
+  std::uint32_t layer = 0;
+  // The routed experts the device reads next: protected (I4) and requested urgently.
+  const std::int32_t* urgent = nullptr;
+  std::size_t n_urgent = 0;
+  bool publish = true;  // publish completed prefetches of l+1..l+2 (I2): a chunk's first point
+  // Router l+1's picks (lookahead), router l+2's (two-layer lookahead), and (lookahead off)
+  // layer l+1's profile favourites.
+  const std::int32_t* next_layer = nullptr;
+  std::size_t n_next_layer = 0;
+  const std::int32_t* two_layer = nullptr;
+  std::size_t n_two_layer = 0;
+  const std::int32_t* profile = nullptr;
+  std::size_t n_profile = 0;
+  // The one speculation budget: new reads Pred1, then Pred2, then Profile may start together
+  // (0: none of them is requested); Pred2's share is further capped by two_layer_max. I9 holds
+  // regardless: speculation never waits for space.
+  std::uint32_t spec_budget = kUnlimitedReads;
+  std::uint32_t two_layer_max = kUnlimitedReads;
+};
+
 struct AtLayerResult {
   RequestResult urgent;     // the routed experts
   RequestResult predicted;  // router l+1's picks, queued behind them
   RequestResult predicted2; // router l+2's picks, behind those
+  RequestResult profile;    // the profile fallback, last
   std::uint32_t published = 0;
 };
 
@@ -80,17 +113,17 @@ struct SlotInfo {
   std::uint64_t last_use;
 };
 
-struct JobInfo {
-  std::uint32_t slot, key, part;
-  ReadClass cls;
-};
-
 // Called (without mu_) while a wait blocks; returns normally or throws to abort the wait.
 using InterruptCheck = std::function<void()>;
 
-// Error codes kept in a failed slot besides errno values.
+// Why a failed slot failed (Slot::err), where it is not an errno (> 0): a read that came back
+// short (kShortRead), or a record that failed its CRC32C (kChecksumMismatch).
 constexpr int kShortRead = -1;
 constexpr int kChecksumMismatch = -2;
+
+class FaultInjector;        // residency/fault_injection.h: tests' failing reads
+struct StreamTesting;       // residency/stream_testing.h: the testing seam
+struct JobInfo;
 
 class ExpertStream {
  public:
@@ -145,7 +178,7 @@ class ExpertStream {
   // max_new caps how many experts not already present it starts reading (speculative caps).
   RequestResult request(std::uint32_t layer, const std::int32_t* experts, std::size_t n,
                         ReadClass cls, const InterruptCheck& interrupt = {},
-                        std::uint32_t max_new = 0xFFFFFFFFu) {
+                        std::uint32_t max_new = kUnlimitedReads) {
     return request(kStreamClient, layer, experts, n, cls, interrupt, max_new);
   }
   // As the client `who`: an urgent request that finds every slot protected waits (bounded by
@@ -153,7 +186,7 @@ class ExpertStream {
   // with ArenaFull when none can (every other holder is itself waiting, or the time is up).
   RequestResult request(ClientId who, std::uint32_t layer, const std::int32_t* experts,
                         std::size_t n, ReadClass cls, const InterruptCheck& interrupt = {},
-                        std::uint32_t max_new = 0xFFFFFFFFu);
+                        std::uint32_t max_new = kUnlimitedReads);
   // Blocks until every listed expert is complete and published. Throws ExpertReadError for a
   // failed read (and recycles that slot), EngineError(Timeout) after io_timeout_s with no
   // progress. Experts not yet requested are requested urgently first.
@@ -165,23 +198,15 @@ class ExpertStream {
             const InterruptCheck& interrupt = {});
 
   // ---- the handshake's host points, each one lock hold (the Window's hot path) --------------
-  // at_layer(l): protect and request the routed experts, publish completed prefetches of
-  // l+1..l+2, queue the predicted experts of l+1 behind the urgent reads.
-  // With `predicted2` (router l+2's picks) those follow, as Pred2, at most `max_new2` of them
-  // not already resident or loading (STRATA_METAL_PROMPT_PRED2_MAX).
-  AtLayerResult at_layer(std::uint32_t layer, const std::int32_t* chosen, std::size_t n,
-                         const std::int32_t* predicted, std::size_t n_predicted,
-                         const InterruptCheck& interrupt = {},
-                         const std::int32_t* predicted2 = nullptr, std::size_t n_predicted2 = 0,
-                         std::uint32_t max_new2 = 0xFFFFFFFFu) {
-    return at_layer(kStreamClient, layer, chosen, n, predicted, n_predicted, interrupt, predicted2,
-                    n_predicted2, max_new2);
+  // at_layer: the one call of a host point, for decode and for every prompt wave alike.
+  // Protects exactly the urgent experts as the executing layer's (I4), requests them urgently,
+  // publishes completed prefetches of l+1..l+2 (I2, when asked), then queues the speculative
+  // lists within the budget (I9, I10: nothing for a layer >= L).
+  AtLayerResult at_layer(ClientId who, const HandshakeRequest& request,
+                         const InterruptCheck& interrupt = {});
+  AtLayerResult at_layer(const HandshakeRequest& request, const InterruptCheck& interrupt = {}) {
+    return at_layer(kStreamClient, request, interrupt);
   }
-  AtLayerResult at_layer(ClientId who, std::uint32_t layer, const std::int32_t* chosen,
-                         std::size_t n, const std::int32_t* predicted, std::size_t n_predicted,
-                         const InterruptCheck& interrupt = {},
-                         const std::int32_t* predicted2 = nullptr, std::size_t n_predicted2 = 0,
-                         std::uint32_t max_new2 = 0xFFFFFFFFu);
   // after_layer(l) + retire_unused_pre(l, chosen) + release_limbo().
   void finish_layer(std::uint32_t layer, const std::int32_t* chosen, std::size_t n) {
     finish_layer(kStreamClient, layer, chosen, n);
@@ -217,6 +242,10 @@ class ExpertStream {
   }
   void plan(ClientId who, std::uint32_t layer, const std::int32_t* experts, std::size_t n,
             std::uint8_t* resident);
+  // The same snapshot as slot numbers, taken under mu_: slots[i] is the published slot of
+  // experts[i], kAbsent when it has none; with `pin` those slots are pinned until release_plan.
+  void plan_slots(ClientId who, std::uint32_t layer, const std::int32_t* experts, std::size_t n,
+                  std::uint32_t* slots, bool pin);
   void release_plan() { release_plan(kStreamClient); }
   void release_plan(ClientId who);
 
@@ -225,13 +254,6 @@ class ExpertStream {
   // Parks this layer's speculative slots whose expert is not in `chosen` in limbo (I7).
   std::uint32_t retire_unused_pre(std::uint32_t layer, const std::int32_t* chosen, std::size_t n);
   std::uint32_t release_limbo();  // recycles limbo slots whose reads finished
-  std::int32_t victim(bool speculative = false) const;  // the slot eviction would pick, or -1
-  std::int32_t evict_one();                              // evicts victim(), returns it or -1
-
-  // ---- manual IO (io_threads == 0) ------------------------------------------------------
-  std::vector<JobInfo> pending_jobs() const;
-  bool run_job(std::size_t index);  // runs the index-th pending part read, in priority order
-  FaultInjector& faults() { return faults_; }
 
   // ---- views ----------------------------------------------------------------------------
   const std::uint32_t* smap() const { return smap_.get(); }
@@ -243,10 +265,17 @@ class ExpertStream {
   std::int32_t where(std::int64_t layer, std::int64_t expert) const;
   std::vector<SlotInfo> slots() const;
   const StreamStats& stats() const { return stats_; }
-  // Debug: verifies I1, I3-I7 over the whole table; returns "" or the first violation.
-  std::string check_invariants() const;
 
  private:
+  friend struct StreamTesting;
+  // ---- testing hooks, reached through StreamTesting only ------------------------------------
+  std::int32_t victim(bool speculative = false) const;  // the slot eviction would pick, or -1
+  std::int32_t evict_one();                              // evicts victim(), returns it or -1
+  std::vector<JobInfo> pending_jobs() const;             // manual IO: the queue, in order
+  bool run_job(std::size_t index);  // runs the index-th pending part read, in priority order
+  // Verifies I1, I3-I7 over the whole table; returns "" or the first violation.
+  std::string check_invariants() const;
+
   using Lock = std::unique_lock<std::mutex>;
 
   struct IoWaker {  // wakes the IO threads once mu_ is released, on every exit path
@@ -256,7 +285,7 @@ class ExpertStream {
   RequestResult request_locked(Lock& lk, ClientId who, std::uint32_t layer,
                                const std::int32_t* experts, std::size_t n, ReadClass cls,
                                const InterruptCheck& interrupt,
-                               std::uint32_t max_new = 0xFFFFFFFFu);
+                               std::uint32_t max_new = kUnlimitedReads);
   std::uint32_t publish_locked(std::uint32_t layer);
   // The client's protection set; throws Closed when it is not registered (closed under a call).
   ProtectionSet& client_locked(ClientId who);
@@ -282,9 +311,11 @@ class ExpertStream {
     std::uint64_t bytes_read;  // stats_.bytes_read then
   };
   ReadProgress read_progress() const;
-  // Blocks (mu_ released) up to 50 ms for a part to finish; false once io_timeout_s has passed
-  // with no read progress.
-  bool await_part(Lock& lk, ReadProgress& p);
+  // One step of that wait, the only one: blocks (mu_ released) up to 50 ms for a part to
+  // finish; throws timed_out() once io_timeout_s has passed with no read progress; polls
+  // `interrupt` with mu_ released (it may throw); throws Closed when the stream closed meanwhile.
+  void bounded_wait_step(Lock& lk, ReadProgress& p, const InterruptCheck& interrupt,
+                         const std::function<EngineError()>& timed_out);
   void io_loop();
   // Runs one part read: bookkeeping under mu_, the pread (and, for a record's last part, the
   // checksum) with mu_ released. Entered and left with `lk` held. `wake_another`: work remains
@@ -359,7 +390,8 @@ class ExpertStream {
   // mu_: the IO threads; close() moves them out under mu_ and joins them once they returned, so
   // two closers never join one thread twice. Empty for manual IO (while open).
   std::vector<std::thread> threads_;
-  FaultInjector faults_;
+  // Consulted by every part read (one relaxed load while no fault was ever added); its own lock.
+  std::unique_ptr<FaultInjector> faults_;
   StreamStats stats_;
 };
 

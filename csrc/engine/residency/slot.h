@@ -19,6 +19,8 @@ namespace strata {
 
 constexpr std::uint32_t kAbsent = 0xFFFFFFFFu;  // smap value for "not published"
 constexpr std::uint32_t kNoKey = 0xFFFFFFFFu;
+// No cap on new reads (a request's max_new, a handshake's speculation budget).
+constexpr std::uint32_t kUnlimitedReads = 0xFFFFFFFFu;
 
 enum class SlotState : std::uint8_t { Free, Queued, Reading, Complete, Limbo, Failed };
 
@@ -48,7 +50,9 @@ struct Slot {
   bool failed_part = false;     // some part failed; the slot ends Failed (or is dropped)
   bool published = false;       // mirrors smap[key] == this slot
   bool used = false;            // an urgent request touched it (for prediction accounting)
-  std::int32_t err = 0;         // errno of the first failed part (0 = short read / checksum)
+  // Why the first failed part failed: an errno (> 0), or kShortRead / kChecksumMismatch
+  // (expert_stream.h); 0 while nothing failed.
+  std::int32_t err = 0;
   std::uint64_t err_offset = 0; // file offset of the first failed part
   std::uint64_t last_use = 0;   // LRU clock
   std::uint32_t pins = 0;       // plan-resident pins (I8)

@@ -19,8 +19,9 @@ int main() {
   L.weight_format = strata::WeightFormat::Q4;
   L.group_size = 64;
   L.scale_format = 2;
-  const auto split = strata::metal::split_arena(16384 * 128, 1536, std::uint64_t(1) << 34);
-  strata::metal::DispatchPlanner planner(L, 16384 * 128, 1536, split.slots_per_view);
+  const std::uint64_t slot_bytes = strata::kPage * 128;
+  const auto split = strata::metal::split_arena(slot_bytes, 1536, std::uint64_t(1) << 34);
+  strata::metal::DispatchPlanner planner(L, slot_bytes, 1536, split.slots_per_view);
   std::vector<strata::metal::Dispatch> ds;
   strata::Command c;
   c.op = strata::Op::GateUp;

@@ -32,7 +32,9 @@ namespace {
 using metal::Dispatch;
 using metal::DispatchPlanner;
 
-constexpr std::uint64_t kHostPage = 16384;  // Apple silicon VM page: no-copy buffers need it
+// Apple silicon's VM page, which no-copy buffers need: the pack's record alignment (kPage), to
+// which the arena and the smap are aligned.
+constexpr std::uint64_t kHostPage = kPage;
 
 [[noreturn]] void fail(const std::string& what) {
   throw EngineError(ErrorKind::Config, "Metal backend: " + what);
@@ -76,6 +78,16 @@ class MetalBackend final : public Backend {
   }
 
   std::string name() const override { return "metal"; }
+
+  std::optional<std::string> unsupported(const Capability& c) const override {
+    if (c.moce != MoceMode::Off)
+      return "the Metal backend does not implement cache-aware routing (moce); use the cpu "
+             "backend for it";
+    if (c.arithmetic != Arithmetic::Float32)
+      return "the Metal backend computes in float32 only (MLX's arithmetic is the cpu "
+             "backend's)";
+    return std::nullopt;
+  }
 
  private:
   void open(const MetalBackendOptions& options) {
@@ -174,7 +186,7 @@ class MetalBackend final : public Backend {
     buffers_ = b;
   }
 
-  void submit(std::vector<Command> commands) override {
+  void submit(const std::vector<Command>& commands) override {
     if (!planner_) fail("submit before bind");
     Pool pool;  // commandBuffer() and the encoders are autoreleased
     MTL::CommandBuffer* cb = queue_->commandBuffer();

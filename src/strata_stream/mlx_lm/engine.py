@@ -20,7 +20,7 @@ from strata_stream.errors import ConfigError
 from strata_stream.mlx_lm.families import Family
 from strata_stream.pack.header import TensorEntry
 from strata_stream.pack.reader import ExpertPack
-from strata_stream.stream import ExpertStream
+from strata_stream.stream import ABSENT, ExpertStream
 from strata_stream.window import Window
 
 # "cpu": the Window's CPU backend computes the experts; "metal": the same routed calls on a
@@ -164,13 +164,11 @@ class MoeEngine:
 
     # ---- prediction ------------------------------------------------------------------------
     def predictions(self, layer: int, x: mx.array, rows: int) -> list[mx.array | None]:
-        """Router l+1 (and l+2 when asked for) on this layer's input: the next blocks' own
-        routing, unevaluated, [rows, k] each, or None."""
-        c = self.config
+        """Router l+1 and l+2 on this layer's input where the engine will use them (it decides:
+        `Window.wants_predictions`): the next blocks' own routing, unevaluated, [rows, k] each,
+        or None."""
         out: list[mx.array | None] = [None, None]
-        if not c.lookahead:
-            return out
-        want = [True, c.decode_prefetch2 if rows <= c.decode_rows else c.prompt_pred2]
+        want = self.window.wants_predictions(layer, rows)
         for d in (1, 2):
             nxt = layer + d
             if want[d - 1] and nxt < len(self.blocks):
@@ -245,7 +243,7 @@ class MoeEngine:
         def wave(row0: int, n: int, slots: npt.NDArray[np.uint32]) -> None:
             full = np.zeros((rows, k), np.uint32)
             mask = np.zeros((rows, k), bool)
-            valid = slots != np.uint32(0xFFFFFFFF)
+            valid = slots != np.uint32(ABSENT)
             full[row0 : row0 + n][valid] = slots[valid]
             mask[row0 : row0 + n] = valid
             assert self.arena is not None
@@ -259,7 +257,7 @@ class MoeEngine:
             mx.eval(y)
             result[0] = y
 
-        self.window.moe_routed_host(
+        self.window.moe_routed_external(
             layer,
             ids,
             wave,

@@ -1,0 +1,305 @@
+// Requests and the blocking calls: request, wait and settle, and the one bounded wait they share.
+#include "residency/expert_stream.h"
+
+#include <algorithm>
+#include <cstring>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+
+#include "common/check.h"
+#include "common/errors.h"
+
+namespace strata {
+
+RequestResult ExpertStream::request(ClientId who, std::uint32_t layer,
+                                    const std::int32_t* experts, std::size_t n, ReadClass cls,
+                                    const InterruptCheck& interrupt, std::uint32_t max_new) {
+  IoWaker waker{this};
+  Lock lk(mu_);
+  require_open();
+  return request_locked(lk, who, layer, experts, n, cls, interrupt, max_new);
+}
+
+
+RequestResult ExpertStream::request_locked(Lock& lk, ClientId who, std::uint32_t layer,
+                                           const std::int32_t* experts, std::size_t n,
+                                           ReadClass cls, const InterruptCheck& interrupt,
+                                           std::uint32_t max_new) {
+  check_experts(layer, experts, n);
+  client_locked(who);  // registered (a closed Window's client is not)
+  // Clears this client's waiting flag on every way out of the space wait below.
+  // (An interrupt may throw while mu_ is released: the flag is cleared under mu_ regardless.)
+  struct WaitingForSpace {
+    ExpertStream* self;
+    Lock& lk;
+    ClientId who;
+    bool on = false;
+    void set(bool v) {  // under mu_
+      auto it = self->clients_.find(who);
+      if (it != self->clients_.end()) it->second.waiting_for_space = v;
+      on = v;
+    }
+    ~WaitingForSpace() {
+      if (!on) return;
+      const bool held = lk.owns_lock();
+      if (!held) lk.lock();
+      set(false);
+      if (!held) lk.unlock();
+    }
+  } waiting{this, lk, who};
+  const std::uint32_t E = layout().n_experts;
+  const bool speculative = cls != ReadClass::Urgent;
+  RequestResult r;
+  // An urgent request never evicts an expert it already holds in this call (a later expert
+  // could otherwise pick an earlier, unprotected one as its victim): each resident slot it
+  // touches is pinned, as a plan pins (I8), until the request returns on any path.
+  struct CallPins {
+    ExpertStream& self;
+    Lock& lk;
+    std::vector<std::uint32_t> slots;
+    ~CallPins() {
+      if (slots.empty()) return;
+      if (!lk.owns_lock()) lk.lock();  // an interrupt throws with mu_ released
+      for (std::uint32_t s : slots) --self.slots_[s].pins;
+    }
+  } call_pins{*this, lk, {}};
+  std::optional<ReadProgress> progress;  // from the first wait for a slot
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::uint32_t key = layer * E + std::uint32_t(experts[i]);
+    if (speculative)
+      heat_.on_predicted(key);
+    else
+      heat_.on_use(key);
+    for (;;) {
+      std::int32_t s = where_[key];
+      if (s >= 0) {
+        Slot& sl = slots_[std::uint32_t(s)];
+        if (sl.load() == SlotState::Limbo) revive(std::uint32_t(s), cls);
+        if (sl.load() == SlotState::Failed && !speculative) {
+          recycle(std::uint32_t(s));  // retry a failed read rather than report it twice
+        } else {
+          touch(std::uint32_t(s));
+          if (!speculative) {
+            ++sl.pins;
+            call_pins.slots.push_back(std::uint32_t(s));
+            make_urgent(std::uint32_t(s));
+            // A speculative read that completed before this handshake: publish it now.
+            if (sl.load() == SlotState::Complete) publish_slot(std::uint32_t(s));
+            ++r.hits;
+          }
+          break;
+        }
+      }
+      if (r.misses + r.spec_started >= max_new) {  // the cap counts new reads only
+        i = n;
+        break;
+      }
+      std::int32_t slot = take_slot(speculative);
+      if (slot >= 0) {
+        if (waiting.on) waiting.set(false);
+        assign(std::uint32_t(slot), key, cls);
+        if (speculative) {
+          ++r.spec_started;
+          stats_.spec_requests.fetch_add(1, std::memory_order_relaxed);
+        } else {
+          ++r.misses;
+        }
+        break;
+      }
+      if (speculative) {  // I9: no space, so prediction stops here
+        r.dropped = std::uint32_t(n - i);
+        stats_.spec_dropped.fetch_add(n - i, std::memory_order_relaxed);
+        i = n;
+        break;
+      }
+      // Urgent and every slot busy: wait for a read in flight to land, or for another client
+      // (a Window on another thread) to move past the protections that hold the arena.
+      bool something_moves = false;
+      for (const auto& sl : slots_) {
+        SlotState st = sl.load();
+        if (sl.in_flight() || st == SlotState::Queued || st == SlotState::Reading) {
+          something_moves = true;
+          break;
+        }
+      }
+      if (closing_clients_ && !something_moves)
+        throw EngineError(ErrorKind::Closed, "the ExpertStream is closing: no Window will release "
+                                             "a slot for this read");
+      const bool others_may_release = another_client_may_release(who);
+      if ((!something_moves || threads_.empty()) && !others_may_release)
+        throw EngineError(ErrorKind::ArenaFull, describe_full(who));
+      if (!progress) progress = read_progress();
+      waiting.set(true);
+      lk.unlock();
+      wake_io();
+      lk.lock();
+      // Another Window releasing a slot wakes this wait (done_cv_) and the loop takes the slot;
+      // one that holds its protections that long without any read landing is named in the
+      // ArenaFull error.
+      bounded_wait_step(lk, *progress, interrupt, [&] {
+        if (!something_moves)
+          return EngineError(ErrorKind::ArenaFull,
+                             "waited " + std::to_string(opt_.io_timeout_s) +
+                                 " s (io_timeout_s) with no read progress for another window to "
+                                 "release a slot; " + describe_full(who));
+        return EngineError(ErrorKind::Timeout,
+                           "timed out after " + std::to_string(opt_.io_timeout_s) +
+                               " s with no read progress waiting for a free arena slot for layer " +
+                               std::to_string(layer) + " expert " + std::to_string(experts[i]));
+      });
+    }
+  }
+  if (!speculative) {
+    stats_.hits.fetch_add(r.hits, std::memory_order_relaxed);
+    stats_.misses.fetch_add(r.misses, std::memory_order_relaxed);
+  }
+  return r;
+}
+
+void ExpertStream::throw_read_error(std::uint32_t s) {
+  Slot& sl = slots_[s];
+  const std::uint32_t E = layout().n_experts;
+  std::uint32_t layer = sl.key / E, expert = sl.key % E;
+  int err = sl.err;
+  std::uint64_t off = sl.err_offset;
+  std::ostringstream m;
+  m << "expert read failed: layer " << layer << " expert " << expert << " at file offset " << off
+    << " of " << file_->path() << ": ";
+  if (err > 0)
+    m << std::strerror(err) << " (errno " << err << ")";
+  else if (err == kChecksumMismatch)
+    m << "checksum mismatch: the record read fails its CRC32C (the file changed on disk or is "
+         "corrupt) (errno 0)";
+  else
+    m << "short read (errno 0)";
+  recycle(s);
+  stats_.failed.fetch_add(1, std::memory_order_relaxed);
+  throw ExpertReadError(m.str(), int(layer), int(expert), off, err > 0 ? err : 0);
+}
+
+ExpertStream::ReadProgress ExpertStream::read_progress() const {
+  return ReadProgress{Clock::now(), stats_.bytes_read.load(std::memory_order_relaxed)};
+}
+
+void ExpertStream::bounded_wait_step(Lock& lk, ReadProgress& p, const InterruptCheck& interrupt,
+                                     const std::function<EngineError()>& timed_out) {
+  done_cv_.wait_for(lk, std::chrono::milliseconds(50));
+  const std::uint64_t now_done = stats_.bytes_read.load(std::memory_order_relaxed);
+  if (now_done != p.bytes_read) {
+    p.bytes_read = now_done;
+    p.at = Clock::now();
+  } else if (Clock::now() - p.at > std::chrono::duration<double>(opt_.io_timeout_s)) {
+    throw timed_out();
+  }
+  if (interrupt) {
+    lk.unlock();
+    interrupt();  // may throw: the caller's guards run with mu_ released
+    lk.lock();
+  }
+  require_open();
+}
+
+void ExpertStream::wait(ClientId who, std::uint32_t layer, const std::int32_t* experts,
+                        std::size_t n, const InterruptCheck& interrupt) {
+  check_experts(layer, experts, n);
+  const std::uint32_t E = layout().n_experts;
+  {
+    // Anything not yet requested (or dropped) is requested now.
+    std::vector<std::int32_t> missing;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      require_open();
+      for (std::size_t i = 0; i < n; ++i) {
+        std::int32_t s = where_[layer * E + std::uint32_t(experts[i])];
+        if (s < 0 || slots_[std::uint32_t(s)].cls != ReadClass::Urgent ||
+            slots_[std::uint32_t(s)].load() == SlotState::Limbo)
+          missing.push_back(experts[i]);
+      }
+    }
+    if (!missing.empty())
+      request(who, layer, missing.data(), missing.size(), ReadClass::Urgent, interrupt);
+  }
+  Lock lk(mu_);
+  // The time blocked counts as stall on every way out (done, failed read, timeout, interrupt).
+  struct StallClock {
+    StreamStats& stats;
+    Clock::time_point t0 = Clock::now();
+    bool blocked = false;
+    ~StallClock() {
+      if (blocked) stats.stall_ns.fetch_add(ns_since(t0), std::memory_order_relaxed);
+    }
+  } stall{stats_};
+  ReadProgress progress = read_progress();
+  for (;;) {
+    require_open();
+    bool all = true;
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::uint32_t key = layer * E + std::uint32_t(experts[i]);
+      std::int32_t s = where_[key];
+      if (s < 0) {  // recycled under us (another caller's urgent request): re-request
+        lk.unlock();
+        request(who, layer, &experts[i], 1, ReadClass::Urgent, interrupt);
+        lk.lock();
+        all = false;
+        break;
+      }
+      SlotState st = slots_[std::uint32_t(s)].load();
+      if (st == SlotState::Failed && !slots_[std::uint32_t(s)].in_flight())
+        throw_read_error(std::uint32_t(s));
+      if (st != SlotState::Complete) {
+        all = false;
+        if (threads_.empty()) {
+          bool ran = false;
+          // Manual IO: run this slot's next pending part inline, in queue order.
+          auto jobs = queue_.snapshot();
+          for (std::size_t j = 0; j < jobs.size(); ++j)
+            if (jobs[j].slot == std::uint32_t(s)) {
+              IoJob job = queue_.take(j);
+              execute_job(lk, job);
+              ran = true;
+              break;
+            }
+          if (!ran)
+            throw EngineError(ErrorKind::Timeout, "manual IO: slot " + std::to_string(s) +
+                                                      " is loading but has no pending read");
+        }
+        break;
+      }
+      STRATA_ASSERT(slots_[std::uint32_t(s)].published, "I1: waited-for urgent slot published");
+    }
+    if (all) break;
+    if (threads_.empty()) continue;
+    stall.blocked = true;
+    bounded_wait_step(lk, progress, interrupt, [&] {
+      return EngineError(ErrorKind::Timeout,
+                         "timed out after " + std::to_string(opt_.io_timeout_s) +
+                             " s with no read progress waiting for layer " + std::to_string(layer));
+    });
+  }
+}
+
+void ExpertStream::settle(const InterruptCheck& interrupt) {
+  Lock lk(mu_);
+  auto idle = [&] {
+    if (!queue_.empty()) return false;
+    for (const Slot& sl : slots_)
+      if (sl.in_flight()) return false;
+    return true;
+  };
+  ReadProgress progress = read_progress();
+  for (;;) {
+    require_open();
+    if (threads_.empty()) {  // manual IO: run what is queued inline, in queue order
+      while (!queue_.empty()) execute_job(lk, queue_.take(0));
+      return;
+    }
+    if (idle()) return;
+    bounded_wait_step(lk, progress, interrupt, [&] {
+      return EngineError(ErrorKind::Timeout, "timed out after " + std::to_string(opt_.io_timeout_s) +
+                                                 " s with no read progress settling the IO queue");
+    });
+  }
+}
+
+}  // namespace strata
