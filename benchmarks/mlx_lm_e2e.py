@@ -46,6 +46,7 @@ from strata_stream.process_memory import (
     PeakSampler,
     mapped_file_bytes,
     memory_status,
+    peak_bytes,
     resident_bytes,
 )
 
@@ -196,11 +197,10 @@ def _where_memory_went(engine: Any, before: MemoryStatus | None) -> dict[str, An
     files only grow while the engine is open; MLX reports its own peak)."""
     import mlx.core as mx
 
-    now = memory_status()
-    if now is None or before is None:  # no /proc: not Linux
-        return {}
+    if before is None:  # no /proc (not Linux): the peak as getrusage says, no breakdown
+        return {"peak_bytes": peak_bytes()}
     out: dict[str, Any] = {
-        "peak_bytes": now.peak,
+        "peak_bytes": peak_bytes(),
         "libraries_bytes": before.resident,
         "mlx_peak_bytes": int(mx.get_peak_memory()),
         "dense_file_bytes": mapped_file_bytes((".safetensors",)),
@@ -301,10 +301,10 @@ def memory_table(rows: list[dict[str, Any]]) -> str:
     configs: list[tuple[str, float | None]] = []
     for r in rows:
         key = (r["mode"], r["arena_fraction"])
-        if "peak_bytes" in r and key not in configs:
+        if "libraries_bytes" in r and key not in configs:
             configs.append(key)
     if not configs:
-        return "(no /proc here: peak memory not measured)"
+        return "(no /proc here: no breakdown)"
     lines = [
         "| configuration | peak (VmHWM) | anon / file at peak | interpreter + libraries "
         "| arena | scratch | dense weights (copied / mapped) | MLX other | rest "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,19 @@ def memory_status(pid: int | str = "self") -> MemoryStatus | None:
     if len(found) != len(_FIELDS):  # a zombie has no memory lines left
         return None
     return MemoryStatus(**found)
+
+
+def peak_bytes() -> int:
+    """This process's peak resident memory: VmHWM on Linux; elsewhere getrusage's ru_maxrss
+    (bytes on macOS, KiB on other systems), which may include the peak of the process that
+    started this one where the system carries it over, as Linux does."""
+    status = memory_status()
+    if status is not None:
+        return status.peak
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
 class PeakSampler:
@@ -127,4 +141,11 @@ def mapped_file_bytes(suffixes: tuple[str, ...], pid: int | str = "self") -> int
     return total
 
 
-__all__ = ["MemoryStatus", "PeakSampler", "mapped_file_bytes", "memory_status", "resident_bytes"]
+__all__ = [
+    "MemoryStatus",
+    "PeakSampler",
+    "mapped_file_bytes",
+    "memory_status",
+    "peak_bytes",
+    "resident_bytes",
+]
