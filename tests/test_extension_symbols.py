@@ -12,6 +12,7 @@ beyond PyInit_<name>.
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import shutil
 import struct
@@ -103,7 +104,9 @@ def test_every_extension_module_exports_its_init_function_alone() -> None:
 def test_the_symbol_reader_sees_an_exported_cxx_runtime(tmp_path: Path) -> None:
     """The reader above against a shared object that does export libstdc++ (its default
     visibility and -static-libstdc++, the build that crashed), so the checks can fail."""
-    compiler = shutil.which("c++") or shutil.which("g++")
+    # The toolchain that builds the extension first ($CXX), as the build would use it.
+    compiler = next((c for c in (os.environ.get("CXX", ""), "c++", "g++") if c and shutil.which(c)),
+                    None)  # fmt: skip
     if compiler is None:
         pytest.skip("no C++ compiler")
     src = tmp_path / "leak.cpp"
