@@ -357,6 +357,11 @@ def plot(rows: list[dict[str, Any]], out: Path, title: str) -> None:
         ax.set_ylabel(name)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
+    bound = [_median([(r["arena_bytes"] + r["dense_bytes"] + _BOUND_SLACK) / 1e9
+                      for r in streamed if r["arena_fraction"] == f]) for f in fracs]  # fmt: skip
+    axes[2].plot([f * 100 for f in fracs], bound, ":", color="0.4",
+                 label="arena + dense weights + 256 MiB")  # fmt: skip
+    axes[2].legend(loc="upper left")
     axes[0].legend(loc="lower right")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
