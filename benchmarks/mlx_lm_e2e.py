@@ -205,6 +205,7 @@ def _where_memory_went(engine: Any, before: MemoryStatus | None) -> dict[str, An
         "mlx_peak_bytes": int(mx.get_peak_memory()),
         "dense_file_bytes": mapped_file_bytes((".safetensors",)),
         "pack_file_bytes": mapped_file_bytes((".strpk",)),
+        "torch_imported": "torch" in sys.modules and sys.modules["torch"] is not None,
         "arena_resident_bytes": 0,
         "scratch_bytes": 0,
     }
@@ -329,6 +330,11 @@ def memory_table(rows: list[dict[str, Any]]) -> str:
             f"| {med['dense']:.3f} / {med['dense_file']:.3f} | {med['mlx_other']:.3f} "
             f"| {med['rest']:.3f} | {bound:.3f} | {within} |"
         )
+    torch = sum(1 for r in rows if r.get("torch_imported"))
+    if torch:
+        lines.append(f"\ntorch was imported (transformers imports it when installed) in {torch} of "
+                     f"{len(rows)} runs: its libraries count in 'interpreter + libraries' "
+                     "(--without-torch hides it)")  # fmt: skip
     return "\n".join(lines)
 
 
