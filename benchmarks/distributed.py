@@ -18,7 +18,7 @@ is half the single rank's, a pipeline rank's holds half the layers), so the expe
 rank: a short warm-up generation, then --tokens tokens sampled at temperature 1 from seed 0 on
 every rank (a random model's greedy text soon repeats itself and would stop streaming); decode
 tokens/s (mlx-lm's figure, rank 0), bytes read per decode token, hit rate and peak RSS
-(getrusage at exit). The
+(strata_stream.process_memory.peak_bytes at exit: the rank's own VmHWM on Linux). The
 configurations run interleaved over --repeats. On one machine the ranks share its cores and its
 SSD: the ratios say what splitting costs or saves here, not what two Macs would do.
 """
@@ -28,13 +28,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from strata_stream.process_memory import peak_bytes
 
 DIMS: dict[str, Any] = {
     "hidden_size": 1024,
@@ -121,7 +122,7 @@ def rank_main(a: argparse.Namespace) -> int:
         "arena_bytes": arena,
         "share_bytes": share_bytes,
         "pack_bytes": Path(pack_path).stat().st_size,
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss_bytes": peak_bytes(),
     }
     model.strata_engine.close()
     mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu))  # leave together

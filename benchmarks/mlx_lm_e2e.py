@@ -12,10 +12,20 @@ Configurations: plain mlx-lm; streamed (CPU expert backend, StreamConfig default
 environment, arithmetic="auto": bitwise mlx-lm's numbers) with every expert resident; the same
 with arithmetic="float32" (each output rounded once: faster, not bitwise); streamed with arenas
 of each --fractions share of all experts. Each configuration runs in a fresh subprocess of this
-script (the hidden --one flag) so its peak RSS (getrusage ru_maxrss at the end) is its own; the
-configurations are interleaved across --repeats so a noisy machine hits them alike. Prompt and
-decode tokens/s come from mlx_lm.stream_generate after one short warm-up generation; hit rate
-and GB read per token are the engine's over the decode tokens only.
+script (the hidden --one flag); the configurations are interleaved across --repeats so a noisy
+machine hits them alike. Prompt and decode tokens/s come from mlx_lm.stream_generate after one
+short warm-up generation; hit rate and GB read per token are the engine's over the decode tokens
+only.
+
+Peak memory is the child's VmHWM (/proc/self/status at its end), which a fresh exec starts from
+nothing; getrusage's ru_maxrss would carry over the peak of this parent (which may just have
+built and converted the model). This parent samples the child's /proc/<pid>/status every 10 ms
+for the anonymous / file-backed split at the peak, and the child says where the peak goes: the
+interpreter and libraries (resident before loading), the arena (its resident pages), the
+Window's scratch, the dense weights (MLX arrays, copied into anonymous memory, and any mapped
+.safetensors pages), MLX's other allocations at their peak (activations, KV cache, its buffer
+cache), and the rest. The memory table checks, for every configuration, peak <= arena + dense
+weights + 256 MiB.
 """
 
 from __future__ import annotations
@@ -23,18 +33,29 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from strata_stream.process_memory import (
+    MemoryStatus,
+    PeakSampler,
+    mapped_file_bytes,
+    memory_status,
+    peak_bytes,
+    resident_bytes,
+)
 
 _PLAIN, _STREAMED = "plain", "streamed"
 # The CPU backend rounding once in float32 instead of reproducing mlx-lm's arithmetic (the
 # default, arithmetic="auto"): all resident, to show what exactness costs.
 _STREAMED_F32 = "streamed-float32"
+# The issue-16 target: peak memory within arena + dense weights + this.
+_BOUND_SLACK = 256 << 20
 
 
 def default_model(layers: int) -> Path:
@@ -85,21 +106,24 @@ def measure_one(
 ) -> dict[str, Any]:
     """One configuration in this process: a warm-up generation, then the measured one."""
     import mlx.core as mx
+    import mlx_lm
+    from mlx.utils import tree_flatten
     from mlx_lm.generate import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
+    from strata_stream.config import StreamConfig
+    from strata_stream.mlx_lm import load
+    from strata_stream.pack import ExpertPack
+
+    # Both configurations import the same modules before this reading: the interpreter and
+    # libraries (mlx-lm imports transformers, which imports torch wherever it is installed).
     prompt = _prompt(prompt_words)
+    before = memory_status()
     row: dict[str, Any] = {"mode": mode, "arena_fraction": fraction}
     if mode == _PLAIN:
-        import mlx_lm
-
         model, tok = mlx_lm.load(str(model_dir))
         engine = None
     else:
-        from strata_stream.config import StreamConfig
-        from strata_stream.mlx_lm import load
-        from strata_stream.pack import ExpertPack
-
         assert fraction is not None
         pack = pack_for(model_dir)
         with ExpertPack.open(pack) as pk:
@@ -111,9 +135,11 @@ def measure_one(
         model, tok = load(str(model_dir), pack_path=pack, arena_bytes=arena, config=config,
                           experts="cpu", arithmetic=arithmetic, progress=False)  # fmt: skip
         engine = model.strata_engine
+        largest_scratch = _track_scratch(engine.window)
         row["arithmetic"] = arithmetic
-        row["arena_bytes"] = arena
+        row["arena_bytes"] = engine.stream.n_slots * engine.stream.record_stride
         row["direct_io"] = bool(engine.config.direct_io)
+    row["dense_bytes"] = sum(int(v.nbytes) for _, v in tree_flatten(model.parameters()))
     for _ in stream_generate(model, tok, _prompt(8), max_tokens=2):  # warm up
         pass
     # Sampled, not greedy: a random model decoding greedily soon repeats one token, so its
@@ -143,9 +169,50 @@ def measure_one(
         row["gb_read_per_token"] = (
             (int(end["bytes_read"]) - int(first["bytes_read"])) / decoded / 1e9
         )
+    row.update(_where_memory_went(engine, before))
+    if engine is not None:
+        row["scratch_bytes"] = largest_scratch()
         engine.close()
-    row["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB
     return row
+
+
+def _track_scratch(window: Any) -> Callable[[], int]:
+    """The largest scratch the Window held: it frees a prompt's at the end of the turn, so the
+    figure at the end of a run is a decode step's. Read after every prompt chunk."""
+    largest = [0]
+    inner = window.moe_routed
+
+    def moe_routed(layer: int, x: Any, ids: Any, *args: Any, **kwargs: Any) -> Any:
+        out = inner(layer, x, ids, *args, **kwargs)
+        if len(ids) > 1:
+            largest[0] = max(largest[0], int(window.stats()["scratch_bytes"]))
+        return out
+
+    window.moe_routed = moe_routed
+    return lambda: max(largest[0], int(window.stats()["scratch_bytes"]))
+
+
+def _where_memory_went(engine: Any, before: MemoryStatus | None) -> dict[str, Any]:
+    """This process's peak and its parts, read at the end of the run (the arena and mapped
+    files only grow while the engine is open; MLX reports its own peak)."""
+    import mlx.core as mx
+
+    if before is None:  # no /proc (not Linux): the peak as getrusage says, no breakdown
+        return {"peak_bytes": peak_bytes()}
+    out: dict[str, Any] = {
+        "peak_bytes": peak_bytes(),
+        "libraries_bytes": before.resident,
+        "mlx_peak_bytes": int(mx.get_peak_memory()),
+        "dense_file_bytes": mapped_file_bytes((".safetensors",)),
+        "pack_file_bytes": mapped_file_bytes((".strpk",)),
+        "torch_imported": "torch" in sys.modules and sys.modules["torch"] is not None,
+        "arena_resident_bytes": 0,
+        "scratch_bytes": 0,
+    }
+    if engine is not None:
+        view = engine.stream.arena_view()
+        out["arena_resident_bytes"] = resident_bytes(view.ctypes.data, view.nbytes)
+    return out
 
 
 def _median(values: list[float]) -> float:
@@ -173,17 +240,17 @@ def summarize(rows: list[dict[str, Any]]) -> tuple[str, float | None]:
         key = (r["mode"], r["arena_fraction"])
         if key not in configs:
             configs.append(key)
-    plain_rss = [r["peak_rss_bytes"] for r in rows if r["mode"] == _PLAIN]
+    plain_rss = [r["peak_bytes"] for r in rows if r["mode"] == _PLAIN and "peak_bytes" in r]
     lines = [
-        "| configuration | decode tok/s | prompt tok/s | peak RSS GB | RSS vs plain "
+        "| configuration | decode tok/s | prompt tok/s | peak memory GB | vs plain "
         "| decode hit rate | GB read / token |",
         "|---|---|---|---|---|---|---|",
     ]
     for mode, frac in configs:
         rs = [r for r in rows if (r["mode"], r["arena_fraction"]) == (mode, frac)]
-        rss = [r["peak_rss_bytes"] / 1e9 for r in rs]
-        ratio = (f"x{_median([r['peak_rss_bytes'] for r in rs]) / _median(plain_rss):.2f}"
-                 if plain_rss else "-")  # fmt: skip
+        rss = [r["peak_bytes"] / 1e9 for r in rs if "peak_bytes" in r]
+        ratio = (f"x{_median([r['peak_bytes'] for r in rs]) / _median(plain_rss):.2f}"
+                 if plain_rss and rss else "-")  # fmt: skip
         hit = [r["hit_rate"] for r in rs if r.get("hit_rate") is not None]
         gb = [r["gb_read_per_token"] for r in rs if r.get("gb_read_per_token") is not None]
         lines.append(
@@ -215,6 +282,62 @@ def summarize(rows: list[dict[str, Any]]) -> tuple[str, float | None]:
     return "\n".join(lines), headline
 
 
+def memory_parts(r: dict[str, Any]) -> dict[str, int]:
+    """Where one run's peak went (bytes): the parts _where_memory_went read, and the rest."""
+    parts = {
+        "libraries": r["libraries_bytes"],
+        "arena": r["arena_resident_bytes"],
+        "scratch": r["scratch_bytes"],
+        "dense": r["dense_bytes"],
+        "dense_file": r["dense_file_bytes"],
+        "mlx_other": max(0, r["mlx_peak_bytes"] - r["dense_bytes"]),
+    }
+    parts["rest"] = r["peak_bytes"] - sum(parts.values())
+    return parts
+
+
+def memory_table(rows: list[dict[str, Any]]) -> str:
+    """Where peak memory goes, per configuration (median over repeats, GB), and the check
+    peak <= arena + dense weights + 256 MiB side by side."""
+    configs: list[tuple[str, float | None]] = []
+    for r in rows:
+        key = (r["mode"], r["arena_fraction"])
+        if "libraries_bytes" in r and key not in configs:
+            configs.append(key)
+    if not configs:
+        return "(no /proc here: no breakdown)"
+    lines = [
+        "| configuration | peak (VmHWM) | anon / file at peak | interpreter + libraries "
+        "| arena | scratch | dense weights (copied / mapped) | MLX other | rest "
+        "| bound: arena + dense + 256 MiB | within |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for mode, frac in configs:
+        rs = [r for r in rows if (r["mode"], r["arena_fraction"]) == (mode, frac)]
+        med = {k: _median([float(memory_parts(r)[k]) for r in rs]) / 1e9
+               for k in memory_parts(rs[0])}  # fmt: skip
+        peak = _median([float(r["peak_bytes"]) for r in rs]) / 1e9
+        anon = [r["peak_anonymous_bytes"] / 1e9 for r in rs if "peak_anonymous_bytes" in r]
+        file = [r["peak_file_bytes"] / 1e9 for r in rs if "peak_file_bytes" in r]
+        split = f"{_median(anon):.3f} / {_median(file):.3f}" if anon and file else "-"
+        bounds = [r.get("arena_bytes", 0) + r["dense_bytes"] + _BOUND_SLACK for r in rs]
+        bound = _median([float(b) for b in bounds]) / 1e9
+        over = [r["peak_bytes"] - b for r, b in zip(rs, bounds, strict=True)]
+        within = ("yes" if max(over) <= 0 else "no") + f" ({-max(over) / 2**20:+.0f} MiB)"
+        lines.append(
+            f"| {_label(mode, frac)} | {peak:.3f} | {split} | {med['libraries']:.3f} "
+            f"| {med['arena']:.3f} | {med['scratch']:.4f} "
+            f"| {med['dense']:.3f} / {med['dense_file']:.3f} | {med['mlx_other']:.3f} "
+            f"| {med['rest']:.3f} | {bound:.3f} | {within} |"
+        )
+    torch = sum(1 for r in rows if r.get("torch_imported"))
+    if torch:
+        lines.append(f"\ntorch was imported (transformers imports it when installed) in {torch} of "
+                     f"{len(rows)} runs: its libraries count in 'interpreter + libraries' "
+                     "(--without-torch hides it)")  # fmt: skip
+    return "\n".join(lines)
+
+
 def plot(rows: list[dict[str, Any]], out: Path, title: str) -> None:
     import matplotlib
 
@@ -227,7 +350,7 @@ def plot(rows: list[dict[str, Any]], out: Path, title: str) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
     panels = [("decode_tokens_per_s", "decode tok/s", 1.0),
               ("prompt_tokens_per_s", "prompt tok/s", 1.0),
-              ("peak_rss_bytes", "peak RSS (GB)", 1e-9)]  # fmt: skip
+              ("peak_bytes", "peak memory, VmHWM (GB)", 1e-9)]  # fmt: skip
     for ax, (key, name, k) in zip(axes, panels, strict=True):
         med = [_median([r[key] * k for r in streamed if r["arena_fraction"] == f]) for f in fracs]
         for r in streamed:
@@ -240,6 +363,11 @@ def plot(rows: list[dict[str, Any]], out: Path, title: str) -> None:
         ax.set_ylabel(name)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
+    bound = [_median([(r["arena_bytes"] + r["dense_bytes"] + _BOUND_SLACK) / 1e9
+                      for r in streamed if r["arena_fraction"] == f]) for f in fracs]  # fmt: skip
+    axes[2].plot([f * 100 for f in fracs], bound, ":", color="0.4",
+                 label="arena + dense weights + 256 MiB")  # fmt: skip
+    axes[2].legend(loc="upper left")
     axes[0].legend(loc="lower right")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
@@ -260,8 +388,14 @@ def main() -> None:
     p.add_argument("--temp", type=float, default=1.0, help="sampling temperature (0: greedy)")
     p.add_argument("--json", type=Path, help="write the rows and the headline ratio here")
     p.add_argument("--plot", type=Path, help="write tok/s and peak RSS vs arena share here")
+    p.add_argument("--without-torch", action="store_true",
+                   help="hide an installed torch from transformers in every configuration "
+                   "(mlx-lm imports transformers, which imports torch when it can)")  # fmt: skip
     p.add_argument("--one", nargs=2, metavar=("MODE", "FRACTION"), help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.without_torch:
+        # importlib.util.find_spec("torch") is None from here on, as without torch installed.
+        sys.modules["torch"] = None  # type: ignore[assignment]
 
     model_dir = args.model if args.model is not None else default_model(args.layers)
     if args.one is not None:
@@ -287,24 +421,33 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--model", str(model_dir),
                    "--tokens", str(args.tokens), "--prompt-words", str(args.prompt_words),
                    "--temp", str(args.temp), "--one", mode, str(frac)]  # fmt: skip
+            if args.without_torch:
+                cmd.append("--without-torch")
             t0 = time.perf_counter()
-            out = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
-            found = [ln for ln in out.stdout.splitlines() if ln.startswith("ROW ")]
-            if out.returncode != 0 or not found:
-                sys.exit(f"{_label(mode, frac)} failed ({out.returncode}):\n{out.stderr[-3000:]}")
+            child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=os.environ.copy())  # fmt: skip
+            with PeakSampler(child.pid, interval=0.01) as sampler:
+                stdout, stderr = child.communicate()
+            found = [ln for ln in stdout.splitlines() if ln.startswith("ROW ")]
+            if child.returncode != 0 or not found:
+                sys.exit(f"{_label(mode, frac)} failed ({child.returncode}):\n{stderr[-3000:]}")
             row = json.loads(found[-1][4:])
             row["repeat"] = rep
+            if sampler.at_peak is not None:
+                row["peak_anonymous_bytes"] = sampler.at_peak.anonymous
+                row["peak_file_bytes"] = sampler.at_peak.file_backed
             rows.append(row)
+            peak = f"{row['peak_bytes'] / 1e9:.2f} GB" if "peak_bytes" in row else "-"
             print(f"repeat {rep + 1}/{args.repeats} {_label(mode, frac):<24} "
                   f"decode {row['decode_tokens_per_s']:.2f} tok/s  prompt "
-                  f"{row['prompt_tokens_per_s']:.2f} tok/s  peak RSS "
-                  f"{row['peak_rss_bytes'] / 1e9:.2f} GB  ({time.perf_counter() - t0:.0f} s)",
-                  flush=True)  # fmt: skip
+                  f"{row['prompt_tokens_per_s']:.2f} tok/s  peak memory {peak}  "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
 
     table, headline = summarize(rows)
     desc = (f"model {model_dir.name}, prompt {args.prompt_words} tokens, {args.tokens} decode "
             f"tokens, {args.repeats} repeats, {time.perf_counter() - t_start:.0f} s")  # fmt: skip
     print(f"\n{desc}: median [min, max]\n{table}")
+    print(f"\nwhere peak memory goes (GB, median over repeats):\n{memory_table(rows)}")
     if args.json is not None:
         doc = {"model": str(model_dir), "prompt_tokens": args.prompt_words,
                "decode_tokens": args.tokens, "repeats": args.repeats, "rows": rows,

@@ -67,6 +67,7 @@ if(CMAKE_CUDA_COMPILER AND NOT STRATA_CUDA STREQUAL "OFF")
     pybind11_add_module(_cuda csrc/cuda/python/module.cpp)
     target_link_libraries(_cuda PRIVATE strata_cuda)
     set_target_properties(_cuda PROPERTIES CUDA_RUNTIME_LIBRARY Static)
+    strata_private_runtime(_cuda)  # CMakeLists.txt: exports PyInit__cuda alone
     install(TARGETS _cuda DESTINATION strata_stream)
   endif()
 endif()
