@@ -10,7 +10,8 @@
 namespace strata::cuda {
 namespace {
 
-constexpr std::uint32_t kRouteThreads = 256;
+// 32 warps: a decode token is one block, whose latency is the layer's first wait.
+constexpr std::uint32_t kRouteThreads = 1024;
 constexpr std::uint32_t kMaxTopK = 64;
 
 // Block (token t, task y). x's row and the task's logits live in shared memory; x comes from
@@ -25,6 +26,7 @@ __global__ void route_kernel(DevLayout L, DevBuffers b, RouteTasks tasks, const 
   float* x = smem;          // [H]
   float* logit = smem + H;  // [E]
   const float* src = (x_staged ? x_staged : b.x) + std::size_t(t) * H;
+#pragma unroll 4
   for (std::uint32_t c = threadIdx.x; c < H; c += kRouteThreads) {
     const float v = src[c];
     x[c] = v;
