@@ -1,17 +1,28 @@
-"""The CUDA backend on a GPU: MoE layer time per backend at Qwen3-30B-A3B expert shapes.
+"""The CUDA backend on a GPU: layer times, the IO path to device slots, decode tokens/s.
 
-    python benchmarks/cuda.py [--layers 4] [--experts 32] [--tokens 16] [--json OUT]
+    python benchmarks/cuda.py [--layers 2] [--experts 16] [--tokens 16] [--backends ...]
+                              [--prompt-rows 128 512] [--decode] [--json OUT]
+    python benchmarks/cuda.py --load OUT.json --plot docs/figures/cuda.png
 
-Writes a q4 (group 64, f16 scales) pack with the shapes of Qwen3-30B-A3B's experts (hidden
-2048, moe_intermediate 768, top-8; fewer layers and experts, which the per-layer time does not
-depend on), keeps it all resident, and times Window.moe per layer for decode tokens and for
-prompt chunks on backend="cpu" and backend="cuda": wall microseconds per layer call (median),
-and the expert bytes a decode layer reads over that time. A tiny pack (hidden 64) gives the
-handshake's own cost per layer, the kernels being negligible there.
+Layer times. Writes a q4 (group 64, f16 scales) pack with the shapes of Qwen3-30B-A3B's experts
+(hidden 2048, moe_intermediate 768, top-8; fewer layers and experts, which the per-layer time
+does not depend on), keeps it all resident, and times Window.moe per layer for decode tokens and
+for prompt chunks on each backend: wall microseconds per layer call (median), and the expert
+bytes a decode layer reads over that time. A tiny pack (hidden 64) gives the handshake's own cost
+per layer, the kernels being negligible there. cuda-device reads a device-memory mirror of the
+arena (STRATA_CUDA_ARENA=device, the default); cuda-mapped reads the host arena through the
+mapping (over PCIe).
 
-CUDA runs twice: with the arena mirrored in device memory (STRATA_CUDA_ARENA=device, the
-default: all resident, decode reads HBM) and with the kernels reading the host arena through
-the mapping (STRATA_CUDA_ARENA=mapped: decode reads its experts over PCIe).
+--decode: a qwen3-30b-a3b-like pack (its expert shapes and 128 experts a layer, --decode-layers
+layers; the per-token figures scale with the layer count) read through the page cache (packed
+here, so warm). First the IO figures: the raw reference (--io-threads threads taking consecutive
+--part-bytes parts, each pread into pinned memory and then copied to the device, as the engine's
+IO threads and its slot copies do), pinned host-to-device bandwidth alone, and the engine's own
+bytes per second from the page cache to device slots (a prompt that touches every expert of every
+layer, all resident: its wall time over the same prompt replayed with every expert already in
+place). Then the synthetic driver's decode tokens/s at each --fractions arena, next-layer
+prediction off and on, beside the ceiling 1 / max(missed bytes per token / the raw reference,
+all-resident seconds per token).
 """
 
 from __future__ import annotations
@@ -20,15 +31,25 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from strata_stream import ExpertPack, ExpertStream, StreamConfig, Window
 from strata_stream.pack import Geometry, write_pack
 from strata_stream.pack.quant import QuantizedMatrix
+from strata_stream.synthetic import SyntheticDriver
+
+BACKENDS = {  # name: (backend, STRATA_CUDA_ARENA)
+    "cpu": ("cpu", ""),
+    "cuda-device": ("cuda", "device"),
+    "cuda-mapped": ("cuda", "mapped"),
+}
 
 
 def q4_matrix(rng: np.random.Generator, rows: int, cols: int) -> QuantizedMatrix:
@@ -108,42 +129,234 @@ def torch_prompt_us(rows: int, experts: int, hidden: int, inter: int, k: int) ->
     return statistics.median(times)
 
 
+def layer_times(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    tiny = make_pack(tmp / "tiny.strpk", 4, 16, 64, 64, 4)
+    big = make_pack(tmp / "qwen3.strpk", args.layers, args.experts, 2048, 768, 8)
+    with ExpertPack.open(big) as p:
+        decode_bytes = 8 * p.record_bytes
+    for name in args.backends:
+        backend, arena = BACKENDS[name]
+        os.environ["STRATA_CUDA_ARENA"] = arena  # read when a CUDA backend is made
+        r: dict[str, float] = {}
+        r["handshake_layer_us"] = time_layers(tiny, backend, 1, args.tokens)
+        r["decode_layer_us"] = time_layers(big, backend, 1, args.tokens)
+        r["decode_gb_s"] = decode_bytes / (r["decode_layer_us"] * 1e-6) / 1e9
+        for rows in args.prompt_rows:
+            r[f"prompt{rows}_layer_us"] = time_layers(big, backend, rows, 2)
+        results[name] = r
+        print(name, json.dumps(r), flush=True)
+    os.environ.pop("STRATA_CUDA_ARENA", None)
+    torch_r: dict[str, float] = {}
+    for rows in args.prompt_rows:
+        t = torch_prompt_us(rows, args.experts, 2048, 768, 8)
+        if t is not None:
+            torch_r[f"prompt{rows}_layer_us"] = t
+    if torch_r:
+        results["torch-bf16-bmm"] = torch_r
+        print("torch-bf16-bmm", json.dumps(torch_r), flush=True)
+    return results
+
+
+def raw_reference(path: Path, offset: int, size: int, part: int, threads: int) -> float:
+    """Bytes/s of the fair raw path to the device: `threads` threads taking consecutive parts,
+    each pread (page cache) into the thread's pinned buffer and then copied to the device on
+    the thread's own stream, waited for before the buffer is reused."""
+    import torch
+
+    fd = os.open(path, os.O_RDONLY)
+    n_parts = size // part
+    done = [0] * threads
+
+    def run(j: int) -> None:
+        pinned = torch.empty(part, dtype=torch.uint8).pin_memory()
+        view = memoryview(pinned.numpy())
+        dev = torch.empty(part, dtype=torch.uint8, device="cuda")
+        s = torch.cuda.Stream()
+        for i in range(j, n_parts, threads):
+            done[j] += os.preadv(fd, [view], offset + i * part)
+            with torch.cuda.stream(s):
+                dev.copy_(pinned, non_blocking=True)
+            s.synchronize()
+
+    workers = [threading.Thread(target=run, args=(j,)) for j in range(threads)]
+    t0 = time.perf_counter()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    wall = time.perf_counter() - t0
+    os.close(fd)
+    return sum(done) / wall
+
+
+def pinned_h2d(size: int = 1 << 28) -> float:
+    """Bytes/s of one pinned host buffer copied to the device (median of 5)."""
+    import torch
+
+    src = torch.empty(size, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(size, dtype=torch.uint8, device="cuda")
+    dst.copy_(src)
+    times = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return size / statistics.median(times)
+
+
+def engine_to_device(
+    path: Path, pack: ExpertPack, cfg: StreamConfig, rows: int, seed: int
+) -> dict[str, float]:
+    """The engine's bytes/s from the page cache to device slots: a `rows`-token prompt over
+    every layer, all resident, on a fresh stream (every expert it routes to is read, copied into
+    the arena and then into its device slot), against the same prompt replayed once all of them
+    are in place (the compute alone)."""
+    g, routers = pack.geometry, pack.router_weights  # routers are read lazily: pack stays open
+    walls: list[float] = []
+    reads: list[int] = []
+    with ExpertStream(path, cfg) as stream, Window(stream, backend="cuda") as window:
+        with window.turn():  # the backend's first launches and copies, outside the timing
+            window.moe(0, SyntheticDriver(g, routers, seed=seed + 1).prompt(1).layer_input(0))
+        for _ in range(2):
+            x = SyntheticDriver(g, routers, seed=seed).prompt(rows)
+            before = stream.stats()["bytes_read"]
+            t0 = time.perf_counter()
+            with window.turn():
+                for layer in range(g.n_layers):
+                    window.moe(layer, x.layer_input(layer))
+            walls.append(time.perf_counter() - t0)
+            reads.append(stream.stats()["bytes_read"] - before)
+    io_s = max(walls[0] - walls[1], 1e-9)
+    return {"bytes": float(reads[0]), "first_s": walls[0], "replay_s": walls[1],
+            "replay_bytes": float(reads[1]), "gb_s": reads[0] / io_s / 1e9}  # fmt: skip
+
+
+def decode(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from decode import decode_run  # the synthetic driver's timed decode (benchmarks/decode.py)
+
+    path = tmp / "qwen3-30b-a3b-like.strpk"
+    t0 = time.perf_counter()
+    make_pack(path, args.decode_layers, 128, 2048, 768, 8)
+    print(f"packed {path.stat().st_size / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s",
+          flush=True)  # fmt: skip
+    out: dict[str, Any] = {"layers": args.decode_layers, "experts": 128}
+    with ExpertPack.open(path) as pack:
+        g, stride, first = pack.geometry, pack.record_stride, pack.records_offset
+        n_all = g.n_layers * g.n_experts
+        base = StreamConfig(io_threads=args.io_threads, part_bytes=args.part_bytes,
+                            direct_io=False, persist_profile=False)  # fmt: skip
+        size = min(n_all * stride, 1 << 30)
+        raw = raw_reference(path, first, size, args.part_bytes, args.io_threads)
+        out["io"] = {
+            "raw_reference_gb_s": raw / 1e9,
+            "pinned_h2d_gb_s": pinned_h2d() / 1e9,
+            "engine": engine_to_device(
+                path, pack, base.replace(arena_bytes=n_all * stride, max_rows=256), 256, args.seed
+            ),
+        }
+        out["io"]["engine_over_reference"] = out["io"]["engine"]["gb_s"] * 1e9 / raw
+        print("io", json.dumps(out["io"]), flush=True)
+        resident = decode_run(path, pack, base.replace(arena_bytes=n_all * stride,
+                              lookahead=False), args.prompt, args.decode_tokens, args.seed,
+                              replay=True)  # fmt: skip
+        compute_s = resident["seconds_per_token"]
+        out["all_resident_tokens_per_s"] = 1 / compute_s
+        rows = []
+        for fraction in args.fractions:
+            for lookahead in (False, True):
+                n_slots = max(2 * g.top_k, int(n_all * fraction))
+                r = decode_run(path, pack, base.replace(arena_bytes=n_slots * stride,
+                               lookahead=lookahead), args.prompt, args.decode_tokens,
+                               args.seed)  # fmt: skip
+                ceiling = 1 / max(r["bytes_read_per_token"] / raw, compute_s)
+                row = {"arena_fraction": fraction, "lookahead": lookahead,
+                       "ceiling_tokens_per_s": ceiling,
+                       "fraction_of_ceiling": r["tokens_per_s"] / ceiling, **r}  # fmt: skip
+                rows.append(row)
+                print(f"arena {fraction:4.0%} prediction {'on ' if lookahead else 'off'}: "
+                      f"{r['tokens_per_s']:7.1f} tok/s, ceiling {ceiling:7.1f} "
+                      f"({row['fraction_of_ceiling']:.2f}), hit rate {r['hit_rate']:.3f}, "
+                      f"{r['bytes_read_per_token'] / 1e6:.0f} MB/token", flush=True)  # fmt: skip
+        out["rows"] = rows
+    return out
+
+
+def plot(results: dict[str, Any], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dec = results.get("decode")
+    fig, axes = plt.subplots(1, 2 if dec else 1, figsize=(12 if dec else 6, 4.2), squeeze=False)
+    ax = axes[0][0]
+    layers = results.get("layers", {})
+    names = [n for n in layers if "handshake_layer_us" in layers[n]]
+    xs = np.arange(len(names))
+    bars = (("handshake_layer_us", "tiny layer (handshake)"),
+            ("decode_layer_us", "decode layer (Qwen3-30B-A3B q4)"))  # fmt: skip
+    for i, (key, label) in enumerate(bars):
+        ax.bar(xs + (i - 0.5) * 0.38, [layers[n][key] for n in names], 0.38, label=label)
+    ax.set_xticks(xs, names, rotation=15, fontsize=8)
+    ax.set_ylabel("us per layer call (median)")
+    ax.set_title("Window.moe per layer, all resident")
+    ax.legend()
+    if dec:
+        ax = axes[0][1]
+        for lookahead, marker in ((False, "o"), (True, "s")):
+            rows = [r for r in dec["rows"] if r["lookahead"] == lookahead]
+            f = [100 * r["arena_fraction"] for r in rows]
+            ax.plot(f, [r["tokens_per_s"] for r in rows], marker=marker,
+                    label=f"cuda, prediction {'on' if lookahead else 'off'}")  # fmt: skip
+            ax.plot(f, [r["ceiling_tokens_per_s"] for r in rows], marker=marker, ls=":",
+                    color="grey", label="ceiling" if lookahead else None)  # fmt: skip
+        ax.set_xlabel("arena, % of the experts")
+        ax.set_ylabel("tokens/s")
+        ax.set_yscale("log")
+        ax.set_title(f"decode, {dec['layers']} qwen3-30b-a3b-like layers, page cache")
+        ax.legend()
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--backends", nargs="*", choices=sorted(BACKENDS), default=list(BACKENDS))
     ap.add_argument("--prompt-rows", type=int, nargs="*", default=[128, 512])
+    ap.add_argument("--decode", action="store_true", help="the IO and decode-throughput figures")
+    ap.add_argument("--decode-layers", type=int, default=4)
+    ap.add_argument("--decode-tokens", type=int, default=16)
+    ap.add_argument("--prompt", type=int, default=16)
+    ap.add_argument("--fractions", type=float, nargs="+", default=[0.10, 0.25, 0.50, 1.00])
+    ap.add_argument("--io-threads", type=int, default=4)
+    ap.add_argument("--part-bytes", type=int, default=1 << 20)
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--load", type=Path, help="plot a JSON an earlier run wrote; measure nothing")
+    ap.add_argument("--plot", type=Path, help="a PNG of the figures")
     args = ap.parse_args()
-    results: dict[str, object] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        tiny = make_pack(Path(tmp) / "tiny.strpk", 4, 16, 64, 64, 4)
-        big = make_pack(Path(tmp) / "qwen3.strpk", args.layers, args.experts, 2048, 768, 8)
-        with ExpertPack.open(big) as p:
-            decode_bytes = 8 * p.record_bytes
-        for name, backend, arena in (
-            ("cpu", "cpu", ""),
-            ("cuda-device-arena", "cuda", "device"),
-            ("cuda-mapped-arena", "cuda", "mapped"),
-        ):
-            os.environ["STRATA_CUDA_ARENA"] = arena  # read when a CUDA backend is made
-            r: dict[str, float] = {}
-            r["handshake_layer_us"] = time_layers(tiny, backend, 1, args.tokens)
-            r["decode_layer_us"] = time_layers(big, backend, 1, args.tokens)
-            r["decode_gb_s"] = decode_bytes / (r["decode_layer_us"] * 1e-6) / 1e9
-            for rows in args.prompt_rows:
-                r[f"prompt{rows}_layer_us"] = time_layers(big, backend, rows, 2)
-            results[name] = r
-            print(name, json.dumps(r), flush=True)
-    for rows in args.prompt_rows:
-        t = torch_prompt_us(rows, args.experts, 2048, 768, 8)
-        if t is not None:
-            results.setdefault("torch-bf16-bmm", {})[f"prompt{rows}_layer_us"] = t  # type: ignore[union-attr]
-    print("torch-bf16-bmm", json.dumps(results.get("torch-bf16-bmm")), flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+    if args.load:
+        results = json.loads(args.load.read_text())
+    else:
+        results = {}
+        with tempfile.TemporaryDirectory() as tmp:
+            if args.backends:
+                results["layers"] = layer_times(args, Path(tmp))
+            if args.decode:
+                results["decode"] = decode(args, Path(tmp))
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2) + "\n")
+    if args.plot:
+        plot(results, args.plot)
     return 0
 
 

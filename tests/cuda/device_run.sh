@@ -65,5 +65,5 @@ if [ "$what" = all ] || [ "$what" = sanitize ]; then
   done
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
-  STRATA_CUDA_TRACE=1 step bench 200 $py benchmarks/cuda.py --layers 2 --experts 16 --json "$out/cuda_bench.json"
+  STRATA_CUDA_TRACE=1 step bench 200 $py benchmarks/cuda.py --layers 2 --experts 16 --decode --json "$out/cuda_bench.json"
 fi

@@ -21,8 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from strata_stream import ExpertPack, ExpertStream, StreamConfig, Window
-from strata_stream import testing as hooks
+from strata_stream import ExpertPack, ExpertStream, StreamConfig, Window, testing
 from strata_stream.errors import ConfigError
 from strata_stream.pack import Geometry, write_pack
 
@@ -270,7 +269,7 @@ def test_two_windows_on_one_stream_from_two_threads(tmp_path: Path) -> None:
             t.join(120)
             assert not t.is_alive(), "a Window hung"
         assert not errors, errors
-        assert hooks.check_invariants(stream) == ""
+        assert testing.check_invariants(stream) == ""
     for i in (0, 1):
         assert all(np.array_equal(a, b) for a, b in zip(got[i], want[i], strict=True))
 
@@ -282,9 +281,9 @@ def test_close_during_moe_leaves_the_stream_usable(tmp_path: Path) -> None:
     want = run(path, config(path), [xs], "cuda")
     with ExpertStream(path, config(path, 2 * K, lookahead=False)) as stream:
         w = Window(stream, backend="cuda")
-        hooks.inject_fault(stream, 1, 0, kind="delay", delay_s=0.2, count=-1)
+        testing.inject_fault(stream, 1, 0, kind="delay", delay_s=0.2, count=-1)
         for e in range(1, E):
-            hooks.inject_fault(stream, 1, e, kind="delay", delay_s=0.2, count=-1)
+            testing.inject_fault(stream, 1, e, kind="delay", delay_s=0.2, count=-1)
         entered = threading.Event()
         outputs: list[np.ndarray] = []
         failure: list[BaseException] = []
@@ -306,8 +305,8 @@ def test_close_during_moe_leaves_the_stream_usable(tmp_path: Path) -> None:
         t.join(60)
         assert not t.is_alive() and failure, "close() failed the turn in flight"
         assert all(np.array_equal(o, want[i % L]) for i, o in enumerate(outputs))
-        assert hooks.check_invariants(stream) == ""
-        hooks.clear_faults(stream)
+        assert testing.check_invariants(stream) == ""
+        testing.clear_faults(stream)
         with Window(stream, backend="cuda") as again, again.turn():
             got = [again.moe(layer, x) for layer, x in enumerate(xs)]
         assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))

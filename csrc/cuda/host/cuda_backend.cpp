@@ -59,7 +59,8 @@ class DeviceArray {
   std::size_t bytes_ = 0;
 };
 
-// Pinned host memory (staging for the scratch copies), freed with its owner.
+// Pinned host memory, mapped into the GPU (staging the kernels read, readback they write),
+// freed with its owner.
 class PinnedArray {
  public:
   PinnedArray() = default;
@@ -74,10 +75,12 @@ class PinnedArray {
   void ensure(std::size_t bytes) {
     if (bytes <= bytes_) return;
     reset();
-    cudaError_t e = cudaHostAlloc(&p_, bytes, cudaHostAllocPortable);
+    cudaError_t e = cudaHostAlloc(&p_, bytes, cudaHostAllocPortable | cudaHostAllocMapped);
+    if (e == cudaSuccess) e = cudaHostGetDevicePointer(&d_, p_, 0);
     if (e != cudaSuccess) {
-      p_ = nullptr;
-      throw std::runtime_error(cuda_message("cudaHostAlloc", e));
+      if (p_) cudaFreeHost(p_);
+      p_ = d_ = nullptr;
+      throw std::runtime_error(cuda_message("cudaHostAlloc (mapped)", e));
     }
     bytes_ = bytes;
   }
@@ -86,9 +89,15 @@ class PinnedArray {
   T* as() const {
     return static_cast<T*>(p_);
   }
+  // The same bytes' device address (what a kernel reads or writes).
+  template <class T>
+  T* device(std::size_t byte_offset = 0) const {
+    return reinterpret_cast<T*>(static_cast<unsigned char*>(d_) + byte_offset);
+  }
 
  private:
   void* p_ = nullptr;
+  void* d_ = nullptr;
   std::size_t bytes_ = 0;
 };
 
@@ -129,9 +138,12 @@ DevLayout device_layout(const PackLayout& L) {
 // than a whole decode layer's kernels; spinning this long costs one core at most that long.
 constexpr auto kSpin = std::chrono::microseconds(200);
 
-// A queued command and the facts of the submission it came in.
+// A queued command and the facts of the submission it came in. A Route carries the
+// RoutePredict commands that follow it in its submission: one launch runs them all.
 struct Item {
   Command c;
+  std::uint32_t n_fused = 0;
+  Command fused[kMaxRouteTasks - 1];  // RoutePredict commands folded into this Route
   bool batch_start = false;
   bool batch_routes = false;     // the submission routes on the device (else the host did)
   std::uint32_t batch_rows = 0;  // the largest row count among its commands
@@ -196,6 +208,7 @@ class CudaBackend final : public Backend {
       throw std::runtime_error("the cuda backend routes at most top-64, the pack has top-" +
                                std::to_string(L.top_k));
     check(prepare_kernels(layout_), "cudaFuncSetAttribute (shared memory for the hidden size)");
+    check(prepare_route(layout_), "cudaFuncSetAttribute (route: shared memory for the hidden size)");
     // The stream's arena and slot map: mapped once, in place (the IO threads write them).
     if (b.arena != host_arena_) {
       unmap();
@@ -242,29 +255,34 @@ class CudaBackend final : public Backend {
     x_.ensure(R * H * 4);
     ids_.ensure(R * k * 4);
     weights_.ensure(R * k * 4);
-    pred_[0].ensure(R * k * 4);
-    pred_[1].ensure(R * k * 4);
-    logits_.ensure(R * E * 4);
     plan_.ensure(R * k * 4);
     h_.ensure(R * k * I * 4);
     y_.ensure(R * k * H * 4);
-    out_.ensure(R * H * 4);
     wave_.ensure(E * 4);
     wave_n_.ensure(4);
     groups_.ensure((1 + 8 * E + R * k) * 4);
-    // Staging: what moves between two drains of the stream, with 256-byte alignment slack.
-    up_.ensure((R * H + 3 * R * k + E + 1) * 4 + 8 * 256);
-    down_.ensure((R * H + 4 * R * k) * 4 + 8 * 256);
+    // Staging: what moves up between two drains of the stream, with 256-byte alignment slack.
+    // (x, host-routed ids and weights, a wave, and two passes' groups: group_on_host()).
+    up_.ensure((R * H + 3 * R * k + E + 1 + 2 * (1 + 8 * E + R * k)) * 4 + 8 * 256);
+    // Readback: what the host reads at a Signal, written there by the kernels themselves
+    // (ids, weights, the two predictions, out), so a Signal copies nothing on the GPU.
+    back_.ensure((4 * R * k + R * H) * 4);
+    back_ids_ = 0;
+    back_weights_ = back_ids_ + R * k * 4;
+    back_pred_[0] = back_weights_ + R * k * 4;
+    back_pred_[1] = back_pred_[0] + R * k * 4;
+    back_out_ = back_pred_[1] + R * k * 4;
     dev_.x = x_.as<float>();
     dev_.ids = ids_.as<std::int32_t>();
     dev_.weights = weights_.as<float>();
-    dev_.pred_ids[0] = pred_[0].as<std::int32_t>();
-    dev_.pred_ids[1] = pred_[1].as<std::int32_t>();
-    dev_.logits = logits_.as<float>();
+    // Predictions and out are read by the host alone: the kernels write them to it directly.
+    dev_.pred_ids[0] = back_.device<std::int32_t>(back_pred_[0]);
+    dev_.pred_ids[1] = back_.device<std::int32_t>(back_pred_[1]);
+    dev_.logits = nullptr;  // the route kernel keeps its logits in shared memory
     dev_.plan = plan_.as<std::uint32_t>();
     dev_.h = h_.as<float>();
     dev_.y = y_.as<float>();
-    dev_.out = out_.as<float>();
+    dev_.out = back_.device<float>(back_out_);
     dev_.wave = wave_.as<std::int32_t>();
     dev_.wave_n = wave_n_.as<std::uint32_t>();
     std::uint32_t* g = groups_.as<std::uint32_t>();
@@ -289,14 +307,22 @@ class CudaBackend final : public Backend {
     {
       std::lock_guard<std::mutex> lk(mu_);
       bool first = true;
+      std::size_t items = 0;
       for (const Command& c : commands) {
+        if (c.op == Op::RoutePredict && !first && queue_.back().c.op == Op::Route &&
+            queue_.back().c.rows == c.rows && queue_.back().n_fused + 1 < kMaxRouteTasks) {
+          Item& route = queue_.back();  // this submission's: the device thread has not taken it
+          route.fused[route.n_fused++] = c;
+          continue;
+        }
         Item it = meta;
         it.c = c;
         it.batch_start = first;
         first = false;
         queue_.push_back(it);
+        ++items;
       }
-      queued_.fetch_add(commands.size(), std::memory_order_release);
+      queued_.fetch_add(items, std::memory_order_release);
     }
     cv_.notify_all();
   }
@@ -311,9 +337,8 @@ class CudaBackend final : public Backend {
     if (e != cudaSuccess && error_.empty()) error_ = cuda_message("stream", e);
     std::string flagged = read_error_word();
     if (!flagged.empty() && error_.empty()) error_ = flagged;
-    dirty_ = {};
-    pending_.clear();  // an aborted layer's downloads are not delivered
-    up_used_ = down_used_ = 0;
+    dirty_ = {};  // an aborted layer's readback is not delivered
+    up_used_ = 0;
   }
 
   void abort_pending() override {
@@ -407,37 +432,30 @@ class CudaBackend final : public Backend {
     std::uint32_t ids_rows = 0, pred_rows[2] = {0, 0}, out_rows = 0;
   };
 
-  // Copies go through pinned staging (pageable copies synchronise and stage in the driver):
+  // Uploads go through pinned staging (pageable copies synchronise and stage in the driver):
   // an upload's bytes are copied into the staging at this point of the device thread (after
   // the submission or the release), so it carries the host's values of that moment; staging is
-  // reused only after the stream drained (settle(), synchronize()).
-  void upload(void* dst, const void* src, std::size_t bytes) {
-    if (!bytes) return;
+  // reused only after the stream drained (settle(), synchronize()). stage() returns the staged
+  // bytes' device address (a kernel may read them there), or null when they do not fit.
+  const void* stage(const void* src, std::size_t bytes) {
     if (up_used_ + bytes > up_.bytes()) {  // full: drain, then start over
       check(cudaStreamSynchronize(stream_), "upload");
       up_used_ = 0;
     }
-    if (bytes > up_.bytes()) {  // larger than the staging: the driver's own path
-      check(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), "upload");
-      return;
-    }
-    unsigned char* stage = up_.as<unsigned char>() + up_used_;
-    std::memcpy(stage, src, bytes);
-    check(cudaMemcpyAsync(dst, stage, bytes, cudaMemcpyHostToDevice, stream_), "upload");
+    if (bytes > up_.bytes()) return nullptr;
+    std::memcpy(up_.as<unsigned char>() + up_used_, src, bytes);
+    const void* d = up_.device<const void>(up_used_);
     up_used_ += (bytes + 255) / 256 * 256;
+    return d;
   }
-  // Queued into staging now, delivered to `dst` by settle() once the stream drained.
-  void download(void* dst, const void* src, std::size_t bytes) {
+  void upload(void* dst, const void* src, std::size_t bytes) {
     if (!bytes) return;
-    if (down_used_ + bytes > down_.bytes()) {
-      check(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), "download");
+    if (const void* staged = stage(src, bytes)) {
+      check(cudaMemcpyAsync(dst, staged, bytes, cudaMemcpyHostToDevice, stream_), "upload");
       return;
     }
-    check(cudaMemcpyAsync(down_.as<unsigned char>() + down_used_, src, bytes,
-                          cudaMemcpyDeviceToHost, stream_),
-          "download");
-    pending_.push_back(Pending{dst, down_used_, bytes});
-    down_used_ += (bytes + 255) / 256 * 256;
+    // Larger than the staging: the driver's own path.
+    check(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), "upload");
   }
 
   // The device thread alone touches what follows (bind() runs only when it is idle).
@@ -445,9 +463,12 @@ class CudaBackend final : public Backend {
     const Command& c = it.c;
     const DeviceBuffers& b = host_;
     const std::size_t H = layout_.hidden, k = layout_.top_k;
+    const float* x_staged = nullptr;  // x for the route kernel to read and store into dev_.x
     if (it.batch_start && it.batch_rows > 0 && b.x) {
       const std::size_t R = it.batch_rows;
-      upload(dev_.x, b.x, R * H * 4);
+      if (c.op == Op::Route && c.rows == R)
+        x_staged = static_cast<const float*>(stage(b.x, R * H * 4));
+      if (!x_staged) upload(dev_.x, b.x, R * H * 4);
       if (!it.batch_routes) {  // the host routed (or the device did and the host has a copy)
         upload(dev_.ids, b.ids, R * k * 4);
         upload(dev_.weights, b.weights, R * k * 4);
@@ -460,29 +481,34 @@ class CudaBackend final : public Backend {
     last_layer_ = c.layer;
     last_rows_ = c.rows;
     switch (c.op) {
-      case Op::Route:
+      case Op::Route: {
         if (c.moce.mode != MoceMode::Off)
           return "the cuda backend does not implement cache-aware routing (moce)";
-        check(launch_route(layout_, dev_, c.layer, c.rows, dev_.ids, dev_.weights, stream_),
-              "route");
+        RouteTasks tasks;
+        tasks.t[tasks.n++] = RouteTask{c.layer, dev_.ids, dev_.weights,
+                                       back_.device<std::int32_t>(back_ids_),
+                                       back_.device<float>(back_weights_)};
+        for (std::uint32_t f = 0; f < it.n_fused; ++f) tasks.t[tasks.n++] = predict_task(it.fused[f]);
+        check(launch_route(layout_, dev_, c.rows, tasks, x_staged, stream_), "route");
         dirty_.ids_rows = std::max(dirty_.ids_rows, c.rows);
         return "";
-      case Op::RoutePredict:
-        check(launch_route(layout_, dev_, c.layer, c.rows, dev_.pred_ids[c.distance - 1], nullptr,
-                           stream_),
-              "route_predict");
-        dirty_.pred_rows[c.distance - 1] = std::max(dirty_.pred_rows[c.distance - 1], c.rows);
+      }
+      case Op::RoutePredict: {  // one not folded into a Route
+        RouteTasks tasks;
+        tasks.t[tasks.n++] = predict_task(c);
+        check(launch_route(layout_, dev_, c.rows, tasks, nullptr, stream_), "route_predict");
         return "";
+      }
       case Op::Plan:
         if (mode_ == ArenaMode::Mapped) {
           check(launch_plan(layout_, dev_, c.layer, c.rows, stream_), "plan");
         } else {
           // The same snapshot, taken here, at the point of the stream where the plan kernel
           // would run (after release 1): the device thread must know the slots to mirror them.
+          // Only this thread reads it: it groups the passes itself (group_on_host).
           host_plan_.resize(std::size_t(c.rows) * k);
           for (std::size_t i = 0; i < host_plan_.size(); ++i)
             host_plan_[i] = smap_load(b.smap, key(c.layer, b.ids[i]));
-          upload(dev_.plan, host_plan_.data(), host_plan_.size() * 4);
         }
         return "";
       case Op::GateUp:
@@ -491,25 +517,34 @@ class CudaBackend final : public Backend {
         // Device mode knows the plan: a pass with no entry (decode with every expert resident,
         // or none) launches nothing. With entries, the group kernel still checks each slot.
         if (mode_ == ArenaMode::Device && pass_is_empty(c.rows, c.pass)) return "";
-        if (regroup && mode_ == ArenaMode::Device) mirror_pass(c.layer, c.rows, c.pass);
-        if (regroup) check(launch_group(layout_, dev_, c.layer, c.rows, sel, stream_), "group");
+        std::string err;
+        if (regroup && mode_ == ArenaMode::Device) {
+          mirror_pass(c.layer, c.rows, c.pass);
+          err = group_on_host(c.layer, c.rows, sel);
+        } else if (regroup) {
+          check(launch_group(layout_, dev_, c.layer, c.rows, sel, stream_), "group");
+        }
         if (c.op == Op::GateUp)
           check(launch_gate_up(layout_, dev_, c.rows, stream_), "gate_up");
         else
           check(launch_down(layout_, dev_, c.rows, stream_), "down");
-        return "";
+        return err;
       }
       case Op::MoeMM: {
         // The host wrote the wave before releasing it; this thread runs after that release.
         const std::uint32_t n = *b.wave_n;
-        upload(const_cast<std::uint32_t*>(dev_.wave_n), b.wave_n, 4);
-        upload(const_cast<std::int32_t*>(dev_.wave), b.wave, std::size_t(n) * 4);
-        if (mode_ == ArenaMode::Device)
+        std::string err;
+        if (mode_ == ArenaMode::Device) {
           for (std::uint32_t w = 0; w < n; ++w) mirror(key(c.layer, b.wave[w]));
-        check(launch_group(layout_, dev_, c.layer, c.rows, Select::Wave, stream_), "group");
+          err = group_on_host(c.layer, c.rows, Select::Wave);
+        } else {
+          upload(const_cast<std::uint32_t*>(dev_.wave_n), b.wave_n, 4);
+          upload(const_cast<std::int32_t*>(dev_.wave), b.wave, std::size_t(n) * 4);
+          check(launch_group(layout_, dev_, c.layer, c.rows, Select::Wave, stream_), "group");
+        }
         check(launch_gate_up(layout_, dev_, c.rows, stream_), "gate_up");
         check(launch_down(layout_, dev_, c.rows, stream_), "down");
-        return "";
+        return err;
       }
       case Op::Combine:
         check(launch_combine(layout_, dev_, c.rows, stream_), "combine");
@@ -542,6 +577,14 @@ class CudaBackend final : public Backend {
         std::fprintf(stderr, " %s %.1f x%llu", names[i], 1e-3 * double(op_ns_[i]) / double(op_calls_[i]),
                      static_cast<unsigned long long>(op_calls_[i]));
     std::fprintf(stderr, " | slot copies %llu\n", static_cast<unsigned long long>(mirror_copies_));
+  }
+
+  // A prediction's routing task: its ids go to the readback alone (only the host reads them).
+  RouteTask predict_task(const Command& c) {
+    const std::uint32_t d = c.distance - 1;
+    dirty_.pred_rows[d] = std::max(dirty_.pred_rows[d], c.rows);
+    return RouteTask{c.layer, nullptr, nullptr, back_.device<std::int32_t>(back_pred_[d]),
+                     nullptr};
   }
 
   std::uint32_t key(std::uint32_t layer, std::int32_t expert) const {
@@ -595,23 +638,91 @@ class CudaBackend final : public Backend {
     }
   }
 
-  // Brings the host what it reads, waits for the stream and reads the error word.
+  // Device mode: the group kernel's work (experts.cu), done here, where the plan and smap
+  // already are (this thread read both to mirror the pass's slots), and uploaded in one copy
+  // laid out as groups_ is (bind()): no launch, and no plan upload either (the device reads the
+  // plan only through the groups). Entries go in index order inside a group; the group kernel's
+  // order is arbitrary, and each entry's outputs are computed alone, so the bits are the same.
+  // An expert with no published slot is reported and the pass computes nothing (groups_n 0).
+  std::string group_on_host(std::uint32_t layer, std::uint32_t rows, Select sel) {
+    const DeviceBuffers& b = host_;
+    const std::uint32_t E = n_experts_;
+    const std::size_t n = std::size_t(rows) * layout_.top_k;
+    std::vector<std::uint32_t>& g = host_groups_;
+    g.assign(1 + 8 * std::size_t(E) + n, 0);
+    std::uint32_t* slot_of = g.data() + 1;
+    std::uint32_t* start_of = slot_of + E;
+    std::uint32_t* count_of = start_of + E;
+    std::uint32_t* count = count_of + E;  // the kernel's scratch sections, used as such here
+    std::uint32_t* cursor = count + E;
+    std::uint32_t* first = cursor + E;
+    std::uint32_t* in_wave = first + E;
+    std::uint32_t* entries = g.data() + 1 + 8 * std::size_t(E);
+    if (sel == Select::Wave)
+      for (std::uint32_t w = 0; w < *b.wave_n; ++w)
+        if (std::uint32_t(b.wave[w]) < E) in_wave[b.wave[w]] = 1;
+    auto accepts = [&](std::size_t i, std::uint32_t e) {
+      if (sel == Select::Resident) return host_plan_[i] != kAbsentSlot;
+      if (sel == Select::Missing) return host_plan_[i] == kAbsentSlot;
+      return in_wave[e] != 0;
+    };
+    if (sel != Select::Wave && host_plan_.size() != n) return "cuda: an expert pass without a plan";
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::uint32_t e = std::uint32_t(b.ids[i]);
+      if (e >= E) return "cuda: routed expert " + std::to_string(e) + " out of range";
+      if (!accepts(i, e)) continue;
+      if (count[e]++ == 0) first[e] = std::uint32_t(i);
+    }
+    std::uint32_t groups = 0, offset = 0;
+    for (std::uint32_t e = 0; e < E; ++e) {
+      if (count[e] == 0) continue;
+      // Resident: the slot the plan saw (I8 keeps it valid). Missing and waves: published by
+      // now (the host released this pass only after it was).
+      const std::uint32_t slot = sel == Select::Resident
+                                     ? host_plan_[first[e]]
+                                     : smap_load(b.smap, key(layer, std::int32_t(e)));
+      if (slot == kAbsentSlot || slot >= b.n_slots) {
+        g[0] = 0;  // nothing is computed
+        upload(groups_.as<void>(), g.data(), 4);
+        const char* what = sel == Select::Resident  ? "resident"
+                           : sel == Select::Missing ? "missing"
+                                                    : "wave";
+        return "device: expert " + std::to_string(e) + " of layer " + std::to_string(layer) +
+               " has no published slot when its " + what + " pass runs (handshake bug)";
+      }
+      slot_of[groups] = slot;
+      start_of[groups] = offset;
+      count_of[groups] = count[e];
+      cursor[e] = offset;
+      offset += count[e];
+      ++groups;
+    }
+    g[0] = groups;
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::uint32_t e = std::uint32_t(b.ids[i]);
+      if (accepts(i, e)) entries[cursor[e]++] = std::uint32_t(i);
+    }
+    upload(groups_.as<void>(), g.data(), g.size() * 4);
+    return "";
+  }
+
+  // Waits for the stream, brings the host what it reads (the kernels wrote it into the
+  // readback, which the drain makes visible here) and reads the error word.
   std::string settle() {
     const DeviceBuffers& b = host_;
     const std::size_t H = layout_.hidden, k = layout_.top_k;
+    check(cudaStreamSynchronize(stream_), "stream");
+    const unsigned char* back = back_.as<const unsigned char>();
     if (dirty_.ids_rows) {
-      download(b.ids, dev_.ids, dirty_.ids_rows * k * 4);
-      download(b.weights, dev_.weights, dirty_.ids_rows * k * 4);
+      std::memcpy(b.ids, back + back_ids_, dirty_.ids_rows * k * 4);
+      std::memcpy(b.weights, back + back_weights_, dirty_.ids_rows * k * 4);
     }
     for (int d = 0; d < 2; ++d)
-      if (dirty_.pred_rows[d]) download(b.pred_ids[d], dev_.pred_ids[d], dirty_.pred_rows[d] * k * 4);
-    if (dirty_.out_rows) download(b.out, dev_.out, dirty_.out_rows * H * 4);
+      if (dirty_.pred_rows[d])
+        std::memcpy(b.pred_ids[d], back + back_pred_[d], dirty_.pred_rows[d] * k * 4);
+    if (dirty_.out_rows) std::memcpy(b.out, back + back_out_, dirty_.out_rows * H * 4);
     dirty_ = {};
-    check(cudaStreamSynchronize(stream_), "stream");
-    for (const Pending& p : pending_)
-      std::memcpy(p.dst, down_.as<unsigned char>() + p.offset, p.bytes);
-    pending_.clear();
-    up_used_ = down_used_ = 0;
+    up_used_ = 0;
     return read_error_word();
   }
 
@@ -637,15 +748,12 @@ class CudaBackend final : public Backend {
   const unsigned char* host_arena_ = nullptr;
   const std::uint32_t* host_smap_ = nullptr;
   const float* host_routers_ = nullptr;
-  DeviceArray routers_, x_, ids_, weights_, pred_[2], logits_, plan_, h_, y_, out_, wave_,
-      wave_n_, groups_;
-  PinnedArray up_, down_;  // staging; the device thread's (bind() sizes them while it is idle)
-  std::size_t up_used_ = 0, down_used_ = 0;
-  struct Pending {
-    void* dst;
-    std::size_t offset, bytes;
-  };
-  std::vector<Pending> pending_;  // downloads settle() delivers
+  DeviceArray routers_, x_, ids_, weights_, plan_, h_, y_, wave_, wave_n_, groups_;
+  // The device thread's (bind() sizes them while it is idle): staging up, and the readback the
+  // kernels write what the host reads into (byte offsets of its sections).
+  PinnedArray up_, back_;
+  std::size_t up_used_ = 0;
+  std::size_t back_ids_ = 0, back_weights_ = 0, back_pred_[2] = {0, 0}, back_out_ = 0;
   const ArenaMode mode_;
   DeviceArray mirror_;                    // Device mode: the arena's device copy
   std::uint64_t record_bytes_ = 0;
@@ -653,6 +761,7 @@ class CudaBackend final : public Backend {
   // The device thread's own (bind() resets them while it is idle).
   std::vector<std::uint32_t> mirror_key_;  // per slot: the key its mirror holds, or absent
   std::vector<std::uint32_t> host_plan_;   // Device mode: the last Plan's snapshot
+  std::vector<std::uint32_t> host_groups_;  // Device mode: group_on_host()'s upload
   std::uint64_t mirror_copies_ = 0;
   const bool trace_ = std::getenv("STRATA_CUDA_TRACE") != nullptr;
   std::uint64_t op_ns_[9] = {}, op_calls_[9] = {};  // the device thread's (trace_)

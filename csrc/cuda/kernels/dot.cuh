@@ -22,6 +22,7 @@ __device__ __forceinline__ float warp_sum(float v) {
 __device__ __forceinline__ float lane_dot(const float* w, const float* x, std::uint32_t n,
                                           std::uint32_t lane) {
   float acc = 0.0f;
+#pragma unroll 4  // the loads of several chunks in flight; the sum stays in chunk order
   for (std::uint32_t c0 = 8 * lane; c0 < n; c0 += 8 * 32) {
     const std::uint32_t end = c0 + 8 < n ? c0 + 8 : n;
     for (std::uint32_t c = c0; c < end; ++c) acc = __fmaf_rn(w[c], x[c], acc);

@@ -241,6 +241,77 @@ __global__ void down_kernel(DevLayout L, DevBuffers b) {
   }
 }
 
+// Decode (fewer entries per expert than a block has warps): a warp per (output row, entry), the
+// row read and dequantized straight from the arena in lane_dot's order (lane l takes the chunks
+// 8l, 8l + 256, ..., each chunk's columns in order), which are the staged kernels' products and
+// sums exactly: the same bits, with no shared memory, no barrier, and every warp of the GPU at
+// work (the staged kernels leave most of a block idle when a group has one entry).
+constexpr std::uint32_t kDirectRows = kThreads / 32;  // output rows per block, one per warp
+
+__global__ void gate_up_direct_kernel(DevLayout L, DevBuffers b) {
+  const std::uint32_t g = blockIdx.x;
+  if (g >= *b.groups_n) return;
+  const std::uint32_t H = L.hidden, I = L.inter, k = L.top_k;
+  const std::uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const std::uint32_t r = blockIdx.y * kDirectRows + warp;
+  if (r >= I) return;  // the whole warp: warp_sum's shuffles need every lane
+  const unsigned char* rec = b.arena + std::uint64_t(b.group_slot[g]) * b.slot_bytes;
+  const std::uint32_t* entries = b.group_entries + b.group_start[g];
+  const std::uint32_t count = b.group_count[g];
+  const float gb = bias_at(L, L.m[0], rec, r), ub = bias_at(L, L.m[1], rec, r);
+  for (std::uint32_t e = 0; e < count; ++e) {
+    const std::uint32_t i = entries[e];
+    const float* x = b.x + std::size_t(i / k) * H;
+    float ag = 0.0f, au = 0.0f;
+#pragma unroll 4
+    for (std::uint32_t c0 = 8 * lane; c0 < H; c0 += 8 * 32) {
+      float gv[8], uv[8];
+      load8(L, L.m[0], rec, r, c0, gv);
+      load8(L, L.m[1], rec, r, c0, uv);
+#pragma unroll
+      for (std::uint32_t c = 0; c < 8; ++c)
+        if (c0 + c < H) {
+          ag = __fmaf_rn(gv[c], x[c0 + c], ag);
+          au = __fmaf_rn(uv[c], x[c0 + c], au);
+        }
+    }
+    const float gd = warp_sum(ag), ud = warp_sum(au);
+    if (lane == 0) store_h(L, b, i, r, gd + gb, ud + ub);
+  }
+}
+
+__global__ void down_direct_kernel(DevLayout L, DevBuffers b) {
+  const std::uint32_t g = blockIdx.x;
+  if (g >= *b.groups_n) return;
+  const std::uint32_t H = L.hidden, I = L.inter;
+  const std::uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const std::uint32_t r = blockIdx.y * kDirectRows + warp;
+  if (r >= H) return;  // the whole warp
+  const unsigned char* rec = b.arena + std::uint64_t(b.group_slot[g]) * b.slot_bytes;
+  const std::uint32_t* entries = b.group_entries + b.group_start[g];
+  const std::uint32_t count = b.group_count[g];
+  const float db = bias_at(L, L.m[2], rec, r);
+  for (std::uint32_t e = 0; e < count; ++e) {
+    const std::uint32_t i = entries[e];
+    const float* hv = b.h + std::size_t(i) * I;
+    float a = 0.0f;
+#pragma unroll 4
+    for (std::uint32_t c0 = 8 * lane; c0 < I; c0 += 8 * 32) {
+      float v[8];
+      load8(L, L.m[2], rec, r, c0, v);
+#pragma unroll
+      for (std::uint32_t c = 0; c < 8; ++c)
+        if (c0 + c < I) a = __fmaf_rn(v[c], hv[c0 + c], a);
+    }
+    const float d = warp_sum(a);
+    if (lane == 0) b.y[std::size_t(i) * H + r] = b.weights[i] * (d + db);
+  }
+}
+
+// Rows below this take the direct kernels: every group then has fewer entries than a block has
+// warps (a token routes to an expert once), where the staged kernels would leave warps idle.
+constexpr std::uint32_t kDirectBelowRows = kThreads / 32;
+
 __global__ void combine_kernel(DevLayout L, DevBuffers b, std::uint32_t rows) {
   const std::uint32_t H = L.hidden, k = L.top_k;
   const std::size_t n = std::size_t(rows) * H;
@@ -327,6 +398,11 @@ cudaError_t launch_gate_up(const DevLayout& L, const DevBuffers& b, std::uint32_
                            cudaStream_t s) {
   const std::uint32_t groups = max_groups(L, rows);
   if (groups == 0) return cudaSuccess;
+  if (rows < kDirectBelowRows) {
+    gate_up_direct_kernel<<<dim3(groups, (L.inter + kDirectRows - 1) / kDirectRows), kThreads, 0,
+                            s>>>(L, b);
+    return cudaGetLastError();
+  }
   const int rt = rows_per_tile(gate_up_row_bytes(L));
   const std::size_t smem = rt * gate_up_row_bytes(L);
   const dim3 grid(groups, (L.inter + rt - 1) / rt);
@@ -343,6 +419,11 @@ cudaError_t launch_down(const DevLayout& L, const DevBuffers& b, std::uint32_t r
                         cudaStream_t s) {
   const std::uint32_t groups = max_groups(L, rows);
   if (groups == 0) return cudaSuccess;
+  if (rows < kDirectBelowRows) {
+    down_direct_kernel<<<dim3(groups, (L.hidden + kDirectRows - 1) / kDirectRows), kThreads, 0,
+                         s>>>(L, b);
+    return cudaGetLastError();
+  }
   const int rt = rows_per_tile(down_row_bytes(L));
   const std::size_t smem = rt * down_row_bytes(L);
   const dim3 grid(groups, (L.hidden + rt - 1) / rt);

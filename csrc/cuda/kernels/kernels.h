@@ -12,9 +12,27 @@
 
 namespace strata::cuda {
 
-// ids, weights <- top-k routing of `rows` tokens by router[layer] (weights null: prediction).
-cudaError_t launch_route(const DevLayout& L, const DevBuffers& b, std::uint32_t layer,
-                         std::uint32_t rows, std::int32_t* ids, float* weights, cudaStream_t s);
+// One routing of a fused launch: top-k of router[layer] on x into ids and, when routing rather
+// than predicting, the mixture weights; each also into the host's readback copy (pinned, mapped:
+// what the host reads at the next Signal, with no copy of its own). A null pointer is skipped.
+struct RouteTask {
+  std::uint32_t layer = 0;
+  std::int32_t* ids = nullptr;
+  float* weights = nullptr;  // null: a prediction
+  std::int32_t* ids_back = nullptr;
+  float* weights_back = nullptr;
+};
+constexpr std::uint32_t kMaxRouteTasks = 3;  // the route and predictions at distance 1 and 2
+struct RouteTasks {
+  RouteTask t[kMaxRouteTasks];
+  std::uint32_t n = 0;
+};
+
+// Every task over `rows` tokens of x, in one launch. x_staged (mapped pinned memory, or null):
+// the layer input the device thread staged; the kernel reads it there and stores it into b.x,
+// which saves the upload's copy.
+cudaError_t launch_route(const DevLayout& L, const DevBuffers& b, std::uint32_t rows,
+                         const RouteTasks& tasks, const float* x_staged, cudaStream_t s);
 // plan <- the smap snapshot of every routed entry.
 cudaError_t launch_plan(const DevLayout& L, const DevBuffers& b, std::uint32_t layer,
                         std::uint32_t rows, cudaStream_t s);
@@ -34,5 +52,6 @@ cudaError_t launch_combine(const DevLayout& L, const DevBuffers& b, std::uint32_
                            cudaStream_t s);
 // Raises the kernels' dynamic shared-memory limit for this geometry (once per backend).
 cudaError_t prepare_kernels(const DevLayout& L);
+cudaError_t prepare_route(const DevLayout& L);
 
 }  // namespace strata::cuda
