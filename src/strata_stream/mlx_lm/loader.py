@@ -7,10 +7,8 @@ read by MLX. Without a pack one is converted on first load into the cache direct
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
-import sys
 import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -19,82 +17,17 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from strata_stream.arena_budget import arena_size, available_memory
 from strata_stream.config import StreamConfig
-from strata_stream.convert import convert
+from strata_stream.convert.pack_cache import default_pack_path, ensure_pack
 from strata_stream.convert.share import WHOLE, Share
 from strata_stream.errors import ConfigError, PackError
 from strata_stream.mlx_lm.blocks import StreamedExperts, StreamedMoE, strip_experts
 from strata_stream.mlx_lm.engine import EXPERT_MODES, BlockRef, MoeEngine
 from strata_stream.mlx_lm.families import family_of
 from strata_stream.pack.reader import ExpertPack
-from strata_stream.paths import cache_dir
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_GiB = 1 << 30
-# Memory left to the KV cache, activations and the rest of the process when the arena is sized
-# automatically: 1 GiB plus a tenth of what is available.
-_HEADROOM_FIXED = _GiB
-_HEADROOM_SHARE = 0.10
-
-
-def default_pack_path(model_path: Path, share: Share = WHOLE) -> Path:
-    """Where `load` keeps the pack of a model it converted: the cache directory, under a name
-    derived from the model's path, config and weight files (so a changed model converts anew),
-    ending in the share's suffix for one rank of a distributed model (convert/share.py)."""
-    h = hashlib.sha256(str(model_path.resolve()).encode())
-    config = model_path / "config.json"
-    if config.exists():
-        h.update(config.read_bytes())
-    for f in sorted(model_path.glob("*.safetensors")):
-        h.update(f"{f.name}:{f.stat().st_size}".encode())
-    name = f"{model_path.name}-{h.hexdigest()[:16]}{share.suffix()}.strpk"
-    return cache_dir() / "packs" / name
-
-
-def available_memory() -> int:
-    """Bytes the system can give this process without swapping (MemAvailable on Linux)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    pages = os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
-    return int(pages * os.sysconf("SC_PAGE_SIZE") // 2)  # no better figure: half of RAM
-
-
-def arena_size(pack: ExpertPack, requested: int | None, available: int | None = None) -> int:
-    """The arena for a pack: `requested` if given, else what available memory allows after the
-    headroom, capped at every expert resident. ConfigError when it cannot hold the minimum
-    (two layers' top_k experts), saying how much memory is needed."""
-    g = pack.geometry
-    stride = pack.record_stride
-    minimum = ExpertStream_min_slots(g.top_k) * stride
-    everything = g.n_records * stride
-    if requested is not None:
-        if requested < minimum:
-            raise ConfigError(
-                f"arena_bytes {requested} is below the minimum {minimum} bytes "
-                f"({minimum / _GiB:.2f} GiB: {ExpertStream_min_slots(g.top_k)} expert records "
-                f"of {stride} bytes)"
-            )
-        return min(requested, everything)
-    avail = available_memory() if available is None else available
-    headroom = int(_HEADROOM_FIXED + _HEADROOM_SHARE * avail)
-    arena = min(everything, avail - headroom)
-    if arena < minimum:
-        raise ConfigError(
-            f"not enough memory for the experts: the arena needs at least {minimum} bytes "
-            f"({minimum / _GiB:.2f} GiB) plus {headroom / _GiB:.2f} GiB of headroom, "
-            f"{(minimum + headroom) / _GiB:.2f} GiB in all, but only {avail / _GiB:.2f} GiB is "
-            "available after the dense weights"
-        )
-    return arena
-
-
-def ExpertStream_min_slots(top_k: int) -> int:  # noqa: N802 - mirrors ExpertStream::min_slots
-    return 2 * top_k
 
 
 def _find_blocks(model: Any) -> list[tuple[int, str, Any, Any, str]]:
@@ -243,14 +176,8 @@ def stream_experts(
         if not lazy:
             mx.eval(model.parameters())
         return None
-    pack_file = Path(pack_path) if pack_path is not None else default_pack_path(model_path, share)
-    if not pack_file.exists():
-        if pack_path is None:
-            pack_file.parent.mkdir(parents=True, exist_ok=True)
-        if progress:
-            print(f"strata-stream: converting the experts of {model_path} ({share.describe()}) "
-                  f"into {pack_file}", file=sys.stderr)  # fmt: skip
-        convert(model_path, pack_file, progress=progress, share=share)
+    # The cached pack (converted on first use) or the one named (convert/pack_cache.py).
+    pack_file = ensure_pack(model_path, pack_path, share=share, progress=progress)
 
     decoder_layers = [t[0] for t in found]
     blocks = [t[3] for t in found]
