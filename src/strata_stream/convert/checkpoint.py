@@ -6,7 +6,14 @@ Two layouts are recognised, by tensor name, whatever the family:
   with a leading expert axis ``[E, rows, cols]``; role ``weight`` (uint32 when quantized),
   ``scales``/``biases`` (affine quantization), ``bias`` (the Linear's own, gpt-oss);
 - per expert (Hugging Face): ``...layers.{i}.{block}.experts.{e}.{gate,up,down}_proj.{role}``
-  (Mixtral's ``w1``/``w3``/``w2`` are gate/up/down).
+  (Mixtral's ``w1``/``w3``/``w2`` are gate/up/down);
+- fused (transformers 5): ``...layers.{i}.{block}.experts.gate_up_proj`` and ``.down_proj``
+  (float weights), with ``_bias`` tensors where the experts have Linear biases. Two
+  orientations, told apart by which axis is hidden_size: ``gate_up_proj [E, 2I, H]`` (gate rows,
+  then up rows) with ``down_proj [E, H, I]``, as transformers 5's experts modules hold them;
+  and gpt-oss's ``gate_up_proj [E, H, 2I]`` (gate and up interleaved column by column) with
+  ``down_proj [E, I, H]``, as its save_pretrained writes them. Each expert is one pread of the
+  fused tensor, split and transposed into the pack's [rows, cols] matrices.
 
 Quantization is read from the shapes (bits = packed words * 32 / input width, group = input
 width / scale columns), so per-layer overrides in config.json need no special handling; all
@@ -39,6 +46,10 @@ _PER_EXPERT = re.compile(
     r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>\w+)\.experts)\.(?P<expert>\d+)"
     r"\.(?P<mat>gate_proj|up_proj|down_proj|w1|w2|w3)\.(?P<role>weight|scales|biases|bias)$"
 )
+_FUSED = re.compile(
+    r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>\w+)\.experts)"
+    r"\.(?P<mat>gate_up_proj|down_proj)(?P<bias>_bias)?$"
+)
 _MATRIX = {"gate_proj": 0, "up_proj": 1, "down_proj": 2, "w1": 0, "w3": 1, "w2": 2}
 _FLOAT_FORMATS = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
 # gpt-oss's clamped SwiGLU (mlx_lm.models.activations.SwigluOAI defaults).
@@ -67,6 +78,9 @@ class _Layer:
     stacked: bool
     # (matrix, role) -> tensor name; per-expert names hold "{e}" for the expert index.
     names: dict[tuple[int, str], str] = field(default_factory=dict)
+    # Fused tensors (stacked is then True): "rows" for gate_up_proj [E, 2I, H] (gate rows, then
+    # up rows), "columns" for gpt-oss's [E, H, 2I] (interleaved columns); None otherwise.
+    fused: str | None = None
 
 
 @dataclass(frozen=True)
@@ -95,6 +109,14 @@ class ExpertLayout:
         def read(layer: _Layer, key: tuple[int, str], expert: int) -> npt.NDArray[Any]:
             name = layer.names[key]
             matrix, role = key
+            if layer.fused is not None:
+                full = _unfuse(index.read_expert(name, expert), layer.fused, matrix, role)
+                if rows is None:
+                    return full
+                r0, r1 = rows  # a tensor-parallel share: gate/up rows, down columns
+                if matrix < 2:
+                    return np.ascontiguousarray(full[r0:r1])
+                return full if role == "bias" else np.ascontiguousarray(full[:, r0:r1])
             if rows is None:
                 if layer.stacked:
                     return index.read_expert(name, expert)
@@ -150,7 +172,14 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
     config = read_config(model_dir)
     model_type = str(config.get("model_type", "unknown"))
     layers: dict[int, _Layer] = {}
+    hidden = int(config.get("hidden_size", 0))
+    if not hidden:
+        raise ConfigError(f"{model_dir}: config.json has no hidden_size")
     for name in index.tensors:
+        fm = _FUSED.match(name)
+        if fm is not None:
+            _add_fused(model_dir, index, layers, fm, hidden)
+            continue
         m = _STACKED.match(name)
         stacked = m is not None
         if m is None:
@@ -159,8 +188,8 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
                 continue
         i = int(m["layer"])
         layer = layers.setdefault(i, _Layer(i, m["prefix"], stacked))
-        if layer.stacked != stacked:
-            raise PackError(f"{model_dir}: layer {i} mixes stacked and per-expert expert tensors")
+        if layer.stacked != stacked or layer.fused is not None:
+            raise PackError(f"{model_dir}: layer {i} mixes expert tensor layouts")
         key = (_MATRIX[m["mat"]], m["role"])
         if stacked:
             layer.names[key] = name
@@ -169,8 +198,8 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
             layer.names[key] = template
     if not layers:
         hint = ""
-        if model_type == "gpt_oss":
-            hint = " (gpt-oss's original fused gate_up_proj layout: convert it with mlx_lm first)"
+        if model_type == "gpt_oss" and any(n.endswith("_blocks") for n in index.tensors):
+            hint = " (gpt-oss's published mxfp4 *_blocks/*_scales layout is not supported yet)"
         raise ConfigError(f"{model_dir}: no routed expert tensors found{hint}")
     ordered = tuple(layers[i] for i in sorted(layers))
 
@@ -181,6 +210,9 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
 
     def loc(layer: _Layer, key: tuple[int, str]) -> tuple[str, tuple[int, ...]]:
         name = layer.names[key]
+        if layer.fused is not None:
+            t = index.tensors[name]
+            return t.dtype, _unfused_shape(t.shape, layer.fused, key[0], key[1])
         if layer.stacked:
             t = index.tensors[name]
             return t.dtype, t.shape
@@ -190,9 +222,6 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
 
     wdtype, gshape = loc(first, (0, "weight"))
     n_experts, inter = gshape[0], gshape[1]
-    hidden = int(config.get("hidden_size", 0))
-    if not hidden:
-        raise ConfigError(f"{model_dir}: config.json has no hidden_size")
     quantized = "scales" in roles
     mxfp4 = False
     if quantized:
@@ -291,7 +320,8 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
         "experts_prefixes": [layer.prefix for layer in ordered],
         "first_k_dense_replace": int(config.get("first_k_dense_replace", 0) or 0),
         "decoder_sparse_step": int(config.get("decoder_sparse_step", 1) or 1),
-        "layout": "stacked" if first.stacked else "per_expert",
+        "layout": (f"fused_{first.fused}" if first.fused else
+                   "stacked" if first.stacked else "per_expert"),
     }
     return ExpertLayout(
         model_type,
@@ -344,3 +374,65 @@ def _per_expert_of(name: str, template: str) -> bool:
     head, _, tail = template.partition("{e}")
     middle = name[len(head) : len(name) - len(tail)] if name.endswith(tail) else ""
     return name.startswith(head) and middle.isdigit()
+
+
+def _add_fused(
+    model_dir: Path,
+    index: SafetensorsIndex,
+    layers: dict[int, _Layer],
+    m: re.Match[str],
+    hidden: int,
+) -> None:
+    """Records one fused tensor (``experts.gate_up_proj``, ``.down_proj``, their ``_bias``)
+    under the pack's (matrix, role) keys, with the layer's orientation read from its shape."""
+    i = int(m["layer"])
+    name = m.group(0)
+    t = index.tensors[name]
+    layer = layers.setdefault(i, _Layer(i, m["prefix"], True, fused="rows"))
+    if layer.fused is None:
+        raise PackError(f"{model_dir}: layer {i} mixes expert tensor layouts")
+    if m["mat"] == "gate_up_proj":
+        if m["bias"] is None:
+            if len(t.shape) != 3 or hidden not in t.shape[1:]:
+                raise PackError(
+                    f"{model_dir}: {name} is {list(t.shape)}, not [E, 2I, {hidden}] or "
+                    f"[E, {hidden}, 2I]"
+                )
+            # [E, H, 2I] is gpt-oss's orientation (its columns interleave gate and up).
+            layer.fused = "columns" if t.shape[1] == hidden and t.shape[2] != hidden else "rows"
+        role = "bias" if m["bias"] else "weight"
+        layer.names[(0, role)] = name
+        layer.names[(1, role)] = name
+    else:
+        layer.names[(2, "bias" if m["bias"] else "weight")] = name
+
+
+def _unfused_shape(
+    shape: tuple[int, ...], fused: str, matrix: int, role: str
+) -> tuple[int, ...]:
+    """The [E, rows, cols] (or [E, rows] for a bias) a fused tensor gives one matrix."""
+    if role == "bias":
+        return (shape[0], shape[1] // 2) if matrix < 2 else tuple(shape)
+    e, a, b = shape
+    if matrix < 2:
+        return (e, a // 2, b) if fused == "rows" else (e, b // 2, a)
+    return (e, a, b) if fused == "rows" else (e, b, a)
+
+
+def _unfuse(
+    t: npt.NDArray[Any], fused: str, matrix: int, role: str
+) -> npt.NDArray[Any]:
+    """One matrix (or bias) of one expert from its slice of a fused tensor."""
+    if role == "bias":
+        if matrix == 2:
+            return t
+        if fused == "rows":
+            half = t.shape[0] // 2
+            return np.ascontiguousarray(t[:half] if matrix == 0 else t[half:])
+        return np.ascontiguousarray(t[matrix::2])
+    if matrix == 2:
+        return t if fused == "rows" else np.ascontiguousarray(t.T)
+    if fused == "rows":
+        half = t.shape[0] // 2
+        return np.ascontiguousarray(t[:half] if matrix == 0 else t[half:])
+    return np.ascontiguousarray(t[:, matrix::2].T)

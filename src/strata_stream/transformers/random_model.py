@@ -62,6 +62,7 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt_oss": ("GptOssConfig", {
         "num_hidden_layers": 2, "num_local_experts": EXPERTS, "intermediate_size": INTER,
         "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
     }),
 }  # fmt: skip
 
