@@ -320,8 +320,9 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
         "experts_prefixes": [layer.prefix for layer in ordered],
         "first_k_dense_replace": int(config.get("first_k_dense_replace", 0) or 0),
         "decoder_sparse_step": int(config.get("decoder_sparse_step", 1) or 1),
-        "layout": (f"fused_{first.fused}" if first.fused else
-                   "stacked" if first.stacked else "per_expert"),
+        "layout": (
+            f"fused_{first.fused}" if first.fused else "stacked" if first.stacked else "per_expert"
+        ),
     }
     return ExpertLayout(
         model_type,
@@ -407,9 +408,7 @@ def _add_fused(
         layer.names[(2, "bias" if m["bias"] else "weight")] = name
 
 
-def _unfused_shape(
-    shape: tuple[int, ...], fused: str, matrix: int, role: str
-) -> tuple[int, ...]:
+def _unfused_shape(shape: tuple[int, ...], fused: str, matrix: int, role: str) -> tuple[int, ...]:
     """The [E, rows, cols] (or [E, rows] for a bias) a fused tensor gives one matrix."""
     if role == "bias":
         return (shape[0], shape[1] // 2) if matrix < 2 else tuple(shape)
@@ -419,9 +418,7 @@ def _unfused_shape(
     return (e, a, b) if fused == "rows" else (e, b, a)
 
 
-def _unfuse(
-    t: npt.NDArray[Any], fused: str, matrix: int, role: str
-) -> npt.NDArray[Any]:
+def _unfuse(t: npt.NDArray[Any], fused: str, matrix: int, role: str) -> npt.NDArray[Any]:
     """One matrix (or bias) of one expert from its slice of a fused tensor."""
     if role == "bias":
         if matrix == 2:

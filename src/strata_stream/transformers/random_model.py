@@ -123,7 +123,9 @@ def make_checkpoint(
     class_name, entries = CONFIGS[family]
     config = getattr(transformers, class_name)(**{**_COMMON, **entries, **(dims or {})})
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call,unused-ignore]
+        config, dtype=torch.float32
+    )
     _randomize(model, seed)
     model = model.to(getattr(torch, dtype))
     model.config.dtype = dtype
