@@ -45,6 +45,11 @@ def _build_parser() -> argparse.ArgumentParser:
     conv.add_argument("model", metavar="MODEL_DIR", help="checkpoint directory (safetensors)")
     conv.add_argument("-o", "--out", required=True, metavar="PACK", help="pack file to write")
     conv.add_argument("--quiet", action="store_true", help="no progress bar")
+    conv.add_argument("--quantize", choices=("q4", "q8"), default=None,
+                      help="quantize float (f32/f16/bf16) experts to 4 or 8 bits on the way "
+                      "(lossy: the pack holds the quantized weights)")  # fmt: skip
+    conv.add_argument("--group-size", type=int, choices=(32, 64, 128), default=64,
+                      help="quantization group size with --quantize (default 64)")  # fmt: skip
 
     gen = sub.add_parser(
         "generate", help="generate text with an mlx-lm model whose experts stream from SSD"
@@ -141,7 +146,8 @@ def _pack(args: argparse.Namespace) -> int:
 def _convert(args: argparse.Namespace) -> int:
     from strata_stream.convert import convert
 
-    path = convert(args.model, args.out, progress=not args.quiet)
+    path = convert(args.model, args.out, progress=not args.quiet, quantize=args.quantize,
+                   group_size=args.group_size)  # fmt: skip
     print(f"wrote {path} ({path.stat().st_size:,} bytes)")
     return 0
 

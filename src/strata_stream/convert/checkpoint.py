@@ -196,6 +196,9 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
         else:
             template = f"{m['prefix']}.{{e}}.{m['mat']}.{m['role']}"
             layer.names[key] = template
+    for layer in layers.values():
+        if layer.fused is not None:
+            _orient_fused(model_dir, index, layer, hidden)
     if not layers:
         hint = ""
         if model_type == "gpt_oss" and any(n.endswith("_blocks") for n in index.tensors):
@@ -389,23 +392,41 @@ def _add_fused(
     i = int(m["layer"])
     name = m.group(0)
     t = index.tensors[name]
-    layer = layers.setdefault(i, _Layer(i, m["prefix"], True, fused="rows"))
+    layer = layers.setdefault(i, _Layer(i, m["prefix"], True, fused="unknown"))
     if layer.fused is None:
         raise PackError(f"{model_dir}: layer {i} mixes expert tensor layouts")
+    if m["bias"] is None and len(t.shape) != 3:
+        raise PackError(f"{model_dir}: {name} is {list(t.shape)}, not [E, rows, cols]")
     if m["mat"] == "gate_up_proj":
-        if m["bias"] is None:
-            if len(t.shape) != 3 or hidden not in t.shape[1:]:
-                raise PackError(
-                    f"{model_dir}: {name} is {list(t.shape)}, not [E, 2I, {hidden}] or "
-                    f"[E, {hidden}, 2I]"
-                )
-            # [E, H, 2I] is gpt-oss's orientation (its columns interleave gate and up).
-            layer.fused = "columns" if t.shape[1] == hidden and t.shape[2] != hidden else "rows"
         role = "bias" if m["bias"] else "weight"
         layer.names[(0, role)] = name
         layer.names[(1, role)] = name
     else:
         layer.names[(2, "bias" if m["bias"] else "weight")] = name
+
+
+def _orient_fused(model_dir: Path, index: SafetensorsIndex, layer: _Layer, hidden: int) -> None:
+    """Which orientation a fused layer has, from where hidden_size sits in both tensors:
+    gate_up [E, 2I, H] with down [E, H, I] ("rows"), or gpt-oss's gate_up [E, H, 2I] with
+    down [E, I, H] ("columns"). The two cannot both fit one pair of shapes."""
+    try:
+        _, a, b = index.tensors[layer.names[(0, "weight")]].shape
+        _, c, d = index.tensors[layer.names[(2, "weight")]].shape
+    except KeyError:
+        raise PackError(
+            f"{model_dir}: decoder layer {layer.decoder_layer} lacks experts.gate_up_proj or "
+            "experts.down_proj"
+        ) from None
+    if b == hidden and c == hidden and a == 2 * d:
+        layer.fused = "rows"
+    elif a == hidden and d == hidden and b == 2 * c:
+        layer.fused = "columns"
+    else:
+        raise PackError(
+            f"{model_dir}: fused experts gate_up_proj [E, {a}, {b}] and down_proj [E, {c}, {d}] "
+            f"fit neither [E, 2I, {hidden}] / [E, {hidden}, I] nor [E, {hidden}, 2I] / "
+            f"[E, I, {hidden}]"
+        )
 
 
 def _unfused_shape(shape: tuple[int, ...], fused: str, matrix: int, role: str) -> tuple[int, ...]:
