@@ -220,7 +220,7 @@ def test_torch_never_reads_the_expert_tensors(
 
 
 @pytest.mark.parametrize("fam", ["qwen3_moe"], indirect=True)
-def test_streamer_pipeline_and_tokenizer_work_unchanged(
+def test_streamer_pipeline_and_caches_work_unchanged(
     fam: Family, closing: list[Any], capsys: pytest.CaptureFixture[str]
 ) -> None:
     tokenizer = transformers.AutoTokenizer.from_pretrained(fam.path)
@@ -243,6 +243,9 @@ def test_streamer_pipeline_and_tokenizer_work_unchanged(
         return out
 
     assert piped(model) == piped(fam.ref)
+    # The static cache too (generate's default is the dynamic one, used everywhere above).
+    static = generate(model, do_sample=False, cache_implementation="static")
+    assert static == generate(fam.ref, do_sample=False, cache_implementation="static")
 
 
 @pytest.mark.parametrize("fam", ["mixtral"], indirect=True)
@@ -276,8 +279,49 @@ def test_bad_inputs_name_their_cause(fam: Family, tmp_path: Path) -> None:
         load(fam.path, pack_path=fam.pack, device="cuda", config=BASE, progress=False)
     with pytest.raises(ConfigError, match="no such model directory"):
         load(tmp_path / "missing", config=BASE, progress=False)
+    model = fam.load()
+    try:
+        window = model.strata_engine.window
+        x = np.zeros((1, 64), np.float32)
+        ids, w = np.zeros((1, fam.top_k), np.int32), np.ones((1, fam.top_k), np.float32)
+        with pytest.raises(TypeError, match="4-byte elements, not bfloat16"):
+            window.moe_routed(0, x, ids, w, x_dtype="bfloat16")
+        with pytest.raises(TypeError, match="x_dtype must be"):
+            window.moe_routed(0, x, ids, w, x_dtype="int8")
+        # bfloat16 bits (as int16) named by x_dtype are read as bfloat16: 0x3F00 is 0.5.
+        half = window.moe_routed(0, x + 0.5, ids, w)
+        window.restart_pass()
+        bits = np.full((1, 64), 0x3F00, np.int16)
+        assert np.array_equal(window.moe_routed(0, bits, ids, w, x_dtype="bfloat16"), half)
+        assert np.abs(half).max() > 0
+    finally:
+        model.strata_engine.close()
     other = make_checkpoint("olmoe", tmp_path / "olmoe")
     from strata_stream.errors import PackError
 
     with pytest.raises(PackError, match="decoder layers"):
         load(other, pack_path=fam.pack, config=BASE, progress=False)
+
+
+@pytest.mark.parametrize("fam", ["qwen2_moe"], indirect=True)
+def test_cli_generate_with_the_transformers_engine(
+    fam: Family, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from strata_stream.cli import main
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(fam.path)
+    inputs = tokenizer("w1 w2 w3", return_tensors="pt")
+    ids = fam.ref.generate(**inputs, max_new_tokens=5, do_sample=False)
+    want = tokenizer.decode(ids[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    arena = str(6 * fam.stride / (1 << 30))
+    args = ["generate", str(fam.path), "--engine", "transformers", "--prompt", "w1 w2 w3",
+            "--max-tokens", "5", "--arena-gb", arena, "--pack", str(fam.pack)]  # fmt: skip
+    capsys.readouterr()
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(want)
+    assert "decode " in out and "hit rate" in out and "6 expert slots" in out
+    for extra in (["--experts", "mlx"], ["--tensor"], ["--device", "cuda"]):
+        assert main([*args, *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "error" in err, extra

@@ -52,9 +52,15 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="quantization group size with --quantize (default 64)")  # fmt: skip
 
     gen = sub.add_parser(
-        "generate", help="generate text with an mlx-lm model whose experts stream from SSD"
+        "generate", help="generate text with a model whose experts stream from SSD"
     )
-    gen.add_argument("model", metavar="MODEL", help="mlx-lm model directory or Hugging Face repo")
+    gen.add_argument("model", metavar="MODEL", help="model directory or Hugging Face repo")
+    gen.add_argument("--engine", choices=ENGINES, default=None,
+                     help="who runs the dense layers: mlx-lm or transformers (default: mlx-lm "
+                     "where mlx-lm is installed, else transformers)")  # fmt: skip
+    gen.add_argument("--device", default=None,
+                     help="--engine transformers: torch device (cpu; cuda is not supported "
+                     "yet)")  # fmt: skip
     gen.add_argument("--prompt", required=True, help="the prompt text")
     gen.add_argument("--max-tokens", type=int, default=100, help="tokens to generate (100)")
     gen.add_argument(
@@ -152,7 +158,22 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+ENGINES = ("mlx-lm", "transformers")
+
+
+def _default_engine() -> str:
+    import importlib.util
+
+    return "mlx-lm" if importlib.util.find_spec("mlx_lm") is not None else "transformers"
+
+
 def _generate(args: argparse.Namespace) -> int:
+    engine = args.engine or _default_engine()
+    if engine == "transformers":
+        return _generate_transformers(args)
+    if args.device is not None:
+        print("strata-stream: error: --device is for --engine transformers", file=sys.stderr)
+        return 2
     try:
         from strata_stream.mlx_lm.generate_cli import generate
     except ImportError as e:
@@ -172,6 +193,22 @@ def _generate(args: argparse.Namespace) -> int:
         return 0
     generate(args.model, args.prompt, max_tokens=args.max_tokens, arena_gb=args.arena_gb,
              experts=args.experts, arithmetic=args.arithmetic, pack_path=args.pack)  # fmt: skip
+    return 0
+
+
+def _generate_transformers(args: argparse.Namespace) -> int:
+    if args.pipeline or args.tensor or args.experts != "cpu" or args.arithmetic != "auto":
+        print("strata-stream: error: --pipeline, --tensor, --experts and --arithmetic are for "
+              "--engine mlx-lm", file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        from strata_stream.transformers.generate_cli import generate
+    except ImportError as e:
+        print(f"strata-stream: error: --engine transformers needs torch and transformers ({e}); "
+              "pip install 'strata-stream[transformers]'", file=sys.stderr)  # fmt: skip
+        return 2
+    generate(args.model, args.prompt, max_tokens=args.max_tokens, arena_gb=args.arena_gb,
+             pack_path=args.pack, device=args.device)  # fmt: skip
     return 0
 
 

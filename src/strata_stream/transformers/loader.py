@@ -166,6 +166,7 @@ def load(
     slot.engine = engine
     object.__setattr__(model, "strata_engine", engine)
     object.__setattr__(model, "strata_pack_path", pack_file)
+    object.__setattr__(model, "strata_model_dir", model_path)
     weakref.finalize(model, engine.close)
     return model
 
