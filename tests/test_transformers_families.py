@@ -243,6 +243,11 @@ def test_streamer_pipeline_and_caches_work_unchanged(
         return out
 
     assert piped(model) == piped(fam.ref)
+    # A left-padded batch of two prompts: the experts see [B * T, H] rows, pads included.
+    tokenizer.padding_side = "left"
+    batch = tokenizer(["w1 w2 w3 w4 w5", "w9 w8"], return_tensors="pt", padding=True)
+    want_batch = fam.ref.generate(**batch, max_new_tokens=6, do_sample=False)
+    assert torch.equal(model.generate(**batch, max_new_tokens=6, do_sample=False), want_batch)
     # The static cache too (generate's default is the dynamic one, used everywhere above).
     static = generate(model, do_sample=False, cache_implementation="static")
     assert static == generate(fam.ref, do_sample=False, cache_implementation="static")
