@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -150,6 +151,86 @@ def test_quantized_stream_is_the_dequantized_model(tmp_path: Path) -> None:
                 gate, up, down = (torch.from_numpy(w) for w in p.expert_weights(i, e))
                 block.experts.gate_up_proj[e] = torch.cat([gate, up])
                 block.experts.down_proj[e] = down
+    tokens = torch.tensor([[5, 9, 12, 3, 40, 22, 7, 8, 9, 10, 33, 2]])
+    with torch.no_grad():
+        want = ref(tokens).logits[0].numpy()
+        got = model(tokens).logits[0].numpy()
+    model.strata_engine.close()
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def _published_mxfp4(src: Path, dst: Path) -> dict[tuple[int, int], tuple[Any, ...]]:
+    """gpt-oss as OpenAI publishes it, from a float checkpoint: the experts as mxfp4
+    ``*_blocks`` / ``*_scales`` (gate and up rows interleaved), everything else as it was.
+    Returns the quantized (gate, up, down) per (layer, expert)."""
+    import shutil
+
+    from safetensors.numpy import load_file
+
+    from strata_stream.pack.quant import quantize_mxfp4
+
+    shutil.copytree(src, dst)
+    shard = dst / "model.safetensors"
+    tensors = load_file(str(shard))
+    config = json.loads((dst / "config.json").read_text())
+    quantized: dict[tuple[int, int], tuple[Any, ...]] = {}
+    for layer in range(config["num_hidden_layers"]):
+        p = f"model.layers.{layer}.mlp.experts"
+        gu, down = tensors.pop(f"{p}.gate_up_proj"), tensors.pop(f"{p}.down_proj")
+        n, hidden, inter2 = gu.shape
+        blocks: dict[str, list[Any]] = {k: [] for k in ("gu_b", "gu_s", "d_b", "d_s")}
+        for e in range(n):
+            qs = tuple(quantize_mxfp4(np.ascontiguousarray(m)) for m in
+                       (gu[e][:, 0::2].T, gu[e][:, 1::2].T, down[e].T))  # fmt: skip
+            quantized[(layer, e)] = qs
+            rows_b = np.empty((inter2, hidden // 32, 16), np.uint8)
+            rows_s = np.empty((inter2, hidden // 32), np.uint8)
+            for m in (0, 1):
+                rows_b[m::2] = qs[m].weight.view(np.uint8).reshape(inter2 // 2, -1, 16)
+                rows_s[m::2] = qs[m].scales
+            blocks["gu_b"].append(rows_b)
+            blocks["gu_s"].append(rows_s)
+            blocks["d_b"].append(qs[2].weight.view(np.uint8).reshape(hidden, -1, 16))
+            blocks["d_s"].append(qs[2].scales)
+        tensors[f"{p}.gate_up_proj_blocks"] = np.stack(blocks["gu_b"])
+        tensors[f"{p}.gate_up_proj_scales"] = np.stack(blocks["gu_s"])
+        tensors[f"{p}.down_proj_blocks"] = np.stack(blocks["d_b"])
+        tensors[f"{p}.down_proj_scales"] = np.stack(blocks["d_s"])
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                   "model.embed_tokens", "lm_head"],
+    }  # fmt: skip
+    (dst / "config.json").write_text(json.dumps(config))
+    return quantized
+
+
+def test_gpt_oss_published_mxfp4_is_copied_and_streams(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from strata_stream import StreamConfig
+    from strata_stream.transformers import load
+    from strata_stream.transformers.random_model import make_checkpoint
+
+    src = make_checkpoint("gpt_oss", tmp_path / "f32")
+    quantized = _published_mxfp4(src, tmp_path / "mxfp4")
+    pack = convert(tmp_path / "mxfp4", tmp_path / "m.strpk", progress=False)
+    with ExpertPack.open(pack) as p:
+        assert (p.weight_format, p.scale_dtype, p.bias_dtype) == ("mxfp4", "e8m0", "f32")
+        for (layer, e), qs in quantized.items():  # copied: the codes and scales as they were
+            for got, qm in zip(p.expert_weights(layer, e), qs, strict=True):
+                assert np.array_equal(got, dequantize(qm))
+    # Plain transformers dequantizing the experts on load is the oracle.
+    mx4 = transformers.Mxfp4Config(dequantize=True)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "mxfp4", dtype=torch.float32, quantization_config=mx4,
+        attn_implementation="eager", experts_implementation="eager",
+    )  # fmt: skip
+    ref = ref.float()  # transformers 5.17 dequantizes to bf16 whatever dtype says (exact in f32)
+    model = load(tmp_path / "mxfp4", pack_path=pack, arena_bytes=1 << 24, dtype=torch.float32,
+                 config=StreamConfig(io_threads=2, direct_io=False, persist_profile=False),
+                 attn_implementation="eager", progress=False)  # fmt: skip
     tokens = torch.tensor([[5, 9, 12, 3, 40, 22, 7, 8, 9, 10, 33, 2]])
     with torch.no_grad():
         want = ref(tokens).logits[0].numpy()

@@ -13,7 +13,11 @@ Two layouts are recognised, by tensor name, whatever the family:
   then up rows) with ``down_proj [E, H, I]``, as transformers 5's experts modules hold them;
   and gpt-oss's ``gate_up_proj [E, H, 2I]`` (gate and up interleaved column by column) with
   ``down_proj [E, I, H]``, as its save_pretrained writes them. Each expert is one pread of the
-  fused tensor, split and transposed into the pack's [rows, cols] matrices.
+  fused tensor, split and transposed into the pack's [rows, cols] matrices. gpt-oss's published
+  mxfp4 checkpoints hold ``gate_up_proj_blocks [E, 2I, H/32, 16]`` (uint8, two E2M1 codes a
+  byte, the low nibble first: MLX's mxfp4 words, byte for byte) and ``_scales [E, 2I, H/32]``
+  (E8M0) with gate and up interleaved row by row, and ``down_proj_blocks [E, H, I/32, 16]``:
+  copied as they are, the rows split.
 
 Quantization is read from the shapes (bits = packed words * 32 / input width, group = input
 width / scale columns), so per-layer overrides in config.json need no special handling; all
@@ -48,7 +52,7 @@ _PER_EXPERT = re.compile(
 )
 _FUSED = re.compile(
     r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>\w+)\.experts)"
-    r"\.(?P<mat>gate_up_proj|down_proj)(?P<bias>_bias)?$"
+    r"\.(?P<mat>gate_up_proj|down_proj)(?P<suffix>_bias|_blocks|_scales)?$"
 )
 _MATRIX = {"gate_proj": 0, "up_proj": 1, "down_proj": 2, "w1": 0, "w3": 1, "w2": 2}
 _FLOAT_FORMATS = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
@@ -79,7 +83,8 @@ class _Layer:
     # (matrix, role) -> tensor name; per-expert names hold "{e}" for the expert index.
     names: dict[tuple[int, str], str] = field(default_factory=dict)
     # Fused tensors (stacked is then True): "rows" for gate_up_proj [E, 2I, H] (gate rows, then
-    # up rows), "columns" for gpt-oss's [E, H, 2I] (interleaved columns); None otherwise.
+    # up rows), "columns" for gpt-oss's [E, H, 2I] (interleaved columns), "blocks" for gpt-oss's
+    # mxfp4 *_blocks / *_scales (interleaved rows); None otherwise.
     fused: str | None = None
 
 
@@ -200,10 +205,7 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
         if layer.fused is not None:
             _orient_fused(model_dir, index, layer, hidden)
     if not layers:
-        hint = ""
-        if model_type == "gpt_oss" and any(n.endswith("_blocks") for n in index.tensors):
-            hint = " (gpt-oss's published mxfp4 *_blocks/*_scales layout is not supported yet)"
-        raise ConfigError(f"{model_dir}: no routed expert tensors found{hint}")
+        raise ConfigError(f"{model_dir}: no routed expert tensors found")
     ordered = tuple(layers[i] for i in sorted(layers))
 
     first = ordered[0]
@@ -215,7 +217,8 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
         name = layer.names[key]
         if layer.fused is not None:
             t = index.tensors[name]
-            return t.dtype, _unfused_shape(t.shape, layer.fused, key[0], key[1])
+            dtype = "U32" if layer.fused == "blocks" and key[1] == "weight" else t.dtype
+            return dtype, _unfused_shape(t.shape, layer.fused, key[0], key[1])
         if layer.stacked:
             t = index.tensors[name]
             return t.dtype, t.shape
@@ -395,14 +398,15 @@ def _add_fused(
     layer = layers.setdefault(i, _Layer(i, m["prefix"], True, fused="unknown"))
     if layer.fused is None:
         raise PackError(f"{model_dir}: layer {i} mixes expert tensor layouts")
-    if m["bias"] is None and len(t.shape) != 3:
-        raise PackError(f"{model_dir}: {name} is {list(t.shape)}, not [E, rows, cols]")
-    if m["mat"] == "gate_up_proj":
-        role = "bias" if m["bias"] else "weight"
-        layer.names[(0, role)] = name
-        layer.names[(1, role)] = name
-    else:
-        layer.names[(2, "bias" if m["bias"] else "weight")] = name
+    role = {None: "weight", "_bias": "bias", "_blocks": "weight", "_scales": "scales"}[m["suffix"]]
+    want_dims = {"weight": 4 if m["suffix"] == "_blocks" else 3, "scales": 3, "bias": 2}[role]
+    if len(t.shape) != want_dims:
+        raise PackError(f"{model_dir}: {name} is {list(t.shape)}, not {want_dims}-D")
+    if m["suffix"] == "_blocks":
+        layer.fused = "blocks"
+    matrices = (0, 1) if m["mat"] == "gate_up_proj" else (2,)
+    for matrix in matrices:
+        layer.names[(matrix, role)] = name
 
 
 def _orient_fused(model_dir: Path, index: SafetensorsIndex, layer: _Layer, hidden: int) -> None:
@@ -410,13 +414,24 @@ def _orient_fused(model_dir: Path, index: SafetensorsIndex, layer: _Layer, hidde
     gate_up [E, 2I, H] with down [E, H, I] ("rows"), or gpt-oss's gate_up [E, H, 2I] with
     down [E, I, H] ("columns"). The two cannot both fit one pair of shapes."""
     try:
-        _, a, b = index.tensors[layer.names[(0, "weight")]].shape
-        _, c, d = index.tensors[layer.names[(2, "weight")]].shape
+        gate_up = index.tensors[layer.names[(0, "weight")]].shape
+        down = index.tensors[layer.names[(2, "weight")]].shape
     except KeyError:
         raise PackError(
             f"{model_dir}: decoder layer {layer.decoder_layer} lacks experts.gate_up_proj or "
             "experts.down_proj"
         ) from None
+    if layer.fused == "blocks":  # [E, 2I, H/32, 16] and [E, H, I/32, 16]
+        if not (gate_up[2] * 32 == hidden and down[1] == hidden and gate_up[1] == 2 * down[2] * 32
+                and gate_up[3] == down[3] == 16):  # fmt: skip
+            raise PackError(
+                f"{model_dir}: mxfp4 experts gate_up_proj_blocks {list(gate_up)} and "
+                f"down_proj_blocks {list(down)} are not [E, 2I, {hidden // 32}, 16] and "
+                f"[E, {hidden}, I/32, 16]"
+            )
+        return
+    _, a, b = gate_up
+    _, c, d = down
     if b == hidden and c == hidden and a == 2 * d:
         layer.fused = "rows"
     elif a == hidden and d == hidden and b == 2 * c:
@@ -430,9 +445,14 @@ def _orient_fused(model_dir: Path, index: SafetensorsIndex, layer: _Layer, hidde
 
 
 def _unfused_shape(shape: tuple[int, ...], fused: str, matrix: int, role: str) -> tuple[int, ...]:
-    """The [E, rows, cols] (or [E, rows] for a bias) a fused tensor gives one matrix."""
+    """The [E, rows, cols] (or [E, rows] for a bias) a fused tensor gives one matrix (mxfp4
+    blocks as the uint32 words they are)."""
     if role == "bias":
         return (shape[0], shape[1] // 2) if matrix < 2 else tuple(shape)
+    if fused == "blocks":
+        e, r, g = shape[:3]
+        cols = g * 4 if role == "weight" else g  # 16 bytes a block are 4 words
+        return (e, r // 2 if matrix < 2 else r, cols)
     e, a, b = shape
     if matrix < 2:
         return (e, a // 2, b) if fused == "rows" else (e, b // 2, a)
@@ -441,6 +461,11 @@ def _unfused_shape(shape: tuple[int, ...], fused: str, matrix: int, role: str) -
 
 def _unfuse(t: npt.NDArray[Any], fused: str, matrix: int, role: str) -> npt.NDArray[Any]:
     """One matrix (or bias) of one expert from its slice of a fused tensor."""
+    if fused == "blocks" and role != "bias":
+        rows = t if matrix == 2 else t[matrix::2]  # gate and up rows interleave
+        if role == "weight":  # [R, H/32, 16] bytes -> [R, H/8] little-endian words
+            return np.ascontiguousarray(rows).reshape(rows.shape[0], -1).view("<u4")
+        return np.ascontiguousarray(rows)
     if role == "bias":
         if matrix == 2:
             return t

@@ -147,6 +147,18 @@ def load(
         raise ConfigError(
             f"{model_path}: transformers has no causal LM class for {type(hf_config).__name__}"
         ) from None
+    quant = getattr(hf_config, "quantization_config", None)
+    method = (
+        quant.get("quant_method")
+        if isinstance(quant, dict)
+        else getattr(quant, "quant_method", None)
+    )
+    if str(getattr(method, "value", method)) == "mxfp4" and "quantization_config" not in kwargs:
+        # mxfp4 quantizes the experts only, and they come from the pack: nothing is left for its
+        # kernels (which need a GPU or the `kernels` package), so dequantize-on-load it is.
+        from transformers.utils.quantization_config import Mxfp4Config
+
+        kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
     slot = EngineSlot()
     if dtype is not None:
         kwargs["dtype"] = dtype
