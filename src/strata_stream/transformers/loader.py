@@ -135,11 +135,9 @@ def load(
         raise ConfigError("device_map: not yet; the model loads on the CPU")
     kwargs = dict(from_pretrained_kwargs)
     model_path = _model_dir(path_or_repo, kwargs.get("revision"))
-    hf_config = kwargs.pop("config", None)
-    if hf_config is None:
-        hf_config = AutoConfig.from_pretrained(
-            model_path, trust_remote_code=kwargs.get("trust_remote_code", False)
-        )
+    hf_config = AutoConfig.from_pretrained(
+        model_path, trust_remote_code=kwargs.get("trust_remote_code", False)
+    )
     mapping: Any = AutoModelForCausalLM._model_mapping  # noqa: SLF001 - its class table
     try:
         base = mapping[type(hf_config)]
