@@ -330,3 +330,29 @@ def test_cli_generate_with_the_transformers_engine(
         assert main([*args, *extra]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and "error" in err, extra
+
+
+@pytest.mark.parametrize("fam", ["qwen3_moe"], indirect=True)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_x_is_read_in_place(
+    fam: Family, dtype: str, closing: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The experts call hands the Window a host view of the torch tensor's own memory: no copy
+    # of x, whatever its dtype (bfloat16 as its 16-bit patterns). No lookahead: the float32
+    # model's routers would refuse a bfloat16 x.
+    model = fam.load(lookahead=False)
+    closing.append(model)
+    engine = model.strata_engine
+    seen: list[int] = []
+    real = engine.window.moe_routed
+
+    def spy(layer: int, x: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(x.__array_interface__["data"][0])
+        return real(layer, x, *args, **kwargs)
+
+    monkeypatch.setattr(engine.window, "moe_routed", spy)
+    x = torch.randn(3, 64).to(getattr(torch, dtype))
+    ids = torch.tensor([[0, 1], [2, 3], [4, 5]])
+    y = engine.run(0, x, ids, torch.full((3, 2), 0.5))
+    assert seen == [x.data_ptr()]
+    assert y.dtype == x.dtype and y.shape == x.shape
