@@ -263,10 +263,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             model = args.model
             if model is None:
-                from strata_stream.serve.tiny_checkpoint import build_tiny_checkpoint
+                from strata_stream.mlx_lm.random_model import make_chat_checkpoint
 
                 tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="serve_load_"))
-                model = build_tiny_checkpoint(Path(tmp) / "tiny")
+                model = make_chat_checkpoint(Path(tmp) / "tiny")
             url, pid = stack.enter_context(start_server(model, max_queue=max(levels_n)))
         mid = model_id(url)
         warm = Level(1, 0, 2.0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -80,3 +81,136 @@ def test_demo_missing(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFix
     monkeypatch.setitem(sys.modules, "strata_stream.demo", None)
     assert main(["demo", "--synthetic"]) == 2
     assert "demo is unavailable" in capsys.readouterr().err
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str], *needles: str) -> str:
+    err = capsys.readouterr().err
+    assert err.startswith("strata-stream: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+def test_generate_mistakes_are_one_line_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    ok = ["generate", str(model), "--prompt", "hello"]
+    for argv, needle in (
+        (["generate", "./modle", "--prompt", "hi"], "./modle: no such model directory"),
+        (["generate", str(tmp_path / "typo"), "--prompt", "hi"], "no such model directory"),
+        (["generate", "~/nope-strata", "--prompt", "hi"], "no such model directory"),
+        (["generate", str(model), "--prompt", ""], "--prompt is empty"),
+        (["generate", str(model), "--prompt", "  "], "--prompt is empty"),
+        ([*ok, "--max-tokens", "0"], "--max-tokens must be at least 1, got 0"),
+        ([*ok, "--max-tokens", "-1"], "--max-tokens must be at least 1, got -1"),
+        ([*ok, "--arena-gb", "nan"], "--arena-gb must be a number of GiB > 0, got nan"),
+        ([*ok, "--arena-gb", "inf"], "--arena-gb must be a number of GiB > 0, got inf"),
+        ([*ok, "--arena-gb", "0"], "--arena-gb must be"),
+    ):
+        assert main(argv) == 2, argv
+        _one_line_error(capsys, needle)
+
+
+def test_a_repo_id_is_not_taken_for_a_path(tmp_path: Path) -> None:
+    from strata_stream.errors import ConfigError
+    from strata_stream.paths import model_location
+
+    assert model_location("mlx-community/Qwen3-30B-A3B-4bit") == "mlx-community/Qwen3-30B-A3B-4bit"
+    assert model_location(tmp_path) == str(tmp_path)
+    for bad in ("./x", "../x", "/no/such", "a/b/c", "owner/name/", tmp_path / "x"):
+        with pytest.raises(ConfigError, match="no such model directory"):
+            model_location(bad)
+
+
+def test_serve_without_its_extra_names_the_install(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+
+    def without_fastapi(name: str, *args: Any) -> Any:
+        return None if name == "fastapi" else real(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", without_fastapi)
+    assert main(["serve", str(tmp_path)]) == 2
+    _one_line_error(capsys, "serve needs fastapi", 'pip install "strata-stream[serve]"')
+    monkeypatch.undo()
+    pytest.importorskip("fastapi")
+    for argv, needle in (
+        (["serve", str(tmp_path), "--arena-gb", "inf"], "--arena-gb must be"),
+        (["serve", str(tmp_path / "typo")], "no such model directory"),
+        (["serve", str(tmp_path), "--pack", "p", "--tensor"], "--pack names one pack"),
+    ):
+        assert main(argv) == 2, argv
+        _one_line_error(capsys, needle)
+
+
+def test_convert_without_out_writes_the_pack_load_uses(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from strata_stream.convert.pack_cache import default_pack_path, ensure_pack
+    from test_convert import _synthetic
+
+    monkeypatch.setenv("STRATA_CACHE", str(tmp_path / "cache"))
+    ckpt = _synthetic(tmp_path / "m")
+    assert main(["convert", str(ckpt), "--quiet"]) == 0
+    pack = default_pack_path(ckpt)
+    assert f"{pack} (" in capsys.readouterr().out and pack.exists()
+    made = pack.stat().st_mtime_ns
+    assert ensure_pack(ckpt, progress=False) == pack and pack.stat().st_mtime_ns == made
+    assert main(["convert", str(ckpt), "-o", str(tmp_path / "o.strpk"), "--quiet"]) == 0
+    assert f"use it with --pack {tmp_path / 'o.strpk'}" in capsys.readouterr().out
+
+
+def test_generate_refuses_more_tokens_than_the_context(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("mlx_lm")
+    from mlx_models import make_checkpoint
+
+    monkeypatch.setenv("STRATA_CACHE", str(tmp_path / "cache"))
+    model = make_checkpoint("qwen3_moe", tmp_path / "model")  # max_position_embeddings 512
+    # `convert` without -o writes where generate looks: generate converts nothing (stderr).
+    assert main(["convert", str(model), "--quiet"]) == 0
+    capsys.readouterr()
+    argv = ["generate", str(model), "--prompt", "w1 w2 w3", "--arena-gb", "0.01"]
+    assert main([*argv, "--max-tokens", "600"]) == 2
+    _one_line_error(capsys, "--max-tokens 600 is beyond the model's maximum context length of "
+                    "512 tokens", "at most 509 can be generated")  # fmt: skip
+    assert main([*argv, "--max-tokens", "2"]) == 0
+    assert "decode  1 tokens" in capsys.readouterr().out
+
+
+def test_byte_counts_are_in_a_unit_that_fits() -> None:
+    from strata_stream.units import human_bytes
+
+    assert human_bytes(12) == "12 bytes"
+    assert human_bytes(1536) == "1.50 KiB"
+    assert human_bytes(6 * 16384) == "96.0 KiB"
+    assert human_bytes(300 << 20) == "300 MiB"
+    assert human_bytes(4.08e9) == "3.80 GiB"
+
+
+def test_inspect_needs_no_extension_and_verify_says_it_does(tmp_path: Path) -> None:
+    """What stream._core's comment promises: a pack's header reads where the extension failed
+    to build; checking records (CRC32C, the engine's code) fails with one line naming it."""
+    import subprocess
+
+    out = tmp_path / "t.strpk"
+    assert main(["pack", "--synthetic", "tiny", str(out), "--quiet"]) == 0
+    code = (
+        "import sys; sys.modules['strata_stream._core'] = None\n"
+        "from strata_stream.cli import main\n"
+        f"sys.exit(main([sys.argv[1], {str(out)!r}, *sys.argv[2:]]))"
+    )
+    for command, rc in (("inspect", 0), ("verify", 2)):  # verify: --quiet, no progress bar
+        quiet = ["--quiet"] if command == "verify" else []
+        r = subprocess.run([sys.executable, "-c", code, command, *quiet], capture_output=True,
+                           text=True, timeout=120)  # fmt: skip
+        assert r.returncode == rc, r.stderr
+        assert "Traceback" not in r.stderr
+    assert r.stderr.startswith("strata-stream: error: strata_stream._core is not built")

@@ -20,9 +20,9 @@ from strata_stream.pack import ExpertPack
 
 def _synthetic(path: Path, n_layers: int = 2, e: int = 8, h: int = 128, i: int = 64,
                mode: str = "affine", dense_first: int = 0, bits: int = 4, group: int = 64,
-               scale_dtype: type = np.float16) -> Path:  # fmt: skip
+               scale_dtype: type = np.float16, seed: int = 0) -> Path:  # fmt: skip
     """A stacked mlx-lm-style affine checkpoint written with numpy (q4 g64 f16 by default)."""
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     tensors: dict[str, np.ndarray] = {}
     for layer in range(dense_first, dense_first + n_layers):
         p = f"model.layers.{layer}.mlp.switch_mlp"

@@ -32,6 +32,7 @@ from strata_stream.convert import convert  # noqa: E402
 from strata_stream.mlx_lm import load  # noqa: E402
 from strata_stream.mlx_lm.families import family_of  # noqa: E402
 from strata_stream.mlx_lm.loader import _find_blocks  # noqa: E402
+from strata_stream.units import human_bytes  # noqa: E402
 
 FAMILIES = list(CONFIGS)
 PROMPT = [5, 9, 12, 3, 40, 22, 7, 8, 9, 10, 33, 2, 17, 61, 4, 4, 30, 12, 50, 6]
@@ -352,6 +353,14 @@ def test_cli_generate_prints_text_and_figures(
     assert out.startswith(want + "\n")  # both paths are bitwise: the same greedy text
     assert "decode " in out and "hit rate" in out and "prediction recall" in out
     assert "6 expert slots" in out
+    # Units scale with the model: a tiny one reads KiB, its arena is KiB or MiB, not "0.00 GiB".
+    assert " GB read" not in out and "0.00 GiB" not in out
+    arena = 6 * fam.stride
+    assert f"arena   {human_bytes(arena)}," in out
+    assert "read on a miss" in out and "read in all (prefetch included)" in out
+    # Peak memory counts the arena, which the engine allocates outside MLX.
+    (peak,) = [line for line in out.splitlines() if "peak memory" in line]
+    assert f"+ the expert arena {human_bytes(arena)})" in peak
 
 
 def test_demo_generates_like_mlx_lm(capsys: pytest.CaptureFixture[str]) -> None:
@@ -461,3 +470,45 @@ def test_arithmetic_is_checked(fam: Family) -> None:
         assert out.shape == (1, 64)
     finally:
         model.strata_engine.close()
+
+
+def test_the_first_load_of_a_new_pack_lacks_only_the_profile_head_start(tmp_path: Path) -> None:
+    """Issue 16's "first engine shows fewer hits and reads more records": a new pack has no
+    popularity profile (<pack>.profile.npy) until its first Window closes, so the first turn has
+    no head start (STRATA_METAL_PROMPT_START_LAYERS queues the profile's experts of layer 0).
+    The same experts then arrive as misses instead of speculative reads: the Window's
+    bytes_read (misses only) is higher, the stream's own count of every read is the same, and
+    the output is identical. Without the profile every load behaves like the first."""
+    from mlx_lm.generate import stream_generate
+
+    path = make_checkpoint("qwen3_moe", tmp_path / "m")
+    pack = convert(path, tmp_path / "m.strpk", progress=False)
+    profile = Path(f"{pack}.profile.npy")
+    with ExpertPack.open(pack) as p:
+        stride = p.record_stride
+    # No predictions: the profile's head start is the only speculative read.
+    config = StreamConfig(io_threads=1, direct_io=False, lookahead=False, profile_prefetch=False)
+
+    def run(**cfg: Any) -> tuple[dict[str, Any], int, list[int]]:
+        model, tokenizer = load(str(path), pack_path=pack, arena_bytes=8 * stride,
+                                config=config.replace(**cfg), progress=False)  # fmt: skip
+        try:
+            tokens = [r.token for r in stream_generate(model, tokenizer, "w1 w2 w3", max_tokens=3)]
+            window = model.strata_engine.window.stats()["total"]
+            return window, int(model.strata_engine.stream.stats()["bytes_read"]), tokens
+        finally:
+            model.strata_engine.close()
+
+    assert not profile.exists()
+    first = run()
+    assert profile.exists()  # written when the first Window closed
+    later = run()
+    no_head_start = run(prompt_start_layers=0)
+    profile.unlink()
+    again_first = run()
+    assert later[2] == first[2] == again_first[2]  # the same tokens
+    assert later[1] == first[1]  # the same records read from the pack
+    assert later[0]["hits"] > first[0]["hits"] and later[0]["misses"] < first[0]["misses"]
+    assert later[0]["bytes_read"] < first[0]["bytes_read"]  # the Window counts misses only
+    for run_ in (no_head_start, again_first):
+        assert (run_[0]["hits"], run_[0]["misses"]) == (first[0]["hits"], first[0]["misses"])

@@ -157,6 +157,22 @@ def test_the_real_qwen3_trace_reproduces_its_published_figures(tmp_path: Path) -
     assert small.hit_rate >= 0.52  # issue 4's target at 576 slots
 
 
+def test_an_arena_smaller_than_one_token_still_keeps_popular_experts(tmp_path: Path) -> None:
+    """Issue 16: below 288 slots (one token of the Qwen3 trace: 48 layers x top-6) both policies
+    gave exactly 0. LRU must: every reuse is a full layer sweep away, longer than the arena. But
+    decayed_lfu's one-token guard then covered every resident key, so it was LRU too. Without
+    the guard there, heat keeps the popular experts (a good part of Belady's optimum)."""
+    trace = read_trace(REAL_TRACE)
+    assert trace.n_layers * trace.top_k == 288
+    for slots in (32, 128, 287):
+        lfu = replay(trace, slots, cache_dir=tmp_path)
+        lru = replay(trace, slots, policy="lru", cache_dir=tmp_path)
+        assert lfu.hit_rate > lru.hit_rate + 0.02, slots
+        assert lfu.hit_rate > 0.4 * lfu.belady_hit_rate, slots
+        assert lfu.hit_rate <= lfu.belady_hit_rate + 1e-12
+    assert replay(trace, 128, cache_dir=tmp_path).lru_hit_rate == 0.0  # the cyclic sweep
+
+
 def test_a_window_records_what_it_routed_and_replay_reads_it(tmp_path: Path) -> None:
     from conftest import random_experts, random_routers
     from oracle import route_reference

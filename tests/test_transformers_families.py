@@ -32,7 +32,7 @@ from strata_stream import ExpertPack, StreamConfig  # noqa: E402
 from strata_stream.convert import convert  # noqa: E402
 from strata_stream.convert.safetensors_index import SafetensorsIndex  # noqa: E402
 from strata_stream.errors import ConfigError  # noqa: E402
-from strata_stream.transformers import describe, load  # noqa: E402
+from strata_stream.transformers import describe, load, stats_source  # noqa: E402
 from strata_stream.transformers.experts import StreamedExperts  # noqa: E402
 from strata_stream.transformers.random_model import CONFIGS, make_checkpoint  # noqa: E402
 
@@ -143,6 +143,8 @@ def test_float32_logits_and_generate_match_plain_transformers(
     assert sample(model) == sample(fam.ref)
     stats = describe(model)["total"]
     assert stats["hits"] + stats["misses"] > 0
+    snap = stats_source(model)()  # the server's metrics schema
+    assert snap["hits"] == stats["hits"] and snap["slots_total"] == 2 * fam.top_k + 1
 
 
 def test_bfloat16_within_transformers_own_bf16_rounding(
@@ -191,15 +193,20 @@ def test_streamed_output_identical_across_configs(fam: Family, closing: list[Any
 
 
 def poison_experts(path: Path) -> int:
-    """Overwrite every routed expert tensor in the shards with 0xFF bytes (NaN in bf16/f32)."""
+    """Overwrite every routed expert tensor in the shards with 0xFF bytes (NaN in bf16/f32).
+    Each shard keeps its modification time, so the cheap provenance check on load (sizes,
+    mtimes, headers: convert/source.py) still takes the clean pack as this checkpoint's."""
     with SafetensorsIndex(path) as index:
         spans = [(t.file, t.offset, t.nbytes) for n, t in index.tensors.items() if ".experts." in n]
+    times = {file: os.stat(file) for file, _, _ in spans}
     for file, offset, nbytes in spans:
         fd = os.open(file, os.O_WRONLY)
         try:
             os.pwrite(fd, b"\xff" * nbytes, offset)
         finally:
             os.close(fd)
+    for file, st in times.items():
+        os.utime(file, ns=(st.st_atime_ns, st.st_mtime_ns))
     return len(spans)
 
 
@@ -304,7 +311,7 @@ def test_bad_inputs_name_their_cause(fam: Family, tmp_path: Path) -> None:
     other = make_checkpoint("olmoe", tmp_path / "olmoe")
     from strata_stream.errors import PackError
 
-    with pytest.raises(PackError, match="decoder layers"):
+    with pytest.raises(PackError, match="was not made from the weights"):  # its provenance
         load(other, pack_path=fam.pack, config=BASE, progress=False)
 
 

@@ -210,11 +210,14 @@ def test_backend_selection(pack: Path) -> None:
     with ExpertStream(pack, stream_config(pack)) as stream:
         with Window(stream, backend="auto") as w:
             macos = sys.platform == "darwin"  # a macOS build carries the Metal backend
-            assert w.stats()["backend"] in (("cpu", "metal") if macos else ("cpu",))
+            # Linux: the CUDA backend where a GPU runs it (tests/cuda), else the CPU.
+            assert w.stats()["backend"] in (("cpu", "metal") if macos else ("cpu", "cuda"))
         if sys.platform != "darwin":
             with pytest.raises(ConfigError, match="built on macOS only"):
                 Window(stream, backend="metal")
-        with pytest.raises(ConfigError, match="backend must be cpu, metal or auto, got 'gpu'"):
+        with pytest.raises(
+            ConfigError, match="backend must be cpu, cuda, metal or auto, got 'gpu'"
+        ):
             Window(stream, backend="gpu")
         with Window(stream, backend="cpu") as w:  # the stream is still usable
             assert w.stats()["backend"] == "cpu"

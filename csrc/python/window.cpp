@@ -11,6 +11,7 @@
 #include <memory>
 
 #include "arguments.h"
+#include "cuda_loader.h"
 #include "exec/window.h"
 #include "stream.h"
 #ifdef STRATA_HAVE_METAL
@@ -38,10 +39,15 @@ using WindowHolder = std::unique_ptr<Window, WindowDeleter>;
 // "cpu"; "metal" where this extension was built with the Metal backend (macOS), a clear error
 // elsewhere; "auto": Metal where it exists and takes this pack and configuration, else the CPU.
 // moce is CPU-only: the Metal route kernel does not implement it.
-std::unique_ptr<Backend> make_backend(const std::string& name, unsigned threads, bool moce_on) {
+// "cuda": strata_stream._cuda's backend where a GPU exists, else a ConfigError naming why;
+// "auto" takes it where it runs (and moce is off) on a build without Metal.
+std::unique_ptr<Backend> make_backend(const std::string& name, unsigned threads, bool moce_on,
+                                      const CudaFactory& cuda) {
   if (name == "cpu") return make_cpu_backend(threads);
+  if (name == "cuda") return cuda.make(moce_on);
   if (name != "metal" && name != "auto")
-    throw EngineError(ErrorKind::Config, "backend must be cpu, metal or auto, got '" + name + "'");
+    throw EngineError(ErrorKind::Config,
+                      "backend must be cpu, cuda, metal or auto, got '" + name + "'");
 #ifdef STRATA_HAVE_METAL
   if (moce_on) {
     if (name == "auto") return make_cpu_backend(threads);
@@ -56,8 +62,10 @@ std::unique_ptr<Backend> make_backend(const std::string& name, unsigned threads,
     return make_cpu_backend(threads);
   }
 #else
-  (void)moce_on;
-  if (name == "auto") return make_cpu_backend(threads);
+  if (name == "auto") {
+    if (!moce_on && cuda.unavailable().empty()) return cuda.make(moce_on);
+    return make_cpu_backend(threads);
+  }
   throw EngineError(ErrorKind::Config,
                     "backend 'metal' is not built into this extension: the Metal backend is "
                     "built on macOS only (this build has: cpu)");
@@ -133,9 +141,12 @@ WindowHolder make_window(Stream& stream, const WindowOptions& options, const std
                          const py::object& threads) {
   const unsigned n_threads = count_arg(threads, 1024, "threads", " (0 = one per core)");
   ExpertStream& es = stream.get();
+  const CudaFactory cuda = backend == "cuda" || backend == "auto"
+                               ? CudaFactory::load()  // imports _cuda: needs the GIL
+                               : CudaFactory{};
   py::gil_scoped_release nogil;
-  return WindowHolder(
-      new Window(es, make_backend(backend, n_threads, options.moce.mode != MoceMode::Off), options));
+  return WindowHolder(new Window(
+      es, make_backend(backend, n_threads, options.moce.mode != MoceMode::Off, cuda), options));
 }
 
 py::array_t<float> moe(Window& w, std::uint32_t layer, const py::array& x) {

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
-    # The extension's enums, imported on first use (the pure-Python parts work without it).
+    # The extension's enums, imported on first use (see stream._core for what works without it).
     if name in ("ReadClass", "SlotState"):
         from strata_stream import stream
 

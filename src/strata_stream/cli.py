@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
 
 from strata_stream.config import EVICTION_POLICIES
-from strata_stream.errors import PackError, StrataError
+from strata_stream.errors import ConfigError, PackError, StrataError
+from strata_stream.paths import model_location
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -43,7 +45,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "convert", help="pack the routed experts of an mlx-lm / Hugging Face checkpoint"
     )
     conv.add_argument("model", metavar="MODEL_DIR", help="checkpoint directory (safetensors)")
-    conv.add_argument("-o", "--out", required=True, metavar="PACK", help="pack file to write")
+    conv.add_argument("-o", "--out", metavar="PACK",
+                      help="pack file to write (default: the cache, where generate, serve and "
+                      "load find it)")  # fmt: skip
     conv.add_argument("--quiet", action="store_true", help="no progress bar")
     conv.add_argument("--quantize", choices=("q4", "q8"), default=None,
                       help="quantize float (f32/f16/bf16) experts to 4 or 8 bits on the way "
@@ -62,7 +66,9 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="--engine transformers: torch device (cpu; cuda is not supported "
                      "yet)")  # fmt: skip
     gen.add_argument("--prompt", required=True, help="the prompt text")
-    gen.add_argument("--max-tokens", type=int, default=100, help="tokens to generate (100)")
+    gen.add_argument("--max-tokens", type=int, default=None,
+                     help="tokens to generate, at least 1 (default 100, less if the context "
+                     "ends first)")  # fmt: skip
     gen.add_argument(
         "--arena-gb", type=float, default=None, help="expert memory in GiB (default: from free RAM)"
     )
@@ -120,6 +126,9 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="under mlx.launch: ranks split every expert; rank 0 serves")
     serve.add_argument("--experts", choices=("cpu", "mlx"), default="cpu",
                        help="who computes the experts with --pipeline/--tensor (default cpu)")
+    serve.add_argument("--pack", default=None,
+                       help="the model's pack, e.g. one `convert -o` wrote (default: the cache's, "
+                       "converted once)")  # fmt: skip
     serve.add_argument("--model-id", help="model name clients use (default: MODEL's basename)")
     serve.add_argument(
         "--max-queue", type=int, default=8, help="waiting requests before 503 (default 8)"
@@ -150,12 +159,37 @@ def _pack(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from strata_stream.convert import convert
+    from pathlib import Path
 
+    from strata_stream.convert import convert
+    from strata_stream.convert.pack_cache import ensure_pack
+
+    if args.out is None:  # into the cache entry load() uses; kept if it is up to date
+        if args.quantize is not None:
+            raise ConfigError("--quantize needs -o PACK: the cache holds the checkpoint's own "
+                              "experts")  # fmt: skip
+        path = ensure_pack(Path(args.model), progress=not args.quiet)
+        print(f"{path} ({path.stat().st_size:,} bytes): generate, serve and load use it")
+        return 0
     path = convert(args.model, args.out, progress=not args.quiet, quantize=args.quantize,
                    group_size=args.group_size)  # fmt: skip
-    print(f"wrote {path} ({path.stat().st_size:,} bytes)")
+    print(f"wrote {path} ({path.stat().st_size:,} bytes); use it with --pack {path}")
     return 0
+
+
+def _check_arena_gb(arena_gb: float | None) -> None:
+    if arena_gb is not None and not (math.isfinite(arena_gb) and arena_gb > 0):
+        raise ConfigError(f"--arena-gb must be a number of GiB > 0, got {arena_gb}")
+
+
+def _check_generate(args: argparse.Namespace) -> None:
+    """The mistakes a generation would only find after loading the model (or never)."""
+    if not args.prompt.strip():
+        raise ConfigError("--prompt is empty")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise ConfigError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    _check_arena_gb(args.arena_gb)
+    model_location(args.model)
 
 
 ENGINES = ("mlx-lm", "transformers")
@@ -168,12 +202,11 @@ def _default_engine() -> str:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    engine = args.engine or _default_engine()
-    if engine == "transformers":
+    _check_generate(args)
+    if (args.engine or _default_engine()) == "transformers":
         return _generate_transformers(args)
     if args.device is not None:
-        print("strata-stream: error: --device is for --engine transformers", file=sys.stderr)
-        return 2
+        raise ConfigError("--device is for --engine transformers")
     try:
         from strata_stream.mlx_lm.generate_cli import generate
     except ImportError as e:
@@ -198,23 +231,57 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _generate_transformers(args: argparse.Namespace) -> int:
     if args.pipeline or args.tensor or args.experts != "cpu" or args.arithmetic != "auto":
-        print("strata-stream: error: --pipeline, --tensor, --experts and --arithmetic are for "
-              "--engine mlx-lm", file=sys.stderr)  # fmt: skip
-        return 2
+        raise ConfigError("--pipeline, --tensor, --experts and --arithmetic are for --engine "
+                          "mlx-lm")  # fmt: skip
     try:
         from strata_stream.transformers.generate_cli import generate
     except ImportError as e:
         print(f"strata-stream: error: --engine transformers needs torch and transformers ({e}); "
               "pip install 'strata-stream[transformers]'", file=sys.stderr)  # fmt: skip
         return 2
-    generate(args.model, args.prompt, max_tokens=args.max_tokens, arena_gb=args.arena_gb,
-             pack_path=args.pack, device=args.device)  # fmt: skip
+    generate(args.model, args.prompt, max_tokens=args.max_tokens or 100,
+             arena_gb=args.arena_gb, pack_path=args.pack, device=args.device)  # fmt: skip
+    return 0
+
+
+# What `serve` imports beyond the base install: the `serve` extra.
+_SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client", "mlx", "mlx_lm", "transformers")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    missing = [m for m in _SERVE_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"strata-stream: error: serve needs {', '.join(missing)}: "
+              'pip install "strata-stream[serve]"', file=sys.stderr)  # fmt: skip
+        return 2
+    _check_arena_gb(args.arena_gb)
+    model_location(args.model)
+    distributed = "pipeline" if args.pipeline else "tensor" if args.tensor else None
+    if distributed is not None and args.pack is not None:
+        raise ConfigError("--pack names one pack; with --pipeline/--tensor each rank converts "
+                          "or finds its own share")  # fmt: skip
+    from strata_stream.serve.command import serve
+
+    serve(
+        args.model,
+        host=args.host,
+        port=args.port,
+        arena_gb=args.arena_gb,
+        model_id=args.model_id,
+        max_queue=args.max_queue,
+        distributed=distributed,
+        experts=args.experts,
+        pack_path=args.pack,
+    )
     return 0
 
 
 def _inspect(args: argparse.Namespace) -> int:
     from strata_stream.pack.header import MATRICES, ROLES
     from strata_stream.pack.reader import ExpertPack
+    from strata_stream.units import human_bytes
 
     with ExpertPack.open(args.pack) as pack:
         g = pack.geometry
@@ -237,7 +304,7 @@ def _inspect(args: argparse.Namespace) -> int:
             f"(stride {pack.record_stride:,}) at offset {pack.records_offset:,}",
             f"routers        {pack.header.router_bytes:,} bytes at offset "
             f"{pack.header.router_offset:,}",
-            f"file size      {pack.file_bytes:,} bytes ({_human(pack.file_bytes)})",
+            f"file size      {pack.file_bytes:,} bytes ({human_bytes(pack.file_bytes)})",
             *(
                 [f"decoder layers {meta['model'].get('decoder_layers')}"]
                 if isinstance(meta.get("model"), dict)
@@ -252,13 +319,6 @@ def _inspect(args: argparse.Namespace) -> int:
             )
     print("\n".join(lines))
     return 0
-
-
-def _human(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} bytes"
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -344,21 +404,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "replay":
             return _replay(args)
         if args.command == "serve":
-            from strata_stream.serve.command import serve
-
-            serve(
-                args.model,
-                host=args.host,
-                port=args.port,
-                arena_gb=args.arena_gb,
-                model_id=args.model_id,
-                max_queue=args.max_queue,
-                distributed="pipeline" if args.pipeline else "tensor" if args.tensor else None,
-                experts=args.experts,
-            )
-            return 0
+            return _serve(args)
         return _demo(rest)
-    except (StrataError, OSError) as e:
+    except (StrataError, OSError, ImportError) as e:  # ImportError: an extension not built
         print(f"strata-stream: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from strata_stream.errors import ConfigError
+from strata_stream.pack.header import PAGE
 
-PAGE = 16384  # Apple SSD page; also satisfies O_DIRECT alignment on Linux.
 PRED2_MAX_LIMIT = 512
 MOCE_MODES = ("off", "scale", "prune")
 # moce_strength when left unset: a resident expert's probability counts double (scale), a cold

@@ -83,10 +83,13 @@ class Window:
     """The MoE layers of one model, computed over an ExpertStream."""
 
     def __init__(self, stream: ExpertStream, backend: str = "cpu", threads: int = 0) -> None:
-        """backend: "cpu" (the reference, everywhere); "metal" (macOS builds only; elsewhere a
+        """backend: "cpu" (the reference, everywhere); "cuda" (an NVIDIA GPU, through the
+        separate extension strata_stream._cuda built where nvcc exists; without it or without a
+        GPU a ConfigError says which, docs/cuda.md); "metal" (macOS builds only; elsewhere a
         ConfigError says so); "auto" (Metal where a device exists and its kernels cover the pack
-        and configuration, else the CPU). The default stays "cpu" until the Metal backend has
-        run on a Mac (docs/metal.md). threads: CPU kernel threads, 0 = one per core."""
+        and configuration, else CUDA where a GPU runs it and moce is off, else the CPU). The
+        default stays "cpu" until the Metal backend has run on a Mac (docs/metal.md).
+        threads: CPU kernel threads, 0 = one per core."""
         if not isinstance(stream, ExpertStream):
             raise TypeError(f"Window needs an ExpertStream, got {type(stream).__name__}")
         c = stream.config  # checked against the pack by the engine's Window

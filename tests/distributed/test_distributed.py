@@ -442,6 +442,6 @@ def test_pipeline_rank_without_moe_layers(tmp_path: Path) -> None:
     lines = r.stdout.splitlines()
     assert lines.count(want) == 1, (want, r.stdout)
     rank1 = [line for line in lines if line.startswith("rank 1 ")]
-    assert rank1 == ["rank 1  hit rate n/a, 0.00 MB read, 0 expert reads"], r.stdout
+    assert rank1 == ["rank 1  hit rate n/a, 0 bytes read, 0 expert reads"], r.stdout
     packs = sorted(p.name for p in (tmp_path / "cache" / "packs").glob("*.strpk"))
     assert len(packs) == 1 and packs[0].endswith("-pp1-3.strpk"), packs

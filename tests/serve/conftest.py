@@ -15,13 +15,13 @@ pytest.importorskip("openai")
 import mlx_lm  # noqa: E402
 
 from serve.helpers import MODEL_ID, TIMEOUT_S, FakeStats, Served, client_for  # noqa: E402
+from strata_stream.mlx_lm.random_model import make_chat_checkpoint  # noqa: E402
 from strata_stream.serve import BackgroundServer, ServeConfig, create_app  # noqa: E402
-from strata_stream.serve.tiny_checkpoint import build_tiny_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model")
+    return make_chat_checkpoint(tmp_path_factory.mktemp("tiny") / "model")
 
 
 @pytest.fixture(scope="session")

@@ -12,15 +12,15 @@ from typing import Any
 import mlx_lm
 import pytest
 
-from strata_stream.serve.lockstep import STOP, Message, decode, encode, follow, with_seed
+from strata_stream.serve.follower import follow
+from strata_stream.serve.generation import GenerationRequest, SamplingParams
+from strata_stream.serve.lockstep import STOP, Message, decode, encode, with_seed
 from strata_stream.serve.metrics import ServerMetrics
 from strata_stream.serve.worker import (
     Event,
     Finished,
-    GenerationRequest,
     GenerationWorker,
     Job,
-    SamplingParams,
     TextChunk,
 )
 

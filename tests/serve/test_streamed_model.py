@@ -3,8 +3,6 @@ the same greedy text as plain mlx-lm, and the engine's figures in /metrics."""
 
 from __future__ import annotations
 
-import importlib.util
-import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -93,29 +91,22 @@ def test_a_model_loaded_on_one_thread_generates_on_the_servers_worker(
         model.strata_engine.close()
 
 
-def test_the_loader_streams_when_strata_stream_mlx_lm_exists(
+def test_the_loader_streams_and_reports_the_engine(
     tiny_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("STRATA_CACHE", str(tmp_path))  # the first load converts into the cache
     loaded = load_for_serving(str(tiny_path), arena_bytes=None)
     try:
-        assert loaded.streaming and loaded.stats is not None
         assert loaded.stats()["slots_total"] > 0
     finally:
         loaded.model.strata_engine.close()
 
 
-def test_the_loader_falls_back_to_plain_mlx_lm_and_says_so(
-    tiny_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    real = importlib.util.find_spec
-
-    def without_streaming(name: str, *args: Any) -> Any:
-        return None if name == "strata_stream.mlx_lm" else real(name, *args)
-
-    monkeypatch.setattr(importlib.util, "find_spec", without_streaming)
-    with caplog.at_level(logging.WARNING, logger="strata_stream.serve"):
-        loaded = load_for_serving(str(tiny_path), arena_bytes=2**30)
-    assert not loaded.streaming and loaded.stats is None
-    assert "plain mlx_lm.load" in caplog.text and "--arena-gb ignored" in caplog.text
-    assert loaded.tokenizer.encode("hello world")
+def test_the_loader_uses_the_pack_it_is_given(tiny_path: Path, tmp_path: Path) -> None:
+    """`serve --pack`: the pack `convert -o` wrote, not a conversion into the cache."""
+    pack = convert(tiny_path, tmp_path / "tiny.strpk", progress=False)
+    loaded = load_for_serving(str(tiny_path), pack_path=pack)
+    try:
+        assert loaded.model.strata_pack_path == pack
+    finally:
+        loaded.model.strata_engine.close()

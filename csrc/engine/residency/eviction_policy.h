@@ -12,8 +12,9 @@
 //   next token could use it. If every evictable key is guarded, the least recently used goes.
 //
 // Units: the access clock counts routed expert uses. The Stream sets tau and guard in tokens
-// (one token = n_layers * top_k uses), not in numbers fitted to one trace: guard = 1 token,
-// tau = 16 tokens. Victim choice costs O(log n_slots) amortised plus the protected slots it skips
+// (one token = n_layers * top_k uses), not in numbers fitted to one trace: guard = 1 token
+// (none when the arena holds fewer slots than one token's uses, see ExpertStream's
+// constructor), tau = 16 tokens. Victim choice costs O(log n_slots) amortised plus the protected slots it skips
 // (HeatOrder), not a scan of the arena. On the Qwen3-30B-A3B trace the hit rate is flat within 0.002 for tau between
 // 16 and 24 tokens; see `strata-stream replay` and docs/design-notes.md.
 #pragma once

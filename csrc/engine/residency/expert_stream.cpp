@@ -68,9 +68,14 @@ ExpertStream::ExpertStream(const std::string& pack_path, const StreamOptions& op
 
   slots_ = std::vector<Slot>(n_slots);
   lru_ = LruList(n_slots);
-  // One token routes n_layers * top_k experts: guard one token, decay over sixteen.
+  // One token routes n_layers * top_k experts: guard one token, decay over sixteen. An arena
+  // of fewer slots than one token's uses cannot keep a key until the next token, and there a
+  // one-token guard would cover every resident key, so heat would never rank and the policy
+  // would be LRU, which the layer-by-layer sweep defeats entirely (hit rate 0 on the Qwen3
+  // trace below 288 slots). So no guard there: I4 still protects the executing and next layer.
   const double token = double(L.n_layers) * L.top_k;
-  heat_ = KeyHeat(L.n_keys(), 16 * token, std::uint64_t(token));
+  const std::uint64_t guard = n_slots >= token ? std::uint64_t(token) : 0;
+  heat_ = KeyHeat(L.n_keys(), 16 * token, guard);
   heat_order_ = HeatOrder(n_slots);
   where_.assign(L.n_keys(), -1);
   free_.reserve(n_slots);

@@ -22,6 +22,12 @@ from pathlib import Path
 from strata_stream.convert.checkpoint import ExpertLayout, find_experts, read_config, share_layout
 from strata_stream.convert.safetensors_index import SafetensorsIndex
 from strata_stream.convert.share import WHOLE, Share
+from strata_stream.convert.source import (
+    TensorDigests,
+    final_record,
+    placeholder_record,
+    shard_signatures,
+)
 from strata_stream.errors import ConfigError
 from strata_stream.pack.writer import write_pack
 
@@ -81,20 +87,29 @@ def convert(
                         f"group size {group_size}"
                     )
             weight_format, group, scale_dtype = quantize, group_size, layout.weight_format
-        return write_pack(
-            out,
-            layout.geometry,
-            None,
-            layout.experts_fn(index),
-            weight_format=weight_format,
-            group_size=group,
-            scale_dtype=scale_dtype,
-            architecture=layout.model_type,
-            source=str(model_dir.resolve()),
-            progress=progress,
-            bias_dtype=layout.bias_dtype,
-            model=layout.model,
-        )
+        # What the pack is made from (convert/source.py): the shards' identity now, and the
+        # digest of every expert tensor's bytes as they are read.
+        shards = shard_signatures(model_dir)
+        placeholder = {**layout.model, "source_weights": placeholder_record(shards, layout)}
+        with TensorDigests(layout) as digests:
+            return write_pack(
+                out,
+                layout.geometry,
+                None,
+                layout.experts_fn(index, digests.update),
+                weight_format=weight_format,
+                group_size=group,
+                scale_dtype=scale_dtype,
+                architecture=layout.model_type,
+                source=str(model_dir.resolve()),
+                progress=progress,
+                bias_dtype=layout.bias_dtype,
+                model=placeholder,
+                final_model=lambda: {
+                    **layout.model,
+                    "source_weights": final_record(shards, digests),
+                },
+            )
 
 
 __all__ = [

@@ -40,6 +40,7 @@ from strata_stream.convert.safetensors_index import SafetensorsIndex
 from strata_stream.convert.share import WHOLE, Share
 from strata_stream.errors import ConfigError, PackError
 from strata_stream.pack.geometry import Geometry
+from strata_stream.pack.header import MATRICES, QUANT_FORMAT_BITS, ROLES, record_layout
 from strata_stream.pack.quant import QuantizedMatrix, bf16_bits_to_f32
 
 _STACKED = re.compile(
@@ -105,17 +106,47 @@ class ExpertLayout:
     share: Share = WHOLE
     rows: tuple[int, int] | None = None
 
-    def experts_fn(self, index: SafetensorsIndex) -> Callable[[int, int], tuple[Any, ...]]:
+    def tensor_names(self) -> list[str]:
+        """The checkpoint names of the expert tensors `experts_fn` reads, in record order (a
+        per-expert layout's names hold "{e}" for the expert index)."""
+        return [name for layer in self.layers for _, name in sorted(layer.names.items())]
+
+    def experts_fn(
+        self, index: SafetensorsIndex, digest: Callable[[str, Any], None] | None = None
+    ) -> Callable[[int, int], tuple[Any, ...]]:
         """experts(layer, e) for write_pack: one expert's tensors, read one pread each (gate
-        and up: just the share's rows; down: the whole expert, its share's columns kept)."""
-        bits = {"q4": 4, "q8": 8, "mxfp4": 4}.get(self.weight_format, 0)
+        and up: just the share's rows; down: the whole expert, its share's columns kept).
+
+        `digest(name, data)` (name as in `tensor_names()`) is given each read's bytes as they
+        are read, so calling experts(l, e) for every record in order digests exactly the bytes
+        the pack was made from (convert/source.py's TensorDigests).
+        """
+        bits = QUANT_FORMAT_BITS.get(self.weight_format, 0)
         rows = self.rows
 
-        def read(layer: _Layer, key: tuple[int, str], expert: int) -> npt.NDArray[Any]:
+        def fetch(layer: _Layer, key: tuple[int, str], expert: int) -> npt.NDArray[Any]:
             name = layer.names[key]
+            matrix, _ = key
+            if rows is not None and matrix < 2 and layer.stacked:
+                # gate, up of a tensor share: rows of the intermediate dimension, contiguous
+                got = index.read_expert_rows(name, expert, *rows)
+            elif layer.stacked:
+                got = index.read_expert(name, expert)
+            else:
+                got = index.read(name.format(e=expert))
+            if digest is not None:
+                digest(name, np.ascontiguousarray(got).data)
+            return got
+
+        def read(layer: _Layer, key: tuple[int, str], expert: int) -> npt.NDArray[Any]:
             matrix, role = key
             if layer.fused is not None:
-                full = _unfuse(index.read_expert(name, expert), layer.fused, matrix, role)
+                # The whole fused slice of this expert (gate and up each read it once).
+                name = layer.names[key]
+                raw = index.read_expert(name, expert)
+                if digest is not None:
+                    digest(name, np.ascontiguousarray(raw).data)
+                full = _unfuse(raw, layer.fused, matrix, role)
                 if rows is None:
                     return full
                 r0, r1 = rows  # a tensor-parallel share: gate/up rows, down columns
@@ -123,20 +154,13 @@ class ExpertLayout:
                     return np.ascontiguousarray(full[r0:r1])
                 return full if role == "bias" else np.ascontiguousarray(full[:, r0:r1])
             if rows is None:
-                if layer.stacked:
-                    return index.read_expert(name, expert)
-                return index.read(name.format(e=expert))
+                return fetch(layer, key, expert)
             r0, r1 = rows
-            if matrix < 2:  # gate, up: rows of the intermediate dimension, contiguous bytes
-                if layer.stacked:
-                    return index.read_expert_rows(name, expert, r0, r1)
-                return index.read(name.format(e=expert))[r0:r1]
+            if matrix < 2:  # gate, up: rows of the intermediate dimension
+                got = fetch(layer, key, expert)
+                return got if layer.stacked else got[r0:r1]
             # down: columns of the intermediate dimension, strided: one pread of the expert.
-            full = (
-                index.read_expert(name, expert)
-                if layer.stacked
-                else index.read(name.format(e=expert))
-            )
+            full = fetch(layer, key, expert)
             if role == "weight" and bits:
                 c0, c1 = r0 * bits // 32, r1 * bits // 32
             elif role in ("scales", "biases"):
@@ -271,36 +295,6 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
         if bias_dtype is None:
             raise ConfigError(f"{model_dir}: expert biases of dtype {bdtype} not supported")
 
-    # Every layer, every tensor: the shapes one format implies.
-    words = {4: 8, 8: 4}
-    for layer in ordered:
-        for mat, (rows, cols) in enumerate(((inter, hidden), (inter, hidden), (hidden, inter))):
-            want: dict[str, tuple[str | None, tuple[int, ...]]] = {}
-            if quantized:
-                want["weight"] = ("U32", (n_experts, rows, cols // words[bits]))
-                sd = _to_st(scale_dtype)
-                want["scales"] = (sd, (n_experts, rows, cols // group))
-                if not mxfp4:
-                    want["biases"] = (sd, (n_experts, rows, cols // group))
-            else:
-                want["weight"] = (_to_st(weight_format), (n_experts, rows, cols))
-            if bias_dtype is not None:
-                want["bias"] = (_to_st(bias_dtype), (n_experts, rows))
-            for role, (dt, shape) in want.items():
-                key = (mat, role)
-                if key not in layer.names:
-                    raise PackError(
-                        f"{model_dir}: decoder layer {layer.decoder_layer} lacks the "
-                        f"{('gate', 'up', 'down')[mat]} {role} tensor"
-                    )
-                got_dt, got_shape = loc(layer, key)
-                if got_dt != dt or tuple(got_shape) != shape:
-                    raise PackError(
-                        f"{model_dir}: {layer.names[key]} is {got_dt} {list(got_shape)}, "
-                        f"expected {dt} {list(shape)} (all expert matrices must share one "
-                        "format and shape)"
-                    )
-
     top_k = int(config.get("num_experts_per_tok", 0) or config.get("moe_topk", 0) or 0)
     if not 1 <= top_k <= n_experts:
         raise ConfigError(
@@ -319,6 +313,29 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
         act_alpha=_OAI_ALPHA,
         act_limit=float(config.get("swiglu_limit", _OAI_LIMIT)),
     )
+    # Every layer, every tensor: the pack's tensor table for this format (pack/header.py's
+    # record_layout, the one statement of that rule), each entry one [E, rows, cols] checkpoint
+    # tensor ([E, rows] for a Linear bias).
+    table, _ = record_layout(geometry, weight_format, group, scale_dtype, bias_dtype)
+    for layer in ordered:
+        for t in table:
+            role = ROLES[t.role]
+            key = (t.matrix, role)
+            shape = (n_experts, t.cols) if role == "bias" else (n_experts, t.rows, t.cols)
+            dt = _to_st(t.dtype)
+            if key not in layer.names:
+                raise PackError(
+                    f"{model_dir}: decoder layer {layer.decoder_layer} lacks the "
+                    f"{MATRICES[t.matrix]} {role} tensor"
+                )
+            got_dt, got_shape = loc(layer, key)
+            if got_dt != dt or tuple(got_shape) != shape:
+                raise PackError(
+                    f"{model_dir}: {layer.names[key]} is {got_dt} {list(got_shape)}, "
+                    f"expected {dt} {list(shape)} (all expert matrices must share one "
+                    "format and shape)"
+                )
+
     model = {
         "model_type": model_type,
         "n_decoder_layers": int(config.get("num_hidden_layers", 0)),
@@ -374,7 +391,7 @@ def share_layout(layout: ExpertLayout, share: Share) -> ExpertLayout:
 
 
 def _to_st(name: str | None) -> str | None:
-    return {"f32": "F32", "f16": "F16", "bf16": "BF16", "e8m0": "U8"}.get(name or "")
+    return {"f32": "F32", "f16": "F16", "bf16": "BF16", "u32": "U32", "e8m0": "U8"}.get(name or "")
 
 
 def _per_expert_of(name: str, template: str) -> bool:

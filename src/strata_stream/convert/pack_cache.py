@@ -1,27 +1,42 @@
 """The pack a model loads with: found in the cache (converted on first use), or named by the user.
 
-Without a pack path, a model's pack lives in ``cache_dir()/packs`` under a name derived from the
-model's path, config and shard sizes (`default_pack_path`), converted there on first load and
-reused afterwards. A pack the user names is converted into if it does not exist. Every
-front-end (strata_stream.mlx_lm, strata_stream.transformers) shares this cache.
+- Without a pack path, a model's pack lives in ``cache_dir()/packs`` under a name derived from
+  the model's path, config and shard sizes (`default_pack_path`). It is used only if it was
+  made from the weights the checkpoint holds now (convert/source.py); otherwise it is converted
+  again. A lock on the entry (``fcntl.flock``) makes a second process that loads the same model
+  wait for the first one's conversion and reuse it, rather than convert it twice.
+- A pack the user names (``--pack``, ``pack_path=``) is converted into if it does not exist;
+  if it exists and was not made from the checkpoint's weights it is refused, naming the file
+  and the tensor that differs.
+
+Temporaries that a killed conversion left behind (``.NAME.PID.tmp``, the writer's) are removed
+by the next one, once their process is gone.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from strata_stream.convert import convert
 from strata_stream.convert.share import WHOLE, Share
+from strata_stream.convert.source import source_mismatch
+from strata_stream.errors import PackError
+from strata_stream.pack.reader import ExpertPack
+from strata_stream.pack.writer import remove_stale_temporaries
 from strata_stream.paths import cache_dir
 
 
 def default_pack_path(model_path: Path, share: Share = WHOLE) -> Path:
     """Where `load` keeps the pack of a model it converted: the cache directory, under a name
-    derived from the model's path, config and weight files (so a changed model converts anew),
-    ending in the share's suffix for one rank of a distributed model (convert/share.py)."""
+    derived from the model's path, config and weight files, ending in the share's suffix for
+    one rank of a distributed model (convert/share.py). The name only finds the entry: whether
+    its pack still matches the weights is checked on every load (convert/source.py)."""
     h = hashlib.sha256(str(model_path.resolve()).encode())
     config = model_path / "config.json"
     if config.exists():
@@ -32,6 +47,37 @@ def default_pack_path(model_path: Path, share: Share = WHOLE) -> Path:
     return cache_dir() / "packs" / name
 
 
+def stale_reason(
+    pack_path: Path, model_path: Path, share: Share = WHOLE, progress: bool = False
+) -> str | None:
+    """None when the pack at `pack_path` was made from the experts `model_path` holds now;
+    else why not (an unreadable pack included). `progress`: say when the digests are read."""
+    try:
+        with ExpertPack.open(pack_path) as pack:
+            model = pack.metadata.get("model")
+            crc = pack.header.meta_crc
+    except PackError as e:
+        return str(e)
+    if not isinstance(model, dict):
+        return "it was not converted from a model checkpoint"
+    return source_mismatch(pack_path, model, crc, model_path, share, progress)
+
+
+@contextlib.contextmanager
+def _locked(lock_path: Path) -> Iterator[None]:
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released by close, also when the process dies
+        yield
+    finally:
+        os.close(fd)
+
+
+def _say(progress: bool, text: str) -> None:
+    if progress:
+        print(f"strata-stream: {text}", file=sys.stderr)
+
+
 def ensure_pack(
     model_path: Path,
     pack_path: str | os.PathLike[str] | None = None,
@@ -39,14 +85,32 @@ def ensure_pack(
     share: Share = WHOLE,
     progress: bool = True,
 ) -> Path:
-    """The pack of the checkpoint at `model_path` for `share`: `pack_path` or the cached one,
-    converted (with a progress bar when `progress`) if it does not exist yet."""
-    pack = Path(pack_path) if pack_path is not None else default_pack_path(model_path, share)
-    if pack.exists():
-        return pack
-    if pack_path is None:
-        pack.parent.mkdir(parents=True, exist_ok=True)
-    if progress:
-        print(f"strata-stream: converting the experts of {model_path} ({share.describe()}) "
-              f"into {pack}", file=sys.stderr)  # fmt: skip
-    return convert(model_path, pack, progress=progress, share=share)
+    """The pack of the checkpoint at `model_path` for `share`, converted if needed (see the
+    module docstring). Raises PackError for a named pack made from other weights."""
+    if pack_path is not None:
+        named = Path(pack_path)
+        if not named.exists():
+            _say(progress, f"converting the experts of {model_path} ({share.describe()}) "
+                 f"into {named}")  # fmt: skip
+            return convert(model_path, named, progress=progress, share=share)
+        reason = stale_reason(named, model_path, share, progress)
+        if reason is not None:
+            raise PackError(
+                f"pack {named} was not made from the weights in {model_path}: {reason}; convert "
+                f"it again (strata-stream convert {model_path} -o {named}) or leave out the pack "
+                "to use the cache"
+            )
+        return named
+
+    pack = default_pack_path(model_path, share)
+    pack.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(pack.parent)
+    with _locked(pack.with_name(f".{pack.name}.lock")):
+        if pack.exists():
+            reason = stale_reason(pack, model_path, share, progress)
+            if reason is None:
+                return pack
+            _say(True, f"the cached pack {pack} is out of date ({reason}): converting again")
+        _say(progress, f"converting the experts of {model_path} ({share.describe()}) into "
+             f"{pack}")  # fmt: skip
+        return convert(model_path, pack, progress=progress, share=share)

@@ -32,6 +32,7 @@ from strata_stream.config import StreamConfig
 from strata_stream.convert.share import Share
 from strata_stream.errors import ConfigError
 from strata_stream.mlx_lm.loader import stream_experts
+from strata_stream.paths import model_location
 
 # The figures of Window.stats()["total"] summed over ranks by `sum_stats`.
 SUMMED = ("tokens", "hits", "misses", "bytes_read", "pred_correct", "pred_actual")
@@ -146,7 +147,8 @@ def sharded_load(
 
     # As mlx-lm: everything but the weights first; the weights this rank needs once its layers
     # are known (_fetch_share). A local directory is used as it is.
-    model_path = Path(_download(str(path_or_repo), allow_patterns=_NO_WEIGHTS))
+    location = model_location(path_or_repo)  # a mistyped local path is refused, not fetched
+    model_path = Path(_download(location, allow_patterns=_NO_WEIGHTS))
     model, model_cfg = mlx_load_model(
         model_path, lazy=True, strict=False, trust_remote_code=trust_remote_code
     )
@@ -170,7 +172,7 @@ def sharded_load(
         # only), then build the model again over them, as mlx-lm does.
         if pipeline_group is not None:
             model.model.pipeline(pipeline_group)
-        model_path = _fetch_share(path_or_repo, model_path, model)
+        model_path = _fetch_share(location, model_path, model)
         model, model_cfg = mlx_load_model(
             model_path, lazy=True, strict=False, trust_remote_code=trust_remote_code
         )

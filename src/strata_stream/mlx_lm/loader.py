@@ -21,11 +21,13 @@ from strata_stream.arena_budget import arena_size, available_memory
 from strata_stream.config import StreamConfig
 from strata_stream.convert.pack_cache import default_pack_path, ensure_pack
 from strata_stream.convert.share import WHOLE, Share
+from strata_stream.engine_stats import window_stats_source
 from strata_stream.errors import ConfigError, PackError
 from strata_stream.mlx_lm.blocks import StreamedExperts, StreamedMoE, strip_experts
 from strata_stream.mlx_lm.engine import EXPERT_MODES, BlockRef, MoeEngine
 from strata_stream.mlx_lm.families import family_of
 from strata_stream.pack.reader import ExpertPack
+from strata_stream.paths import model_location
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -176,7 +178,8 @@ def stream_experts(
         if not lazy:
             mx.eval(model.parameters())
         return None
-    # The cached pack (converted on first use) or the one named (convert/pack_cache.py).
+    # The cached pack (converted on first use, again when the weights changed) or the one
+    # named, refused if it was made from other weights (convert/pack_cache.py).
     pack_file = ensure_pack(model_path, pack_path, share=share, progress=progress)
 
     decoder_layers = [t[0] for t in found]
@@ -259,7 +262,8 @@ def load(
     """
     from mlx_lm.utils import _download, load_adapters, load_tokenizer
 
-    model_path = _download(str(path_or_repo), revision=revision)
+    # A mistyped local path is refused here, not looked up as a repo on the network.
+    model_path = _download(model_location(path_or_repo), revision=revision)
     model, model_cfg = load_model(
         model_path,
         arena_bytes=arena_bytes,
@@ -296,13 +300,9 @@ def describe(model: Any) -> dict[str, Any]:
 
 def stats_source(model: Any) -> Callable[[], Mapping[str, Any]]:
     """A snapshot function of the engine under a model `load` returned, in the schema the
-    server's metrics read (`strata_stream.serve.stats`: hits, misses, bytes_read, stall_s,
+    server's metrics read (`strata_stream.engine_stats`: hits, misses, bytes_read, stall_s,
     slots_in_use, slots_total, pred_correct, pred_predicted, pred_actual, per_layer_hit_rate).
-    Needs the `serve` extra. Call it from the thread that generates."""
-    # Imported here: the schema and its mapping belong to the server, whose package needs
-    # FastAPI, which loading a model does not.
-    from strata_stream.serve.stats import window_stats_source
-
+    Call it from the thread that generates."""
     engine: MoeEngine = model.strata_engine
     return window_stats_source(engine.window)
 

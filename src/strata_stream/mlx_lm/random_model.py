@@ -1,7 +1,9 @@
 """Random-weight mlx-lm checkpoints of every supported MoE family, built offline.
 
-For the tests (tiny), the demo and the end-to-end benchmark (larger, via `dims`). Each is made
-as `mlx_lm.convert -q` would write it: mlx-lm's own model class with random weights (bf16),
+The one checkpoint builder of the project: for the tests (tiny), the demo, the server's tests
+and load benchmark (`make_chat_checkpoint`: a chat template and words to serve) and the
+end-to-end benchmark (larger, via `dims`, or `make_large_checkpoint`). Each is made as
+`mlx_lm.convert -q` would write it: mlx-lm's own model class with random weights (bf16),
 `mlx_lm.utils.quantize_model` at q4 group 64 with 8-bit gates/routers, saved with mlx-lm's save
 utilities, plus a small WordLevel tokenizer saved with transformers (no download).
 """
@@ -17,15 +19,34 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
 __all__ = [
+    "CHAT_TEMPLATE",
     "CONFIGS",
     "QWEN3_30B_A3B_EXPERTS",
     "VOCAB",
+    "WORDS",
+    "make_chat_checkpoint",
     "make_checkpoint",
     "make_large_checkpoint",
     "save_tokenizer",
 ]
 
 VOCAB = [f"w{i}" for i in range(60)]
+# The chat checkpoint's words (make_chat_checkpoint): a server's text reads as words.
+_WORDS = (
+    "the a an of to and in is it you that he was for on are with as his they be at one have "
+    "this from or had by hot word but what some we can out other were all there when up use "
+    "your how said each she which do their time if will way about many then them write would "
+    "like so these her long make thing see him two has look more day could go come did number "
+    "sound no most people my over know water than call first who may down side been now find "
+    "hello world model expert stream arena token layer cache slot read user assistant system"
+)
+WORDS = tuple(_WORDS.split())
+_PLAIN_SPECIAL = ("<unk>", "<eos>")
+_CHAT_SPECIAL = ("<unk>", "<pad>", "<eos>", "<|im_start|>", "<|im_end|>")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|>"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
+)
 HIDDEN, INTER, EXPERTS, TOP_K = 64, 64, 8, 2
 
 _COMMON: dict[str, Any] = {
@@ -129,19 +150,30 @@ def _predicate(path: str, module: Any) -> bool | dict[str, Any]:
     return True
 
 
-def save_tokenizer(path: Path) -> None:
+def save_tokenizer(path: Path, chat: bool = False, context: int | None = None) -> dict[str, int]:
+    """A WordLevel tokenizer over VOCAB (special tokens <unk> 0, <eos> 1, then the words), or
+    with `chat` over WORDS with a pad token, chat markers and CHAT_TEMPLATE; returns its vocab.
+    `context`: the tokenizer's model_max_length."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import WhitespaceSplit
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"<unk>": 0, "<eos>": 1, **{w: i + 2 for i, w in enumerate(VOCAB)}}
+    special, words = (_CHAT_SPECIAL, WORDS) if chat else (_PLAIN_SPECIAL, tuple(VOCAB))
+    vocab = {tok: i for i, tok in enumerate((*special, *words))}
     tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = WhitespaceSplit()
+    extra: dict[str, Any] = {"model_max_length": context} if context else {}
+    if chat:
+        tok.add_special_tokens(list(special))
+        extra["pad_token"] = "<pad>"
     fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call,unused-ignore]
-        tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>"
+        tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>", **extra
     )
+    if chat:
+        fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(path))  # type: ignore[no-untyped-call,unused-ignore]
+    return vocab
 
 
 def make_checkpoint(
@@ -154,6 +186,7 @@ def make_checkpoint(
     bits: int = 4,
     group_size: int = 64,
     experts_mode: str = "affine",
+    chat: bool = False,
 ) -> Path:
     """A random checkpoint of `family` at `path` (q4 g64, 8-bit gates; or unquantized).
 
@@ -161,15 +194,29 @@ def make_checkpoint(
     the model dtype (MLX's CPU gather_mm runs float32 only, so unquantized CPU models need it);
     `bits` / `group_size` quantize everything but the gates (8-bit, group 64, where the width
     allows). experts_mode "mxfp4" quantizes the routed experts to mxfp4 instead, as gpt-oss's
-    published MLX checkpoints are (the rest as `bits` / `group_size` say)."""
+    published MLX checkpoints are (the rest as `bits` / `group_size` say). `chat`: the chat
+    tokenizer (save_tokenizer), and the lm_head rows of its special tokens and of ids past its
+    vocabulary are zero, so their logits are exactly 0 while the largest other logit is
+    positive for any realistic hidden state: greedy text is words and never ends early, which
+    keeps generation lengths (and the tests that count tokens) deterministic."""
     from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
 
     if family not in CONFIGS:
         raise ValueError(f"family must be one of {', '.join(CONFIGS)}, got {family!r}")
     config = {**_COMMON, **CONFIGS[family], **(dims or {})}
+    vocab = {tok: i for i, tok in enumerate((*_CHAT_SPECIAL, *WORDS))} if chat else None
+    if vocab is not None:
+        rows = -(-len(vocab) // 64) * 64  # the vocabulary, rounded up as real heads are
+        config = {**config, "vocab_size": max(config["vocab_size"], rows),
+                  "eos_token_id": vocab["<eos>"]}  # fmt: skip
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
     _randomize(model, seed, dtype)
+    if vocab is not None:
+        head = model.lm_head.weight
+        words = range(len(_CHAT_SPECIAL), len(vocab))
+        keep = mx.array([[1.0 if i in words else 0.0] for i in range(head.shape[0])])
+        model.lm_head.weight = (head * keep).astype(head.dtype)
     mx.eval(model.parameters())
     if quantize:
         predicate = _predicate
@@ -184,9 +231,22 @@ def make_checkpoint(
         model, config = quantize_model(model, config, group_size, bits, quant_predicate=predicate)
     path.mkdir(parents=True, exist_ok=True)
     save_model(path, model)
-    save_config({**config, "eos_token_id": 1}, path / "config.json")
-    save_tokenizer(path)
+    eos = 1 if vocab is None else vocab["<eos>"]
+    save_config({**config, "eos_token_id": eos}, path / "config.json")
+    save_tokenizer(path, chat, config.get("max_position_embeddings") if chat else None)
+    if chat:
+        (path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
     return path
+
+
+def make_chat_checkpoint(
+    path: str | Path, *, seed: int = 2, context: int = 8192, n_layers: int = 2
+) -> Path:
+    """A tiny qwen3_moe checkpoint to serve: the chat tokenizer and template, a context of
+    `context` tokens, words for text and greedy decoding that never stops early (see
+    make_checkpoint's `chat`). The server's tests and benchmarks/serve_load.py use it."""
+    dims = {"num_hidden_layers": n_layers, "max_position_embeddings": context}
+    return make_checkpoint("qwen3_moe", Path(path), seed=seed, dims=dims, chat=True)
 
 
 # Qwen3-30B-A3B's routed-expert shapes; attention and vocabulary kept tiny (they are not what

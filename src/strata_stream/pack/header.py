@@ -30,9 +30,10 @@ MAGIC = b"STRATAPK"
 VERSION = 2
 HEADER_BYTES = 4096
 META_OFFSET = HEADER_BYTES
-# Apple's SSD page and O_DIRECT-safe on Linux: sections and records start on this boundary.
-SECTION_ALIGN = 16384
-RECORD_ALIGN = 16384
+# The page of the pack: Apple's SSD page, and O_DIRECT-safe on Linux. Sections and records start
+# on it, so one expert is one aligned read, split into parts of whole pages (the IO threads'
+# StreamConfig.part_bytes). The one place Python says it.
+PAGE = 16384
 # Tensors inside a record start on this boundary so every tensor is aligned for SIMD/GPU loads.
 TENSOR_ALIGN = 256
 
@@ -86,9 +87,12 @@ assert _TABLE_OFFSET == 144 and _TENSOR.size == 32 and len(_FIXED_FIELDS) == 25
 
 @functools.cache
 def _crc32c_impl() -> Callable[[Buffer, int], int]:
+    # Imported at the first record checksum, not with this module: parsing a header needs only
+    # zlib, so reading one works where the extension failed to build; writing or verifying
+    # records cannot, and says why.
     try:
         from strata_stream import _core
-    except ImportError as e:  # pragma: no cover - the extension is part of every install
+    except ImportError as e:  # pragma: no cover - a broken install
         raise ImportError(
             "strata_stream._core is not built: pack record checksums (CRC32C) are computed by "
             f"the engine's code ({e})"
@@ -188,6 +192,10 @@ def record_layout(
 
     Per matrix (gate, up, down): weight, then scales and biases (q4/q8; mxfp4 has scales only),
     then the expert's Linear bias ``[1, rows]`` in `bias_dtype` when the model has one (gpt-oss).
+    This is the one statement in Python of which tensors a weight format stores, in which dtype
+    and shape: the writer fills, the reader checks and slices, and the converter checks a
+    checkpoint's expert tensors against it (convert/checkpoint.py). The C++ parser says it once
+    more, for the engine (csrc/engine/pack/pack_file.cpp).
     """
     entries: list[TensorEntry] = []
     offset = 0
@@ -248,12 +256,12 @@ class PackHeader:
             )
         g = self.geometry
         tensors, record_bytes = record_layout(g, self.weight_format, gs, sd, self.bias_dtype)
-        router_offset = align_up(META_OFFSET + self.meta_bytes, SECTION_ALIGN)
+        router_offset = align_up(META_OFFSET + self.meta_bytes, PAGE)
         router_bytes = g.n_records * g.hidden * 4 if g.has_routers else 0
-        checksum_offset = align_up(router_offset + router_bytes, SECTION_ALIGN)
+        checksum_offset = align_up(router_offset + router_bytes, PAGE)
         checksum_bytes = g.n_records * 4
-        records_offset = align_up(checksum_offset + checksum_bytes, SECTION_ALIGN)
-        record_stride = align_up(record_bytes, RECORD_ALIGN)
+        records_offset = align_up(checksum_offset + checksum_bytes, PAGE)
+        record_stride = align_up(record_bytes, PAGE)
         derived = {
             "group_size": gs,
             "scale_dtype": sd,
@@ -398,16 +406,6 @@ def build_header(
     return header, blob
 
 
-def _tensor_dtype(
-    role: int, weight_format: str, scale_dtype: str | None, bias_dtype: str | None
-) -> str:
-    if role == 3:
-        return bias_dtype or "f32"
-    if weight_format in FLOAT_FORMATS:
-        return weight_format
-    return "u32" if role == 0 else (scale_dtype or "f32")
-
-
 def parse_header(buf: bytes, where: str) -> PackHeader:
     """Decode and validate the 4096 header bytes; `where` prefixes every error ("pack X")."""
     if len(buf) < HEADER_BYTES:
@@ -511,8 +509,8 @@ def parse_header(buf: bytes, where: str) -> PackHeader:
             )
     for i, t in enumerate(header.tensors):
         m, r, off, nb, rows, cols = _TENSOR.unpack_from(buf, _TABLE_OFFSET + i * _TENSOR.size)
-        dtype = _tensor_dtype(r, fmt, header.scale_dtype, header.bias_dtype)
-        got = TensorEntry(m, r, off, nb, rows, cols, dtype)
+        # The dtype is not stored: record_layout's rule gives it, as it gives every other field.
+        got = TensorEntry(m, r, off, nb, rows, cols, t.dtype)
         if got != t:
             raise PackError(
                 f"{where}: tensor table entry {i} is (matrix {m}, role {r}, offset {off}, "

@@ -160,7 +160,7 @@ class ExpertPack:
         return layer, expert
 
     def record_offset(self, layer: int, expert: int) -> int:
-        """File offset of record (layer, expert); a multiple of 16384."""
+        """File offset of record (layer, expert); a multiple of PAGE (16 KiB)."""
         return self.header.record_offset(*self._check(layer, expert))
 
     def checksum(self, layer: int, expert: int) -> int:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import os
+import re
 import shutil
 import zlib
 from collections.abc import Callable, Sequence
@@ -25,6 +27,7 @@ from strata_stream.pack.header import (
     PackHeader,
     TensorEntry,
     build_header,
+    encode_metadata,
     record_crc,
 )
 from strata_stream.pack.quant import (
@@ -59,6 +62,7 @@ def write_pack(
     progress: bool = True,
     bias_dtype: str | None = None,
     model: dict[str, Any] | None = None,
+    final_model: Callable[[], dict[str, Any]] | None = None,
 ) -> Path:
     """Write a pack to `path` atomically and return the path.
 
@@ -75,6 +79,9 @@ def write_pack(
     ``[moe_intermediate]``, ``[hidden]`` (bf16 as uint16 bit patterns, copied when the dtype
     matches). With ``geometry.routing == "external"`` the pack holds no routers: pass
     ``routers=None``. `model` is the converted checkpoint's layout (JSON metadata "model").
+`final_model()`, called once every record is written, gives the "model" object to store in
+its place: what only reading the experts tells (the digests of their source bytes); it must
+encode to the same length as `model`, since the metadata precedes the records.
 
     mxfp4 packs take group_size 32 and scale_dtype "e8m0"; an mxfp4 `QuantizedMatrix` is copied,
     a float array quantized by `quantize_mxfp4` (not byte-identical to MLX's quantizer).
@@ -88,8 +95,9 @@ def write_pack(
     header, meta_blob = build_header(
         geometry, weight_format, group_size, scale_dtype, architecture, source, bias_dtype, model
     )
+    remove_stale_temporaries(path.parent, path.name)
     _check_free_space(path, header.file_bytes)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = temporary_path(path)
     try:
         with open(tmp, "wb", buffering=0) as f:
             # The header goes last: it carries the router checksum, known only after writing.
@@ -99,6 +107,8 @@ def write_pack(
             router_crc = _write_routers(f, header, routers)
             _pad_to(f, header.records_offset)
             checksums = _write_records(f, header, experts, path, progress)
+            if final_model is not None:
+                header = _rewrite_model(f, header, meta_blob, architecture, source, final_model())
             f.seek(header.checksum_offset)
             f.write(checksums.astype("<u4").tobytes())
             f.seek(0)
@@ -112,6 +122,67 @@ def write_pack(
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def temporary_path(path: Path) -> Path:
+    """Where a file is written before it is renamed to `path`: hidden, in the same directory
+    (so the rename is atomic), named with this process's id (so a later run can tell a dead
+    writer's leftovers from a live one's: remove_stale_temporaries)."""
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+_TEMPORARY = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.tmp$")
+
+
+def remove_stale_temporaries(directory: Path, name: str | None = None) -> list[Path]:
+    """Removes the temporaries (`temporary_path`) in `directory` whose writer process no longer
+    exists: of files named `name`, or of every file when `name` is None (a directory that only
+    strata-stream writes into, the cache). A killed conversion leaves its temporary behind, as
+    large as the part of the pack it wrote. Returns what it removed."""
+    removed: list[Path] = []
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _TEMPORARY.match(entry.name)
+        if m is None or (name is not None and m["name"] != name):
+            continue
+        pid = int(m["pid"])
+        if pid == os.getpid() or _alive(pid):
+            continue
+        with contextlib.suppress(OSError):
+            entry.unlink()
+            removed.append(entry)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # another user's process (or not a pid we can ask about): leave it
+    return True
+
+
+def _rewrite_model(
+    f: BinaryIO,
+    header: PackHeader,
+    old_blob: bytes,
+    architecture: str,
+    source: str,
+    model: dict[str, Any],
+) -> PackHeader:
+    blob = encode_metadata(header.metadata(architecture, source, model))
+    if len(blob) != len(old_blob):
+        raise ValueError(
+            f"final_model changed the metadata's length ({len(old_blob)} -> {len(blob)} bytes)"
+        )
+    f.seek(header.meta_offset)
+    _write_all(f, blob)
+    return dataclasses.replace(header, meta_crc=zlib.crc32(blob))
 
 
 def _check_free_space(path: Path, nbytes: int) -> None:

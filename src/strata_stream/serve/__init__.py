@@ -5,11 +5,11 @@ serve(path, ...) loads a model and runs it (the CLI). See docs/serve.md."""
 
 from __future__ import annotations
 
+from strata_stream.engine_stats import STATS_KEYS, StatsSource, window_stats_source
 from strata_stream.serve.app import create_app
 from strata_stream.serve.command import serve
 from strata_stream.serve.config import ServeConfig
 from strata_stream.serve.server import BackgroundServer
-from strata_stream.serve.stats import STATS_KEYS, StatsSource, window_stats_source
 
 __all__ = [
     "STATS_KEYS",

@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from strata_stream.engine_stats import StatsSource
 from strata_stream.serve.config import ServeConfig
 from strata_stream.serve.errors import (
     APIError,
@@ -26,6 +27,7 @@ from strata_stream.serve.errors import (
     queue_full,
     server_error,
 )
+from strata_stream.serve.generation import GenerationRequest, SamplingParams
 from strata_stream.serve.lockstep import RequestChannel
 from strata_stream.serve.metrics import ServerMetrics
 from strata_stream.serve.requests import (
@@ -33,15 +35,12 @@ from strata_stream.serve.requests import (
     CompletionRequest,
     parse_body,
 )
-from strata_stream.serve.stats import StatsSource
 from strata_stream.serve.worker import (
     Event,
     Finished,
-    GenerationRequest,
     GenerationWorker,
     Job,
     QueueFullError,
-    SamplingParams,
     TextChunk,
     WorkerStoppedError,
 )
@@ -68,7 +67,7 @@ def create_app(
 ) -> FastAPI:
     """An app serving `model` (an mlx-lm model; the worker thread is its only user) and
     `tokenizer` (a TokenizerWrapper or a Hugging Face tokenizer). `stats` feeds the engine
-    metrics (schema in serve/stats.py). The worker starts and stops with the app's lifespan.
+    metrics (schema in engine_stats.py). The worker starts and stops with the app's lifespan.
     `lockstep`: rank 0 of a sharded model, whose followers run every request too
     (serve/lockstep.py)."""
     from mlx_lm.tokenizer_utils import TokenizerWrapper

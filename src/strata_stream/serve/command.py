@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 from strata_stream.errors import ConfigError
@@ -25,16 +26,18 @@ def serve(
     log_level: str = "info",
     distributed: str | None = None,
     experts: str = "cpu",
+    pack_path: str | None = None,
 ) -> None:
     """Serves MODEL until interrupted. `distributed` ("pipeline" or "tensor", under
     mlx.launch): every rank loads its share with strata_stream.mlx_lm.sharded_load; rank 0
-    serves HTTP, the others follow it (serve/lockstep.py) and return when it stops."""
+    serves HTTP, the others follow it (serve/lockstep.py) and return when it stops.
+    `pack_path`: the model's pack (default: the cache's, converted on first use)."""
     from strata_stream.serve.app import create_app
     from strata_stream.serve.loader import load_for_serving
 
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    if arena_gb is not None and not arena_gb > 0:
-        raise ConfigError(f"--arena-gb must be > 0, got {arena_gb}")
+    if arena_gb is not None and not (math.isfinite(arena_gb) and arena_gb > 0):
+        raise ConfigError(f"--arena-gb must be a number of GiB > 0, got {arena_gb}")
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port must be 0..65535, got {port}")
     if host not in LOOPBACK:
@@ -50,7 +53,7 @@ def serve(
         _serve_distributed(model_path, distributed, experts, arena_bytes, config, host, port,
                            log_level)  # fmt: skip
         return
-    loaded = load_for_serving(model_path, arena_bytes=arena_bytes)
+    loaded = load_for_serving(model_path, arena_bytes=arena_bytes, pack_path=pack_path)
     app = create_app(loaded.model, loaded.tokenizer, config, stats=loaded.stats)
     log.info("serving %s as model id '%s'", model_path, config.model_id)
     run_foreground(app, host, port, log_level=log_level)
@@ -70,7 +73,8 @@ def _serve_distributed(
     from strata_stream.mlx_lm import stats_source
     from strata_stream.mlx_lm.distributed import load_split
     from strata_stream.serve.app import create_app
-    from strata_stream.serve.lockstep import RequestChannel, follow
+    from strata_stream.serve.follower import follow
+    from strata_stream.serve.lockstep import RequestChannel
 
     model, tokenizer, group = load_split(
         model_path, mode, arena_bytes=arena_bytes, experts=experts

@@ -1,46 +1,31 @@
-"""Loading the model to serve: through strata_stream.mlx_lm (expert streaming) when it is
-installed, else plain mlx_lm.load, which serves the model without streaming metrics."""
+"""Loading the model to serve: strata_stream.mlx_lm.load (the experts stream from a pack), and
+the engine's figures for /metrics."""
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
-from strata_stream.serve.stats import StatsSource
-
-log = logging.getLogger("strata_stream.serve")
+from strata_stream.engine_stats import StatsSource
 
 
 @dataclass
 class LoadedModel:
     model: Any
     tokenizer: Any
-    stats: StatsSource | None
-    streaming: bool
+    stats: StatsSource
 
 
-def load_for_serving(path: str, *, arena_bytes: int | None = None) -> LoadedModel:
-    """strata_stream.mlx_lm.load(path, arena_bytes=...) when that module exists; its
-    `stats_source(model)` (when it has one) feeds the engine metrics. A missing module falls
-    back to mlx_lm.load with a log line; a module that exists but fails to import raises."""
-    if importlib.util.find_spec("strata_stream.mlx_lm") is None:
-        log.warning(
-            "strata_stream.mlx_lm is not available: serving %s with plain mlx_lm.load "
-            "(no expert streaming, no engine metrics%s)",
-            path,
-            "; --arena-gb ignored" if arena_bytes is not None else "",
-        )
-        import mlx_lm
+def load_for_serving(
+    path: str,
+    *,
+    arena_bytes: int | None = None,
+    pack_path: str | os.PathLike[str] | None = None,
+) -> LoadedModel:
+    """strata_stream.mlx_lm.load(path, arena_bytes=..., pack_path=...) and its stats source."""
+    # Imported here: it needs mlx, which building the app (tests, other front-ends) does not.
+    from strata_stream.mlx_lm import load, stats_source
 
-        loaded = mlx_lm.load(path)
-        return LoadedModel(loaded[0], loaded[1], None, streaming=False)
-    ss = importlib.import_module("strata_stream.mlx_lm")
-    model, tokenizer = ss.load(path, arena_bytes=arena_bytes)
-    make_stats = getattr(ss, "stats_source", None)
-    stats = make_stats(model) if make_stats is not None else None
-    if stats is None:
-        log.warning("strata_stream.mlx_lm gives no stats_source(model): no engine metrics")
-    return LoadedModel(model, tokenizer, stats, streaming=True)
+    model, tokenizer = load(path, arena_bytes=arena_bytes, pack_path=pack_path)
+    return LoadedModel(model, tokenizer, stats_source(model))

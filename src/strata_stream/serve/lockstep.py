@@ -5,7 +5,7 @@ request rank 0's worker starts is sent to the followers first, and each rank the
 generation (the worker's own code, the same seed): the same tokens, hence the same stop on EOS,
 a stop string or the length. A client that goes away does not stop rank 0 early (the followers
 could not know): its generation runs to its end with nothing delivered. When the server stops,
-rank 0 sends "stop" and the followers return.
+rank 0 sends "stop" and the followers return (their loop: follower.py).
 
 The channel is as mlx_lm.server shares requests: one all_sum of the message length, one of the
 bytes (rank 0 contributes them, the followers zeros). The message is JSON (a request's token
@@ -19,10 +19,9 @@ import dataclasses
 import json
 import logging
 import random
-from typing import TYPE_CHECKING, Any, Union
+from typing import Any, Union
 
-if TYPE_CHECKING:  # worker.py imports this module
-    from strata_stream.serve.worker import GenerationRequest
+from strata_stream.serve.generation import GenerationRequest, SamplingParams
 
 log = logging.getLogger("strata_stream.serve")
 
@@ -99,8 +98,6 @@ def encode(message: Message) -> bytes:
 
 
 def decode(raw: bytes) -> Message:
-    from strata_stream.serve.worker import GenerationRequest, SamplingParams
-
     body = json.loads(raw.decode())
     if "control" in body:
         return str(body["control"])
@@ -112,30 +109,4 @@ def decode(raw: bytes) -> Message:
     )
 
 
-def follow(model: Any, tokenizer: Any, channel: RequestChannel) -> int:
-    """A follower's loop: run every request rank 0 sends, deliver nothing; returns the number
-    of requests run when rank 0 sends STOP."""
-    from mlx_lm.tokenizer_utils import TokenizerWrapper
-
-    from strata_stream.serve.metrics import ServerMetrics
-    from strata_stream.serve.worker import GenerationWorker, Job
-
-    if not isinstance(tokenizer, TokenizerWrapper):
-        tokenizer = TokenizerWrapper(tokenizer)
-    worker = GenerationWorker(model, tokenizer, max_queue=1, metrics=ServerMetrics())
-    served = 0
-    while True:
-        message = channel.receive()
-        if isinstance(message, str):
-            if message == STOP:
-                return served
-            log.warning("rank %d: unknown control message %r", channel.rank, message)
-            continue
-        try:
-            worker.run_one(Job(message, lambda _event: None))
-        except Exception:  # as on rank 0: a failed request must not take the server down
-            log.exception("rank %d: generation failed", channel.rank)
-        served += 1
-
-
-__all__ = ["STOP", "RequestChannel", "decode", "encode", "follow", "with_seed"]
+__all__ = ["STOP", "Message", "RequestChannel", "decode", "encode", "with_seed"]

@@ -16,7 +16,7 @@ _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60
 
 
 class EngineCollector(Collector):
-    """Exports the last streaming-engine snapshot (schema in serve/stats.py) at scrape time."""
+    """Exports the last streaming-engine snapshot (schema in engine_stats.py) at scrape time."""
 
     def __init__(self, snapshot: Callable[[], Mapping[str, Any] | None]) -> None:
         self._snapshot = snapshot

@@ -25,32 +25,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from strata_stream.engine_stats import StatsSource
+from strata_stream.serve.generation import GenerationRequest
 from strata_stream.serve.lockstep import STOP, RequestChannel, with_seed
 from strata_stream.serve.metrics import ServerMetrics
-from strata_stream.serve.stats import StatsSource
 from strata_stream.serve.stop import StopMatcher
 
 log = logging.getLogger("strata_stream.serve")
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 0.0
-    seed: int | None = None
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    prompt: tuple[int, ...]
-    max_tokens: int
-    sampling: SamplingParams
-    stop: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -211,7 +192,7 @@ class GenerationWorker:
             self._finish(job, Finished("cancelled", len(job.request.prompt), 0))
 
     def run_one(self, job: Job) -> Finished:
-        """Runs one job on the calling thread: a follower rank's loop (serve/lockstep.py)."""
+        """Runs one job on the calling thread: a follower rank's loop (serve/follower.py)."""
         return self._generate(job)
 
     def _finish(self, job: Job, result: Finished) -> None:

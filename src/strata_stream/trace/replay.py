@@ -18,6 +18,7 @@ import numpy as np
 from strata_stream.config import EVICTION_POLICIES, StreamConfig
 from strata_stream.errors import ConfigError, PackError
 from strata_stream.pack import Geometry, write_pack
+from strata_stream.pack.header import PAGE
 from strata_stream.pack.header import VERSION as PACK_VERSION
 from strata_stream.paths import cache_dir as default_cache_dir
 from strata_stream.stream import ExpertStream
@@ -141,7 +142,7 @@ def engine_hit_rate(
         raise ConfigError(f"--slots {slots}: at least {2 * trace.top_k} (2 x top_k) needed")
 
     pack = geometry_pack(trace, cache_dir or default_cache_dir())
-    stride = 16384
+    stride = PAGE  # the geometry pack's records are tiny: one page each
     config = StreamConfig(
         arena_bytes=slots * stride,
         io_threads=0,

@@ -15,6 +15,6 @@ tolerances.
 
 from __future__ import annotations
 
-from strata_stream.transformers.loader import describe, load
+from strata_stream.transformers.loader import describe, load, stats_source
 
-__all__ = ["describe", "load"]
+__all__ = ["describe", "load", "stats_source"]

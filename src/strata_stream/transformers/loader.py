@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import weakref
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -190,4 +191,13 @@ def describe(model: Any) -> dict[str, Any]:
     return stats
 
 
-__all__ = ["describe", "load"]
+def stats_source(model: Any) -> Callable[[], Mapping[str, Any]]:
+    """A snapshot function of the engine under a model `load` returned, in the schema the
+    server's metrics read (strata_stream.engine_stats). Call it from the thread that generates."""
+    from strata_stream.engine_stats import window_stats_source
+
+    engine: TorchMoeEngine = model.strata_engine
+    return window_stats_source(engine.window)
+
+
+__all__ = ["describe", "load", "stats_source"]

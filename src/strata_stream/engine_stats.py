@@ -1,4 +1,7 @@
-"""The streaming-engine figures the server exports, and how a Window provides them.
+"""The streaming-engine figures a server exports, and how a Window provides them.
+
+Beside the server (strata_stream.serve), not in it: a loaded model gives its figures in this
+schema (strata_stream.mlx_lm.stats_source) without importing the server's FastAPI stack.
 
 A stats source is any `Callable[[], Mapping[str, Any]]` returning a snapshot with these keys
 (every key optional; a missing or None value leaves its metric out):

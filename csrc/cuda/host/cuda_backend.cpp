@@ -1,0 +1,699 @@
+#include "cuda_backend.h"
+
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <stdexcept>
+#include <unordered_set>
+#include <thread>
+#include <vector>
+
+#include "host_registry.h"
+#include "kernels/kernels.h"
+#include "residency/smap.h"
+
+namespace strata::cuda {
+namespace {
+
+std::string cuda_message(const char* what, cudaError_t e) {
+  return std::string("cuda: ") + what + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) +
+         ")";
+}
+
+// Device memory, freed with its owner.
+class DeviceArray {
+ public:
+  DeviceArray() = default;
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+  ~DeviceArray() { reset(); }
+  void reset() {
+    if (p_) cudaFree(p_);
+    p_ = nullptr;
+    bytes_ = 0;
+  }
+  void ensure(std::size_t bytes) {
+    if (bytes <= bytes_) return;
+    reset();
+    cudaError_t e = cudaMalloc(&p_, bytes ? bytes : 4);
+    if (e != cudaSuccess) {
+      p_ = nullptr;
+      throw std::runtime_error(cuda_message("cudaMalloc", e));
+    }
+    bytes_ = bytes;
+  }
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(p_);
+  }
+
+ private:
+  void* p_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+// Pinned host memory (staging for the scratch copies), freed with its owner.
+class PinnedArray {
+ public:
+  PinnedArray() = default;
+  PinnedArray(const PinnedArray&) = delete;
+  PinnedArray& operator=(const PinnedArray&) = delete;
+  ~PinnedArray() { reset(); }
+  void reset() {
+    if (p_) cudaFreeHost(p_);
+    p_ = nullptr;
+    bytes_ = 0;
+  }
+  void ensure(std::size_t bytes) {
+    if (bytes <= bytes_) return;
+    reset();
+    cudaError_t e = cudaHostAlloc(&p_, bytes, cudaHostAllocPortable);
+    if (e != cudaSuccess) {
+      p_ = nullptr;
+      throw std::runtime_error(cuda_message("cudaHostAlloc", e));
+    }
+    bytes_ = bytes;
+  }
+  std::size_t bytes() const { return bytes_; }
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(p_);
+  }
+
+ private:
+  void* p_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+DevLayout device_layout(const PackLayout& L) {
+  DevLayout d;
+  d.n_experts = L.n_experts;
+  d.top_k = L.top_k;
+  d.hidden = L.hidden;
+  d.inter = L.moe_intermediate;
+  d.routing = std::uint32_t(L.routing);
+  d.norm_topk = L.norm_topk_prob ? 1 : 0;
+  d.format = std::uint32_t(L.weight_format);
+  d.group_size = L.group_size;
+  d.scale_format = L.scale_format;
+  d.bias_format = L.bias_format;
+  d.activation = std::uint32_t(L.activation);
+  d.act_alpha = L.act_alpha;
+  d.act_limit = L.act_limit;
+  for (const TensorEntry& t : L.tensors) {
+    DevMatrix& m = d.m[t.matrix];
+    if (t.role == 0) m.weight = t.offset;
+    if (t.role == 1) m.scales = t.offset;
+    if (t.role == 2) m.biases = t.offset;
+    if (t.role == kRoleBias) m.bias = t.offset;
+    m.rows = t.matrix == 2 ? L.hidden : L.moe_intermediate;
+    m.cols = t.matrix == 2 ? L.moe_intermediate : L.hidden;
+  }
+  // Tests only: a planted kernel error the parity tests must catch (device_types.h).
+  if (const char* p = std::getenv("STRATA_CUDA_TEST_PLANT")) {
+    if (std::strcmp(p, "gate_up") == 0) d.plant = kPlantGateUp;
+    if (std::strcmp(p, "route") == 0) d.plant = kPlantRoute;
+  }
+  return d;
+}
+
+// How long the device thread spins before it blocks on a condition variable: a thread woken
+// from a futex costs tens of microseconds on a virtual machine (the H200's: docs/cuda.md), more
+// than a whole decode layer's kernels; spinning this long costs one core at most that long.
+constexpr auto kSpin = std::chrono::microseconds(200);
+
+// A queued command and the facts of the submission it came in.
+struct Item {
+  Command c;
+  bool batch_start = false;
+  bool batch_routes = false;     // the submission routes on the device (else the host did)
+  std::uint32_t batch_rows = 0;  // the largest row count among its commands
+};
+
+// Where the kernels read experts (STRATA_CUDA_ARENA, read when the backend is made).
+//   Device (default): a device-memory mirror of the arena, slot for slot. Before a pass the
+//     device thread copies each slot it will read whose mirror does not hold that key yet
+//     (stream-ordered, from the registered host arena), so the kernels read HBM.
+//   Mapped: the kernels read the host arena itself through the mapping (over PCIe).
+enum class ArenaMode : std::uint8_t { Device, Mapped };
+
+ArenaMode arena_mode_from_env() {
+  const char* v = std::getenv("STRATA_CUDA_ARENA");
+  if (!v || !*v || std::strcmp(v, "device") == 0) return ArenaMode::Device;
+  if (std::strcmp(v, "mapped") == 0) return ArenaMode::Mapped;
+  throw std::runtime_error(std::string("STRATA_CUDA_ARENA must be device or mapped, got '") + v +
+                           "'");
+}
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend() : mode_(arena_mode_from_env()) {
+    check(cudaSetDevice(0), "cudaSetDevice");
+    check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+    void* p = nullptr;
+    check(cudaHostAlloc(&p, sizeof(DevError), cudaHostAllocMapped | cudaHostAllocPortable),
+          "cudaHostAlloc");
+    err_host_ = static_cast<DevError*>(p);
+    std::memset(err_host_, 0, sizeof(DevError));
+    check(cudaHostGetDevicePointer(&p, err_host_, 0), "cudaHostGetDevicePointer");
+    dev_.error = static_cast<DevError*>(p);
+    device_ = std::thread([this] { device_loop(); });
+  }
+
+  ~CudaBackend() override {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stop_ = true;
+      abort_ = true;
+    }
+    cv_.notify_all();
+    device_.join();
+    if (trace_) print_trace();
+    cudaStreamSynchronize(stream_);
+    unmap();
+    cudaFreeHost(err_host_);
+    cudaStreamDestroy(stream_);
+    cudaGetLastError();
+  }
+
+  std::string name() const override { return "cuda"; }
+  ArenaMode mode() const { return mode_; }
+
+  void bind(const DeviceBuffers& b) override {
+    synchronize();
+    std::lock_guard<std::mutex> lk(mu_);
+    cudaSetDevice(0);
+    const PackLayout& L = *b.layout;
+    layout_ = device_layout(L);
+    if (layout_.top_k > 64)
+      throw std::runtime_error("the cuda backend routes at most top-64, the pack has top-" +
+                               std::to_string(L.top_k));
+    check(prepare_kernels(layout_), "cudaFuncSetAttribute (shared memory for the hidden size)");
+    // The stream's arena and slot map: mapped once, in place (the IO threads write them).
+    if (b.arena != host_arena_) {
+      unmap();
+      std::string why;
+      const std::size_t arena_bytes = std::size_t(b.n_slots) * b.slot_bytes;
+      void* a = map_host(b.arena, arena_bytes, &why);
+      if (!a) throw std::runtime_error("cuda: mapping the arena into the GPU: " + why);
+      host_arena_ = b.arena;
+      // smap: page-aligned and page-rounded (ExpertStream), so whole pages are registered.
+      const std::size_t smap_bytes = (std::size_t(L.n_keys()) * 4 + kPage - 1) / kPage * kPage;
+      void* s = map_host(b.smap, smap_bytes, &why);
+      if (!s) {
+        unmap();
+        throw std::runtime_error("cuda: mapping the slot map into the GPU: " + why);
+      }
+      host_smap_ = b.smap;
+      dev_.arena = static_cast<const unsigned char*>(a);
+      dev_.smap = static_cast<const std::uint32_t*>(s);
+      if (mode_ == ArenaMode::Device) {
+        mirror_.reset();
+        mirror_.ensure(arena_bytes);
+        dev_.arena = mirror_.as<const unsigned char>();
+        mirror_key_.assign(b.n_slots, kAbsentSlot);  // nothing copied yet
+      }
+    }
+    record_bytes_ = L.record_bytes;
+    n_experts_ = L.n_experts;
+    dev_.slot_bytes = b.slot_bytes;
+    dev_.n_slots = b.n_slots;
+    // Routers: copied once (the Window reads them once from the pack and keeps them).
+    const std::size_t router_bytes = L.has_routers() && b.routers
+                                         ? std::size_t(L.n_layers) * L.n_experts * L.hidden * 4
+                                         : 0;
+    if (router_bytes && b.routers != host_routers_) {
+      routers_.ensure(router_bytes);
+      check(cudaMemcpy(routers_.as<void>(), b.routers, router_bytes, cudaMemcpyHostToDevice),
+            "cudaMemcpy (routers)");
+      host_routers_ = b.routers;
+      dev_.routers = routers_.as<float>();
+    }
+    // Scratch in device memory, for max_rows rows (grown, never shrunk: I12 bounds it).
+    const std::size_t R = b.max_rows, H = L.hidden, I = L.moe_intermediate, E = L.n_experts,
+                      k = L.top_k;
+    x_.ensure(R * H * 4);
+    ids_.ensure(R * k * 4);
+    weights_.ensure(R * k * 4);
+    pred_[0].ensure(R * k * 4);
+    pred_[1].ensure(R * k * 4);
+    logits_.ensure(R * E * 4);
+    plan_.ensure(R * k * 4);
+    h_.ensure(R * k * I * 4);
+    y_.ensure(R * k * H * 4);
+    out_.ensure(R * H * 4);
+    wave_.ensure(E * 4);
+    wave_n_.ensure(4);
+    groups_.ensure((1 + 8 * E + R * k) * 4);
+    // Staging: what moves between two drains of the stream, with 256-byte alignment slack.
+    up_.ensure((R * H + 3 * R * k + E + 1) * 4 + 8 * 256);
+    down_.ensure((R * H + 4 * R * k) * 4 + 8 * 256);
+    dev_.x = x_.as<float>();
+    dev_.ids = ids_.as<std::int32_t>();
+    dev_.weights = weights_.as<float>();
+    dev_.pred_ids[0] = pred_[0].as<std::int32_t>();
+    dev_.pred_ids[1] = pred_[1].as<std::int32_t>();
+    dev_.logits = logits_.as<float>();
+    dev_.plan = plan_.as<std::uint32_t>();
+    dev_.h = h_.as<float>();
+    dev_.y = y_.as<float>();
+    dev_.out = out_.as<float>();
+    dev_.wave = wave_.as<std::int32_t>();
+    dev_.wave_n = wave_n_.as<std::uint32_t>();
+    std::uint32_t* g = groups_.as<std::uint32_t>();
+    dev_.groups_n = g;
+    dev_.group_slot = g + 1;
+    dev_.group_start = g + 1 + E;
+    dev_.group_count = g + 1 + 2 * E;
+    dev_.expert_count = g + 1 + 3 * E;
+    dev_.expert_cursor = g + 1 + 4 * E;
+    dev_.expert_first = g + 1 + 5 * E;
+    dev_.in_wave = g + 1 + 6 * E;
+    dev_.group_entries = g + 1 + 8 * E;
+    host_ = b;
+  }
+
+  void submit(std::vector<Command> commands) override {
+    Item meta;
+    for (const Command& c : commands) {
+      if (c.op == Op::Route) meta.batch_routes = true;
+      if (c.rows > meta.batch_rows) meta.batch_rows = c.rows;
+    }
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      bool first = true;
+      for (const Command& c : commands) {
+        Item it = meta;
+        it.c = c;
+        it.batch_start = first;
+        first = false;
+        queue_.push_back(it);
+      }
+      queued_.fetch_add(commands.size(), std::memory_order_release);
+    }
+    cv_.notify_all();
+  }
+
+  void synchronize() override {
+    std::unique_lock<std::mutex> lk(mu_);
+    idle_cv_.wait(lk, [&] { return queue_.empty() && !running_; });
+    abort_ = false;
+    // Kernels launched before an abort may still run: none may read a slot the host recycles
+    // next (I4, I5), so the stream drains too. An error word they set is kept for the host.
+    cudaError_t e = cudaStreamSynchronize(stream_);
+    if (e != cudaSuccess && error_.empty()) error_ = cuda_message("stream", e);
+    std::string flagged = read_error_word();
+    if (!flagged.empty() && error_.empty()) error_ = flagged;
+    dirty_ = {};
+    pending_.clear();  // an aborted layer's downloads are not delivered
+    up_used_ = down_used_ = 0;
+  }
+
+  void abort_pending() override {
+    SharedEvent* ev;
+    std::uint64_t v;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      abort_ = true;
+      ev = parked_event_;
+      v = parked_value_;
+    }
+    if (ev) ev->signal(v);  // a device thread parked on a Wait must wake
+    cv_.notify_all();
+  }
+
+  std::string take_device_error() override {
+    std::lock_guard<std::mutex> lk(mu_);
+    std::string e;
+    e.swap(error_);
+    return e;
+  }
+
+ private:
+  static void check(cudaError_t e, const char* what) {
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      throw std::runtime_error(cuda_message(what, e));
+    }
+  }
+
+  void unmap() {
+    if (host_arena_) unmap_host(host_arena_);
+    if (host_smap_) unmap_host(host_smap_);
+    host_arena_ = nullptr;
+    host_smap_ = nullptr;
+  }
+
+  void device_loop() {
+    cudaSetDevice(0);
+    std::unique_lock<std::mutex> lk(mu_);
+    std::uint64_t taken = 0;  // commands this thread has taken off the queue
+    for (;;) {
+      if (queue_.empty() && !stop_) {  // spin a little before sleeping (kSpin)
+        lk.unlock();
+        const auto until = std::chrono::steady_clock::now() + kSpin;
+        while (queued_.load(std::memory_order_acquire) == taken &&
+               std::chrono::steady_clock::now() < until) {
+        }
+        lk.lock();
+      }
+      cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
+      if (stop_ && queue_.empty()) return;
+      Item it = queue_.front();
+      queue_.pop_front();
+      ++taken;
+      if (abort_) {  // skip everything until the host synchronizes
+        dirty_ = {};
+        if (queue_.empty()) idle_cv_.notify_all();
+        continue;
+      }
+      running_ = true;
+      if (it.c.op == Op::Wait) {
+        parked_event_ = it.c.event;
+        parked_value_ = it.c.value;
+      }
+      lk.unlock();
+      std::string err;
+      const auto t0 = std::chrono::steady_clock::now();
+      try {
+        err = execute(it);
+      } catch (const std::exception& e) {
+        err = e.what();
+      }
+      if (trace_) {
+        const auto op = std::size_t(it.c.op);
+        op_ns_[op] += std::uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                        std::chrono::steady_clock::now() - t0)
+                                        .count());
+        ++op_calls_[op];
+      }
+      lk.lock();
+      parked_event_ = nullptr;
+      running_ = false;
+      if (!err.empty() && error_.empty()) error_ = err;
+      if (queue_.empty()) idle_cv_.notify_all();
+    }
+  }
+
+  // What the host reads, written on the device since the last Signal.
+  struct Dirty {
+    std::uint32_t ids_rows = 0, pred_rows[2] = {0, 0}, out_rows = 0;
+  };
+
+  // Copies go through pinned staging (pageable copies synchronise and stage in the driver):
+  // an upload's bytes are copied into the staging at this point of the device thread (after
+  // the submission or the release), so it carries the host's values of that moment; staging is
+  // reused only after the stream drained (settle(), synchronize()).
+  void upload(void* dst, const void* src, std::size_t bytes) {
+    if (!bytes) return;
+    if (up_used_ + bytes > up_.bytes()) {  // full: drain, then start over
+      check(cudaStreamSynchronize(stream_), "upload");
+      up_used_ = 0;
+    }
+    if (bytes > up_.bytes()) {  // larger than the staging: the driver's own path
+      check(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), "upload");
+      return;
+    }
+    unsigned char* stage = up_.as<unsigned char>() + up_used_;
+    std::memcpy(stage, src, bytes);
+    check(cudaMemcpyAsync(dst, stage, bytes, cudaMemcpyHostToDevice, stream_), "upload");
+    up_used_ += (bytes + 255) / 256 * 256;
+  }
+  // Queued into staging now, delivered to `dst` by settle() once the stream drained.
+  void download(void* dst, const void* src, std::size_t bytes) {
+    if (!bytes) return;
+    if (down_used_ + bytes > down_.bytes()) {
+      check(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), "download");
+      return;
+    }
+    check(cudaMemcpyAsync(down_.as<unsigned char>() + down_used_, src, bytes,
+                          cudaMemcpyDeviceToHost, stream_),
+          "download");
+    pending_.push_back(Pending{dst, down_used_, bytes});
+    down_used_ += (bytes + 255) / 256 * 256;
+  }
+
+  // The device thread alone touches what follows (bind() runs only when it is idle).
+  std::string execute(const Item& it) {
+    const Command& c = it.c;
+    const DeviceBuffers& b = host_;
+    const std::size_t H = layout_.hidden, k = layout_.top_k;
+    if (it.batch_start && it.batch_rows > 0 && b.x) {
+      const std::size_t R = it.batch_rows;
+      upload(dev_.x, b.x, R * H * 4);
+      if (!it.batch_routes) {  // the host routed (or the device did and the host has a copy)
+        upload(dev_.ids, b.ids, R * k * 4);
+        upload(dev_.weights, b.weights, R * k * 4);
+      }
+    }
+    const bool regroup = !(c.op == Op::Down && last_op_ == Op::GateUp && last_pass_ == c.pass &&
+                           last_layer_ == c.layer && last_rows_ == c.rows);
+    last_op_ = c.op;
+    last_pass_ = c.pass;
+    last_layer_ = c.layer;
+    last_rows_ = c.rows;
+    switch (c.op) {
+      case Op::Route:
+        if (c.moce.mode != MoceMode::Off)
+          return "the cuda backend does not implement cache-aware routing (moce)";
+        check(launch_route(layout_, dev_, c.layer, c.rows, dev_.ids, dev_.weights, stream_),
+              "route");
+        dirty_.ids_rows = std::max(dirty_.ids_rows, c.rows);
+        return "";
+      case Op::RoutePredict:
+        check(launch_route(layout_, dev_, c.layer, c.rows, dev_.pred_ids[c.distance - 1], nullptr,
+                           stream_),
+              "route_predict");
+        dirty_.pred_rows[c.distance - 1] = std::max(dirty_.pred_rows[c.distance - 1], c.rows);
+        return "";
+      case Op::Plan:
+        if (mode_ == ArenaMode::Mapped) {
+          check(launch_plan(layout_, dev_, c.layer, c.rows, stream_), "plan");
+        } else {
+          // The same snapshot, taken here, at the point of the stream where the plan kernel
+          // would run (after release 1): the device thread must know the slots to mirror them.
+          host_plan_.resize(std::size_t(c.rows) * k);
+          for (std::size_t i = 0; i < host_plan_.size(); ++i)
+            host_plan_[i] = smap_load(b.smap, key(c.layer, b.ids[i]));
+          upload(dev_.plan, host_plan_.data(), host_plan_.size() * 4);
+        }
+        return "";
+      case Op::GateUp:
+      case Op::Down: {
+        const Select sel = c.pass == Pass::Resident ? Select::Resident : Select::Missing;
+        // Device mode knows the plan: a pass with no entry (decode with every expert resident,
+        // or none) launches nothing. With entries, the group kernel still checks each slot.
+        if (mode_ == ArenaMode::Device && pass_is_empty(c.rows, c.pass)) return "";
+        if (regroup && mode_ == ArenaMode::Device) mirror_pass(c.layer, c.rows, c.pass);
+        if (regroup) check(launch_group(layout_, dev_, c.layer, c.rows, sel, stream_), "group");
+        if (c.op == Op::GateUp)
+          check(launch_gate_up(layout_, dev_, c.rows, stream_), "gate_up");
+        else
+          check(launch_down(layout_, dev_, c.rows, stream_), "down");
+        return "";
+      }
+      case Op::MoeMM: {
+        // The host wrote the wave before releasing it; this thread runs after that release.
+        const std::uint32_t n = *b.wave_n;
+        upload(const_cast<std::uint32_t*>(dev_.wave_n), b.wave_n, 4);
+        upload(const_cast<std::int32_t*>(dev_.wave), b.wave, std::size_t(n) * 4);
+        if (mode_ == ArenaMode::Device)
+          for (std::uint32_t w = 0; w < n; ++w) mirror(key(c.layer, b.wave[w]));
+        check(launch_group(layout_, dev_, c.layer, c.rows, Select::Wave, stream_), "group");
+        check(launch_gate_up(layout_, dev_, c.rows, stream_), "gate_up");
+        check(launch_down(layout_, dev_, c.rows, stream_), "down");
+        return "";
+      }
+      case Op::Combine:
+        check(launch_combine(layout_, dev_, c.rows, stream_), "combine");
+        dirty_.out_rows = std::max(dirty_.out_rows, c.rows);
+        return "";
+      case Op::Signal: {
+        std::string err = settle();
+        c.event->signal(c.value);
+        return err;
+      }
+      case Op::Wait: {
+        const auto until = std::chrono::steady_clock::now() + kSpin;
+        while (c.event->value() < c.value && std::chrono::steady_clock::now() < until) {
+        }
+        c.event->wait(c.value);  // abort_pending() signals it, so this cannot strand
+        return "";
+      }
+    }
+    return "unknown op";
+  }
+
+  // STRATA_CUDA_TRACE=1: the device thread's time per command kind, printed when the backend
+  // goes (where a layer's microseconds go: launches, copies, waits for the host, syncs).
+  void print_trace() const {
+    static const char* names[] = {"Route", "RoutePredict", "Plan", "GateUp", "Down",
+                                  "MoeMM", "Combine",      "Signal", "Wait"};
+    std::fprintf(stderr, "strata cuda trace (device thread, us per command):");
+    for (std::size_t i = 0; i < 9; ++i)
+      if (op_calls_[i])
+        std::fprintf(stderr, " %s %.1f x%llu", names[i], 1e-3 * double(op_ns_[i]) / double(op_calls_[i]),
+                     static_cast<unsigned long long>(op_calls_[i]));
+    std::fprintf(stderr, " | slot copies %llu\n", static_cast<unsigned long long>(mirror_copies_));
+  }
+
+  std::uint32_t key(std::uint32_t layer, std::int32_t expert) const {
+    return layer * n_experts_ + std::uint32_t(expert);
+  }
+
+  // Device mode: makes slot smap[key]'s mirror hold `key`. A published slot is complete and
+  // stays so while its layer runs (I1, I4, I8); the copy is queued before the kernels that read
+  // it, on their stream, and the layer's last Signal drains the stream before the host may
+  // recycle the slot. A mirror tagged with a key holds that key's bytes: records never change.
+  // An absent key is left to the group kernel, which reports it.
+  void mirror(std::uint32_t k) {
+    const std::uint32_t slot = smap_load(host_.smap, k);
+    if (slot == kAbsentSlot || slot >= host_.n_slots || mirror_key_[slot] == k) return;
+    const std::uint64_t off = std::uint64_t(slot) * host_.slot_bytes;
+    check(cudaMemcpyAsync(mirror_.as<unsigned char>() + off, host_.arena + off, record_bytes_,
+                          cudaMemcpyHostToDevice, stream_),
+          "slot copy");
+    mirror_key_[slot] = k;
+    ++mirror_copies_;
+  }
+
+  bool pass_is_empty(std::uint32_t rows, Pass pass) const {
+    if (host_plan_.size() != std::size_t(rows) * layout_.top_k) return false;  // no plan: unknown
+    for (std::uint32_t slot : host_plan_)
+      if ((slot != kAbsentSlot) == (pass == Pass::Resident)) return false;
+    return true;
+  }
+
+  // The slots a decode pass will read: the plan's for Resident, smap's now for Missing.
+  void mirror_pass(std::uint32_t layer, std::uint32_t rows, Pass pass) {
+    const std::size_t n = std::size_t(rows) * layout_.top_k;
+    for (std::size_t i = 0; i < n && i < host_plan_.size(); ++i) {
+      const bool resident = host_plan_[i] != kAbsentSlot;
+      if (resident != (pass == Pass::Resident)) continue;
+      const std::uint32_t k = key(layer, host_.ids[i]);
+      if (pass == Pass::Resident) {
+        // The plan's slot (it is smap[k] still: the layer's slots stay put, I8).
+        const std::uint32_t slot = host_plan_[i];
+        if (slot < host_.n_slots && mirror_key_[slot] != k) {
+          const std::uint64_t off = std::uint64_t(slot) * host_.slot_bytes;
+          check(cudaMemcpyAsync(mirror_.as<unsigned char>() + off, host_.arena + off,
+                                record_bytes_, cudaMemcpyHostToDevice, stream_),
+                "slot copy");
+          mirror_key_[slot] = k;
+          ++mirror_copies_;
+        }
+      } else {
+        mirror(k);
+      }
+    }
+  }
+
+  // Brings the host what it reads, waits for the stream and reads the error word.
+  std::string settle() {
+    const DeviceBuffers& b = host_;
+    const std::size_t H = layout_.hidden, k = layout_.top_k;
+    if (dirty_.ids_rows) {
+      download(b.ids, dev_.ids, dirty_.ids_rows * k * 4);
+      download(b.weights, dev_.weights, dirty_.ids_rows * k * 4);
+    }
+    for (int d = 0; d < 2; ++d)
+      if (dirty_.pred_rows[d]) download(b.pred_ids[d], dev_.pred_ids[d], dirty_.pred_rows[d] * k * 4);
+    if (dirty_.out_rows) download(b.out, dev_.out, dirty_.out_rows * H * 4);
+    dirty_ = {};
+    check(cudaStreamSynchronize(stream_), "stream");
+    for (const Pending& p : pending_)
+      std::memcpy(p.dst, down_.as<unsigned char>() + p.offset, p.bytes);
+    pending_.clear();
+    up_used_ = down_used_ = 0;
+    return read_error_word();
+  }
+
+  // The error word a kernel set, as a message (and cleared); "" when none. After a sync only.
+  std::string read_error_word() {
+    volatile DevError* e = err_host_;
+    if (!e->flag) return "";
+    const std::string what = e->what == 1 ? "resident" : e->what == 2 ? "missing" : "wave";
+    std::string m = "device: expert " + std::to_string(e->expert) + " of layer " +
+                    std::to_string(e->layer) + " has no published slot when its " + what +
+                    " pass runs (handshake bug)";
+    e->flag = 0;
+    return m;
+  }
+
+  cudaStream_t stream_ = nullptr;
+  DevError* err_host_ = nullptr;  // mapped pinned; written by kernels, read after a sync
+  // Bound state: written by bind() while the device thread is idle, read by it afterwards
+  // (mu_ orders the two).
+  DevLayout layout_;
+  DevBuffers dev_;
+  DeviceBuffers host_;
+  const unsigned char* host_arena_ = nullptr;
+  const std::uint32_t* host_smap_ = nullptr;
+  const float* host_routers_ = nullptr;
+  DeviceArray routers_, x_, ids_, weights_, pred_[2], logits_, plan_, h_, y_, out_, wave_,
+      wave_n_, groups_;
+  PinnedArray up_, down_;  // staging; the device thread's (bind() sizes them while it is idle)
+  std::size_t up_used_ = 0, down_used_ = 0;
+  struct Pending {
+    void* dst;
+    std::size_t offset, bytes;
+  };
+  std::vector<Pending> pending_;  // downloads settle() delivers
+  const ArenaMode mode_;
+  DeviceArray mirror_;                    // Device mode: the arena's device copy
+  std::uint64_t record_bytes_ = 0;
+  std::uint32_t n_experts_ = 0;
+  // The device thread's own (bind() resets them while it is idle).
+  std::vector<std::uint32_t> mirror_key_;  // per slot: the key its mirror holds, or absent
+  std::vector<std::uint32_t> host_plan_;   // Device mode: the last Plan's snapshot
+  std::uint64_t mirror_copies_ = 0;
+  const bool trace_ = std::getenv("STRATA_CUDA_TRACE") != nullptr;
+  std::uint64_t op_ns_[9] = {}, op_calls_[9] = {};  // the device thread's (trace_)
+  // The device thread's own.
+  Dirty dirty_;
+  Op last_op_ = Op::Signal;
+  Pass last_pass_ = Pass::Resident;
+  std::uint32_t last_layer_ = 0, last_rows_ = 0;
+
+  std::mutex mu_;
+  std::condition_variable cv_;       // commands queued or stopping
+  std::condition_variable idle_cv_;  // queue drained
+  std::deque<Item> queue_;           // mu_
+  std::atomic<std::uint64_t> queued_{0};  // commands ever queued (written under mu_): the spin
+  bool running_ = false;             // mu_
+  bool abort_ = false;               // mu_
+  bool stop_ = false;                // mu_
+  SharedEvent* parked_event_ = nullptr;  // mu_
+  std::uint64_t parked_value_ = 0;       // mu_
+  std::string error_;                    // mu_
+  std::thread device_;                   // started last, in the constructor body
+};
+
+}  // namespace
+
+std::string unavailable() {
+  int n = 0;
+  cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return std::string("no usable CUDA driver or GPU (") + cudaGetErrorName(e) + ": " +
+           cudaGetErrorString(e) + ")";
+  }
+  if (n == 0) return "no CUDA GPU on this machine";
+  return "";
+}
+
+std::unique_ptr<Backend> make_cuda_backend() {
+  std::string why = unavailable();
+  if (!why.empty()) throw std::runtime_error(why);
+  return std::make_unique<CudaBackend>();
+}
+
+}  // namespace strata::cuda

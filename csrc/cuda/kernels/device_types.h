@@ -1,0 +1,82 @@
+// What the CUDA kernels see: the pack's geometry and byte layout flattened into a POD passed by
+// value to every launch, and the device addresses of every buffer. Plain C++ (no CUDA types), so
+// the host backend and the kernels share one definition.
+#pragma once
+
+#include <cstdint>
+
+namespace strata::cuda {
+
+constexpr std::uint32_t kAbsentSlot = 0xFFFFFFFFu;  // smap's ABSENT (residency/slot.h)
+constexpr std::uint64_t kNoTensor = ~0ull;          // a tensor the record does not have
+
+// One expert matrix inside a record: offsets (from the record's start) of its weight, affine
+// scales and biases, and the Linear's own bias; kNoTensor where absent.
+struct DevMatrix {
+  std::uint64_t weight = kNoTensor, scales = kNoTensor, biases = kNoTensor, bias = kNoTensor;
+  std::uint32_t rows = 0, cols = 0;
+};
+
+// PackLayout, as the kernels need it. Codes are PackLayout's enums' values.
+struct DevLayout {
+  std::uint32_t n_experts = 0, top_k = 0, hidden = 0, inter = 0;
+  std::uint32_t routing = 0;  // Routing: 0 SoftmaxTopk, 1 TopkSoftmax
+  std::uint32_t norm_topk = 0;
+  std::uint32_t format = 0;  // WeightFormat: 0 f32, 1 f16, 2 bf16, 3 q4, 4 q8, 5 mxfp4
+  std::uint32_t group_size = 0, scale_format = 0;  // scale_format: 0 f32, 1 f16, 2 bf16, 3 e8m0
+  std::uint32_t bias_format = 0;                   // 0 none, else 1 + scale-format code
+  std::uint32_t activation = 0;                    // 0 SwiGLU, 1 SwigluOai
+  float act_alpha = 0, act_limit = 0;
+  DevMatrix m[3];  // gate, up, down
+  // Tests only (STRATA_CUDA_TEST_PLANT): a deliberate error in one kernel, which the parity tests
+  // must catch. 0 in every real run.
+  std::uint32_t plant = 0;
+};
+
+// Planted errors (DevLayout::plant bits).
+constexpr std::uint32_t kPlantGateUp = 1;  // h gets 2^-10 added to one row
+constexpr std::uint32_t kPlantRoute = 2;   // the second expert's weight scaled by 1 + 2^-10
+
+// The device error word (pinned host memory mapped into the GPU): a kernel that finds a
+// missing-pass expert without a published slot writes it once, computes nothing, and the host
+// reads and clears it after the stream synchronizes.
+struct DevError {
+  std::uint32_t flag, layer, expert, what;  // what: 1 resident, 2 missing, 3 wave
+};
+
+// Device addresses. arena and smap are the host's pages mapped into the GPU (cudaHostRegister);
+// everything else is device memory the backend owns.
+struct DevBuffers {
+  const unsigned char* arena = nullptr;
+  std::uint64_t slot_bytes = 0;
+  std::uint32_t n_slots = 0;
+  const std::uint32_t* smap = nullptr;
+  const float* routers = nullptr;
+  float* x = nullptr;
+  std::int32_t* ids = nullptr;
+  float* weights = nullptr;
+  std::int32_t* pred_ids[2] = {};
+  float* logits = nullptr;
+  std::uint32_t* plan = nullptr;
+  float* h = nullptr;
+  float* y = nullptr;
+  float* out = nullptr;
+  const std::int32_t* wave = nullptr;
+  const std::uint32_t* wave_n = nullptr;
+  // A pass's entries grouped by expert (written by the group kernel, read by the matmuls).
+  std::uint32_t* groups_n = nullptr;       // [1]
+  std::uint32_t* group_slot = nullptr;     // [n_experts]
+  std::uint32_t* group_start = nullptr;    // [n_experts]
+  std::uint32_t* group_count = nullptr;    // [n_experts]
+  std::uint32_t* group_entries = nullptr;  // [max_rows * top_k]
+  std::uint32_t* expert_count = nullptr;   // [n_experts] grouping scratch
+  std::uint32_t* expert_cursor = nullptr;  // [n_experts]
+  std::uint32_t* expert_first = nullptr;   // [n_experts]
+  std::uint32_t* in_wave = nullptr;        // [n_experts]
+  DevError* error = nullptr;
+};
+
+// Which entries an expert pass computes.
+enum class Select : std::uint32_t { Resident = 1, Missing = 2, Wave = 3 };
+
+}  // namespace strata::cuda

@@ -1,0 +1,339 @@
+"""The CUDA backend against the CPU reference, in the style of ggml's test-backend-ops: every
+pass (route, route_predict, plan, gate_up, down, moe_mm waves, combine) in every pack format,
+the same inputs through Window(backend="cpu") and Window(backend="cuda").
+
+Tolerance. Both backends compute each output element as one float32 dot product, in different
+fixed orders (the CPU: 16 lanes and a tree; CUDA: 32 lanes of 8-column chunks with fused
+multiply-adds and a butterfly), and exp differs by at most 2 ulp; weights dequantize to the
+same floats on both. Reordering a float32 sum of n products moves it by at most about
+n * 2^-24 * sum|w_i x_i| (n <= 384 here: 2.3e-5 of that sum, far less in practice: random
+signs), so the check is max|cuda - cpu| <= 1e-5 * max|cpu| + 1e-6, the bound the routed tests
+already use against the float64 oracle. A planted 2^-10 error in one kernel exceeds it
+(test_a_planted_kernel_change_fails_the_parity). Within CUDA the output is bitwise the same at
+every arena size, split mode, lookahead setting and chunking (I11).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from strata_stream import ExpertPack, ExpertStream, StreamConfig, Window
+from strata_stream import testing as hooks
+from strata_stream.errors import ConfigError
+from strata_stream.pack import Geometry, write_pack
+
+from .conftest import cuda_unavailable
+
+L, E, K = 3, 8, 2
+RTOL, ATOL = 1e-5, 1e-6
+
+cuda = pytest.mark.cuda
+
+
+def _experts(g: Geometry, seed: int, biases: bool):  # type: ignore[no-untyped-def]
+    def experts(layer: int, expert: int) -> tuple[np.ndarray, ...]:
+        rng = np.random.default_rng((seed, layer, expert))
+        i, h = g.moe_intermediate, g.hidden
+        mats = [
+            (rng.standard_normal((i, h)) / np.sqrt(h)).astype(np.float32),
+            (rng.standard_normal((i, h)) / np.sqrt(h)).astype(np.float32),
+            (rng.standard_normal((h, i)) / np.sqrt(i)).astype(np.float32),
+        ]
+        if biases:
+            mats += [
+                rng.standard_normal(i).astype(np.float32) / 4,
+                rng.standard_normal(i).astype(np.float32) / 4,
+                rng.standard_normal(h).astype(np.float32) / 4,
+            ]
+        return tuple(mats)
+
+    return experts
+
+
+def make_pack(
+    tmp: Path,
+    fmt: str = "f32",
+    group: int = 64,
+    scale: str = "f16",
+    routing: str = "softmax_topk",
+    hidden: int = 384,
+    inter: int = 128,
+    activation: str = "swiglu",
+    bias_dtype: str | None = None,
+    norm_topk: bool = True,
+    seed: int = 0,
+) -> Path:
+    g = Geometry(L, E, K, hidden, inter, routing, norm_topk, activation=activation)
+    rng = np.random.default_rng((seed, 999))
+    routers = (
+        None
+        if routing == "external"
+        else [rng.standard_normal((E, hidden)).astype(np.float32) for _ in range(L)]
+    )
+    path = tmp / f"{fmt}-{group}-{scale}-{routing}-{hidden}-{activation}-{bias_dtype}.strpk"
+    write_pack(
+        path, g, routers, _experts(g, seed, bias_dtype is not None), weight_format=fmt,
+        group_size=group, scale_dtype=scale, bias_dtype=bias_dtype, progress=False,
+    )  # fmt: skip
+    return path
+
+
+def config(path: Path, n_slots: int | None = None, **kw: object) -> StreamConfig:
+    with ExpertPack.open(path) as p:
+        stride = p.record_stride
+    n = n_slots if n_slots is not None else L * E
+    base: dict[str, object] = dict(
+        arena_bytes=n * stride, io_threads=2, direct_io=False, persist_profile=False
+    )
+    base.update(kw)
+    return StreamConfig(**base)  # type: ignore[arg-type]
+
+
+def turns(hidden: int, sizes: list[int], seed: int = 1) -> list[list[np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return [[rng.standard_normal((t, hidden)).astype(np.float32) for _ in range(L)] for t in sizes]
+
+
+def run(path: Path, cfg: StreamConfig, xs: list[list[np.ndarray]], backend: str) -> list:
+    out = []
+    with ExpertStream(path, cfg) as stream, Window(stream, backend=backend) as w:
+        for turn in xs:
+            with w.turn():
+                out.extend(w.moe(layer, x) for layer, x in enumerate(turn))
+    return out
+
+
+def routed_inputs(hidden: int, rows: int, seed: int = 2) -> tuple[list, list]:
+    rng = np.random.default_rng(seed)
+    xs = [rng.standard_normal((rows, hidden)).astype(np.float32) for _ in range(L)]
+    routes = []
+    for _ in range(L):
+        ids = np.stack([rng.choice(E, K, replace=False) for _ in range(rows)]).astype(np.int32)
+        w = rng.random((rows, K)).astype(np.float32)
+        routes.append((ids, w / w.sum(axis=1, keepdims=True)))
+    return xs, routes
+
+
+def run_routed(path: Path, cfg: StreamConfig, xs: list, routes: list, backend: str) -> list:
+    outs = []
+    with ExpertStream(path, cfg) as stream, Window(stream, backend=backend) as w, w.turn():
+        for layer, (x, (ids, wt)) in enumerate(zip(xs, routes, strict=True)):
+            nxt = routes[layer + 1][0] if layer + 1 < L else None
+            outs.append(w.moe_routed(layer, x, ids, wt, pred1=nxt))
+    return outs
+
+
+def max_violation(got: list, want: list) -> float:
+    """The largest |got - want| over the tolerance (<= 1 passes)."""
+    worst = 0.0
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape and np.isfinite(a).all()
+        bound = RTOL * float(np.abs(b).max()) + ATOL
+        worst = max(worst, float(np.abs(a - b).max()) / bound)
+    return worst
+
+
+FORMATS = (
+    [("f32", 64, "f16"), ("f16", 64, "f16"), ("bf16", 64, "f16"), ("mxfp4", 32, "e8m0")]
+    + [(q, g, s) for q in ("q4", "q8") for g in (32, 64, 128) for s in ("f32", "f16", "bf16")]
+)
+
+
+@cuda
+@pytest.mark.parametrize("arena", ["device", "mapped"])
+@pytest.mark.parametrize(("fmt", "group", "scale"), FORMATS)
+def test_every_format_matches_the_cpu_backend(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str, group: int, scale: str, arena: str
+) -> None:
+    """Decode (the resident and missing passes) and a prompt chunk (moe_mm waves), routed on the
+    device by both routing rules, with the arena mirrored in device memory and mapped."""
+    monkeypatch.setenv("STRATA_CUDA_ARENA", arena)
+    routing = "topk_softmax" if (group + len(scale)) % 2 else "softmax_topk"
+    path = make_pack(tmp_path, fmt, group, scale, routing)
+    xs = turns(384, [1, 13, 2])
+    # Half the experts resident: decode has both passes, the prompt several waves.
+    cfg = config(path, n_slots=2 * K + 2)
+    want = run(path, config(path), xs, "cpu")
+    assert max_violation(run(path, cfg, xs, "cuda"), want) <= 1.0
+
+
+@cuda
+@pytest.mark.parametrize("norm_topk", [False, True])
+def test_odd_widths_and_unnormalised_routing(tmp_path: Path, norm_topk: bool) -> None:
+    """Float rows whose width is no multiple of the 8-column chunk (hidden 100, intermediate 52)."""
+    path = make_pack(tmp_path, "f32", hidden=100, inter=52, norm_topk=norm_topk)
+    xs = turns(100, [1, 9])
+    want = run(path, config(path), xs, "cpu")
+    assert max_violation(run(path, config(path), xs, "cuda"), want) <= 1.0
+
+
+ROUTED = [
+    ("swiglu", None, "f32", 64, "f16"),
+    ("swiglu_oai", "f32", "bf16", 64, "f16"),
+    ("swiglu_oai", "f16", "q4", 32, "bf16"),
+    ("swiglu_oai", "bf16", "q8", 64, "f32"),
+    ("swiglu_oai", "bf16", "mxfp4", 32, "e8m0"),
+]
+
+
+@cuda
+@pytest.mark.parametrize(("activation", "bias", "fmt", "group", "scale"), ROUTED)
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_routed_calls_with_biases_and_clamped_swiglu(
+    tmp_path: Path, activation: str, bias: str | None, fmt: str, group: int, scale: str, rows: int
+) -> None:
+    path = make_pack(
+        tmp_path, fmt, group, scale, "external", hidden=256, inter=128, activation=activation,
+        bias_dtype=bias,
+    )  # fmt: skip
+    xs, routes = routed_inputs(256, rows)
+    want = run_routed(path, config(path), xs, routes, "cpu")
+    ref = run_routed(path, config(path), xs, routes, "cuda")
+    assert max_violation(ref, want) <= 1.0
+    for cfg in (
+        config(path, 2 * K),  # the minimum: waves in the prompt path
+        config(path, 5, lookahead=False),
+        config(path, 7, split_turn=True),
+        config(path, max_rows=16, decode_rows=0),
+    ):
+        got = run_routed(path, cfg, xs, routes, "cuda")
+        assert all(np.array_equal(a, b) for a, b in zip(ref, got, strict=True))
+
+
+@cuda
+def test_bitwise_across_arena_sizes_split_lookahead_and_chunking(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """I11 on CUDA: minimum to all-resident arenas, split on/off, lookahead on/off, decode and
+    prompt paths, cold and warm turns, device-memory and mapped arenas: the same bits."""
+    path = make_pack(tmp_path, "q4", 64, "f16")
+    xs = turns(384, [1, 1, 17, 4, 1, 33, 1])
+    ref = run(path, config(path), xs, "cuda")
+    monkeypatch.setenv("STRATA_CUDA_ARENA", "mapped")
+    mapped = run(path, config(path, 2 * K), xs, "cuda")
+    assert all(np.array_equal(a, b) for a, b in zip(ref, mapped, strict=True))
+    monkeypatch.delenv("STRATA_CUDA_ARENA")
+    for cfg in (
+        config(path, 2 * K),
+        config(path, 2 * K, split_turn=True),
+        config(path, 2 * K + 1, lookahead=False),
+        config(path, 9, split_turn=True, lookahead=False),
+        config(path, 12, max_rows=8),
+        config(path, decode_rows=0),
+        config(path, 2 * K + 2, decode_prefetch2=True, prompt_pred2=True),
+    ):
+        got = run(path, cfg, xs, "cuda")
+        assert all(np.array_equal(a, b) for a, b in zip(ref, got, strict=True)), cfg
+
+
+@cuda
+@pytest.mark.parametrize("plant", ["gate_up", "route"])
+def test_a_planted_kernel_change_fails_the_parity(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plant: str
+) -> None:
+    """The parity check can fail: a 2^-10 change in one kernel (STRATA_CUDA_TEST_PLANT, read
+    when a CUDA backend binds) is caught; without it the same check passes."""
+    path = make_pack(tmp_path, "q4", 64, "bf16")
+    xs = turns(384, [1, 13])
+    want = run(path, config(path), xs, "cpu")
+    assert max_violation(run(path, config(path), xs, "cuda"), want) <= 1.0
+    monkeypatch.setenv("STRATA_CUDA_TEST_PLANT", plant)
+    assert max_violation(run(path, config(path), xs, "cuda"), want) > 1.0
+
+
+@cuda
+def test_two_windows_on_one_stream_from_two_threads(tmp_path: Path) -> None:
+    path = make_pack(tmp_path, "bf16", 64, "f16")
+    xs = [turns(384, [1, 5, 1], seed=s) for s in (3, 4)]
+    want = [run(path, config(path), x, "cuda") for x in xs]
+    got: list[list] = [[], []]
+    errors: list[BaseException] = []
+    with ExpertStream(path, config(path, 4 * K + 2)) as stream:
+
+        def drive(i: int) -> None:
+            try:
+                with Window(stream, backend="cuda") as w:
+                    for turn in xs[i]:
+                        with w.turn():
+                            got[i].extend(w.moe(layer, x) for layer, x in enumerate(turn))
+            except BaseException as e:  # re-raised on the test's thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=drive, args=(i,), daemon=True) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+            assert not t.is_alive(), "a Window hung"
+        assert not errors, errors
+        assert hooks.check_invariants(stream) == ""
+    for i in (0, 1):
+        assert all(np.array_equal(a, b) for a, b in zip(got[i], want[i], strict=True))
+
+
+@cuda
+def test_close_during_moe_leaves_the_stream_usable(tmp_path: Path) -> None:
+    path = make_pack(tmp_path, "f16", 64, "f16")
+    xs = turns(384, [1])[0]
+    want = run(path, config(path), [xs], "cuda")
+    with ExpertStream(path, config(path, 2 * K, lookahead=False)) as stream:
+        w = Window(stream, backend="cuda")
+        hooks.inject_fault(stream, 1, 0, kind="delay", delay_s=0.2, count=-1)
+        for e in range(1, E):
+            hooks.inject_fault(stream, 1, e, kind="delay", delay_s=0.2, count=-1)
+        entered = threading.Event()
+        outputs: list[np.ndarray] = []
+        failure: list[BaseException] = []
+
+        def drive() -> None:
+            try:
+                for _ in range(100):
+                    with w.turn():
+                        for layer, x in enumerate(xs):
+                            entered.set()
+                            outputs.append(w.moe(layer, x))
+            except BaseException as e:
+                failure.append(e)
+
+        t = threading.Thread(target=drive, daemon=True)
+        t.start()
+        assert entered.wait(60)
+        w.close()
+        t.join(60)
+        assert not t.is_alive() and failure, "close() failed the turn in flight"
+        assert all(np.array_equal(o, want[i % L]) for i, o in enumerate(outputs))
+        assert hooks.check_invariants(stream) == ""
+        hooks.clear_faults(stream)
+        with Window(stream, backend="cuda") as again, again.turn():
+            got = [again.moe(layer, x) for layer, x in enumerate(xs)]
+        assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+@cuda
+def test_a_bad_arena_mode_is_a_config_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = make_pack(tmp_path, "f32", hidden=64, inter=32)
+    monkeypatch.setenv("STRATA_CUDA_ARENA", "unified")
+    with (
+        ExpertStream(path, config(path)) as stream,
+        pytest.raises(ConfigError, match="STRATA_CUDA_ARENA must be device or mapped"),
+    ):
+        Window(stream, backend="cuda")
+
+
+def test_cuda_without_a_gpu_is_a_clear_config_error(tmp_path: Path) -> None:
+    """Not marked: this is the check that runs where there is no GPU (CI)."""
+    why = cuda_unavailable()
+    if why == "":
+        pytest.skip("a CUDA GPU is present: backend='cuda' runs here")
+    path = make_pack(tmp_path, "f32", hidden=64, inter=32)
+    with ExpertStream(path, config(path)) as stream:
+        with pytest.raises(ConfigError, match="backend 'cuda'"):
+            Window(stream, backend="cuda")
+        with Window(stream, backend="auto") as w:  # auto falls back to the CPU
+            assert w.stats()["backend"] == "cpu"
