@@ -49,11 +49,22 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="pack file to write (default: the cache, where generate, serve and "
                       "load find it)")  # fmt: skip
     conv.add_argument("--quiet", action="store_true", help="no progress bar")
+    conv.add_argument("--quantize", choices=("q4", "q8"), default=None,
+                      help="quantize float (f32/f16/bf16) experts to 4 or 8 bits on the way "
+                      "(lossy: the pack holds the quantized weights)")  # fmt: skip
+    conv.add_argument("--group-size", type=int, choices=(32, 64, 128), default=64,
+                      help="quantization group size with --quantize (default 64)")  # fmt: skip
 
     gen = sub.add_parser(
-        "generate", help="generate text with an mlx-lm model whose experts stream from SSD"
+        "generate", help="generate text with a model whose experts stream from SSD"
     )
-    gen.add_argument("model", metavar="MODEL", help="mlx-lm model directory or Hugging Face repo")
+    gen.add_argument("model", metavar="MODEL", help="model directory or Hugging Face repo")
+    gen.add_argument("--engine", choices=ENGINES, default=None,
+                     help="who runs the dense layers: mlx-lm or transformers (default: mlx-lm "
+                     "where mlx-lm is installed, else transformers)")  # fmt: skip
+    gen.add_argument("--device", default=None,
+                     help="--engine transformers: torch device (cpu; cuda is not supported "
+                     "yet)")  # fmt: skip
     gen.add_argument("--prompt", required=True, help="the prompt text")
     gen.add_argument("--max-tokens", type=int, default=None,
                      help="tokens to generate, at least 1 (default 100, less if the context "
@@ -154,10 +165,14 @@ def _convert(args: argparse.Namespace) -> int:
     from strata_stream.convert.pack_cache import ensure_pack
 
     if args.out is None:  # into the cache entry load() uses; kept if it is up to date
+        if args.quantize is not None:
+            raise ConfigError("--quantize needs -o PACK: the cache holds the checkpoint's own "
+                              "experts")  # fmt: skip
         path = ensure_pack(Path(args.model), progress=not args.quiet)
         print(f"{path} ({path.stat().st_size:,} bytes): generate, serve and load use it")
         return 0
-    path = convert(args.model, args.out, progress=not args.quiet)
+    path = convert(args.model, args.out, progress=not args.quiet, quantize=args.quantize,
+                   group_size=args.group_size)  # fmt: skip
     print(f"wrote {path} ({path.stat().st_size:,} bytes); use it with --pack {path}")
     return 0
 
@@ -177,8 +192,21 @@ def _check_generate(args: argparse.Namespace) -> None:
     model_location(args.model)
 
 
+ENGINES = ("mlx-lm", "transformers")
+
+
+def _default_engine() -> str:
+    import importlib.util
+
+    return "mlx-lm" if importlib.util.find_spec("mlx_lm") is not None else "transformers"
+
+
 def _generate(args: argparse.Namespace) -> int:
     _check_generate(args)
+    if (args.engine or _default_engine()) == "transformers":
+        return _generate_transformers(args)
+    if args.device is not None:
+        raise ConfigError("--device is for --engine transformers")
     try:
         from strata_stream.mlx_lm.generate_cli import generate
     except ImportError as e:
@@ -198,6 +226,21 @@ def _generate(args: argparse.Namespace) -> int:
         return 0
     generate(args.model, args.prompt, max_tokens=args.max_tokens, arena_gb=args.arena_gb,
              experts=args.experts, arithmetic=args.arithmetic, pack_path=args.pack)  # fmt: skip
+    return 0
+
+
+def _generate_transformers(args: argparse.Namespace) -> int:
+    if args.pipeline or args.tensor or args.experts != "cpu" or args.arithmetic != "auto":
+        raise ConfigError("--pipeline, --tensor, --experts and --arithmetic are for --engine "
+                          "mlx-lm")  # fmt: skip
+    try:
+        from strata_stream.transformers.generate_cli import generate
+    except ImportError as e:
+        print(f"strata-stream: error: --engine transformers needs torch and transformers ({e}); "
+              "pip install 'strata-stream[transformers]'", file=sys.stderr)  # fmt: skip
+        return 2
+    generate(args.model, args.prompt, max_tokens=args.max_tokens or 100,
+             arena_gb=args.arena_gb, pack_path=args.pack, device=args.device)  # fmt: skip
     return 0
 
 

@@ -46,15 +46,23 @@ _T = TypeVar("_T")
 _BUFFER_DTYPES = {"f": "float32", "e": "float16", "bfloat16": "bfloat16"}
 
 
-def _x_buffer(x: Any, hidden: int) -> tuple[memoryview, str]:
-    """A zero-copy view of a layer input and its dtype name, checked for shape and layout."""
+def _x_buffer(x: Any, hidden: int, x_dtype: str | None = None) -> tuple[memoryview, str]:
+    """A zero-copy view of a layer input and its dtype name, checked for shape and layout.
+    `x_dtype` names the elements when the buffer's format cannot (bfloat16 as 16-bit ints)."""
     try:
         view = memoryview(x)
     except TypeError:
         raise TypeError(
             f"x must be a numpy array or an evaluated mx.array, got {type(x).__name__}"
         ) from None
-    dtype = _BUFFER_DTYPES.get(view.format.lstrip("<=@"))
+    if x_dtype is not None:
+        if x_dtype not in _BUFFER_DTYPES.values():
+            raise TypeError(f"x_dtype must be float32, float16 or bfloat16, got {x_dtype!r}")
+        if view.itemsize != (4 if x_dtype == "float32" else 2):
+            raise TypeError(f"x has {view.itemsize}-byte elements, not {x_dtype}")
+        dtype: str | None = x_dtype
+    else:
+        dtype = _BUFFER_DTYPES.get(view.format.lstrip("<=@"))
     if dtype is None:
         raise TypeError(
             f"x must be float32, float16 or bfloat16, got buffer format {view.format!r}"
@@ -171,6 +179,7 @@ class Window:
         *,
         arithmetic: str = "float32",
         weights_dtype: str = "float32",
+        x_dtype: str | None = None,
     ) -> npt.NDArray[np.float32]:
         """MoE output of `layer` for x with the routing given: the model chose the experts.
 
@@ -188,9 +197,11 @@ class Window:
         weights_dtype: the dtype of the model's mixture weights ("float32" or "bfloat16"; the
         weights are passed widened to float32): with "mlx", bfloat16 weights round each
         weighted expert output to bfloat16 as MLX does.
+        x_dtype: the dtype of x's elements when its buffer format cannot name it (a torch
+        bfloat16 tensor viewed as int16, say); None reads it from the buffer.
         """
         layer = self._layer_arg(layer)
-        view, dtype = _x_buffer(x, self.hidden)
+        view, dtype = _x_buffer(x, self.hidden, x_dtype)
         # ids, weights and predictions (shapes, dtypes, expert ranges) and moce being off are
         # checked by the extension and the engine, once.
         return self._routed_call(

@@ -7,6 +7,11 @@ The experts are copied byte for byte (q4/q8/mxfp4 words, scales and biases in th
 float weights) one expert at a time, each read with one pread per tensor from the parsed safetensors
 headers: no tensor and no model is ever loaded whole, so peak memory is a few records. The pack
 routes "externally": the model keeps its own gate (strata_stream.mlx_lm), so no router is stored.
+
+`quantize="q4" | "q8"` instead writes a quantized pack from a float (f32/f16/bf16) checkpoint:
+each expert is read, quantized (MLX's affine scheme, `pack.quant.quantize`) and written before
+the next is read, so memory stays a few records. This is lossy: the pack holds the quantized
+weights, not the checkpoint's, and a model loaded with it computes with those.
 """
 
 from __future__ import annotations
@@ -23,7 +28,11 @@ from strata_stream.convert.source import (
     placeholder_record,
     shard_signatures,
 )
+from strata_stream.errors import ConfigError
 from strata_stream.pack.writer import write_pack
+
+QUANTIZE_FORMATS = ("q4", "q8")
+_FLOAT_FORMATS = ("f32", "f16", "bf16")
 
 
 def inspect_checkpoint(model_dir: str | os.PathLike[str]) -> ExpertLayout:
@@ -38,18 +47,46 @@ def convert(
     *,
     progress: bool = True,
     share: Share = WHOLE,
+    quantize: str | None = None,
+    group_size: int = 64,
 ) -> Path:
     """Pack the routed experts of the checkpoint in `model_dir` into `out`; returns the path.
 
     `share`: one rank's part under MLX distributed (strata_stream.convert.share): only the
     experts of its decoder layers, renumbered from pack layer 0, and/or its slice of every
     expert's intermediate dimension; recorded in the pack's "model" metadata.
+    `quantize`: "q4" or "q8" quantizes float experts on the way, in groups of `group_size` (32,
+    64 or 128) with scales in the checkpoint's dtype (lossy, see above).
     Raises ConfigError for a checkpoint it cannot convert (naming why: no experts, mxfp4
     experts, mixed formats) and PackError for malformed safetensors files.
     """
     model_dir = Path(model_dir)
+    if quantize is not None:
+        if quantize not in QUANTIZE_FORMATS:
+            raise ConfigError(
+                f"quantize must be one of {', '.join(QUANTIZE_FORMATS)}, got {quantize!r}"
+            )
+        if group_size not in (32, 64, 128):
+            raise ConfigError(f"group_size must be 32, 64 or 128, got {group_size}")
     with SafetensorsIndex(model_dir) as index:
         layout = share_layout(find_experts(model_dir, index), share)
+        weight_format, group, scale_dtype = (
+            layout.weight_format, layout.group_size or 64, layout.scale_dtype or "f16"
+        )  # fmt: skip
+        if quantize is not None:
+            if layout.weight_format not in _FLOAT_FORMATS:
+                raise ConfigError(
+                    f"{model_dir}: the experts are already {layout.weight_format}; --quantize "
+                    "takes float (f32, f16, bf16) checkpoints"
+                )
+            g = layout.geometry
+            for width in (g.hidden, g.moe_intermediate):
+                if width % group_size:
+                    raise ConfigError(
+                        f"{model_dir}: the experts' width {width} is not a multiple of the "
+                        f"group size {group_size}"
+                    )
+            weight_format, group, scale_dtype = quantize, group_size, layout.weight_format
         # What the pack is made from (convert/source.py): the shards' identity now, and the
         # digest of every expert tensor's bytes as they are read.
         shards = shard_signatures(model_dir)
@@ -60,9 +97,9 @@ def convert(
                 layout.geometry,
                 None,
                 layout.experts_fn(index, digests.update),
-                weight_format=layout.weight_format,
-                group_size=layout.group_size or 64,
-                scale_dtype=layout.scale_dtype or "f16",
+                weight_format=weight_format,
+                group_size=group,
+                scale_dtype=scale_dtype,
                 architecture=layout.model_type,
                 source=str(model_dir.resolve()),
                 progress=progress,
@@ -76,6 +113,7 @@ def convert(
 
 
 __all__ = [
+    "QUANTIZE_FORMATS",
     "ExpertLayout",
     "SafetensorsIndex",
     "Share",

@@ -6,7 +6,18 @@ Two layouts are recognised, by tensor name, whatever the family:
   with a leading expert axis ``[E, rows, cols]``; role ``weight`` (uint32 when quantized),
   ``scales``/``biases`` (affine quantization), ``bias`` (the Linear's own, gpt-oss);
 - per expert (Hugging Face): ``...layers.{i}.{block}.experts.{e}.{gate,up,down}_proj.{role}``
-  (Mixtral's ``w1``/``w3``/``w2`` are gate/up/down).
+  (Mixtral's ``w1``/``w3``/``w2`` are gate/up/down);
+- fused (transformers 5): ``...layers.{i}.{block}.experts.gate_up_proj`` and ``.down_proj``
+  (float weights), with ``_bias`` tensors where the experts have Linear biases. Two
+  orientations, told apart by which axis is hidden_size: ``gate_up_proj [E, 2I, H]`` (gate rows,
+  then up rows) with ``down_proj [E, H, I]``, as transformers 5's experts modules hold them;
+  and gpt-oss's ``gate_up_proj [E, H, 2I]`` (gate and up interleaved column by column) with
+  ``down_proj [E, I, H]``, as its save_pretrained writes them. Each expert is one pread of the
+  fused tensor, split and transposed into the pack's [rows, cols] matrices. gpt-oss's published
+  mxfp4 checkpoints hold ``gate_up_proj_blocks [E, 2I, H/32, 16]`` (uint8, two E2M1 codes a
+  byte, the low nibble first: MLX's mxfp4 words, byte for byte) and ``_scales [E, 2I, H/32]``
+  (E8M0) with gate and up interleaved row by row, and ``down_proj_blocks [E, H, I/32, 16]``:
+  copied as they are, the rows split.
 
 Quantization is read from the shapes (bits = packed words * 32 / input width, group = input
 width / scale columns), so per-layer overrides in config.json need no special handling; all
@@ -40,6 +51,10 @@ _PER_EXPERT = re.compile(
     r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>\w+)\.experts)\.(?P<expert>\d+)"
     r"\.(?P<mat>gate_proj|up_proj|down_proj|w1|w2|w3)\.(?P<role>weight|scales|biases|bias)$"
 )
+_FUSED = re.compile(
+    r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>\w+)\.experts)"
+    r"\.(?P<mat>gate_up_proj|down_proj)(?P<suffix>_bias|_blocks|_scales)?$"
+)
 _MATRIX = {"gate_proj": 0, "up_proj": 1, "down_proj": 2, "w1": 0, "w3": 1, "w2": 2}
 _FLOAT_FORMATS = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
 # gpt-oss's clamped SwiGLU (mlx_lm.models.activations.SwigluOAI defaults).
@@ -68,6 +83,10 @@ class _Layer:
     stacked: bool
     # (matrix, role) -> tensor name; per-expert names hold "{e}" for the expert index.
     names: dict[tuple[int, str], str] = field(default_factory=dict)
+    # Fused tensors (stacked is then True): "rows" for gate_up_proj [E, 2I, H] (gate rows, then
+    # up rows), "columns" for gpt-oss's [E, H, 2I] (interleaved columns), "blocks" for gpt-oss's
+    # mxfp4 *_blocks / *_scales (interleaved rows); None otherwise.
+    fused: str | None = None
 
 
 @dataclass(frozen=True)
@@ -121,6 +140,19 @@ class ExpertLayout:
 
         def read(layer: _Layer, key: tuple[int, str], expert: int) -> npt.NDArray[Any]:
             matrix, role = key
+            if layer.fused is not None:
+                # The whole fused slice of this expert (gate and up each read it once).
+                name = layer.names[key]
+                raw = index.read_expert(name, expert)
+                if digest is not None:
+                    digest(name, np.ascontiguousarray(raw).data)
+                full = _unfuse(raw, layer.fused, matrix, role)
+                if rows is None:
+                    return full
+                r0, r1 = rows  # a tensor-parallel share: gate/up rows, down columns
+                if matrix < 2:
+                    return np.ascontiguousarray(full[r0:r1])
+                return full if role == "bias" else np.ascontiguousarray(full[:, r0:r1])
             if rows is None:
                 return fetch(layer, key, expert)
             r0, r1 = rows
@@ -169,7 +201,14 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
     config = read_config(model_dir)
     model_type = str(config.get("model_type", "unknown"))
     layers: dict[int, _Layer] = {}
+    hidden = int(config.get("hidden_size", 0))
+    if not hidden:
+        raise ConfigError(f"{model_dir}: config.json has no hidden_size")
     for name in index.tensors:
+        fm = _FUSED.match(name)
+        if fm is not None:
+            _add_fused(model_dir, index, layers, fm, hidden)
+            continue
         m = _STACKED.match(name)
         stacked = m is not None
         if m is None:
@@ -178,19 +217,19 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
                 continue
         i = int(m["layer"])
         layer = layers.setdefault(i, _Layer(i, m["prefix"], stacked))
-        if layer.stacked != stacked:
-            raise PackError(f"{model_dir}: layer {i} mixes stacked and per-expert expert tensors")
+        if layer.stacked != stacked or layer.fused is not None:
+            raise PackError(f"{model_dir}: layer {i} mixes expert tensor layouts")
         key = (_MATRIX[m["mat"]], m["role"])
         if stacked:
             layer.names[key] = name
         else:
             template = f"{m['prefix']}.{{e}}.{m['mat']}.{m['role']}"
             layer.names[key] = template
+    for layer in layers.values():
+        if layer.fused is not None:
+            _orient_fused(model_dir, index, layer, hidden)
     if not layers:
-        hint = ""
-        if model_type == "gpt_oss":
-            hint = " (gpt-oss's original fused gate_up_proj layout: convert it with mlx_lm first)"
-        raise ConfigError(f"{model_dir}: no routed expert tensors found{hint}")
+        raise ConfigError(f"{model_dir}: no routed expert tensors found")
     ordered = tuple(layers[i] for i in sorted(layers))
 
     first = ordered[0]
@@ -200,6 +239,10 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
 
     def loc(layer: _Layer, key: tuple[int, str]) -> tuple[str, tuple[int, ...]]:
         name = layer.names[key]
+        if layer.fused is not None:
+            t = index.tensors[name]
+            dtype = "U32" if layer.fused == "blocks" and key[1] == "weight" else t.dtype
+            return dtype, _unfused_shape(t.shape, layer.fused, key[0], key[1])
         if layer.stacked:
             t = index.tensors[name]
             return t.dtype, t.shape
@@ -209,9 +252,6 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
 
     wdtype, gshape = loc(first, (0, "weight"))
     n_experts, inter = gshape[0], gshape[1]
-    hidden = int(config.get("hidden_size", 0))
-    if not hidden:
-        raise ConfigError(f"{model_dir}: config.json has no hidden_size")
     quantized = "scales" in roles
     mxfp4 = False
     if quantized:
@@ -303,7 +343,9 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
         "experts_prefixes": [layer.prefix for layer in ordered],
         "first_k_dense_replace": int(config.get("first_k_dense_replace", 0) or 0),
         "decoder_sparse_step": int(config.get("decoder_sparse_step", 1) or 1),
-        "layout": "stacked" if first.stacked else "per_expert",
+        "layout": (
+            f"fused_{first.fused}" if first.fused else "stacked" if first.stacked else "per_expert"
+        ),
     }
     return ExpertLayout(
         model_type,
@@ -356,3 +398,101 @@ def _per_expert_of(name: str, template: str) -> bool:
     head, _, tail = template.partition("{e}")
     middle = name[len(head) : len(name) - len(tail)] if name.endswith(tail) else ""
     return name.startswith(head) and middle.isdigit()
+
+
+def _add_fused(
+    model_dir: Path,
+    index: SafetensorsIndex,
+    layers: dict[int, _Layer],
+    m: re.Match[str],
+    hidden: int,
+) -> None:
+    """Records one fused tensor (``experts.gate_up_proj``, ``.down_proj``, their ``_bias``)
+    under the pack's (matrix, role) keys, with the layer's orientation read from its shape."""
+    i = int(m["layer"])
+    name = m.group(0)
+    t = index.tensors[name]
+    layer = layers.setdefault(i, _Layer(i, m["prefix"], True, fused="unknown"))
+    if layer.fused is None:
+        raise PackError(f"{model_dir}: layer {i} mixes expert tensor layouts")
+    role = {None: "weight", "_bias": "bias", "_blocks": "weight", "_scales": "scales"}[m["suffix"]]
+    want_dims = {"weight": 4 if m["suffix"] == "_blocks" else 3, "scales": 3, "bias": 2}[role]
+    if len(t.shape) != want_dims:
+        raise PackError(f"{model_dir}: {name} is {list(t.shape)}, not {want_dims}-D")
+    if m["suffix"] == "_blocks":
+        layer.fused = "blocks"
+    matrices = (0, 1) if m["mat"] == "gate_up_proj" else (2,)
+    for matrix in matrices:
+        layer.names[(matrix, role)] = name
+
+
+def _orient_fused(model_dir: Path, index: SafetensorsIndex, layer: _Layer, hidden: int) -> None:
+    """Which orientation a fused layer has, from where hidden_size sits in both tensors:
+    gate_up [E, 2I, H] with down [E, H, I] ("rows"), or gpt-oss's gate_up [E, H, 2I] with
+    down [E, I, H] ("columns"). The two cannot both fit one pair of shapes."""
+    try:
+        gate_up = index.tensors[layer.names[(0, "weight")]].shape
+        down = index.tensors[layer.names[(2, "weight")]].shape
+    except KeyError:
+        raise PackError(
+            f"{model_dir}: decoder layer {layer.decoder_layer} lacks experts.gate_up_proj or "
+            "experts.down_proj"
+        ) from None
+    if layer.fused == "blocks":  # [E, 2I, H/32, 16] and [E, H, I/32, 16]
+        if not (gate_up[2] * 32 == hidden and down[1] == hidden and gate_up[1] == 2 * down[2] * 32
+                and gate_up[3] == down[3] == 16):  # fmt: skip
+            raise PackError(
+                f"{model_dir}: mxfp4 experts gate_up_proj_blocks {list(gate_up)} and "
+                f"down_proj_blocks {list(down)} are not [E, 2I, {hidden // 32}, 16] and "
+                f"[E, {hidden}, I/32, 16]"
+            )
+        return
+    _, a, b = gate_up
+    _, c, d = down
+    if b == hidden and c == hidden and a == 2 * d:
+        layer.fused = "rows"
+    elif a == hidden and d == hidden and b == 2 * c:
+        layer.fused = "columns"
+    else:
+        raise PackError(
+            f"{model_dir}: fused experts gate_up_proj [E, {a}, {b}] and down_proj [E, {c}, {d}] "
+            f"fit neither [E, 2I, {hidden}] / [E, {hidden}, I] nor [E, {hidden}, 2I] / "
+            f"[E, I, {hidden}]"
+        )
+
+
+def _unfused_shape(shape: tuple[int, ...], fused: str, matrix: int, role: str) -> tuple[int, ...]:
+    """The [E, rows, cols] (or [E, rows] for a bias) a fused tensor gives one matrix (mxfp4
+    blocks as the uint32 words they are)."""
+    if role == "bias":
+        return (shape[0], shape[1] // 2) if matrix < 2 else tuple(shape)
+    if fused == "blocks":
+        e, r, g = shape[:3]
+        cols = g * 4 if role == "weight" else g  # 16 bytes a block are 4 words
+        return (e, r // 2 if matrix < 2 else r, cols)
+    e, a, b = shape
+    if matrix < 2:
+        return (e, a // 2, b) if fused == "rows" else (e, b // 2, a)
+    return (e, a, b) if fused == "rows" else (e, b, a)
+
+
+def _unfuse(t: npt.NDArray[Any], fused: str, matrix: int, role: str) -> npt.NDArray[Any]:
+    """One matrix (or bias) of one expert from its slice of a fused tensor."""
+    if fused == "blocks" and role != "bias":
+        rows = t if matrix == 2 else t[matrix::2]  # gate and up rows interleave
+        if role == "weight":  # [R, H/32, 16] bytes -> [R, H/8] little-endian words
+            return np.ascontiguousarray(rows).reshape(rows.shape[0], -1).view("<u4")
+        return np.ascontiguousarray(rows)
+    if role == "bias":
+        if matrix == 2:
+            return t
+        if fused == "rows":
+            half = t.shape[0] // 2
+            return np.ascontiguousarray(t[:half] if matrix == 0 else t[half:])
+        return np.ascontiguousarray(t[matrix::2])
+    if matrix == 2:
+        return t if fused == "rows" else np.ascontiguousarray(t.T)
+    if fused == "rows":
+        half = t.shape[0] // 2
+        return np.ascontiguousarray(t[:half] if matrix == 0 else t[half:])
+    return np.ascontiguousarray(t[:, matrix::2].T)

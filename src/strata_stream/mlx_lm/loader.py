@@ -17,6 +17,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from strata_stream.arena_budget import arena_size, available_memory
 from strata_stream.config import StreamConfig
 from strata_stream.convert.pack_cache import default_pack_path, ensure_pack
 from strata_stream.convert.share import WHOLE, Share
@@ -29,57 +30,6 @@ from strata_stream.pack.reader import ExpertPack
 from strata_stream.paths import model_location
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_GiB = 1 << 30
-# Memory left to the KV cache, activations and the rest of the process when the arena is sized
-# automatically: 1 GiB plus a tenth of what is available.
-_HEADROOM_FIXED = _GiB
-_HEADROOM_SHARE = 0.10
-
-
-def available_memory() -> int:
-    """Bytes the system can give this process without swapping (MemAvailable on Linux)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    pages = os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
-    return int(pages * os.sysconf("SC_PAGE_SIZE") // 2)  # no better figure: half of RAM
-
-
-def arena_size(pack: ExpertPack, requested: int | None, available: int | None = None) -> int:
-    """The arena for a pack: `requested` if given, else what available memory allows after the
-    headroom, capped at every expert resident. ConfigError when it cannot hold the minimum
-    (two layers' top_k experts), saying how much memory is needed."""
-    g = pack.geometry
-    stride = pack.record_stride
-    minimum = ExpertStream_min_slots(g.top_k) * stride
-    everything = g.n_records * stride
-    if requested is not None:
-        if requested < minimum:
-            raise ConfigError(
-                f"arena_bytes {requested} is below the minimum {minimum} bytes "
-                f"({minimum / _GiB:.2f} GiB: {ExpertStream_min_slots(g.top_k)} expert records "
-                f"of {stride} bytes)"
-            )
-        return min(requested, everything)
-    avail = available_memory() if available is None else available
-    headroom = int(_HEADROOM_FIXED + _HEADROOM_SHARE * avail)
-    arena = min(everything, avail - headroom)
-    if arena < minimum:
-        raise ConfigError(
-            f"not enough memory for the experts: the arena needs at least {minimum} bytes "
-            f"({minimum / _GiB:.2f} GiB) plus {headroom / _GiB:.2f} GiB of headroom, "
-            f"{(minimum + headroom) / _GiB:.2f} GiB in all, but only {avail / _GiB:.2f} GiB is "
-            "available after the dense weights"
-        )
-    return arena
-
-
-def ExpertStream_min_slots(top_k: int) -> int:  # noqa: N802 - mirrors ExpertStream::min_slots
-    return 2 * top_k
 
 
 def _find_blocks(model: Any) -> list[tuple[int, str, Any, Any, str]]:

@@ -1,0 +1,203 @@
+"""`load`: a transformers model whose routed experts stream from a pack.
+
+transformers builds the model (from_pretrained, on the meta device until the weights arrive);
+the class it builds is a subclass of the model's own whose __init__ puts a streamed module
+(experts.py) in place of every sparse block's experts module. from_pretrained therefore never
+finds a parameter for the checkpoint's expert tensors: it reports them as unexpected keys
+(silenced here) and never reads them; the dense weights load as usual. Without a pack one is
+converted on first load into the cache strata_stream.mlx_lm uses (convert/pack_cache.py).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import weakref
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from strata_stream.arena_budget import arena_size
+from strata_stream.config import StreamConfig
+from strata_stream.convert.pack_cache import ensure_pack
+from strata_stream.errors import ConfigError, PackError
+from strata_stream.pack.reader import ExpertPack
+from strata_stream.transformers.engine import BlockRef, TorchMoeEngine
+from strata_stream.transformers.experts import EngineSlot, StreamedExperts
+from strata_stream.transformers.families import experts_shape, family_of, is_sparse_block
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# The checkpoint's expert tensors, as transformers names them once renamed for the model
+# (``...mlp.experts.gate_up_proj``, ``...mlp.experts.down_proj_bias``): no parameter takes them.
+_EXPERT_KEYS = [r"\.experts\.(?:\d+\.)?(?:gate_up_proj|down_proj|gate_proj|up_proj|w[123])"]
+
+
+def _model_dir(path_or_repo: str | os.PathLike[str], revision: str | None) -> Path:
+    local = Path(path_or_repo).expanduser()
+    if local.is_dir():
+        return local
+    text = os.fspath(path_or_repo)
+    if text.count("/") != 1 or text.startswith((".", "/", "~")):
+        raise ConfigError(f"{text}: no such model directory")
+    from huggingface_hub import snapshot_download
+
+    # The whole repository: the experts are converted from its shards on first load.
+    return Path(snapshot_download(text, revision=revision))
+
+
+def _replace_experts(model: torch.nn.Module, slot: EngineSlot) -> None:
+    found: list[tuple[int, str, Any]] = []
+    for name, module in model.named_modules():
+        if not is_sparse_block(module):
+            continue
+        m = _LAYER.search(name + ".")
+        if m is not None:
+            found.append((int(m.group(1)), name, module))
+    found.sort(key=lambda t: t[0])
+    slot.blocks = []
+    for layer, (decoder_layer, name, block) in enumerate(found):
+        family = family_of(block)
+        n_experts, inter, hidden = experts_shape(block, family)
+        block.experts = StreamedExperts(slot, layer, n_experts)
+        slot.blocks.append((decoder_layer, name, block, family, (n_experts, inter, hidden)))
+
+
+def _streamed_class(base: type[Any], slot: EngineSlot) -> type[Any]:
+    """`base` (the model's own class) building streamed experts modules in place of its own."""
+
+    def __init__(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
+        base.__init__(self, config, *args, **kwargs)
+        _replace_experts(self, slot)
+
+    ignore = [*(getattr(base, "_keys_to_ignore_on_load_unexpected", None) or []), *_EXPERT_KEYS]
+    return type(
+        base.__name__,
+        (base,),
+        {"__init__": __init__, "__module__": base.__module__,
+         "__qualname__": base.__qualname__, "_keys_to_ignore_on_load_unexpected": ignore},
+    )  # fmt: skip
+
+
+def _check_pack(pack: ExpertPack, blocks: list[tuple[Any, ...]]) -> None:
+    meta = pack.metadata.get("model") or {}
+    where = f"pack {pack.path}"
+    if pack.geometry.routing != "external":
+        raise PackError(f"{where}: not converted from a model checkpoint (routing is not external)")
+    decoder_layers = [b[0] for b in blocks]
+    if meta.get("decoder_layers") != decoder_layers:
+        raise PackError(
+            f"{where}: holds the experts of decoder layers {meta.get('decoder_layers')}, but the "
+            f"model's sparse blocks are at {decoder_layers} (a pack of another model?)"
+        )
+    g = pack.geometry
+    for decoder_layer, _, _, _, (n_experts, inter, hidden) in blocks:
+        if (g.n_experts, g.moe_intermediate, g.hidden) != (n_experts, inter, hidden):
+            raise PackError(
+                f"{where}: {g.n_experts} experts of intermediate width {g.moe_intermediate} and "
+                f"hidden size {g.hidden}; the model's layer {decoder_layer} has {n_experts} of "
+                f"{inter} and {hidden}"
+            )
+
+
+def load(
+    path_or_repo: str | os.PathLike[str],
+    *,
+    arena_bytes: int | None = None,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    pack_path: str | os.PathLike[str] | None = None,
+    config: StreamConfig | None = None,
+    progress: bool = True,
+    **from_pretrained_kwargs: Any,
+) -> Any:
+    """As ``AutoModelForCausalLM.from_pretrained(path_or_repo, dtype=dtype, **kwargs)``, with
+    the routed experts streamed; returns the PreTrainedModel (the tokenizer stays AutoTokenizer's).
+
+    arena_bytes: expert memory (None: sized from the host memory available once the dense
+    weights are loaded, leaving headroom for the KV cache and activations; too little is a
+    ConfigError saying how much is needed). device: "cpu" (default; the dense layers in torch on
+    the CPU, the experts on the CPU backend); CUDA is not supported yet. config: the
+    StreamConfig (default: from the environment); arena_bytes wins over config.arena_bytes.
+    pack_path: the pack of this model (default: converted on first load into
+    strata_stream.paths.cache_dir(), with progress when `progress`).
+    The model works unchanged with generate (greedy and sampling), streamers and caches;
+    `model.strata_engine` holds the engine (`.window.stats()`, `.close()`).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if device is not None and torch.device(device).type != "cpu":
+        raise ConfigError(
+            f"device {device}: not yet; strata_stream.transformers runs on the CPU for now (the "
+            "CUDA backend is its own issue)"
+        )
+    if from_pretrained_kwargs.get("device_map") not in (None, "cpu"):
+        raise ConfigError("device_map: not yet; the model loads on the CPU")
+    kwargs = dict(from_pretrained_kwargs)
+    model_path = _model_dir(path_or_repo, kwargs.get("revision"))
+    hf_config = AutoConfig.from_pretrained(
+        model_path, trust_remote_code=kwargs.get("trust_remote_code", False)
+    )
+    mapping: Any = AutoModelForCausalLM._model_mapping  # noqa: SLF001 - its class table
+    try:
+        base = mapping[type(hf_config)]
+    except KeyError:
+        raise ConfigError(
+            f"{model_path}: transformers has no causal LM class for {type(hf_config).__name__}"
+        ) from None
+    quant = getattr(hf_config, "quantization_config", None)
+    method = (
+        quant.get("quant_method")
+        if isinstance(quant, dict)
+        else getattr(quant, "quant_method", None)
+    )
+    if str(getattr(method, "value", method)) == "mxfp4" and "quantization_config" not in kwargs:
+        # mxfp4 quantizes the experts only, and they come from the pack: nothing is left for its
+        # kernels (which need a GPU or the `kernels` package), so dequantize-on-load it is.
+        from transformers.utils.quantization_config import Mxfp4Config
+
+        kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
+    slot = EngineSlot()
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    model = _streamed_class(base, slot).from_pretrained(model_path, config=hf_config, **kwargs)
+    if not slot.blocks:
+        raise ConfigError(f"{model_path}: the model has no sparse MoE blocks with routed experts")
+    pack_file = ensure_pack(model_path, pack_path, progress=progress)
+    with ExpertPack.open(pack_file) as pack:
+        _check_pack(pack, slot.blocks)
+        refs = [
+            BlockRef(i, decoder_layer, block, family)
+            for i, (decoder_layer, _, block, family, _) in enumerate(slot.blocks)
+        ]
+        base_cfg = config if config is not None else StreamConfig.from_env()
+        cfg = base_cfg.replace(arena_bytes=arena_size(pack, arena_bytes))
+        engine = TorchMoeEngine(pack, cfg, refs)
+    slot.engine = engine
+    object.__setattr__(model, "strata_engine", engine)
+    object.__setattr__(model, "strata_pack_path", pack_file)
+    object.__setattr__(model, "strata_model_dir", model_path)
+    weakref.finalize(model, engine.close)
+    return model
+
+
+def describe(model: Any) -> dict[str, Any]:
+    """The streaming engine's figures for a model `load` returned (Window.stats() and more)."""
+    engine: TorchMoeEngine = model.strata_engine
+    stats = engine.window.stats()
+    stats["arena_bytes"] = engine.config.arena_bytes
+    stats["n_slots"] = engine.stream.n_slots
+    return stats
+
+
+def stats_source(model: Any) -> Callable[[], Mapping[str, Any]]:
+    """A snapshot function of the engine under a model `load` returned, in the schema the
+    server's metrics read (strata_stream.engine_stats). Call it from the thread that generates."""
+    from strata_stream.engine_stats import window_stats_source
+
+    engine: TorchMoeEngine = model.strata_engine
+    return window_stats_source(engine.window)
+
+
+__all__ = ["describe", "load", "stats_source"]
