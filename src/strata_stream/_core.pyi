@@ -119,6 +119,7 @@ class WindowOptions:
     split_turn: bool
     max_rows: int
     decode_rows: int
+    decode_batch_rows: int
     device_timeout_s: float
     prompt_pred2: bool
     pred2_max: int

@@ -272,7 +272,8 @@ void Window::finish_turn() {
   }
   // Without BUF_REUSE a prompt's scratch goes back to the system between turns; a decode-sized
   // one (a few rows) is not worth the churn.
-  if (!opt_.prompt_buf_reuse && scratch_.rows() > opt_.decode_rows) release_scratch();
+  if (!opt_.prompt_buf_reuse && scratch_.rows() > std::max(opt_.decode_rows, opt_.decode_batch_rows))
+    release_scratch();
 }
 
 void Window::count_urgent(std::uint32_t layer, const RequestResult& r) {
@@ -450,6 +451,22 @@ std::uint32_t Window::wave_capacity() const {
   const std::uint32_t windows = std::uint32_t(std::max<std::size_t>(1, stream_.n_clients()));
   const std::uint32_t share = stream_.n_slots() / windows;
   return std::max(L_.top_k, share > L_.top_k ? share - L_.top_k : 0u);
+}
+
+bool Window::takes_decode_path(std::uint32_t rows, bool routed, std::uint32_t cap) const {
+  const std::uint32_t k = L_.top_k;
+  if (!routed) return rows <= opt_.decode_rows && rows * k <= cap;  // ids not known yet
+  if (rows > std::max(opt_.decode_rows, opt_.decode_batch_rows)) return false;
+  // The routing is in the scratch: the decode submission holds the union of the rows' experts
+  // (for a batch of sequences far fewer than rows * k, since real routing overlaps).
+  std::vector<char> seen(L_.n_experts, 0);
+  std::uint32_t distinct = 0;
+  for (std::uint32_t i = 0; i < rows * k; ++i)
+    if (!seen[std::uint32_t(ids_[i])]) {
+      seen[std::uint32_t(ids_[i])] = 1;
+      if (++distinct > cap) return false;
+    }
+  return true;
 }
 
 void Window::moe(std::uint32_t layer, const float* x, std::uint32_t rows, float* out,
@@ -753,7 +770,7 @@ std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t c
   chunk_pred2_ = !routed || routed->pred2;
   chunk_rounding_ = routed ? routed->rounding : Rounding{};
   // The host computes in waves whatever the size: there is no device pass to overlap.
-  const bool decode = !host && rows <= opt_.decode_rows && rows * k <= cap;
+  const bool decode = !host && takes_decode_path(rows, routed != nullptr, cap);
   const bool predict = opt_.lookahead && chunk_pred1_ && layer + 1 < L_.n_layers;
   const std::uint32_t max_waves =
       decode ? 0 : (std::min(L_.n_experts, rows * k) + cap - 1) / cap;

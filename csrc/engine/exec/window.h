@@ -59,6 +59,10 @@ struct WindowOptions {
   bool split_turn = false;       // each step its own submission (host works between them)
   std::uint32_t max_rows = 1024; // prompt chunk rows (MT)
   std::uint32_t decode_rows = 4; // T <= this (and its experts fit) takes the decode path
+  // An externally routed call of up to this many rows (B sequences decoding together) takes the
+  // decode path while the union of its rows' experts fits one decode submission: the ids are
+  // known before the submission, so the bound is the union, not rows * top_k.
+  std::uint32_t decode_batch_rows = 64;
   double device_timeout_s = 600; // bound on any single wait for the device
   // Cache-aware routing (STRATA_MOCE*): adjusts the routed selection by residency (moce.h).
   MoceParams moce;
@@ -246,6 +250,9 @@ class Window {
   // One handshake's evidence for the governor.
   void observe_handshake(bool decode, bool missed, bool contended, std::uint64_t wall_ns);
   std::uint32_t wave_capacity() const;
+  // Whether a chunk of `rows` takes the decode path (one submission, resident pass while the
+  // misses are read) rather than prompt waves.
+  bool takes_decode_path(std::uint32_t rows, bool routed, std::uint32_t cap) const;
 
   ExpertStream& stream_;
   std::unique_ptr<Backend> backend_;  // null once closed

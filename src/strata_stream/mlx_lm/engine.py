@@ -170,7 +170,9 @@ class MoeEngine:
         out: list[mx.array | None] = [None, None]
         if not c.lookahead:
             return out
-        want = [True, c.decode_prefetch2 if rows <= c.decode_rows else c.prompt_pred2]
+        # The Window's decode path (a decode step, or a batch of them) uses the decode flag.
+        decode = rows <= max(c.decode_rows, c.decode_batch_rows)
+        want = [True, c.decode_prefetch2 if decode else c.prompt_pred2]
         for d in (1, 2):
             nxt = layer + d
             if want[d - 1] and nxt < len(self.blocks):
