@@ -10,7 +10,6 @@ rows' experts fits one decode submission, and runs waves beyond it.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -96,8 +95,8 @@ def test_a_routed_batch_stays_on_the_decode_path_while_its_experts_fit(family: A
         try:
             window = model.strata_engine.window
             modules = moe_modules(model)
-            x = mx.array(np.random.default_rng(3).standard_normal((b, 1, model.strata_engine.hidden))
-                         .astype(np.float32)).astype(mx.bfloat16)  # fmt: skip
+            rows = np.random.default_rng(3).standard_normal((b, 1, model.strata_engine.hidden))
+            x = mx.array(rows.astype(np.float32)).astype(mx.bfloat16)
             window.reset_stats()
             run_blocks(modules, x)
             waves = window.stats()["total"]["waves"]

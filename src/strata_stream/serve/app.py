@@ -81,6 +81,8 @@ def create_app(
         tokenizer,
         max_queue=config.max_queue,
         metrics=metrics,
+        max_batch=config.max_batch,
+        prefill_chunk=config.prefill_chunk,
         stats=stats,
         stats_interval_s=config.stats_interval_s,
         lockstep=lockstep,
@@ -188,6 +190,8 @@ class _Routes:
             "model": self._config.model_id,
             "queue_depth": self._worker.queue_depth,
             "queue_capacity": self._worker.max_queue,
+            "batch": self._worker.in_flight,
+            "max_batch": self._worker.max_batch,
         }
         return JSONResponse(body, status_code=200 if ok else 503)
 

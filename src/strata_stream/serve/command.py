@@ -20,6 +20,8 @@ def serve(
     arena_gb: float | None = None,
     model_id: str | None = None,
     max_queue: int = 8,
+    max_batch: int = 8,
+    prefill_chunk: int = 512,
     context_length: int | None = None,
     default_max_tokens: int = 512,
     log_level: str = "info",
@@ -42,6 +44,8 @@ def serve(
     config = ServeConfig(
         model_id=model_id or Path(model_path.rstrip("/")).name or model_path,
         max_queue=max_queue,
+        max_batch=max_batch,
+        prefill_chunk=prefill_chunk,
         context_length=context_length,
         default_max_tokens=default_max_tokens,
     )

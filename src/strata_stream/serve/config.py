@@ -10,8 +10,10 @@ from strata_stream.errors import ConfigError
 @dataclass(frozen=True)
 class ServeConfig:
     """model_id: the name /v1/models lists and requests must use.
-    max_queue: requests waiting for the generation worker (the running one not counted);
+    max_queue: requests waiting for the generation worker (those in the batch not counted);
       one more is answered 503 at once.
+    max_batch: requests generated together, as one continuous batch.
+    prefill_chunk: prompt tokens prefilled per step between decode steps.
     context_length: prompt + completion tokens allowed; None takes the model's
       max_position_embeddings (no limit when the model does not say).
     default_max_tokens: completion budget when a request gives none (capped by the context).
@@ -20,6 +22,8 @@ class ServeConfig:
 
     model_id: str
     max_queue: int = 8
+    max_batch: int = 8
+    prefill_chunk: int = 512
     context_length: int | None = None
     default_max_tokens: int = 512
     stats_interval_s: float = 0.5
@@ -30,6 +34,10 @@ class ServeConfig:
             raise ConfigError("ServeConfig.model_id must not be empty")
         if self.max_queue < 1:
             raise ConfigError(f"ServeConfig.max_queue must be >= 1, got {self.max_queue}")
+        if self.max_batch < 1:
+            raise ConfigError(f"ServeConfig.max_batch must be >= 1, got {self.max_batch}")
+        if self.prefill_chunk < 1:
+            raise ConfigError(f"ServeConfig.prefill_chunk must be >= 1, got {self.prefill_chunk}")
         if self.context_length is not None and self.context_length < 2:
             raise ConfigError(f"ServeConfig.context_length must be >= 2, got {self.context_length}")
         if self.default_max_tokens < 1:

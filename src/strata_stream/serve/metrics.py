@@ -13,6 +13,8 @@ from prometheus_client.registry import Collector
 
 # Time to first token spans ~1 ms (tiny model, warm) to minutes (long prompt, cold arena).
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# Sequences per decode step: powers of two up to the largest batch worth serving.
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 class EngineCollector(Collector):
@@ -143,8 +145,14 @@ class ServerMetrics:
             "Waiting requests accepted before answering 503.",
             registry=r,
         )
+        self.batch_size = Histogram(
+            "strata_serve_batch_size",
+            "Sequences decoded together per decode step.",
+            buckets=_BATCH_BUCKETS,
+            registry=r,
+        )
         self.busy = Gauge(
-            "strata_serve_worker_busy", "1 while the worker is generating.", registry=r
+            "strata_serve_worker_busy", "1 while the worker has sequences in its batch.", registry=r
         )
         self.stats_errors = Counter(
             "strata_serve_stats_errors", "Stats-source calls that raised.", registry=r

@@ -1,16 +1,19 @@
-"""The one generation worker thread and its bounded queue.
+"""The generation worker thread and its bounded queue.
 
 The worker owns the model: it is the only thread that runs it (and the only caller of the
 stats source, which reads the engine), so the engine is never entered by two threads at once.
-Requests run one after another in arrival order: the streaming engine's arena holds the experts
-of one token stream, and batching several streams would route each step to the union of their
-experts, raising misses for all of them. HTTP handlers submit Jobs; beyond `max_queue` waiting
-jobs, `submit` raises QueueFullError at once (the route answers 503). Each job's events go back
-through the `deliver` callable the handler supplies (it hands them to the event loop).
+It serves up to `max_batch` requests at once as one continuous batch (serve/batch.py, on
+mlx-lm's BatchGenerator): requests join and leave between decode steps, in arrival order.
+Requests beyond the batch wait in the queue; beyond `max_queue` waiting jobs, `submit` raises
+QueueFullError at once (the route answers 503). Each job's events go back through the
+`deliver` callable the handler supplies (it hands them to the event loop).
+
+Under lockstep (rank 0 of a sharded model, serve/lockstep.py) requests run one at a time, each
+sent to the followers first, as `run_one` runs them there.
 
 Job lifecycle (JobState): QUEUED -> RUNNING -> FINISHED, or QUEUED -> FINISHED when cancelled
 before the worker reached it. `Job.cancel()` may be called from any thread at any time; the
-worker checks it before each decode step and stops generating within one token.
+worker checks it before each decode step, so a cancelled job leaves at the next step.
 """
 
 from __future__ import annotations
@@ -115,6 +118,8 @@ class GenerationWorker:
         *,
         max_queue: int,
         metrics: ServerMetrics,
+        max_batch: int = 8,
+        prefill_chunk: int = 512,
         stats: StatsSource | None = None,
         stats_interval_s: float = 0.5,
         lockstep: RequestChannel | None = None,
@@ -128,6 +133,10 @@ class GenerationWorker:
         self._stats = stats
         self._stats_interval_s = stats_interval_s
         self.max_queue = max_queue
+        self.max_batch = max_batch
+        self._prefill_chunk = prefill_chunk
+        # Sequences in the batch now (written by the worker thread; /health reads it).
+        self.in_flight = 0
         # Fast tokenizers raise "Already borrowed" when two threads use one at once; handlers
         # encode prompts and the worker decodes tokens, so both take this lock.
         self.tokenizer_lock = threading.Lock()
@@ -173,6 +182,10 @@ class GenerationWorker:
     # ---- the worker thread -------------------------------------------------------------------
     def _run(self) -> None:
         self._refresh_stats()
+        if self._lockstep is None:
+            self._run_batched()
+            self._drain()
+            return
         while not self._stop.is_set():
             try:
                 job = self._queue.get(timeout=0.1)
@@ -201,6 +214,53 @@ class GenerationWorker:
         if self._lockstep is not None:
             self._lockstep.send(STOP)
         self._drain()
+
+    def _run_batched(self) -> None:
+        from strata_stream.serve.batch import ContinuousBatch
+
+        batch = ContinuousBatch(
+            self._model,
+            self._tokenizer,
+            max_batch=self.max_batch,
+            prefill_chunk=self._prefill_chunk,
+            metrics=self._metrics,
+            tokenizer_lock=self.tokenizer_lock,
+            finish=self._finish,
+        )
+        last_stats = time.perf_counter()
+        try:
+            while not self._stop.is_set():
+                self._admit(batch)
+                batch.drop_cancelled(stopping=False)
+                self.in_flight = len(batch)
+                self._metrics.busy.set(1 if len(batch) else 0)
+                if not len(batch):
+                    continue
+                batch.step()
+                if not len(batch) or time.perf_counter() - last_stats >= self._stats_interval_s:
+                    last_stats = time.perf_counter()
+                    self._refresh_stats()
+        finally:
+            batch.drop_cancelled(stopping=True)
+            self.in_flight = 0
+            self._metrics.busy.set(0)
+
+    def _admit(self, batch: Any) -> None:
+        """Moves waiting jobs into the batch while it has room; waits briefly when idle."""
+        while len(batch) < self.max_batch:
+            try:
+                job = self._queue.get(timeout=0.1) if not len(batch) else self._queue.get_nowait()
+            except queue.Empty:
+                return
+            self._metrics.queue_wait.observe(time.perf_counter() - job.enqueued_at)
+            if job.cancelled or self._stop.is_set():
+                self._finish(job, Finished("cancelled", len(job.request.prompt), 0))
+                continue
+            try:
+                batch.admit(job)
+            except Exception as e:  # a request the generator refuses fails alone
+                log.exception("admitting a request failed")
+                self._finish(job, Finished("error", len(job.request.prompt), 0, error=str(e)))
 
     def _drain(self) -> None:
         while True:
