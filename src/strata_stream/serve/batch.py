@@ -23,10 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from strata_stream.serve.logprobs import as_row, entry, prompt_logprobs
 from strata_stream.serve.metrics import ServerMetrics
 from strata_stream.serve.sampling import make_processors, make_sampler
 from strata_stream.serve.stop import StopMatcher
-from strata_stream.serve.worker import Finished, Job, JobState, TextChunk
+from strata_stream.serve.worker import Finished, Job, JobState, Logprobs, TextChunk
 
 log = logging.getLogger("strata_stream.serve")
 
@@ -83,10 +84,19 @@ class ContinuousBatch:
 
     # ---- joining and leaving -----------------------------------------------------------------
     def admit(self, job: Job) -> None:
-        """Inserts the job; it starts prefilling at the next step."""
+        """Inserts the job; it starts prefilling at the next step. With echo, the prompt's
+        log-probabilities are computed first, here (one pass between two steps); with echo
+        and max_tokens 0 that is the whole answer."""
         from mlx_lm.generate import StopSequences
 
         req = job.request
+        job.state = JobState.RUNNING
+        if req.echo:
+            job.emit(Logprobs(prompt_logprobs(self._model, req.prompt, req.logprobs or 0), True))
+            if req.max_tokens == 0:
+                self._metrics.prompt_tokens.inc(len(req.prompt))
+                self._finish_job(job, Finished("length", len(req.prompt), 0))
+                return
         with self._lock:
             detok = self._tokenizer.detokenizer
         (uid,) = self._gen.insert(
@@ -96,7 +106,6 @@ class ContinuousBatch:
             logits_processors=[make_processors(req.sampling)],
             stop_sequences=[StopSequences([(t,) for t in self._eos])],
         )
-        job.state = JobState.RUNNING
         self._seqs[uid] = _Sequence(job, uid, detok, StopMatcher(req.stop), time.perf_counter())
 
     def drop_cancelled(self, stopping: bool) -> None:
@@ -125,10 +134,10 @@ class ContinuousBatch:
         for r in responses:
             seq = self._seqs.get(r.uid)
             if seq is not None:
-                self._token(seq, int(r.token), r.finish_reason)
+                self._token(seq, int(r.token), r.finish_reason, r.logprobs)
         return len(responses)
 
-    def _token(self, s: _Sequence, token: int, finish: str | None) -> None:
+    def _token(self, s: _Sequence, token: int, finish: str | None, logprobs: Any) -> None:
         m = self._metrics
         s.sampled += 1
         m.generated_tokens.inc()
@@ -143,6 +152,9 @@ class ContinuousBatch:
             self._end(s, "stop")
             return
         s.completion += 1
+        top = s.job.request.logprobs
+        if top is not None:
+            s.job.emit(Logprobs((entry(as_row(logprobs), token, top),)))
         with self._lock:
             s.detok.add_token(token)
             segment = s.detok.last_segment

@@ -50,10 +50,16 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class GenerationRequest:
+    """max_tokens may be 0 only with echo (the prompt's log-probabilities alone).
+    logprobs: None for none, else how many top alternatives each token reports (0..20).
+    echo: the prompt's own tokens and log-probabilities come first (serve/logprobs.py)."""
+
     prompt: tuple[int, ...]
     max_tokens: int
     sampling: SamplingParams
     stop: tuple[str, ...] = ()
+    logprobs: int | None = None
+    echo: bool = False
 
 
 @dataclass(frozen=True)
@@ -71,7 +77,26 @@ class Finished:
     error: str | None = None
 
 
-Event = TextChunk | Finished
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token with its log-probability (None for a prompt's first token: nothing precedes
+    it) and the top alternatives, most likely first."""
+
+    token: int
+    logprob: float | None
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Logprobs:
+    """Log-probabilities of tokens delivered before the text they decode to. prompt: the
+    echoed prompt's tokens (then no text event carries them: the route decodes the prompt)."""
+
+    entries: tuple[TokenLogprob, ...]
+    prompt: bool = False
+
+
+Event = TextChunk | Logprobs | Finished
 
 
 class QueueFullError(Exception):
@@ -194,6 +219,10 @@ class GenerationWorker:
             self._metrics.queue_wait.observe(time.perf_counter() - job.enqueued_at)
             if job.cancelled or self._stop.is_set():
                 self._finish(job, Finished("cancelled", len(job.request.prompt), 0))
+                continue
+            if job.request.echo or job.request.logprobs is not None:
+                why = "logprobs and echo are not served across ranks (--pipeline/--tensor) yet"
+                self._finish(job, Finished("error", len(job.request.prompt), 0, error=why))
                 continue
             job.state = JobState.RUNNING
             self._running = job
