@@ -316,3 +316,39 @@ def test_max_batch_bounds_every_decode_step(serve: Serve) -> None:
     assert steps > steps0
     assert m['strata_serve_batch_size_bucket{le="2.0"}'] == steps  # never more than two
     assert m["strata_serve_batch_size_sum"] > m['strata_serve_batch_size_bucket{le="1.0"}']
+
+
+def test_health_goes_degraded_while_reads_fail(
+    tiny_path: Path, tmp_path: Path
+) -> None:
+    """A damaged pack: every request fails naming layer, expert and offset (500), and /health
+    reports the errors and says "degraded" (still 200: the server answers)."""
+    import os
+
+    pack = convert(tiny_path, tmp_path / "experts.strpk", progress=False)
+    with ExpertPack.open(pack) as p:
+        top_k, stride = p.geometry.top_k, p.record_stride
+        first, end = p.records_offset, p.file_bytes
+    model, tok = load(str(tiny_path), pack_path=pack, arena_bytes=2 * top_k * stride,
+                      experts="cpu", config=StreamConfig(direct_io=False, persist_profile=False),
+                      progress=False)  # fmt: skip
+    try:
+        fd = os.open(pack, os.O_WRONLY)
+        try:  # every record's bytes now disagree with its checksum
+            os.pwrite(fd, b"\x5a" * (end - first), first)
+        finally:
+            os.close(fd)
+        app = create_app(model, tok, ServeConfig(model_id=MODEL_ID), stats=stats_source(model))
+        with BackgroundServer(app, timeout_s=TIMEOUT_S) as server:
+            assert health(server.url)["status"] == "ok"
+            client = client_for(server.url)
+            for _ in range(2):
+                with pytest.raises(openai.InternalServerError) as e:
+                    chat(client, PROMPTS[0], 4)
+                assert "layer" in str(e.value) and "expert" in str(e.value)
+            body = health(server.url)
+    finally:
+        model.strata_engine.close()
+    assert body["status"] == "degraded"
+    assert body["errors"]["count"] == 2
+    assert "layer" in body["errors"]["last"] and body["errors"]["seconds_ago"] >= 0

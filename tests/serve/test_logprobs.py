@@ -87,8 +87,8 @@ def test_lm_eval_loglikelihood_payload(served: Served, tokenizer: Any, reference
     want = reference(ids)
     assert total == pytest.approx(sum(want[t - 1, ids[t]] for t in range(ctxlen, len(ids))),
                                   abs=1e-3)  # fmt: skip
-    greedy = all(tok == max(top.values()) for tok, top in
-                 zip(lp["token_logprobs"][ctxlen:-1], lp["top_logprobs"][ctxlen:-1]))  # fmt: skip
+    pairs = zip(lp["token_logprobs"][ctxlen:-1], lp["top_logprobs"][ctxlen:-1], strict=True)
+    greedy = all(tok == max(top.values()) for tok, top in pairs)
     assert greedy == all(int(want[t - 1].argmax()) == ids[t] for t in range(ctxlen, len(ids)))
     # The sampled token is greedy (temperature 0): its logprob is its row's top.
     assert lp["token_logprobs"][-1] == max(lp["top_logprobs"][-1].values())

@@ -187,14 +187,24 @@ class _Routes:
 
     # ---- plain routes ------------------------------------------------------------------------
     async def health(self) -> JSONResponse:
+        """ok; "degraded" (still 200) while generations keep failing (a damaged pack, say:
+        each failure names layer, expert and offset); unavailable (503) without a worker."""
         ok = self._worker.alive
+        errors = self._worker.errors
+        recent = errors.count > 0 and time.perf_counter() - errors.last_at < self._config.degraded_s
         body = {
-            "status": "ok" if ok else "unavailable",
+            "status": "unavailable" if not ok else "degraded" if recent else "ok",
             "model": self._config.model_id,
             "queue_depth": self._worker.queue_depth,
             "queue_capacity": self._worker.max_queue,
             "batch": self._worker.in_flight,
             "max_batch": self._worker.max_batch,
+            "errors": {
+                "count": errors.count,
+                "last": errors.last,
+                "seconds_ago": None if not errors.count
+                else round(time.perf_counter() - errors.last_at, 3),
+            },
         }
         return JSONResponse(body, status_code=200 if ok else 503)
 

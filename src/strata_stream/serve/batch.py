@@ -57,6 +57,7 @@ class ContinuousBatch:
         metrics: ServerMetrics,
         tokenizer_lock: Any,
         finish: Callable[[Job, Finished], None],
+        on_error: Callable[[str], None] = lambda message: None,
     ) -> None:
         self._model = model
         self._tokenizer = tokenizer
@@ -65,6 +66,7 @@ class ContinuousBatch:
         self._metrics = metrics
         self._lock = tokenizer_lock
         self._finish_job = finish
+        self._on_error = on_error
         self._eos = sorted(set(tokenizer.eos_token_ids))
         self._seqs: dict[int, _Sequence] = {}
         self._gen = self._new_generator()
@@ -92,7 +94,14 @@ class ContinuousBatch:
         req = job.request
         job.state = JobState.RUNNING
         if req.echo:
-            job.emit(Logprobs(prompt_logprobs(self._model, req.prompt, req.logprobs or 0), True))
+            try:
+                scored = prompt_logprobs(self._model, req.prompt, req.logprobs or 0)
+            except Exception as e:
+                log.exception("scoring a prompt failed")
+                self._on_error(str(e))
+                self._finish_job(job, Finished("error", len(req.prompt), 0, error=str(e)))
+                return
+            job.emit(Logprobs(scored, True))
             if req.max_tokens == 0:
                 self._metrics.prompt_tokens.inc(len(req.prompt))
                 self._finish_job(job, Finished("length", len(req.prompt), 0))
@@ -125,6 +134,7 @@ class ContinuousBatch:
             _, responses = self._gen.next()
         except Exception as e:  # a failed step must not take the server down
             log.exception("a batch step failed")
+            self._on_error(str(e))
             for s in list(self._seqs.values()):
                 self._end(s, "error", str(e))
             self._gen = self._new_generator()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from strata_stream.errors import ConfigError
 from strata_stream.serve.config import ServeConfig
-from strata_stream.serve.server import LOOPBACK, run_foreground
+from strata_stream.serve.server import LOOPBACK, listen, run_foreground
 
 log = logging.getLogger("strata_stream.serve")
 
@@ -54,10 +54,15 @@ def serve(
         _serve_distributed(model_path, distributed, experts, arena_bytes, config, host, port,
                            log_level)  # fmt: skip
         return
-    loaded = load_for_serving(model_path, arena_bytes=arena_bytes)
-    app = create_app(loaded.model, loaded.tokenizer, config, stats=loaded.stats)
-    log.info("serving %s as model id '%s'", model_path, config.model_id)
-    run_foreground(app, host, port, log_level=log_level)
+    # The port first: one already in use fails now, not after the model has loaded.
+    sock = listen(host, port)
+    try:
+        loaded = load_for_serving(model_path, arena_bytes=arena_bytes)
+        app = create_app(loaded.model, loaded.tokenizer, config, stats=loaded.stats)
+        log.info("serving %s as model id '%s'", model_path, config.model_id)
+        run_foreground(app, host, port, log_level=log_level, sock=sock)
+    finally:
+        sock.close()
 
 
 def _serve_distributed(

@@ -18,7 +18,8 @@ class ServeConfig:
       max_position_embeddings (no limit when the model does not say).
     default_max_tokens: completion budget when a request gives none (capped by the context).
     stats_interval_s: how often the worker refreshes the engine snapshot while generating.
-    disconnect_poll_s: how often a waiting handler checks whether its client went away."""
+    disconnect_poll_s: how often a waiting handler checks whether its client went away.
+    degraded_s: /health says "degraded" while the last failed generation is this recent."""
 
     model_id: str
     max_queue: int = 8
@@ -28,6 +29,7 @@ class ServeConfig:
     default_max_tokens: int = 512
     stats_interval_s: float = 0.5
     disconnect_poll_s: float = 0.1
+    degraded_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not self.model_id:
@@ -44,5 +46,6 @@ class ServeConfig:
             raise ConfigError(
                 f"ServeConfig.default_max_tokens must be >= 1, got {self.default_max_tokens}"
             )
-        if not self.stats_interval_s > 0 or not self.disconnect_poll_s > 0:
+        intervals = (self.stats_interval_s, self.disconnect_poll_s, self.degraded_s)
+        if not all(t > 0 for t in intervals):
             raise ConfigError("ServeConfig intervals must be > 0 seconds")

@@ -31,6 +31,15 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """Binds host:port before anything slow runs (the model load), so a port already in use
+    fails at once with an error naming it."""
+    try:
+        return bind(host, port)
+    except OSError as e:
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
 def _uvicorn_server(app: Any, log_level: str) -> Any:
     import uvicorn
 
@@ -44,9 +53,12 @@ def _uvicorn_server(app: Any, log_level: str) -> Any:
     return uvicorn.Server(config)
 
 
-def run_foreground(app: Any, host: str, port: int, *, log_level: str = "info") -> None:
-    """Serves until interrupted (Ctrl-C / SIGTERM, handled by uvicorn)."""
-    sock = bind(host, port)
+def run_foreground(
+    app: Any, host: str, port: int, *, log_level: str = "info", sock: socket.socket | None = None
+) -> None:
+    """Serves until interrupted (Ctrl-C / SIGTERM, handled by uvicorn), on `sock` when the
+    caller bound it already (`listen`), else on host:port."""
+    sock = sock if sock is not None else listen(host, port)
     bound = sock.getsockname()
     url_host = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
     # The benchmark reads this line to find the port when started with --port 0.

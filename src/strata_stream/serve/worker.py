@@ -99,6 +99,18 @@ class Logprobs:
 Event = TextChunk | Logprobs | Finished
 
 
+@dataclass(frozen=True)
+class ErrorRecord:
+    """Failed generations since start and the last one's message and time (perf_counter)."""
+
+    count: int = 0
+    last: str | None = None
+    last_at: float = 0.0
+
+    def noted(self, message: str) -> ErrorRecord:
+        return ErrorRecord(self.count + 1, message, time.perf_counter())
+
+
 class QueueFullError(Exception):
     pass
 
@@ -162,6 +174,9 @@ class GenerationWorker:
         self._prefill_chunk = prefill_chunk
         # Sequences in the batch now (written by the worker thread; /health reads it).
         self.in_flight = 0
+        # Written by the worker thread only, replaced whole (one reference store), so /health
+        # reads a consistent record without a lock.
+        self.errors = ErrorRecord()
         # Fast tokenizers raise "Already borrowed" when two threads use one at once; handlers
         # encode prompts and the worker decodes tokens, so both take this lock.
         self.tokenizer_lock = threading.Lock()
@@ -235,6 +250,7 @@ class GenerationWorker:
             except Exception as e:  # a failed request must not take the server down
                 log.exception("generation failed")
                 result = Finished("error", len(job.request.prompt), 0, error=str(e))
+                self.errors = self.errors.noted(str(e))
             finally:
                 self._running = None
                 self._metrics.busy.set(0)
@@ -255,6 +271,7 @@ class GenerationWorker:
             metrics=self._metrics,
             tokenizer_lock=self.tokenizer_lock,
             finish=self._finish,
+            on_error=self._note_error,
         )
         last_stats = time.perf_counter()
         try:
@@ -289,7 +306,11 @@ class GenerationWorker:
                 batch.admit(job)
             except Exception as e:  # a request the generator refuses fails alone
                 log.exception("admitting a request failed")
+                self._note_error(str(e))
                 self._finish(job, Finished("error", len(job.request.prompt), 0, error=str(e)))
+
+    def _note_error(self, message: str) -> None:
+        self.errors = self.errors.noted(message)
 
     def _drain(self) -> None:
         while True:
