@@ -352,3 +352,35 @@ def test_health_goes_degraded_while_reads_fail(
     assert body["status"] == "degraded"
     assert body["errors"]["count"] == 2
     assert "layer" in body["errors"]["last"] and body["errors"]["seconds_ago"] >= 0
+
+
+def test_sigterm_drains_the_streams_in_flight_then_ends_each_with_a_finish_reason(
+    streamed: Any,
+) -> None:
+    import signal
+
+    model, tok = streamed
+    app = create_app(model, tok, ServeConfig(model_id=MODEL_ID, drain_s=0.5))
+    with BackgroundServer(app, timeout_s=TIMEOUT_S) as server:
+        client = client_for(server.url)
+        want = chat(client, PROMPTS[1], 3)  # short enough to finish within the grace
+        streams = [
+            client.chat.completions.create(
+                model=MODEL_ID, messages=[{"role": "user", "content": p}], max_tokens=n,
+                temperature=0, stream=True,
+            )  # fmt: skip
+            for p, n in ((PROMPTS[0], 4000), (PROMPTS[1], 3))
+        ]
+        first = [next(iter(s)) for s in streams]  # both are in the batch
+        assert all(c.choices for c in first)
+        server._server.handle_exit(signal.SIGTERM, None)  # what uvicorn's signal handler calls
+        ends = []
+        texts = []
+        for s, c in zip(streams, first, strict=True):
+            chunks = [c, *s]  # read to [DONE]: the stream ends normally, no error event
+            texts.append("".join(x.choices[0].delta.content or "" for x in chunks if x.choices))
+            ends.append([x.choices[0].finish_reason for x in chunks
+                         if x.choices and x.choices[0].finish_reason])  # fmt: skip
+        assert ends == [["length"], ["length"]]
+        assert texts[1] == want  # the short one finished within the grace, unchanged
+        assert 0 < len(texts[0].split()) < 4000  # the long one was cut at the grace's end

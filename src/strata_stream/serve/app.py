@@ -103,6 +103,7 @@ def create_app(
     app = FastAPI(title="strata-stream", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.worker = worker
     app.state.metrics = metrics
+    app.state.drain_s = config.drain_s
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:

@@ -125,6 +125,14 @@ class ContinuousBatch:
             for s in gone:
                 self._end(s, "cancelled")
 
+    def cut(self, reason: str) -> None:
+        """Ends every sequence now with `reason` and the text it has (a shutdown's grace is
+        over)."""
+        if self._seqs:
+            self._gen.remove(list(self._seqs))
+            for s in list(self._seqs.values()):
+                self._end(s, reason)
+
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> int:
         """One decode step for the generating sequences and one prefill chunk; returns how

@@ -19,7 +19,9 @@ class ServeConfig:
     default_max_tokens: completion budget when a request gives none (capped by the context).
     stats_interval_s: how often the worker refreshes the engine snapshot while generating.
     disconnect_poll_s: how often a waiting handler checks whether its client went away.
-    degraded_s: /health says "degraded" while the last failed generation is this recent."""
+    degraded_s: /health says "degraded" while the last failed generation is this recent.
+    drain_s: on SIGTERM, how long the streams in flight may run on before each is ended
+      with finish reason "length"."""
 
     model_id: str
     max_queue: int = 8
@@ -30,6 +32,7 @@ class ServeConfig:
     stats_interval_s: float = 0.5
     disconnect_poll_s: float = 0.1
     degraded_s: float = 60.0
+    drain_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not self.model_id:
@@ -46,6 +49,6 @@ class ServeConfig:
             raise ConfigError(
                 f"ServeConfig.default_max_tokens must be >= 1, got {self.default_max_tokens}"
             )
-        intervals = (self.stats_interval_s, self.disconnect_poll_s, self.degraded_s)
+        intervals = (self.stats_interval_s, self.disconnect_poll_s, self.degraded_s, self.drain_s)
         if not all(t > 0 for t in intervals):
             raise ConfigError("ServeConfig intervals must be > 0 seconds")

@@ -43,14 +43,26 @@ def listen(host: str, port: int) -> socket.socket:
 def _uvicorn_server(app: Any, log_level: str) -> Any:
     import uvicorn
 
+    class DrainingServer(uvicorn.Server):
+        """SIGTERM / Ctrl-C first tells the worker to drain (serve/worker.py `drain`): the
+        streams in flight end with a finish_reason within the grace, so uvicorn's own
+        graceful wait, a little longer, finds them closed instead of cancelling them."""
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            worker = getattr(getattr(app, "state", None), "worker", None)
+            if worker is not None:
+                worker.drain(drain_s)
+            super().handle_exit(sig, frame)
+
+    drain_s = float(getattr(getattr(app, "state", None), "drain_s", 5.0))
     config = uvicorn.Config(
         app,
         log_level=log_level,
         access_log=False,
         lifespan="on",
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=int(drain_s) + 5,
     )
-    return uvicorn.Server(config)
+    return DrainingServer(config)
 
 
 def run_foreground(

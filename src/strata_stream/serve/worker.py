@@ -177,6 +177,9 @@ class GenerationWorker:
         # Written by the worker thread only, replaced whole (one reference store), so /health
         # reads a consistent record without a lock.
         self.errors = ErrorRecord()
+        # drain(): set once from the signal handler's thread; the worker thread reads it. From
+        # then on no job is admitted, and the batch is cut at the deadline (perf_counter).
+        self._drain_deadline: float | None = None
         # Fast tokenizers raise "Already borrowed" when two threads use one at once; handlers
         # encode prompts and the worker decodes tokens, so both take this lock.
         self.tokenizer_lock = threading.Lock()
@@ -201,9 +204,23 @@ class GenerationWorker:
     def queue_depth(self) -> int:
         return self._queue.qsize()
 
+    def drain(self, grace_s: float) -> None:
+        """Shutting down: refuse new jobs, cancel the waiting ones, let the batch in flight
+        finish for up to grace_s seconds, then end each of its sequences with finish reason
+        "length" (cut before its end), so every stream closes with a finish_reason and
+        [DONE] rather than being cut by the server's exit."""
+        if self._drain_deadline is None:
+            self._drain_deadline = time.perf_counter() + grace_s
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_deadline is not None
+
     def submit(self, job: Job) -> None:
         if not self.alive:
             raise WorkerStoppedError("the generation worker is not running")
+        if self.draining:
+            raise WorkerStoppedError("the server is shutting down")
         try:
             self._queue.put_nowait(job)
         except queue.Full:
@@ -276,7 +293,14 @@ class GenerationWorker:
         last_stats = time.perf_counter()
         try:
             while not self._stop.is_set():
-                self._admit(batch)
+                if self._drain_deadline is None:
+                    self._admit(batch)
+                else:
+                    self._drain()  # waiting jobs never start: they get 503
+                    if time.perf_counter() >= self._drain_deadline:
+                        batch.cut("length")
+                    elif not len(batch):
+                        time.sleep(0.05)
                 batch.drop_cancelled(stopping=False)
                 self.in_flight = len(batch)
                 self._metrics.busy.set(1 if len(batch) else 0)
