@@ -163,6 +163,12 @@ def test_clients_served_together_get_their_alone_text(serve: Serve) -> None:
     assert seqs - seqs0 > steps - steps0  # some steps decoded several sequences at once
     m = scrape(url)
     assert m["strata_serve_queue_wait_seconds_count"] >= 2 * len(PROMPTS)
+    # Expert choices summed over rows against experts looked up (once per call): a batch of 8
+    # over 8 experts, top-2, shares.
+    wait_until(lambda: scrape(url).get("strata_expert_sharing", 0.0) > 1.0, "shared experts")
+    m = scrape(url)
+    looked = m["strata_expert_hits_total"] + m["strata_expert_misses_total"]
+    assert m["strata_expert_sharing"] == m["strata_expert_routed_total"] / looked
 
 
 def test_requests_join_and_leave_mid_batch(serve: Serve) -> None:

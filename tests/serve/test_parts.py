@@ -86,6 +86,7 @@ def test_window_stats_source_maps_the_engine_figures(make_pack) -> None:  # type
         total["pred_actual"],
     )
     assert len(snap["per_layer_hit_rate"]) == g.n_layers
+    assert snap["routed"] == g.n_layers * 16 * g.top_k  # every row of every call
     for rate, d in zip(snap["per_layer_hit_rate"], st["layers"], strict=True):
         assert rate == d["hits"] / (d["hits"] + d["misses"])
 

@@ -76,6 +76,17 @@ class EngineCollector(Collector):
             "Routed experts that had been predicted / routed.",
             ratio(correct, num("pred_actual")),
         )
+        counter(
+            "strata_expert_routed",
+            "Expert choices summed over the rows (sequences, prompt tokens) of every call.",
+            "routed",
+        )
+        routed = num("routed")
+        gauge(
+            "strata_expert_sharing",
+            "Expert choices per expert looked up: above 1 when rows of a call share experts.",
+            ratio(routed, looked),
+        )
         per_layer = s.get("per_layer_hit_rate")
         if per_layer is not None:
             fam = GaugeMetricFamily(
