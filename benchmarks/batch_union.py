@@ -22,7 +22,7 @@ import numpy as np
 
 from strata_stream.trace.format import read_trace
 
-DEFAULT_TRACE = Path(__file__).resolve().parent.parent / "tests" / "data" / "qwen3-30b-a3b.route.csv"
+DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "tests" / "data" / "qwen3-30b-a3b.route.csv"
 
 
 def decode_tokens(path: Path) -> tuple[list[list[tuple[int, ...]]], int, int]:
