@@ -98,13 +98,16 @@ def test_a_routed_batch_stays_on_the_decode_path_while_its_experts_fit(family: A
             rows = np.random.default_rng(3).standard_normal((b, 1, model.strata_engine.hidden))
             x = mx.array(rows.astype(np.float32)).astype(mx.bfloat16)
             window.reset_stats()
-            run_blocks(modules, x)
+            run_blocks(modules, x)  # one turn: every MoE layer once
             waves = window.stats()["total"]["waves"]
+            kept = window.stats()["scratch_bytes"]
         finally:
             model.strata_engine.close()
         # All experts fit: one decode submission per layer, no wave. The minimum arena holds
         # one top-k per layer call: 12 rows choose more, so they run in waves.
         assert (waves == 0) == decode, (slots, waves)
+        # A decode batch's scratch stays for the next step; a prompt's goes back at turn end.
+        assert (kept > 0) == decode, (slots, kept)
 
 
 def test_decode_batch_rows_bounds_the_batched_decode_path(family: Any) -> None:

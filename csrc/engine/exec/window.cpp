@@ -6,6 +6,7 @@
 #include <cstring>
 #include <ctime>
 #include <stdexcept>
+#include <utility>
 
 #include "common/check.h"
 #include "common/errors.h"
@@ -271,9 +272,9 @@ void Window::finish_turn() {
     next_layer_ = 0;
   }
   // Without BUF_REUSE a prompt's scratch goes back to the system between turns; a decode-sized
-  // one (a few rows) is not worth the churn.
-  if (!opt_.prompt_buf_reuse && scratch_.rows() > std::max(opt_.decode_rows, opt_.decode_batch_rows))
-    release_scratch();
+  // one (a few rows, or a decode batch's at most decode_batch_rows) is not worth the churn.
+  const bool prompt = std::exchange(turn_prompt_, false);
+  if (!opt_.prompt_buf_reuse && prompt && scratch_.rows() > opt_.decode_rows) release_scratch();
 }
 
 void Window::count_urgent(std::uint32_t layer, const RequestResult& r) {
@@ -646,6 +647,7 @@ void Window::abandon_call() {
     wave_seq_ = std::max(wave_seq_, ev->value());
   stream_.release_plan(client_);
   stream_.end_turn(client_);
+  turn_prompt_ = false;  // the next turn judges its own scratch
   std::lock_guard<std::mutex> lk(door_mu_);
   turn_ = TurnKind::None;
   owner_ = {};
@@ -771,6 +773,7 @@ std::vector<std::int32_t> Window::run_chunk(std::uint32_t layer, std::uint32_t c
   chunk_rounding_ = routed ? routed->rounding : Rounding{};
   // The host computes in waves whatever the size: there is no device pass to overlap.
   const bool decode = !host && takes_decode_path(rows, routed != nullptr, cap);
+  if (!decode) turn_prompt_ = true;
   const bool predict = opt_.lookahead && chunk_pred1_ && layer + 1 < L_.n_layers;
   const std::uint32_t max_waves =
       decode ? 0 : (std::min(L_.n_experts, rows * k) + cap - 1) / cap;

@@ -312,6 +312,10 @@ class Window {
   void queue_start_layers();
   std::int64_t tokens_seen_ = 0;      // tokens whose layer-0 call has started
   std::int64_t pass_first_token_ = 0; // first token of the pass now running
+  // The open turn ran a chunk as prompt waves (not the decode path): its scratch is
+  // prompt-sized and goes back at the turn's end (unless BUF_REUSE); a turn of decode-path
+  // calls, a batch of sequences included, keeps its few rows.
+  bool turn_prompt_ = false;
   std::uint32_t row0_ = 0;            // first row of the chunk now running
   // predicted_[layer][chunk]: experts router `layer` chose on layer-1's input, for
   // precision/recall when that chunk reaches `layer`.
