@@ -152,6 +152,7 @@ def test_chat_logprobs_and_top_logprobs(served: Served) -> None:
         ("cmpl", b'{"model": "M", "prompt": "hello", "logprobs": -1}', "logprobs"),
         ("cmpl", b'{"model": "M", "prompt": [[5, 6], [7]], "stream": true}', "prompt"),
         ("cmpl", b'{"model": "M", "prompt": []}', "prompt"),
+        ("cmpl", b'{"model": "M", "prompt": "hello", "echo": true, "stream": true}', "echo"),
     ],
 )  # fmt: skip
 def test_each_bad_parameter_is_a_400_naming_it(

@@ -134,6 +134,11 @@ class CompletionRequest(_Generation):
                 "Invalid value for 'max_tokens': 0 is allowed only with echo: true",
                 param="max_tokens", code="invalid_value",
             )  # fmt: skip
+        if self.stream and self.echo:
+            raise bad_request(
+                "Invalid value for 'echo': echo is answered whole, not streamed",
+                param="echo", code="invalid_value",
+            )  # fmt: skip
         if self.stream and len(self.prompts()) > 1:
             raise bad_request(
                 "Invalid value for 'prompt': streaming takes one prompt per request",
