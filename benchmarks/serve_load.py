@@ -225,21 +225,25 @@ def plot(levels: list[Level], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    batches = sorted({lv.max_batch for lv in levels})
     for key, ax, label in (("ttft_s", a, "time to first token"), ("gaps_s", b, "inter-token gap")):
-        for p, style in ((50, "o-"), (99, "s--")):
-            xs = sorted({lv.clients for lv in levels})
-            ys = [
-                1e3 * pct([x for lv in levels if lv.clients == c for x in getattr(lv, key)], p)
-                for c in xs
-            ]
-            ax.plot(xs, ys, style, label=f"p{p}")
+        for mb in batches:
+            ours = [lv for lv in levels if lv.max_batch == mb]
+            name = f"max-batch {mb}, " if mb else ""
+            for p, style in ((50, "o-"), (99, "s--")):
+                xs = sorted({lv.clients for lv in ours})
+                ys = [
+                    1e3 * pct([x for lv in ours if lv.clients == c for x in getattr(lv, key)], p)
+                    for c in xs
+                ]
+                ax.plot(xs, ys, style, label=f"{name}p{p}")
         ax.set_xlabel("concurrent clients")
         ax.set_ylabel("ms")
         ax.set_title(label)
         ax.set_xticks(sorted({lv.clients for lv in levels}))
         ax.legend()
         ax.grid(alpha=0.3)
-    fig.suptitle("strata-stream serve: latency against concurrency (one generation worker)")
+    fig.suptitle("strata-stream serve: latency against concurrency")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
 
