@@ -1,12 +1,15 @@
 """Load test of `strata-stream serve`: N concurrent streaming chat clients for T seconds.
 
     python benchmarks/serve_load.py [--model DIR | --url http://127.0.0.1:PORT]
-        [--clients 1,4,8] [--seconds 60] [--repeats 2] [--max-tokens 32] [--json OUT] [--plot PNG]
+        [--clients 1,4,8] [--seconds 60] [--repeats 2] [--max-tokens 32] [--max-batch 1,8]
+        [--json OUT] [--plot PNG]
 
 Without --url it starts the server itself (`python -m strata_stream.cli serve MODEL --port 0`)
 as a subprocess on a free loopback port, on --model or on a tiny random-weight qwen3_moe
 checkpoint built once into a temporary directory, and stops it at the end. Levels run
 interleaved (1,4,8,1,4,8 with --repeats 2) so drift on a shared machine hits every level alike.
+--max-batch runs the levels once per value, each on its own server (`serve --max-batch B`):
+1 is one request at a time, so "1,8" compares serving one at a time with batching.
 
 Per level: completed requests, generated tokens/s, time to first token and inter-token gap
 (p50/p99, as each client sees them), errors (must be 0), and the server's RSS before and after.
@@ -51,6 +54,7 @@ class Level:
     clients: int
     repeat: int
     seconds: float
+    max_batch: int = 0  # the server's --max-batch (0: not started here)
     requests: int = 0
     errors: int = 0
     tokens: int = 0
@@ -62,6 +66,7 @@ class Level:
 
     def summary(self) -> dict[str, float | int]:
         return {
+            "max_batch": self.max_batch,
             "clients": self.clients,
             "repeat": self.repeat,
             "seconds": round(self.seconds, 2),
@@ -95,7 +100,9 @@ def rss_mb(pid: int) -> float:
 
 
 @contextlib.contextmanager
-def start_server(model: Path, max_queue: int, timeout_s: float = 180) -> Iterator[tuple[str, int]]:
+def start_server(
+    model: Path, max_queue: int, max_batch: int, timeout_s: float = 180
+) -> Iterator[tuple[str, int]]:
     cmd = [
         sys.executable,
         "-m",
@@ -110,6 +117,8 @@ def start_server(model: Path, max_queue: int, timeout_s: float = 180) -> Iterato
         "bench",
         "--max-queue",
         str(max_queue),
+        "--max-batch",
+        str(max_batch),
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     lines: queue.Queue[str] = queue.Queue()
@@ -216,21 +225,25 @@ def plot(levels: list[Level], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    batches = sorted({lv.max_batch for lv in levels})
     for key, ax, label in (("ttft_s", a, "time to first token"), ("gaps_s", b, "inter-token gap")):
-        for p, style in ((50, "o-"), (99, "s--")):
-            xs = sorted({lv.clients for lv in levels})
-            ys = [
-                1e3 * pct([x for lv in levels if lv.clients == c for x in getattr(lv, key)], p)
-                for c in xs
-            ]
-            ax.plot(xs, ys, style, label=f"p{p}")
+        for mb in batches:
+            ours = [lv for lv in levels if lv.max_batch == mb]
+            name = f"max-batch {mb}, " if mb else ""
+            for p, style in ((50, "o-"), (99, "s--")):
+                xs = sorted({lv.clients for lv in ours})
+                ys = [
+                    1e3 * pct([x for lv in ours if lv.clients == c for x in getattr(lv, key)], p)
+                    for c in xs
+                ]
+                ax.plot(xs, ys, style, label=f"{name}p{p}")
         ax.set_xlabel("concurrent clients")
         ax.set_ylabel("ms")
         ax.set_title(label)
         ax.set_xticks(sorted({lv.clients for lv in levels}))
         ax.legend()
         ax.grid(alpha=0.3)
-    fig.suptitle("strata-stream serve: latency against concurrency (one generation worker)")
+    fig.suptitle("strata-stream serve: latency against concurrency")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
 
@@ -247,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1, help="interleaved repeats (default 1)")
     ap.add_argument("--max-tokens", type=int, default=32, help="per request (default 32)")
     ap.add_argument("--max-requests", type=int, default=100_000, help="per client per level")
+    ap.add_argument("--max-batch", default="8",
+                    help="the server's --max-batch, comma-separated: one server each (default 8)")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--plot", type=Path, help="write a PNG of latency against concurrency")
     args = ap.parse_args(argv)
@@ -254,38 +269,47 @@ def main(argv: list[str] | None = None) -> int:
     if min(levels_n) < 1 or args.seconds <= 0 or args.repeats < 1:
         ap.error("--clients, --seconds and --repeats must be positive")
 
+    batches = [int(x) for x in args.max_batch.split(",")]
+    if min(batches) < 1:
+        ap.error("--max-batch must be positive")
+    done: list[Level] = []
+    rss0 = float("nan")
     with contextlib.ExitStack() as stack:
-        if args.url:
-            host = urllib.parse.urlsplit(args.url).hostname
-            if host not in LOOPBACK_HOSTS:
-                ap.error(f"--url must be on loopback, got host {host!r}")
-            url, pid = args.url.rstrip("/"), None
-        else:
-            model = args.model
-            if model is None:
-                from strata_stream.mlx_lm.random_model import make_chat_checkpoint
+        model = args.model
+        if not args.url and model is None:
+            from strata_stream.mlx_lm.random_model import make_chat_checkpoint
 
-                tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="serve_load_"))
-                model = make_chat_checkpoint(Path(tmp) / "tiny")
-            url, pid = stack.enter_context(start_server(model, max_queue=max(levels_n)))
-        mid = model_id(url)
-        warm = Level(1, 0, 2.0)
-        run_level(url, mid, warm, args.max_tokens, 5)  # compile and warm before measuring
-        rss0 = rss_mb(pid) if pid else float("nan")
-        done: list[Level] = []
-        for r in range(args.repeats):
-            for n in levels_n:
-                lv = Level(n, r, args.seconds)
-                lv.rss_start_mb = rss_mb(pid) if pid else float("nan")
-                run_level(url, mid, lv, args.max_tokens, args.max_requests)
-                lv.rss_end_mb = rss_mb(pid) if pid else float("nan")
-                done.append(lv)
-                s = lv.summary()
-                print(json.dumps(s), flush=True)
-                for e in lv.error_samples:
-                    print(f"  error: {e}", flush=True)
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="serve_load_"))
+            model = make_chat_checkpoint(Path(tmp) / "tiny")
+        for b in [0] if args.url else batches:
+            with contextlib.ExitStack() as server:
+                if args.url:
+                    host = urllib.parse.urlsplit(args.url).hostname
+                    if host not in LOOPBACK_HOSTS:
+                        ap.error(f"--url must be on loopback, got host {host!r}")
+                    url, pid = args.url.rstrip("/"), None
+                else:
+                    url, pid = server.enter_context(
+                        start_server(model, max_queue=max(levels_n), max_batch=b)
+                    )
+                mid = model_id(url)
+                warm = Level(1, 0, 2.0)
+                run_level(url, mid, warm, args.max_tokens, 5)  # compile and warm first
+                rss0 = rss_mb(pid) if pid else float("nan")
+                for r in range(args.repeats):
+                    for n in levels_n:
+                        lv = Level(n, r, args.seconds, max_batch=b)
+                        lv.rss_start_mb = rss_mb(pid) if pid else float("nan")
+                        run_level(url, mid, lv, args.max_tokens, args.max_requests)
+                        lv.rss_end_mb = rss_mb(pid) if pid else float("nan")
+                        done.append(lv)
+                        s = lv.summary()
+                        print(json.dumps(s), flush=True)
+                        for e in lv.error_samples:
+                            print(f"  error: {e}", flush=True)
 
     cols = [
+        "max_batch",
         "clients",
         "repeat",
         "requests",
@@ -302,16 +326,29 @@ def main(argv: list[str] | None = None) -> int:
     for lv in done:
         s = lv.summary()
         print("| " + " | ".join(str(s[c]) for c in cols) + " |")
-    base = [lv.summary()["tokens_per_s"] for lv in done if lv.clients == levels_n[0]]
-    for n in levels_n[1:]:
-        ratio = [
-            lv.summary()["tokens_per_s"] / b
-            for lv, b in zip([lv for lv in done if lv.clients == n], base, strict=False)
-        ]
-        print(
-            f"throughput {n} vs {levels_n[0]} clients, per repeat: "
-            + ", ".join(f"{x:.2f}" for x in ratio)
-        )
+    if len(batches) > 1 and not args.url:
+        first = batches[0]
+        for b in batches[1:]:
+            for n in levels_n:
+                pairs = [
+                    (x.summary(), y.summary())
+                    for x, y in zip(
+                        [lv for lv in done if lv.max_batch == b and lv.clients == n],
+                        [lv for lv in done if lv.max_batch == first and lv.clients == n],
+                        strict=False,
+                    )
+                ]
+                print(
+                    f"{n} clients, max-batch {b} vs {first}: throughput "
+                    + ", ".join(f"x{x['tokens_per_s'] / max(y['tokens_per_s'], 1e-9):.2f}"
+                                for x, y in pairs)
+                    + "; TTFT p50 "
+                    + ", ".join(f"x{x['ttft_p50_ms'] / max(y['ttft_p50_ms'], 1e-9):.2f}"
+                                for x, y in pairs)
+                    + "; token gap p50 "
+                    + ", ".join(f"x{x['token_p50_ms'] / max(y['token_p50_ms'], 1e-9):.2f}"
+                                for x, y in pairs)
+                )  # fmt: skip
     print(f"server RSS after warm-up {rss0:.1f} MB, at the end {done[-1].rss_end_mb:.1f} MB")
     if args.json:
         args.json.write_text(

@@ -72,6 +72,7 @@ void bind_options(py::module_& m) {
       .def_readwrite("prefetch_backoff", &WindowOptions::prefetch_backoff);
   uint32_field<&WindowOptions::max_rows>(c, "max_rows");
   uint32_field<&WindowOptions::decode_rows>(c, "decode_rows");
+  uint32_field<&WindowOptions::decode_batch_rows>(c, "decode_batch_rows");
   uint32_field<&WindowOptions::two_layer_max>(c, "two_layer_max");
   uint32_field<&WindowOptions::start_layers>(c, "start_layers");
   c.def_property(

@@ -121,6 +121,7 @@ class WindowOptions:
     split_turn: bool
     max_rows: int
     decode_rows: int
+    decode_batch_rows: int
     device_timeout_s: float
     two_layer_prompt: bool
     two_layer_max: int

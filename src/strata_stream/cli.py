@@ -133,6 +133,11 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-queue", type=int, default=8, help="waiting requests before 503 (default 8)"
     )
+    serve.add_argument(
+        "--max-batch", type=int, default=8, help="requests generated together (default 8)"
+    )
+    serve.add_argument("--prefill-chunk", type=int, default=512, metavar="TOKENS",
+                       help="prompt tokens prefilled between decode steps (default 512)")
 
     # add_help=False: `demo --help` and every other option belong to the demo's own parser.
     sub.add_parser(
@@ -271,6 +276,8 @@ def _serve(args: argparse.Namespace) -> int:
         arena_gb=args.arena_gb,
         model_id=args.model_id,
         max_queue=args.max_queue,
+        max_batch=args.max_batch,
+        prefill_chunk=args.prefill_chunk,
         distributed=distributed,
         experts=args.experts,
         pack_path=args.pack,

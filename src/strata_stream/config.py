@@ -125,6 +125,9 @@ class StreamConfig:
     split_turn: bool = False
     max_rows: int = 1024  # rows per prompt chunk; the engine checks it when a Window opens
     decode_rows: int = 4
+    # A routed call (mlx-lm's model routing B sequences at once) of up to this many rows stays on
+    # the decode path while the union of its experts fits one decode submission.
+    decode_batch_rows: int = 64
     device_timeout_s: float = 600.0
     # A Window records every routed choice to this file (strata_trace v1, see replay.py), for
     # `strata-stream replay`. Written anew by each Window.
@@ -194,6 +197,10 @@ class StreamConfig:
             )
         if self.decode_rows < 0:
             raise ConfigError(f"StreamConfig.decode_rows: must be >= 0, got {self.decode_rows}")
+        if self.decode_batch_rows < 0:
+            raise ConfigError(
+                f"StreamConfig.decode_batch_rows: must be >= 0, got {self.decode_batch_rows}"
+            )
         if not self.device_timeout_s > 0:
             raise ConfigError(
                 f"StreamConfig.device_timeout_s: must be positive, got {self.device_timeout_s}"

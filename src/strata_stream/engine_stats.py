@@ -15,6 +15,9 @@ A stats source is any `Callable[[], Mapping[str, Any]]` returning a snapshot wit
   pred_predicted       int, cumulative: next-layer predictions made
   pred_actual          int, cumulative: experts actually routed to where predictions were made
   per_layer_hit_rate   list[float | None]: hit rate of each MoE layer (None: no look-ups yet)
+  routed               int, cumulative: expert choices summed over every row of every call
+                       (tokens x top_k). Against hits + misses (each call looks up the union
+                       of its rows' experts once) it is the sharing a batch gets
 
 The server calls the source only from its generation worker thread (at start-up, every
 `ServeConfig.stats_interval_s` while generating and after each request), never from an HTTP
@@ -42,11 +45,12 @@ STATS_KEYS = (
     "pred_predicted",
     "pred_actual",
     "per_layer_hit_rate",
+    "routed",
 )
 
 
 def window_snapshot(
-    window_stats: Mapping[str, Any], slot_states: Any, n_slots: int
+    window_stats: Mapping[str, Any], slot_states: Any, n_slots: int, top_k: int | None = None
 ) -> dict[str, Any]:
     """Maps `Window.stats()` and the stream's slot table `state` column onto the schema."""
     total = window_stats["total"]
@@ -67,6 +71,7 @@ def window_snapshot(
         "pred_predicted": int(total["pred_predicted"]),
         "pred_actual": int(total["pred_actual"]),
         "per_layer_hit_rate": per_layer,
+        "routed": None if top_k is None else int(total["tokens"]) * top_k,
     }
 
 
@@ -75,6 +80,7 @@ def window_stats_source(window: Any) -> StatsSource:
 
     def snapshot() -> Mapping[str, Any]:
         stream = window.stream
-        return window_snapshot(window.stats(), stream.slot_table()["state"], stream.n_slots)
+        return window_snapshot(window.stats(), stream.slot_table()["state"], stream.n_slots,
+                               stream.top_k)  # fmt: skip
 
     return snapshot

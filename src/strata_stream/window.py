@@ -103,6 +103,7 @@ class Window:
         options.split_turn = c.split_turn
         options.max_rows = c.max_rows
         options.decode_rows = c.decode_rows
+        options.decode_batch_rows = c.decode_batch_rows
         options.device_timeout_s = c.device_timeout_s
         options.two_layer_prompt = c.prompt_pred2
         options.two_layer_max = c.prompt_pred2_max

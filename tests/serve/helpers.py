@@ -67,3 +67,22 @@ def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = TIME
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         time.sleep(0.02)
+
+
+class GatedModel:
+    """The real model behind a gate the test opens: holds the worker inside a forward pass
+    so the queue can be filled deterministically."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.entered.set()
+        if not self.gate.wait(TIMEOUT_S):
+            raise TimeoutError("the test never opened the gate")
+        return self._model(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)

@@ -14,15 +14,10 @@ import pytest
 
 from strata_stream.serve.follower import follow
 from strata_stream.serve.generation import GenerationRequest, SamplingParams
+from strata_stream.serve.jobs import Event, Finished, Job, TextChunk
 from strata_stream.serve.lockstep import STOP, Message, decode, encode, with_seed
 from strata_stream.serve.metrics import ServerMetrics
-from strata_stream.serve.worker import (
-    Event,
-    Finished,
-    GenerationWorker,
-    Job,
-    TextChunk,
-)
+from strata_stream.serve.worker import GenerationWorker
 
 
 class FakeChannel:

@@ -64,6 +64,7 @@ def test_engine_metrics_follow_the_stats_source(served: Served) -> None:
         pred_predicted=4,
         pred_actual=6,
         per_layer_hit_rate=[0.5, None, 1.0],
+        routed=80,
     )
     one_chat(served)  # the worker refreshes its snapshot after each request
     m = scrape(served.url)
@@ -76,6 +77,8 @@ def test_engine_metrics_follow_the_stats_source(served: Served) -> None:
     assert m["strata_arena_slots"] == 16
     assert m["strata_prefetch_precision"] == 0.75
     assert m["strata_prefetch_recall"] == 0.5
+    assert m["strata_expert_routed_total"] == 80
+    assert m["strata_expert_sharing"] == 2.0  # 80 choices over 40 look-ups
     assert m['strata_expert_layer_hit_rate{layer="0"}'] == 0.5
     assert 'strata_expert_layer_hit_rate{layer="1"}' not in m  # no look-ups: no value
     assert m['strata_expert_layer_hit_rate{layer="2"}'] == 1.0

@@ -86,6 +86,7 @@ def test_window_stats_source_maps_the_engine_figures(make_pack) -> None:  # type
         total["pred_actual"],
     )
     assert len(snap["per_layer_hit_rate"]) == g.n_layers
+    assert snap["routed"] == g.n_layers * 16 * g.top_k  # every row of every call
     for rate, d in zip(snap["per_layer_hit_rate"], st["layers"], strict=True):
         assert rate == d["hits"] / (d["hits"] + d["misses"])
 
@@ -98,3 +99,25 @@ def test_cli_has_serve(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     for opt in ("--host", "--port", "--arena-gb", "MODEL"):
         assert opt in out
+
+
+def test_serve_on_a_port_in_use_fails_before_loading_naming_the_port(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import socket
+
+    import strata_stream.serve.loader as loader
+    from strata_stream.cli import main
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model was loaded before the port was bound")
+
+    monkeypatch.setattr(loader, "load_for_serving", never)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = main(["serve", str(tmp_path), "--port", str(port)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"127.0.0.1:{port}" in err and "Traceback" not in err

@@ -12,7 +12,15 @@ import mlx_lm
 import openai
 import pytest
 
-from serve.helpers import MODEL_ID, TIMEOUT_S, Served, client_for, scrape, wait_until
+from serve.helpers import (
+    MODEL_ID,
+    TIMEOUT_S,
+    GatedModel,
+    Served,
+    client_for,
+    scrape,
+    wait_until,
+)
 from strata_stream.serve import BackgroundServer, ServeConfig, create_app
 
 MSG = [{"role": "user", "content": "hello world"}]
@@ -57,25 +65,6 @@ def test_disconnect_mid_stream_stops_the_generation(served: Served) -> None:
         .message.content
     )
     assert again == lone
-
-
-class GatedModel:
-    """The real model behind a gate the test opens: holds the worker inside a forward pass
-    so the queue can be filled deterministically."""
-
-    def __init__(self, model: Any) -> None:
-        self._model = model
-        self.gate = threading.Event()
-        self.entered = threading.Event()
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.entered.set()
-        if not self.gate.wait(TIMEOUT_S):
-            raise TimeoutError("the test never opened the gate")
-        return self._model(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._model, name)
 
 
 @pytest.fixture

@@ -53,8 +53,10 @@ ChunkPlan plan_chunk(const PlanRules& rules, const ChunkRequest& q, std::uint32_
   p.rows = q.rows;
   p.wave_capacity = std::max(1u, wave_capacity);
   p.decode_sized = decode_sized(rules, q.rows, p.wave_capacity);
+  p.decode_path = p.decode_sized || (q.distinct_experts > 0 && q.rows <= rules.decode_batch_rows &&
+                                     q.distinct_experts <= p.wave_capacity);
   // The host computes in waves whatever the size: there is no device pass to overlap.
-  p.executor = p.decode_sized && q.kind != CallKind::External ? Executor::Decode : Executor::Waves;
+  p.executor = p.decode_path && q.kind != CallKind::External ? Executor::Decode : Executor::Waves;
   const bool device_experts = q.kind != CallKind::External;
   p.max_waves = p.executor == Executor::Waves && device_experts
                     ? (std::min(rules.n_experts, q.rows * rules.top_k) + p.wave_capacity - 1) /

@@ -46,6 +46,10 @@ struct PlanRules {
   bool two_layer_prompt = false;    // STRATA_METAL_PROMPT_PRED2: router l+2 for larger chunks
   std::uint32_t two_layer_max = 64; // STRATA_METAL_PROMPT_PRED2_MAX: new l+2 reads per handshake
   std::uint32_t decode_rows = 4;    // a chunk of at most this many rows (whose experts fit) is decode-sized
+  // A routed chunk of at most this many rows (B sequences decoding together) also takes the
+  // decode path while the union of its rows' experts fits one wave: its ids are known before
+  // anything is submitted, so the bound is the union, not rows * top_k.
+  std::uint32_t decode_batch_rows = 64;
   bool split_turn = false;          // every step its own submission
   MoceParams moce;                  // the engine's own route (CallKind::Engine only)
 };
@@ -59,6 +63,9 @@ struct ChunkRequest {
   // Routing given by the caller: whether it brought predictions at distance 1 / 2.
   bool has_pred1 = true, has_pred2 = true;
   Rounding rounding;  // the expert passes' (CallKind::Routed)
+  // Routed and External: how many distinct experts the chunk's rows chose (0: not known, the
+  // engine routes on the device).
+  std::uint32_t distinct_experts = 0;
 };
 
 struct ChunkPlan {
@@ -68,6 +75,9 @@ struct ChunkPlan {
   // Rows and experts small enough for the decode lookahead rule (also on the external path,
   // whose executor is always Waves: the host computes in waves whatever the size).
   bool decode_sized = false;
+  // Decode-sized, or a routed batch whose union of experts fits a wave: the decode path (also
+  // on the external path, where it decides only that the turn's scratch is decode-sized).
+  bool decode_path = false;
   std::uint32_t wave_capacity = 0;  // experts per wave: the Window's share of the arena
   std::uint32_t max_waves = 0;      // Waves on the device: encoded up front in one-piece mode
   Lookahead predict;                // what the handshake uses (I10: never beyond the last layer)

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <ctime>
 #include <stdexcept>
+#include <utility>
 
 #include "common/check.h"
 #include "common/errors.h"
@@ -125,6 +126,7 @@ Window::Window(ExpertStream& stream, std::unique_ptr<Backend> backend,
   buf_.votes.assign(L_.n_experts, 0);
   buf_.seen.assign(L_.n_experts, 0);
   buf_.actual.assign(L_.n_experts, 0);
+  buf_.batch_marks.assign(L_.n_experts, 0);
   buf_.slot_of.assign(L_.n_experts, kAbsent);
   profile_.assign(std::size_t(L_.n_layers) * L_.n_experts, 0);
   const auto snap = stream_.stats().snapshot();
@@ -262,9 +264,10 @@ void Window::finish_turn() {
     owner_ = {};
     next_layer_ = 0;
   }
-  // Without BUF_REUSE a prompt's scratch goes back to the system between turns; a decode-sized
-  // one (a few rows) is not worth the churn.
-  if (!opt_.prompt_buf_reuse && scratch_.rows() > opt_.decode_rows) release_scratch();
+  // Without BUF_REUSE a prompt's scratch goes back to the system between turns; a decode-path
+  // one (a few rows, or a decode batch's at most decode_batch_rows) is not worth the churn.
+  const bool prompt = std::exchange(turn_prompt_, false);
+  if (!opt_.prompt_buf_reuse && prompt && scratch_.rows() > opt_.decode_rows) release_scratch();
 }
 
 void Window::count_urgent(std::uint32_t layer, const RequestResult& r) {
@@ -436,6 +439,7 @@ PlanRules Window::rules() const {
   r.two_layer_prompt = opt_.two_layer_prompt;
   r.two_layer_max = opt_.two_layer_max;
   r.decode_rows = opt_.decode_rows;
+  r.decode_batch_rows = opt_.decode_batch_rows;
   r.split_turn = opt_.split_turn;
   r.moce = opt_.moce;
   return r;
@@ -449,7 +453,7 @@ Lookahead Window::wants_predictions(std::uint32_t layer, std::uint32_t rows) con
 }
 
 ChunkPlan Window::plan(CallKind kind, std::uint32_t layer, std::uint32_t r0, std::uint32_t rows,
-                       const Routed* routed) const {
+                       const Routed* routed) {
   ChunkRequest q;
   q.kind = kind;
   q.layer = layer;
@@ -459,6 +463,17 @@ ChunkPlan Window::plan(CallKind kind, std::uint32_t layer, std::uint32_t r0, std
     q.has_pred1 = routed->pred1 != nullptr;
     q.has_pred2 = routed->pred2 != nullptr;
     q.rounding = routed->rounding;
+    if (rows <= rules_.decode_batch_rows) {  // the union of the rows' experts (ids checked)
+      std::vector<char>& seen = buf_.batch_marks;
+      const std::int32_t* ids = routed->ids + std::size_t(r0) * L_.top_k;
+      for (std::size_t i = 0; i < std::size_t(rows) * L_.top_k; ++i)
+        if (!seen[std::size_t(ids[i])]) {
+          seen[std::size_t(ids[i])] = 1;
+          ++q.distinct_experts;
+        }
+      for (std::size_t i = 0; i < std::size_t(rows) * L_.top_k; ++i)
+        seen[std::size_t(ids[i])] = 0;
+    }
   }
   return plan_chunk(rules_, q, wave_capacity(), spec_cap());
 }
@@ -633,6 +648,7 @@ void Window::abandon_call() {
     wave_seq_ = std::max(wave_seq_, ev->value());
   stream_.release_plan(client_);
   stream_.end_turn(client_);
+  turn_prompt_ = false;  // the next turn judges its own scratch
   std::lock_guard<std::mutex> lk(door_mu_);
   turn_ = TurnKind::None;
   owner_ = {};
@@ -771,6 +787,7 @@ void Window::run_chunk(const ChunkPlan& p, std::uint32_t chunk, const InterruptC
                        const WaveCompute* compute) {
   STRATA_ASSERT((compute != nullptr) == (p.kind == CallKind::External),
                 "the caller computes exactly the external path's experts");
+  if (!p.decode_path) turn_prompt_ = true;
   const Clock::time_point start = Clock::now();  // the governor's trials compare this
   const std::uint64_t v = ++seq_;
   const std::uint64_t first_wave = wave_seq_ + 1;

@@ -65,6 +65,10 @@ struct WindowOptions {
   bool split_turn = false;       // each step its own submission (host works between them)
   std::uint32_t max_rows = 1024; // prompt chunk rows (MT)
   std::uint32_t decode_rows = 4; // T <= this (and its experts fit) takes the decode path
+  // An externally routed call of up to this many rows (B sequences decoding together) takes the
+  // decode path while the union of its rows' experts fits one decode submission: the ids are
+  // known before the submission, so the bound is the union, not rows * top_k.
+  std::uint32_t decode_batch_rows = 64;
   double device_timeout_s = 600; // bound on any single wait for the device
   // Cache-aware routing (STRATA_MOCE*): adjusts the routed selection by residency (moce.h).
   MoceParams moce;
@@ -209,9 +213,10 @@ class Window {
   void check_routed(const Routed& routed, std::uint32_t rows, bool need_weights) const;
   // Copies rows [r0, r0 + n) of the routing into the scratch (ids, weights, predictions).
   void stage_routed(const Routed& routed, std::uint32_t r0, std::uint32_t n);
-  // plan_chunk with this Window's rules, its wave capacity now and the governor's cap now.
+  // plan_chunk with this Window's rules, its wave capacity now and the governor's cap now (and
+  // for a routed chunk the union of its rows' experts, counted in buf_.batch_marks).
   ChunkPlan plan(CallKind kind, std::uint32_t layer, std::uint32_t r0, std::uint32_t rows,
-                 const Routed* routed) const;
+                 const Routed* routed);
   // Runs one planned chunk: the first submission, the host point's bookkeeping, then the
   // plan's executor. Leaves the experts the chunk chose in buf_.chosen, most popular first.
   // compute: the caller's expert pass (CallKind::External).
@@ -298,7 +303,12 @@ class Window {
     std::vector<std::uint32_t> wave_slots;  // the wave's experts' slots (plan_slots)
     std::vector<std::uint32_t> slot_of;     // [n_experts] expert -> slot this wave, else kAbsent
     std::vector<std::uint32_t> entry_slots; // [rows * top_k] the slots compute() is given
+    std::vector<char> batch_marks;          // [n_experts] plan()'s union count, kept zero
   } buf_;
+  // The open turn ran a chunk off the decode path (prompt waves): its scratch is prompt-sized
+  // and goes back at the turn's end (unless BUF_REUSE); a turn of decode-path calls, a batch of
+  // sequences included, keeps its few rows. busy_ holder only.
+  bool turn_prompt_ = false;
 
   // Handshake events. Values only grow: every chunk takes seq_ + 1, every prompt wave
   // wave_seq_ + 1, so a stale signal can never release a later wait.

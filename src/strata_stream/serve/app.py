@@ -9,6 +9,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -28,6 +29,7 @@ from strata_stream.serve.errors import (
     server_error,
 )
 from strata_stream.serve.generation import GenerationRequest, SamplingParams
+from strata_stream.serve.jobs import Event, Finished, Job, Logprobs, TextChunk, TokenLogprob
 from strata_stream.serve.lockstep import RequestChannel
 from strata_stream.serve.metrics import ServerMetrics
 from strata_stream.serve.requests import (
@@ -35,15 +37,7 @@ from strata_stream.serve.requests import (
     CompletionRequest,
     parse_body,
 )
-from strata_stream.serve.worker import (
-    Event,
-    Finished,
-    GenerationWorker,
-    Job,
-    QueueFullError,
-    TextChunk,
-    WorkerStoppedError,
-)
+from strata_stream.serve.worker import GenerationWorker, QueueFullError, WorkerStoppedError
 
 log = logging.getLogger("strata_stream.serve")
 
@@ -80,6 +74,8 @@ def create_app(
         tokenizer,
         max_queue=config.max_queue,
         metrics=metrics,
+        max_batch=config.max_batch,
+        prefill_chunk=config.prefill_chunk,
         stats=stats,
         stats_interval_s=config.stats_interval_s,
         lockstep=lockstep,
@@ -97,6 +93,7 @@ def create_app(
     app = FastAPI(title="strata-stream", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.worker = worker
     app.state.metrics = metrics
+    app.state.drain_s = config.drain_s
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
@@ -181,12 +178,24 @@ class _Routes:
 
     # ---- plain routes ------------------------------------------------------------------------
     async def health(self) -> JSONResponse:
+        """ok; "degraded" (still 200) while generations keep failing (a damaged pack, say:
+        each failure names layer, expert and offset); unavailable (503) without a worker."""
         ok = self._worker.alive
+        errors = self._worker.errors
+        recent = errors.count > 0 and time.perf_counter() - errors.last_at < self._config.degraded_s
         body = {
-            "status": "ok" if ok else "unavailable",
+            "status": "unavailable" if not ok else "degraded" if recent else "ok",
             "model": self._config.model_id,
             "queue_depth": self._worker.queue_depth,
             "queue_capacity": self._worker.max_queue,
+            "batch": self._worker.in_flight,
+            "max_batch": self._worker.max_batch,
+            "errors": {
+                "count": errors.count,
+                "last": errors.last,
+                "seconds_ago": None if not errors.count
+                else round(time.perf_counter() - errors.last_at, 3),
+            },
         }
         return JSONResponse(body, status_code=200 if ok else 503)
 
@@ -215,26 +224,61 @@ class _Routes:
     # ---- generation routes -------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
         req = parse_body(CompletionRequest, await _read_body(request))
+        req.check()
         self._check_model(req.model)
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-            ids = [int(t) for t in prompt]
-            self._check_ids(ids)
-        else:
-            text = prompt if isinstance(prompt, str) else "".join(str(p) for p in prompt)
-            ids = await run_in_threadpool(self._encode, text)
-        gen = self._generation(req.token_budget(), ids, req, param="prompt")
-        fmt = _CompletionFormat(self._config.model_id, "cmpl")
-        return await self._run(request, gen, fmt, req.stream, req.include_usage)
+        gens: list[GenerationRequest] = []
+        texts: list[str | None] = []  # each prompt as text, for echo (None: decode the ids)
+        for prompt in req.prompts():
+            if isinstance(prompt, str):
+                ids = await run_in_threadpool(self._encode, prompt)
+                texts.append(prompt)
+            else:
+                ids = prompt
+                self._check_ids(ids)
+                texts.append(None)
+            gens.append(self._generation(req.token_budget(), ids, req, param="prompt",
+                                         logprobs=req.logprobs, echo=req.echo))  # fmt: skip
+        fmt = _CompletionFormat(self._config.model_id, "cmpl", self._token_text)
+        if req.stream:
+            return self._stream(request, gens[0], fmt, req.include_usage)
+        # Several prompts run as several jobs at once: they batch like separate clients.
+        outs = await asyncio.gather(*(self._collect(request, g) for g in gens))
+        if any(o is None for o in outs):
+            return Response(status_code=499)  # the client went away; nobody reads this answer
+        choices = []
+        for i, (out, gen, text) in enumerate(zip(outs, gens, texts, strict=True)):
+            assert out is not None
+            _raise_for(out.end)
+            if gen.echo:
+                prompt_text = text if text is not None else await run_in_threadpool(
+                    self._decode, list(gen.prompt))  # fmt: skip
+                out.text = prompt_text + out.text
+            choices.append(fmt.choice(i, out, gen.logprobs is not None))
+        return JSONResponse(fmt.complete(choices, [o.end for o in outs if o is not None]))
 
     async def chat_completions(self, request: Request) -> Response:
         req = parse_body(ChatCompletionRequest, await _read_body(request))
+        req.check()
         self._check_model(req.model)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         ids = await run_in_threadpool(self._encode_chat, messages)
-        gen = self._generation(req.token_budget(), ids, req, param="messages")
-        fmt = _ChatFormat(self._config.model_id, "chatcmpl")
-        return await self._run(request, gen, fmt, req.stream, req.include_usage)
+        gen = self._generation(req.token_budget(), ids, req, param="messages", logprobs=req.top())
+        fmt = _ChatFormat(self._config.model_id, "chatcmpl", self._token_text)
+        if req.stream:
+            return self._stream(request, gen, fmt, req.include_usage)
+        out = await self._collect(request, gen)
+        if out is None:
+            return Response(status_code=499)
+        _raise_for(out.end)
+        return JSONResponse(fmt.complete([fmt.choice(0, out, gen.logprobs is not None)], [out.end]))
+
+    def _decode(self, ids: list[int]) -> str:
+        with self._worker.tokenizer_lock:
+            return str(self._tokenizer.decode(ids))
+
+    def _token_text(self, token: int) -> str:
+        with self._worker.tokenizer_lock:
+            return str(self._tokenizer.decode([token]))
 
     def _encode(self, text: str) -> list[int]:
         with self._worker.tokenizer_lock:
@@ -272,6 +316,8 @@ class _Routes:
         req: CompletionRequest | ChatCompletionRequest,
         *,
         param: str,
+        logprobs: int | None = None,
+        echo: bool = False,
     ) -> GenerationRequest:
         n = len(ids)
         if n == 0:
@@ -304,16 +350,10 @@ class _Routes:
             repetition_penalty=req.repetition_penalty,
             seed=req.seed,
         )
-        return GenerationRequest(tuple(ids), budget, sampling, req.stops())
+        return GenerationRequest(tuple(ids), budget, sampling, req.stops(), logprobs, echo)
 
-    async def _run(
-        self,
-        request: Request,
-        gen: GenerationRequest,
-        fmt: _Format,
-        stream: bool,
-        include_usage: bool,
-    ) -> Response:
+    def _submit(self, request: Request, gen: GenerationRequest) -> AsyncGenerator[Event, None]:
+        """Queues the job; its events until Finished (503 at once when the queue is full)."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
 
@@ -327,24 +367,39 @@ class _Routes:
             raise queue_full(self._worker.max_queue) from None
         except WorkerStoppedError as e:
             raise APIError(503, str(e), type="server_error", code="unavailable") from None
-        follow = _follow(request, job, events, self._config.disconnect_poll_s)
-        if stream:
-            return StreamingResponse(
-                _sse(follow, fmt, include_usage),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
-        parts: list[str] = []
-        end: Finished | None = None
-        async for event in follow:
+        return _follow(request, job, events, self._config.disconnect_poll_s)
+
+    def _stream(
+        self, request: Request, gen: GenerationRequest, fmt: _Format, include_usage: bool
+    ) -> Response:
+        follow = self._submit(request, gen)
+        return StreamingResponse(
+            _sse(follow, fmt, include_usage, gen.logprobs is not None),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    async def _collect(self, request: Request, gen: GenerationRequest) -> _Output | None:
+        """The whole answer of one job; None when the client went away."""
+        out = _Output()
+        async for event in self._submit(request, gen):
             if isinstance(event, TextChunk):
-                parts.append(event.text)
+                out.text += event.text
+            elif isinstance(event, Logprobs):
+                out.logprobs.extend(event.entries)
             else:
-                end = event
-        if end is None:  # the client went away; nobody reads this answer
-            return Response(status_code=499)
-        _raise_for(end)
-        return JSONResponse(fmt.complete("".join(parts), end))
+                out.end = event
+                return out
+        return None
+
+
+@dataclass
+class _Output:
+    """One choice's text, the log-probabilities of its tokens (echoed prompt first) and end."""
+
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    end: Finished = field(default_factory=lambda: Finished("error", 0, 0, "no end"))
 
 
 async def _read_body(request: Request) -> bytes:
@@ -397,15 +452,21 @@ def _sse_data(obj: Any) -> bytes:
 
 
 async def _sse(
-    events: AsyncGenerator[Event, None], fmt: _Format, include_usage: bool
+    events: AsyncGenerator[Event, None], fmt: _Format, include_usage: bool, logprobs: bool
 ) -> AsyncIterator[bytes]:
+    # Token log-probabilities ride on the next chunk that carries text (or the final one).
+    pending: list[TokenLogprob] = []
     try:
         first = fmt.first_chunk()
         if first is not None:
             yield _sse_data(first)
         async for event in events:
+            if isinstance(event, Logprobs):
+                pending.extend(event.entries)
+                continue
             if isinstance(event, TextChunk):
-                yield _sse_data(fmt.chunk(event.text, None))
+                yield _sse_data(fmt.chunk(event.text, None, pending if logprobs else None))
+                pending = []
                 continue
             if event.reason in ("error", "cancelled"):
                 try:
@@ -413,33 +474,37 @@ async def _sse(
                 except APIError as e:
                     yield _sse_data(e.body())
                 return
-            yield _sse_data(fmt.chunk("", event.reason))
+            yield _sse_data(fmt.chunk("", event.reason, pending if logprobs else None))
             if include_usage:
-                yield _sse_data(fmt.usage_chunk(event))
+                yield _sse_data(fmt.usage_chunk([event]))
             yield b"data: [DONE]\n\n"
     finally:
         # aclose() runs _follow's finally now (cancelling the job), not at garbage collection.
         await events.aclose()
 
 
-def _usage(end: Finished) -> dict[str, int]:
+def _usage(ends: list[Finished]) -> dict[str, int]:
+    prompt = sum(e.prompt_tokens for e in ends)
+    completion = sum(e.completion_tokens for e in ends)
     return {
-        "prompt_tokens": end.prompt_tokens,
-        "completion_tokens": end.completion_tokens,
-        "total_tokens": end.prompt_tokens + end.completion_tokens,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
     }
 
 
 class _Format:
-    """One response's OpenAI JSON shapes (id and created fixed per response)."""
+    """One response's OpenAI JSON shapes (id and created fixed per response). token_text
+    renders one token id as the text a logprobs entry names."""
 
     object_complete = ""
     object_chunk = ""
 
-    def __init__(self, model_id: str, prefix: str) -> None:
+    def __init__(self, model_id: str, prefix: str, token_text: Callable[[int], str]) -> None:
         self.model_id = model_id
         self.id = f"{prefix}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
+        self.token_text = token_text
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -454,19 +519,33 @@ class _Format:
     def first_chunk(self) -> dict[str, Any] | None:
         return None
 
-    def chunk(self, text: str, finish: str | None) -> dict[str, Any]:
+    def chunk(
+        self, text: str, finish: str | None, logprobs: list[TokenLogprob] | None
+    ) -> dict[str, Any]:
         raise NotImplementedError
 
-    def complete(self, text: str, end: Finished) -> dict[str, Any]:
+    def choice(self, index: int, out: _Output, logprobs: bool) -> dict[str, Any]:
         raise NotImplementedError
 
-    def usage_chunk(self, end: Finished) -> dict[str, Any]:
+    def logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def complete(self, choices: list[dict[str, Any]], ends: list[Finished]) -> dict[str, Any]:
+        body = self._envelope(self.object_complete, choices)
+        body["usage"] = _usage(ends)
+        return body
+
+    def usage_chunk(self, ends: list[Finished]) -> dict[str, Any]:
         body = self._envelope(self.object_chunk, [])
-        body["usage"] = _usage(end)
+        body["usage"] = _usage(ends)
         return body
 
 
 class _ChatFormat(_Format):
+    """Chat logprobs as the OpenAI API gives them: content[i] = {token, logprob, bytes,
+    top_logprobs: [{token, logprob, bytes}]}."""
+
+    object_complete = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
     def first_chunk(self) -> dict[str, Any]:
@@ -478,32 +557,68 @@ class _ChatFormat(_Format):
         }
         return self._envelope(self.object_chunk, [choice])
 
-    def chunk(self, text: str, finish: str | None) -> dict[str, Any]:
+    def _item(self, token: int, logprob: float | None) -> dict[str, Any]:
+        text = self.token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    def logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any]:
+        content = []
+        for e in entries:
+            item = self._item(e.token, e.logprob)
+            item["top_logprobs"] = [self._item(t, lp) for t, lp in e.top]
+            content.append(item)
+        return {"content": content}
+
+    def chunk(
+        self, text: str, finish: str | None, logprobs: list[TokenLogprob] | None
+    ) -> dict[str, Any]:
         delta = {"content": text} if text else {}
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        lp = None if logprobs is None else self.logprobs(logprobs)
+        choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
         return self._envelope(self.object_chunk, [choice])
 
-    def complete(self, text: str, end: Finished) -> dict[str, Any]:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": end.reason,
+    def choice(self, index: int, out: _Output, logprobs: bool) -> dict[str, Any]:
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": out.text},
+            "logprobs": self.logprobs(out.logprobs) if logprobs else None,
+            "finish_reason": out.end.reason,
         }
-        body = self._envelope("chat.completion", [choice])
-        body["usage"] = _usage(end)
-        return body
 
 
 class _CompletionFormat(_Format):
+    """Completion logprobs as the OpenAI legacy API and mlx_lm.server give them: tokens,
+    token_logprobs (None for an echoed prompt's first token), top_logprobs (token -> logprob;
+    None where token_logprobs is), text_offset."""
+
+    object_complete = "text_completion"
     object_chunk = "text_completion"
 
-    def chunk(self, text: str, finish: str | None) -> dict[str, Any]:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    def logprobs(self, entries: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+        tokens, values, tops, offsets = [], [], [], []
+        for e in entries:
+            text = self.token_text(e.token)
+            tokens.append(text)
+            values.append(e.logprob)
+            tops.append(
+                None if e.logprob is None else {self.token_text(t): lp for t, lp in e.top}
+            )
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+                "text_offset": offsets}  # fmt: skip
+
+    def chunk(
+        self, text: str, finish: str | None, logprobs: list[TokenLogprob] | None
+    ) -> dict[str, Any]:
+        lp = None if logprobs is None else self.logprobs(logprobs)
+        choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
         return self._envelope(self.object_chunk, [choice])
 
-    def complete(self, text: str, end: Finished) -> dict[str, Any]:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": end.reason}
-        body = self._envelope("text_completion", [choice])
-        body["usage"] = _usage(end)
-        return body
+    def choice(self, index: int, out: _Output, logprobs: bool) -> dict[str, Any]:
+        return {
+            "index": index,
+            "text": out.text,
+            "logprobs": self.logprobs(out.logprobs) if logprobs else None,
+            "finish_reason": out.end.reason,
+        }

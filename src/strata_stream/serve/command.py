@@ -8,7 +8,7 @@ from pathlib import Path
 
 from strata_stream.errors import ConfigError
 from strata_stream.serve.config import ServeConfig
-from strata_stream.serve.server import LOOPBACK, run_foreground
+from strata_stream.serve.server import LOOPBACK, listen, run_foreground
 
 log = logging.getLogger("strata_stream.serve")
 
@@ -21,6 +21,8 @@ def serve(
     arena_gb: float | None = None,
     model_id: str | None = None,
     max_queue: int = 8,
+    max_batch: int = 8,
+    prefill_chunk: int = 512,
     context_length: int | None = None,
     default_max_tokens: int = 512,
     log_level: str = "info",
@@ -45,6 +47,8 @@ def serve(
     config = ServeConfig(
         model_id=model_id or Path(model_path.rstrip("/")).name or model_path,
         max_queue=max_queue,
+        max_batch=max_batch,
+        prefill_chunk=prefill_chunk,
         context_length=context_length,
         default_max_tokens=default_max_tokens,
     )
@@ -53,10 +57,15 @@ def serve(
         _serve_distributed(model_path, distributed, experts, arena_bytes, config, host, port,
                            log_level)  # fmt: skip
         return
-    loaded = load_for_serving(model_path, arena_bytes=arena_bytes, pack_path=pack_path)
-    app = create_app(loaded.model, loaded.tokenizer, config, stats=loaded.stats)
-    log.info("serving %s as model id '%s'", model_path, config.model_id)
-    run_foreground(app, host, port, log_level=log_level)
+    # The port first: one already in use fails now, not after the model has loaded.
+    sock = listen(host, port)
+    try:
+        loaded = load_for_serving(model_path, arena_bytes=arena_bytes, pack_path=pack_path)
+        app = create_app(loaded.model, loaded.tokenizer, config, stats=loaded.stats)
+        log.info("serving %s as model id '%s'", model_path, config.model_id)
+        run_foreground(app, host, port, log_level=log_level, sock=sock)
+    finally:
+        sock.close()
 
 
 def _serve_distributed(

@@ -6,9 +6,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from strata_stream.serve.jobs import Job
 from strata_stream.serve.lockstep import STOP, RequestChannel
 from strata_stream.serve.metrics import ServerMetrics
-from strata_stream.serve.worker import GenerationWorker, Job
+from strata_stream.serve.worker import GenerationWorker
 
 log = logging.getLogger("strata_stream.serve")
 

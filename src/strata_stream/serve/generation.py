@@ -21,10 +21,16 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class GenerationRequest:
+    """max_tokens may be 0 only with echo (the prompt's log-probabilities alone).
+    logprobs: None for none, else how many top alternatives each token reports (0..20).
+    echo: the prompt's own tokens and log-probabilities come first (serve/logprobs.py)."""
+
     prompt: tuple[int, ...]
     max_tokens: int
     sampling: SamplingParams
     stop: tuple[str, ...] = ()
+    logprobs: int | None = None
+    echo: bool = False
 
 
 __all__ = ["GenerationRequest", "SamplingParams"]

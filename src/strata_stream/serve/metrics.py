@@ -13,6 +13,8 @@ from prometheus_client.registry import Collector
 
 # Time to first token spans ~1 ms (tiny model, warm) to minutes (long prompt, cold arena).
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# Sequences per decode step: powers of two up to the largest batch worth serving.
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 class EngineCollector(Collector):
@@ -73,6 +75,17 @@ class EngineCollector(Collector):
             "strata_prefetch_recall",
             "Routed experts that had been predicted / routed.",
             ratio(correct, num("pred_actual")),
+        )
+        counter(
+            "strata_expert_routed",
+            "Expert choices summed over the rows (sequences, prompt tokens) of every call.",
+            "routed",
+        )
+        routed = num("routed")
+        gauge(
+            "strata_expert_sharing",
+            "Expert choices per expert looked up: above 1 when rows of a call share experts.",
+            ratio(routed, looked),
         )
         per_layer = s.get("per_layer_hit_rate")
         if per_layer is not None:
@@ -143,8 +156,14 @@ class ServerMetrics:
             "Waiting requests accepted before answering 503.",
             registry=r,
         )
+        self.batch_size = Histogram(
+            "strata_serve_batch_size",
+            "Sequences decoded together per decode step.",
+            buckets=_BATCH_BUCKETS,
+            registry=r,
+        )
         self.busy = Gauge(
-            "strata_serve_worker_busy", "1 while the worker is generating.", registry=r
+            "strata_serve_worker_busy", "1 while the worker has sequences in its batch.", registry=r
         )
         self.stats_errors = Counter(
             "strata_serve_stats_errors", "Stats-source calls that raised.", registry=r

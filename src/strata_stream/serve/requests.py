@@ -8,7 +8,13 @@ from __future__ import annotations
 import json
 from typing import Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+)
 
 from strata_stream.serve.errors import APIError, bad_request
 
@@ -18,8 +24,10 @@ class StreamOptions(BaseModel):
 
 
 class _Generation(BaseModel):
-    # OpenAI clients send fields this server does not use (user, logprobs, ...): ignore them.
-    model_config = ConfigDict(extra="ignore")
+    # OpenAI clients send fields this server does not use (user, ...): ignore them.
+    # Numbers must be finite (JSON's NaN and Infinity extensions are refused by name), and a
+    # seed must fit the 64 bits a sampler key holds.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -27,7 +35,7 @@ class _Generation(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -83,20 +91,68 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    def check(self) -> None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request(
+                "Invalid value for 'top_logprobs': it needs logprobs: true",
+                param="top_logprobs", code="invalid_value",
+            )  # fmt: skip
+
+    def top(self) -> int | None:
+        """How many alternatives each token reports; None when logprobs are not asked."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def token_budget(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
 
 class CompletionRequest(_Generation):
-    prompt: str | list[int] | list[str]
+    # A string, token ids, or a list of either (one choice per prompt, index in order).
+    prompt: str | list[int] | list[str] | list[list[int]]
+    # 0 is allowed with echo: the prompt's log-probabilities alone (checked below).
+    max_tokens: int | None = Field(default=None, ge=0)
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=20)
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt: str | list[int] | list[str]) -> str | list[int] | list[str]:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str) and len(prompt) != 1:
-            raise ValueError("only one prompt per request is supported")
+    def _some_prompt(
+        cls, prompt: str | list[int] | list[str] | list[list[int]]
+    ) -> str | list[int] | list[str] | list[list[int]]:
+        if isinstance(prompt, list) and not prompt:
+            raise ValueError("the prompt list is empty")
+        if isinstance(prompt, list) and len(prompt) > 64:
+            raise ValueError("at most 64 prompts per request")
         return prompt
+
+    def check(self) -> None:
+        if self.max_tokens == 0 and not self.echo:
+            raise bad_request(
+                "Invalid value for 'max_tokens': 0 is allowed only with echo: true",
+                param="max_tokens", code="invalid_value",
+            )  # fmt: skip
+        if self.stream and self.echo:
+            raise bad_request(
+                "Invalid value for 'echo': echo is answered whole, not streamed",
+                param="echo", code="invalid_value",
+            )  # fmt: skip
+        if self.stream and len(self.prompts()) > 1:
+            raise bad_request(
+                "Invalid value for 'prompt': streaming takes one prompt per request",
+                param="prompt", code="invalid_value",
+            )  # fmt: skip
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, each a string or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if isinstance(p[0], int):
+            return [[int(t) for t in p]]
+        return list(p)
 
     def token_budget(self) -> int | None:
         return self.max_tokens
@@ -116,6 +172,7 @@ def parse_body(cls: type[R], raw: bytes) -> R:
         return cls.model_validate(body)
     except ValidationError as e:
         raise _validation_error(e) from None
+
 
 
 def _validation_error(e: ValidationError) -> APIError:

@@ -31,22 +31,46 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """Binds host:port before anything slow runs (the model load), so a port already in use
+    fails at once with an error naming it."""
+    try:
+        return bind(host, port)
+    except OSError as e:
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
 def _uvicorn_server(app: Any, log_level: str) -> Any:
     import uvicorn
 
+    class DrainingServer(uvicorn.Server):
+        """SIGTERM / Ctrl-C first tells the worker to drain (serve/worker.py `drain`): the
+        streams in flight end with a finish_reason within the grace, so uvicorn's own
+        graceful wait, a little longer, finds them closed instead of cancelling them."""
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            worker = getattr(getattr(app, "state", None), "worker", None)
+            if worker is not None:
+                worker.drain(drain_s)
+            super().handle_exit(sig, frame)
+
+    drain_s = float(getattr(getattr(app, "state", None), "drain_s", 5.0))
     config = uvicorn.Config(
         app,
         log_level=log_level,
         access_log=False,
         lifespan="on",
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=int(drain_s) + 5,
     )
-    return uvicorn.Server(config)
+    return DrainingServer(config)
 
 
-def run_foreground(app: Any, host: str, port: int, *, log_level: str = "info") -> None:
-    """Serves until interrupted (Ctrl-C / SIGTERM, handled by uvicorn)."""
-    sock = bind(host, port)
+def run_foreground(
+    app: Any, host: str, port: int, *, log_level: str = "info", sock: socket.socket | None = None
+) -> None:
+    """Serves until interrupted (Ctrl-C / SIGTERM, handled by uvicorn), on `sock` when the
+    caller bound it already (`listen`), else on host:port."""
+    sock = sock if sock is not None else listen(host, port)
     bound = sock.getsockname()
     url_host = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
     # The benchmark reads this line to find the port when started with --port 0.

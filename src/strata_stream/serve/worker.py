@@ -1,32 +1,39 @@
-"""The one generation worker thread and its bounded queue.
+"""The generation worker thread and its bounded queue.
 
 The worker owns the model: it is the only thread that runs it (and the only caller of the
 stats source, which reads the engine), so the engine is never entered by two threads at once.
-Requests run one after another in arrival order: the streaming engine's arena holds the experts
-of one token stream, and batching several streams would route each step to the union of their
-experts, raising misses for all of them. HTTP handlers submit Jobs; beyond `max_queue` waiting
-jobs, `submit` raises QueueFullError at once (the route answers 503). Each job's events go back
-through the `deliver` callable the handler supplies (it hands them to the event loop).
+It serves up to `max_batch` requests at once as one continuous batch (serve/batch.py, on
+mlx-lm's BatchGenerator): requests join and leave between decode steps, in arrival order.
+Requests beyond the batch wait in the queue; beyond `max_queue` waiting jobs, `submit` raises
+QueueFullError at once (the route answers 503). Each job's events go back through the
+`deliver` callable the handler supplies (it hands them to the event loop).
+
+Under lockstep (rank 0 of a sharded model, serve/lockstep.py) requests run one at a time, each
+sent to the followers first, as `run_one` runs them there.
 
 Job lifecycle (JobState): QUEUED -> RUNNING -> FINISHED, or QUEUED -> FINISHED when cancelled
 before the worker reached it. `Job.cancel()` may be called from any thread at any time; the
-worker checks it before each decode step and stops generating within one token.
+worker checks it before each decode step, so a cancelled job leaves at the next step.
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from strata_stream.engine_stats import StatsSource
-from strata_stream.serve.generation import GenerationRequest
+from strata_stream.serve.jobs import (
+    Finished,
+    Job,
+    JobState,
+    TextChunk,
+)
 from strata_stream.serve.lockstep import STOP, RequestChannel, with_seed
 from strata_stream.serve.metrics import ServerMetrics
 from strata_stream.serve.stop import StopMatcher
@@ -35,21 +42,15 @@ log = logging.getLogger("strata_stream.serve")
 
 
 @dataclass(frozen=True)
-class TextChunk:
-    text: str
+class ErrorRecord:
+    """Failed generations since start and the last one's message and time (perf_counter)."""
 
+    count: int = 0
+    last: str | None = None
+    last_at: float = 0.0
 
-@dataclass(frozen=True)
-class Finished:
-    """The last event of every job. reason: stop, length, cancelled or error."""
-
-    reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    error: str | None = None
-
-
-Event = TextChunk | Finished
+    def noted(self, message: str) -> ErrorRecord:
+        return ErrorRecord(self.count + 1, message, time.perf_counter())
 
 
 class QueueFullError(Exception):
@@ -60,34 +61,6 @@ class WorkerStoppedError(Exception):
     pass
 
 
-class JobState(enum.Enum):
-    QUEUED = "queued"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-class Job:
-    def __init__(self, request: GenerationRequest, deliver: Callable[[Event], None]) -> None:
-        self.request = request
-        self._deliver = deliver
-        self._cancelled = threading.Event()
-        self.enqueued_at = time.perf_counter()
-        self.state = JobState.QUEUED  # written only by the worker thread (and submit, before)
-
-    def cancel(self) -> None:
-        self._cancelled.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
-
-    def emit(self, event: Event) -> None:
-        try:
-            self._deliver(event)
-        except RuntimeError:  # the handler's event loop is gone: nobody is listening
-            self.cancel()
-
-
 class GenerationWorker:
     def __init__(
         self,
@@ -96,6 +69,8 @@ class GenerationWorker:
         *,
         max_queue: int,
         metrics: ServerMetrics,
+        max_batch: int = 8,
+        prefill_chunk: int = 512,
         stats: StatsSource | None = None,
         stats_interval_s: float = 0.5,
         lockstep: RequestChannel | None = None,
@@ -109,6 +84,16 @@ class GenerationWorker:
         self._stats = stats
         self._stats_interval_s = stats_interval_s
         self.max_queue = max_queue
+        self.max_batch = max_batch
+        self._prefill_chunk = prefill_chunk
+        # Sequences in the batch now (written by the worker thread; /health reads it).
+        self.in_flight = 0
+        # Written by the worker thread only, replaced whole (one reference store), so /health
+        # reads a consistent record without a lock.
+        self.errors = ErrorRecord()
+        # drain(): set once from the signal handler's thread; the worker thread reads it. From
+        # then on no job is admitted, and the batch is cut at the deadline (perf_counter).
+        self._drain_deadline: float | None = None
         # Fast tokenizers raise "Already borrowed" when two threads use one at once; handlers
         # encode prompts and the worker decodes tokens, so both take this lock.
         self.tokenizer_lock = threading.Lock()
@@ -133,9 +118,23 @@ class GenerationWorker:
     def queue_depth(self) -> int:
         return self._queue.qsize()
 
+    def drain(self, grace_s: float) -> None:
+        """Shutting down: refuse new jobs, cancel the waiting ones, let the batch in flight
+        finish for up to grace_s seconds, then end each of its sequences with finish reason
+        "length" (cut before its end), so every stream closes with a finish_reason and
+        [DONE] rather than being cut by the server's exit."""
+        if self._drain_deadline is None:
+            self._drain_deadline = time.perf_counter() + grace_s
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_deadline is not None
+
     def submit(self, job: Job) -> None:
         if not self.alive:
             raise WorkerStoppedError("the generation worker is not running")
+        if self.draining:
+            raise WorkerStoppedError("the server is shutting down")
         try:
             self._queue.put_nowait(job)
         except queue.Full:
@@ -154,6 +153,10 @@ class GenerationWorker:
     # ---- the worker thread -------------------------------------------------------------------
     def _run(self) -> None:
         self._refresh_stats()
+        if self._lockstep is None:
+            self._run_batched()
+            self._drain()
+            return
         while not self._stop.is_set():
             try:
                 job = self._queue.get(timeout=0.1)
@@ -162,6 +165,10 @@ class GenerationWorker:
             self._metrics.queue_wait.observe(time.perf_counter() - job.enqueued_at)
             if job.cancelled or self._stop.is_set():
                 self._finish(job, Finished("cancelled", len(job.request.prompt), 0))
+                continue
+            if job.request.echo or job.request.logprobs is not None:
+                why = "logprobs and echo are not served across ranks (--pipeline/--tensor) yet"
+                self._finish(job, Finished("error", len(job.request.prompt), 0, error=why))
                 continue
             job.state = JobState.RUNNING
             self._running = job
@@ -174,6 +181,7 @@ class GenerationWorker:
             except Exception as e:  # a failed request must not take the server down
                 log.exception("generation failed")
                 result = Finished("error", len(job.request.prompt), 0, error=str(e))
+                self.errors = self.errors.noted(str(e))
             finally:
                 self._running = None
                 self._metrics.busy.set(0)
@@ -182,6 +190,65 @@ class GenerationWorker:
         if self._lockstep is not None:
             self._lockstep.send(STOP)
         self._drain()
+
+    def _run_batched(self) -> None:
+        from strata_stream.serve.batch import ContinuousBatch
+
+        batch = ContinuousBatch(
+            self._model,
+            self._tokenizer,
+            max_batch=self.max_batch,
+            prefill_chunk=self._prefill_chunk,
+            metrics=self._metrics,
+            tokenizer_lock=self.tokenizer_lock,
+            finish=self._finish,
+            on_error=self._note_error,
+        )
+        last_stats = time.perf_counter()
+        try:
+            while not self._stop.is_set():
+                if self._drain_deadline is None:
+                    self._admit(batch)
+                else:
+                    self._drain()  # waiting jobs never start: they get 503
+                    if time.perf_counter() >= self._drain_deadline:
+                        batch.cut("length")
+                    elif not len(batch):
+                        time.sleep(0.05)
+                batch.drop_cancelled(stopping=False)
+                self.in_flight = len(batch)
+                self._metrics.busy.set(1 if len(batch) else 0)
+                if not len(batch):
+                    continue
+                batch.step()
+                if not len(batch) or time.perf_counter() - last_stats >= self._stats_interval_s:
+                    last_stats = time.perf_counter()
+                    self._refresh_stats()
+        finally:
+            batch.drop_cancelled(stopping=True)
+            self.in_flight = 0
+            self._metrics.busy.set(0)
+
+    def _admit(self, batch: Any) -> None:
+        """Moves waiting jobs into the batch while it has room; waits briefly when idle."""
+        while len(batch) < self.max_batch:
+            try:
+                job = self._queue.get(timeout=0.1) if not len(batch) else self._queue.get_nowait()
+            except queue.Empty:
+                return
+            self._metrics.queue_wait.observe(time.perf_counter() - job.enqueued_at)
+            if job.cancelled or self._stop.is_set():
+                self._finish(job, Finished("cancelled", len(job.request.prompt), 0))
+                continue
+            try:
+                batch.admit(job)
+            except Exception as e:  # a request the generator refuses fails alone
+                log.exception("admitting a request failed")
+                self._note_error(str(e))
+                self._finish(job, Finished("error", len(job.request.prompt), 0, error=str(e)))
+
+    def _note_error(self, message: str) -> None:
+        self.errors = self.errors.noted(message)
 
     def _drain(self) -> None:
         while True:

@@ -1,0 +1,206 @@
+"""The continuous batch: requests join and leave mlx-lm's BatchGenerator between decode steps.
+
+mlx-lm's `BatchGenerator` (the primitive mlx_lm.server batches with) holds a prompt batch and a
+generation batch: each `next()` runs one decode step for every generating sequence, then one
+chunk (at most `prefill_chunk` tokens) of the prompts still being prefilled, so a long prompt
+is spread over many steps instead of stalling every decoding client for its whole length. A
+streamed model takes it unchanged: a decode step of B sequences is one routed engine call of B
+rows per MoE layer, which reads the union of their experts once and computes every row bitwise
+as alone (tests/test_mlx_lm_batched.py).
+
+`ContinuousBatch` is driven by the generation worker's thread alone (it owns the model): it
+admits jobs (at most `max_batch` at once: the worker keeps the rest queued), drops the
+cancelled ones before each step, turns each step's tokens into text (per-sequence detokenizer,
+stop strings held back as in serve/stop.py) and finishes sequences on EOS, a stop string, their
+length, cancellation or an error of the step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from strata_stream.serve.jobs import Finished, Job, JobState, Logprobs, TextChunk
+from strata_stream.serve.logprobs import as_row, entry, prompt_logprobs
+from strata_stream.serve.metrics import ServerMetrics
+from strata_stream.serve.sampling import make_processors, make_sampler
+from strata_stream.serve.stop import StopMatcher
+
+log = logging.getLogger("strata_stream.serve")
+
+
+@dataclass
+class _Sequence:
+    """One admitted request: its place in the generator and its progress."""
+
+    job: Job
+    uid: int
+    detok: Any
+    stop: StopMatcher
+    admitted_at: float
+    first_at: float | None = None
+    sampled: int = 0  # tokens sampled, EOS included: the work done
+    completion: int = 0  # tokens in the answer
+
+
+class ContinuousBatch:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        max_batch: int,
+        prefill_chunk: int,
+        metrics: ServerMetrics,
+        tokenizer_lock: Any,
+        finish: Callable[[Job, Finished], None],
+        on_error: Callable[[str], None] = lambda message: None,
+    ) -> None:
+        self._model = model
+        self._tokenizer = tokenizer
+        self._max_batch = max_batch
+        self._prefill_chunk = prefill_chunk
+        self._metrics = metrics
+        self._lock = tokenizer_lock
+        self._finish_job = finish
+        self._on_error = on_error
+        self._eos = sorted(set(tokenizer.eos_token_ids))
+        self._seqs: dict[int, _Sequence] = {}
+        self._gen = self._new_generator()
+
+    def _new_generator(self) -> Any:
+        from mlx_lm.generate import BatchGenerator
+
+        return BatchGenerator(
+            self._model,
+            completion_batch_size=self._max_batch,
+            prefill_batch_size=self._max_batch,
+            prefill_step_size=self._prefill_chunk,
+        )
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    # ---- joining and leaving -----------------------------------------------------------------
+    def admit(self, job: Job) -> None:
+        """Inserts the job; it starts prefilling at the next step. With echo, the prompt's
+        log-probabilities are computed first, here (one pass between two steps); with echo
+        and max_tokens 0 that is the whole answer."""
+        from mlx_lm.generate import StopSequences
+
+        req = job.request
+        job.state = JobState.RUNNING
+        if req.echo:
+            try:
+                scored = prompt_logprobs(self._model, req.prompt, req.logprobs or 0)
+            except Exception as e:
+                log.exception("scoring a prompt failed")
+                self._on_error(str(e))
+                self._finish_job(job, Finished("error", len(req.prompt), 0, error=str(e)))
+                return
+            job.emit(Logprobs(scored, True))
+            if req.max_tokens == 0:
+                self._metrics.prompt_tokens.inc(len(req.prompt))
+                self._finish_job(job, Finished("length", len(req.prompt), 0))
+                return
+        with self._lock:
+            detok = self._tokenizer.detokenizer
+        (uid,) = self._gen.insert(
+            [list(req.prompt)],
+            max_tokens=[req.max_tokens],
+            samplers=[make_sampler(req.sampling)],
+            logits_processors=[make_processors(req.sampling)],
+            stop_sequences=[StopSequences([(t,) for t in self._eos])],
+        )
+        self._seqs[uid] = _Sequence(job, uid, detok, StopMatcher(req.stop), time.perf_counter())
+
+    def drop_cancelled(self, stopping: bool) -> None:
+        """Sequences whose client went away (or all, when the server stops) leave now."""
+        gone = [s for s in self._seqs.values() if stopping or s.job.cancelled]
+        if gone:
+            self._gen.remove([s.uid for s in gone])
+            for s in gone:
+                self._end(s, "cancelled")
+
+    def cut(self, reason: str) -> None:
+        """Ends every sequence now with `reason` and the text it has (a shutdown's grace is
+        over)."""
+        if self._seqs:
+            self._gen.remove(list(self._seqs))
+            for s in list(self._seqs.values()):
+                self._end(s, reason)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def step(self) -> int:
+        """One decode step for the generating sequences and one prefill chunk; returns how
+        many sequences decoded. An error fails every sequence in the batch (their caches may be
+        half-written) and starts a fresh generator."""
+        try:
+            _, responses = self._gen.next()
+        except Exception as e:  # a failed step must not take the server down
+            log.exception("a batch step failed")
+            self._on_error(str(e))
+            for s in list(self._seqs.values()):
+                self._end(s, "error", str(e))
+            self._gen = self._new_generator()
+            return 0
+        if responses:
+            self._metrics.batch_size.observe(len(responses))
+        for r in responses:
+            seq = self._seqs.get(r.uid)
+            if seq is not None:
+                self._token(seq, int(r.token), r.finish_reason, r.logprobs)
+        return len(responses)
+
+    def _token(self, s: _Sequence, token: int, finish: str | None, logprobs: Any) -> None:
+        m = self._metrics
+        s.sampled += 1
+        m.generated_tokens.inc()
+        now = time.perf_counter()
+        if s.first_at is None:
+            s.first_at = now
+            m.ttft.observe(now - s.admitted_at)
+            n_prompt = len(s.job.request.prompt)
+            m.prompt_tokens.inc(n_prompt)
+            m.prompt_tps.set(n_prompt / max(now - s.admitted_at, 1e-9))
+        if finish == "stop":  # the generator matched EOS: not part of the answer
+            self._end(s, "stop")
+            return
+        s.completion += 1
+        top = s.job.request.logprobs
+        if top is not None:
+            s.job.emit(Logprobs((entry(as_row(logprobs), token, top),)))
+        with self._lock:
+            s.detok.add_token(token)
+            segment = s.detok.last_segment
+        text, hit = s.stop.feed(segment)
+        if text:
+            s.job.emit(TextChunk(text))
+        if hit:
+            self._gen.remove([s.uid])
+            self._end(s, "stop")
+        elif finish is not None:  # the length: the generator has let it go
+            self._end(s, "length")
+
+    def _end(self, s: _Sequence, reason: str, error: str | None = None) -> None:
+        del self._seqs[s.uid]
+        if reason in ("stop", "length") and not s.stop.matched:
+            with self._lock:
+                s.detok.finalize()
+                segment = s.detok.last_segment
+            text, hit = s.stop.feed(segment)
+            if hit:
+                reason = "stop"
+            else:
+                text += s.stop.flush()
+            if text:
+                s.job.emit(TextChunk(text))
+        if s.first_at is not None and s.sampled > 1:
+            self._metrics.decode_tps.set(
+                (s.sampled - 1) / max(time.perf_counter() - s.first_at, 1e-9)
+            )
+        prompt = len(s.job.request.prompt)
+        self._finish_job(s.job, Finished(reason, prompt, s.completion, error=error))

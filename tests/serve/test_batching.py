@@ -1,0 +1,392 @@
+"""Continuous batching (serve/batch.py) over a model whose experts stream through a small arena:
+clients served together get exactly the text each gets alone; requests join and leave between
+decode steps; a client that goes away leaves at the next step; a long prompt prefilled in
+chunks leaves the others' text unchanged; seeded sampling does not depend on the batch; the
+batch bound holds, then the queue, then 503."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from serve.helpers import MODEL_ID, TIMEOUT_S, GatedModel, client_for, scrape, wait_until
+from strata_stream.config import StreamConfig
+from strata_stream.convert import convert
+from strata_stream.mlx_lm import load, stats_source
+from strata_stream.pack.reader import ExpertPack
+from strata_stream.serve import BackgroundServer, ServeConfig, create_app
+
+PROMPTS = [
+    "hello world",
+    "the water is hot",
+    "a model of the arena",
+    "you can write",
+    "what is the time",
+    "he was in the water",
+    "read the stream",
+    "one layer two layer",
+]
+
+
+@pytest.fixture(scope="module")
+def streamed(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The tiny model with its experts in a quarter-size arena (CPU experts, MLX's arithmetic:
+    bitwise plain mlx-lm), loaded once; each test wraps it in its own server."""
+    pack = convert(tiny_path, tmp_path_factory.mktemp("pack") / "experts.strpk", progress=False)
+    with ExpertPack.open(pack) as p:
+        records, stride, top_k = p.geometry.n_records, p.record_stride, p.geometry.top_k
+    arena = max(records * stride // 4, 2 * top_k * stride)
+    model, tok = load(str(tiny_path), pack_path=pack, arena_bytes=arena, experts="cpu",
+                      config=StreamConfig(direct_io=False, persist_profile=False),
+                      progress=False)  # fmt: skip
+    try:
+        yield model, tok
+    finally:
+        model.strata_engine.close()
+
+
+Serve = Callable[..., Any]
+
+
+@pytest.fixture
+def serve(streamed: Any) -> Iterator[Serve]:
+    """serve(gated=False, **ServeConfig fields) -> (url, gate or None): a server over the
+    streamed model for this test."""
+    model, tok = streamed
+    stack: list[Any] = []
+
+    def start(gated: bool = False, **cfg: Any) -> tuple[str, GatedModel | None]:
+        m = GatedModel(model) if gated else None
+        if m is not None:
+            stack.append(m)
+        config = ServeConfig(model_id=MODEL_ID, stats_interval_s=0.05, **cfg)
+        app = create_app(m or model, tok, config, stats=stats_source(model))
+        server = BackgroundServer(app, timeout_s=TIMEOUT_S)
+        stack.append(server.__enter__())
+        return server.url, m
+
+    try:
+        yield start
+    finally:
+        for item in reversed(stack):
+            if isinstance(item, GatedModel):
+                item.gate.set()
+            else:
+                item.__exit__(None, None, None)
+
+
+def chat(client: openai.OpenAI, content: str, max_tokens: int, stream: bool = False,
+         **kw: Any) -> str:  # fmt: skip
+    msgs: Any = [{"role": "user", "content": content}]
+    if not stream:
+        r = client.chat.completions.create(model=MODEL_ID, messages=msgs, max_tokens=max_tokens,
+                                           temperature=kw.pop("temperature", 0), **kw)  # fmt: skip
+        return r.choices[0].message.content or ""
+    chunks = client.chat.completions.create(model=MODEL_ID, messages=msgs, max_tokens=max_tokens,
+                                            temperature=kw.pop("temperature", 0), stream=True,
+                                            **kw)  # fmt: skip
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def alone(url: str, prompts: list[str], max_tokens: int, **kw: Any) -> dict[str, str]:
+    client = client_for(url)
+    return {p: chat(client, p, max_tokens, **kw) for p in prompts}
+
+
+def concurrently(calls: list[Callable[[], Any]]) -> list[Any]:
+    out: list[Any] = [None] * len(calls)
+
+    def run(i: int) -> None:
+        try:
+            out[i] = calls[i]()
+        except BaseException as e:
+            out[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT_S * 2)
+    return out
+
+
+def health(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(url + "/health", timeout=TIMEOUT_S) as r:
+        body: dict[str, Any] = json.loads(r.read())
+    return body
+
+
+def waiting_or_in_batch(url: str) -> int:
+    body = health(url)
+    return int(body["queue_depth"]) + int(body["batch"])
+
+
+def batch_steps(url: str) -> tuple[float, float, float]:
+    """(decode steps, sequences decoded over them, steps of one sequence) from /metrics."""
+    m = scrape(url)
+    return (
+        m["strata_serve_batch_size_count"],
+        m["strata_serve_batch_size_sum"],
+        m['strata_serve_batch_size_bucket{le="1.0"}'],
+    )
+
+
+def test_clients_served_together_get_their_alone_text(serve: Serve) -> None:
+    url, gate = serve(gated=True, max_batch=8)
+    assert gate is not None
+    gate.gate.set()
+    want = alone(url, PROMPTS, 24)
+    assert len(set(want.values())) == len(PROMPTS)  # different answers: cross-talk would show
+    gate.gate.clear()
+    client = client_for(url)
+    calls = [
+        lambda p=p, i=i: chat(client, p, 24, stream=bool(i % 2)) for i, p in enumerate(PROMPTS)
+    ]
+    steps0, seqs0, _ = batch_steps(url)
+    results: list[Any] = []
+    runner = threading.Thread(target=lambda: results.extend(concurrently(calls)))
+    runner.start()
+    # The first request holds the worker inside the model; the others queue (or were admitted
+    # with it), then decode together when the gate opens.
+    wait_until(lambda: waiting_or_in_batch(url) == len(PROMPTS), "every request to arrive")
+    gate.gate.set()
+    runner.join(TIMEOUT_S * 2)
+    assert dict(zip(PROMPTS, results, strict=True)) == want
+    steps, seqs, _ = batch_steps(url)
+    assert seqs - seqs0 > steps - steps0  # some steps decoded several sequences at once
+    m = scrape(url)
+    assert m["strata_serve_queue_wait_seconds_count"] >= 2 * len(PROMPTS)
+    # Expert choices summed over rows against experts looked up (once per call): a batch of 8
+    # over 8 experts, top-2, shares.
+    wait_until(lambda: scrape(url).get("strata_expert_sharing", 0.0) > 1.0, "shared experts")
+    m = scrape(url)
+    looked = m["strata_expert_hits_total"] + m["strata_expert_misses_total"]
+    assert m["strata_expert_sharing"] == m["strata_expert_routed_total"] / looked
+
+
+def test_requests_join_and_leave_mid_batch(serve: Serve) -> None:
+    url, _ = serve(max_batch=4)
+    want = alone(url, PROMPTS[:3], 40)
+    want_short = alone(url, PROMPTS[3:5], 6)
+    client = client_for(url)
+    got: dict[str, str] = {}
+    started = threading.Event()
+
+    def long_one() -> None:
+        parts = []
+        stream = client.chat.completions.create(
+            model=MODEL_ID, messages=[{"role": "user", "content": PROMPTS[0]}],
+            max_tokens=40, temperature=0, stream=True,
+        )  # fmt: skip
+        for c in stream:
+            if c.choices and c.choices[0].delta.content:
+                parts.append(c.choices[0].delta.content)
+                started.set()
+        got[PROMPTS[0]] = "".join(parts)
+
+    t = threading.Thread(target=long_one)
+    t.start()
+    assert started.wait(TIMEOUT_S)
+    # Short requests join while the long one decodes and leave before it ends; another long
+    # one joins after them.
+    short = concurrently([lambda p=p: chat(client, p, 6) for p in PROMPTS[3:5]])
+    late = chat(client, PROMPTS[1], 40)
+    t.join(TIMEOUT_S)
+    assert dict(zip(PROMPTS[3:5], short, strict=True)) == want_short
+    assert late == want[PROMPTS[1]]
+    assert got[PROMPTS[0]] == want[PROMPTS[0]]
+    steps, seqs, _ = batch_steps(url)
+    assert seqs > steps
+
+
+def test_a_disconnected_client_leaves_the_batch_at_the_next_step(serve: Serve) -> None:
+    url, _ = serve(max_batch=4)
+    want = alone(url, [PROMPTS[2]], 60)[PROMPTS[2]]
+    client = client_for(url)
+    cancelled = 'strata_serve_generations_total{reason="cancelled"}'
+    before = scrape(url)
+    other: list[str] = []
+    t = threading.Thread(target=lambda: other.append(chat(client, PROMPTS[2], 60, stream=True)))
+    stream = client.chat.completions.create(
+        model=MODEL_ID, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=4000,
+        temperature=0, stream=True,
+    )  # fmt: skip
+    t.start()
+    got = 0
+    for chunk in stream:
+        got += bool(chunk.choices and chunk.choices[0].delta.content)
+        if got == 5:
+            break
+    stream.close()
+    wait_until(lambda: scrape(url).get(cancelled, 0.0) == before.get(cancelled, 0.0) + 1,
+               "the server to drop the disconnected sequence")  # fmt: skip
+    t.join(TIMEOUT_S)
+    assert other == [want]  # the other sequence went on, its text unchanged
+    wait_until(lambda: scrape(url)["strata_serve_worker_busy"] == 0, "the batch to empty")
+    after = scrape(url)
+    spent = (
+        after["strata_serve_generated_tokens_total"] - before["strata_serve_generated_tokens_total"]
+    )
+    assert spent < 4000  # the disconnected one stopped long before its budget
+
+
+def test_a_long_prompt_prefilled_in_chunks_leaves_the_others_text_unchanged(
+    serve: Serve,
+) -> None:
+    url, _ = serve(max_batch=4, prefill_chunk=16)
+    want = alone(url, PROMPTS[:3], 30)
+    long_prompt = " ".join(["the water is hot and you can write"] * 40)  # ~320 tokens: 20 chunks
+    want_long = alone(url, [long_prompt], 8)[long_prompt]
+    client = client_for(url)
+    started = threading.Event()
+    results: dict[str, str] = {}
+
+    def decode_one(p: str) -> None:
+        parts = []
+        stream = client.chat.completions.create(
+            model=MODEL_ID, messages=[{"role": "user", "content": p}], max_tokens=30,
+            temperature=0, stream=True,
+        )  # fmt: skip
+        for c in stream:
+            if c.choices and c.choices[0].delta.content:
+                parts.append(c.choices[0].delta.content)
+                started.set()
+        results[p] = "".join(parts)
+
+    threads = [threading.Thread(target=decode_one, args=(p,)) for p in PROMPTS[:3]]
+    for t in threads:
+        t.start()
+    assert started.wait(TIMEOUT_S)
+    results[long_prompt] = chat(client, long_prompt, 8)
+    for t in threads:
+        t.join(TIMEOUT_S)
+    assert {p: results[p] for p in PROMPTS[:3]} == want
+    assert results[long_prompt] == want_long
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(serve: Serve) -> None:
+    url, _ = serve(max_batch=8)
+    kw = {"temperature": 1.0, "seed": 1234, "top_p": 0.9}
+    want = alone(url, [PROMPTS[0]], 20, **kw)[PROMPTS[0]]
+    assert alone(url, [PROMPTS[0]], 20, **kw)[PROMPTS[0]] == want  # the seed decides
+    other = alone(url, [PROMPTS[0]], 20, temperature=1.0, seed=99)[PROMPTS[0]]
+    assert other != want
+    client = client_for(url)
+    calls: list[Callable[[], Any]] = [lambda: chat(client, PROMPTS[0], 20, **dict(kw))]
+    calls += [lambda p=p: chat(client, p, 20, temperature=1.0) for p in PROMPTS[1:6]]
+    results = concurrently(calls)
+    assert results[0] == want
+
+
+def test_the_batch_bound_then_the_queue_then_503(serve: Serve) -> None:
+    url, gate = serve(gated=True, max_batch=1, max_queue=1)
+    assert gate is not None
+    client = client_for(url)
+    results: list[Any] = []
+    # One at a time: two requests arriving before the worker takes the first would find the
+    # one-place queue full.
+    first = threading.Thread(target=lambda: results.extend(concurrently(
+        [lambda: chat(client, PROMPTS[0], 4)])))  # fmt: skip
+    first.start()
+    assert gate.entered.wait(TIMEOUT_S)  # in the batch, held inside the model
+    second = threading.Thread(target=lambda: results.extend(concurrently(
+        [lambda: chat(client, PROMPTS[1], 4)])))  # fmt: skip
+    second.start()
+    wait_until(lambda: health(url)["queue_depth"] == 1, "the second to queue")
+    assert health(url)["batch"] == 1  # the batch is full at one: the second waits
+    with pytest.raises(openai.APIStatusError) as e:  # the gate is still closed: answered at once
+        chat(client, PROMPTS[2], 4)
+    assert e.value.status_code == 503 and e.value.code == "queue_full"
+    gate.gate.set()
+    first.join(TIMEOUT_S)
+    second.join(TIMEOUT_S)
+    assert len(results) == 2 and all(isinstance(r, str) and r for r in results)
+
+
+def test_max_batch_bounds_every_decode_step(serve: Serve) -> None:
+    url, _ = serve(max_batch=2)
+    want = alone(url, PROMPTS[:5], 12)
+    steps0, _, _ = batch_steps(url)
+    client = client_for(url)
+    results = concurrently([lambda p=p: chat(client, p, 12) for p in PROMPTS[:5]])
+    assert dict(zip(PROMPTS[:5], results, strict=True)) == want
+    m = scrape(url)
+    steps = m["strata_serve_batch_size_count"]
+    assert steps > steps0
+    assert m['strata_serve_batch_size_bucket{le="2.0"}'] == steps  # never more than two
+    assert m["strata_serve_batch_size_sum"] > m['strata_serve_batch_size_bucket{le="1.0"}']
+
+
+def test_health_goes_degraded_while_reads_fail(
+    tiny_path: Path, tmp_path: Path
+) -> None:
+    """A damaged pack: every request fails naming layer, expert and offset (500), and /health
+    reports the errors and says "degraded" (still 200: the server answers)."""
+    import os
+
+    pack = convert(tiny_path, tmp_path / "experts.strpk", progress=False)
+    with ExpertPack.open(pack) as p:
+        top_k, stride = p.geometry.top_k, p.record_stride
+        first, end = p.records_offset, p.file_bytes
+    model, tok = load(str(tiny_path), pack_path=pack, arena_bytes=2 * top_k * stride,
+                      experts="cpu", config=StreamConfig(direct_io=False, persist_profile=False),
+                      progress=False)  # fmt: skip
+    try:
+        fd = os.open(pack, os.O_WRONLY)
+        try:  # every record's bytes now disagree with its checksum
+            os.pwrite(fd, b"\x5a" * (end - first), first)
+        finally:
+            os.close(fd)
+        app = create_app(model, tok, ServeConfig(model_id=MODEL_ID), stats=stats_source(model))
+        with BackgroundServer(app, timeout_s=TIMEOUT_S) as server:
+            assert health(server.url)["status"] == "ok"
+            client = client_for(server.url)
+            for _ in range(2):
+                with pytest.raises(openai.InternalServerError) as e:
+                    chat(client, PROMPTS[0], 4)
+                assert "layer" in str(e.value) and "expert" in str(e.value)
+            body = health(server.url)
+    finally:
+        model.strata_engine.close()
+    assert body["status"] == "degraded"
+    assert body["errors"]["count"] == 2
+    assert "layer" in body["errors"]["last"] and body["errors"]["seconds_ago"] >= 0
+
+
+def test_sigterm_drains_the_streams_in_flight_then_ends_each_with_a_finish_reason(
+    streamed: Any,
+) -> None:
+    import signal
+
+    model, tok = streamed
+    app = create_app(model, tok, ServeConfig(model_id=MODEL_ID, drain_s=0.5))
+    with BackgroundServer(app, timeout_s=TIMEOUT_S) as server:
+        client = client_for(server.url)
+        want = chat(client, PROMPTS[1], 3)  # short enough to finish within the grace
+        streams = [
+            client.chat.completions.create(
+                model=MODEL_ID, messages=[{"role": "user", "content": p}], max_tokens=n,
+                temperature=0, stream=True,
+            )  # fmt: skip
+            for p, n in ((PROMPTS[0], 4000), (PROMPTS[1], 3))
+        ]
+        first = [next(iter(s)) for s in streams]  # both are in the batch
+        assert all(c.choices for c in first)
+        server._server.handle_exit(signal.SIGTERM, None)  # what uvicorn's signal handler calls
+        ends = []
+        texts = []
+        for s, c in zip(streams, first, strict=True):
+            chunks = [c, *s]  # read to [DONE]: the stream ends normally, no error event
+            texts.append("".join(x.choices[0].delta.content or "" for x in chunks if x.choices))
+            ends.append([x.choices[0].finish_reason for x in chunks
+                         if x.choices and x.choices[0].finish_reason])  # fmt: skip
+        assert ends == [["length"], ["length"]]
+        assert texts[1] == want  # the short one finished within the grace, unchanged
+        assert 0 < len(texts[0].split()) < 4000  # the long one was cut at the grace's end
