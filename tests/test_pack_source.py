@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import strata_stream
 from strata_stream.convert import convert
 from strata_stream.convert import source as source_mod
 from strata_stream.convert.pack_cache import default_pack_path, ensure_pack, stale_reason
@@ -27,8 +28,6 @@ from strata_stream.convert.share import WHOLE
 from strata_stream.errors import PackError
 from strata_stream.pack import ExpertPack
 from test_convert import _synthetic
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _rebuild(path: Path, seed: int) -> None:
@@ -128,10 +127,17 @@ print(ensure_pack(Path(sys.argv[1]), out, progress=False), flush=True)
 """
 
 
+def _child_path() -> str:
+    """The children import the strata_stream this process imported (an editable checkout, or
+    an install elsewhere such as pip --target), and keep the rest of its PYTHONPATH."""
+    here = str(Path(strata_stream.__file__).resolve().parents[1])
+    return os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
+
+
 def _converter(ckpt: Path, out: str, slow: float, env: dict[str, str]) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-c", _SLOW_CONVERT, str(ckpt), out, str(slow)],
-        env={**os.environ, **env, "PYTHONPATH": str(ROOT / "src")},
+        env={**os.environ, **env, "PYTHONPATH": _child_path()},
         stdout=subprocess.PIPE,
         text=True,
     )

@@ -245,7 +245,7 @@ def test_streamer_pipeline_and_caches_work_unchanged(
     assert streamed_text(model) == want
 
     def piped(m: Any) -> str:
-        pipe = transformers.pipeline("text-generation", model=m, tokenizer=tokenizer)
+        pipe = transformers.pipeline("text-generation", model=m, tokenizer=tokenizer, device="cpu")
         out: str = pipe("w4 w5", max_new_tokens=5, do_sample=False)[0]["generated_text"]
         return out
 
