@@ -49,6 +49,15 @@ def test_window_threads_out_of_range_names_the_argument(stream: ExpertStream) ->
         assert not w.closed
 
 
+def test_wants_predictions_rows_are_checked_once_by_the_binding(stream: ExpertStream) -> None:
+    with Window(stream) as w:
+        with pytest.raises(ConfigError, match=r"rows must be 0\.\.4294967295, got -1"):
+            w.wants_predictions(0, -1)
+        with pytest.raises(TypeError, match="rows must be an int, got bool"):
+            w.wants_predictions(0, True)
+        assert w.wants_predictions(0, np.int64(1)) == w.wants_predictions(0, 1)
+
+
 def test_slot_bytes_out_of_range_names_the_slot(stream: ExpertStream) -> None:
     n = stream.n_slots
     with pytest.raises(IndexError, match=rf"slot -1 out of range \[0, {n}\)"):

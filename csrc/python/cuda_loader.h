@@ -39,14 +39,11 @@ inline const cuda::BackendFactory* load_cuda_factory(std::string* why) {
   }
 }
 
-}  // namespace strata::python
-
-namespace strata::python {
-
-// The CUDA backend in the registry (exec/backend_registry.h): strata_stream._cuda is imported
-// once, on the first Window that may want it (with the GIL), and its factory registered as
-// "cuda". Where it is missing or no GPU can run it, "cuda" stays unregistered ("auto" then
-// takes another backend) and `required` (backend="cuda") raises ConfigError naming why.
+// The CUDA backend in the registry (exec/backend_registry.h): every Window that may want it
+// (backend "cuda" or "auto") looks for strata_stream._cuda, with the GIL, until it has loaded
+// once; from then on its factory is registered as "cuda". Where it is missing or no GPU can run
+// it, "cuda" stays unregistered ("auto" then takes another backend) and `required`
+// (backend="cuda") raises ConfigError naming why.
 inline std::atomic<const cuda::BackendFactory*>& cuda_factory_slot() {
   static std::atomic<const cuda::BackendFactory*> f{nullptr};
   return f;
@@ -71,7 +68,7 @@ inline void register_cuda_backend(bool required) {
     }
     cuda_factory_slot().store(f, std::memory_order_release);
   }
-  register_backend("cuda", &make_cuda_backend);  // the same factory again is a no-op
+  register_backend("cuda", &make_cuda_backend);  // registering it again is a no-op
 }
 
 }  // namespace strata::python

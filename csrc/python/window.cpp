@@ -362,9 +362,9 @@ void init_window(py::module_& m) {
           py::arg("x_dtype"))
       .def(
           "wants_predictions",
-          [](const Window& w, std::uint32_t layer, std::uint32_t rows) {
+          [](const Window& w, std::uint32_t layer, const py::object& rows) {
             // (router l+1, router l+2): which predictions a routed call of `rows` rows uses.
-            const Lookahead l = w.wants_predictions(layer, rows);
+            const Lookahead l = w.wants_predictions(layer, count_arg(rows, UINT32_MAX, "rows"));
             return py::make_tuple(l.next, l.two_layer);
           },
           py::arg("layer"), py::arg("rows"))

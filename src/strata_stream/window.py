@@ -251,9 +251,7 @@ class Window:
         The engine decides (lookahead, the two-layer flags for decode-sized and larger calls,
         the last layers); a caller runs only the gates it names and passes None for the rest."""
         layer = self._layer_arg(layer)
-        if isinstance(rows, bool) or not isinstance(rows, (int, np.integer)) or rows < 0:
-            raise ValueError(f"rows must be an int >= 0, got {rows!r}")
-        nxt, two = self._w.wants_predictions(layer, int(rows))
+        nxt, two = self._w.wants_predictions(layer, rows)
         return bool(nxt), bool(two)
 
     def _layer_arg(self, layer: int) -> int:
