@@ -2,7 +2,10 @@
 # One call on a CUDA machine (the H200 of the device tool): build _core and _cuda, run the CUDA
 # tests, compute-sanitizer over a short parity run, the handshake probe and benchmarks/cuda.py.
 # Logs go to $OUT (or /tmp/strata-cuda-out). Every step is bounded by `timeout`.
-#   tests/cuda/device_run.sh [all|tests|sanitize|bench]
+#   tests/cuda/device_run.sh [all|tests|sanitize|kernels|bench]
+# kernels: benchmarks/native/cuda_kernel_bench.cu (the decode kernels alone, CUDA events) and ncu
+# over it; with STRATA_KERNELS_BEFORE=DIR (a folder holding another commit's kernels/), the same
+# for those kernels, and their outputs compared bitwise.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 what=${1:-all}
@@ -64,6 +67,25 @@ if [ "$what" = all ] || [ "$what" = sanitize ]; then
       tests/cuda/test_cuda_backend.py -k "odd_widths or (routed_calls and mxfp4)"
   done
 fi
+if [ "$what" = all ] || [ "$what" = kernels ]; then
+  kbench() {  # kbench NAME DIR: the kernel bench built against DIR/kernels, run, then under ncu
+    step "kbench_build_$1" 120 nvcc -std=c++20 -O3 -arch=sm_90 -I"$2" -Icsrc/engine \
+      -o "/tmp/kbench_$1" benchmarks/native/cuda_kernel_bench.cu "$2/kernels/route.cu" \
+      "$2/kernels/experts.cu" || return 1
+    step "kbench_$1" 60 "/tmp/kbench_$1" --dump "/tmp/kbench_$1.bin"
+    step "ncu_$1" 120 ncu --clock-control none -k regex:"route|direct|combine" \
+      --launch-skip 30 --launch-count 8 \
+      --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
+      "/tmp/kbench_$1"
+  }
+  kbench now csrc/cuda
+  if [ -n "${STRATA_KERNELS_BEFORE:-}" ]; then
+    kbench before "$STRATA_KERNELS_BEFORE"
+    cmp /tmp/kbench_before.bin /tmp/kbench_now.bin && echo "kernel outputs: bitwise equal to before"
+  fi
+fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
-  STRATA_CUDA_TRACE=1 step bench 200 $py benchmarks/cuda.py --layers 2 --experts 16 --decode --json "$out/cuda_bench.json"
+  step io_ref_build 60 nvcc -O2 -std=c++17 -o /tmp/io_ref benchmarks/native/cuda_io_reference.cu
+  STRATA_CUDA_TRACE=1 step bench 300 $py benchmarks/cuda.py --layers 2 --experts 16 --decode \
+    --io-reference /tmp/io_ref --json "$out/cuda_bench.json"
 fi

@@ -56,7 +56,8 @@ struct DevBuffers {
   std::int32_t* ids = nullptr;
   float* weights = nullptr;
   std::int32_t* pred_ids[2] = {};
-  float* logits = nullptr;
+  float* logits = nullptr;            // [tasks][rows][n_experts] the route kernel's scratch
+  std::uint32_t* route_done = nullptr;  // [tasks][rows] its blocks-done counters, kept zero
   std::uint32_t* plan = nullptr;
   float* h = nullptr;
   float* y = nullptr;

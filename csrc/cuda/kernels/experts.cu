@@ -241,71 +241,201 @@ __global__ void down_kernel(DevLayout L, DevBuffers b) {
   }
 }
 
-// Decode (fewer entries per expert than a block has warps): a warp per (output row, entry), the
-// row read and dequantized straight from the arena in lane_dot's order (lane l takes the chunks
-// 8l, 8l + 256, ..., each chunk's columns in order), which are the staged kernels' products and
-// sums exactly: the same bits, with no shared memory, no barrier, and every warp of the GPU at
-// work (the staged kernels leave most of a block idle when a group has one entry).
-constexpr std::uint32_t kDirectRows = kThreads / 32;  // output rows per block, one per warp
+// Decode (fewer entries per expert than a block has warps): each warp takes R consecutive output
+// rows of one group and, for each of the group's entries, their dots, the rows read and
+// dequantized straight from the arena in lane_dot's order (lane l takes the chunks 8l, 8l + 256,
+// ..., each chunk's columns in order), which are the staged kernels' products and sums exactly:
+// the same bits, with no shared memory, no barrier, and every warp of the GPU at work (the staged
+// kernels leave most of a block idle when a group has one entry).
+//
+// Speed is bytes in flight: a chunk step of a warp loads R rows' words (or floats) and scales
+// and x's 8 columns (two 16-byte loads, shared by the R rows and, in gate_up, by gate and up),
+// and the step loop is unrolled so that several steps' loads are issued before their products
+// need them. The weight format is a template parameter (one instance each), so the dequantizing
+// load has no format switch in the loop.
+constexpr std::uint32_t kWarps = kThreads / 32;
+#ifndef STRATA_CUDA_GATE_UP_DIRECT_ROWS  // output rows per warp (a compile-time tuning knob)
+#define STRATA_CUDA_GATE_UP_DIRECT_ROWS 2
+#endif
+#ifndef STRATA_CUDA_DOWN_DIRECT_ROWS
+#define STRATA_CUDA_DOWN_DIRECT_ROWS 4
+#endif
+constexpr int kGateUpDirectRows = STRATA_CUDA_GATE_UP_DIRECT_ROWS;
+constexpr int kDownDirectRows = STRATA_CUDA_DOWN_DIRECT_ROWS;
 
+// x's columns [c0, c0 + 8): two 16-byte loads where the row allows them (n a multiple of 8, so
+// every row starts 32-byte aligned), else one guarded load a column (0 past n).
+__device__ __forceinline__ void load_x8(const float* x, std::uint32_t c0, std::uint32_t n,
+                                        bool vec, float xv[8]) {
+  if (vec) {
+    const float4 a = *reinterpret_cast<const float4*>(x + c0);
+    const float4 b = *reinterpret_cast<const float4*>(x + c0 + 4);
+    xv[0] = a.x, xv[1] = a.y, xv[2] = a.z, xv[3] = a.w;
+    xv[4] = b.x, xv[5] = b.y, xv[6] = b.z, xv[7] = b.w;
+  } else {
+#pragma unroll
+    for (std::uint32_t c = 0; c < 8; ++c) xv[c] = c0 + c < n ? x[c0 + c] : 0.0f;
+  }
+}
+
+// acc += w[c] * x[c] for the chunk's columns in order (those before n: a ragged last chunk of a
+// float row stops where the row does, as lane_dot does).
+template <bool Whole>
+__device__ __forceinline__ float chunk_fma(const float w[8], const float xv[8], std::uint32_t c0,
+                                           std::uint32_t n, float acc) {
+#pragma unroll
+  for (std::uint32_t c = 0; c < 8; ++c)
+    if (Whole || c0 + c < n) acc = __fmaf_rn(w[c], xv[c], acc);
+  return acc;
+}
+
+// One chunk step of a warp's decode dots: x's chunk at c0 against the chunk of rows r0 .. r0 + R
+// of M matrices (gate and up, or down), accumulated into acc[m][q]. Whole: the row length is a
+// multiple of 8 and every row is in range, so the step has no branch between its loads and its
+// products (the unrolled steps' loads then issue together).
+template <int F, int S, int R, int M, bool Whole>
+__device__ __forceinline__ void direct_step(const DevLayout& L, const DevMatrix* mats,
+                                            const unsigned char* rec, std::uint32_t r0,
+                                            std::uint32_t rows, const float* x, std::uint32_t c0,
+                                            std::uint32_t n, float (&acc)[M][R]) {
+  float xv[8];
+  load_x8(x, c0, n, Whole, xv);
+#pragma unroll
+  for (int q = 0; q < R; ++q) {
+    if (!Whole && r0 + q >= rows) continue;
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      float wv[8];
+      load8<F, S>(L, mats[m], rec, r0 + q, c0, wv);
+      acc[m][q] = chunk_fma<Whole>(wv, xv, c0, n, acc[m][q]);
+    }
+  }
+}
+
+// Lane `lane`'s shares of the R x M decode dots over a row of n columns: its chunks 8 lane,
+// 8 lane + 256, ... in order, four steps at a time.
+template <int F, int S, int R, int M>
+__device__ __forceinline__ void direct_dots(const DevLayout& L, const DevMatrix* mats,
+                                            const unsigned char* rec, std::uint32_t r0,
+                                            std::uint32_t rows, const float* x, std::uint32_t n,
+                                            std::uint32_t lane, float (&acc)[M][R]) {
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int q = 0; q < R; ++q) acc[m][q] = 0.0f;
+  const std::uint32_t steps = 8 * lane < n ? (n - 8 * lane + 255) / 256 : 0;
+  if (n % 8 == 0 && r0 + R <= rows) {
+    std::uint32_t it = 0;
+    for (; it + 4 <= steps; it += 4)
+#pragma unroll
+      for (std::uint32_t u = 0; u < 4; ++u)
+        direct_step<F, S, R, M, true>(L, mats, rec, r0, rows, x, 8 * lane + 256 * (it + u), n,
+                                      acc);
+    for (; it < steps; ++it)
+      direct_step<F, S, R, M, true>(L, mats, rec, r0, rows, x, 8 * lane + 256 * it, n, acc);
+  } else {
+    for (std::uint32_t it = 0; it < steps; ++it)
+      direct_step<F, S, R, M, false>(L, mats, rec, r0, rows, x, 8 * lane + 256 * it, n, acc);
+  }
+}
+
+template <int F, int S, int R>
 __global__ void gate_up_direct_kernel(DevLayout L, DevBuffers b) {
   const std::uint32_t g = blockIdx.x;
   if (g >= *b.groups_n) return;
   const std::uint32_t H = L.hidden, I = L.inter, k = L.top_k;
   const std::uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const std::uint32_t r = blockIdx.y * kDirectRows + warp;
-  if (r >= I) return;  // the whole warp: warp_sum's shuffles need every lane
+  const std::uint32_t r0 = (blockIdx.y * kWarps + warp) * R;
+  if (r0 >= I) return;  // the whole warp: warp_sum's shuffles need every lane
   const unsigned char* rec = b.arena + std::uint64_t(b.group_slot[g]) * b.slot_bytes;
   const std::uint32_t* entries = b.group_entries + b.group_start[g];
   const std::uint32_t count = b.group_count[g];
-  const float gb = bias_at(L, L.m[0], rec, r), ub = bias_at(L, L.m[1], rec, r);
+  float gb[R], ub[R];
+#pragma unroll
+  for (int q = 0; q < R; ++q) {
+    const bool in = r0 + q < I;
+    gb[q] = in ? bias_at(L, L.m[0], rec, r0 + q) : 0.0f;
+    ub[q] = in ? bias_at(L, L.m[1], rec, r0 + q) : 0.0f;
+  }
   for (std::uint32_t e = 0; e < count; ++e) {
     const std::uint32_t i = entries[e];
-    const float* x = b.x + std::size_t(i / k) * H;
-    float ag = 0.0f, au = 0.0f;
-#pragma unroll 4
-    for (std::uint32_t c0 = 8 * lane; c0 < H; c0 += 8 * 32) {
-      float gv[8], uv[8];
-      load8(L, L.m[0], rec, r, c0, gv);
-      load8(L, L.m[1], rec, r, c0, uv);
+    float acc[2][R];
+    direct_dots<F, S, R, 2>(L, L.m, rec, r0, I, b.x + std::size_t(i / k) * H, H, lane, acc);
 #pragma unroll
-      for (std::uint32_t c = 0; c < 8; ++c)
-        if (c0 + c < H) {
-          ag = __fmaf_rn(gv[c], x[c0 + c], ag);
-          au = __fmaf_rn(uv[c], x[c0 + c], au);
-        }
+    for (int q = 0; q < R; ++q) {
+      const float gd = warp_sum(acc[0][q]), ud = warp_sum(acc[1][q]);
+      if (lane == 0 && r0 + q < I) store_h(L, b, i, r0 + q, gd + gb[q], ud + ub[q]);
     }
-    const float gd = warp_sum(ag), ud = warp_sum(au);
-    if (lane == 0) store_h(L, b, i, r, gd + gb, ud + ub);
   }
 }
 
+template <int F, int S, int R>
 __global__ void down_direct_kernel(DevLayout L, DevBuffers b) {
   const std::uint32_t g = blockIdx.x;
   if (g >= *b.groups_n) return;
   const std::uint32_t H = L.hidden, I = L.inter;
   const std::uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const std::uint32_t r = blockIdx.y * kDirectRows + warp;
-  if (r >= H) return;  // the whole warp
+  const std::uint32_t r0 = (blockIdx.y * kWarps + warp) * R;
+  if (r0 >= H) return;  // the whole warp
   const unsigned char* rec = b.arena + std::uint64_t(b.group_slot[g]) * b.slot_bytes;
   const std::uint32_t* entries = b.group_entries + b.group_start[g];
   const std::uint32_t count = b.group_count[g];
-  const float db = bias_at(L, L.m[2], rec, r);
+  float db[R];
+#pragma unroll
+  for (int q = 0; q < R; ++q) db[q] = r0 + q < H ? bias_at(L, L.m[2], rec, r0 + q) : 0.0f;
   for (std::uint32_t e = 0; e < count; ++e) {
     const std::uint32_t i = entries[e];
-    const float* hv = b.h + std::size_t(i) * I;
-    float a = 0.0f;
-#pragma unroll 4
-    for (std::uint32_t c0 = 8 * lane; c0 < I; c0 += 8 * 32) {
-      float v[8];
-      load8(L, L.m[2], rec, r, c0, v);
+    float acc[1][R];
+    direct_dots<F, S, R, 1>(L, L.m + 2, rec, r0, H, b.h + std::size_t(i) * I, I, lane, acc);
+    const float w = b.weights[i];
 #pragma unroll
-      for (std::uint32_t c = 0; c < 8; ++c)
-        if (c0 + c < I) a = __fmaf_rn(v[c], hv[c0 + c], a);
+    for (int q = 0; q < R; ++q) {
+      const float d = warp_sum(acc[0][q]);
+      if (lane == 0 && r0 + q < H) b.y[std::size_t(i) * H + r0 + q] = w * (d + db[q]);
     }
-    const float d = warp_sum(a);
-    if (lane == 0) b.y[std::size_t(i) * H + r] = b.weights[i] * (d + db);
   }
+}
+
+// The decode kernels' instance for the pack's weight and scale formats, launched over (groups,
+// row tiles).
+template <int F, int S>
+void launch_direct_as(const DevLayout& L, const DevBuffers& b, std::uint32_t groups, bool gate_up,
+                      cudaStream_t s) {
+  if (gate_up) {
+    const std::uint32_t per_block = kWarps * kGateUpDirectRows;
+    gate_up_direct_kernel<F, S, kGateUpDirectRows>
+        <<<dim3(groups, (L.inter + per_block - 1) / per_block), kThreads, 0, s>>>(L, b);
+  } else {
+    const std::uint32_t per_block = kWarps * kDownDirectRows;
+    down_direct_kernel<F, S, kDownDirectRows>
+        <<<dim3(groups, (L.hidden + per_block - 1) / per_block), kThreads, 0, s>>>(L, b);
+  }
+}
+
+template <int F>
+cudaError_t launch_affine(const DevLayout& L, const DevBuffers& b, std::uint32_t groups,
+                          bool gate_up, cudaStream_t s) {
+  switch (L.scale_format) {
+    case 0: launch_direct_as<F, 0>(L, b, groups, gate_up, s); break;
+    case 1: launch_direct_as<F, 1>(L, b, groups, gate_up, s); break;
+    case 2: launch_direct_as<F, 2>(L, b, groups, gate_up, s); break;
+    default: return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_direct(const DevLayout& L, const DevBuffers& b, std::uint32_t groups,
+                          bool gate_up, cudaStream_t s) {
+  switch (L.format) {
+    case 0: launch_direct_as<0, -1>(L, b, groups, gate_up, s); break;
+    case 1: launch_direct_as<1, -1>(L, b, groups, gate_up, s); break;
+    case 2: launch_direct_as<2, -1>(L, b, groups, gate_up, s); break;
+    case 3: return launch_affine<3>(L, b, groups, gate_up, s);
+    case 4: return launch_affine<4>(L, b, groups, gate_up, s);
+    case 5: launch_direct_as<5, -1>(L, b, groups, gate_up, s); break;
+    default: return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
 }
 
 // Rows below this take the direct kernels: every group then has fewer entries than a block has
@@ -398,11 +528,7 @@ cudaError_t launch_gate_up(const DevLayout& L, const DevBuffers& b, std::uint32_
                            cudaStream_t s) {
   const std::uint32_t groups = max_groups(L, rows);
   if (groups == 0) return cudaSuccess;
-  if (rows < kDirectBelowRows) {
-    gate_up_direct_kernel<<<dim3(groups, (L.inter + kDirectRows - 1) / kDirectRows), kThreads, 0,
-                            s>>>(L, b);
-    return cudaGetLastError();
-  }
+  if (rows < kDirectBelowRows) return launch_direct(L, b, groups, true, s);
   const int rt = rows_per_tile(gate_up_row_bytes(L));
   const std::size_t smem = rt * gate_up_row_bytes(L);
   const dim3 grid(groups, (L.inter + rt - 1) / rt);
@@ -419,11 +545,7 @@ cudaError_t launch_down(const DevLayout& L, const DevBuffers& b, std::uint32_t r
                         cudaStream_t s) {
   const std::uint32_t groups = max_groups(L, rows);
   if (groups == 0) return cudaSuccess;
-  if (rows < kDirectBelowRows) {
-    down_direct_kernel<<<dim3(groups, (L.hidden + kDirectRows - 1) / kDirectRows), kThreads, 0,
-                         s>>>(L, b);
-    return cudaGetLastError();
-  }
+  if (rows < kDirectBelowRows) return launch_direct(L, b, groups, false, s);
   const int rt = rows_per_tile(down_row_bytes(L));
   const std::size_t smem = rt * down_row_bytes(L);
   const dim3 grid(groups, (L.hidden + rt - 1) / rt);

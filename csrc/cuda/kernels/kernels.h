@@ -6,6 +6,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "device_types.h"
@@ -53,5 +54,9 @@ cudaError_t launch_combine(const DevLayout& L, const DevBuffers& b, std::uint32_
 // Raises the kernels' dynamic shared-memory limit for this geometry (once per backend).
 cudaError_t prepare_kernels(const DevLayout& L);
 cudaError_t prepare_route(const DevLayout& L);
+// The route kernel's device scratch for `rows` tokens: DevBuffers::logits (floats) and
+// DevBuffers::route_done (counters, zero before the first launch; each launch leaves them zero).
+std::size_t route_scratch_floats(const DevLayout& L, std::uint32_t rows);
+std::size_t route_counters(std::uint32_t rows);
 
 }  // namespace strata::cuda

@@ -21,7 +21,8 @@ __device__ __forceinline__ float bf16_bits(std::uint16_t b) {
   return __uint_as_float(std::uint32_t(b) << 16);
 }
 __device__ __forceinline__ std::uint16_t load_u16(const unsigned char* p) {
-  return std::uint16_t(p[0] | (std::uint16_t(p[1]) << 8));
+  // Every 16-bit element is 2-byte aligned (tensors sit at 256-byte offsets in a record).
+  return *reinterpret_cast<const std::uint16_t*>(p);
 }
 __device__ __forceinline__ std::uint32_t load_u32(const unsigned char* p) {
   // Records put every tensor on an aligned offset; words are read as words.
@@ -55,13 +56,17 @@ __device__ __forceinline__ float bias_at(const DevLayout& L, const DevMatrix& m,
 }
 
 // Columns [c0, c0 + 8) of row r (c0 a multiple of 8; columns past `cols` read as 0, float
-// formats only: quantized rows are whole groups).
+// formats only: quantized rows are whole groups). F and S: the weight format and the affine
+// scales' format when the caller fixes them at compile time (the decode kernels, one instance
+// each, so that no format branch sits between a loop's loads), -1 to read them from L.
+template <int F = -1, int S = -1>
 __device__ __forceinline__ void load8(const DevLayout& L, const DevMatrix& m,
                                       const unsigned char* rec, std::uint32_t r, std::uint32_t c0,
                                       float v[8]) {
   const std::uint32_t cols = m.cols;
   const unsigned char* w = rec + m.weight;
-  switch (L.format) {
+  const std::uint32_t format = F < 0 ? L.format : std::uint32_t(F);
+  switch (format) {
     case 0: {
       const unsigned char* p = w + (std::size_t(r) * cols + c0) * 4;
 #pragma unroll
@@ -75,7 +80,7 @@ __device__ __forceinline__ void load8(const DevLayout& L, const DevMatrix& m,
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         const std::uint16_t h = c0 + i < cols ? load_u16(p + 2 * i) : std::uint16_t(0);
-        v[i] = L.format == 1 ? half_bits(h) : bf16_bits(h);
+        v[i] = format == 1 ? half_bits(h) : bf16_bits(h);
       }
       return;
     }
@@ -83,9 +88,10 @@ __device__ __forceinline__ void load8(const DevLayout& L, const DevMatrix& m,
     case 4: {
       const std::uint32_t groups = cols / L.group_size;
       const std::uint32_t g = c0 / L.group_size;
-      const float s = scale_at(rec + m.scales, r * groups + g, L.scale_format);
-      const float b = scale_at(rec + m.biases, r * groups + g, L.scale_format);
-      if (L.format == 3) {
+      const std::uint32_t sf = S < 0 ? L.scale_format : std::uint32_t(S);
+      const float s = scale_at(rec + m.scales, r * groups + g, sf);
+      const float b = scale_at(rec + m.biases, r * groups + g, sf);
+      if (format == 3) {
         const std::uint32_t word = load_u32(w + (std::size_t(r) * (cols / 8) + c0 / 8) * 4);
 #pragma unroll
         for (int i = 0; i < 8; ++i)

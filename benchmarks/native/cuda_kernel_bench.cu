@@ -1,0 +1,298 @@
+// The CUDA backend's decode kernels alone, at Qwen3-30B-A3B expert shapes (hidden 2048,
+// moe_intermediate 768, 128 experts, top-8, q4 group 64 with f16 scales), timed with CUDA events
+// around each launch (median of N), beside the device-to-device copy bandwidth that gives the
+// HBM roofline. Built against csrc/cuda/kernels (or another commit's copy of it: the launchers
+// of kernels.h are the interface), so a before/after pair is two builds of this one file:
+//   nvcc -std=c++20 -O3 -arch=sm_90 -I<dir above kernels> -Icsrc/engine -o bench \
+//     benchmarks/native/cuda_kernel_bench.cu <kernels>/route.cu <kernels>/experts.cu
+//   ./bench [--dump FILE]
+// One decode token (a route launch with its two predictions: three routers; gate_up, down and
+// combine over 8 groups of one entry, each group a different expert of 128 in a 340 MB arena, the
+// experts rotating so that every launch reads its weights from HBM, not L2). --dump writes every
+// output (ids, weights, h, y, out of one fixed token) so that two builds can be compared bitwise.
+// It also runs the same token inside an 8-row batch (the staged kernels) and checks that its h
+// and y are bitwise the decode kernels' (I11 across batch sizes).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "kernels/kernels.h"
+
+using namespace strata::cuda;
+
+#define CK(x)                                                                   \
+  do {                                                                          \
+    cudaError_t e_ = (x);                                                       \
+    if (e_ != cudaSuccess) {                                                    \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x,            \
+                   cudaGetErrorString(e_));                                     \
+      std::exit(1);                                                             \
+    }                                                                           \
+  } while (0)
+
+namespace {
+
+constexpr std::uint32_t H = 2048, I = 768, E = 128, K = 8, G = 64, kSlots = 128;
+
+// The route kernel's scratch, where this build's kernels have it (DevBuffers::route_done).
+template <class B>
+auto set_route_scratch(B& b, float* logits, std::uint32_t* done, int)
+    -> decltype(b.route_done, void()) {
+  b.logits = logits;
+  b.route_done = done;
+}
+template <class B>
+void set_route_scratch(B&, float*, std::uint32_t*, long) {}
+
+std::size_t align256(std::size_t n) { return (n + 255) / 256 * 256; }
+
+template <class T>
+T* dev_alloc(std::size_t n) {
+  void* p = nullptr;
+  CK(cudaMalloc(&p, n * sizeof(T) + 256));
+  CK(cudaMemset(p, 0, n * sizeof(T) + 256));
+  return static_cast<T*>(p);
+}
+
+template <class T>
+void upload(T* d, const std::vector<T>& h) {
+  CK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+}
+
+template <class T>
+std::vector<T> download(const T* d, std::size_t n) {
+  std::vector<T> h(n);
+  CK(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
+  return h;
+}
+
+struct Timer {
+  cudaEvent_t a, b;
+  Timer() {
+    cudaEventCreate(&a);
+    cudaEventCreate(&b);
+  }
+  template <class F>
+  double median_us(int n, F&& launch, cudaStream_t s) {
+    std::vector<double> us;
+    for (int i = 0; i < n + 3; ++i) {
+      CK(cudaEventRecord(a, s));
+      launch(i);
+      CK(cudaEventRecord(b, s));
+      CK(cudaEventSynchronize(b));
+      float ms = 0;
+      CK(cudaEventElapsedTime(&ms, a, b));
+      if (i >= 3) us.push_back(ms * 1e3);
+    }
+    std::sort(us.begin(), us.end());
+    return us[us.size() / 2];
+  }
+  template <class F>
+  double once_us(F&& launch, cudaStream_t s) {
+    CK(cudaEventRecord(a, s));
+    launch();
+    CK(cudaEventRecord(b, s));
+    CK(cudaEventSynchronize(b));
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    return ms * 1e3;
+  }
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const char* dump = nullptr;
+  for (int i = 1; i < argc; ++i)
+    if (std::string(argv[i]) == "--dump" && i + 1 < argc) dump = argv[++i];
+  CK(cudaSetDevice(0));
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+
+  // The record: gate, up, down, each words then scales then biases (q4 g64, f16 scales).
+  DevLayout L;
+  L.n_experts = E, L.top_k = K, L.hidden = H, L.inter = I;
+  L.routing = 0, L.norm_topk = 1, L.format = 3, L.group_size = G, L.scale_format = 1;
+  std::size_t off = 0;
+  for (int m = 0; m < 3; ++m) {
+    const std::uint32_t rows = m == 2 ? H : I, cols = m == 2 ? I : H;
+    L.m[m].rows = rows, L.m[m].cols = cols;
+    L.m[m].weight = off;
+    off = align256(off + std::size_t(rows) * cols / 2);
+    L.m[m].scales = off;
+    off = align256(off + std::size_t(rows) * (cols / G) * 2);
+    L.m[m].biases = off;
+    off = align256(off + std::size_t(rows) * (cols / G) * 2);
+  }
+  const std::size_t record = off, slot = (record + 16383) / 16384 * 16384;
+  std::mt19937 rng(7);
+  std::vector<unsigned char> host_arena(slot * kSlots);
+  for (std::uint32_t sl = 0; sl < kSlots; ++sl) {
+    unsigned char* r = host_arena.data() + sl * slot;
+    for (int m = 0; m < 3; ++m) {
+      const std::size_t words = std::size_t(L.m[m].rows) * L.m[m].cols / 8;
+      auto* w = reinterpret_cast<std::uint32_t*>(r + L.m[m].weight);
+      for (std::size_t q = 0; q < words; ++q) w[q] = rng();
+      const std::size_t groups = std::size_t(L.m[m].rows) * (L.m[m].cols / G);
+      auto* sc = reinterpret_cast<std::uint16_t*>(r + L.m[m].scales);
+      auto* bi = reinterpret_cast<std::uint16_t*>(r + L.m[m].biases);
+      for (std::size_t q = 0; q < groups; ++q) {
+        sc[q] = std::uint16_t(0x2000 | (rng() & 0x3FF));  // [2^-7, 2^-6)
+        bi[q] = std::uint16_t(0xA400 | (rng() & 0x3FF));  // about -8 scales
+      }
+    }
+  }
+  const std::uint32_t max_rows = 8;
+  std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
+  std::vector<float> routers(std::size_t(3) * E * H), x(std::size_t(max_rows) * H);
+  for (float& v : routers) v = uni(rng);
+  for (float& v : x) v = uni(rng);
+  for (std::uint32_t t = 1; t < max_rows; ++t)  // the batch: the same token, 8 times
+    std::copy(x.begin(), x.begin() + H, x.begin() + t * H);
+
+  DevBuffers b;
+  auto* arena = dev_alloc<unsigned char>(host_arena.size());
+  upload(arena, host_arena);
+  b.arena = arena, b.slot_bytes = slot, b.n_slots = kSlots;
+  auto* d_routers = dev_alloc<float>(routers.size());
+  upload(d_routers, routers);
+  b.routers = d_routers;
+  b.x = dev_alloc<float>(x.size());
+  upload(b.x, x);
+  b.ids = dev_alloc<std::int32_t>(max_rows * K);
+  b.weights = dev_alloc<float>(max_rows * K);
+  b.pred_ids[0] = dev_alloc<std::int32_t>(max_rows * K);
+  b.pred_ids[1] = dev_alloc<std::int32_t>(max_rows * K);
+  set_route_scratch(b, dev_alloc<float>(3 * max_rows * E), dev_alloc<std::uint32_t>(3 * max_rows),
+                    0);
+  b.h = dev_alloc<float>(std::size_t(max_rows) * K * I);
+  b.y = dev_alloc<float>(std::size_t(max_rows) * K * H);
+  b.out = dev_alloc<float>(std::size_t(max_rows) * H);
+  std::uint32_t* g = dev_alloc<std::uint32_t>(1 + 8 * E + max_rows * K);
+  b.groups_n = g, b.group_slot = g + 1, b.group_start = g + 1 + E, b.group_count = g + 1 + 2 * E;
+  b.group_entries = g + 1 + 8 * E;
+  CK(prepare_kernels(L));
+  CK(prepare_route(L));
+
+  RouteTasks tasks;
+  tasks.t[0] = RouteTask{0, b.ids, b.weights, nullptr, nullptr};
+  tasks.t[1] = RouteTask{1, b.pred_ids[0], nullptr, nullptr, nullptr};
+  tasks.t[2] = RouteTask{2, b.pred_ids[1], nullptr, nullptr, nullptr};
+  tasks.n = 3;
+
+  // Decode groups: entry j alone in group j, at slot first + j.
+  auto set_groups = [&](std::uint32_t rows, std::uint32_t first) {
+    std::vector<std::uint32_t> hg(1 + 8 * E + max_rows * K, 0);
+    hg[0] = K;
+    for (std::uint32_t j = 0; j < K; ++j) {
+      hg[1 + j] = (first + j) % kSlots;
+      hg[1 + E + j] = j * rows;
+      hg[1 + 2 * E + j] = rows;
+      for (std::uint32_t t = 0; t < rows; ++t) hg[1 + 8 * E + j * rows + t] = t * K + j;
+    }
+    upload(g, hg);
+  };
+
+  // Device-to-device copy bandwidth (read + write bytes), 1 GiB each way, median of 5.
+  const std::size_t big = std::size_t(1) << 30;
+  void *src = nullptr, *dst = nullptr;
+  CK(cudaMalloc(&src, big));
+  CK(cudaMalloc(&dst, big));
+  Timer tm;
+  const double copy_us =
+      tm.median_us(5, [&](int) { CK(cudaMemcpyAsync(dst, src, big, cudaMemcpyDeviceToDevice, s)); },
+                   s);
+  const double d2d = 2.0 * big / (copy_us * 1e-6);
+  CK(cudaFree(src));
+  CK(cudaFree(dst));
+  std::printf("device-to-device copy: %.0f GB/s (read + write)\n", d2d / 1e9);
+
+  const int N = 200;
+  const double route_us = tm.median_us(
+      N, [&](int) { CK(launch_route(L, b, 1, tasks, nullptr, s)); }, s);
+  // Each timed launch reads experts no launch of the last 7 read (128 slots, 16 a step): HBM.
+  double gu_us = 0, dn_us = 0;
+  {
+    std::vector<double> gus, dns;
+    for (int i = 0; i < N; ++i) {
+      set_groups(1, std::uint32_t(i) * 2 * K);
+      gus.push_back(tm.once_us([&] { CK(launch_gate_up(L, b, 1, s)); }, s));
+      set_groups(1, std::uint32_t(i) * 2 * K + K);
+      dns.push_back(tm.once_us([&] { CK(launch_down(L, b, 1, s)); }, s));
+    }
+    std::sort(gus.begin(), gus.end());
+    std::sort(dns.begin(), dns.end());
+    gu_us = gus[gus.size() / 2];
+    dn_us = dns[dns.size() / 2];
+  }
+  const double combine_us = tm.median_us(N, [&](int) { CK(launch_combine(L, b, 1, s)); }, s);
+  const double gu_bytes = double(K) * 2 * (L.m[1].weight - L.m[0].weight);
+  const double dn_bytes = double(K) * (record - L.m[2].weight);
+  const double route_bytes = 3.0 * E * H * 4;
+  auto line = [&](const char* name, double us, double bytes) {
+    std::printf("%-8s %7.1f us  %6.2f MB  %6.2f TB/s  %.2f of the roofline\n", name, us,
+                bytes / 1e6, bytes / (us * 1e-6) / 1e12, bytes / d2d / (us * 1e-6));
+  };
+  line("route", route_us, route_bytes);
+  line("gate_up", gu_us, gu_bytes);
+  line("down", dn_us, dn_bytes);
+  line("combine", combine_us, double(K) * H * 4 + H * 4);
+  line("layer", route_us + gu_us + dn_us + combine_us, route_bytes + gu_bytes + dn_bytes);
+
+  // Outputs of one fixed decode token (slots 0..7), then the same token in an 8-row batch.
+  set_groups(1, 0);
+  CK(launch_route(L, b, 1, tasks, nullptr, s));
+  CK(launch_gate_up(L, b, 1, s));
+  CK(launch_down(L, b, 1, s));
+  CK(launch_combine(L, b, 1, s));
+  CK(cudaStreamSynchronize(s));
+  const auto ids = download(b.ids, K), p1 = download(b.pred_ids[0], K),
+             p2 = download(b.pred_ids[1], K);
+  const auto wts = download(b.weights, K);
+  const auto h1 = download(b.h, std::size_t(K) * I), y1 = download(b.y, std::size_t(K) * H),
+             o1 = download(b.out, H);
+  std::printf("ids");
+  for (auto v : ids) std::printf(" %d", v);
+  std::printf("  pred1");
+  for (auto v : p1) std::printf(" %d", v);
+  std::printf("  weights");
+  for (auto v : wts) std::printf(" %.6f", v);
+  std::printf("\n");
+  // The batch: weights as the decode token's for every row (down scales by them).
+  std::vector<float> wb(max_rows * K);
+  for (std::uint32_t t = 0; t < max_rows; ++t)
+    std::copy(wts.begin(), wts.end(), wb.begin() + t * K);
+  upload(b.weights, wb);
+  set_groups(max_rows, 0);
+  CK(launch_gate_up(L, b, max_rows, s));
+  CK(launch_down(L, b, max_rows, s));
+  CK(cudaStreamSynchronize(s));
+  const auto hb = download(b.h, std::size_t(max_rows) * K * I),
+             yb = download(b.y, std::size_t(max_rows) * K * H);
+  bool same = true;
+  for (std::uint32_t t = 0; t < max_rows; ++t) {
+    same = same && std::memcmp(hb.data() + t * K * I, h1.data(), K * I * 4) == 0;
+    same = same && std::memcmp(yb.data() + t * K * H, y1.data(), K * H * 4) == 0;
+  }
+  std::printf("decode (direct) and 8-row batch (staged) h, y: %s\n",
+              same ? "bitwise equal" : "DIFFERENT");
+  if (dump) {
+    FILE* f = std::fopen(dump, "wb");
+    std::fwrite(ids.data(), 4, K, f);
+    std::fwrite(p1.data(), 4, K, f);
+    std::fwrite(p2.data(), 4, K, f);
+    std::fwrite(wts.data(), 4, K, f);
+    std::fwrite(h1.data(), 4, h1.size(), f);
+    std::fwrite(y1.data(), 4, y1.size(), f);
+    std::fwrite(o1.data(), 4, o1.size(), f);
+    std::fclose(f);
+  }
+  return same ? 0 : 2;
+}

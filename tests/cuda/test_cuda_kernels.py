@@ -1,0 +1,82 @@
+"""The decode kernels' own rules on the device (docs/cuda.md).
+
+Routing over more experts than one block computes: a token's logits are spread over several
+blocks and the last of them takes the top-k, which must still break ties to the lower index (the
+routers here repeat each row for two experts, so their logits are exactly equal, and an odd top-k
+makes the last pick a tie) and match the CPU backend. And issue 19's batch-size rule: a token's
+output is the same bits alone (rows below 8: the decode kernels, rows read straight from the
+arena) and inside a batch (the staged kernels), for a row length the 16-byte loads take whole and
+for one they do not.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from strata_stream import ExpertPack, ExpertStream, StreamConfig, Window
+from strata_stream.pack import Geometry, write_pack
+
+from .test_cuda_backend import _experts, max_violation
+
+LAYERS, EXPERTS, TOP_K = 2, 80, 7  # 80 experts: three blocks of logits, the last one partial
+
+cuda = pytest.mark.cuda
+
+
+def tied_pack(tmp: Path, hidden: int, fmt: str) -> Path:
+    g = Geometry(LAYERS, EXPERTS, TOP_K, hidden, 64, "softmax_topk", True)
+    rng = np.random.default_rng(5)
+    routers = [
+        np.repeat(rng.standard_normal((EXPERTS // 2, hidden)).astype(np.float32), 2, axis=0)
+        for _ in range(LAYERS)
+    ]
+    path = tmp / f"tied-{hidden}-{fmt}.strpk"
+    write_pack(path, g, routers, _experts(g, 0, False), weight_format=fmt, group_size=64,
+               scale_dtype="f16", progress=False)  # fmt: skip
+    return path
+
+
+def all_resident(path: Path, **kw: object) -> StreamConfig:
+    with ExpertPack.open(path) as p:
+        stride = p.record_stride
+    base: dict[str, object] = dict(arena_bytes=LAYERS * EXPERTS * stride, io_threads=2,
+                                   direct_io=False, persist_profile=False)  # fmt: skip
+    base.update(kw)
+    return StreamConfig(**base)  # type: ignore[arg-type]
+
+
+def run(path: Path, xs: list[list[np.ndarray]], backend: str) -> list[np.ndarray]:
+    out = []
+    with ExpertStream(path, all_resident(path)) as stream, Window(stream, backend=backend) as w:
+        for turn in xs:
+            with w.turn():
+                out.extend(w.moe(layer, x) for layer, x in enumerate(turn))
+    return out
+
+
+@cuda
+@pytest.mark.parametrize(("hidden", "fmt"), [(256, "q4"), (100, "bf16")])
+def test_routing_over_many_experts_matches_the_cpu_with_ties_to_the_lower_index(
+    tmp_path: Path, hidden: int, fmt: str
+) -> None:
+    path = tied_pack(tmp_path, hidden, fmt)
+    rng = np.random.default_rng(3)
+    xs = [[rng.standard_normal((t, hidden)).astype(np.float32) for _ in range(LAYERS)]
+          for t in (1, 13, 2)]  # fmt: skip
+    assert max_violation(run(path, xs, "cuda"), run(path, xs, "cpu")) <= 1.0
+
+
+@cuda
+@pytest.mark.parametrize(("hidden", "fmt"), [(256, "q4"), (100, "bf16")])
+def test_a_token_has_the_same_bits_alone_and_in_a_batch(
+    tmp_path: Path, hidden: int, fmt: str
+) -> None:
+    path = tied_pack(tmp_path, hidden, fmt)
+    rng = np.random.default_rng(4)
+    batch = [rng.standard_normal((64, hidden)).astype(np.float32) for _ in range(LAYERS)]
+    alone, three, many = (run(path, [[x[:t] for x in batch]], "cuda") for t in (1, 3, 64))
+    for a, b, c in zip(alone, three, many, strict=True):
+        assert np.array_equal(a[0], c[0]) and np.array_equal(b, c[:3])
