@@ -363,8 +363,11 @@ def main() -> int:
     ap.add_argument("--io-threads", type=int, default=4)
     ap.add_argument("--part-bytes", type=int, default=1 << 20)
     ap.add_argument("--io-depth", type=int, default=2, help="pinned buffers a reference thread")
-    ap.add_argument("--io-reference", type=Path,
-                    help="the native raw reference (benchmarks/native/cuda_io_reference.cu)")
+    ap.add_argument(
+        "--io-reference",
+        type=Path,
+        help="the native raw reference (benchmarks/native/cuda_io_reference.cu)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--load", type=Path, help="plot a JSON an earlier run wrote; measure nothing")

@@ -2,13 +2,14 @@
 # One call on a CUDA machine (the H200 of the device tool): build _core and _cuda, run the CUDA
 # tests, compute-sanitizer over a short parity run, the handshake probe and benchmarks/cuda.py.
 # Logs go to $OUT (or /tmp/strata-cuda-out). Every step is bounded by `timeout`.
-#   tests/cuda/device_run.sh [all|tests|sanitize|kernels|bench]
+#   tests/cuda/device_run.sh [all | tests sanitize kernels bench ...]
 # kernels: benchmarks/native/cuda_kernel_bench.cu (the decode kernels alone, CUDA events) and ncu
 # over it; with STRATA_KERNELS_BEFORE=DIR (a folder holding another commit's kernels/), the same
 # for those kernels, and their outputs compared bitwise.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-what=${1:-all}
+what=" ${*:-all} "
+wants() { [[ "$what" == *" all "* || "$what" == *" $1 "* ]]; }
 out=${OUT:-/tmp/strata-cuda-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 CXX=${CXX_FOR_STRATA:-/usr/bin/g++} CUDAHOSTCXX=/usr/bin/g++
@@ -34,6 +35,36 @@ for whl in .whl ../.whl; do
     break
   fi
 done
+# The kernels alone first: they need no Python build.
+if wants kernels; then
+  # Builds in parallel: now, before (STRATA_KERNELS_BEFORE), and two tunings of the decode
+  # kernels' rows per warp (gate_up, down), which are compile-time constants in experts.cu.
+  kb_build() {  # kb_build NAME DIR [nvcc flags]
+    local name=$1 dir=$2
+    shift 2
+    nvcc -std=c++20 -O3 -arch=sm_90 "$@" -I"$dir" -Icsrc/engine -o "/tmp/kbench_$name" \
+      benchmarks/native/cuda_kernel_bench.cu "$dir/kernels/route.cu" "$dir/kernels/experts.cu" \
+      > "$out/kbench_build_$name.log" 2>&1 || echo "kbench build $name failed"
+  }
+  kb_build now csrc/cuda &
+  kb_build rows1x2 csrc/cuda -DSTRATA_CUDA_GATE_UP_DIRECT_ROWS=1 -DSTRATA_CUDA_DOWN_DIRECT_ROWS=2 &
+  kb_build rows4x8 csrc/cuda -DSTRATA_CUDA_GATE_UP_DIRECT_ROWS=4 -DSTRATA_CUDA_DOWN_DIRECT_ROWS=8 &
+  [ -n "${STRATA_KERNELS_BEFORE:-}" ] && kb_build before "$STRATA_KERNELS_BEFORE" &
+  wait
+  for name in before now rows1x2 rows4x8; do
+    [ -x "/tmp/kbench_$name" ] || continue
+    step "kbench_$name" 60 "/tmp/kbench_$name" --dump "/tmp/kbench_$name.bin"
+  done
+  for name in before now; do  # ncu: 4 launches each of route, gate_up and down
+    [ -x "/tmp/kbench_$name" ] || continue
+    step "ncu_$name" 120 ncu --clock-control none -k regex:"route|direct" \
+      --launch-skip 199 --launch-count 12 \
+      --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
+      "/tmp/kbench_$name"
+  done
+  [ -f /tmp/kbench_before.bin ] && cmp /tmp/kbench_before.bin /tmp/kbench_now.bin \
+    && echo "kernel outputs: bitwise equal to before"
+fi
 build=/tmp/strata-build
 step build 240 bash -c "cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DSTRATA_BUILD_PYTHON=ON -DSTRATA_CUDA=ON -DPython_EXECUTABLE=\$(command -v $py) \
@@ -42,7 +73,7 @@ step build 240 bash -c "cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release
 cp "$build"/_core*.so "$build"/_cuda*.so src/strata_stream/
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
 $py -c "import strata_stream._cuda as c; print('cuda:', c.unavailable() or 'available')"
-if [ "$what" = all ] || [ "$what" = tests ]; then
+if wants tests; then
   $py - <<'PY'
 import numpy as np
 from strata_stream.pack import Geometry, write_pack
@@ -60,31 +91,14 @@ PY
   step window_selection 120 $py -m pytest -q -p no:cacheprovider tests/test_window.py \
     -k "backend_selection" tests/cuda -m "not cuda"
 fi
-if [ "$what" = all ] || [ "$what" = sanitize ]; then
+if wants sanitize; then
   for tool in memcheck racecheck; do
     step "sanitize_$tool" 120 compute-sanitizer --tool "$tool" --error-exitcode 9 \
       --target-processes all $py -m pytest -q -p no:cacheprovider -m cuda \
       tests/cuda/test_cuda_backend.py -k "odd_widths or (routed_calls and mxfp4)"
   done
 fi
-if [ "$what" = all ] || [ "$what" = kernels ]; then
-  kbench() {  # kbench NAME DIR: the kernel bench built against DIR/kernels, run, then under ncu
-    step "kbench_build_$1" 120 nvcc -std=c++20 -O3 -arch=sm_90 -I"$2" -Icsrc/engine \
-      -o "/tmp/kbench_$1" benchmarks/native/cuda_kernel_bench.cu "$2/kernels/route.cu" \
-      "$2/kernels/experts.cu" || return 1
-    step "kbench_$1" 60 "/tmp/kbench_$1" --dump "/tmp/kbench_$1.bin"
-    step "ncu_$1" 120 ncu --clock-control none -k regex:"route|direct|combine" \
-      --launch-skip 30 --launch-count 8 \
-      --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
-      "/tmp/kbench_$1"
-  }
-  kbench now csrc/cuda
-  if [ -n "${STRATA_KERNELS_BEFORE:-}" ]; then
-    kbench before "$STRATA_KERNELS_BEFORE"
-    cmp /tmp/kbench_before.bin /tmp/kbench_now.bin && echo "kernel outputs: bitwise equal to before"
-  fi
-fi
-if [ "$what" = all ] || [ "$what" = bench ]; then
+if wants bench; then
   step io_ref_build 60 nvcc -O2 -std=c++17 -o /tmp/io_ref benchmarks/native/cuda_io_reference.cu
   STRATA_CUDA_TRACE=1 step bench 300 $py benchmarks/cuda.py --layers 2 --experts 16 --decode \
     --io-reference /tmp/io_ref --json "$out/cuda_bench.json"

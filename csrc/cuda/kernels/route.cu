@@ -10,6 +10,7 @@
 // launch) takes the top-k and the weights. A logit is the same dot in the same order whichever
 // block computes it, and the selection keeps the sequential scan's result exactly (below), so the
 // outputs are the bits one block per token gave.
+#include <algorithm>
 #include <mutex>
 
 #include "dot.cuh"
@@ -182,6 +183,18 @@ __global__ void route_kernel(DevLayout L, DevBuffers b, RouteTasks tasks, const 
   }
 }
 
+// x from the staging into device x, for a batch (below).
+__global__ void copy_x_kernel(float* dst, const float* src, std::size_t n) {
+  for (std::size_t i = std::size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += std::size_t(gridDim.x) * blockDim.x)
+    dst[i] = src[i];
+}
+
+// From this many rows the staged x is copied into device x first and every block reads it there:
+// each block reading its row over PCIe costs a batch rows * blocks rows of traffic. A decode
+// token's few blocks read the staging directly (one launch fewer).
+constexpr std::uint32_t kCopyStagedRows = 8;
+
 std::size_t route_smem(const DevLayout& L) {
   return (std::size_t(L.hidden) + 2 * std::size_t(L.n_experts) + L.top_k) * 4;
 }
@@ -212,6 +225,12 @@ cudaError_t launch_route(const DevLayout& L, const DevBuffers& b, std::uint32_t 
   if (rows == 0 || tasks.n == 0) return cudaSuccess;
   if (L.top_k > kMaxTopK || tasks.n > kMaxRouteTasks || !b.logits || !b.route_done)
     return cudaErrorInvalidValue;
+  if (x_staged && rows >= kCopyStagedRows) {
+    const std::size_t n = std::size_t(rows) * L.hidden;
+    copy_x_kernel<<<unsigned(std::min<std::size_t>((n + 255) / 256, 1024)), 256, 0, s>>>(
+        b.x, x_staged, n);
+    x_staged = nullptr;
+  }
   const std::uint32_t blocks = (L.n_experts + kRouteLogits - 1) / kRouteLogits;
   const std::uint32_t warps = L.n_experts < kRouteLogits ? L.n_experts : kRouteLogits;
   route_kernel<<<dim3(rows, blocks, tasks.n), 32 * warps, route_smem(L), s>>>(L, b, tasks,
