@@ -36,39 +36,82 @@ for whl in .whl ../.whl; do
   fi
 done
 # The kernels alone first: they need no Python build.
+tuning=""  # -D flags for the kernels' compile-time tuning knobs (chosen below), for the build
 if wants kernels; then
-  # Builds in parallel: now, before (STRATA_KERNELS_BEFORE), and two tunings of the decode
-  # kernels' rows per warp (gate_up, down), which are compile-time constants in experts.cu.
+  # Built in parallel: now, before (STRATA_KERNELS_BEFORE), and tunings of the compile-time
+  # knobs: the route kernel's experts per block and the rows from which a staged x is copied
+  # first (r*), the decode kernels' output rows per warp (gate_up, down: d*). Every build's
+  # outputs are compared with before's, bitwise; the fastest route and the fastest decode pair
+  # then become the build's flags.
   kb_build() {  # kb_build NAME DIR [nvcc flags]
     local name=$1 dir=$2
     shift 2
+    echo "$*" > "/tmp/kbench_$name.flags"
     nvcc -std=c++20 -O3 -arch=sm_90 "$@" -I"$dir" -Icsrc/engine -o "/tmp/kbench_$name" \
       benchmarks/native/cuda_kernel_bench.cu "$dir/kernels/route.cu" "$dir/kernels/experts.cu" \
       > "$out/kbench_build_$name.log" 2>&1 || echo "kbench build $name failed"
   }
-  kb_build now csrc/cuda &
-  kb_build rows1x2 csrc/cuda -DSTRATA_CUDA_GATE_UP_DIRECT_ROWS=1 -DSTRATA_CUDA_DOWN_DIRECT_ROWS=2 &
-  kb_build rows4x8 csrc/cuda -DSTRATA_CUDA_GATE_UP_DIRECT_ROWS=4 -DSTRATA_CUDA_DOWN_DIRECT_ROWS=8 &
+  R=-DSTRATA_CUDA_ROUTE_LOGITS C=-DSTRATA_CUDA_ROUTE_COPY_ROWS
+  G=-DSTRATA_CUDA_GATE_UP_DIRECT_ROWS D=-DSTRATA_CUDA_DOWN_DIRECT_ROWS
   [ -n "${STRATA_KERNELS_BEFORE:-}" ] && kb_build before "$STRATA_KERNELS_BEFORE" &
+  kb_build now csrc/cuda &
+  kb_build r16 csrc/cuda $R=16 &
+  kb_build r8 csrc/cuda $R=8 &
+  kb_build r16c1 csrc/cuda $R=16 $C=1 &
+  kb_build r8c1 csrc/cuda $R=8 $C=1 &
+  kb_build d1x2 csrc/cuda $G=1 $D=2 &
+  kb_build d2x8 csrc/cuda $G=2 $D=8 &
+  kb_build d4x8 csrc/cuda $G=4 $D=8 &
   wait
-  for name in before now rows1x2 rows4x8; do
+  names="before now r16 r8 r16c1 r8c1 d1x2 d2x8 d4x8"
+  for name in $names; do
     [ -x "/tmp/kbench_$name" ] || continue
     step "kbench_$name" 60 "/tmp/kbench_$name" --dump "/tmp/kbench_$name.bin"
+    [ "$name" != before ] && [ -f /tmp/kbench_before.bin ] && \
+      { cmp /tmp/kbench_before.bin "/tmp/kbench_$name.bin" && echo "$name: bitwise equal to before"; }
   done
+  tuning=$($py - "$out" $names <<'PY'
+import re
+import sys
+
+out, names = sys.argv[1], sys.argv[2:]
+t = {}
+for name in names:
+    try:
+        log = open(f"{out}/kbench_{name}.log").read()
+        flags = open(f"/tmp/kbench_{name}.flags").read().split()
+    except OSError:
+        continue
+    us = {m[0]: float(m[1]) for m in re.findall(r"^(\w+)\s+([\d.]+) us", log, re.M)}
+    if name != "before" and "route_xs" in us and "bitwise equal" in log:
+        t[name] = (us, flags)
+if "now" in t:
+    route = min((n for n in t if n == "now" or n.startswith("r")), key=lambda n: t[n][0]["route_xs"])
+    dec = min((n for n in t if n == "now" or n.startswith("d")),
+              key=lambda n: t[n][0]["gate_up"] + t[n][0]["down"])
+    print(" ".join([f for f in t[route][1] if "ROUTE" in f] + [f for f in t[dec][1] if "DIRECT" in f]))
+PY
+)
+  echo "tuning chosen: '${tuning}'"
   for name in before now; do  # ncu: 4 launches each of route, gate_up and down
     [ -x "/tmp/kbench_$name" ] || continue
     step "ncu_$name" 120 ncu --clock-control none -k regex:"route|direct" \
-      --launch-skip 199 --launch-count 12 \
+      --launch-skip 402 --launch-count 12 \
       --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
       "/tmp/kbench_$name"
   done
-  [ -f /tmp/kbench_before.bin ] && cmp /tmp/kbench_before.bin /tmp/kbench_now.bin \
-    && echo "kernel outputs: bitwise equal to before"
+  if [ -n "$tuning" ]; then
+    # shellcheck disable=SC2086
+    kb_build tuned csrc/cuda $tuning && step ncu_tuned 120 ncu --clock-control none \
+      -k regex:"route|direct" --launch-skip 402 --launch-count 12 \
+      --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
+      /tmp/kbench_tuned
+  fi
 fi
 build=/tmp/strata-build
 step build 240 bash -c "cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DSTRATA_BUILD_PYTHON=ON -DSTRATA_CUDA=ON -DPython_EXECUTABLE=\$(command -v $py) \
-  -Dpybind11_DIR=\$($py -m pybind11 --cmakedir) && cmake --build $build -j16 --target _core _cuda strata_cuda_check" \
+  -Dpybind11_DIR=\$($py -m pybind11 --cmakedir) -DCMAKE_CUDA_FLAGS='$tuning' && cmake --build $build -j16 --target _core _cuda strata_cuda_check" \
   || exit 1
 cp "$build"/_core*.so "$build"/_cuda*.so src/strata_stream/
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-}

@@ -331,8 +331,21 @@ __device__ __forceinline__ void direct_dots(const DevLayout& L, const DevMatrix*
       for (std::uint32_t u = 0; u < 4; ++u)
         direct_step<F, S, R, M, true>(L, mats, rec, r0, rows, x, 8 * lane + 256 * (it + u), n,
                                       acc);
-    for (; it < steps; ++it)
-      direct_step<F, S, R, M, true>(L, mats, rec, r0, rows, x, 8 * lane + 256 * it, n, acc);
+    // The last one to three steps, straight-line too (down's 768 columns are three steps).
+    const std::uint32_t c = 8 * lane + 256 * it;
+    switch (steps - it) {
+      case 3:
+        direct_step<F, S, R, M, true>(L, mats, rec, r0, rows, x, c, n, acc);
+        direct_step<F, S, R, M, true>(L, mats, rec, r0, rows, x, c + 256, n, acc);
+        direct_step<F, S, R, M, true>(L, mats, rec, r0, rows, x, c + 512, n, acc);
+        break;
+      case 2:
+        direct_step<F, S, R, M, true>(L, mats, rec, r0, rows, x, c, n, acc);
+        direct_step<F, S, R, M, true>(L, mats, rec, r0, rows, x, c + 256, n, acc);
+        break;
+      case 1: direct_step<F, S, R, M, true>(L, mats, rec, r0, rows, x, c, n, acc); break;
+      default: break;
+    }
   } else {
     for (std::uint32_t it = 0; it < steps; ++it)
       direct_step<F, S, R, M, false>(L, mats, rec, r0, rows, x, 8 * lane + 256 * it, n, acc);

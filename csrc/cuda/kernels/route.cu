@@ -19,7 +19,13 @@
 namespace strata::cuda {
 namespace {
 
-constexpr std::uint32_t kRouteLogits = 32;  // experts per block: one per warp
+#ifndef STRATA_CUDA_ROUTE_LOGITS  // experts per block, one per warp (a compile-time tuning knob)
+#define STRATA_CUDA_ROUTE_LOGITS 32
+#endif
+#ifndef STRATA_CUDA_ROUTE_COPY_ROWS  // below: kCopyStagedRows
+#define STRATA_CUDA_ROUTE_COPY_ROWS 8
+#endif
+constexpr std::uint32_t kRouteLogits = STRATA_CUDA_ROUTE_LOGITS;
 constexpr std::uint32_t kMaxTopK = 64;
 
 // One logit: lane_dot's order (8-column chunks l, l + 32, ...; each chunk in column order),
@@ -193,7 +199,7 @@ __global__ void copy_x_kernel(float* dst, const float* src, std::size_t n) {
 // From this many rows the staged x is copied into device x first and every block reads it there:
 // each block reading its row over PCIe costs a batch rows * blocks rows of traffic. A decode
 // token's few blocks read the staging directly (one launch fewer).
-constexpr std::uint32_t kCopyStagedRows = 8;
+constexpr std::uint32_t kCopyStagedRows = STRATA_CUDA_ROUTE_COPY_ROWS;
 
 std::size_t route_smem(const DevLayout& L) {
   return (std::size_t(L.hidden) + 2 * std::size_t(L.n_experts) + L.top_k) * 4;

@@ -42,10 +42,19 @@ __device__ __forceinline__ float e8m0(std::uint8_t e) {
   return bf16_bits(e == 0 ? std::uint16_t(0x0040) : std::uint16_t(std::uint16_t(e) << 7));
 }
 
+// float(q) for an integer q < 2^23, without the conversion instruction (a quarter-rate one, which
+// bounds the q4 decode kernels): 2^23 + q is exact in a float's mantissa, and so is the
+// subtraction. The same value as float(q), bit for bit.
+__device__ __forceinline__ float small_uint_float(std::uint32_t q) {
+  return __fsub_rn(__uint_as_float(0x4B000000u | q), 8388608.0f);
+}
+
 __device__ __forceinline__ float fp4(std::uint32_t code) {
-  const float mag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
-  const float v = mag[code & 7u];
-  return (code & 8u) ? -v : v;
+  // E2M1 as float bits (no table: a dynamically indexed array would sit in local memory):
+  // exponent field e, mantissa bit m; e = 0 is 0 or 0.5 (the subnormal), else 2^(e-1) (1 + m/2).
+  const std::uint32_t e = (code >> 1) & 3u, m = code & 1u;
+  const std::uint32_t mag = e ? ((e + 126u) << 23) | (m << 22) : (m ? 0x3F000000u : 0u);
+  return __uint_as_float(mag | ((code & 8u) << 28));  // the sign: -0.0 for code 8, as before
 }
 
 // The Linear bias of output r (0 without biases).
@@ -95,14 +104,14 @@ __device__ __forceinline__ void load8(const DevLayout& L, const DevMatrix& m,
         const std::uint32_t word = load_u32(w + (std::size_t(r) * (cols / 8) + c0 / 8) * 4);
 #pragma unroll
         for (int i = 0; i < 8; ++i)
-          v[i] = __fadd_rn(__fmul_rn(s, float((word >> (4 * i)) & 15u)), b);
+          v[i] = __fadd_rn(__fmul_rn(s, small_uint_float((word >> (4 * i)) & 15u)), b);
       } else {
         const unsigned char* p = w + (std::size_t(r) * (cols / 4) + c0 / 4) * 4;
         const std::uint32_t w0 = load_u32(p), w1 = load_u32(p + 4);
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          v[i] = __fadd_rn(__fmul_rn(s, float((w0 >> (8 * i)) & 255u)), b);
-          v[4 + i] = __fadd_rn(__fmul_rn(s, float((w1 >> (8 * i)) & 255u)), b);
+          v[i] = __fadd_rn(__fmul_rn(s, small_uint_float((w0 >> (8 * i)) & 255u)), b);
+          v[4 + i] = __fadd_rn(__fmul_rn(s, small_uint_float((w1 >> (8 * i)) & 255u)), b);
         }
       }
       return;
