@@ -315,7 +315,9 @@ def plot(results: dict[str, Any], png: Path) -> None:
     import matplotlib.pyplot as plt
 
     dec = results.get("decode")
-    fig, axes = plt.subplots(1, 2 if dec else 1, figsize=(12 if dec else 6, 4.2), squeeze=False)
+    kern = results.get("kernels")  # the decode kernels alone (benchmarks/native/cuda_kernel_bench)
+    n = 1 + bool(dec) + bool(kern)
+    fig, axes = plt.subplots(1, n, figsize=(6 * n, 4.2), squeeze=False)
     ax = axes[0][0]
     layers = results.get("layers", {})
     names = [n for n in layers if "handshake_layer_us" in layers[n]]
@@ -341,6 +343,23 @@ def plot(results: dict[str, Any], png: Path) -> None:
         ax.set_ylabel("tokens/s")
         ax.set_yscale("log")
         ax.set_title(f"decode, {dec['layers']} qwen3-30b-a3b-like layers, page cache")
+        ax.legend()
+    if kern:
+        ax = axes[0][n - 1]
+        ops = (("route_staged_x_us", "route_bytes", "route"), ("gate_up_us", "gate_up_bytes",
+               "gate_up"), ("down_us", "down_bytes", "down"))  # fmt: skip
+        xs = np.arange(len(ops))
+        for i, (name, r) in enumerate(kern.items()):
+            us = [r[key] for key, _, _ in ops]
+            bars = ax.bar(xs + (i - (len(kern) - 1) / 2) * 0.38, us, 0.38, label=name)
+            for bar, (key, nbytes, _) in zip(bars, ops, strict=True):
+                roof = r[nbytes] / (r["d2d_gb_s"] * 1e9) / (r[key] * 1e-6)
+                ax.annotate(f"{roof:.2f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                            ha="center", va="bottom", fontsize=7)  # fmt: skip
+        ax.set_xticks(xs, [label for _, _, label in ops])
+        ax.set_yscale("log")
+        ax.set_ylabel("us per launch (CUDA events, median)")
+        ax.set_title("decode kernels, 128 experts (labels: fraction of the HBM roofline)")
         ax.legend()
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,7 @@
 // of kernels.h are the interface), so a before/after pair is two builds of this one file:
 //   nvcc -std=c++20 -O3 -arch=sm_90 -I<dir above kernels> -Icsrc/engine -o bench \
 //     benchmarks/native/cuda_kernel_bench.cu <kernels>/route.cu <kernels>/experts.cu
-//   ./bench [--dump FILE]
+//   ./bench [--dump FILE] [--json FILE]
 // One decode token (a route launch with its two predictions: three routers; gate_up, down and
 // combine over 8 groups of one entry, each group a different expert of 128 in a 340 MB arena, the
 // experts rotating so that every launch reads its weights from HBM, not L2). --dump writes every
@@ -109,9 +109,11 @@ struct Timer {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const char* dump = nullptr;
-  for (int i = 1; i < argc; ++i)
+  const char *dump = nullptr, *json = nullptr;
+  for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--dump" && i + 1 < argc) dump = argv[++i];
+    if (std::string(argv[i]) == "--json" && i + 1 < argc) json = argv[++i];
+  }
   CK(cudaSetDevice(0));
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
@@ -255,6 +257,16 @@ int main(int argc, char** argv) {
   line("down", dn_us, dn_bytes);
   line("combine", combine_us, double(K) * H * 4 + H * 4);
   line("layer", route_us + gu_us + dn_us + combine_us, route_bytes + gu_bytes + dn_bytes);
+  if (json) {
+    FILE* f = std::fopen(json, "w");
+    std::fprintf(f,
+                 "{\"d2d_gb_s\": %.1f, \"route_staged_x_us\": %.2f, \"route_us\": %.2f, "
+                 "\"gate_up_us\": %.2f, \"down_us\": %.2f, \"combine_us\": %.2f, "
+                 "\"route_bytes\": %.0f, \"gate_up_bytes\": %.0f, \"down_bytes\": %.0f}\n",
+                 d2d / 1e9, staged_us, route_us, gu_us, dn_us, combine_us, route_bytes, gu_bytes,
+                 dn_bytes);
+    std::fclose(f);
+  }
 
   // Outputs of one fixed decode token (slots 0..7), then the same token in an 8-row batch.
   set_groups(1, 0);

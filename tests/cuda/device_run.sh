@@ -36,7 +36,9 @@ for whl in .whl ../.whl; do
   fi
 done
 # The kernels alone first: they need no Python build.
-tuning=""  # -D flags for the kernels' compile-time tuning knobs (chosen below), for the build
+# -D flags for the kernels' compile-time tuning knobs, for the build: STRATA_CUDA_TUNING, or
+# chosen below (and kept in /tmp/strata-cuda-tuning for a later call of this script).
+tuning=${STRATA_CUDA_TUNING:-}
 if wants kernels; then
   # Built in parallel: now, before (STRATA_KERNELS_BEFORE), and tunings of the compile-time
   # knobs: the route kernel's experts per block and the rows from which a staged x is copied
@@ -66,7 +68,8 @@ if wants kernels; then
   names="before now r16 r8 r16c1 r8c1 d1x2 d2x8 d4x8"
   for name in $names; do
     [ -x "/tmp/kbench_$name" ] || continue
-    step "kbench_$name" 60 "/tmp/kbench_$name" --dump "/tmp/kbench_$name.bin"
+    step "kbench_$name" 60 "/tmp/kbench_$name" --dump "/tmp/kbench_$name.bin" \
+      --json "$out/kbench_$name.json"
     [ "$name" != before ] && [ -f /tmp/kbench_before.bin ] && \
       { cmp /tmp/kbench_before.bin "/tmp/kbench_$name.bin" && echo "$name: bitwise equal to before"; }
   done
@@ -93,6 +96,7 @@ if "now" in t:
 PY
 )
   echo "tuning chosen: '${tuning}'"
+  echo "$tuning" > /tmp/strata-cuda-tuning
   for name in before now; do  # ncu: 4 launches each of route, gate_up and down
     [ -x "/tmp/kbench_$name" ] || continue
     step "ncu_$name" 120 ncu --clock-control none -k regex:"route|direct" \
@@ -102,7 +106,10 @@ PY
   done
   if [ -n "$tuning" ]; then
     # shellcheck disable=SC2086
-    kb_build tuned csrc/cuda $tuning && step ncu_tuned 120 ncu --clock-control none \
+    kb_build tuned csrc/cuda $tuning
+    step kbench_tuned 60 /tmp/kbench_tuned --dump /tmp/kbench_tuned.bin --json "$out/kbench_tuned.json"
+    cmp /tmp/kbench_before.bin /tmp/kbench_tuned.bin && echo "tuned: bitwise equal to before"
+    step ncu_tuned 120 ncu --clock-control none \
       -k regex:"route|direct" --launch-skip 402 --launch-count 12 \
       --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
       /tmp/kbench_tuned
@@ -138,11 +145,16 @@ if wants sanitize; then
   for tool in memcheck racecheck; do
     step "sanitize_$tool" 120 compute-sanitizer --tool "$tool" --error-exitcode 9 \
       --target-processes all $py -m pytest -q -p no:cacheprovider -m cuda \
-      tests/cuda/test_cuda_backend.py -k "odd_widths or (routed_calls and mxfp4)"
+      tests/cuda/test_cuda_backend.py tests/cuda/test_cuda_kernels.py \
+      -k "odd_widths or (routed_calls and mxfp4) or (many_experts and q4)"
   done
 fi
 if wants bench; then
   step io_ref_build 60 nvcc -O2 -std=c++17 -o /tmp/io_ref benchmarks/native/cuda_io_reference.cu
-  STRATA_CUDA_TRACE=1 step bench 300 $py benchmarks/cuda.py --layers 2 --experts 16 --decode \
+  STRATA_CUDA_TRACE=1 step bench 240 $py benchmarks/cuda.py --layers 2 --experts 16 --decode \
+    --backends ${STRATA_BENCH_BACKENDS:-cpu cuda-device cuda-mapped} \
     --io-reference /tmp/io_ref --json "$out/cuda_bench.json"
+  # A decode layer with all of Qwen3-30B-A3B's 128 experts (the route kernel's real width).
+  step bench128 120 $py benchmarks/cuda.py --layers 1 --experts 128 --prompt-rows \
+    --backends cuda-device --json "$out/cuda_bench128.json"
 fi

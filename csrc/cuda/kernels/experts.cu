@@ -355,14 +355,16 @@ __device__ __forceinline__ void direct_dots(const DevLayout& L, const DevMatrix*
 template <int F, int S, int R>
 __global__ void gate_up_direct_kernel(DevLayout L, DevBuffers b) {
   const std::uint32_t g = blockIdx.x;
+  // The group's slot, start and count are read before groups_n is known (g < n_experts keeps
+  // them in bounds), so the four loads overlap instead of following one another.
+  const std::uint32_t slot = b.group_slot[g], start = b.group_start[g], count = b.group_count[g];
   if (g >= *b.groups_n) return;
   const std::uint32_t H = L.hidden, I = L.inter, k = L.top_k;
   const std::uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const std::uint32_t r0 = (blockIdx.y * kWarps + warp) * R;
   if (r0 >= I) return;  // the whole warp: warp_sum's shuffles need every lane
-  const unsigned char* rec = b.arena + std::uint64_t(b.group_slot[g]) * b.slot_bytes;
-  const std::uint32_t* entries = b.group_entries + b.group_start[g];
-  const std::uint32_t count = b.group_count[g];
+  const unsigned char* rec = b.arena + std::uint64_t(slot) * b.slot_bytes;
+  const std::uint32_t* entries = b.group_entries + start;
   float gb[R], ub[R];
 #pragma unroll
   for (int q = 0; q < R; ++q) {
@@ -385,14 +387,16 @@ __global__ void gate_up_direct_kernel(DevLayout L, DevBuffers b) {
 template <int F, int S, int R>
 __global__ void down_direct_kernel(DevLayout L, DevBuffers b) {
   const std::uint32_t g = blockIdx.x;
+  // The group's slot, start and count are read before groups_n is known (g < n_experts keeps
+  // them in bounds), so the four loads overlap instead of following one another.
+  const std::uint32_t slot = b.group_slot[g], start = b.group_start[g], count = b.group_count[g];
   if (g >= *b.groups_n) return;
   const std::uint32_t H = L.hidden, I = L.inter;
   const std::uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const std::uint32_t r0 = (blockIdx.y * kWarps + warp) * R;
   if (r0 >= H) return;  // the whole warp
-  const unsigned char* rec = b.arena + std::uint64_t(b.group_slot[g]) * b.slot_bytes;
-  const std::uint32_t* entries = b.group_entries + b.group_start[g];
-  const std::uint32_t count = b.group_count[g];
+  const unsigned char* rec = b.arena + std::uint64_t(slot) * b.slot_bytes;
+  const std::uint32_t* entries = b.group_entries + start;
   float db[R];
 #pragma unroll
   for (int q = 0; q < R; ++q) db[q] = r0 + q < H ? bias_at(L, L.m[2], rec, r0 + q) : 0.0f;
