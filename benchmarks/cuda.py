@@ -285,7 +285,7 @@ def decode(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         print("io", json.dumps(out["io"]), flush=True)
         resident = decode_run(path, pack, base.replace(arena_bytes=n_all * stride,
                               lookahead=False), args.prompt, args.decode_tokens, args.seed,
-                              replay=True)  # fmt: skip
+                              replay=True, backend="cuda")  # fmt: skip
         compute_s = resident["seconds_per_token"]
         out["all_resident_tokens_per_s"] = 1 / compute_s
         rows = []
@@ -294,7 +294,7 @@ def decode(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 n_slots = max(2 * g.top_k, int(n_all * fraction))
                 r = decode_run(path, pack, base.replace(arena_bytes=n_slots * stride,
                                lookahead=lookahead), args.prompt, args.decode_tokens,
-                               args.seed)  # fmt: skip
+                               args.seed, backend="cuda")  # fmt: skip
                 ceiling = 1 / max(r["bytes_read_per_token"] / raw, compute_s)
                 row = {"arena_fraction": fraction, "lookahead": lookahead,
                        "ceiling_tokens_per_s": ceiling,

@@ -44,11 +44,13 @@ def decode_run(
     tokens: int,
     seed: int,
     replay: bool = False,
+    backend: str = "cpu",
 ) -> dict[str, Any]:
-    """Times `tokens` decode steps after a `prompt`. replay: run everything once untimed first,
-    so the timed pass finds every expert it needs resident (the all-resident baseline)."""
+    """Times `tokens` decode steps after a `prompt` on `backend` (Window's name for it).
+    replay: run everything once untimed first, so the timed pass finds every expert it needs
+    resident (the all-resident baseline)."""
     g = pack.geometry
-    with ExpertStream(path, config) as stream, Window(stream) as window:
+    with ExpertStream(path, config) as stream, Window(stream, backend=backend) as window:
         passes = 2 if replay else 1
         for p in range(passes):
             driver = SyntheticDriver(g, pack.router_weights, seed=seed)

@@ -58,14 +58,13 @@ if wants kernels; then
   [ -n "${STRATA_KERNELS_BEFORE:-}" ] && kb_build before "$STRATA_KERNELS_BEFORE" &
   kb_build now csrc/cuda &
   kb_build r16 csrc/cuda $R=16 &
-  kb_build r8 csrc/cuda $R=8 &
-  kb_build r16c1 csrc/cuda $R=16 $C=1 &
-  kb_build r8c1 csrc/cuda $R=8 $C=1 &
-  kb_build d1x2 csrc/cuda $G=1 $D=2 &
-  kb_build d2x8 csrc/cuda $G=2 $D=8 &
-  kb_build d4x8 csrc/cuda $G=4 $D=8 &
+  kb_build r32c8 csrc/cuda $R=32 $C=8 &
+  kb_build r8c8 csrc/cuda $C=8 &
+  kb_build d2x4 csrc/cuda $G=2 $D=4 &
+  kb_build d2x2 csrc/cuda $G=2 $D=2 &
+  kb_build d1x4 csrc/cuda $G=1 $D=4 &
   wait
-  names="before now r16 r8 r16c1 r8c1 d1x2 d2x8 d4x8"
+  names="before now r16 r32c8 r8c8 d2x4 d2x2 d1x4"
   for name in $names; do
     [ -x "/tmp/kbench_$name" ] || continue
     step "kbench_$name" 60 "/tmp/kbench_$name" --dump "/tmp/kbench_$name.bin" \

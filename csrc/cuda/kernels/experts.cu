@@ -254,11 +254,14 @@ __global__ void down_kernel(DevLayout L, DevBuffers b) {
 // need them. The weight format is a template parameter (one instance each), so the dequantizing
 // load has no format switch in the loop.
 constexpr std::uint32_t kWarps = kThreads / 32;
-#ifndef STRATA_CUDA_GATE_UP_DIRECT_ROWS  // output rows per warp (a compile-time tuning knob)
-#define STRATA_CUDA_GATE_UP_DIRECT_ROWS 2
+// Output rows per warp (compile-time tuning knobs): the fastest gate_up + down pair measured on
+// the H200 among 1x2, 2x4, 2x8 and 4x8 (docs/cuda.md; they differ by a few microseconds, 4x8's
+// gate_up by far more: too few warps).
+#ifndef STRATA_CUDA_GATE_UP_DIRECT_ROWS
+#define STRATA_CUDA_GATE_UP_DIRECT_ROWS 1
 #endif
 #ifndef STRATA_CUDA_DOWN_DIRECT_ROWS
-#define STRATA_CUDA_DOWN_DIRECT_ROWS 4
+#define STRATA_CUDA_DOWN_DIRECT_ROWS 2
 #endif
 constexpr int kGateUpDirectRows = STRATA_CUDA_GATE_UP_DIRECT_ROWS;
 constexpr int kDownDirectRows = STRATA_CUDA_DOWN_DIRECT_ROWS;

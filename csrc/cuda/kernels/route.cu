@@ -19,11 +19,13 @@
 namespace strata::cuda {
 namespace {
 
-#ifndef STRATA_CUDA_ROUTE_LOGITS  // experts per block, one per warp (a compile-time tuning knob)
-#define STRATA_CUDA_ROUTE_LOGITS 32
+// Compile-time tuning knobs, set to what was fastest on the H200 (docs/cuda.md: 32, 16 and 8
+// experts per block, copy from 1 or 8 rows, measured by benchmarks/native/cuda_kernel_bench.cu).
+#ifndef STRATA_CUDA_ROUTE_LOGITS  // experts per block, one per warp
+#define STRATA_CUDA_ROUTE_LOGITS 8
 #endif
 #ifndef STRATA_CUDA_ROUTE_COPY_ROWS  // below: kCopyStagedRows
-#define STRATA_CUDA_ROUTE_COPY_ROWS 8
+#define STRATA_CUDA_ROUTE_COPY_ROWS 1
 #endif
 constexpr std::uint32_t kRouteLogits = STRATA_CUDA_ROUTE_LOGITS;
 constexpr std::uint32_t kMaxTopK = 64;
@@ -196,9 +198,10 @@ __global__ void copy_x_kernel(float* dst, const float* src, std::size_t n) {
     dst[i] = src[i];
 }
 
-// From this many rows the staged x is copied into device x first and every block reads it there:
-// each block reading its row over PCIe costs a batch rows * blocks rows of traffic. A decode
-// token's few blocks read the staging directly (one launch fewer).
+// From this many rows the staged x is copied into device x first and every block reads it there
+// (from L2); below it every block reads its row from the staging over PCIe, which saves a launch
+// but costs rows * blocks rows of PCIe reads. On the H200 copying first won even for one decode
+// token (16 blocks: 21.7 us against 25.8 with the route and both predictions), hence 1.
 constexpr std::uint32_t kCopyStagedRows = STRATA_CUDA_ROUTE_COPY_ROWS;
 
 std::size_t route_smem(const DevLayout& L) {
