@@ -259,7 +259,7 @@ def decode(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     make_pack(path, args.decode_layers, 128, 2048, 768, 8)
     print(f"packed {path.stat().st_size / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s",
           flush=True)  # fmt: skip
-    out: dict[str, Any] = {"layers": args.decode_layers, "experts": 128}
+    out: dict[str, Any] = {"layers": args.decode_layers, "experts": 128, "backend": "cuda"}
     with ExpertPack.open(path) as pack:
         g, stride, first = pack.geometry, pack.record_stride, pack.records_offset
         n_all = g.n_layers * g.n_experts
@@ -336,7 +336,8 @@ def plot(results: dict[str, Any], png: Path) -> None:
             rows = [r for r in dec["rows"] if r["lookahead"] == lookahead]
             f = [100 * r["arena_fraction"] for r in rows]
             ax.plot(f, [r["tokens_per_s"] for r in rows], marker=marker,
-                    label=f"cuda, prediction {'on' if lookahead else 'off'}")  # fmt: skip
+                    label=f"{dec.get('backend', 'cuda')}, prediction "
+                          f"{'on' if lookahead else 'off'}")  # fmt: skip
             ax.plot(f, [r["ceiling_tokens_per_s"] for r in rows], marker=marker, ls=":",
                     color="grey", label="ceiling" if lookahead else None)  # fmt: skip
         ax.set_xlabel("arena, % of the experts")
