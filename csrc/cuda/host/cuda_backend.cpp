@@ -279,11 +279,13 @@ class CudaBackend final : public Backend {
     dev_.pred_ids[0] = back_.device<std::int32_t>(back_pred_[0]);
     dev_.pred_ids[1] = back_.device<std::int32_t>(back_pred_[1]);
     // The route kernel's logits and blocks-done counters (kernels.h): the counters start at
-    // zero and every launch leaves them so.
+    // zero and every launch leaves them so. Zeroed on the kernels' stream (a non-blocking one,
+    // which a plain cudaMemset on the default stream would not order before them).
     logits_.ensure(route_scratch_floats(layout_, std::uint32_t(R)) * 4);
     route_done_.ensure(route_counters(std::uint32_t(R)) * 4);
-    check(cudaMemset(route_done_.as<void>(), 0, route_counters(std::uint32_t(R)) * 4),
-          "cudaMemset (route counters)");
+    check(cudaMemsetAsync(route_done_.as<void>(), 0, route_counters(std::uint32_t(R)) * 4,
+                          stream_),
+          "cudaMemsetAsync (route counters)");
     dev_.logits = logits_.as<float>();
     dev_.route_done = route_done_.as<std::uint32_t>();
     dev_.plan = plan_.as<std::uint32_t>();
@@ -755,7 +757,8 @@ class CudaBackend final : public Backend {
   const unsigned char* host_arena_ = nullptr;
   const std::uint32_t* host_smap_ = nullptr;
   const float* host_routers_ = nullptr;
-  DeviceArray routers_, x_, ids_, weights_, plan_, h_, y_, wave_, wave_n_, groups_, logits_, route_done_;
+  DeviceArray routers_, x_, ids_, weights_, plan_, h_, y_, wave_, wave_n_, groups_;
+  DeviceArray logits_, route_done_;  // the route kernel's scratch
   // The device thread's (bind() sizes them while it is idle): staging up, and the readback the
   // kernels write what the host reads into (byte offsets of its sections).
   PinnedArray up_, back_;
