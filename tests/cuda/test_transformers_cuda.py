@@ -275,7 +275,9 @@ def test_bad_device_inputs_name_their_cause(fam: Family, closing: list[Any]) -> 
         window.moe_routed_device(0, x, ids, w, _FakeCuda(host))
     # The stream and the Window stay usable after each refusal.
     window.restart_pass()
-    window.moe_routed_device(0, x + 1, ids, w, out)
+    x1 = x + 1
+    torch.cuda.synchronize()  # the caller's part of the contract: x is complete (docstring)
+    window.moe_routed_device(0, x1, ids, w, out)
     assert torch.isfinite(out).all() and out.abs().max() > 0
     window.restart_pass()
     with pytest.raises(ConfigError, match="streamed experts run on cuda:0"):
