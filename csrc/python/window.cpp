@@ -218,6 +218,41 @@ py::array_t<float> moe_routed(Window& w, std::uint32_t layer, const py::buffer& 
   return out;
 }
 
+// x and out as device addresses of float32 [rows, hidden] rows (window.py takes them from the
+// arrays' __cuda_array_interface__, checked there: dtype, shape, contiguity, writability); the
+// backend checks that both are memory of its device. The tables are copied as for moe_routed.
+void moe_routed_device(Window& w, std::uint32_t layer, std::uintptr_t x, std::uintptr_t out,
+                       const py::object& rows_arg, const py::object& ids,
+                       const py::object& weights, const py::object& pred1,
+                       const py::object& pred2) {
+  const PackLayout& L = w.layout();
+  const std::uint32_t rows = count_arg(rows_arg, UINT32_MAX, "rows");
+  const std::uint32_t k = L.top_k, E = L.n_experts;
+  if (rows > 0 && (x == 0 || out == 0))
+    throw py::value_error("x and out must be device addresses, got a null pointer");
+  const std::size_t bytes = std::size_t(rows) * L.hidden * 4;
+  if (rows > 0 && x < out + bytes && out < x + bytes)
+    throw py::value_error("x and out must not overlap");
+  const auto ids_v = id_table_arg(ids, "ids", rows, k, E, true);
+  using FloatArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
+  FloatArray wts = FloatArray::ensure(weights);
+  if (!wts) throw py::type_error("weights must be an array of mixture weights");
+  if (wts.ndim() != 2 || std::uint32_t(wts.shape(0)) != rows || std::uint32_t(wts.shape(1)) != k)
+    throw py::value_error("weights must have shape [" + std::to_string(rows) + ", " +
+                          std::to_string(k) + "]");
+  const std::vector<float> weights_v(wts.data(), wts.data() + std::size_t(rows) * k);
+  const auto pred1_v = id_table_arg(pred1, "pred1", rows, k, E, false);
+  const auto pred2_v = id_table_arg(pred2, "pred2", rows, k, E, false);
+  Window::Routed r;
+  r.ids = ids_v.data();
+  r.weights = weights_v.data();
+  r.pred1 = or_null(pred1_v);
+  r.pred2 = or_null(pred2_v);
+  py::gil_scoped_release nogil;
+  w.moe_routed_device(layer, reinterpret_cast<const float*>(x), rows, r,
+                      reinterpret_cast<float*>(out), check_signals);
+}
+
 void moe_routed_external(Window& w, std::uint32_t layer, const py::object& ids,
                      const py::object& pred1, const py::object& pred2,
                      const py::function& compute) {
@@ -347,6 +382,10 @@ void init_window(py::module_& m) {
            py::arg("ids"), py::arg("weights"), py::arg("pred1") = py::none(),
            py::arg("pred2") = py::none(), py::kw_only(), py::arg("arithmetic") = "float32",
            py::arg("weights_dtype") = "float32")
+      .def("moe_routed_device", &moe_routed_device, py::arg("layer"), py::arg("x"),
+           py::arg("out"), py::arg("rows"), py::arg("ids"), py::arg("weights"),
+           py::arg("pred1") = py::none(), py::arg("pred2") = py::none())
+      .def_property_readonly("device_io_unsupported", &Window::device_io_unsupported)
       .def("moe_routed_external", &moe_routed_external, py::arg("layer"), py::arg("ids"),
            py::arg("pred1"), py::arg("pred2"), py::arg("compute"))
       .def(

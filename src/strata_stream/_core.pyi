@@ -201,6 +201,19 @@ class Window:
         pred2: _Ids | None,
         compute: Callable[[int, int, npt.NDArray[np.uint32]], object],
     ) -> None: ...
+    def moe_routed_device(
+        self,
+        layer: int,
+        x: int,
+        out: int,
+        rows: int,
+        ids: _Ids,
+        weights: npt.ArrayLike,
+        pred1: _Ids | None = None,
+        pred2: _Ids | None = None,
+    ) -> None: ...
+    @property
+    def device_io_unsupported(self) -> str: ...
     def arithmetic_unsupported(self, x_dtype: str) -> str: ...
     def wants_predictions(self, layer: int, rows: int) -> tuple[bool, bool]: ...
     def close(self) -> None: ...

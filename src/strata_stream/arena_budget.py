@@ -31,10 +31,17 @@ def available_memory() -> int:
     return int(pages * os.sysconf("SC_PAGE_SIZE") // 2)  # no better figure: half of RAM
 
 
-def arena_size(pack: ExpertPack, requested: int | None, available: int | None = None) -> int:
+def arena_size(
+    pack: ExpertPack,
+    requested: int | None,
+    available: int | None = None,
+    memory: str = "memory",
+) -> int:
     """The arena for a pack: `requested` if given, else what available memory allows after the
     headroom, capped at every expert resident. ConfigError when it cannot hold the minimum
-    (two layers' top_k experts), saying how much memory is needed."""
+    (two layers' top_k experts), saying how much memory is needed. available: bytes free
+    (default: host memory, available_memory()); memory names them in that error ("GPU
+    memory" for an arena sized from a GPU's)."""
     g = pack.geometry
     stride = pack.record_stride
     minimum = ExpertStream_min_slots(g.top_k) * stride
@@ -52,7 +59,7 @@ def arena_size(pack: ExpertPack, requested: int | None, available: int | None = 
     arena = min(everything, avail - headroom)
     if arena < minimum:
         raise ConfigError(
-            f"not enough memory for the experts: the arena needs at least {minimum} bytes "
+            f"not enough {memory} for the experts: the arena needs at least {minimum} bytes "
             f"({minimum / _GiB:.2f} GiB) plus {headroom / _GiB:.2f} GiB of headroom, "
             f"{(minimum + headroom) / _GiB:.2f} GiB in all, but only {avail / _GiB:.2f} GiB is "
             "available after the dense weights"

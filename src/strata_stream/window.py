@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from strata_stream.errors import StreamClosedError
+from strata_stream.errors import ConfigError, StreamClosedError
 from strata_stream.stream import ExpertStream
 from strata_stream.trace.format import strata_trace_header, strata_trace_rows
 
@@ -72,6 +72,50 @@ def _x_buffer(x: Any, hidden: int, x_dtype: str | None = None) -> tuple[memoryvi
     if not view.c_contiguous:
         raise ValueError("x must be C-contiguous")
     return view, dtype
+
+
+def cuda_backend_unavailable() -> str:
+    """Why Window(backend="cuda") cannot run here; "" when it can (no import of CUDA unless the
+    build has strata_stream._cuda)."""
+    import importlib
+
+    try:
+        mod = importlib.import_module("strata_stream._cuda")
+    except ImportError:
+        return ("this build of strata_stream has no CUDA backend (strata_stream._cuda: built "
+                "without nvcc, or with STRATA_CUDA=OFF)")  # fmt: skip
+    return str(mod.unavailable())
+
+
+def _device_rows(a: Any, name: str, hidden: int, writable: bool = False) -> tuple[int, int]:
+    """(device address, rows) of a float32 C-contiguous [T, hidden] GPU array, read from its
+    __cuda_array_interface__ (a torch CUDA tensor, a CuPy array), checked for dtype, shape,
+    layout and (for an output) writability. Which device holds it the backend checks."""
+    try:
+        cai = a.__cuda_array_interface__
+    except (AttributeError, RuntimeError):  # torch: AttributeError off the GPU
+        where = f" on {a.device}" if hasattr(a, "device") else ""
+        raise ConfigError(
+            f"{name} must be a CUDA array (with __cuda_array_interface__, such as a torch CUDA "
+            f"tensor), got {type(a).__module__}.{type(a).__name__}{where}"
+        ) from None
+    if not isinstance(cai, dict) or "shape" not in cai or "data" not in cai:
+        raise ConfigError(f"{name}: __cuda_array_interface__ has no shape or data")
+    typestr = str(cai.get("typestr", ""))
+    if typestr not in ("<f4", "=f4", "|f4"):
+        raise ConfigError(f"{name} must be float32 (typestr '<f4'), got typestr {typestr!r}")
+    shape = tuple(int(d) for d in cai["shape"])
+    if len(shape) != 2 or shape[1] != hidden:
+        raise ConfigError(f"{name} must have shape [T, {hidden}], got {list(shape)}")
+    strides = cai.get("strides")
+    if strides is not None:  # None: C-contiguous; a stride of a dimension of size 1 is moot
+        s0, s1 = (int(v) for v in strides)
+        if (shape[1] > 1 and s1 != 4) or (shape[0] > 1 and s0 != 4 * hidden):
+            raise ConfigError(f"{name} must be C-contiguous, got strides {(s0, s1)} (bytes)")
+    ptr, readonly = cai["data"]
+    if writable and readonly:
+        raise ConfigError(f"{name} is read-only")
+    return int(ptr), shape[0]
 
 
 def profile_path(pack: Path) -> Path:
@@ -220,6 +264,42 @@ class Window:
             ),
         )
 
+    def moe_routed_device(
+        self,
+        layer: int,
+        x: Any,
+        ids: npt.ArrayLike,
+        weights: npt.ArrayLike,
+        out: Any,
+        pred1: npt.ArrayLike | None = None,
+        pred2: npt.ArrayLike | None = None,
+    ) -> None:
+        """As `moe_routed`, with x and out on the backend's GPU (backend="cuda"): the backend
+        reads x and writes the MoE output into out itself, with no copy through the host.
+
+        x, out: float32 C-contiguous [T, hidden] GPU arrays (``__cuda_array_interface__``: a
+        torch CUDA tensor, a CuPy array) on device 0, out writable and apart from x. x must be
+        complete when the call is made (for torch, copying the ids and weights to the host
+        synchronizes its stream, which completes x); the call returns once out is complete on
+        the device, so any stream may read it then. ids, weights, pred1, pred2: host arrays as
+        for `moe_routed`. Float32 arithmetic. ConfigError names the cause for an array that is
+        not one of these, and on a backend that computes from host memory only (the cpu one).
+        """
+        layer = self._layer_arg(layer)
+        x_ptr, rows = _device_rows(x, "x", self.hidden)
+        out_ptr, out_rows = _device_rows(out, "out", self.hidden, writable=True)
+        if out_rows != rows:
+            raise ConfigError(f"out has {out_rows} rows, x has {rows}")
+        why = self._w.device_io_unsupported
+        if why:
+            raise ConfigError(f"moe_routed_device: backend '{self._w.backend}': {why}")
+        self._routed_call(
+            layer,
+            lambda: self._w.moe_routed_device(
+                layer, x_ptr, out_ptr, rows, ids, weights, pred1, pred2
+            ),
+        )
+
     def moe_routed_external(
         self,
         layer: int,
@@ -244,6 +324,11 @@ class Window:
 
     # The name this method had before it was named for what it does.
     moe_routed_host = moe_routed_external
+
+    @property
+    def backend(self) -> str:
+        """The backend's name ("cpu", "cuda", "metal")."""
+        return str(self._w.backend)
 
     def wants_predictions(self, layer: int, rows: int) -> tuple[bool, bool]:
         """Which predictions an externally routed call (`moe_routed` or `moe_routed_external`)

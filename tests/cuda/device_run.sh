@@ -114,7 +114,9 @@ PY
       /tmp/kbench_tuned
   fi
 fi
-build=/tmp/strata-build
+# One build folder per source tree: several trees share a warm machine (CMake refuses a cache
+# made from another source directory).
+build=${STRATA_BUILD_DIR:-/tmp/strata-build-$(printf %s "$PWD" | md5sum | cut -c1-8)}
 step build 240 bash -c "cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DSTRATA_BUILD_PYTHON=ON -DSTRATA_CUDA=ON -DPython_EXECUTABLE=\$(command -v $py) \
   -Dpybind11_DIR=\$($py -m pybind11 --cmakedir) -DCMAKE_CUDA_FLAGS='$tuning' && cmake --build $build -j16 --target _core _cuda strata_cuda_check" \

@@ -7,6 +7,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <cstdint>
 #include <cstring>
 #include <deque>
 #include <mutex>
@@ -147,7 +148,28 @@ struct Item {
   bool batch_start = false;
   bool batch_routes = false;     // the submission routes on the device (else the host did)
   std::uint32_t batch_rows = 0;  // the largest row count among its commands
+  DeviceIo io;                   // the caller's device x / out at submission (set_device_io)
 };
+
+// Why `p` cannot be a routed call's float32 rows on device 0 ("" when it can): the one check
+// that needs CUDA, made once per chunk on the host thread (cudaPointerGetAttributes, no sync).
+std::string device_pointer_problem(const void* p, const char* what) {
+  if (!p) return std::string(what) + " is a null pointer";
+  if (reinterpret_cast<std::uintptr_t>(p) % alignof(float) != 0)
+    return std::string(what) + " is not aligned for float32";
+  cudaPointerAttributes a{};
+  const cudaError_t e = cudaPointerGetAttributes(&a, p);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return std::string(what) + " is not CUDA memory (" + cudaGetErrorName(e) + ")";
+  }
+  if (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged)
+    return std::string(what) + " is host memory, not memory of CUDA device 0";
+  if (a.device != 0)
+    return std::string(what) + " is memory of CUDA device " + std::to_string(a.device) +
+           "; the cuda backend runs on device 0";
+  return "";
+}
 
 // Where the kernels read experts (STRATA_CUDA_ARENA, read when the backend is made).
 //   Device (default): a device-memory mirror of the arena, slot for slot. Before a pass the
@@ -196,6 +218,23 @@ class CudaBackend final : public Backend {
   }
 
   std::string name() const override { return "cuda"; }
+
+  // Float32 without moce, as every backend, on host memory or on the caller's device memory.
+  std::optional<std::string> unsupported(const Capability& c) const override {
+    Capability host = c;
+    host.io = Io::Host;
+    return Backend::unsupported(host);
+  }
+
+  void set_device_io(const DeviceIo& io) override {
+    if (io.x || io.out) {  // {}: the scratch again
+      std::string why = device_pointer_problem(io.x, "x");
+      if (why.empty()) why = device_pointer_problem(io.out, "out");
+      if (!why.empty()) throw std::invalid_argument("cuda: " + why);
+    }
+    std::lock_guard<std::mutex> lk(mu_);
+    io_ = io;
+  }
   ArenaMode mode() const { return mode_; }
 
   void bind(const DeviceBuffers& b) override {
@@ -315,6 +354,7 @@ class CudaBackend final : public Backend {
     }
     {
       std::lock_guard<std::mutex> lk(mu_);
+      meta.io = io_;
       bool first = true;
       std::size_t items = 0;
       for (const Command& c : commands) {
@@ -472,12 +512,17 @@ class CudaBackend final : public Backend {
     const Command& c = it.c;
     const DeviceBuffers& b = host_;
     const std::size_t H = layout_.hidden, k = layout_.top_k;
-    const float* x_staged = nullptr;  // x for the route kernel to read and store into dev_.x
+    // The buffers this command's kernels use: the bound ones, or the caller's device rows
+    // (read and written in place: the host thread that made the call waits for them).
+    DevBuffers dev = dev_;
+    if (it.io.x) dev.x = const_cast<float*>(it.io.x);  // read only: no route stores into it
+    if (it.io.out) dev.out = it.io.out;
+    const float* x_staged = nullptr;  // x for the route kernel to read and store into dev.x
     if (it.batch_start && it.batch_rows > 0 && b.x) {
       const std::size_t R = it.batch_rows;
-      if (c.op == Op::Route && c.rows == R)
+      if (c.op == Op::Route && c.rows == R && !it.io.x)
         x_staged = static_cast<const float*>(stage(b.x, R * H * 4));
-      if (!x_staged) upload(dev_.x, b.x, R * H * 4);
+      if (!x_staged && !it.io.x) upload(dev_.x, b.x, R * H * 4);
       if (!it.batch_routes) {  // the host routed (or the device did and the host has a copy)
         upload(dev_.ids, b.ids, R * k * 4);
         upload(dev_.weights, b.weights, R * k * 4);
@@ -498,19 +543,19 @@ class CudaBackend final : public Backend {
                                        back_.device<std::int32_t>(back_ids_),
                                        back_.device<float>(back_weights_)};
         for (std::uint32_t f = 0; f < it.n_fused; ++f) tasks.t[tasks.n++] = predict_task(it.fused[f]);
-        check(launch_route(layout_, dev_, c.rows, tasks, x_staged, stream_), "route");
+        check(launch_route(layout_, dev, c.rows, tasks, x_staged, stream_), "route");
         dirty_.ids_rows = std::max(dirty_.ids_rows, c.rows);
         return "";
       }
       case Op::RoutePredict: {  // one not folded into a Route
         RouteTasks tasks;
         tasks.t[tasks.n++] = predict_task(c);
-        check(launch_route(layout_, dev_, c.rows, tasks, nullptr, stream_), "route_predict");
+        check(launch_route(layout_, dev, c.rows, tasks, nullptr, stream_), "route_predict");
         return "";
       }
       case Op::Plan:
         if (mode_ == ArenaMode::Mapped) {
-          check(launch_plan(layout_, dev_, c.layer, c.rows, stream_), "plan");
+          check(launch_plan(layout_, dev, c.layer, c.rows, stream_), "plan");
         } else {
           // The same snapshot, taken here, at the point of the stream where the plan kernel
           // would run (after release 1): the device thread must know the slots to mirror them.
@@ -531,12 +576,12 @@ class CudaBackend final : public Backend {
           mirror_pass(c.layer, c.rows, c.pass);
           err = group_on_host(c.layer, c.rows, sel);
         } else if (regroup) {
-          check(launch_group(layout_, dev_, c.layer, c.rows, sel, stream_), "group");
+          check(launch_group(layout_, dev, c.layer, c.rows, sel, stream_), "group");
         }
         if (c.op == Op::GateUp)
-          check(launch_gate_up(layout_, dev_, c.rows, stream_), "gate_up");
+          check(launch_gate_up(layout_, dev, c.rows, stream_), "gate_up");
         else
-          check(launch_down(layout_, dev_, c.rows, stream_), "down");
+          check(launch_down(layout_, dev, c.rows, stream_), "down");
         return err;
       }
       case Op::MoeMM: {
@@ -549,15 +594,16 @@ class CudaBackend final : public Backend {
         } else {
           upload(const_cast<std::uint32_t*>(dev_.wave_n), b.wave_n, 4);
           upload(const_cast<std::int32_t*>(dev_.wave), b.wave, std::size_t(n) * 4);
-          check(launch_group(layout_, dev_, c.layer, c.rows, Select::Wave, stream_), "group");
+          check(launch_group(layout_, dev, c.layer, c.rows, Select::Wave, stream_), "group");
         }
-        check(launch_gate_up(layout_, dev_, c.rows, stream_), "gate_up");
-        check(launch_down(layout_, dev_, c.rows, stream_), "down");
+        check(launch_gate_up(layout_, dev, c.rows, stream_), "gate_up");
+        check(launch_down(layout_, dev, c.rows, stream_), "down");
         return err;
       }
       case Op::Combine:
-        check(launch_combine(layout_, dev_, c.rows, stream_), "combine");
-        dirty_.out_rows = std::max(dirty_.out_rows, c.rows);
+        check(launch_combine(layout_, dev, c.rows, stream_), "combine");
+        // Into the caller's device rows: complete at the Signal's drain, nothing to bring back.
+        if (!it.io.out) dirty_.out_rows = std::max(dirty_.out_rows, c.rows);
         return "";
       case Op::Signal: {
         std::string err = settle();
@@ -792,6 +838,7 @@ class CudaBackend final : public Backend {
   SharedEvent* parked_event_ = nullptr;  // mu_
   std::uint64_t parked_value_ = 0;       // mu_
   std::string error_;                    // mu_
+  DeviceIo io_;                          // mu_: set_device_io's, copied into each Item at submit
   std::thread device_;                   // started last, in the constructor body
 };
 

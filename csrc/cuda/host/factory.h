@@ -1,8 +1,9 @@
 // The seam between strata_stream._core and strata_stream._cuda. _cuda is its own extension
 // module, so importing strata_stream never needs a CUDA runtime; it hands _core this table in
 // a PyCapsule named kFactoryCapsule. Only header-only engine types cross it (Backend and what
-// its methods take: DeviceBuffers, Command, PackLayout, SharedEvent), each side compiled from
-// the same headers with the same compiler; the sizes below catch a _cuda built from other ones.
+// its methods take: DeviceBuffers, Command, PackLayout, Capability, DeviceIo, SharedEvent),
+// each side compiled from the same headers with the same compiler; the ABI number and the
+// sizes below catch a _cuda built from other ones.
 #pragma once
 
 #include <cstdint>
@@ -13,13 +14,16 @@
 namespace strata::cuda {
 
 constexpr const char* kFactoryCapsule = "strata_stream._cuda.factory";
-constexpr std::uint32_t kFactoryAbi = 2;  // 2: Backend::unsupported(Capability), submit by reference
+// 2: Backend::unsupported(Capability), submit by reference. 3: Capability::io,
+// Backend::set_device_io (routed calls on the caller's device memory).
+constexpr std::uint32_t kFactoryAbi = 3;
 
 struct BackendFactory {
   std::uint32_t abi = kFactoryAbi;
   std::uint32_t sizeof_buffers = sizeof(DeviceBuffers);
   std::uint32_t sizeof_command = sizeof(Command);
   std::uint32_t sizeof_layout = sizeof(PackLayout);
+  std::uint32_t sizeof_capability = sizeof(Capability);
   // Why no CUDA device can run the backend here ("" when one can): no driver, no GPU.
   std::string (*unavailable)() = nullptr;
   // A new backend on device 0, or null with *why set.
@@ -30,6 +34,7 @@ struct BackendFactory {
 inline bool factory_matches(const BackendFactory& f) {
   return f.abi == kFactoryAbi && f.sizeof_buffers == sizeof(DeviceBuffers) &&
          f.sizeof_command == sizeof(Command) && f.sizeof_layout == sizeof(PackLayout) &&
+         f.sizeof_capability == sizeof(Capability) &&
          f.unavailable && f.make;
 }
 

@@ -117,8 +117,12 @@ class CpuBackend final : public Backend {
 
   std::string name() const override { return "cpu"; }
 
-  // The reference runs everything: moce, and MLX's arithmetic for the formats MLX computes so.
+  // The reference runs everything on host memory: moce, and MLX's arithmetic for the formats
+  // MLX computes so.
   std::optional<std::string> unsupported(const Capability& c) const override {
+    if (c.io != Io::Host)
+      return "the cpu backend reads x from and writes out to host memory only (device "
+             "pointers need the cuda backend)";
     if (c.arithmetic == Arithmetic::Float32 || !c.layout) return std::nullopt;
     const char* why = cpu::mlx::unsupported(*c.layout, c.arithmetic);
     return *why ? std::optional<std::string>(why) : std::nullopt;

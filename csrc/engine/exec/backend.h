@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -84,13 +85,28 @@ struct Command {
   Rounding rounding;  // GateUp, Down, MoeMM
 };
 
+// Where a routed call's x and out live. Host: the Window copies x into its scratch and out
+// from it (every backend). Device: they are the caller's memory on the backend's device (a
+// torch CUDA tensor, say), which the backend reads and writes itself (set_device_io).
+enum class Io : std::uint8_t { Host = 0, Device = 1 };
+
 // One thing a Window may ask a backend to run, by type (ggml's supports_op): an op on a pack's
-// layout, with the arithmetic of its expert passes and the mode of its route.
+// layout, with the arithmetic of its expert passes, the mode of its route and where its
+// input and output live.
 struct Capability {
   Op op = Op::GateUp;
   const PackLayout* layout = nullptr;  // the pack (weight format, group size, biases, ...)
   Arithmetic arithmetic = Arithmetic::Float32;  // GateUp, Down, MoeMM
   MoceMode moce = MoceMode::Off;                // Route
+  Io io = Io::Host;                             // Combine (out) and the passes (x)
+};
+
+// Io::Device: the caller's device memory for the rows of the chunk being submitted, float32,
+// row-major [rows, hidden]: the passes read x there, Combine writes out there. Null: the bound
+// scratch (DeviceBuffers::x, ::out), as for Io::Host.
+struct DeviceIo {
+  const float* x = nullptr;
+  float* out = nullptr;
 };
 
 class Backend {
@@ -99,8 +115,12 @@ class Backend {
   virtual std::string name() const = 0;
   // Why this backend cannot run `c`, or nullopt when it can. The Window asks at construction,
   // once per capability it may need, and refuses by this reason when a call needs one that is
-  // missing. Every backend runs every op in Float32 without moce; by default nothing more.
+  // missing. Every backend runs every op in Float32 without moce on host memory; by default
+  // nothing more.
   virtual std::optional<std::string> unsupported(const Capability& c) const {
+    if (c.io != Io::Host)
+      return "the " + name() + " backend reads x from and writes out to host memory only "
+             "(device pointers need the cuda backend)";
     if (c.arithmetic != Arithmetic::Float32)
       return "the " + name() + " backend computes in float32 only";
     if (c.moce != MoceMode::Off)
@@ -108,6 +128,14 @@ class Backend {
     return std::nullopt;
   }
   virtual void bind(const DeviceBuffers& buffers) = 0;
+  // Io::Device only (a backend whose unsupported() accepts it): the commands submitted from now
+  // on read x from io.x and write Combine's out to io.out, until the next call ({}: the bound
+  // scratch again). Throws std::invalid_argument when a pointer is not memory of this
+  // backend's device. The caller keeps both valid and unchanged until those commands ran.
+  virtual void set_device_io(const DeviceIo& io) {
+    if (io.x || io.out)
+      throw std::logic_error("the " + name() + " backend cannot read or write device memory");
+  }
   // Runs asynchronously, in order, after everything submitted before it. The commands are
   // copied: the caller reuses its vector.
   virtual void submit(const std::vector<Command>& commands) = 0;

@@ -106,6 +106,10 @@ Window::Window(ExpertStream& stream, std::unique_ptr<Backend> backend,
   for (Arithmetic a : {Arithmetic::Float32, Arithmetic::MlxBfloat16, Arithmetic::MlxFloat32})
     arithmetic_why_[std::size_t(a)] =
         backend_->unsupported(Capability{Op::MoeMM, &L_, a, MoceMode::Off}).value_or("");
+  device_io_why_ =
+      backend_->unsupported(Capability{Op::Combine, &L_, Arithmetic::Float32, MoceMode::Off,
+                                       Io::Device})
+          .value_or("");
   if (auto why = backend_->unsupported(route_capability(L_, options.moce)))
     throw EngineError(ErrorKind::Config, "backend '" + backend_name_ + "': " + *why);
   if (opt_.max_rows == 0) throw EngineError(ErrorKind::Config, "max_rows must be positive");
@@ -554,6 +558,59 @@ void Window::moe_routed(std::uint32_t layer, const void* x, XType xt, std::uint3
         stage_routed(routed, r0, n);
         run_chunk(plan(CallKind::Routed, layer, r0, n, &routed), chunk, interrupt);
         std::memcpy(out + std::size_t(r0) * H, out_, std::size_t(n) * H * 4);
+      },
+      interrupt);
+}
+
+namespace {
+
+// Points the backend at one chunk's device rows for as long as it lives; the scratch again after
+// (also when the chunk throws: the next call may be a host one).
+class ChunkDeviceIo {
+ public:
+  // A pointer the backend refuses (not its device's memory) is the caller's mistake.
+  ChunkDeviceIo(Backend& b, const DeviceIo& io) : b_(b) {
+    try {
+      b_.set_device_io(io);
+    } catch (const std::invalid_argument& e) {
+      throw EngineError(ErrorKind::Config, e.what());
+    }
+  }
+  ~ChunkDeviceIo() {
+    try {
+      b_.set_device_io({});
+    } catch (...) {  // {} names no pointer: nothing to refuse
+    }
+  }
+  ChunkDeviceIo(const ChunkDeviceIo&) = delete;
+  ChunkDeviceIo& operator=(const ChunkDeviceIo&) = delete;
+
+ private:
+  Backend& b_;
+};
+
+}  // namespace
+
+void Window::moe_routed_device(std::uint32_t layer, const float* x, std::uint32_t rows,
+                               const Routed& routed, float* out,
+                               const InterruptCheck& interrupt) {
+  if (!device_io_why_.empty())
+    throw EngineError(ErrorKind::Config, "backend '" + backend_name_ + "': " + device_io_why_);
+  if (routed.rounding.arithmetic != Arithmetic::Float32)
+    throw EngineError(ErrorKind::Config,
+                      "a call on device memory computes in float32 (arithmetic='float32')");
+  check_routed(routed, rows, true);
+  if (rows > 0 && (!x || !out)) throw std::invalid_argument("moe_routed_device needs x and out");
+  const std::uint32_t H = L_.hidden;
+  run_call(
+      layer, rows,
+      [&](std::uint32_t r0, std::uint32_t n, std::uint32_t chunk) {
+        const std::size_t first = std::size_t(r0) * H;
+        // The backend reads x and writes out on the device: the host scratch's x and out are
+        // neither filled nor read (the ids and weights are staged as for any routed call).
+        ChunkDeviceIo io(*backend_, DeviceIo{x + first, out + first});
+        stage_routed(routed, r0, n);
+        run_chunk(plan(CallKind::Routed, layer, r0, n, &routed), chunk, interrupt);
       },
       interrupt);
 }

@@ -136,6 +136,16 @@ class Window {
   // the engine's own router) and std::out_of_range for an expert id outside [0, n_experts).
   void moe_routed(std::uint32_t layer, const void* x, XType xt, std::uint32_t rows,
                   const Routed& routed, float* out, const InterruptCheck& interrupt = {});
+  // As moe_routed, with x and out the caller's float32 memory on the backend's device
+  // ([rows, hidden] each, row-major; a torch CUDA tensor, say): the backend reads x and writes
+  // out there itself, and the call returns once out is complete on the device. The caller has
+  // finished writing x before the call (for torch: its stream is synchronized, which the
+  // host-side ids already imply). Throws EngineError(Config) where the backend cannot
+  // (Capability::io; the cpu backend) or for a pointer that is not memory of its device.
+  void moe_routed_device(std::uint32_t layer, const float* x, std::uint32_t rows,
+                         const Routed& routed, float* out, const InterruptCheck& interrupt = {});
+  // Why this Window's backend cannot run moe_routed_device; "" when it can.
+  const std::string& device_io_unsupported() const { return device_io_why_; }
   // The caller computes the experts (the MLX-kernel path; on a Mac MLX runs them on the GPU):
   // the same handshake, with nothing submitted to this Window's device, then for every
   // wave compute(row0, rows, slots) with slots[rows * top_k] the arena slot of each entry of
@@ -273,6 +283,7 @@ class Window {
   std::unique_ptr<Backend> backend_;  // null once closed
   const std::string backend_name_;
   std::array<std::string, 3> arithmetic_why_;  // written by the constructor only, then read-only
+  std::string device_io_why_;  // Capability::io Device: the constructor's, then read-only
   WindowOptions opt_;
   const PackLayout& L_;
   std::vector<float> routers_;  // [n_layers][n_experts][hidden], read once from the pack

@@ -80,6 +80,9 @@ class MetalBackend final : public Backend {
   std::string name() const override { return "metal"; }
 
   std::optional<std::string> unsupported(const Capability& c) const override {
+    if (c.io != Io::Host)
+      return "the Metal backend reads x from and writes out to its bound buffers only (device "
+             "pointers need the cuda backend)";
     if (c.moce != MoceMode::Off)
       return "the Metal backend does not implement cache-aware routing (moce); use the cpu "
              "backend for it";

@@ -28,6 +28,7 @@ from strata_stream.transformers.engine import BlockRef, TorchMoeEngine
 from strata_stream.transformers.experts import EngineSlot, StreamedExperts
 from strata_stream.transformers.families import experts_shape, family_of, is_sparse_block
 
+_GiB = 1 << 30
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # The checkpoint's expert tensors, as transformers names them once renamed for the model
 # (``...mlp.experts.gate_up_proj``, ``...mlp.experts.down_proj_bias``): no parameter takes them.
@@ -80,6 +81,54 @@ def _streamed_class(base: type[Any], slot: EngineSlot) -> type[Any]:
     )  # fmt: skip
 
 
+def _device_arg(device: str | torch.device | None) -> torch.device:
+    """The device load runs the model on: the CPU, or the GPU the cuda backend runs on (device
+    0), checked before any weight is read; ConfigError naming why it cannot be used."""
+    if device is None:
+        return torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"device {device!r}: {e}") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ConfigError(f"device {dev}: strata_stream.transformers runs on the CPU or on CUDA")
+    if dev.index not in (None, 0):
+        raise ConfigError(
+            f"device {dev}: the cuda backend runs on CUDA device 0 (choose the GPU with "
+            "CUDA_VISIBLE_DEVICES)"
+        )
+    if not torch.cuda.is_available():
+        raise ConfigError(f"device {dev}: this torch sees no CUDA GPU (torch {torch.__version__})")
+    from strata_stream.window import cuda_backend_unavailable
+
+    why = cuda_backend_unavailable()
+    if why:
+        raise ConfigError(f"device {dev}: {why}")
+    return torch.device("cuda", 0)
+
+
+def _arena_bytes(pack: ExpertPack, requested: int | None, device: torch.device) -> int:
+    """The arena for `device`. On CUDA the arena is host memory (the stream's, which the IO
+    threads fill) mirrored slot for slot in GPU memory (docs/cuda.md), so it must fit both:
+    sized from the GPU memory free once the dense weights are there, with the KV cache's
+    headroom (arena_budget), and from host memory likewise."""
+    host = arena_size(pack, requested)
+    if device.type != "cuda":
+        return host
+    torch.cuda.empty_cache()  # torch's cached blocks are free for the arena too
+    free = int(torch.cuda.mem_get_info(device)[0])
+    if requested is not None:
+        if host > free:
+            raise ConfigError(
+                f"arena_bytes {requested} does not fit in {device}: {free / _GiB:.2f} GiB of GPU "
+                "memory is free after the dense weights"
+            )
+        return host
+    return min(host, arena_size(pack, None, available=free, memory="GPU memory"))
+
+
 def _check_pack(pack: ExpertPack, blocks: list[tuple[Any, ...]]) -> None:
     meta = pack.metadata.get("model") or {}
     where = f"pack {pack.path}"
@@ -117,8 +166,11 @@ def load(
 
     arena_bytes: expert memory (None: sized from the host memory available once the dense
     weights are loaded, leaving headroom for the KV cache and activations; too little is a
-    ConfigError saying how much is needed). device: "cpu" (default; the dense layers in torch on
-    the CPU, the experts on the CPU backend); CUDA is not supported yet. config: the
+    ConfigError saying how much is needed; on CUDA sized from the GPU memory free after the dense
+    weights, and host memory, since the GPU mirrors the host arena). device: "cpu" (default;
+    the dense layers in torch on the CPU, the experts on the CPU backend) or "cuda" (the dense
+    layers in torch on CUDA device 0, the experts on the cuda backend, reading x from and
+    writing their output to torch's CUDA tensors). config: the
     StreamConfig (default: from the environment); arena_bytes wins over config.arena_bytes.
     pack_path: the pack of this model (default: converted on first load into
     strata_stream.paths.cache_dir(), with progress when `progress`).
@@ -127,14 +179,15 @@ def load(
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if device is not None and torch.device(device).type != "cpu":
-        raise ConfigError(
-            f"device {device}: not yet; strata_stream.transformers runs on the CPU for now (the "
-            "CUDA backend is its own issue)"
-        )
+    dev = _device_arg(device)
     if from_pretrained_kwargs.get("device_map") not in (None, "cpu"):
-        raise ConfigError("device_map: not yet; the model loads on the CPU")
+        raise ConfigError(
+            "device_map: not supported; pass device= (the dense layers go to that one device)"
+        )
     kwargs = dict(from_pretrained_kwargs)
+    kwargs.pop("device_map", None)
+    if dev.type == "cuda":
+        kwargs["device_map"] = {"": dev}  # the dense weights load straight onto the GPU
     model_path = _model_dir(path_or_repo, kwargs.get("revision"))
     hf_config = AutoConfig.from_pretrained(
         model_path, trust_remote_code=kwargs.get("trust_remote_code", False)
@@ -172,8 +225,8 @@ def load(
             for i, (decoder_layer, _, block, family, _) in enumerate(slot.blocks)
         ]
         base_cfg = config if config is not None else StreamConfig.from_env()
-        cfg = base_cfg.replace(arena_bytes=arena_size(pack, arena_bytes))
-        engine = TorchMoeEngine(pack, cfg, refs)
+        cfg = base_cfg.replace(arena_bytes=_arena_bytes(pack, arena_bytes, dev))
+        engine = TorchMoeEngine(pack, cfg, refs, dev)
     slot.engine = engine
     object.__setattr__(model, "strata_engine", engine)
     object.__setattr__(model, "strata_pack_path", pack_file)
@@ -188,6 +241,8 @@ def describe(model: Any) -> dict[str, Any]:
     stats = engine.window.stats()
     stats["arena_bytes"] = engine.config.arena_bytes
     stats["n_slots"] = engine.stream.n_slots
+    stats["device"] = str(engine.device)
+    stats["backend"] = engine.window.backend
     return stats
 
 
