@@ -17,24 +17,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-# Run as a script, this folder is first on the import path, and its kernels.py would shadow the
-# `kernels` package transformers probes for when it imports a model (Hugging Face's kernel hub):
-# the folder leaves the path before transformers is imported.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+import torch
 
-import torch  # noqa: E402
-
-from strata_stream import ExpertPack, StreamConfig  # noqa: E402
-from strata_stream.convert.pack_cache import ensure_pack  # noqa: E402
-from strata_stream.paths import cache_dir  # noqa: E402
-from strata_stream.transformers import load  # noqa: E402
-from strata_stream.transformers.random_model import make_checkpoint  # noqa: E402
+from strata_stream import ExpertPack, StreamConfig
+from strata_stream.convert.pack_cache import ensure_pack
+from strata_stream.paths import cache_dir
+from strata_stream.transformers import load
+from strata_stream.transformers.random_model import make_checkpoint
 
 DIMS = {"hidden_size": 2048, "moe_intermediate_size": 768, "intermediate_size": 768,
         "num_experts": 128, "num_experts_per_tok": 8}  # fmt: skip

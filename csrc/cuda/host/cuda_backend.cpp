@@ -10,10 +10,12 @@
 #include <cstdint>
 #include <cstring>
 #include <deque>
+#include <algorithm>
 #include <mutex>
 #include <stdexcept>
 #include <unordered_set>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "host_registry.h"
@@ -209,8 +211,12 @@ class CudaBackend final : public Backend {
     }
     cv_.notify_all();
     device_.join();
-    if (trace_) print_trace();
     cudaStreamSynchronize(stream_);
+    if (trace_) print_trace();
+    for (auto& [start, end] : crossings_) {
+      cudaEventDestroy(start);
+      if (end) cudaEventDestroy(end);
+    }
     unmap();
     cudaFreeHost(err_host_);
     cudaStreamDestroy(stream_);
@@ -530,6 +536,7 @@ class CudaBackend final : public Backend {
     }
     const bool regroup = !(c.op == Op::Down && last_op_ == Op::GateUp && last_pass_ == c.pass &&
                            last_layer_ == c.layer && last_rows_ == c.rows);
+    if (trace_ && c.op != Op::Signal && c.op != Op::Wait) crossing_open_ = false;
     last_op_ = c.op;
     last_pass_ = c.pass;
     last_layer_ = c.layer;
@@ -606,6 +613,7 @@ class CudaBackend final : public Backend {
         if (!it.io.out) dirty_.out_rows = std::max(dirty_.out_rows, c.rows);
         return "";
       case Op::Signal: {
+        if (trace_) open_crossing();
         std::string err = settle();
         c.event->signal(c.value);
         return err;
@@ -615,6 +623,7 @@ class CudaBackend final : public Backend {
         while (c.event->value() < c.value && std::chrono::steady_clock::now() < until) {
         }
         c.event->wait(c.value);  // abort_pending() signals it, so this cannot strand
+        if (trace_) close_crossing();
         return "";
       }
     }
@@ -631,7 +640,46 @@ class CudaBackend final : public Backend {
       if (op_calls_[i])
         std::fprintf(stderr, " %s %.1f x%llu", names[i], 1e-3 * double(op_ns_[i]) / double(op_calls_[i]),
                      static_cast<unsigned long long>(op_calls_[i]));
-    std::fprintf(stderr, " | slot copies %llu\n", static_cast<unsigned long long>(mirror_copies_));
+    std::fprintf(stderr, " | slot copies %llu", static_cast<unsigned long long>(mirror_copies_));
+    const auto [p50, p90, n] = crossing_us();
+    std::fprintf(stderr,
+                 " | GPU idle across a handshake (Signal to release): p50 %.1f us, p90 %.1f us,"
+                 " n %zu\n",
+                 p50, p90, n);
+  }
+
+  // STRATA_CUDA_TRACE=1: the handshake on the GPU's own clock. An event recorded on the stream
+  // at a Signal (after the kernels before it) and one recorded right after the host's release
+  // of the Wait that follows (no kernel between): their distance is how long the GPU stood
+  // between the work before the crossing and the earliest moment work after it could start
+  // (GPU -> host -> GPU), the next launch's own latency not included. Read when the backend goes.
+  void open_crossing() {
+    crossing_open_ = false;
+    if (crossings_.size() >= kMaxCrossings) return;
+    cudaEvent_t start = nullptr;
+    if (cudaEventCreate(&start) != cudaSuccess) return;
+    if (cudaEventRecord(start, stream_) != cudaSuccess) return void(cudaEventDestroy(start));
+    crossings_.emplace_back(start, nullptr);
+    crossing_open_ = true;
+  }
+  void close_crossing() {
+    if (!crossing_open_) return;
+    crossing_open_ = false;
+    cudaEvent_t end = nullptr;
+    if (cudaEventCreate(&end) != cudaSuccess) return;
+    if (cudaEventRecord(end, stream_) != cudaSuccess) return void(cudaEventDestroy(end));
+    crossings_.back().second = end;
+  }
+  // The crossings' median and 90th percentile, us (the stream has drained: every event is done).
+  std::tuple<double, double, std::size_t> crossing_us() const {
+    std::vector<float> us;
+    for (const auto& [start, end] : crossings_) {
+      float ms = 0.0f;
+      if (end && cudaEventElapsedTime(&ms, start, end) == cudaSuccess) us.push_back(1e3f * ms);
+    }
+    if (us.empty()) return {0.0, 0.0, 0};
+    std::sort(us.begin(), us.end());
+    return {us[us.size() / 2], us[us.size() * 9 / 10], us.size()};
   }
 
   // A prediction's routing task: its ids go to the readback alone (only the host reads them).
@@ -821,6 +869,9 @@ class CudaBackend final : public Backend {
   std::uint64_t mirror_copies_ = 0;
   const bool trace_ = std::getenv("STRATA_CUDA_TRACE") != nullptr;
   std::uint64_t op_ns_[9] = {}, op_calls_[9] = {};  // the device thread's (trace_)
+  static constexpr std::size_t kMaxCrossings = 1 << 14;
+  std::vector<std::pair<cudaEvent_t, cudaEvent_t>> crossings_;  // the device thread's (trace_)
+  bool crossing_open_ = false;                                  // the device thread's (trace_)
   // The device thread's own.
   Dirty dirty_;
   Op last_op_ = Op::Signal;

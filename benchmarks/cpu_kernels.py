@@ -1,6 +1,6 @@
 """CPU backend kernels on the qwen3-30b-a3b geometry: GFLOP/s and GB/s per kernel.
 
-    python benchmarks/kernels.py [--pack P] [--rows 1 64] [--json OUT]
+    python benchmarks/cpu_kernels.py [--pack P] [--rows 1 64] [--json OUT]
 
 Each kernel of one MoE layer call runs alone on the CPU backend (submit + synchronize, median of
 --repeats) with every expert of the layer resident, for decode (1 row) and a prompt chunk.
