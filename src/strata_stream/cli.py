@@ -281,7 +281,7 @@ def _serve(args: argparse.Namespace) -> int:
     engine = args.engine or _default_engine()
     missing = [m for m in _SERVE_MODULES[engine] if importlib.util.find_spec(m) is None]
     if missing:
-        print(f"strata-stream: error: serve --engine {engine} needs {', '.join(missing)}: "
+        print(f"strata-stream: error: serve needs {', '.join(missing)} (engine {engine}): "
               f'pip install "{_SERVE_EXTRAS[engine]}"', file=sys.stderr)  # fmt: skip
         return 2
     _check_arena_gb(args.arena_gb)
