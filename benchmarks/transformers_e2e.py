@@ -20,16 +20,16 @@ every one's peak memory is its own (VmHWM) and none inherits another's allocator
 On --device cuda the dense layers run on the GPU in both (plain: device_map="cuda"; streamed:
 load(device="cuda"), the experts on the CUDA backend); on cpu everything runs on the host.
 
-Each run: one short warm-up generation, then `model.generate` of --tokens tokens (sampled at
-temperature 1 with a fixed seed: a random model decoding greedily soon repeats one token, and
-its routing would stay on a few experts that any arena holds) after a --prompt-tokens prompt
-of random ids, min_new_tokens so that every run decodes as many. A streamer stamps each token:
-prompt tok/s is the prompt over the time to the first new token, decode tok/s the tokens after
-the first over the time after it. Hit rate and GB read per token are the engine's over the
-decode tokens. Memory: peak RSS (VmHWM) of the child; on cuda torch.cuda.max_memory_allocated
-over the measured run plus the arena (the issue's definition: the CUDA backend's arena is not
-torch's allocation), and the device memory in use at the end (cudaMemGetInfo, what any
-allocator holds) as a cross-check.
+Each run: a warm-up generation on other tokens (64 or --prompt-tokens of them, 4 new), then
+`model.generate` of --tokens tokens after a --prompt-tokens prompt of random ids, sampled at
+temperature 1 with a fixed seed (a random model decoding greedily soon repeats one token, and
+its routing would stay on a few experts that any arena holds), min_new_tokens so that every
+run decodes as many. A streamer stamps each token: prompt tok/s is the prompt over the time to
+the first new token, decode tok/s the tokens after the first over the time after it. Hit rate
+and GB read per token are the engine's over the decode tokens. Memory: the child's peak RSS
+(VmHWM); on cuda torch.cuda.max_memory_allocated over the measured run plus the arena (the
+issue's definition, for an arena the CUDA backend allocates itself), and the device memory in
+use at the end (cudaMemGetInfo: whatever allocated it) as the cross-check.
 
 The JSON (--json) is written before the plot; --plot needs matplotlib and is skipped with a
 message where it is missing.
@@ -41,6 +41,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import struct
 import subprocess
 import sys
@@ -92,34 +93,54 @@ def _tensors(cfg: Any) -> Iterator[tuple[str, tuple[int, ...], str]]:
             yield name, shape, "embed" if name.endswith("embed_tokens.weight") else "matrix"
 
 
-def _draw(shape: tuple[int, ...], init: str, seed: int) -> Any:
-    import torch
+class _Draws:
+    """Random bfloat16 tensors, fast: one pool of normal draws (made once), each tensor filled
+    from it in pieces at pseudo-random offsets and scaled. Drawing every value afresh (torch's
+    CPU generator is one thread) would take minutes for tens of GB; the routers, which decide
+    what streams, see weights no less random for it."""
 
-    gen = torch.Generator().manual_seed(seed)
-    if init == "norm":
-        return (1.0 + 0.1 * torch.randn(shape, generator=gen)).to(torch.bfloat16)
-    v = torch.randn(shape, generator=gen, dtype=torch.bfloat16)
-    return v if init == "embed" else v.mul_(1.0 / math.sqrt(shape[-1]))
+    POOL = 1 << 25  # 32 M values, 64 MB
+
+    def __init__(self, seed: int) -> None:
+        import torch
+
+        self._torch = torch
+        gen = torch.Generator().manual_seed(seed)
+        self._pool = torch.randn(2 * self.POOL, generator=gen, dtype=torch.bfloat16)
+        self._rng = torch.Generator().manual_seed(seed + 1)
+
+    def __call__(self, shape: tuple[int, ...], init: str) -> Any:
+        torch = self._torch
+        out = torch.empty(math.prod(shape), dtype=torch.bfloat16)
+        for start in range(0, out.numel(), self.POOL):
+            n = min(self.POOL, out.numel() - start)
+            at = int(torch.randint(0, self.POOL, (1,), generator=self._rng))
+            out[start : start + n] = self._pool[at : at + n]
+        out = out.view(shape)
+        if init == "norm":
+            return out.mul_(0.1).add_(1.0)
+        return out if init == "embed" else out.mul_(1.0 / math.sqrt(shape[-1]))
 
 
-def _write_shard(path: Path, entries: list[tuple[str, tuple[int, ...], str, int]]) -> None:
+def _write_shard(path: Path, entries: list[tuple[str, tuple[int, ...], str]], draw: _Draws) -> None:
     """A safetensors file written tensor by tensor: the header (every tensor's shape and
     offsets) first, then each tensor's bytes as soon as it is drawn."""
     import torch
 
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
-    for name, shape, _, _ in entries:
+    for name, shape, _ in entries:
         size = math.prod(shape) * 2
-        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        header[name] = {"dtype": "BF16", "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}  # fmt: skip
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     partial = path.with_suffix(".partial")
     with open(partial, "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw)
-        for _, shape, init, seed in entries:  # one tensor in memory at a time, written in place
-            f.write(_draw(shape, init, seed).view(torch.int16).numpy().data)
+        for _, shape, init in entries:  # one tensor in memory at a time, written in place
+            f.write(draw(shape, init).view(torch.int16).numpy().data)
     partial.rename(path)
 
 
@@ -139,18 +160,19 @@ def build_checkpoint(path: Path, layers: int, vocab: int, seed: int = 0) -> Path
     cfg.dtype = "bfloat16"
     cfg.save_pretrained(str(path))
     save_tokenizer(path)
-    shards: dict[str, list[tuple[str, tuple[int, ...], str, int]]] = {}
-    for i, (name, shape, init) in enumerate(_tensors(cfg)):
+    shards: dict[str, list[tuple[str, tuple[int, ...], str]]] = {}
+    for name, shape, init in _tensors(cfg):
         layer = name.split(".layers.")[1].split(".")[0] if ".layers." in name else None
         key = f"layer{int(layer):03d}" if layer is not None else "dense"
-        shards.setdefault(key, []).append((name, shape, init, seed * 1_000_003 + i))
+        shards.setdefault(key, []).append((name, shape, init))
+    draw = _Draws(seed)
     weight_map: dict[str, str] = {}
     total = 0
     names = sorted(shards)
     for n, key in enumerate(names):
         file = f"model-{n + 1:05d}-of-{len(names):05d}.safetensors"
-        _write_shard(path / file, shards[key])
-        for name, shape, _, _ in shards[key]:
+        _write_shard(path / file, shards[key], draw)
+        for name, shape, _ in shards[key]:
             weight_map[name] = file
             total += math.prod(shape) * 2
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -172,7 +194,9 @@ def pack_for(path: Path) -> Path:
 # ---- one configuration (a child process) ------------------------------------------------------
 
 
-def measure_one(path: Path, mode: str, fraction: float | None, args: argparse.Namespace) -> dict[str, Any]:
+def measure_one(
+    path: Path, mode: str, fraction: float | None, args: argparse.Namespace
+) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.generation.streamers import BaseStreamer
@@ -206,7 +230,8 @@ def measure_one(path: Path, mode: str, fraction: float | None, args: argparse.Na
             minimum = 2 * pk.geometry.top_k * pk.record_stride
         arena = max(minimum, int(everything * fraction))
         model = load(path, pack_path=pack, arena_bytes=arena, dtype=torch.bfloat16,
-                     device=args.device, config=StreamConfig.from_env(), progress=False)  # fmt: skip
+                     device=args.device, config=StreamConfig.from_env(),
+                     progress=False)  # fmt: skip
         engine = model.strata_engine
         row["arena_bytes"] = int(engine.stream.n_slots * engine.stream.record_stride)
         row["arena_slots"] = int(engine.stream.n_slots)
@@ -217,6 +242,7 @@ def measure_one(path: Path, mode: str, fraction: float | None, args: argparse.Na
     device = model.device
     gen = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(2, 60, (1, args.prompt_tokens), generator=gen).to(device)
+    warm = torch.randint(2, 60, (1, max(64, args.prompt_tokens)), generator=gen).to(device)
 
     stamps: list[float] = []
     marks: list[dict[str, Any]] = []
@@ -236,7 +262,9 @@ def measure_one(path: Path, mode: str, fraction: float | None, args: argparse.Na
     first_put = [False]
     sample = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
     with torch.no_grad():
-        model.generate(prompt[:, :8], max_new_tokens=4, min_new_tokens=4, **sample)  # warm-up
+        # Warm-up on other tokens: the kernels, the caches, and the arena's first reads (64
+        # tokens route to ~98% of a layer's 128 experts), which are not what an arena costs.
+        model.generate(warm, max_new_tokens=4, min_new_tokens=4, **sample)
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -286,33 +314,65 @@ def _fmt(v: Any, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
+def _median(values: list[float]) -> float | None:
+    return float(statistics.median(values)) if values else None
+
+
+def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per configuration, in run order: each figure's median over the repeats, and
+    the decode tok/s of every repeat (`decode_all`)."""
+    keys: list[tuple[str, float | None]] = []
+    for r in rows:
+        if (r["mode"], r["arena_fraction"]) not in keys:
+            keys.append((r["mode"], r["arena_fraction"]))
+    out = []
+    for mode, frac in keys:
+        rs = [r for r in rows if (r["mode"], r["arena_fraction"]) == (mode, frac)]
+        med: dict[str, Any] = {"mode": mode, "arena_fraction": frac, "repeats": len(rs)}
+        for k in rs[0]:
+            values = [r[k] for r in rs if isinstance(r.get(k), (int, float))
+                      and not isinstance(r.get(k), bool)]  # fmt: skip
+            if values and k not in ("arena_fraction", "repeat"):
+                med[k] = _median([float(v) for v in values])
+        med["decode_all"] = [r["decode_tokens_per_s"] for r in rs]
+        out.append(med)
+    return out
+
+
 def table(rows: list[dict[str, Any]], cuda: bool) -> str:
-    head = "| configuration | prompt tok/s | decode tok/s | decode hit rate | GB read / token | peak RSS GB |"
+    head = ("| configuration | prompt tok/s | decode tok/s | decode hit rate | GB read / token "
+            "| peak RSS GB |")
     rule = "|---|---|---|---|---|---|"
     if cuda:
         head += " GPU peak GB (torch + arena) | GPU in use GB |"
         rule += "---|---|"
     lines = [head, rule]
-    for r in rows:
-        line = (f"| {_label(r['mode'], r['arena_fraction'])} | {_fmt(r['prompt_tokens_per_s'], '.1f')} "
-                f"| {_fmt(r['decode_tokens_per_s'], '.2f')} | {_fmt(r.get('decode_hit_rate'), '.3f')} "
-                f"| {_fmt(r.get('gb_read_per_token'), '.3f')} | {r['peak_rss_bytes'] / 1e9:.2f} |")  # fmt: skip
+    for r in summary(rows):
+        spread = ""
+        if r["repeats"] > 1:
+            spread = " [" + ", ".join(_fmt(v, ".2f") for v in r["decode_all"]) + "]"
+        line = (f"| {_label(r['mode'], r['arena_fraction'])} "
+                f"| {_fmt(r.get('prompt_tokens_per_s'), '.1f')} "
+                f"| {_fmt(r.get('decode_tokens_per_s'), '.2f')}{spread} "
+                f"| {_fmt(r.get('decode_hit_rate'), '.3f')} "
+                f"| {_fmt(r.get('gb_read_per_token'), '.3f')} | {r['peak_rss_bytes'] / 1e9:.2f} |")
         if cuda:
-            line += (f" {r['gpu_peak_bytes'] / 1e9:.2f} ({r['gpu_torch_peak_bytes'] / 1e9:.2f} + "
-                     f"{r.get('arena_bytes', 0) / 1e9:.2f}) | {r['gpu_in_use_bytes'] / 1e9:.2f} |")  # fmt: skip
+            line += (f" {r['gpu_peak_bytes'] / 1e9:.2f} ({r['gpu_torch_peak_bytes'] / 1e9:.2f}"
+                     f" + {r.get('arena_bytes', 0) / 1e9:.2f}) "
+                     f"| {r['gpu_in_use_bytes'] / 1e9:.2f} |")
         lines.append(line)
     return "\n".join(lines)
 
 
 def ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """Streamed all-resident decode over each plain implementation's (the issue's target on
-    the H200: >= 1.0 against grouped_mm)."""
+    """Streamed all-resident decode over each plain implementation's, medians over the
+    repeats (the issue's target on the H200: >= 1.0)."""
+    med = {(r["mode"], r["arena_fraction"]): r.get("decode_tokens_per_s") for r in summary(rows)}
     out = {}
-    streamed = [r for r in rows if r["mode"] == "streamed" and r["arena_fraction"] == 1.0]
     for impl in _PLAIN_IMPLS:
-        plain = [r for r in rows if r["mode"] == impl]
-        if streamed and plain and streamed[0]["decode_tokens_per_s"] and plain[0]["decode_tokens_per_s"]:
-            out[impl] = streamed[0]["decode_tokens_per_s"] / plain[0]["decode_tokens_per_s"]
+        s, q = med.get(("streamed", 1.0)), med.get((impl, None))
+        if s and q:
+            out[impl] = s / q
     return out
 
 
@@ -325,6 +385,7 @@ def plot(rows: list[dict[str, Any]], out: Path, title: str, cuda: bool) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = summary(rows)  # medians over the repeats
     streamed = sorted((r for r in rows if r["mode"] == "streamed"),
                       key=lambda r: r["arena_fraction"])  # fmt: skip
     plain = [r for r in rows if r["mode"] in _PLAIN_IMPLS]
@@ -336,10 +397,10 @@ def plot(rows: list[dict[str, Any]], out: Path, title: str, cuda: bool) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.2))
     xs = [r["arena_fraction"] * 100 for r in streamed]
     for ax, (key, name, k) in zip(axes, panels, strict=True):
-        ax.plot(xs, [(r[key] or 0) * k for r in streamed], "o-", color="C0",
+        ax.plot(xs, [(r.get(key) or 0) * k for r in streamed], "o-", color="C0",
                 label=f"streamed ({'CUDA' if cuda else 'CPU'} experts)")  # fmt: skip
         for i, r in enumerate(plain):
-            ax.axhline((r[key] or 0) * k, color=f"C{3 + i}", ls="--",
+            ax.axhline((r.get(key) or 0) * k, color=f"C{3 + i}", ls="--",
                        label=f"plain transformers, {r['mode']}")  # fmt: skip
         ax.set_xlabel("arena (% of all experts)")
         ax.set_ylabel(name)
@@ -367,8 +428,10 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--tokens", type=int, default=16, help="decode tokens")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of every configuration, in rotated orders (medians reported)")
     p.add_argument("--workdir", type=Path, default=None,
-                   help="where the checkpoint is written (default: the cache's bench/)")  # fmt: skip
+                   help="where the checkpoint is written (default: the cache's bench/)")
     p.add_argument("--child-timeout", type=float, default=600.0,
                    help="seconds one configuration may take")  # fmt: skip
     p.add_argument("--json", type=Path, help="write the rows here")
@@ -398,7 +461,10 @@ def main() -> None:
     configs += [("streamed", 1.0)] + [("streamed", f) for f in sorted(args.fractions, reverse=True)]
     rows: list[dict[str, Any]] = []
     t_start = time.perf_counter()
-    for mode, frac in configs:
+    # Each repeat rotates the order, so no configuration always runs first on a busy machine.
+    runs = [(rep, c) for rep in range(args.repeats)
+            for c in configs[rep % len(configs):] + configs[: rep % len(configs)]]  # fmt: skip
+    for rep, (mode, frac) in runs:
         cmd = [sys.executable, __file__, "--one", mode, str(frac), "--layers", str(args.layers),
                "--vocab", str(args.vocab), "--device", args.device, "--seed", str(args.seed),
                "--prompt-tokens", str(args.prompt_tokens), "--tokens", str(args.tokens),
@@ -417,28 +483,32 @@ def main() -> None:
             continue
         row = json.loads(found[-1][4:])
         row["wall_s"] = time.perf_counter() - t0
+        row["repeat"] = rep
         rows.append(row)
         print(f"{_label(mode, frac):<38} prompt {row['prompt_tokens_per_s']:8.1f} tok/s  decode "
               f"{_fmt(row['decode_tokens_per_s'], '7.2f')} tok/s  peak RSS "
-              f"{row['peak_rss_bytes'] / 1e9:.2f} GB  ({row['wall_s']:.0f} s)", flush=True)  # fmt: skip
+              f"{row['peak_rss_bytes'] / 1e9:.2f} GB  ({row['wall_s']:.0f} s)",
+              flush=True)  # fmt: skip
     cuda = args.device.startswith("cuda")
     desc = (f"{path.name} on {args.device}: prompt {args.prompt_tokens} tokens, {args.tokens} "
-            f"decode tokens, {time.perf_counter() - t_start:.0f} s")  # fmt: skip
-    print(f"\n{desc}\n{table(rows, cuda)}")
+            f"decode tokens, {args.repeats} repeat(s), "
+            f"{time.perf_counter() - t_start:.0f} s")  # fmt: skip
+    print(f"\n{desc} (medians; decode tok/s of each repeat in brackets)\n{table(rows, cuda)}")
     r = ratios(rows)
     for impl, x in r.items():
         print(f"streamed all-resident / plain ({impl}) decode: x{x:.2f}")
     if args.json is not None:
         doc = {"model": str(path), "layers": args.layers, "device": args.device,
                "prompt_tokens": args.prompt_tokens, "decode_tokens": args.tokens,
-               "rows": rows, "streamed_over_plain_decode": r}  # fmt: skip
+               "repeats": args.repeats, "rows": rows, "summary": summary(rows),
+               "streamed_over_plain_decode": r}  # fmt: skip
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=2) + "\n")
         print(f"wrote {args.json}")
     if args.plot is not None:
         plot(rows, args.plot, f"transformers end to end, Qwen3-30B-A3B shapes: {desc}", cuda)
-    if len(rows) < len(configs):
-        sys.exit(f"{len(configs) - len(rows)} of {len(configs)} configurations failed")
+    if len(rows) < len(runs):
+        sys.exit(f"{len(runs) - len(rows)} of {len(runs)} runs failed")
 
 
 if __name__ == "__main__":
