@@ -186,8 +186,9 @@ def pack_for(path: Path) -> Path:
     from strata_stream.convert.pack_cache import ensure_pack
 
     t0 = time.perf_counter()
-    pack = ensure_pack(path, None, progress=True)
-    print(f"pack {pack} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    pack = ensure_pack(path, None, progress=False)  # converted once; found at once later
+    if time.perf_counter() - t0 > 1:
+        print(f"converted into {pack} in {time.perf_counter() - t0:.0f} s", flush=True)
     return pack
 
 
@@ -341,8 +342,8 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]], cuda: bool) -> str:
     head = ("| configuration | prompt tok/s | decode tok/s | decode hit rate | GB read / token "
-            "| peak RSS GB |")
-    rule = "|---|---|---|---|---|---|"
+            "| peak RSS GB | weights in torch GB |")
+    rule = "|---|---|---|---|---|---|---|"
     if cuda:
         head += " GPU peak GB (torch + arena) | GPU in use GB |"
         rule += "---|---|"
@@ -355,7 +356,8 @@ def table(rows: list[dict[str, Any]], cuda: bool) -> str:
                 f"| {_fmt(r.get('prompt_tokens_per_s'), '.1f')} "
                 f"| {_fmt(r.get('decode_tokens_per_s'), '.2f')}{spread} "
                 f"| {_fmt(r.get('decode_hit_rate'), '.3f')} "
-                f"| {_fmt(r.get('gb_read_per_token'), '.3f')} | {r['peak_rss_bytes'] / 1e9:.2f} |")
+                f"| {_fmt(r.get('gb_read_per_token'), '.3f')} | {r['peak_rss_bytes'] / 1e9:.2f} "
+                f"| {r['dense_bytes'] / 1e9:.2f} |")
         if cuda:
             line += (f" {r['gpu_peak_bytes'] / 1e9:.2f} ({r['gpu_torch_peak_bytes'] / 1e9:.2f}"
                      f" + {r.get('arena_bytes', 0) / 1e9:.2f}) "
