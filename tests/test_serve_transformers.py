@@ -384,3 +384,37 @@ def test_sampling_filters_and_processors_are_mlx_lms() -> None:
     draws = [[s(lp) for _ in range(20)] for s in seeded]
     assert draws[0] == draws[1]
     assert set(draws[0]) <= set(torch.topk(lp, 5).indices.tolist())
+
+
+# ---- streaming text ---------------------------------------------------------------------------
+
+
+def _byte_level_tokenizer() -> Any:
+    """A byte-level BPE with no merges: every UTF-8 byte its own token, so one character of
+    several bytes spans several tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok = Tokenizer(models.BPE({c: i for i, c in enumerate(sorted(alphabet))}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+@pytest.mark.parametrize("text", ["plain words, and more.", "héllo wörld ✓ 日本語 🙂 end"])
+def test_streamed_segments_add_up_to_the_decoded_text(text: str) -> None:
+    from strata_stream.serve.hf_tokenizer import StreamingDetokenizer
+
+    tok = _byte_level_tokenizer()
+    ids = tok.encode(text)
+    assert len(ids) == len(text.encode())  # one token a byte
+    detok = StreamingDetokenizer(tok)
+    segments = []
+    for t in ids:
+        detok.add_token(t)
+        segments.append(detok.last_segment)
+    detok.finalize()
+    segments.append(detok.last_segment)
+    assert "".join(segments) == tok.decode(ids) == text
+    assert not any("\ufffd" in s for s in segments)  # a character is sent whole, once complete
+    assert sum(1 for s in segments if s) > 10  # and the text streamed, not all at the end

@@ -14,32 +14,36 @@ from typing import Any
 
 class StreamingDetokenizer:
     """Text as tokens arrive: the whole sequence is decoded again and the new tail is the
-    segment. A tail ending in U+FFFD is held back: the next token may complete its character
-    (a byte-level BPE splits one character over several tokens). Quadratic in the length,
-    which at serving lengths costs less than a forward pass per token."""
+    segment (quadratic in the length, which at serving lengths costs less than a forward pass
+    per token). Held back until the next token: a tail ending in U+FFFD (a byte-level BPE splits
+    one character over several tokens) and, where the tokenizer cleans up spaces before
+    punctuation, a trailing space (the next token may remove it). Should a decode still rewrite
+    text already handed out, what is new past it is handed out and the rest stands: sent text
+    cannot be taken back."""
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
+        self._cleans_spaces = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
         self.reset()
 
     def reset(self) -> None:
         self._tokens: list[int] = []
-        self._text = ""  # decoded and handed out
+        self._sent = 0  # characters of the decoded text handed out
         self.last_segment = ""
 
     def add_token(self, token: int) -> None:
         self._tokens.append(int(token))
-        text = self._decode()
-        if text.endswith("\ufffd") or not text.startswith(self._text):
-            self.last_segment = ""  # incomplete, or the tokenizer re-spaced earlier text
-            return
-        self.last_segment = text[len(self._text) :]
-        self._text = text
+        text = self._decode().rstrip("\ufffd")
+        if self._cleans_spaces and text.endswith(" "):
+            text = text[:-1]
+        self._hand_out(text)
 
     def finalize(self) -> None:
-        text = self._decode()
-        self.last_segment = text[len(self._text) :] if text.startswith(self._text) else ""
-        self._text = text
+        self._hand_out(self._decode())
+
+    def _hand_out(self, text: str) -> None:
+        self.last_segment = text[self._sent :]
+        self._sent = max(self._sent, len(text))
 
     def _decode(self) -> str:
         return str(self._tokenizer.decode(self._tokens))
