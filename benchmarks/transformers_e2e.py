@@ -31,8 +31,9 @@ and GB read per token are the engine's over the decode tokens. Memory: the child
 issue's definition, for an arena the CUDA backend allocates itself), and the device memory in
 use at the end (cudaMemGetInfo: whatever allocated it) as the cross-check.
 
-The JSON (--json) is written before the plot; --plot needs matplotlib and is skipped with a
-message where it is missing.
+The JSON (--json) is rewritten after every configuration (a run cut short keeps what it
+measured) and before the plot; --plot needs matplotlib and is skipped with a message where it
+is missing.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ QWEN3_30B_A3B = {
     "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
     "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
     "vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
-    "rope_theta": 1000000.0, "tie_word_embeddings": False, "decoder_sparse_step": 1,
+    "tie_word_embeddings": False, "decoder_sparse_step": 1,
     "mlp_only_layers": [], "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 0,
 }  # fmt: skip
 
@@ -417,6 +418,15 @@ def plot(rows: list[dict[str, Any]], out: Path, title: str, cuda: bool) -> None:
     print(f"wrote {out}")
 
 
+def _write_json(args: argparse.Namespace, path: Path, rows: list[dict[str, Any]]) -> None:
+    doc = {"model": str(path), "layers": args.layers, "device": args.device,
+           "prompt_tokens": args.prompt_tokens, "decode_tokens": args.tokens,
+           "repeats": args.repeats, "rows": rows, "summary": summary(rows),
+           "streamed_over_plain_decode": ratios(rows)}  # fmt: skip
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(doc, indent=2) + "\n")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--layers", type=int, default=2, help="decoder layers (1.2 GB of experts each)")
@@ -487,6 +497,8 @@ def main() -> None:
         row["wall_s"] = time.perf_counter() - t0
         row["repeat"] = rep
         rows.append(row)
+        if args.json is not None:  # after every run: a run cut short by a timeout keeps its rows
+            _write_json(args, path, rows)
         print(f"{_label(mode, frac):<38} prompt {row['prompt_tokens_per_s']:8.1f} tok/s  decode "
               f"{_fmt(row['decode_tokens_per_s'], '7.2f')} tok/s  peak RSS "
               f"{row['peak_rss_bytes'] / 1e9:.2f} GB  ({row['wall_s']:.0f} s)",
@@ -500,12 +512,7 @@ def main() -> None:
     for impl, x in r.items():
         print(f"streamed all-resident / plain ({impl}) decode: x{x:.2f}")
     if args.json is not None:
-        doc = {"model": str(path), "layers": args.layers, "device": args.device,
-               "prompt_tokens": args.prompt_tokens, "decode_tokens": args.tokens,
-               "repeats": args.repeats, "rows": rows, "summary": summary(rows),
-               "streamed_over_plain_decode": r}  # fmt: skip
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+        _write_json(args, path, rows)
         print(f"wrote {args.json}")
     if args.plot is not None:
         plot(rows, args.plot, f"transformers end to end, Qwen3-30B-A3B shapes: {desc}", cuda)
