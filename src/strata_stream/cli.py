@@ -291,13 +291,6 @@ def _serve(args: argparse.Namespace) -> int:
     if distributed is not None and args.pack is not None:
         raise ConfigError("--pack names one pack; with --pipeline/--tensor each rank converts "
                           "or finds its own share")  # fmt: skip
-    if engine == "transformers":
-        if distributed is not None or args.experts != "cpu":
-            raise ConfigError("--pipeline, --tensor and --experts are for --engine mlx-lm")
-        if args.max_batch not in (None, 1):
-            raise ConfigError(f"--max-batch {args.max_batch}: the transformers engine serves one "
-                              "request at a time (--max-batch 1)")  # fmt: skip
-    max_batch = args.max_batch if args.max_batch is not None else 8 if engine == "mlx-lm" else 1
     from strata_stream.serve.command import serve
 
     serve(
@@ -307,7 +300,7 @@ def _serve(args: argparse.Namespace) -> int:
         arena_gb=args.arena_gb,
         model_id=args.model_id,
         max_queue=args.max_queue,
-        max_batch=max_batch,
+        max_batch=args.max_batch,
         prefill_chunk=args.prefill_chunk,
         distributed=distributed,
         experts=args.experts,

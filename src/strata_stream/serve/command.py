@@ -51,8 +51,8 @@ def serve(
     if engine == "transformers" and max_batch != 1:
         raise ConfigError(f"--max-batch {max_batch}: the transformers engine serves one request "
                           "at a time (--max-batch 1)")  # fmt: skip
-    if engine == "transformers" and distributed is not None:
-        raise ConfigError("--pipeline and --tensor are for --engine mlx-lm")
+    if engine == "transformers" and (distributed is not None or experts != "cpu"):
+        raise ConfigError("--pipeline, --tensor and --experts are for --engine mlx-lm")
     if host not in LOOPBACK:
         log.warning("binding to %s: the server is reachable from other machines", host)
     config = ServeConfig(
