@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from collections.abc import Sequence
 
@@ -59,12 +60,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "generate", help="generate text with a model whose experts stream from SSD"
     )
     gen.add_argument("model", metavar="MODEL", help="model directory or Hugging Face repo")
-    gen.add_argument("--engine", choices=ENGINES, default=None,
-                     help="who runs the dense layers: mlx-lm or transformers (default: mlx-lm "
-                     "where mlx-lm is installed, else transformers)")  # fmt: skip
-    gen.add_argument("--device", default=None,
-                     help="--engine transformers: torch device (cpu; cuda is not supported "
-                     "yet)")  # fmt: skip
+    gen.add_argument("--engine", choices=ENGINES, default=None, help=_ENGINE_HELP)
+    gen.add_argument("--device", default=None, help=_DEVICE_HELP)
     gen.add_argument("--prompt", required=True, help="the prompt text")
     gen.add_argument("--max-tokens", type=int, default=None,
                      help="tokens to generate, at least 1 (default 100, less if the context "
@@ -115,7 +112,11 @@ def _build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API with /metrics"
     )
-    serve.add_argument("model", metavar="MODEL", help="model directory (mlx-lm layout)")
+    serve.add_argument("model", metavar="MODEL",
+                       help="model directory (mlx-lm's layout, or a Hugging Face checkpoint "
+                       "with --engine transformers) or Hugging Face repo")  # fmt: skip
+    serve.add_argument("--engine", choices=ENGINES, default=None, help=_ENGINE_HELP)
+    serve.add_argument("--device", default=None, help=_DEVICE_HELP)
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
     serve.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 = any)")
     serve.add_argument("--arena-gb", type=float, metavar="G", help="expert arena size in GiB")
@@ -133,9 +134,9 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-queue", type=int, default=8, help="waiting requests before 503 (default 8)"
     )
-    serve.add_argument(
-        "--max-batch", type=int, default=8, help="requests generated together (default 8)"
-    )
+    serve.add_argument("--max-batch", type=int, default=None,
+                       help="requests generated together (default 8; the transformers engine "
+                       "serves one at a time: 1)")  # fmt: skip
     serve.add_argument("--prefill-chunk", type=int, default=512, metavar="TOKENS",
                        help="prompt tokens prefilled between decode steps (default 512)")
 
@@ -198,6 +199,21 @@ def _check_generate(args: argparse.Namespace) -> None:
 
 
 ENGINES = ("mlx-lm", "transformers")
+_ENGINE_HELP = ("who runs the model's dense layers: mlx-lm or transformers (Hugging Face, torch). "
+                "Without --engine: mlx-lm where mlx-lm is installed, else transformers")
+_DEVICE_HELP = ("--engine transformers: the torch device of the dense layers and the experts, "
+                "cpu (default) or cuda[:N]")
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+def _check_device(args: argparse.Namespace, engine: str) -> None:
+    if args.device is None:
+        return
+    if engine != "transformers":
+        raise ConfigError(f"--device is for --engine transformers (the engine is {engine}: "
+                          "add --engine transformers)")  # fmt: skip
+    if not _DEVICE.fullmatch(args.device):
+        raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
 
 
 def _default_engine() -> str:
@@ -208,10 +224,10 @@ def _default_engine() -> str:
 
 def _generate(args: argparse.Namespace) -> int:
     _check_generate(args)
-    if (args.engine or _default_engine()) == "transformers":
+    engine = args.engine or _default_engine()
+    _check_device(args, engine)
+    if engine == "transformers":
         return _generate_transformers(args)
-    if args.device is not None:
-        raise ConfigError("--device is for --engine transformers")
     try:
         from strata_stream.mlx_lm.generate_cli import generate
     except ImportError as e:
@@ -249,19 +265,27 @@ def _generate_transformers(args: argparse.Namespace) -> int:
     return 0
 
 
-# What `serve` imports beyond the base install: the `serve` extra.
-_SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client", "mlx", "mlx_lm", "transformers")
+# What `serve` imports beyond the base install: the `serve` extra (mlx-lm), or the `serve`
+# server with the `transformers` extra.
+_SERVE_MODULES = {
+    "mlx-lm": ("fastapi", "uvicorn", "prometheus_client", "mlx", "mlx_lm", "transformers"),
+    "transformers": ("fastapi", "uvicorn", "prometheus_client", "torch", "transformers"),
+}
+_SERVE_EXTRAS = {"mlx-lm": "strata-stream[serve]",
+                 "transformers": "strata-stream[serve,transformers]"}  # fmt: skip
 
 
 def _serve(args: argparse.Namespace) -> int:
     import importlib.util
 
-    missing = [m for m in _SERVE_MODULES if importlib.util.find_spec(m) is None]
+    engine = args.engine or _default_engine()
+    missing = [m for m in _SERVE_MODULES[engine] if importlib.util.find_spec(m) is None]
     if missing:
-        print(f"strata-stream: error: serve needs {', '.join(missing)}: "
-              'pip install "strata-stream[serve]"', file=sys.stderr)  # fmt: skip
+        print(f"strata-stream: error: serve needs {', '.join(missing)} (engine {engine}): "
+              f'pip install "{_SERVE_EXTRAS[engine]}"', file=sys.stderr)  # fmt: skip
         return 2
     _check_arena_gb(args.arena_gb)
+    _check_device(args, engine)
     model_location(args.model)
     distributed = "pipeline" if args.pipeline else "tensor" if args.tensor else None
     if distributed is not None and args.pack is not None:
@@ -281,6 +305,8 @@ def _serve(args: argparse.Namespace) -> int:
         distributed=distributed,
         experts=args.experts,
         pack_path=args.pack,
+        engine=engine,
+        device=args.device,
     )
     return 0
 

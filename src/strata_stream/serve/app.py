@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, MutableMapping
@@ -19,6 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from strata_stream.engine_stats import StatsSource
+from strata_stream.errors import ConfigError
 from strata_stream.serve.config import ServeConfig
 from strata_stream.serve.errors import (
     APIError,
@@ -58,27 +60,47 @@ def create_app(
     *,
     stats: StatsSource | None = None,
     lockstep: RequestChannel | None = None,
+    engine: str | None = None,
 ) -> FastAPI:
-    """An app serving `model` (an mlx-lm model; the worker thread is its only user) and
-    `tokenizer` (a TokenizerWrapper or a Hugging Face tokenizer). `stats` feeds the engine
-    metrics (schema in engine_stats.py). The worker starts and stops with the app's lifespan.
+    """An app serving `model` (the worker thread is its only user) and `tokenizer` (a
+    TokenizerWrapper or a Hugging Face tokenizer). `stats` feeds the engine metrics (schema in
+    engine_stats.py). The worker starts and stops with the app's lifespan.
+    `engine`: "mlx-lm" (an mlx-lm model, batched) or "transformers" (a transformers
+    PreTrainedModel, streamed or plain, served one request at a time whatever
+    config.max_batch says); None takes "transformers" for a torch module, else "mlx-lm".
     `lockstep`: rank 0 of a sharded model, whose followers run every request too
-    (serve/lockstep.py)."""
-    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    (serve/lockstep.py; mlx-lm only)."""
+    engine = engine or ("transformers" if _is_torch_module(model) else "mlx-lm")
+    max_batch = config.max_batch
+    if engine == "transformers":
+        from strata_stream.serve.hf_tokenizer import HFTokenizer, model_eos_ids
 
-    if not isinstance(tokenizer, TokenizerWrapper):
-        tokenizer = TokenizerWrapper(tokenizer)
+        if lockstep is not None:
+            raise ConfigError("lockstep serving (--pipeline/--tensor) is for mlx-lm models")
+        if not isinstance(tokenizer, HFTokenizer):
+            tokenizer = HFTokenizer(tokenizer, model_eos_ids(model))
+        if max_batch > 1:
+            log.info("the transformers engine serves one request at a time (max_batch 1)")
+        max_batch = 1
+    elif engine == "mlx-lm":
+        from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+        if not isinstance(tokenizer, TokenizerWrapper):
+            tokenizer = TokenizerWrapper(tokenizer)
+    else:
+        raise ConfigError(f"engine must be mlx-lm or transformers, got {engine!r}")
     metrics = ServerMetrics()
     worker = GenerationWorker(
         model,
         tokenizer,
         max_queue=config.max_queue,
         metrics=metrics,
-        max_batch=config.max_batch,
+        max_batch=max_batch,
         prefill_chunk=config.prefill_chunk,
         stats=stats,
         stats_interval_s=config.stats_interval_s,
         lockstep=lockstep,
+        engine=engine,
     )
     routes = _Routes(model, tokenizer, config, worker)
 
@@ -153,16 +175,29 @@ class _CountRequests:
             self.metrics.requests.labels(route, str(status)).inc()
 
 
+def _is_torch_module(model: Any) -> bool:
+    torch = sys.modules.get("torch")  # never imported here: a torch model imported it already
+    return torch is not None and isinstance(model, torch.nn.Module)
+
+
+def _model_field(model: Any, name: str) -> int | None:
+    """A positive integer the model's config names: mlx-lm's `model.args`, transformers'
+    `model.config`."""
+    for holder in ("args", "config"):
+        n = getattr(getattr(model, holder, None), name, None)
+        if isinstance(n, int) and n > 0:
+            return int(n)
+    return None
+
+
 def _context_length(model: Any, config: ServeConfig) -> int | None:
     if config.context_length is not None:
         return config.context_length
-    n = getattr(getattr(model, "args", None), "max_position_embeddings", None)
-    return int(n) if isinstance(n, int) and n > 0 else None
+    return _model_field(model, "max_position_embeddings")
 
 
 def _vocab_size(model: Any) -> int | None:
-    n = getattr(getattr(model, "args", None), "vocab_size", None)
-    return int(n) if isinstance(n, int) and n > 0 else None
+    return _model_field(model, "vocab_size")
 
 
 class _Routes:

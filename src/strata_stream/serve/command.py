@@ -21,7 +21,7 @@ def serve(
     arena_gb: float | None = None,
     model_id: str | None = None,
     max_queue: int = 8,
-    max_batch: int = 8,
+    max_batch: int | None = None,
     prefill_chunk: int = 512,
     context_length: int | None = None,
     default_max_tokens: int = 512,
@@ -29,11 +29,15 @@ def serve(
     distributed: str | None = None,
     experts: str = "cpu",
     pack_path: str | None = None,
+    engine: str = "mlx-lm",
+    device: str | None = None,
 ) -> None:
     """Serves MODEL until interrupted. `distributed` ("pipeline" or "tensor", under
     mlx.launch): every rank loads its share with strata_stream.mlx_lm.sharded_load; rank 0
     serves HTTP, the others follow it (serve/lockstep.py) and return when it stops.
-    `pack_path`: the model's pack (default: the cache's, converted on first use)."""
+    `pack_path`: the model's pack (default: the cache's, converted on first use).
+    `engine`: "mlx-lm" or "transformers" (strata_stream.transformers.load on `device`, one
+    request at a time: max_batch must be 1). max_batch None: 8 for mlx-lm, 1 for transformers."""
     from strata_stream.serve.app import create_app
     from strata_stream.serve.loader import load_for_serving
 
@@ -42,6 +46,13 @@ def serve(
         raise ConfigError(f"--arena-gb must be a number of GiB > 0, got {arena_gb}")
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port must be 0..65535, got {port}")
+    if max_batch is None:
+        max_batch = 1 if engine == "transformers" else 8
+    if engine == "transformers" and max_batch != 1:
+        raise ConfigError(f"--max-batch {max_batch}: the transformers engine serves one request "
+                          "at a time (--max-batch 1)")  # fmt: skip
+    if engine == "transformers" and (distributed is not None or experts != "cpu"):
+        raise ConfigError("--pipeline, --tensor and --experts are for --engine mlx-lm")
     if host not in LOOPBACK:
         log.warning("binding to %s: the server is reachable from other machines", host)
     config = ServeConfig(
@@ -60,10 +71,17 @@ def serve(
     # The port first: one already in use fails now, not after the model has loaded.
     sock = listen(host, port)
     try:
-        loaded = load_for_serving(model_path, arena_bytes=arena_bytes, pack_path=pack_path)
-        app = create_app(loaded.model, loaded.tokenizer, config, stats=loaded.stats)
-        log.info("serving %s as model id '%s'", model_path, config.model_id)
-        run_foreground(app, host, port, log_level=log_level, sock=sock)
+        loaded = load_for_serving(model_path, arena_bytes=arena_bytes, pack_path=pack_path,
+                                  engine=engine, device=device)  # fmt: skip
+        try:
+            app = create_app(loaded.model, loaded.tokenizer, config, stats=loaded.stats,
+                             engine=loaded.engine)  # fmt: skip
+            log.info("serving %s as model id '%s' (%s)", model_path, config.model_id, engine)
+            run_foreground(app, host, port, log_level=log_level, sock=sock)
+        finally:
+            engine_handle = getattr(loaded.model, "strata_engine", None)
+            if engine_handle is not None:
+                engine_handle.close()
     finally:
         sock.close()
 

@@ -3,7 +3,8 @@
 The worker owns the model: it is the only thread that runs it (and the only caller of the
 stats source, which reads the engine), so the engine is never entered by two threads at once.
 It serves up to `max_batch` requests at once as one continuous batch (serve/batch.py, on
-mlx-lm's BatchGenerator): requests join and leave between decode steps, in arrival order.
+mlx-lm's BatchGenerator): requests join and leave between decode steps, in arrival order. A
+transformers model is served one request at a time (serve/transformers_batch.py).
 Requests beyond the batch wait in the queue; beyond `max_queue` waiting jobs, `submit` raises
 QueueFullError at once (the route answers 503). Each job's events go back through the
 `deliver` callable the handler supplies (it hands them to the event loop).
@@ -74,8 +75,12 @@ class GenerationWorker:
         stats: StatsSource | None = None,
         stats_interval_s: float = 0.5,
         lockstep: RequestChannel | None = None,
+        engine: str = "mlx-lm",
     ) -> None:
         self._model = model
+        # "mlx-lm": mlx-lm's BatchGenerator (serve/batch.py); "transformers": one request at a
+        # time on the model's own forward (serve/transformers_batch.py, max_batch 1).
+        self._engine = engine
         # Rank 0 of a sharded model (serve/lockstep.py): every request goes to the followers
         # before it runs, and runs to the end they will reach even when its client goes away.
         self._lockstep = lockstep
@@ -192,9 +197,12 @@ class GenerationWorker:
         self._drain()
 
     def _run_batched(self) -> None:
-        from strata_stream.serve.batch import ContinuousBatch
-
-        batch = ContinuousBatch(
+        batch_class: type[Any]
+        if self._engine == "transformers":
+            from strata_stream.serve.transformers_batch import SequentialBatch as batch_class
+        else:
+            from strata_stream.serve.batch import ContinuousBatch as batch_class
+        batch = batch_class(
             self._model,
             self._tokenizer,
             max_batch=self.max_batch,

@@ -1,0 +1,236 @@
+"""The transformers engine's batch: one request at a time, on the model's own forward and KV
+cache.
+
+`SequentialBatch` has ContinuousBatch's surface (serve/batch.py: admit, drop_cancelled, cut,
+step), so the generation worker drives either alike, but it holds at most one sequence: the
+server runs it with max_batch 1 and the other requests wait in the queue. (Batching
+transformers models of different prompt lengths needs padded, position-aware caches; the
+engine under them would take the rows as one call, but that front-end is not built yet.)
+
+Each step runs one forward pass of the model (a transformers PreTrainedModel, streamed or
+plain) on the worker's thread: a chunk of at most `prefill_chunk` prompt tokens while the
+prompt is read (the last chunk also samples the first token), then one token per step. The
+cache is transformers' own dynamic cache, made by the first forward (`cache_argument` names
+the keyword this transformers version takes it by); the logits of the last
+position alone are computed (logits_to_keep=1). Sampling, logits processors and
+log-probabilities follow mlx-lm's definitions (serve/torch_sampling.py, serve/logprobs.py).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from strata_stream.serve.jobs import Finished, Job, JobState, Logprobs, TextChunk, TokenLogprob
+from strata_stream.serve.logprobs import entry
+from strata_stream.serve.metrics import ServerMetrics
+from strata_stream.serve.stop import StopMatcher
+from strata_stream.serve.torch_sampling import Processor, TorchSampler, make_processors
+
+log = logging.getLogger("strata_stream.serve")
+
+
+@dataclass
+class _Sequence:
+    job: Job
+    detok: Any
+    stop: StopMatcher
+    sampler: TorchSampler
+    processors: list[Processor]
+    admitted_at: float
+    tokens: list[int] = field(default_factory=list)  # prompt and sampled: the penalties' context
+    prefilled: int = 0  # prompt tokens in the cache
+    cache: Any = None
+    first_at: float | None = None
+    sampled: int = 0  # tokens sampled, EOS included: the work done
+    completion: int = 0  # tokens in the answer
+
+
+class SequentialBatch:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        max_batch: int,
+        prefill_chunk: int,
+        metrics: ServerMetrics,
+        tokenizer_lock: Any,
+        finish: Callable[[Job, Finished], None],
+        on_error: Callable[[str], None] = lambda message: None,
+    ) -> None:
+        if max_batch != 1:
+            raise ValueError(f"the transformers engine serves one request at a time, not "
+                             f"{max_batch}")  # fmt: skip
+        self._model = model
+        self._tokenizer = tokenizer
+        self._prefill_chunk = prefill_chunk
+        self._metrics = metrics
+        self._lock = tokenizer_lock
+        self._finish_job = finish
+        self._on_error = on_error
+        self._eos = set(tokenizer.eos_token_ids)
+        self._cache_arg = cache_argument(model)
+        self._seq: _Sequence | None = None
+
+    def __len__(self) -> int:
+        return 0 if self._seq is None else 1
+
+    # ---- joining and leaving -----------------------------------------------------------------
+    def admit(self, job: Job) -> None:
+        """Takes the job; its prompt is read from the next step on. With echo, the prompt's
+        log-probabilities come first, from one pass over it; with max_tokens 0 they are the
+        whole answer."""
+        assert self._seq is None, "SequentialBatch holds one sequence"
+        req = job.request
+        job.state = JobState.RUNNING
+        if req.echo:
+            try:
+                scored = prompt_logprobs(self._model, req.prompt, req.logprobs or 0)
+            except Exception as e:
+                log.exception("scoring a prompt failed")
+                self._on_error(str(e))
+                self._finish_job(job, Finished("error", len(req.prompt), 0, error=str(e)))
+                return
+            job.emit(Logprobs(scored, True))
+            if req.max_tokens == 0:
+                self._metrics.prompt_tokens.inc(len(req.prompt))
+                self._finish_job(job, Finished("length", len(req.prompt), 0))
+                return
+        with self._lock:
+            detok = self._tokenizer.detokenizer
+        self._seq = _Sequence(job, detok, StopMatcher(req.stop), TorchSampler(req.sampling),
+                              make_processors(req.sampling), time.perf_counter(),
+                              tokens=list(req.prompt))  # fmt: skip
+
+    def drop_cancelled(self, stopping: bool) -> None:
+        s = self._seq
+        if s is not None and (stopping or s.job.cancelled):
+            self._end(s, "cancelled")
+
+    def cut(self, reason: str) -> None:
+        if self._seq is not None:
+            self._end(self._seq, reason)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def step(self) -> int:
+        """One forward pass: a prompt chunk, or one decode token. Returns 1 when a token was
+        sampled. An error ends the sequence with it (its cache may be half-written)."""
+        s = self._seq
+        if s is None:
+            return 0
+        prompt = s.job.request.prompt
+        try:
+            if s.prefilled < len(prompt):
+                chunk = list(prompt[s.prefilled : s.prefilled + self._prefill_chunk])
+                logits = self._forward(s, chunk)
+                s.prefilled += len(chunk)
+                if s.prefilled < len(prompt):
+                    return 0
+            else:
+                logits = self._forward(s, [s.tokens[-1]])
+            row = logits.to(torch.float32).cpu()
+            for processor in s.processors:
+                row = processor(s.tokens, row)
+            logprobs = row - torch.logsumexp(row, dim=0)
+            token = s.sampler(logprobs)
+        except Exception as e:  # a failed step must not take the server down
+            log.exception("a generation step failed")
+            self._on_error(str(e))
+            self._end(s, "error", str(e))
+            return 0
+        self._metrics.batch_size.observe(1)
+        self._token(s, token, logprobs)
+        return 1
+
+    @torch.no_grad()
+    def _forward(self, s: _Sequence, ids: list[int]) -> torch.Tensor:
+        """The last position's logits [V] after feeding `ids` through the sequence's cache."""
+        device = getattr(self._model, "device", torch.device("cpu"))
+        out = self._model(input_ids=torch.tensor([ids], device=device), use_cache=True,
+                          logits_to_keep=1, **{self._cache_arg: s.cache})  # fmt: skip
+        s.cache = getattr(out, self._cache_arg)
+        logits: torch.Tensor = out.logits[0, -1]
+        return logits
+
+    def _token(self, s: _Sequence, token: int, logprobs: torch.Tensor) -> None:
+        m = self._metrics
+        req = s.job.request
+        s.sampled += 1
+        s.tokens.append(token)
+        m.generated_tokens.inc()
+        now = time.perf_counter()
+        if s.first_at is None:
+            s.first_at = now
+            m.ttft.observe(now - s.admitted_at)
+            m.prompt_tokens.inc(len(req.prompt))
+            m.prompt_tps.set(len(req.prompt) / max(now - s.admitted_at, 1e-9))
+        if token in self._eos:  # not part of the answer
+            self._end(s, "stop")
+            return
+        s.completion += 1
+        if req.logprobs is not None:
+            row = logprobs.numpy()
+            s.job.emit(Logprobs((entry(row, token, req.logprobs),)))
+        with self._lock:
+            s.detok.add_token(token)
+            segment = s.detok.last_segment
+        text, hit = s.stop.feed(segment)
+        if text:
+            s.job.emit(TextChunk(text))
+        if hit:
+            self._end(s, "stop")
+        elif s.sampled >= req.max_tokens:
+            self._end(s, "length")
+
+    def _end(self, s: _Sequence, reason: str, error: str | None = None) -> None:
+        self._seq = None
+        if reason in ("stop", "length") and not s.stop.matched:
+            with self._lock:
+                s.detok.finalize()
+                segment = s.detok.last_segment
+            text, hit = s.stop.feed(segment)
+            if hit:
+                reason = "stop"
+            else:
+                text += s.stop.flush()
+            if text:
+                s.job.emit(TextChunk(text))
+        if s.first_at is not None and s.sampled > 1:
+            self._metrics.decode_tps.set(
+                (s.sampled - 1) / max(time.perf_counter() - s.first_at, 1e-9)
+            )
+        prompt = len(s.job.request.prompt)
+        self._finish_job(s.job, Finished(reason, prompt, s.completion, error=error))
+
+
+def cache_argument(model: Any) -> str:
+    """The name under which the model's forward takes (and its output returns) the KV cache:
+    `cache` from transformers 5.24 on (where `past_key_values` is deprecated), else
+    `past_key_values`."""
+    forward = getattr(type(model), "forward", None)
+    try:
+        params = inspect.signature(forward).parameters if forward is not None else {}
+    except (TypeError, ValueError):
+        params = {}
+    return "cache" if "cache" in params else "past_key_values"
+
+
+@torch.no_grad()
+def prompt_logprobs(model: Any, prompt: tuple[int, ...], top: int) -> tuple[TokenLogprob, ...]:
+    """Every prompt token's log-probability given the tokens before it (None for the first),
+    from one forward pass without a cache."""
+    device = getattr(model, "device", torch.device("cpu"))
+    logits = model(input_ids=torch.tensor([prompt], device=device), use_cache=False).logits
+    rows = torch.log_softmax(logits[0].to(torch.float32), dim=-1).cpu().numpy()
+    out = [TokenLogprob(prompt[0], None, ())]
+    for t in range(1, len(prompt)):
+        out.append(entry(np.ascontiguousarray(rows[t - 1]), prompt[t], top))
+    return tuple(out)
