@@ -149,6 +149,7 @@ class ContinuousBatch:
             return 0
         if responses:
             self._metrics.batch_size.observe(len(responses))
+            self._metrics.generated_tokens.inc(len(responses))
         for r in responses:
             seq = self._seqs.get(r.uid)
             if seq is not None:
@@ -158,7 +159,6 @@ class ContinuousBatch:
     def _token(self, s: _Sequence, token: int, finish: str | None, logprobs: Any) -> None:
         m = self._metrics
         s.sampled += 1
-        m.generated_tokens.inc()
         now = time.perf_counter()
         if s.first_at is None:
             s.first_at = now
