@@ -15,7 +15,11 @@ reports per batch size:
   one of the model's quantized Linears alone at B rows (MLX's CPU kernel, whose cost grows
   with the rows).
 
-    python benchmarks/batch_step.py [--model DIR] [--batches 1,2,4,8,16] [--seconds 4]
+    python benchmarks/batch_step.py [--model DIR] [--route-trace CSV] [--batches 1,2,4,8,16]
+        [--seconds 4]
+
+--route-trace makes the model choose its experts by a routing trace (strata_stream.trace.
+routing; the model needs the trace's geometry: benchmarks/serve_load.py builds one).
 """
 
 from __future__ import annotations
@@ -192,6 +196,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,2,4,8,16")
     ap.add_argument("--seconds", type=float, default=4.0, help="per batch size (default 4)")
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--route-trace", type=Path, help="experts chosen by this routing trace")
+    ap.add_argument("--arena-bytes", type=int, help="the streamed model's arena")
     ap.add_argument("--repeats", type=int, default=2, help="interleaved; the best is kept")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -208,8 +214,12 @@ def main() -> None:
             from strata_stream.mlx_lm.random_model import make_chat_checkpoint
 
             path = make_chat_checkpoint(Path(tmp) / "tiny")
-        loaded = load_for_serving(str(path))
+        loaded = load_for_serving(str(path), arena_bytes=args.arena_bytes)
         model, tok = loaded.model, loaded.tokenizer
+        if args.route_trace is not None:
+            from strata_stream.trace.routing import route_by_trace
+
+            route_by_trace(model, args.route_trace)
 
         timers = Timers()
         run_cpu = engine.MoeEngine.run_cpu
@@ -243,6 +253,8 @@ def main() -> None:
         name, lin = linear_scaling(model, batches)
         print(f"MLX {name} alone, µs per call at B rows: "
               + ", ".join(f"B={b} {v:.1f}" for b, v in lin.items()))  # fmt: skip
+        if args.route_trace is not None:
+            return  # plain mlx-lm would route by the model's own gates: not comparable
         plain = plain_scaling(path, batches)
         print("plain mlx-lm BatchGenerator (unstreamed), decode step ms: "
               + ", ".join(f"B={b} {v:.3f} (x{v / plain[batches[0]]:.2f})"
