@@ -13,6 +13,10 @@ admits jobs (at most `max_batch` at once: the worker keeps the rest queued), dro
 cancelled ones before each step, turns each step's tokens into text (per-sequence detokenizer,
 stop strings held back as in serve/stop.py) and finishes sequences on EOS, a stop string, their
 length, cancellation or an error of the step.
+
+Under lockstep (rank 0 of a sharded model, serve/lockstep.py) it records every change it makes
+to the generator (insert, remove, a fresh generator) and sends them as one `Step` before each
+step, so the followers (serve/follower.py) run the same batch; requests get a seed first.
 """
 
 from __future__ import annotations
@@ -23,13 +27,49 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from strata_stream.serve.generation import GenerationRequest
 from strata_stream.serve.jobs import Finished, Job, JobState, Logprobs, TextChunk
+from strata_stream.serve.lockstep import (
+    Change,
+    Insert,
+    Remove,
+    RequestChannel,
+    Reset,
+    Step,
+    with_seed,
+)
 from strata_stream.serve.logprobs import as_row, entry, prompt_logprobs
 from strata_stream.serve.metrics import ServerMetrics
 from strata_stream.serve.sampling import make_processors, make_sampler
 from strata_stream.serve.stop import StopMatcher
 
 log = logging.getLogger("strata_stream.serve")
+
+
+def new_generator(model: Any, max_batch: int, prefill_chunk: int) -> Any:
+    """mlx-lm's BatchGenerator as the batch (and every follower rank) runs it."""
+    from mlx_lm.generate import BatchGenerator
+
+    return BatchGenerator(
+        model,
+        completion_batch_size=max_batch,
+        prefill_batch_size=max_batch,
+        prefill_step_size=prefill_chunk,
+    )
+
+
+def insert_request(gen: Any, request: GenerationRequest, eos: list[int]) -> int:
+    """Inserts one request into the generator (rank 0 and every follower alike); its uid."""
+    from mlx_lm.generate import StopSequences
+
+    (uid,) = gen.insert(
+        [list(request.prompt)],
+        max_tokens=[request.max_tokens],
+        samplers=[make_sampler(request.sampling)],
+        logits_processors=[make_processors(request.sampling)],
+        stop_sequences=[StopSequences([(t,) for t in eos])],
+    )
+    return int(uid)
 
 
 @dataclass
@@ -58,6 +98,7 @@ class ContinuousBatch:
         tokenizer_lock: Any,
         finish: Callable[[Job, Finished], None],
         on_error: Callable[[str], None] = lambda message: None,
+        lockstep: RequestChannel | None = None,
     ) -> None:
         self._model = model
         self._tokenizer = tokenizer
@@ -69,17 +110,15 @@ class ContinuousBatch:
         self._on_error = on_error
         self._eos = sorted(set(tokenizer.eos_token_ids))
         self._seqs: dict[int, _Sequence] = {}
-        self._gen = self._new_generator()
+        self._lockstep = lockstep
+        # Under lockstep: the changes made to the generator since the last step, in order.
+        self._changes: list[Change] = []
+        self._gen = new_generator(model, max_batch, prefill_chunk)
 
-    def _new_generator(self) -> Any:
-        from mlx_lm.generate import BatchGenerator
-
-        return BatchGenerator(
-            self._model,
-            completion_batch_size=self._max_batch,
-            prefill_batch_size=self._max_batch,
-            prefill_step_size=self._prefill_chunk,
-        )
+    def _remove(self, uids: list[int]) -> None:
+        self._gen.remove(uids)
+        if self._lockstep is not None:
+            self._changes.append(Remove(tuple(uids)))
 
     def __len__(self) -> int:
         return len(self._seqs)
@@ -88,11 +127,16 @@ class ContinuousBatch:
     def admit(self, job: Job) -> None:
         """Inserts the job; it starts prefilling at the next step. With echo, the prompt's
         log-probabilities are computed first, here (one pass between two steps); with echo
-        and max_tokens 0 that is the whole answer."""
-        from mlx_lm.generate import StopSequences
-
+        and max_tokens 0 that is the whole answer. Under lockstep the request gets a seed (every
+        rank must sample the same tokens); echo and logprobs are refused there."""
         req = job.request
         job.state = JobState.RUNNING
+        if self._lockstep is not None:
+            if req.echo or req.logprobs is not None:
+                why = "logprobs and echo are not served across ranks (--pipeline/--tensor) yet"
+                self._finish_job(job, Finished("error", len(req.prompt), 0, error=why))
+                return
+            req = job.request = with_seed(req)
         if req.echo:
             try:
                 scored = prompt_logprobs(self._model, req.prompt, req.logprobs or 0)
@@ -108,20 +152,16 @@ class ContinuousBatch:
                 return
         with self._lock:
             detok = self._tokenizer.detokenizer
-        (uid,) = self._gen.insert(
-            [list(req.prompt)],
-            max_tokens=[req.max_tokens],
-            samplers=[make_sampler(req.sampling)],
-            logits_processors=[make_processors(req.sampling)],
-            stop_sequences=[StopSequences([(t,) for t in self._eos])],
-        )
+        uid = insert_request(self._gen, req, self._eos)
+        if self._lockstep is not None:
+            self._changes.append(Insert(req))
         self._seqs[uid] = _Sequence(job, uid, detok, StopMatcher(req.stop), time.perf_counter())
 
     def drop_cancelled(self, stopping: bool) -> None:
         """Sequences whose client went away (or all, when the server stops) leave now."""
         gone = [s for s in self._seqs.values() if stopping or s.job.cancelled]
         if gone:
-            self._gen.remove([s.uid for s in gone])
+            self._remove([s.uid for s in gone])
             for s in gone:
                 self._end(s, "cancelled")
 
@@ -129,7 +169,7 @@ class ContinuousBatch:
         """Ends every sequence now with `reason` and the text it has (a shutdown's grace is
         over)."""
         if self._seqs:
-            self._gen.remove(list(self._seqs))
+            self._remove(list(self._seqs))
             for s in list(self._seqs.values()):
                 self._end(s, reason)
 
@@ -139,13 +179,18 @@ class ContinuousBatch:
         many sequences decoded. An error fails every sequence in the batch (their caches may be
         half-written) and starts a fresh generator."""
         try:
+            if self._lockstep is not None:
+                self._lockstep.send(Step(tuple(self._changes)))
+                self._changes.clear()
             _, responses = self._gen.next()
         except Exception as e:  # a failed step must not take the server down
             log.exception("a batch step failed")
             self._on_error(str(e))
             for s in list(self._seqs.values()):
                 self._end(s, "error", str(e))
-            self._gen = self._new_generator()
+            self._gen = new_generator(self._model, self._max_batch, self._prefill_chunk)
+            if self._lockstep is not None:
+                self._changes = [Reset()]
             return 0
         if responses:
             self._metrics.batch_size.observe(len(responses))
@@ -180,7 +225,7 @@ class ContinuousBatch:
         if text:
             s.job.emit(TextChunk(text))
         if hit:
-            self._gen.remove([s.uid])
+            self._remove([s.uid])
             self._end(s, "stop")
         elif finish is not None:  # the length: the generator has let it go
             self._end(s, "length")
