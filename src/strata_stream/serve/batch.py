@@ -38,7 +38,7 @@ from strata_stream.serve.lockstep import (
     Step,
     with_seed,
 )
-from strata_stream.serve.logprobs import as_row, entry, prompt_logprobs
+from strata_stream.serve.logprobs import PromptScorer, as_row, entry
 from strata_stream.serve.metrics import ServerMetrics
 from strata_stream.serve.sampling import make_processors, make_sampler
 from strata_stream.serve.stop import StopMatcher
@@ -110,6 +110,8 @@ class ContinuousBatch:
         self._on_error = on_error
         self._eos = sorted(set(tokenizer.eos_token_ids))
         self._seqs: dict[int, _Sequence] = {}
+        # Echo requests whose prompts are being scored, one chunk per step, in arrival order.
+        self._scoring: list[tuple[Job, PromptScorer]] = []
         self._lockstep = lockstep
         # Under lockstep: the changes made to the generator since the last step, in order.
         self._changes: list[Change] = []
@@ -121,14 +123,16 @@ class ContinuousBatch:
             self._changes.append(Remove(tuple(uids)))
 
     def __len__(self) -> int:
-        return len(self._seqs)
+        """Requests in the batch: generating (or prefilling) and having their prompts scored."""
+        return len(self._seqs) + len(self._scoring)
 
     # ---- joining and leaving -----------------------------------------------------------------
     def admit(self, job: Job) -> None:
         """Inserts the job; it starts prefilling at the next step. With echo, the prompt's
-        log-probabilities are computed first, here (one pass between two steps); with echo
-        and max_tokens 0 that is the whole answer. Under lockstep the request gets a seed (every
-        rank must sample the same tokens); echo and logprobs are refused there."""
+        log-probabilities come first: one chunk of at most prefill_chunk tokens per step, as a
+        prompt is prefilled, then the job joins the generator (with max_tokens 0 the scores are
+        the whole answer). Under lockstep the request gets a seed (every rank must sample the
+        same tokens); echo and logprobs are refused there."""
         req = job.request
         job.state = JobState.RUNNING
         if self._lockstep is not None:
@@ -138,18 +142,13 @@ class ContinuousBatch:
                 return
             req = job.request = with_seed(req)
         if req.echo:
-            try:
-                scored = prompt_logprobs(self._model, req.prompt, req.logprobs or 0)
-            except Exception as e:
-                log.exception("scoring a prompt failed")
-                self._on_error(str(e))
-                self._finish_job(job, Finished("error", len(req.prompt), 0, error=str(e)))
-                return
-            job.emit(Logprobs(scored, True))
-            if req.max_tokens == 0:
-                self._metrics.prompt_tokens.inc(len(req.prompt))
-                self._finish_job(job, Finished("length", len(req.prompt), 0))
-                return
+            scorer = PromptScorer(self._model, req.prompt, req.logprobs or 0, self._prefill_chunk)
+            self._scoring.append((job, scorer))
+            return
+        self._insert(job)
+
+    def _insert(self, job: Job) -> None:
+        req = job.request
         with self._lock:
             detok = self._tokenizer.detokenizer
         uid = insert_request(self._gen, req, self._eos)
@@ -159,6 +158,8 @@ class ContinuousBatch:
 
     def drop_cancelled(self, stopping: bool) -> None:
         """Sequences whose client went away (or all, when the server stops) leave now."""
+        for job, _ in [js for js in self._scoring if stopping or js[0].cancelled]:
+            self._end_scoring(job, Finished("cancelled", len(job.request.prompt), 0))
         gone = [s for s in self._seqs.values() if stopping or s.job.cancelled]
         if gone:
             self._remove([s.uid for s in gone])
@@ -168,15 +169,53 @@ class ContinuousBatch:
     def cut(self, reason: str) -> None:
         """Ends every sequence now with `reason` and the text it has (a shutdown's grace is
         over)."""
+        for job, _ in list(self._scoring):
+            self._end_scoring(job, Finished(reason, len(job.request.prompt), 0))
         if self._seqs:
             self._remove(list(self._seqs))
             for s in list(self._seqs.values()):
                 self._end(s, reason)
 
+    def _end_scoring(self, job: Job, result: Finished) -> None:
+        self._scoring = [js for js in self._scoring if js[0] is not job]
+        self._finish_job(job, result)
+
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> int:
-        """One decode step for the generating sequences and one prefill chunk; returns how
-        many sequences decoded. An error fails every sequence in the batch (their caches may be
+        """One decode step for the generating sequences, one prefill chunk and one chunk of the
+        first prompt being scored; returns how many sequences decoded."""
+        decoded = self._decode_step() if self._seqs else 0
+        if self._scoring:
+            self._score_chunk()
+        return decoded
+
+    def _score_chunk(self) -> None:
+        job, scorer = self._scoring[0]
+        req = job.request
+        try:
+            scorer.advance()
+        except Exception as e:  # this request fails alone: the scorer's cache is its own
+            log.exception("scoring a prompt failed")
+            self._on_error(str(e))
+            self._end_scoring(job, Finished("error", len(req.prompt), 0, error=str(e)))
+            return
+        if not scorer.done:
+            return
+        self._scoring.pop(0)
+        job.emit(Logprobs(tuple(scorer.entries), True))
+        if req.max_tokens == 0:
+            self._metrics.prompt_tokens.inc(len(req.prompt))
+            self._finish_job(job, Finished("length", len(req.prompt), 0))
+            return
+        try:
+            self._insert(job)
+        except Exception as e:  # a request the generator refuses fails alone
+            log.exception("admitting a request failed")
+            self._on_error(str(e))
+            self._finish_job(job, Finished("error", len(req.prompt), 0, error=str(e)))
+
+    def _decode_step(self) -> int:
+        """One step of the generator. An error fails every sequence in it (their caches may be
         half-written) and starts a fresh generator."""
         try:
             if self._lockstep is not None:
