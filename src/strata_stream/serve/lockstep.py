@@ -11,9 +11,11 @@ length, which the generator decides itself on every rank. When the server stops,
 "stop" and the followers return (their loop: follower.py).
 
 The channel is as mlx_lm.server shares requests: one all_sum of the message length, one of the
-bytes (rank 0 contributes them, the followers zeros). The message is JSON (a request's token
-ids, length, stop strings and sampling parameters), not pickle. Followers wait in that all_sum
-while the server is idle: nothing crosses the network between requests.
+bytes (rank 0 contributes them, the followers zeros). A step that changes nothing (most of a
+long generation's) is length 0 alone: one collective per step, no second one. The message is
+JSON (each inserted request's token ids, length, stop strings and sampling parameters; removed
+uids), not pickle. Followers wait in that all_sum while the server is idle: nothing crosses the
+network while the batch is empty.
 """
 
 from __future__ import annotations
@@ -87,10 +89,13 @@ class RequestChannel:
 
         assert self.rank == 0, "only rank 0 sends"
         self._drain()
-        data = np.frombuffer(encode(message), dtype=np.uint8)
+        empty = isinstance(message, Step) and not message.changes
+        data = np.frombuffer(b"" if empty else encode(message), dtype=np.uint8)
         n = mx.distributed.all_sum(mx.array([data.size], dtype=mx.int64), group=self.group,
                                    stream=mx.cpu)  # fmt: skip
         mx.eval(n)
+        if empty:
+            return
         out = mx.distributed.all_sum(mx.array(data), group=self.group, stream=mx.cpu)
         mx.eval(out)
 
@@ -104,6 +109,8 @@ class RequestChannel:
         n = mx.distributed.all_sum(mx.zeros((1,), dtype=mx.int64), group=self.group,
                                    stream=mx.cpu)  # fmt: skip
         size = int(np.array(n)[0])
+        if size == 0:
+            return Step(())
         data = mx.distributed.all_sum(mx.zeros((size,), dtype=mx.uint8), group=self.group,
                                       stream=mx.cpu)  # fmt: skip
         return decode(bytes(np.array(data, dtype=np.uint8)))
