@@ -45,8 +45,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import openai
-
 PROMPTS = [
     "hello world how are you",
     "the water is hot",
@@ -231,6 +229,8 @@ def run_level(url: str, mid: str, level: Level, max_tokens: int, max_requests: i
     deadline = time.monotonic() + level.seconds
 
     def client(i: int) -> None:
+        import openai  # here, not at the top: the server subprocess runs this file too
+
         c = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=120, max_retries=0)
         for n in range(max_requests):
             if time.monotonic() >= deadline:
