@@ -1,18 +1,29 @@
 """Load test of `strata-stream serve`: N concurrent streaming chat clients for T seconds.
 
     python benchmarks/serve_load.py [--model DIR | --url http://127.0.0.1:PORT]
-        [--clients 1,4,8] [--seconds 60] [--repeats 2] [--max-tokens 32] [--max-batch 1,8]
-        [--json OUT] [--plot PNG]
+        [--routing trace|model] [--arena-fraction 0.25] [--clients 1,2,4,8,16] [--seconds 60]
+        [--repeats 2] [--max-tokens 32] [--max-batch 1,8] [--json OUT] [--plot PNG]
 
-Without --url it starts the server itself (`python -m strata_stream.cli serve MODEL --port 0`)
-as a subprocess on a free loopback port, on --model or on a tiny random-weight qwen3_moe
-checkpoint built once into a temporary directory, and stops it at the end. Levels run
-interleaved (1,4,8,1,4,8 with --repeats 2) so drift on a shared machine hits every level alike.
---max-batch runs the levels once per value, each on its own server (`serve --max-batch B`):
-1 is one request at a time, so "1,8" compares serving one at a time with batching.
+Without --url it starts the server itself as a subprocess on a free loopback port (this
+script's --serve-child: `strata-stream serve`'s own steps, plus the routing below), on --model
+or on a small random-weight qwen3_moe checkpoint built once into a temporary directory, and
+stops it at the end. Levels run interleaved (1,4,8,1,4,8 with --repeats 2) so drift on a
+shared machine hits every level alike. --max-batch runs the levels once per value, each on its
+own server (`serve --max-batch B`): 1 is one request at a time, so "1,8" compares serving one
+at a time with batching.
+
+Routing: a random model routes concentrated (a few experts win every token), which flatters
+batching. `--routing trace` (the default without --model) builds the checkpoint with the real
+trace's geometry (128 experts, top-6; 8 layers, tiny attention) and makes its blocks choose
+their experts from tests/data's Qwen3-30B-A3B routing trace (strata_stream.trace.routing: each
+token takes the experts of one trace token, layer for layer), so a batch's rows share experts
+as a real model's tokens do; its experts stream through an arena of --arena-fraction of them.
+`--routing model` keeps the model's own gates (the old tiny checkpoint without --model).
 
 Per level: completed requests, generated tokens/s, time to first token and inter-token gap
-(p50/p99, as each client sees them), errors (must be 0), and the server's RSS before and after.
+(p50/p99, as each client sees them), errors (must be 0), experts looked up and read from the
+pack per generated token (from the server's /metrics: a decode step looks its rows' union up
+once), and the server's RSS before and after. Then the ratios against issue 19's targets.
 Every client loop is bounded by the deadline and by --max-requests; only loopback is allowed.
 """
 
@@ -34,8 +45,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import openai
-
 PROMPTS = [
     "hello world how are you",
     "the water is hot",
@@ -47,6 +56,18 @@ PROMPTS = [
     "people like to call their water",
 ]
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
+TRACE = Path(__file__).resolve().parents[1] / "tests" / "data" / "qwen3-30b-a3b.route.csv"
+# The trace's geometry (Qwen3-30B-A3B as traced: 128 experts, top-6), 8 layers spread over its
+# 48, everything else tiny so that the 2-core machine runs every level in seconds.
+TRACE_DIMS = {"num_hidden_layers": 8, "num_experts": 128, "num_experts_per_tok": 6,
+              "max_position_embeddings": 8192}  # fmt: skip
+# Read from the server's /metrics before and after each level.
+ENGINE_COUNTERS = (
+    "strata_expert_hits_total",
+    "strata_expert_misses_total",
+    "strata_expert_bytes_read_total",
+    "strata_serve_generated_tokens_total",
+)
 
 
 @dataclass
@@ -62,7 +83,14 @@ class Level:
     gaps_s: list[float] = field(default_factory=list)
     rss_start_mb: float = 0.0
     rss_end_mb: float = 0.0
+    engine: dict[str, float] = field(default_factory=dict)  # counter deltas over the level
     error_samples: list[str] = field(default_factory=list)
+
+    def per_token(self, *names: str) -> float:
+        tokens = self.engine.get("strata_serve_generated_tokens_total", 0.0)
+        if not tokens or not all(n in self.engine for n in names):
+            return float("nan")
+        return sum(self.engine[n] for n in names) / tokens
 
     def summary(self) -> dict[str, float | int]:
         return {
@@ -79,6 +107,10 @@ class Level:
             "ttft_p99_ms": round(1e3 * pct(self.ttft_s, 99), 1),
             "token_p50_ms": round(1e3 * pct(self.gaps_s, 50), 2),
             "token_p99_ms": round(1e3 * pct(self.gaps_s, 99), 2),
+            "experts_looked_up_per_token": round(
+                self.per_token("strata_expert_hits_total", "strata_expert_misses_total"), 2
+            ),
+            "experts_read_per_token": round(self.per_token("strata_expert_misses_total"), 2),
             "rss_start_mb": round(self.rss_start_mb, 1),
             "rss_end_mb": round(self.rss_end_mb, 1),
         }
@@ -99,27 +131,45 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
+def serve_child(args: argparse.Namespace) -> None:
+    """The server subprocess: `strata-stream serve`'s steps (bind first, load, serve in the
+    foreground until SIGTERM), with the routing replaced by the trace's when asked."""
+    from strata_stream.serve import ServeConfig, create_app
+    from strata_stream.serve.loader import load_for_serving
+    from strata_stream.serve.server import listen, run_foreground
+
+    sock = listen("127.0.0.1", 0)
+    loaded = load_for_serving(str(args.model), arena_bytes=args.arena_bytes, pack_path=args.pack)
+    if args.route_trace is not None:
+        from strata_stream.trace.routing import route_by_trace
+
+        route_by_trace(loaded.model, args.route_trace)
+    config = ServeConfig(model_id="bench", max_queue=args.max_queue, max_batch=args.child_batch)
+    app = create_app(loaded.model, loaded.tokenizer, config, stats=loaded.stats)
+    run_foreground(app, "127.0.0.1", 0, log_level="warning", sock=sock)
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    path: Path
+    pack: Path | None = None
+    arena_bytes: int | None = None
+    route_trace: Path | None = None
+
+
 @contextlib.contextmanager
 def start_server(
-    model: Path, max_queue: int, max_batch: int, timeout_s: float = 180
+    model: ServedModel, max_queue: int, max_batch: int, timeout_s: float = 180
 ) -> Iterator[tuple[str, int]]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "strata_stream.cli",
-        "serve",
-        str(model),
-        "--port",
-        "0",
-        "--host",
-        "127.0.0.1",
-        "--model-id",
-        "bench",
-        "--max-queue",
-        str(max_queue),
-        "--max-batch",
-        str(max_batch),
-    ]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--serve-child", "--model",
+           str(model.path), "--max-queue", str(max_queue),
+           "--child-batch", str(max_batch)]  # fmt: skip
+    if model.pack is not None:
+        cmd += ["--pack", str(model.pack)]
+    if model.arena_bytes is not None:
+        cmd += ["--arena-bytes", str(model.arena_bytes)]
+    if model.route_trace is not None:
+        cmd += ["--route-trace", str(model.route_trace)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout or []], daemon=True).start()
@@ -157,6 +207,18 @@ def wait_healthy(url: str, deadline: float) -> None:
         time.sleep(0.2)
 
 
+def engine_counters(url: str) -> dict[str, float]:
+    """The counters of ENGINE_COUNTERS in the server's /metrics (those it exports)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ENGINE_COUNTERS:
+            out[name] = float(value)
+    return out
+
+
 def model_id(url: str) -> str:
     with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
         return str(json.loads(r.read())["data"][0]["id"])
@@ -167,6 +229,8 @@ def run_level(url: str, mid: str, level: Level, max_tokens: int, max_requests: i
     deadline = time.monotonic() + level.seconds
 
     def client(i: int) -> None:
+        import openai  # here, not at the top: the server subprocess runs this file too
+
         c = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=120, max_retries=0)
         for n in range(max_requests):
             if time.monotonic() >= deadline:
@@ -248,13 +312,69 @@ def plot(levels: list[Level], out: Path) -> None:
     fig.savefig(out, dpi=120)
 
 
+def build_model(tmp: Path, routing: str, arena_fraction: float) -> ServedModel:
+    """The checkpoint to serve when no --model is given, its pack, arena and routing."""
+    from strata_stream.convert import convert
+    from strata_stream.mlx_lm.random_model import make_chat_checkpoint, make_checkpoint
+    from strata_stream.pack.reader import ExpertPack
+
+    if routing == "trace":
+        path = make_checkpoint("qwen3_moe", tmp / "trace", seed=2, dims=TRACE_DIMS, chat=True)
+    else:
+        path = make_chat_checkpoint(tmp / "tiny")
+    pack = convert(path, tmp / "experts.strpk", progress=False)
+    with ExpertPack.open(pack) as p:
+        stride, top_k = p.record_stride, p.geometry.top_k
+        arena = max(int(p.geometry.n_records * arena_fraction) * stride, 2 * top_k * stride)
+    return ServedModel(path, pack, arena, TRACE if routing == "trace" else None)
+
+
+def targets(done: list[Level], batched: int, single: int, at: int = 8) -> list[str]:
+    """Issue 19's targets at `at` clients: batched against one at a time (max-batch 1)."""
+
+    def level(b: int, n: int) -> dict[str, float | int] | None:
+        ours = [lv for lv in done if lv.max_batch == b and lv.clients == n]
+        if not ours:
+            return None
+        merged = Level(n, 0, sum(lv.seconds for lv in ours), max_batch=b)
+        for lv in ours:
+            merged.requests += lv.requests
+            merged.tokens += lv.tokens
+            merged.ttft_s += lv.ttft_s
+            merged.gaps_s += lv.gaps_s
+        return merged.summary()
+
+    b8, s8, b1, s1 = level(batched, at), level(single, at), level(batched, 1), level(single, 1)
+    if b8 is None or s8 is None:
+        return []
+    lines = [
+        f"throughput at {at} clients: x{b8['tokens_per_s'] / max(s8['tokens_per_s'], 1e-9):.2f}"
+        " one at a time's (target >= 3)",
+        f"TTFT p50 at {at} clients: x{b8['ttft_p50_ms'] / max(s8['ttft_p50_ms'], 1e-9):.2f}"
+        " one at a time's (target <= 0.5)",
+    ]
+    for name, lone in (("the batched server's", b1), ("one at a time's", s1)):
+        if lone is not None:
+            lines.append(
+                f"token gap p50 at {at} clients: "
+                f"x{b8['token_p50_ms'] / max(lone['token_p50_ms'], 1e-9):.2f} a lone client's on "
+                f"{name} (target <= 1.5)"
+            )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     src = ap.add_mutually_exclusive_group()
-    src.add_argument("--model", type=Path, help="model directory (default: a tiny checkpoint)")
+    src.add_argument("--model", type=Path, help="model directory (default: one built here)")
     src.add_argument("--url", help="a running server on loopback, e.g. http://127.0.0.1:8080")
+    ap.add_argument("--routing", choices=("trace", "model"), default=None,
+                    help="experts chosen by the Qwen3 trace, or by the model's gates "
+                         "(default: trace for the model built here, model with --model)")
+    ap.add_argument("--arena-fraction", type=float, default=0.25,
+                    help="the built model's arena, as a fraction of its experts (default 0.25)")
     ap.add_argument("--clients", default="4,8", help="comma-separated levels (default 4,8)")
     ap.add_argument("--seconds", type=float, default=60.0, help="per level (default 60)")
     ap.add_argument("--repeats", type=int, default=1, help="interleaved repeats (default 1)")
@@ -264,10 +384,25 @@ def main(argv: list[str] | None = None) -> int:
                     help="the server's --max-batch, comma-separated: one server each (default 8)")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--plot", type=Path, help="write a PNG of latency against concurrency")
+    # The server subprocess (start_server), not for direct use.
+    ap.add_argument("--serve-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--pack", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--arena-bytes", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--route-trace", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--max-queue", type=int, default=8, help=argparse.SUPPRESS)
+    ap.add_argument("--child-batch", type=int, default=8, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.serve_child:
+        serve_child(args)
+        return 0
     levels_n = [int(x) for x in args.clients.split(",")]
     if min(levels_n) < 1 or args.seconds <= 0 or args.repeats < 1:
         ap.error("--clients, --seconds and --repeats must be positive")
+    if not 0 < args.arena_fraction <= 1:
+        ap.error("--arena-fraction must be in (0, 1]")
+    routing = args.routing or ("model" if args.model or args.url else "trace")
+    if args.url and args.routing:
+        ap.error("--routing is the started server's: not with --url")
 
     batches = [int(x) for x in args.max_batch.split(",")]
     if min(batches) < 1:
@@ -275,12 +410,14 @@ def main(argv: list[str] | None = None) -> int:
     done: list[Level] = []
     rss0 = float("nan")
     with contextlib.ExitStack() as stack:
-        model = args.model
-        if not args.url and model is None:
-            from strata_stream.mlx_lm.random_model import make_chat_checkpoint
-
+        served: ServedModel | None = None
+        if args.model is not None:
+            served = ServedModel(args.model, route_trace=TRACE if routing == "trace" else None)
+        elif not args.url:
             tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="serve_load_"))
-            model = make_chat_checkpoint(Path(tmp) / "tiny")
+            served = build_model(Path(tmp), routing, args.arena_fraction)
+            print(f"model: {served.path.name}, routing: {routing}, arena "
+                  f"{(served.arena_bytes or 0) / 2**20:.1f} MiB", flush=True)  # fmt: skip
         for b in [0] if args.url else batches:
             with contextlib.ExitStack() as server:
                 if args.url:
@@ -289,8 +426,9 @@ def main(argv: list[str] | None = None) -> int:
                         ap.error(f"--url must be on loopback, got host {host!r}")
                     url, pid = args.url.rstrip("/"), None
                 else:
+                    assert served is not None
                     url, pid = server.enter_context(
-                        start_server(model, max_queue=max(levels_n), max_batch=b)
+                        start_server(served, max_queue=max(levels_n), max_batch=b)
                     )
                 mid = model_id(url)
                 warm = Level(1, 0, 2.0)
@@ -300,7 +438,11 @@ def main(argv: list[str] | None = None) -> int:
                     for n in levels_n:
                         lv = Level(n, r, args.seconds, max_batch=b)
                         lv.rss_start_mb = rss_mb(pid) if pid else float("nan")
+                        before = engine_counters(url)
                         run_level(url, mid, lv, args.max_tokens, args.max_requests)
+                        time.sleep(0.6)  # the worker refreshes the engine's figures each 0.5 s
+                        after = engine_counters(url)
+                        lv.engine = {k: after[k] - before.get(k, 0.0) for k in after}
                         lv.rss_end_mb = rss_mb(pid) if pid else float("nan")
                         done.append(lv)
                         s = lv.summary()
@@ -319,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
         "ttft_p99_ms",
         "token_p50_ms",
         "token_p99_ms",
+        "experts_looked_up_per_token",
+        "experts_read_per_token",
         "rss_start_mb",
         "rss_end_mb",
     ]
@@ -349,12 +493,16 @@ def main(argv: list[str] | None = None) -> int:
                     + ", ".join(f"x{x['token_p50_ms'] / max(y['token_p50_ms'], 1e-9):.2f}"
                                 for x, y in pairs)
                 )  # fmt: skip
+        if 1 in batches and max(batches) > 1:
+            for line in targets(done, max(batches), 1):
+                print(line)
     print(f"server RSS after warm-up {rss0:.1f} MB, at the end {done[-1].rss_end_mb:.1f} MB")
     if args.json:
         args.json.write_text(
             json.dumps(
                 {
                     "url_was_given": bool(args.url),
+                    "routing": None if args.url else routing,
                     "max_tokens": args.max_tokens,
                     "rss_after_warmup_mb": rss0,
                     "levels": [lv.summary() for lv in done],

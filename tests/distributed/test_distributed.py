@@ -365,10 +365,12 @@ def test_generate_command_under_mlx_launch(mode: str, request: pytest.FixtureReq
 def test_serve_under_mlx_launch(mode: str, request: pytest.FixtureRequest) -> None:
     """`strata-stream serve --pipeline|--tensor`: rank 0 answers HTTP, the follower runs every
     request in step (a sampled request between two greedy ones leaves them in step: the second
-    greedy answer is still plain mlx-lm's), and when rank 0 stops the follower returns."""
+    greedy answer is still plain mlx-lm's); clients served at once share the batch rank 0
+    broadcasts, each getting plain mlx-lm's text; when rank 0 stops the follower returns."""
     import signal
     import time
     import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
 
     from mlx_lm import generate
 
@@ -378,6 +380,8 @@ def test_serve_under_mlx_launch(mode: str, request: pytest.FixtureRequest) -> No
     prompt = "w1 w2 w3 w4 w5"
     ref, tokenizer = mlx_lm.load(str(case.path))
     want = generate(ref, tokenizer, prompt, max_tokens=6)
+    together = ["w1 w2 w3 w4 w5", "w3 w1", "w2 w2 w5 w4", "w5"]
+    want_together = [generate(ref, tokenizer, p, max_tokens=8) for p in together]
     del ref
     port = free_port_range(1)
     env = {
@@ -412,11 +416,15 @@ def test_serve_under_mlx_launch(mode: str, request: pytest.FixtureRequest) -> No
         post({**greedy, "temperature": 1.0, "seed": 7, "max_tokens": 5})
         post({**greedy, "temperature": 1.0, "max_tokens": 3})  # no seed: rank 0 picks one
         assert post(greedy)["choices"][0]["text"] == want
+        with ThreadPoolExecutor(len(together)) as pool:
+            texts = list(pool.map(lambda p: post({**greedy, "prompt": p, "max_tokens": 8})
+                                  ["choices"][0]["text"], together))  # fmt: skip
+        assert texts == want_together
         pids = rank_pids(launch)
         assert sorted(pids) == [0, 1], pids
         os.kill(pids[0], signal.SIGINT)  # rank 0 alone: the follower must learn it from rank 0
         out, err = launch.communicate(timeout=60)
-        assert "rank 1: rank 0 stopped after 4 requests" in out + err, out + err
+        assert "rank 1: rank 0 stopped after 8 requests" in out + err, out + err
     finally:
         kill_ranks(launch)
 

@@ -12,7 +12,9 @@ pytest.importorskip("mlx_lm")
 pytest.importorskip("fastapi")
 pytest.importorskip("openai")
 
+import mlx.core as mx  # noqa: E402
 import mlx_lm  # noqa: E402
+import numpy as np  # noqa: E402
 
 from serve.helpers import MODEL_ID, TIMEOUT_S, FakeStats, Served, client_for  # noqa: E402
 from strata_stream.mlx_lm.random_model import make_chat_checkpoint  # noqa: E402
@@ -34,6 +36,21 @@ def oracle(tiny_path: Path) -> Callable[[list[int], int], str]:
         return str(mlx_lm.generate(model, tokenizer, prompt, max_tokens=max_tokens))
 
     return generate
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_path: Path) -> Callable[[list[int]], np.ndarray]:
+    """reference(ids) -> [len(ids), vocab] log-softmax (float64) of plain mlx-lm's logits on
+    its own copy of the model, teacher-forced on ids: row t scores the token after ids[t]."""
+    model, _ = mlx_lm.load(str(tiny_path))
+
+    def log_softmax(ids: list[int]) -> np.ndarray:
+        logits = np.array(model(mx.array(ids)[None])[0].astype(mx.float32)).astype(np.float64)
+        shifted = logits - logits.max(axis=-1, keepdims=True)
+        out: np.ndarray = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+        return out
+
+    return log_softmax
 
 
 @pytest.fixture(scope="session")

@@ -397,3 +397,84 @@ def test_sigterm_drains_the_streams_in_flight_then_ends_each_with_a_finish_reaso
         assert ends == [["length"], ["length"]]
         assert texts[1] == want  # the short one finished within the grace, unchanged
         assert 0 < len(texts[0].split()) < 4000  # the long one was cut at the grace's end
+
+
+class CountingModel:
+    """The real model, recording how many tokens each forward pass was given."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+        self.tokens: list[int] = []
+
+    def __call__(self, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        self.tokens.append(int(inputs.shape[1]))
+        return self._model(inputs, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+
+def test_a_long_echo_is_scored_one_chunk_per_step_while_others_decode(
+    streamed: Any, reference: Callable[[list[int]], Any]
+) -> None:
+    """Echo's prompt log-probabilities come chunk by chunk (no forward pass of more than
+    prefill_chunk tokens, so no logits larger than [chunk, vocab]), one chunk between two
+    decode steps: a decoding request keeps getting tokens meanwhile, and its text is what it
+    gets alone; the scores are plain mlx-lm's on the whole prompt."""
+    import mlx.core as mx
+
+    from strata_stream.serve.batch import ContinuousBatch
+    from strata_stream.serve.generation import GenerationRequest, SamplingParams
+    from strata_stream.serve.jobs import Finished, Job, Logprobs, TextChunk
+    from strata_stream.serve.metrics import ServerMetrics
+
+    model, tok = streamed
+    chunk = 8
+    counting = CountingModel(model)
+    decode_ids = tuple(int(t) for t in tok.encode("hello world how are you"))
+    long_ids = tuple(int(t) for t in tok.encode(" ".join(["the water is hot and you"] * 12)))
+    assert len(long_ids) > 6 * chunk
+
+    def run(with_echo: bool) -> list[tuple[str, Any]]:
+        events: list[tuple[str, Any]] = []
+        batch = ContinuousBatch(counting, tok, max_batch=4, prefill_chunk=chunk,
+                                metrics=ServerMetrics(), tokenizer_lock=threading.Lock(),
+                                finish=lambda job, done: job.emit(done))  # fmt: skip
+        batch.admit(Job(GenerationRequest(decode_ids, 40, SamplingParams(temperature=0)),
+                        lambda e: events.append(("decode", e))))  # fmt: skip
+        while not any(isinstance(e, TextChunk) for _, e in events):
+            batch.step()
+        if with_echo:
+            echo = GenerationRequest(long_ids, 0, SamplingParams(temperature=0), logprobs=2,
+                                     echo=True)  # fmt: skip
+            events.append(("admitted", None))
+            batch.admit(Job(echo, lambda e: events.append(("echo", e))))
+        for _ in range(200):
+            if not len(batch):
+                break
+            batch.step()
+        assert not len(batch)
+        mx.synchronize()
+        return events
+
+    alone_text = "".join(e.text for who, e in run(False) if isinstance(e, TextChunk))
+    counting.tokens.clear()
+    events = run(True)
+    assert max(counting.tokens) <= chunk
+    kinds = [(who, type(e).__name__) for who, e in events]
+    admitted = kinds.index(("admitted", "NoneType"))
+    scored = kinds.index(("echo", "Logprobs"))
+    between = kinds[admitted:scored].count(("decode", "TextChunk"))
+    n_chunks = -(-(len(long_ids) - 1) // chunk)
+    assert between >= n_chunks - 1  # a decode step before every chunk but the first
+    assert kinds[scored + 1] == ("echo", "Finished")
+    text = "".join(e.text for who, e in events if who == "decode" and isinstance(e, TextChunk))
+    assert text == alone_text
+    entries = next(e for who, e in events if isinstance(e, Logprobs)).entries
+    want = reference(list(long_ids))
+    assert [x.token for x in entries] == list(long_ids) and entries[0].logprob is None
+    for t in range(1, len(long_ids)):
+        assert entries[t].logprob == pytest.approx(want[t - 1, long_ids[t]], abs=1e-4)
+        assert entries[t].top[0][1] == pytest.approx(want[t - 1].max(), abs=1e-4)
+    finished = [e for who, e in events if who == "echo" and isinstance(e, Finished)]
+    assert finished[0].reason == "length" and finished[0].completion_tokens == 0

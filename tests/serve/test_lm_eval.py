@@ -1,6 +1,11 @@
 """lm-eval itself against the server, offline, as a new user runs it: `local-completions` on a
 small local multiple-choice task (log-likelihoods: token-id prompts, echo, logprobs) and a
-generate_until task. Skipped where lm-eval is not installed (it is no dependency of ours)."""
+generate_until task. lm-eval is in the `test` extra (`lm-eval[api]`: its API models need
+aiohttp and tenacity), so CI runs this; skipped where it is not installed.
+
+The oracles: each choice's log-likelihood and is-greedy flag from plain mlx-lm's log-softmax on
+the tokens lm-eval sends (its own split of context and continuation: the whole string encoded,
+the context's tokens first), and the generated text from plain mlx-lm's greedy generate."""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from serve.helpers import MODEL_ID, Served
@@ -48,6 +54,7 @@ def test_lm_eval_runs_both_kinds_of_task_unchanged(
     tmp_path: Path,
     tokenizer: Any,
     oracle: Callable[[list[int], int], str],
+    reference: Callable[[list[int]], np.ndarray],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from lm_eval import simple_evaluate
@@ -65,9 +72,24 @@ def test_lm_eval_runs_both_kinds_of_task_unchanged(
     mc = out["samples"]["tiny_mc"]
     assert len(mc) == len(MC)
     for sample in mc:
-        scores = [float(r[0][0]) for r in sample["resps"]]
-        assert all(s < 0 for s in scores)  # real log-likelihoods, one per choice
-        assert len(set(scores)) == len(scores)
+        assert len(sample["resps"]) == len(sample["doc"]["choices"])
+        for (context, continuation), resp in zip(sample["arguments"], sample["resps"],
+                                                 strict=True):  # fmt: skip
+            whole = [int(t) for t in tokenizer.encode(context + continuation)]
+            start = len(tokenizer.encode(context))
+            want = reference(whole)
+            loglikelihood, greedy = resp[0]
+            assert float(loglikelihood) == pytest.approx(
+                sum(want[t - 1, whole[t]] for t in range(start, len(whole))), abs=1e-3
+            )
+            assert greedy == all(int(want[t - 1].argmax()) == whole[t]
+                                 for t in range(start, len(whole)))  # fmt: skip
+    scores = out["results"]["tiny_mc"]["acc,none"]
+    picked = [max(range(len(s["resps"])), key=lambda i, s=s: float(s["resps"][i][0][0]))
+              for s in mc]  # fmt: skip
+    assert scores == pytest.approx(
+        np.mean([p == row["answer"] for p, row in zip(picked, MC, strict=True)])
+    )
     gen = out["samples"]["tiny_gen"]
     assert len(gen) == len(GEN)
     for sample in gen:

@@ -3,16 +3,13 @@ echo with max_tokens 0 or 1 for prompt log-probabilities, logprobs/top_logprobs 
 and chat as the OpenAI API defines them; and every bad parameter a 400 naming it.
 
 The oracle is plain mlx-lm on its own copy of the model: log-softmax of its logits in float64
-(numpy), teacher-forced on the prompt and on the served tokens."""
+(numpy), teacher-forced on the prompt and on the served tokens (conftest's `reference`)."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
-import mlx_lm
 import numpy as np
 import pytest
 
@@ -20,18 +17,6 @@ from serve.helpers import MODEL_ID, Served
 from serve.test_errors import post
 
 PROMPT = "the water is hot and you can write"
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_path: Path) -> Any:
-    model, _ = mlx_lm.load(str(tiny_path))
-
-    def log_softmax(ids: list[int]) -> np.ndarray:
-        logits = np.array(model(mx.array(ids)[None])[0].astype(mx.float32)).astype(np.float64)
-        shifted = logits - logits.max(axis=-1, keepdims=True)
-        return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
-
-    return log_softmax
 
 
 def completions(served: Served, **body: Any) -> dict[str, Any]:

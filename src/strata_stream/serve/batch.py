@@ -13,6 +13,10 @@ admits jobs (at most `max_batch` at once: the worker keeps the rest queued), dro
 cancelled ones before each step, turns each step's tokens into text (per-sequence detokenizer,
 stop strings held back as in serve/stop.py) and finishes sequences on EOS, a stop string, their
 length, cancellation or an error of the step.
+
+Under lockstep (rank 0 of a sharded model, serve/lockstep.py) it records every change it makes
+to the generator (insert, remove, a fresh generator) and sends them as one `Step` before each
+step, so the followers (serve/follower.py) run the same batch; requests get a seed first.
 """
 
 from __future__ import annotations
@@ -23,13 +27,49 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from strata_stream.serve.generation import GenerationRequest
 from strata_stream.serve.jobs import Finished, Job, JobState, Logprobs, TextChunk
-from strata_stream.serve.logprobs import as_row, entry, prompt_logprobs
+from strata_stream.serve.lockstep import (
+    Change,
+    Insert,
+    Remove,
+    RequestChannel,
+    Reset,
+    Step,
+    with_seed,
+)
+from strata_stream.serve.logprobs import PromptScorer, as_row, entry
 from strata_stream.serve.metrics import ServerMetrics
 from strata_stream.serve.sampling import make_processors, make_sampler
 from strata_stream.serve.stop import StopMatcher
 
 log = logging.getLogger("strata_stream.serve")
+
+
+def new_generator(model: Any, max_batch: int, prefill_chunk: int) -> Any:
+    """mlx-lm's BatchGenerator as the batch (and every follower rank) runs it."""
+    from mlx_lm.generate import BatchGenerator
+
+    return BatchGenerator(
+        model,
+        completion_batch_size=max_batch,
+        prefill_batch_size=max_batch,
+        prefill_step_size=prefill_chunk,
+    )
+
+
+def insert_request(gen: Any, request: GenerationRequest, eos: list[int]) -> int:
+    """Inserts one request into the generator (rank 0 and every follower alike); its uid."""
+    from mlx_lm.generate import StopSequences
+
+    (uid,) = gen.insert(
+        [list(request.prompt)],
+        max_tokens=[request.max_tokens],
+        samplers=[make_sampler(request.sampling)],
+        logits_processors=[make_processors(request.sampling)],
+        stop_sequences=[StopSequences([(t,) for t in eos])],
+    )
+    return int(uid)
 
 
 @dataclass
@@ -58,6 +98,7 @@ class ContinuousBatch:
         tokenizer_lock: Any,
         finish: Callable[[Job, Finished], None],
         on_error: Callable[[str], None] = lambda message: None,
+        lockstep: RequestChannel | None = None,
     ) -> None:
         self._model = model
         self._tokenizer = tokenizer
@@ -69,86 +110,130 @@ class ContinuousBatch:
         self._on_error = on_error
         self._eos = sorted(set(tokenizer.eos_token_ids))
         self._seqs: dict[int, _Sequence] = {}
-        self._gen = self._new_generator()
+        # Echo requests whose prompts are being scored, one chunk per step, in arrival order.
+        self._scoring: list[tuple[Job, PromptScorer]] = []
+        self._lockstep = lockstep
+        # Under lockstep: the changes made to the generator since the last step, in order.
+        self._changes: list[Change] = []
+        self._gen = new_generator(model, max_batch, prefill_chunk)
 
-    def _new_generator(self) -> Any:
-        from mlx_lm.generate import BatchGenerator
-
-        return BatchGenerator(
-            self._model,
-            completion_batch_size=self._max_batch,
-            prefill_batch_size=self._max_batch,
-            prefill_step_size=self._prefill_chunk,
-        )
+    def _remove(self, uids: list[int]) -> None:
+        self._gen.remove(uids)
+        if self._lockstep is not None:
+            self._changes.append(Remove(tuple(uids)))
 
     def __len__(self) -> int:
-        return len(self._seqs)
+        """Requests in the batch: generating (or prefilling) and having their prompts scored."""
+        return len(self._seqs) + len(self._scoring)
 
     # ---- joining and leaving -----------------------------------------------------------------
     def admit(self, job: Job) -> None:
         """Inserts the job; it starts prefilling at the next step. With echo, the prompt's
-        log-probabilities are computed first, here (one pass between two steps); with echo
-        and max_tokens 0 that is the whole answer."""
-        from mlx_lm.generate import StopSequences
-
+        log-probabilities come first: one chunk of at most prefill_chunk tokens per step, as a
+        prompt is prefilled, then the job joins the generator (with max_tokens 0 the scores are
+        the whole answer). Under lockstep the request gets a seed (every rank must sample the
+        same tokens); echo and logprobs are refused there."""
         req = job.request
         job.state = JobState.RUNNING
+        if self._lockstep is not None:
+            if req.echo or req.logprobs is not None:
+                why = "logprobs and echo are not served across ranks (--pipeline/--tensor) yet"
+                self._finish_job(job, Finished("error", len(req.prompt), 0, error=why))
+                return
+            req = job.request = with_seed(req)
         if req.echo:
-            try:
-                scored = prompt_logprobs(self._model, req.prompt, req.logprobs or 0)
-            except Exception as e:
-                log.exception("scoring a prompt failed")
-                self._on_error(str(e))
-                self._finish_job(job, Finished("error", len(req.prompt), 0, error=str(e)))
-                return
-            job.emit(Logprobs(scored, True))
-            if req.max_tokens == 0:
-                self._metrics.prompt_tokens.inc(len(req.prompt))
-                self._finish_job(job, Finished("length", len(req.prompt), 0))
-                return
+            scorer = PromptScorer(self._model, req.prompt, req.logprobs or 0, self._prefill_chunk)
+            self._scoring.append((job, scorer))
+            return
+        self._insert(job)
+
+    def _insert(self, job: Job) -> None:
+        req = job.request
         with self._lock:
             detok = self._tokenizer.detokenizer
-        (uid,) = self._gen.insert(
-            [list(req.prompt)],
-            max_tokens=[req.max_tokens],
-            samplers=[make_sampler(req.sampling)],
-            logits_processors=[make_processors(req.sampling)],
-            stop_sequences=[StopSequences([(t,) for t in self._eos])],
-        )
+        uid = insert_request(self._gen, req, self._eos)
+        if self._lockstep is not None:
+            self._changes.append(Insert(req))
         self._seqs[uid] = _Sequence(job, uid, detok, StopMatcher(req.stop), time.perf_counter())
 
     def drop_cancelled(self, stopping: bool) -> None:
         """Sequences whose client went away (or all, when the server stops) leave now."""
+        for job, _ in [js for js in self._scoring if stopping or js[0].cancelled]:
+            self._end_scoring(job, Finished("cancelled", len(job.request.prompt), 0))
         gone = [s for s in self._seqs.values() if stopping or s.job.cancelled]
         if gone:
-            self._gen.remove([s.uid for s in gone])
+            self._remove([s.uid for s in gone])
             for s in gone:
                 self._end(s, "cancelled")
 
     def cut(self, reason: str) -> None:
         """Ends every sequence now with `reason` and the text it has (a shutdown's grace is
         over)."""
+        for job, _ in list(self._scoring):
+            self._end_scoring(job, Finished(reason, len(job.request.prompt), 0))
         if self._seqs:
-            self._gen.remove(list(self._seqs))
+            self._remove(list(self._seqs))
             for s in list(self._seqs.values()):
                 self._end(s, reason)
 
+    def _end_scoring(self, job: Job, result: Finished) -> None:
+        self._scoring = [js for js in self._scoring if js[0] is not job]
+        self._finish_job(job, result)
+
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> int:
-        """One decode step for the generating sequences and one prefill chunk; returns how
-        many sequences decoded. An error fails every sequence in the batch (their caches may be
+        """One decode step for the generating sequences, one prefill chunk and one chunk of the
+        first prompt being scored; returns how many sequences decoded."""
+        decoded = self._decode_step() if self._seqs else 0
+        if self._scoring:
+            self._score_chunk()
+        return decoded
+
+    def _score_chunk(self) -> None:
+        job, scorer = self._scoring[0]
+        req = job.request
+        try:
+            scorer.advance()
+        except Exception as e:  # this request fails alone: the scorer's cache is its own
+            log.exception("scoring a prompt failed")
+            self._on_error(str(e))
+            self._end_scoring(job, Finished("error", len(req.prompt), 0, error=str(e)))
+            return
+        if not scorer.done:
+            return
+        self._scoring.pop(0)
+        job.emit(Logprobs(tuple(scorer.entries), True))
+        if req.max_tokens == 0:
+            self._metrics.prompt_tokens.inc(len(req.prompt))
+            self._finish_job(job, Finished("length", len(req.prompt), 0))
+            return
+        try:
+            self._insert(job)
+        except Exception as e:  # a request the generator refuses fails alone
+            log.exception("admitting a request failed")
+            self._on_error(str(e))
+            self._finish_job(job, Finished("error", len(req.prompt), 0, error=str(e)))
+
+    def _decode_step(self) -> int:
+        """One step of the generator. An error fails every sequence in it (their caches may be
         half-written) and starts a fresh generator."""
         try:
+            if self._lockstep is not None:
+                self._lockstep.send(Step(tuple(self._changes)))
+                self._changes.clear()
             _, responses = self._gen.next()
         except Exception as e:  # a failed step must not take the server down
             log.exception("a batch step failed")
             self._on_error(str(e))
             for s in list(self._seqs.values()):
                 self._end(s, "error", str(e))
-            self._gen = self._new_generator()
+            self._gen = new_generator(self._model, self._max_batch, self._prefill_chunk)
+            if self._lockstep is not None:
+                self._changes = [Reset()]
             return 0
         if responses:
             self._metrics.batch_size.observe(len(responses))
+            self._metrics.generated_tokens.inc(len(responses))
         for r in responses:
             seq = self._seqs.get(r.uid)
             if seq is not None:
@@ -158,7 +243,6 @@ class ContinuousBatch:
     def _token(self, s: _Sequence, token: int, finish: str | None, logprobs: Any) -> None:
         m = self._metrics
         s.sampled += 1
-        m.generated_tokens.inc()
         now = time.perf_counter()
         if s.first_at is None:
             s.first_at = now
@@ -180,7 +264,7 @@ class ContinuousBatch:
         if text:
             s.job.emit(TextChunk(text))
         if hit:
-            self._gen.remove([s.uid])
+            self._remove([s.uid])
             self._end(s, "stop")
         elif finish is not None:  # the length: the generator has let it go
             self._end(s, "length")

@@ -108,7 +108,8 @@ def _serve_distributed(
     )
     channel = RequestChannel(group)
     if group.rank() != 0:
-        served = follow(model, tokenizer, channel)
+        served = follow(model, tokenizer, channel, max_batch=config.max_batch,
+                        prefill_chunk=config.prefill_chunk)  # fmt: skip
         log.info("rank %d: rank 0 stopped after %d requests", group.rank(), served)
         return
     stats = stats_source(model) if getattr(model, "strata_engine", None) is not None else None

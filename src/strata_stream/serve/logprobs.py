@@ -1,7 +1,10 @@
 """Token log-probabilities: of a prompt's own tokens (echo) and of sampled ones.
 
-A prompt's log-probabilities come from one forward pass over the whole prompt, without a
-cache: position t's logits score token t + 1 (what evaluators' log-likelihood tasks sum). A
+A prompt's log-probabilities come from forward passes over the prompt in chunks of at most
+`chunk` tokens through a KV cache (`PromptScorer`): position t's logits score token t + 1
+(what evaluators' log-likelihood tasks sum), and only one chunk's logits ([chunk, vocab]) exist
+at a time, so a long prompt's scoring is bounded in memory, and the continuous batch
+(serve/batch.py) runs one chunk between two decode steps, as it prefills. A
 sampled token's come from the row of log-probabilities it was sampled from (after the logits
 processors, as mlx-lm's BatchGenerator normalises them). The token's own value and the top
 alternatives are read from the same array, so a greedy token's logprob equals the top one
@@ -40,14 +43,48 @@ def as_row(logprobs: Any) -> npt.NDArray[np.float32]:
     return np.array(logprobs.astype(mx.float32))
 
 
-def prompt_logprobs(model: Any, prompt: tuple[int, ...], top: int) -> tuple[TokenLogprob, ...]:
-    """Every prompt token's log-probability given the tokens before it (None for the first)."""
-    import mlx.core as mx
+class PromptScorer:
+    """One prompt's log-probabilities, chunk by chunk: `advance()` runs the next chunk (at most
+    `chunk` tokens) through the model and its KV cache; `entries` is complete once `done`."""
 
-    logits = model(mx.array(prompt)[None])[0].astype(mx.float32)  # [T, V]
-    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    rows = np.array(lp)
-    out = [TokenLogprob(prompt[0], None, ())]
-    for t in range(1, len(prompt)):
-        out.append(entry(rows[t - 1], prompt[t], top))
-    return tuple(out)
+    def __init__(self, model: Any, prompt: tuple[int, ...], top: int, chunk: int) -> None:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        if chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {chunk}")
+        self._model = model
+        self._prompt = prompt
+        self._top = top
+        self._chunk = chunk
+        self._cache = make_prompt_cache(model)
+        self._pos = 0  # tokens run through the model so far
+        self.entries: list[TokenLogprob] = [TokenLogprob(prompt[0], None, ())]
+
+    @property
+    def done(self) -> bool:
+        # The last token's logits score nothing: the prompt's first T - 1 tokens are enough.
+        return self._pos >= len(self._prompt) - 1
+
+    def advance(self) -> None:
+        import mlx.core as mx
+
+        if self.done:
+            return
+        start, end = self._pos, min(self._pos + self._chunk, len(self._prompt) - 1)
+        tokens = mx.array(self._prompt[start:end])[None]
+        logits = self._model(tokens, cache=self._cache)[0].astype(mx.float32)  # [n, V]
+        rows = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        for i, t in enumerate(range(start + 1, end + 1)):
+            self.entries.append(entry(rows[i], self._prompt[t], self._top))
+        self._pos = end
+
+
+def prompt_logprobs(
+    model: Any, prompt: tuple[int, ...], top: int, chunk: int = 512
+) -> tuple[TokenLogprob, ...]:
+    """Every prompt token's log-probability given the tokens before it (None for the first),
+    computed `chunk` tokens at a time."""
+    scorer = PromptScorer(model, prompt, top, chunk)
+    while not scorer.done:
+        scorer.advance()
+    return tuple(scorer.entries)

@@ -3,10 +3,16 @@
 Within a batch every sequence samples on its own row of the logits with its own parameters.
 A seeded request draws from its own key (split once per token), not from MLX's global
 generator, so its tokens depend on its seed alone, never on who else is in the batch.
+
+Every greedy request gets the same sampler object: mlx-lm's BatchGenerator samples a batch
+whose sequences share one sampler in one call over all rows (an argmax per row, the same token
+as alone) instead of one call per row and a concatenation, which a decode step of B greedy
+sequences would otherwise pay B times.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +28,9 @@ def make_sampler(sp: SamplingParams) -> Sampler:
     import mlx.core as mx
     from mlx_lm import sample_utils as su
 
-    if sp.seed is None or sp.temperature == 0:
+    if sp.temperature == 0:
+        return _greedy()
+    if sp.seed is None:
         return su.make_sampler(sp.temperature, top_p=sp.top_p, min_p=sp.min_p, top_k=sp.top_k)
     filters: list[Callable[[Any], Any]] = []
     if 0 < sp.top_p < 1.0:
@@ -41,6 +49,14 @@ def make_sampler(sp: SamplingParams) -> Sampler:
         return mx.random.categorical(logprobs * inv_temp, key=draw)
 
     return sample
+
+
+@functools.cache
+def _greedy() -> Sampler:
+    from mlx_lm import sample_utils as su
+
+    sampler: Sampler = su.make_sampler(0.0)
+    return sampler
 
 
 def make_processors(sp: SamplingParams) -> list[Any]:

@@ -9,8 +9,8 @@ Requests beyond the batch wait in the queue; beyond `max_queue` waiting jobs, `s
 QueueFullError at once (the route answers 503). Each job's events go back through the
 `deliver` callable the handler supplies (it hands them to the event loop).
 
-Under lockstep (rank 0 of a sharded model, serve/lockstep.py) requests run one at a time, each
-sent to the followers first, as `run_one` runs them there.
+Under lockstep (rank 0 of a sharded model, serve/lockstep.py) the batch is the same: before
+each step it sends the followers what changed in it (serve/batch.py), so they run the same.
 
 Job lifecycle (JobState): QUEUED -> RUNNING -> FINISHED, or QUEUED -> FINISHED when cancelled
 before the worker reached it. `Job.cancel()` may be called from any thread at any time; the
@@ -19,7 +19,6 @@ worker checks it before each decode step, so a cancelled job leaves at the next 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import threading
@@ -29,15 +28,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from strata_stream.engine_stats import StatsSource
-from strata_stream.serve.jobs import (
-    Finished,
-    Job,
-    JobState,
-    TextChunk,
-)
-from strata_stream.serve.lockstep import STOP, RequestChannel, with_seed
+from strata_stream.serve.jobs import Finished, Job, JobState
+from strata_stream.serve.lockstep import STOP, RequestChannel
 from strata_stream.serve.metrics import ServerMetrics
-from strata_stream.serve.stop import StopMatcher
 
 log = logging.getLogger("strata_stream.serve")
 
@@ -81,8 +74,8 @@ class GenerationWorker:
         # "mlx-lm": mlx-lm's BatchGenerator (serve/batch.py); "transformers": one request at a
         # time on the model's own forward (serve/transformers_batch.py, max_batch 1).
         self._engine = engine
-        # Rank 0 of a sharded model (serve/lockstep.py): every request goes to the followers
-        # before it runs, and runs to the end they will reach even when its client goes away.
+        # Rank 0 of a sharded model (serve/lockstep.py): the batch's changes go to the
+        # followers before each step.
         self._lockstep = lockstep
         self._tokenizer = tokenizer
         self._metrics = metrics
@@ -104,9 +97,6 @@ class GenerationWorker:
         self.tokenizer_lock = threading.Lock()
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self._stop = threading.Event()
-        # Written only by the worker thread; stop() reads it to cancel the running job, and the
-        # worker also checks _stop before each token, so a stale read cannot leave a job running.
-        self._running: Job | None = None
         self._thread = threading.Thread(target=self._run, name="strata-serve-worker", daemon=True)
         metrics.queue_capacity.set(max_queue)
         metrics.queue_depth.set_function(lambda: self._queue.qsize())
@@ -146,11 +136,9 @@ class GenerationWorker:
             raise QueueFullError from None
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Cancels the running and the waiting jobs and joins the thread."""
+        """Cancels the running and the waiting jobs and joins the thread (the worker checks
+        the stop before each step: the batch leaves at the next one)."""
         self._stop.set()
-        running = self._running
-        if running is not None:
-            running.cancel()
         if self._thread.is_alive():
             self._thread.join(timeout)
         self._drain()
@@ -158,43 +146,12 @@ class GenerationWorker:
     # ---- the worker thread -------------------------------------------------------------------
     def _run(self) -> None:
         self._refresh_stats()
-        if self._lockstep is None:
+        try:
             self._run_batched()
-            self._drain()
-            return
-        while not self._stop.is_set():
-            try:
-                job = self._queue.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            self._metrics.queue_wait.observe(time.perf_counter() - job.enqueued_at)
-            if job.cancelled or self._stop.is_set():
-                self._finish(job, Finished("cancelled", len(job.request.prompt), 0))
-                continue
-            if job.request.echo or job.request.logprobs is not None:
-                why = "logprobs and echo are not served across ranks (--pipeline/--tensor) yet"
-                self._finish(job, Finished("error", len(job.request.prompt), 0, error=why))
-                continue
-            job.state = JobState.RUNNING
-            self._running = job
+        finally:
             if self._lockstep is not None:
-                job.request = with_seed(job.request)
-                self._lockstep.send(job.request)
-            self._metrics.busy.set(1)
-            try:
-                result = self._generate(job)
-            except Exception as e:  # a failed request must not take the server down
-                log.exception("generation failed")
-                result = Finished("error", len(job.request.prompt), 0, error=str(e))
-                self.errors = self.errors.noted(str(e))
-            finally:
-                self._running = None
-                self._metrics.busy.set(0)
-            self._finish(job, result)
-            self._refresh_stats()
-        if self._lockstep is not None:
-            self._lockstep.send(STOP)
-        self._drain()
+                self._lockstep.send(STOP)
+            self._drain()
 
     def _run_batched(self) -> None:
         batch_class: type[Any]
@@ -211,6 +168,7 @@ class GenerationWorker:
             tokenizer_lock=self.tokenizer_lock,
             finish=self._finish,
             on_error=self._note_error,
+            lockstep=self._lockstep,
         )
         last_stats = time.perf_counter()
         try:
@@ -266,10 +224,6 @@ class GenerationWorker:
                 return
             self._finish(job, Finished("cancelled", len(job.request.prompt), 0))
 
-    def run_one(self, job: Job) -> Finished:
-        """Runs one job on the calling thread: a follower rank's loop (serve/follower.py)."""
-        return self._generate(job)
-
     def _finish(self, job: Job, result: Finished) -> None:
         job.state = JobState.FINISHED
         self._metrics.generations.labels(result.reason).inc()
@@ -285,84 +239,3 @@ class GenerationWorker:
             log.exception("the stats source failed; /metrics keeps its last snapshot")
             return
         self._metrics.set_engine_snapshot(snapshot)
-
-    def _generate(self, job: Job) -> Finished:
-        import mlx.core as mx
-        from mlx_lm.generate import generate_step, generation_stream, wired_limit
-        from mlx_lm.sample_utils import make_logits_processors, make_sampler
-
-        req, sp, m = job.request, job.request.sampling, self._metrics
-        sampler = make_sampler(sp.temperature, top_p=sp.top_p, min_p=sp.min_p, top_k=sp.top_k)
-        processors = make_logits_processors(
-            repetition_penalty=sp.repetition_penalty or None,
-            presence_penalty=sp.presence_penalty or None,
-            frequency_penalty=sp.frequency_penalty or None,
-        )
-        if sp.seed is not None:
-            mx.random.seed(sp.seed)
-        eos = set(self._tokenizer.eos_token_ids)
-        with self.tokenizer_lock:
-            detok = self._tokenizer.detokenizer
-            detok.reset()
-        stop = StopMatcher(req.stop)
-        reason = "length"
-        n = 0  # tokens sampled, EOS included: the work done
-        completion = 0  # tokens in the answer
-        t0 = time.perf_counter()
-        t_first = t0
-        last_stats = t0
-        gen = generate_step(
-            mx.array(req.prompt),
-            self._model,
-            max_tokens=req.max_tokens,
-            sampler=sampler,
-            logits_processors=processors or None,
-        )
-        # wired_limit: the Metal wired-memory setting stream_generate uses; a no-op on CPU.
-        streams = [generation_stream]
-        with wired_limit(self._model, streams), contextlib.closing(gen):  # type: ignore[arg-type]
-            for token, _ in gen:
-                n += 1
-                now = time.perf_counter()
-                if n == 1:
-                    t_first = now
-                    m.ttft.observe(now - t0)
-                    m.prompt_tokens.inc(len(req.prompt))
-                    m.prompt_tps.set(len(req.prompt) / max(now - t0, 1e-9))
-                m.generated_tokens.inc()
-                if reason != "cancelled" and (job.cancelled or self._stop.is_set()):
-                    reason = "cancelled"
-                    if self._lockstep is None:
-                        break
-                    # In lockstep the followers cannot know: run on to the end they reach
-                    # (EOS, a stop string, the length), delivering nothing.
-                if token in eos:
-                    reason = "stop" if reason != "cancelled" else reason
-                    break
-                completion += 1
-                with self.tokenizer_lock:
-                    detok.add_token(token)
-                    segment = detok.last_segment
-                text, hit = stop.feed(segment)
-                if text and reason != "cancelled":
-                    job.emit(TextChunk(text))
-                if hit:
-                    reason = "stop" if reason != "cancelled" else reason
-                    break
-                if now - last_stats >= self._stats_interval_s:
-                    last_stats = now
-                    self._refresh_stats()
-        if n > 1:
-            m.decode_tps.set((n - 1) / max(time.perf_counter() - t_first, 1e-9))
-        if reason != "cancelled" and not stop.matched:
-            with self.tokenizer_lock:
-                detok.finalize()
-                segment = detok.last_segment
-            text, hit = stop.feed(segment)
-            if hit:
-                reason = "stop"
-            else:
-                text += stop.flush()
-            if text:
-                job.emit(TextChunk(text))
-        return Finished(reason, len(req.prompt), completion)
