@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from strata_stream.serve.jobs import Finished, Job, JobState, Logprobs, TextChunk, TokenLogprob
+from strata_stream.serve.lockstep import RequestChannel
 from strata_stream.serve.logprobs import entry
 from strata_stream.serve.metrics import ServerMetrics
 from strata_stream.serve.stop import StopMatcher
@@ -65,7 +66,10 @@ class SequentialBatch:
         tokenizer_lock: Any,
         finish: Callable[[Job, Finished], None],
         on_error: Callable[[str], None] = lambda message: None,
+        lockstep: RequestChannel | None = None,
     ) -> None:
+        if lockstep is not None:  # serve() refuses --pipeline/--tensor with this engine first
+            raise ValueError("the transformers engine does not serve across ranks")
         if max_batch != 1:
             raise ValueError(f"the transformers engine serves one request at a time, not "
                              f"{max_batch}")  # fmt: skip
