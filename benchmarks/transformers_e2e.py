@@ -20,7 +20,8 @@ every one's peak memory is its own (VmHWM) and none inherits another's allocator
 On --device cuda the dense layers run on the GPU in both (plain: device_map="cuda"; streamed:
 load(device="cuda"), the experts on the CUDA backend); on cpu everything runs on the host.
 
-Each run: a warm-up generation on other tokens (64 or --prompt-tokens of them, 4 new), then
+Each run: a warm-up generation on other tokens of the same lengths (--prompt-tokens of them,
+--tokens new: every shape's first call happens there), then
 `model.generate` of --tokens tokens after a --prompt-tokens prompt of random ids, sampled at
 temperature 1 with a fixed seed (a random model decoding greedily soon repeats one token, and
 its routing would stay on a few experts that any arena holds), min_new_tokens so that every
@@ -244,7 +245,7 @@ def measure_one(
     device = model.device
     gen = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(2, 60, (1, args.prompt_tokens), generator=gen).to(device)
-    warm = torch.randint(2, 60, (1, max(64, args.prompt_tokens)), generator=gen).to(device)
+    warm = torch.randint(2, 60, (1, args.prompt_tokens), generator=gen).to(device)
 
     stamps: list[float] = []
     marks: list[dict[str, Any]] = []
@@ -264,9 +265,12 @@ def measure_one(
     first_put = [False]
     sample = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
     with torch.no_grad():
-        # Warm-up on other tokens: the kernels, the caches, and the arena's first reads (64
-        # tokens route to ~98% of a layer's 128 experts), which are not what an arena costs.
-        model.generate(warm, max_new_tokens=4, min_new_tokens=4, **sample)
+        # Warm-up on other tokens at the very lengths measured: the arena's first reads (which
+        # are not what an arena costs) and every shape's first-call cost. On the H200 a decode
+        # step at a sequence length the process had not run before cost ~80 ms against ~7 ms
+        # at one it had (transformers 5.17, torch 2.11, all configurations alike), so a shorter
+        # warm-up measured that cost, not the model.
+        model.generate(warm, max_new_tokens=args.tokens, min_new_tokens=args.tokens, **sample)
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
