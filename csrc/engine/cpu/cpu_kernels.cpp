@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <vector>
 
@@ -83,26 +84,63 @@ void down_rows(const DeviceBuffers& b, const ExpertView& ev, const Group& g, std
 
 enum class Stage { GateUp, Down, Both };
 
-// Runs a stage over groups, parallel over matrix rows (each output element has one writer).
+// Below this many multiply-adds a parallel-for runs on the calling thread: waking the workers
+// and waiting for them costs tens of microseconds (a futex round trip each way; more on a
+// virtual machine), which is more than the work. Which thread computes an element never
+// changes its bits (each element has one fixed sequence of operations), so this is speed only.
+constexpr std::uint64_t kInlineMacs = std::uint64_t(1) << 18;
+
+void parallel_for(const ParallelFor& pf, std::uint32_t n, std::uint64_t macs,
+                  const std::function<void(std::uint32_t, std::uint32_t)>& fn) {
+  if (macs < kInlineMacs) {
+    if (n) fn(0, n);
+    return;
+  }
+  pf(n, fn);
+}
+
+// One matrix stage over every group at once, parallel over (group, matrix row) pairs: one
+// fork-join per stage, not one per expert (a decode batch's union is tens of experts). `rows`
+// is the stage's output rows per expert; fn(group, r0, r1) computes rows [r0, r1) of a group.
+template <class Fn>
+void over_groups(const ParallelFor& pf, const std::vector<Group>& groups, std::uint32_t rows,
+                 std::uint64_t macs_per_row_entry, Fn fn) {
+  std::uint64_t macs = 0;
+  for (const Group& g : groups) macs += (g.entries.size() + 1) * macs_per_row_entry * rows;
+  const std::uint32_t n = std::uint32_t(groups.size()) * rows;
+  parallel_for(pf, n, macs, [&](std::uint32_t i0, std::uint32_t i1) {
+    while (i0 < i1) {  // the chunk, cut where it crosses from one group into the next
+      const std::uint32_t g = i0 / rows, end = std::min(i1, (g + 1) * rows);
+      fn(g, i0 - g * rows, end - g * rows);
+      i0 = end;
+    }
+  });
+}
+
+// Runs a stage over groups (each output element has one writer). Both (prompt waves): every
+// group's gate_up, then every group's down, which reads only its own entries' complete h.
 void run_groups(const DeviceBuffers& b, const std::vector<Group>& groups, Stage stage,
                 const ParallelFor& pf, Rounding rounding) {
   const std::uint32_t H = b.layout->hidden, I = b.layout->moe_intermediate;
   const bool as_mlx = rounding.arithmetic != Arithmetic::Float32;
-  for (const Group& g : groups) {
-    ExpertView ev = expert_view(*b.layout, b.arena + std::uint64_t(g.slot) * b.slot_bytes);
-    if (stage != Stage::Down)
-      pf(I, [&](std::uint32_t r0, std::uint32_t r1) {
-        if (as_mlx) return mlx::gate_up_rows(b, ev, g.entries, r0, r1, rounding);
-        std::vector<float> gbuf(H), ubuf(H);
-        gate_up_rows(b, ev, g, r0, r1, gbuf.data(), ubuf.data());
-      });
-    if (stage != Stage::GateUp)
-      pf(H, [&](std::uint32_t r0, std::uint32_t r1) {
-        if (as_mlx) return mlx::down_rows(b, ev, g.entries, r0, r1, rounding);
-        std::vector<float> dbuf(I);
-        down_rows(b, ev, g, r0, r1, dbuf.data());
-      });
-  }
+  std::vector<ExpertView> views;
+  views.reserve(groups.size());
+  for (const Group& g : groups)
+    views.push_back(expert_view(*b.layout, b.arena + std::uint64_t(g.slot) * b.slot_bytes));
+  if (stage != Stage::Down)
+    over_groups(pf, groups, I, 2 * std::uint64_t(H),
+                [&](std::uint32_t g, std::uint32_t r0, std::uint32_t r1) {
+                  if (as_mlx) return mlx::gate_up_rows(b, views[g], groups[g].entries, r0, r1,
+                                                       rounding);
+                  std::vector<float> gbuf(H), ubuf(H);
+                  gate_up_rows(b, views[g], groups[g], r0, r1, gbuf.data(), ubuf.data());
+                });
+  if (stage != Stage::GateUp)
+    over_groups(pf, groups, H, I, [&](std::uint32_t g, std::uint32_t r0, std::uint32_t r1) {
+      if (as_mlx) return mlx::down_rows(b, views[g], groups[g].entries, r0, r1, rounding);
+      std::vector<float> dbuf(I);
+      down_rows(b, views[g], groups[g], r0, r1, dbuf.data());
+    });
 }
 
 bool resolve_pass(const DeviceBuffers& b, std::uint32_t layer, std::uint32_t rows, Pass pass,
@@ -155,7 +193,7 @@ void route(const DeviceBuffers& b, std::uint32_t layer, std::uint32_t rows, std:
   if (adjust)  // one snapshot for the whole chunk: every token sees the same residency
     for (std::uint32_t e = 0; e < E; ++e)
       b.route_resident[e] = smap_load(b.smap, layer * E + e) != kAbsent;
-  pf(rows, [&](std::uint32_t t0, std::uint32_t t1) {
+  parallel_for(pf, rows, std::uint64_t(rows) * E * H, [&](std::uint32_t t0, std::uint32_t t1) {
     std::vector<std::uint32_t> order(E);
     std::vector<float> prob(adjust ? E : 0);
     std::vector<std::uint32_t> selected(adjust ? k : 0), scratch(adjust ? 2 * E : 0);
@@ -258,7 +296,7 @@ bool moe_mm(const DeviceBuffers& b, std::uint32_t layer, std::uint32_t rows, con
 
 void combine(const DeviceBuffers& b, std::uint32_t rows, const ParallelFor& pf) {
   const std::uint32_t H = b.layout->hidden, k = b.layout->top_k;
-  pf(rows, [&](std::uint32_t t0, std::uint32_t t1) {
+  parallel_for(pf, rows, std::uint64_t(rows) * k * H, [&](std::uint32_t t0, std::uint32_t t1) {
     for (std::uint32_t t = t0; t < t1; ++t) {
       float* o = b.out + std::size_t(t) * H;
       const float* y0 = b.y + std::size_t(t) * k * H;
