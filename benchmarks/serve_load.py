@@ -19,6 +19,12 @@ their experts from tests/data's Qwen3-30B-A3B routing trace (strata_stream.trace
 token takes the experts of one trace token, layer for layer), so a batch's rows share experts
 as a real model's tokens do; its experts stream through an arena of --arena-fraction of them.
 `--routing model` keeps the model's own gates (the old tiny checkpoint without --model).
+`--dense` picks the trace model's weights: float32 (the default) or q4 (g64, as mlx-lm
+quantizes). On Linux, MLX's CPU quantized matmul costs in proportion to the rows (a 64x64 q4
+Linear: 28 us at 1 row, 186 us at 8), which no GPU kernel of the design point does; float32
+dense layers run through BLAS and, like a GPU's, cost about the same at 1 and 8 rows, so the
+batched figures measure the server and the engine rather than that CPU kernel. q4 is the
+comparison (`benchmarks/batch_step.py` splits a step into MLX's work and ours).
 
 Per level: completed requests, generated tokens/s, time to first token and inter-token gap
 (p50/p99, as each client sees them), errors (must be 0), experts looked up and read from the
@@ -312,14 +318,20 @@ def plot(levels: list[Level], out: Path) -> None:
     fig.savefig(out, dpi=120)
 
 
-def build_model(tmp: Path, routing: str, arena_fraction: float) -> ServedModel:
+def build_model(tmp: Path, routing: str, arena_fraction: float, dense: str) -> ServedModel:
     """The checkpoint to serve when no --model is given, its pack, arena and routing."""
     from strata_stream.convert import convert
     from strata_stream.mlx_lm.random_model import make_chat_checkpoint, make_checkpoint
     from strata_stream.pack.reader import ExpertPack
 
     if routing == "trace":
-        path = make_checkpoint("qwen3_moe", tmp / "trace", seed=2, dims=TRACE_DIMS, chat=True)
+        if dense == "float32":
+            import mlx.core as mx
+
+            path = make_checkpoint("qwen3_moe", tmp / "trace", seed=2, dims=TRACE_DIMS, chat=True,
+                                   quantize=False, dtype=mx.float32)  # fmt: skip
+        else:
+            path = make_checkpoint("qwen3_moe", tmp / "trace", seed=2, dims=TRACE_DIMS, chat=True)
     else:
         path = make_chat_checkpoint(tmp / "tiny")
     pack = convert(path, tmp / "experts.strpk", progress=False)
@@ -373,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--routing", choices=("trace", "model"), default=None,
                     help="experts chosen by the Qwen3 trace, or by the model's gates "
                          "(default: trace for the model built here, model with --model)")
+    ap.add_argument("--dense", choices=("float32", "q4"), default="float32",
+                    help="the trace model's weights (default float32; see the docstring)")
     ap.add_argument("--arena-fraction", type=float, default=0.25,
                     help="the built model's arena, as a fraction of its experts (default 0.25)")
     ap.add_argument("--clients", default="4,8", help="comma-separated levels (default 4,8)")
@@ -415,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
             served = ServedModel(args.model, route_trace=TRACE if routing == "trace" else None)
         elif not args.url:
             tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="serve_load_"))
-            served = build_model(Path(tmp), routing, args.arena_fraction)
+            served = build_model(Path(tmp), routing, args.arena_fraction, args.dense)
             print(f"model: {served.path.name}, routing: {routing}, arena "
                   f"{(served.arena_bytes or 0) / 2**20:.1f} MiB", flush=True)  # fmt: skip
         for b in [0] if args.url else batches:

@@ -163,6 +163,38 @@ const std::int32_t* or_null(const std::vector<std::int32_t>& v) {
   return v.empty() ? nullptr : v.data();
 }
 
+// A routed call's tables, checked and copied once (ids, mixture weights, predictions), owned
+// for as long as the call runs; routed() points a Window::Routed at them.
+struct RoutedTables {
+  std::vector<std::int32_t> ids, pred1, pred2;
+  std::vector<float> weights;
+
+  RoutedTables(const PackLayout& L, std::uint32_t rows, const py::object& ids_arg,
+               const py::object& weights_arg, const py::object& pred1_arg,
+               const py::object& pred2_arg) {
+    const std::uint32_t k = L.top_k, E = L.n_experts;
+    ids = id_table_arg(ids_arg, "ids", rows, k, E, true);
+    using FloatArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
+    FloatArray wts = FloatArray::ensure(weights_arg);
+    if (!wts) throw py::type_error("weights must be an array of mixture weights");
+    if (wts.ndim() != 2 || std::uint32_t(wts.shape(0)) != rows ||
+        std::uint32_t(wts.shape(1)) != k)
+      throw py::value_error("weights must have shape [" + std::to_string(rows) + ", " +
+                            std::to_string(k) + "]");
+    weights.assign(wts.data(), wts.data() + std::size_t(rows) * k);
+    pred1 = id_table_arg(pred1_arg, "pred1", rows, k, E, false);
+    pred2 = id_table_arg(pred2_arg, "pred2", rows, k, E, false);
+  }
+  Window::Routed routed() const {
+    Window::Routed r;
+    r.ids = ids.data();
+    r.weights = weights.data();
+    r.pred1 = or_null(pred1);
+    r.pred2 = or_null(pred2);
+    return r;
+  }
+};
+
 // x as a [T, hidden] buffer of float32, float16 or bfloat16 (an evaluated mx.array is read in
 // place); the tables are copied under the GIL, so another thread writing the caller's arrays
 // cannot change an id after the engine checked it.
@@ -192,23 +224,10 @@ py::array_t<float> moe_routed(Window& w, std::uint32_t layer, const py::buffer& 
   if (xb.strides[1] != py::ssize_t(item) ||
       xb.strides[0] != py::ssize_t(item) * py::ssize_t(L.hidden))
     throw py::value_error("x must be C-contiguous");
-  const std::uint32_t rows = std::uint32_t(xb.shape[0]), k = L.top_k, E = L.n_experts;
-  const auto ids_v = id_table_arg(ids, "ids", rows, k, E, true);
-  using FloatArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
-  FloatArray wts = FloatArray::ensure(weights);
-  if (!wts) throw py::type_error("weights must be an array of mixture weights");
-  if (wts.ndim() != 2 || std::uint32_t(wts.shape(0)) != rows || std::uint32_t(wts.shape(1)) != k)
-    throw py::value_error("weights must have shape [" + std::to_string(rows) + ", " +
-                          std::to_string(k) + "]");
-  const std::vector<float> weights_v(wts.data(), wts.data() + std::size_t(rows) * k);
-  const auto pred1_v = id_table_arg(pred1, "pred1", rows, k, E, false);
-  const auto pred2_v = id_table_arg(pred2, "pred2", rows, k, E, false);
-  Window::Routed r;
+  const std::uint32_t rows = std::uint32_t(xb.shape[0]);
+  const RoutedTables tables(L, rows, ids, weights, pred1, pred2);
+  Window::Routed r = tables.routed();
   r.rounding = routed_rounding(xt, arithmetic, weights_dtype);
-  r.ids = ids_v.data();
-  r.weights = weights_v.data();
-  r.pred1 = or_null(pred1_v);
-  r.pred2 = or_null(pred2_v);
   py::array_t<float> out({py::ssize_t(rows), py::ssize_t(L.hidden)});
   float* dst = out.mutable_data();
   {
@@ -227,27 +246,13 @@ void moe_routed_device(Window& w, std::uint32_t layer, std::uintptr_t x, std::ui
                        const py::object& pred2) {
   const PackLayout& L = w.layout();
   const std::uint32_t rows = count_arg(rows_arg, UINT32_MAX, "rows");
-  const std::uint32_t k = L.top_k, E = L.n_experts;
   if (rows > 0 && (x == 0 || out == 0))
     throw py::value_error("x and out must be device addresses, got a null pointer");
   const std::size_t bytes = std::size_t(rows) * L.hidden * 4;
   if (rows > 0 && x < out + bytes && out < x + bytes)
     throw py::value_error("x and out must not overlap");
-  const auto ids_v = id_table_arg(ids, "ids", rows, k, E, true);
-  using FloatArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
-  FloatArray wts = FloatArray::ensure(weights);
-  if (!wts) throw py::type_error("weights must be an array of mixture weights");
-  if (wts.ndim() != 2 || std::uint32_t(wts.shape(0)) != rows || std::uint32_t(wts.shape(1)) != k)
-    throw py::value_error("weights must have shape [" + std::to_string(rows) + ", " +
-                          std::to_string(k) + "]");
-  const std::vector<float> weights_v(wts.data(), wts.data() + std::size_t(rows) * k);
-  const auto pred1_v = id_table_arg(pred1, "pred1", rows, k, E, false);
-  const auto pred2_v = id_table_arg(pred2, "pred2", rows, k, E, false);
-  Window::Routed r;
-  r.ids = ids_v.data();
-  r.weights = weights_v.data();
-  r.pred1 = or_null(pred1_v);
-  r.pred2 = or_null(pred2_v);
+  const RoutedTables tables(L, rows, ids, weights, pred1, pred2);
+  const Window::Routed r = tables.routed();
   py::gil_scoped_release nogil;
   w.moe_routed_device(layer, reinterpret_cast<const float*>(x), rows, r,
                       reinterpret_cast<float*>(out), check_signals);
