@@ -33,16 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-PROMPTS = [
-    "hello world how are you",
-    "the water is hot",
-    "a model of the arena",
-    "you can write what you see",
-    "tell me about the expert stream",
-    "each layer has a cache",
-    "when will the token come",
-    "people like to call their water",
-]
+from serve_load import PROMPTS  # the load test's prompts, so both measure the same requests
 
 
 def pct(xs: list[float], p: float) -> float:
