@@ -60,15 +60,31 @@ std::vector<KernelTiming> bench_kernels(ExpertStream& stream, Backend& backend,
   };
 
   const double T = rows, k = L.top_k, H = L.hidden, I = L.moe_intermediate, E = L.n_experts;
-  run(op(Op::Route, layer, rows));
+  // A pack whose model routes itself (routing external) holds no routers: the rows take
+  // distinct random experts instead, and there is no route kernel to time.
+  const bool routes = L.has_routers();
+  if (routes) {
+    run(op(Op::Route, layer, rows));
+  } else {
+    std::vector<std::int32_t> pick(L.n_experts);
+    std::iota(pick.begin(), pick.end(), 0);
+    for (std::uint32_t t = 0; t < rows; ++t) {
+      std::shuffle(pick.begin(), pick.end(), rng);
+      for (std::uint32_t j = 0; j < L.top_k; ++j) {
+        b.ids[std::size_t(t) * L.top_k + j] = pick[j];
+        b.weights[std::size_t(t) * L.top_k + j] = 1.0f / float(L.top_k);
+      }
+    }
+  }
   std::set<std::int32_t> unique(b.ids, b.ids + rows * L.top_k);
   const double U = double(unique.size());
   std::copy(unique.begin(), unique.end(), b.wave);
   *b.wave_n = std::uint32_t(unique.size());
   const double matrix_bytes = double(L.record_bytes) / 3;  // gate, up and down are equal-sized
   std::vector<KernelTiming> out;
-  out.push_back({"route", median_seconds(repeats, [&] { run(op(Op::Route, layer, rows)); }),
-                 2 * T * E * H, E * H * 4});
+  if (routes)
+    out.push_back({"route", median_seconds(repeats, [&] { run(op(Op::Route, layer, rows)); }),
+                   2 * T * E * H, E * H * 4});
   out.push_back({"plan", median_seconds(repeats, [&] { run(op(Op::Plan, layer, rows)); }), 0, 0});
   out.push_back({"gate_up",
                  median_seconds(repeats, [&] { run(op(Op::GateUp, layer, rows)); }),

@@ -1,0 +1,63 @@
+// MatrixView::row against the one-element conversions it must equal bit for bit: the vector
+// paths (bfloat16 eight at a time) and their scalar tails, on widths that are and are not
+// multiples of the vector.
+#include <catch2/catch.hpp>
+
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "pack/weights.h"
+
+using namespace strata;
+
+namespace {
+
+std::uint32_t bits_of(float f) {
+  std::uint32_t b;
+  std::memcpy(&b, &f, 4);
+  return b;
+}
+
+}  // namespace
+
+TEST_CASE("bfloat16 rows widen exactly, element for element, at every width") {
+  std::mt19937 rng(7);
+  for (std::uint32_t cols : {1u, 7u, 8u, 13u, 16u, 100u, 2048u}) {
+    const std::uint32_t rows = 3;
+    std::vector<std::uint16_t> w(std::size_t(rows) * cols);
+    for (auto& h : w) h = std::uint16_t(rng());  // every pattern: NaN, inf, subnormal, -0
+    w[0] = 0x7fc1;                               // a NaN payload must survive
+    w[w.size() - 1] = 0x8000;                    // and -0
+    MatrixView m;
+    m.weight = reinterpret_cast<const unsigned char*>(w.data());
+    m.rows = rows;
+    m.cols = cols;
+    m.format = WeightFormat::BF16;
+    std::vector<float> out(cols);
+    for (std::uint32_t r = 0; r < rows; ++r) {
+      m.row(r, out.data());
+      for (std::uint32_t c = 0; c < cols; ++c)
+        REQUIRE(bits_of(out[c]) == bits_of(bf16_to_float(w[std::size_t(r) * cols + c])));
+    }
+  }
+}
+
+TEST_CASE("float16 rows widen exactly, element for element") {
+  std::mt19937 rng(11);
+  const std::uint32_t rows = 2, cols = 37;
+  std::vector<std::uint16_t> w(std::size_t(rows) * cols);
+  for (auto& h : w) h = std::uint16_t(rng());
+  MatrixView m;
+  m.weight = reinterpret_cast<const unsigned char*>(w.data());
+  m.rows = rows;
+  m.cols = cols;
+  m.format = WeightFormat::F16;
+  std::vector<float> out(cols);
+  for (std::uint32_t r = 0; r < rows; ++r) {
+    m.row(r, out.data());
+    for (std::uint32_t c = 0; c < cols; ++c)
+      REQUIRE(bits_of(out[c]) == bits_of(half_to_float(w[std::size_t(r) * cols + c])));
+  }
+}
