@@ -20,6 +20,24 @@ std::uint32_t bits_of(float f) {
   return b;
 }
 
+// Every row of a [rows, cols] matrix of 16-bit elements `w` in `format`, against `one` applied
+// to each element.
+template <class One>
+void require_rows(const std::vector<std::uint16_t>& w, std::uint32_t rows, std::uint32_t cols,
+                  WeightFormat format, One one) {
+  MatrixView m;
+  m.weight = reinterpret_cast<const unsigned char*>(w.data());
+  m.rows = rows;
+  m.cols = cols;
+  m.format = format;
+  std::vector<float> out(cols);
+  for (std::uint32_t r = 0; r < rows; ++r) {
+    m.row(r, out.data());
+    for (std::uint32_t c = 0; c < cols; ++c)
+      REQUIRE(bits_of(out[c]) == bits_of(one(w[std::size_t(r) * cols + c])));
+  }
+}
+
 }  // namespace
 
 TEST_CASE("bfloat16 rows widen exactly, element for element, at every width") {
@@ -30,17 +48,7 @@ TEST_CASE("bfloat16 rows widen exactly, element for element, at every width") {
     for (auto& h : w) h = std::uint16_t(rng());  // every pattern: NaN, inf, subnormal, -0
     w[0] = 0x7fc1;                               // a NaN payload must survive
     w[w.size() - 1] = 0x8000;                    // and -0
-    MatrixView m;
-    m.weight = reinterpret_cast<const unsigned char*>(w.data());
-    m.rows = rows;
-    m.cols = cols;
-    m.format = WeightFormat::BF16;
-    std::vector<float> out(cols);
-    for (std::uint32_t r = 0; r < rows; ++r) {
-      m.row(r, out.data());
-      for (std::uint32_t c = 0; c < cols; ++c)
-        REQUIRE(bits_of(out[c]) == bits_of(bf16_to_float(w[std::size_t(r) * cols + c])));
-    }
+    require_rows(w, rows, cols, WeightFormat::BF16, bf16_to_float);
   }
 }
 
@@ -49,15 +57,5 @@ TEST_CASE("float16 rows widen exactly, element for element") {
   const std::uint32_t rows = 2, cols = 37;
   std::vector<std::uint16_t> w(std::size_t(rows) * cols);
   for (auto& h : w) h = std::uint16_t(rng());
-  MatrixView m;
-  m.weight = reinterpret_cast<const unsigned char*>(w.data());
-  m.rows = rows;
-  m.cols = cols;
-  m.format = WeightFormat::F16;
-  std::vector<float> out(cols);
-  for (std::uint32_t r = 0; r < rows; ++r) {
-    m.row(r, out.data());
-    for (std::uint32_t c = 0; c < cols; ++c)
-      REQUIRE(bits_of(out[c]) == bits_of(half_to_float(w[std::size_t(r) * cols + c])));
-  }
+  require_rows(w, rows, cols, WeightFormat::F16, half_to_float);
 }
