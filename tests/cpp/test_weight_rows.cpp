@@ -52,6 +52,13 @@ TEST_CASE("bfloat16 rows widen exactly, element for element, at every width") {
   }
 }
 
+TEST_CASE("float16 rows widen exactly: every one of the 65536 patterns") {
+  std::vector<std::uint16_t> w(65536);
+  for (std::uint32_t i = 0; i < w.size(); ++i) w[i] = std::uint16_t(i);
+  require_rows(w, 8192, 8, WeightFormat::F16, half_to_float);  // the vector path alone
+  require_rows(w, 4096, 16, WeightFormat::F16, half_to_float);
+}
+
 TEST_CASE("float16 rows widen exactly, element for element") {
   std::mt19937 rng(11);
   const std::uint32_t rows = 2, cols = 37;
