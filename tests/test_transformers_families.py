@@ -42,20 +42,23 @@ NEW_TOKENS = 12
 BASE = StreamConfig(io_threads=2, direct_io=False, persist_profile=False)
 
 
-def oracle(path: Path, dtype: str) -> Any:
+def oracle(path: Path, dtype: str, device: str = "cpu") -> Any:
+    """Plain transformers on `path`, on the CPU or (tests/cuda) on CUDA device 0."""
+    placed = {} if device == "cpu" else {"device_map": {"": torch.device(device, 0)}}
     return transformers.AutoModelForCausalLM.from_pretrained(
         path, dtype=getattr(torch, dtype), attn_implementation="eager",
-        experts_implementation="eager",
+        experts_implementation="eager", **placed,
     )  # fmt: skip
 
 
 @torch.no_grad()
 def logits(model: Any, tokens: list[int] = PROMPT) -> np.ndarray:
-    return model(torch.tensor([tokens])).logits[0].float().numpy()
+    return model(torch.tensor([tokens], device=model.device)).logits[0].float().cpu().numpy()
 
 
 def generate(model: Any, **kwargs: Any) -> list[int]:
-    out = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, **kwargs)
+    prompt = torch.tensor([PROMPT], device=model.device)
+    out = model.generate(prompt, max_new_tokens=NEW_TOKENS, **kwargs)
     return [int(t) for t in out[0, len(PROMPT) :]]
 
 
@@ -65,16 +68,19 @@ def sample(model: Any) -> list[int]:
 
 
 class Family:
-    def __init__(self, name: str, root: Path, dtype: str) -> None:
+    """One family's checkpoint, its pack and the oracle, on `device` (tests/cuda: "cuda")."""
+
+    def __init__(self, name: str, root: Path, dtype: str, device: str = "cpu") -> None:
         self.name = name
         self.dtype = dtype
+        self.device = device
         self.path = make_checkpoint(name, root / name, dtype=dtype)
         self.pack = convert(self.path, root / f"{name}.strpk", progress=False)
         with ExpertPack.open(self.pack) as p:
             self.stride = p.record_stride
             self.n_records = p.geometry.n_records
             self.top_k = p.geometry.top_k
-        self.ref = oracle(self.path, dtype)
+        self.ref = oracle(self.path, dtype, device)
         self.ref_logits = logits(self.ref)
 
     def load(self, slots: int | None = None, path: Path | None = None, **cfg: Any) -> Any:
@@ -85,6 +91,7 @@ class Family:
             arena_bytes=n * self.stride,
             config=BASE.replace(**cfg),
             dtype=getattr(torch, self.dtype),
+            device=self.device,
             attn_implementation="eager",
             progress=False,
         )

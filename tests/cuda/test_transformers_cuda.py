@@ -28,17 +28,19 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from strata_stream import ExpertPack  # noqa: E402
-from strata_stream.convert import convert  # noqa: E402
 from strata_stream.errors import ConfigError  # noqa: E402
 from strata_stream.transformers import describe, load  # noqa: E402
-from strata_stream.transformers.random_model import CONFIGS, make_checkpoint  # noqa: E402
+from strata_stream.transformers.random_model import CONFIGS  # noqa: E402
 from test_transformers_families import (  # noqa: E402
     BASE,
-    NEW_TOKENS,
     PROMPT,
+    Family,
     decisive,
+    generate,
+    logits,
+    oracle,
     poison_experts,
+    sample,
 )
 
 pytestmark = pytest.mark.cuda
@@ -47,63 +49,14 @@ FAMILIES = list(CONFIGS)
 CUDA = "cuda"
 
 
-def oracle(path: Path, dtype: str) -> Any:
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=getattr(torch, dtype), attn_implementation="eager",
-        experts_implementation="eager", device_map={"": torch.device(CUDA, 0)},
-    )  # fmt: skip
-
-
-@torch.no_grad()
-def logits(model: Any, tokens: list[int] = PROMPT) -> np.ndarray:
-    return model(torch.tensor([tokens], device=CUDA)).logits[0].float().cpu().numpy()
-
-
-def generate(model: Any, **kwargs: Any) -> list[int]:
-    out = model.generate(torch.tensor([PROMPT], device=CUDA), max_new_tokens=NEW_TOKENS, **kwargs)
-    return [int(t) for t in out[0, len(PROMPT) :]]
-
-
-def sample(model: Any) -> list[int]:
-    torch.manual_seed(3)
-    return generate(model, do_sample=True, temperature=0.8, top_k=0, top_p=1.0)
-
-
-class Family:
-    def __init__(self, name: str, root: Path, dtype: str) -> None:
-        self.name = name
-        self.dtype = dtype
-        self.path = make_checkpoint(name, root / name, dtype=dtype)
-        self.pack = convert(self.path, root / f"{name}.strpk", progress=False)
-        with ExpertPack.open(self.pack) as p:
-            self.stride = p.record_stride
-            self.n_records = p.geometry.n_records
-            self.top_k = p.geometry.top_k
-        self.ref = oracle(self.path, dtype)
-        self.ref_logits = logits(self.ref)
-
-    def load(self, slots: int | None = None, path: Path | None = None, **cfg: Any) -> Any:
-        n = slots if slots is not None else self.n_records
-        return load(
-            path or self.path,
-            pack_path=self.pack,
-            arena_bytes=n * self.stride,
-            config=BASE.replace(**cfg),
-            dtype=getattr(torch, self.dtype),
-            device=CUDA,
-            attn_implementation="eager",
-            progress=False,
-        )
-
-
 @pytest.fixture(scope="module", params=FAMILIES)
 def fam(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Family:
-    return Family(request.param, tmp_path_factory.mktemp("hf_cuda"), "float32")
+    return Family(request.param, tmp_path_factory.mktemp("hf_cuda"), "float32", CUDA)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def fam_bf16(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Family:
-    return Family(request.param, tmp_path_factory.mktemp("hf_cuda_bf16"), "bfloat16")
+    return Family(request.param, tmp_path_factory.mktemp("hf_cuda_bf16"), "bfloat16", CUDA)
 
 
 @pytest.fixture
@@ -151,7 +104,7 @@ def test_bfloat16_within_transformers_own_bf16_rounding(
     closing.append(model)
     got = logits(model)
     ref = fam.ref_logits
-    ref32_model = oracle(fam.path, "float32")
+    ref32_model = oracle(fam.path, "float32", CUDA)
     ref32 = logits(ref32_model)
     own = np.abs(ref - ref32).max()
     print(f"{fam.name} bfloat16 cuda: streamed-vs-bf16 {np.abs(got - ref).max():.3g}, "
@@ -194,7 +147,7 @@ def test_torch_never_reads_the_expert_tensors(
     copy = tmp_path / "poisoned"
     shutil.copytree(fam.path, copy)
     assert poison_experts(copy) > 0
-    assert not np.isfinite(logits(oracle(copy, "float32"))).all()
+    assert not np.isfinite(logits(oracle(copy, "float32", CUDA))).all()
     model = fam.load(path=copy)
     closing.append(model)
     clean = fam.load()
