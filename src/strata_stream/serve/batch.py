@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from strata_stream.serve.generation import GenerationRequest
-from strata_stream.serve.jobs import Finished, Job, JobState, Logprobs, TextChunk
+from strata_stream.serve.jobs import Finished, Job, JobState, Logprobs
 from strata_stream.serve.lockstep import (
     Change,
     Insert,
@@ -41,6 +41,7 @@ from strata_stream.serve.lockstep import (
 from strata_stream.serve.logprobs import PromptScorer, as_row, entry
 from strata_stream.serve.metrics import ServerMetrics
 from strata_stream.serve.sampling import make_processors, make_sampler
+from strata_stream.serve.sequence import ServedSequence
 from strata_stream.serve.stop import StopMatcher
 
 log = logging.getLogger("strata_stream.serve")
@@ -72,18 +73,11 @@ def insert_request(gen: Any, request: GenerationRequest, eos: list[int]) -> int:
     return int(uid)
 
 
-@dataclass
-class _Sequence:
+@dataclass(kw_only=True)
+class _Sequence(ServedSequence):
     """One admitted request: its place in the generator and its progress."""
 
-    job: Job
     uid: int
-    detok: Any
-    stop: StopMatcher
-    admitted_at: float
-    first_at: float | None = None
-    sampled: int = 0  # tokens sampled, EOS included: the work done
-    completion: int = 0  # tokens in the answer
 
 
 class ContinuousBatch:
@@ -154,7 +148,8 @@ class ContinuousBatch:
         uid = insert_request(self._gen, req, self._eos)
         if self._lockstep is not None:
             self._changes.append(Insert(req))
-        self._seqs[uid] = _Sequence(job, uid, detok, StopMatcher(req.stop), time.perf_counter())
+        self._seqs[uid] = _Sequence(job=job, uid=uid, detok=detok, stop=StopMatcher(req.stop),
+                                    admitted_at=time.perf_counter())  # fmt: skip
 
     def drop_cancelled(self, stopping: bool) -> None:
         """Sequences whose client went away (or all, when the server stops) leave now."""
@@ -241,15 +236,7 @@ class ContinuousBatch:
         return len(responses)
 
     def _token(self, s: _Sequence, token: int, finish: str | None, logprobs: Any) -> None:
-        m = self._metrics
-        s.sampled += 1
-        now = time.perf_counter()
-        if s.first_at is None:
-            s.first_at = now
-            m.ttft.observe(now - s.admitted_at)
-            n_prompt = len(s.job.request.prompt)
-            m.prompt_tokens.inc(n_prompt)
-            m.prompt_tps.set(n_prompt / max(now - s.admitted_at, 1e-9))
+        s.note_sampled(self._metrics)
         if finish == "stop":  # the generator matched EOS: not part of the answer
             self._end(s, "stop")
             return
@@ -257,13 +244,7 @@ class ContinuousBatch:
         top = s.job.request.logprobs
         if top is not None:
             s.job.emit(Logprobs((entry(as_row(logprobs), token, top),)))
-        with self._lock:
-            s.detok.add_token(token)
-            segment = s.detok.last_segment
-        text, hit = s.stop.feed(segment)
-        if text:
-            s.job.emit(TextChunk(text))
-        if hit:
+        if s.feed(token, self._lock):
             self._remove([s.uid])
             self._end(s, "stop")
         elif finish is not None:  # the length: the generator has let it go
@@ -271,20 +252,4 @@ class ContinuousBatch:
 
     def _end(self, s: _Sequence, reason: str, error: str | None = None) -> None:
         del self._seqs[s.uid]
-        if reason in ("stop", "length") and not s.stop.matched:
-            with self._lock:
-                s.detok.finalize()
-                segment = s.detok.last_segment
-            text, hit = s.stop.feed(segment)
-            if hit:
-                reason = "stop"
-            else:
-                text += s.stop.flush()
-            if text:
-                s.job.emit(TextChunk(text))
-        if s.first_at is not None and s.sampled > 1:
-            self._metrics.decode_tps.set(
-                (s.sampled - 1) / max(time.perf_counter() - s.first_at, 1e-9)
-            )
-        prompt = len(s.job.request.prompt)
-        self._finish_job(s.job, Finished(reason, prompt, s.completion, error=error))
+        self._finish_job(s.job, s.finished(reason, self._lock, self._metrics, error))

@@ -28,30 +28,24 @@ from typing import Any
 import numpy as np
 import torch
 
-from strata_stream.serve.jobs import Finished, Job, JobState, Logprobs, TextChunk, TokenLogprob
+from strata_stream.serve.jobs import Finished, Job, JobState, Logprobs, TokenLogprob
 from strata_stream.serve.lockstep import RequestChannel
 from strata_stream.serve.logprobs import entry
 from strata_stream.serve.metrics import ServerMetrics
+from strata_stream.serve.sequence import ServedSequence
 from strata_stream.serve.stop import StopMatcher
 from strata_stream.serve.torch_sampling import Processor, TorchSampler, make_processors
 
 log = logging.getLogger("strata_stream.serve")
 
 
-@dataclass
-class _Sequence:
-    job: Job
-    detok: Any
-    stop: StopMatcher
+@dataclass(kw_only=True)
+class _Sequence(ServedSequence):
     sampler: TorchSampler
     processors: list[Processor]
-    admitted_at: float
     tokens: list[int] = field(default_factory=list)  # prompt and sampled: the penalties' context
     prefilled: int = 0  # prompt tokens in the cache
     cache: Any = None
-    first_at: float | None = None
-    sampled: int = 0  # tokens sampled, EOS included: the work done
-    completion: int = 0  # tokens in the answer
 
 
 class SequentialBatch:
@@ -110,9 +104,10 @@ class SequentialBatch:
                 return
         with self._lock:
             detok = self._tokenizer.detokenizer
-        self._seq = _Sequence(job, detok, StopMatcher(req.stop), TorchSampler(req.sampling),
-                              make_processors(req.sampling), time.perf_counter(),
-                              tokens=list(req.prompt))  # fmt: skip
+        self._seq = _Sequence(job=job, detok=detok, stop=StopMatcher(req.stop),
+                              sampler=TorchSampler(req.sampling),
+                              processors=make_processors(req.sampling),
+                              admitted_at=time.perf_counter(), tokens=list(req.prompt))  # fmt: skip
 
     def drop_cancelled(self, stopping: bool) -> None:
         s = self._seq
@@ -165,17 +160,10 @@ class SequentialBatch:
         return logits
 
     def _token(self, s: _Sequence, token: int, logprobs: torch.Tensor) -> None:
-        m = self._metrics
         req = s.job.request
-        s.sampled += 1
+        s.note_sampled(self._metrics)
         s.tokens.append(token)
-        m.generated_tokens.inc()
-        now = time.perf_counter()
-        if s.first_at is None:
-            s.first_at = now
-            m.ttft.observe(now - s.admitted_at)
-            m.prompt_tokens.inc(len(req.prompt))
-            m.prompt_tps.set(len(req.prompt) / max(now - s.admitted_at, 1e-9))
+        self._metrics.generated_tokens.inc()
         if token in self._eos:  # not part of the answer
             self._end(s, "stop")
             return
@@ -183,36 +171,14 @@ class SequentialBatch:
         if req.logprobs is not None:
             row = logprobs.numpy()
             s.job.emit(Logprobs((entry(row, token, req.logprobs),)))
-        with self._lock:
-            s.detok.add_token(token)
-            segment = s.detok.last_segment
-        text, hit = s.stop.feed(segment)
-        if text:
-            s.job.emit(TextChunk(text))
-        if hit:
+        if s.feed(token, self._lock):
             self._end(s, "stop")
         elif s.sampled >= req.max_tokens:
             self._end(s, "length")
 
     def _end(self, s: _Sequence, reason: str, error: str | None = None) -> None:
         self._seq = None
-        if reason in ("stop", "length") and not s.stop.matched:
-            with self._lock:
-                s.detok.finalize()
-                segment = s.detok.last_segment
-            text, hit = s.stop.feed(segment)
-            if hit:
-                reason = "stop"
-            else:
-                text += s.stop.flush()
-            if text:
-                s.job.emit(TextChunk(text))
-        if s.first_at is not None and s.sampled > 1:
-            self._metrics.decode_tps.set(
-                (s.sampled - 1) / max(time.perf_counter() - s.first_at, 1e-9)
-            )
-        prompt = len(s.job.request.prompt)
-        self._finish_job(s.job, Finished(reason, prompt, s.completion, error=error))
+        self._finish_job(s.job, s.finished(reason, self._lock, self._metrics, error))
 
 
 def cache_argument(model: Any) -> str:
