@@ -72,16 +72,9 @@ class TorchMoeEngine:
             self.stream.close()
 
     def predictions(self, layer: int, x: torch.Tensor) -> list[torch.Tensor | None]:
-        """The ids routers l+1 (and l+2 when the engine asks) pick on this layer's input, on
-        x's device."""
-        rows = x.shape[0]
-        wants = getattr(self.window, "wants_predictions", None)
-        if wants is not None:  # the engine decides which distances it uses
-            want = list(wants(layer, rows))
-        else:
-            c = self.config
-            two = c.decode_prefetch2 if rows <= c.decode_rows else c.prompt_pred2
-            want = [c.lookahead, c.lookahead and two]
+        """The ids routers l+1 (and l+2) pick on this layer's input, where the engine will use
+        them (it decides: `Window.wants_predictions`), on x's device."""
+        want = self.window.wants_predictions(layer, x.shape[0])
         out: list[torch.Tensor | None] = [None, None]
         for d in (1, 2):
             nxt = layer + d
