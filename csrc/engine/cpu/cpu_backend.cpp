@@ -15,87 +15,10 @@
 #include "common/thread_name.h"
 #include "cpu/cpu_kernels.h"
 #include "cpu/mlx_kernels.h"
+#include "cpu/worker_pool.h"
 
 namespace strata {
 namespace {
-
-// Persistent workers for ParallelFor. The caller (the device thread) works too.
-class WorkerPool {
- public:
-  explicit WorkerPool(unsigned workers) {
-    for (unsigned i = 0; i < workers; ++i) threads_.emplace_back([this] {
-        name_this_thread("strata-pool");
-        loop();
-      });
-  }
-  ~WorkerPool() {
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    for (auto& t : threads_) t.join();
-  }
-
-  // Runs fn over [0, n) in chunks; returns when all chunks ran.
-  void run(std::uint32_t n, const std::function<void(std::uint32_t, std::uint32_t)>& fn) {
-    if (n == 0) return;
-    const std::uint32_t parts = std::uint32_t(threads_.size()) + 1;
-    const std::uint32_t chunk = (n + parts * 4 - 1) / (parts * 4);
-    if (threads_.empty() || n <= chunk) {
-      fn(0, n);
-      return;
-    }
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      job_ = &fn;
-      n_ = n;
-      chunk_ = chunk;
-      next_.store(0);
-      pending_ = std::uint32_t(threads_.size());
-      ++epoch_;
-    }
-    cv_.notify_all();
-    work();
-    std::unique_lock<std::mutex> lk(mu_);
-    done_cv_.wait(lk, [&] { return pending_ == 0; });
-    job_ = nullptr;
-  }
-
- private:
-  void work() {
-    for (;;) {
-      std::uint32_t start = next_.fetch_add(chunk_);
-      if (start >= n_) return;
-      (*job_)(start, std::min(n_, start + chunk_));
-    }
-  }
-  void loop() {
-    std::uint64_t seen = 0;
-    std::unique_lock<std::mutex> lk(mu_);
-    for (;;) {
-      cv_.wait(lk, [&] { return stop_ || epoch_ != seen; });
-      if (stop_) return;
-      seen = epoch_;
-      lk.unlock();
-      work();
-      lk.lock();
-      if (--pending_ == 0) done_cv_.notify_all();
-    }
-  }
-
-  std::vector<std::thread> threads_;
-  std::mutex mu_;
-  std::condition_variable cv_, done_cv_;
-  // The job being run: written under mu_ before epoch_ changes, read by workers after they see
-  // the new epoch (so the lock orders them); next_ hands out chunks.
-  const std::function<void(std::uint32_t, std::uint32_t)>* job_ = nullptr;
-  std::uint32_t n_ = 0, chunk_ = 1;
-  std::atomic<std::uint32_t> next_{0};
-  std::uint32_t pending_ = 0;  // mu_
-  std::uint64_t epoch_ = 0;    // mu_
-  bool stop_ = false;          // mu_
-};
 
 class CpuBackend final : public Backend {
  public:
@@ -236,7 +159,7 @@ class CpuBackend final : public Backend {
            " has no published slot when its pass runs (handshake bug)";
   }
 
-  WorkerPool pool_;
+  cpu::WorkerPool pool_;
   std::mutex mu_;
   std::condition_variable cv_;       // commands queued or stopping
   std::condition_variable idle_cv_;  // queue drained
