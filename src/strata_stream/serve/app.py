@@ -33,6 +33,7 @@ from strata_stream.serve.errors import (
 from strata_stream.serve.generation import GenerationRequest, SamplingParams
 from strata_stream.serve.jobs import Event, Finished, Job, Logprobs, TextChunk, TokenLogprob
 from strata_stream.serve.lockstep import RequestChannel
+from strata_stream.serve.mailbox import Mailbox
 from strata_stream.serve.metrics import ServerMetrics
 from strata_stream.serve.requests import (
     ChatCompletionRequest,
@@ -210,6 +211,7 @@ class _Routes:
         self._context = _context_length(model, config)
         self._vocab = _vocab_size(model)
         self._created = int(time.time())
+        self._mailbox: Mailbox[Event] | None = None  # the event loop's; set on it
 
     # ---- plain routes ------------------------------------------------------------------------
     async def health(self) -> JSONResponse:
@@ -390,10 +392,13 @@ class _Routes:
     def _submit(self, request: Request, gen: GenerationRequest) -> AsyncGenerator[Event, None]:
         """Queues the job; its events until Finished (503 at once when the queue is full)."""
         loop = asyncio.get_running_loop()
+        if self._mailbox is None or self._mailbox.loop is not loop:
+            self._mailbox = Mailbox(loop)
+        mailbox = self._mailbox
         events: asyncio.Queue[Event] = asyncio.Queue()
 
         def deliver(event: Event) -> None:  # runs on the worker thread
-            loop.call_soon_threadsafe(events.put_nowait, event)
+            mailbox.post(events, event)
 
         job = Job(gen, deliver)
         try:
@@ -460,12 +465,15 @@ async def _follow(
     finished = False
     try:
         while True:
-            try:
-                event = await asyncio.wait_for(events.get(), timeout=poll_s)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    return
-                continue
+            if not events.empty():  # the common case while decoding: no timer, no task
+                event = events.get_nowait()
+            else:
+                try:
+                    event = await asyncio.wait_for(events.get(), timeout=poll_s)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return
+                    continue
             yield event
             if isinstance(event, Finished):
                 finished = True
