@@ -11,6 +11,17 @@
 //   the first time has the lowest heat of all and would otherwise be the next victim, before its
 //   next token could use it. If every evictable key is guarded, the least recently used goes.
 //
+// Heat is weighed by what a miss of the key's layer costs. A miss that lookahead read ahead
+// of its layer (a "covered" miss) costs IO but no wait; a miss nobody predicted stalls the
+// layer. The first MoE layer of each token is never predicted, so with equal heat its keys
+// are the expensive ones to lose. Each layer keeps a decayed count of its stalled and covered
+// misses; a key ranks by heat + log(w), w = P(stall) + kIoShare, P(stall) = (stalled + 1) /
+// (stalled + covered + 2). kIoShare = 1/2 is what a covered read still costs against a stalled
+// one: its IO (a read's CPU and bandwidth here are about half its latency); so a layer whose
+// misses all stall weighs three times one whose misses are all covered, the same heat ratio
+// as about 1.1 tau of recency. Without lookahead every layer's w is the same and the order is
+// plain decayed LFU.
+//
 // Units: the access clock counts routed expert uses. The Stream sets tau and guard in tokens
 // (one token = n_layers * top_k uses), not in numbers fitted to one trace: guard = 1 token
 // (none when the arena holds fewer slots than one token's uses, see ExpertStream's
@@ -41,11 +52,16 @@ std::optional<EvictionPolicy> parse_eviction_policy(std::string_view name);
 class KeyHeat {
  public:
   KeyHeat() = default;
-  KeyHeat(std::uint32_t n_keys, double tau_accesses, std::uint64_t guard_accesses)
+  KeyHeat(std::uint32_t n_keys, std::uint32_t keys_per_layer, double tau_accesses,
+          std::uint64_t guard_accesses)
       : heat_(n_keys, -std::numeric_limits<double>::infinity()),
         last_(n_keys, kNever),
+        per_layer_(keys_per_layer == 0 ? 1 : keys_per_layer),
+        misses_((n_keys + per_layer_ - 1) / per_layer_),
         tau_(tau_accesses),
-        guard_(guard_accesses) {}
+        guard_(guard_accesses) {
+    for (LayerMisses& m : misses_) m.log_weight = std::log(0.5 + kIoShare);
+  }
 
   // A routed use. heat = log(sum_i exp(t_i / tau)) over the uses' clock values t_i: comparing
   // two heats compares the decayed counts (every key decays by the same factor), and nothing
@@ -60,15 +76,45 @@ class KeyHeat {
   // Predicted for the next layers: protected like a fresh use, but no heat (a guess is not a use).
   void on_predicted(std::uint32_t key) { last_[key] = clock_; }
 
+  // A routed use that had to read its key now (the layer waits), or that found it read ahead
+  // by lookahead (its first use of a speculative read).
+  void on_stalled_miss(std::uint32_t key) { count_miss(key, true); }
+  void on_covered_miss(std::uint32_t key) { count_miss(key, false); }
+
   bool guarded(std::uint32_t key) const {
     return last_[key] != kNever && clock_ - last_[key] < guard_;
   }
   double heat(std::uint32_t key) const { return heat_[key]; }
+  // What victims are ranked by: heat weighed by the cost of a miss in the key's layer.
+  double ranked_heat(std::uint32_t key) const {
+    return heat_[key] + misses_[key / per_layer_].log_weight;
+  }
+  double stall_weight(std::uint32_t layer) const { return std::exp(misses_[layer].log_weight); }
+
+  static constexpr double kIoShare = 0.5;
 
  private:
   static constexpr std::uint64_t kNever = std::numeric_limits<std::uint64_t>::max();
+  // Counts decay by half once a layer has seen this many misses since: recent behaviour rules.
+  static constexpr double kMissWindow = 4096;
+  struct LayerMisses {
+    double stalled = 0, covered = 0;
+    double log_weight = 0;  // log(P(stall) + kIoShare)
+  };
+  void count_miss(std::uint32_t key, bool stalled) {
+    LayerMisses& m = misses_[key / per_layer_];
+    (stalled ? m.stalled : m.covered) += 1;
+    if (m.stalled + m.covered > kMissWindow) {
+      m.stalled /= 2;
+      m.covered /= 2;
+    }
+    m.log_weight = std::log((m.stalled + 1) / (m.stalled + m.covered + 2) + kIoShare);
+  }
+
   std::vector<double> heat_;          // per key; -inf = never used
   std::vector<std::uint64_t> last_;   // per key: clock of its last use or prediction
+  std::uint32_t per_layer_ = 1;       // keys per layer (n_experts)
+  std::vector<LayerMisses> misses_;   // per layer
   std::uint64_t clock_ = 0;           // routed uses so far
   double tau_ = 1;
   std::uint64_t guard_ = 0;
@@ -107,7 +153,7 @@ class HeatOrder {
       const std::uint32_t key = key_of(s);
       if (heat.guarded(key)) break;  // the touch order is the guard order: the rest are fresher
       fresh_.remove(s);
-      push(Entry{heat.heat(key), s, ++stamp_[s]});
+      push(Entry{heat.ranked_heat(key), s, ++stamp_[s]});
     }
     // Stale entries are dropped as they surface; if touches outpace victims, compact.
     if (heap_.size() > 2 * stamp_.size()) {

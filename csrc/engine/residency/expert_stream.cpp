@@ -78,7 +78,7 @@ ExpertStream::ExpertStream(const std::string& pack_path, const StreamOptions& op
   // trace below 288 slots). So no guard there: I4 still protects the executing and next layer.
   const double token = double(L.n_layers) * L.top_k;
   const std::uint64_t guard = n_slots >= token ? std::uint64_t(token) : 0;
-  heat_ = KeyHeat(L.n_keys(), 16 * token, guard);
+  heat_ = KeyHeat(L.n_keys(), L.n_experts, 16 * token, guard);
   heat_order_ = HeatOrder(n_slots);
   where_.assign(L.n_keys(), -1);
   free_.reserve(n_slots);

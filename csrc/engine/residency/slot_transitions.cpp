@@ -143,6 +143,7 @@ void ExpertStream::make_urgent(std::uint32_t s) {
   if (!sl.used) {
     sl.used = true;
     stats_.spec_hits.fetch_add(1, std::memory_order_relaxed);
+    heat_.on_covered_miss(sl.key);
   }
 }
 

@@ -104,6 +104,7 @@ RequestResult ExpertStream::request_locked(Lock& lk, ClientId who, std::uint32_t
           stats_.spec_requests.fetch_add(1, std::memory_order_relaxed);
         } else {
           ++r.misses;
+          heat_.on_stalled_miss(key);
         }
         break;
       }
