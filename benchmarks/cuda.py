@@ -346,6 +346,12 @@ def plot(results: dict[str, Any], png: Path) -> None:
                           f"{'on' if lookahead else 'off'}")  # fmt: skip
             ax.plot(f, [r["ceiling_tokens_per_s"] for r in rows], marker=marker, ls=":",
                     color="grey", label="ceiling" if lookahead else None)  # fmt: skip
+        lazy = results.get("decode_lazy")  # the same call with STRATA_CUDA_MIRROR_FILL=lazy
+        for lookahead, marker in ((False, "o"), (True, "s")) if lazy else ():
+            rows = [r for r in lazy["rows"] if r["lookahead"] == lookahead]
+            ax.plot([100 * r["arena_fraction"] for r in rows], [r["tokens_per_s"] for r in rows],
+                    marker=marker, ls="--", alpha=0.5, fillstyle="none",
+                    label=f"lazy copies, prediction {'on' if lookahead else 'off'}")  # fmt: skip
         ax.set_xlabel("arena, % of the experts")
         ax.set_ylabel("tokens/s")
         ax.set_yscale("log")

@@ -253,6 +253,17 @@ def test_slots_published_before_the_backend_registered_are_copied_before_their_p
                         got.extend(w.moe(layer, x) for layer, x in enumerate(turn))
             assert testing.check_invariants(stream) == ""
         assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True)), n_slots
+    # The fallback alone (STRATA_CUDA_MIRROR_FILL=lazy: no copy at IO completion), and a bad value.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("STRATA_CUDA_MIRROR_FILL", "lazy")
+        lazy = run(path, config(path, 2 * K), xs, "cuda")
+        assert all(np.array_equal(a, b) for a, b in zip(lazy, want, strict=True))
+        mp.setenv("STRATA_CUDA_MIRROR_FILL", "eager")
+        with (
+            ExpertStream(path, config(path)) as stream,
+            pytest.raises(ConfigError, match="STRATA_CUDA_MIRROR_FILL must be completion or lazy"),
+        ):
+            Window(stream, backend="cuda")
 
 
 @cuda

@@ -1,5 +1,6 @@
 #include "arena_mirror.h"
 
+#include <chrono>
 #include <stdexcept>
 #include <string>
 
@@ -76,6 +77,7 @@ void ArenaMirror::on_record_complete(const CompletedRecord& r) {
     throw std::runtime_error("cuda: a record of " + std::to_string(r.size) +
                              " bytes does not fit a mirror slot of " +
                              std::to_string(slot_bytes_));
+  const auto t0 = std::chrono::steady_clock::now();
   check(cudaSetDevice(0), "cudaSetDevice (IO thread)");
   // The slot's old bytes stop counting before the copy overwrites them (no pass reads this
   // slot while its read is in flight: see arena_mirror.h).
@@ -90,11 +92,18 @@ void ArenaMirror::on_record_complete(const CompletedRecord& r) {
                         cudaMemcpyHostToDevice, lane.stream),
         "slot copy at IO completion");
   check(cudaEventRecord(lane.done, lane.stream), "cudaEventRecord (slot copy)");
+  const auto t1 = std::chrono::steady_clock::now();
   // The IO thread waits here (its preads, other threads', overlap the copy): the record is
   // published only once its device bytes are complete, so any kernel launched after that reads
   // them (a completed copy is visible to every later launch, on any stream).
   check(cudaEventSynchronize(lane.done), "slot copy at IO completion");
   tags_[r.slot].store(r.key, std::memory_order_release);
+  const auto t2 = std::chrono::steady_clock::now();
+  using ns = std::chrono::nanoseconds;
+  issue_ns_.fetch_add(std::uint64_t(std::chrono::duration_cast<ns>(t1 - t0).count()),
+                      std::memory_order_relaxed);
+  wait_ns_.fetch_add(std::uint64_t(std::chrono::duration_cast<ns>(t2 - t1).count()),
+                     std::memory_order_relaxed);
   at_completion_.fetch_add(1, std::memory_order_relaxed);
 }
 

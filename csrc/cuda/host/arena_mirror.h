@@ -62,6 +62,9 @@ class ArenaMirror final : public RecordObserver {
     return at_completion_.load(std::memory_order_relaxed);
   }
   std::uint64_t copies_lazy() const { return lazy_.load(std::memory_order_relaxed); }
+  // The IO threads' time in on_record_complete: queueing the copy, and waiting for it (ns).
+  std::uint64_t issue_ns() const { return issue_ns_.load(std::memory_order_relaxed); }
+  std::uint64_t wait_ns() const { return wait_ns_.load(std::memory_order_relaxed); }
 
  private:
   struct Lane {
@@ -79,7 +82,8 @@ class ArenaMirror final : public RecordObserver {
   std::uint64_t slot_bytes_ = 0, record_bytes_ = 0;      // mu_
   std::mutex lanes_mu_;
   std::vector<Lane> free_lanes_, all_lanes_;  // lanes_mu_
-  std::atomic<std::uint64_t> at_completion_{0}, lazy_{0};  // counts, for STRATA_CUDA_TRACE
+  // Counts and times, for STRATA_CUDA_TRACE (relaxed: read when the backend goes).
+  std::atomic<std::uint64_t> at_completion_{0}, lazy_{0}, issue_ns_{0}, wait_ns_{0};
 };
 
 }  // namespace strata::cuda
