@@ -173,7 +173,7 @@ TEST_CASE("nothing is published while an observer is inside the record's complet
   std::remove(path.c_str());
 }
 
-TEST_CASE("a throwing observer is the record's read error, naming its cause; the stream stays usable") {
+TEST_CASE("a throwing observer is the read error, naming its cause; the stream stays usable") {
   TestGeometry g;
   auto path = build_test_pack(g, "observer_throw");
   PackLayout L = read_pack_layout(path);
