@@ -254,14 +254,20 @@ def decode(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).parent))
     from decode import decode_run  # the synthetic driver's timed decode (benchmarks/decode.py)
 
-    path = tmp / "qwen3-30b-a3b-like.strpk"
-    t0 = time.perf_counter()
-    make_pack(path, args.decode_layers, 128, 2048, 768, 8)
-    print(f"packed {path.stat().st_size / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s",
-          flush=True)  # fmt: skip
+    path = args.decode_pack or tmp / "qwen3-30b-a3b-like.strpk"
+    if not path.is_file():
+        t0 = time.perf_counter()
+        make_pack(path, args.decode_layers, 128, 2048, 768, 8)
+        print(f"packed {path.stat().st_size / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s",
+              flush=True)  # fmt: skip
     out: dict[str, Any] = {"layers": args.decode_layers, "experts": 128, "backend": "cuda"}
     with ExpertPack.open(path) as pack:
         g, stride, first = pack.geometry, pack.record_stride, pack.records_offset
+        if (g.n_layers, g.n_experts, g.hidden, g.moe_intermediate, g.top_k) != (
+            args.decode_layers, 128, 2048, 768, 8
+        ):
+            raise SystemExit(f"--decode-pack {path}: not a {args.decode_layers}-layer "
+                             "qwen3-30b-a3b-like pack (another geometry)")  # fmt: skip
         n_all = g.n_layers * g.n_experts
         base = StreamConfig(io_threads=args.io_threads, part_bytes=args.part_bytes,
                             direct_io=False, persist_profile=False)  # fmt: skip
@@ -340,6 +346,12 @@ def plot(results: dict[str, Any], png: Path) -> None:
                           f"{'on' if lookahead else 'off'}")  # fmt: skip
             ax.plot(f, [r["ceiling_tokens_per_s"] for r in rows], marker=marker, ls=":",
                     color="grey", label="ceiling" if lookahead else None)  # fmt: skip
+        lazy = results.get("decode_lazy")  # the same call with STRATA_CUDA_MIRROR_FILL=lazy
+        for lookahead, marker in ((False, "o"), (True, "s")) if lazy else ():
+            rows = [r for r in lazy["rows"] if r["lookahead"] == lookahead]
+            ax.plot([100 * r["arena_fraction"] for r in rows], [r["tokens_per_s"] for r in rows],
+                    marker=marker, ls="--", alpha=0.5, fillstyle="none",
+                    label=f"lazy copies, prediction {'on' if lookahead else 'off'}")  # fmt: skip
         ax.set_xlabel("arena, % of the experts")
         ax.set_ylabel("tokens/s")
         ax.set_yscale("log")
@@ -378,6 +390,10 @@ def main() -> int:
     ap.add_argument("--decode", action="store_true", help="the IO and decode-throughput figures")
     ap.add_argument("--decode-layers", type=int, default=4)
     ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--decode-pack", type=Path,
+                    help="the --decode pack: written there when absent, else reused")  # fmt: skip
+    ap.add_argument("--write-decode-pack", action="store_true",
+                    help="only write --decode-pack (while something else runs)")  # fmt: skip
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.10, 0.25, 0.50, 1.00])
     ap.add_argument("--io-threads", type=int, default=4)
@@ -397,6 +413,11 @@ def main() -> int:
         ap.error(f"--io-reference: no such file: {args.io_reference}")
     if args.io_depth < 1:
         ap.error(f"--io-depth must be at least 1, got {args.io_depth}")
+    if args.write_decode_pack:
+        if not args.decode_pack:
+            ap.error("--write-decode-pack needs --decode-pack")
+        make_pack(args.decode_pack, args.decode_layers, 128, 2048, 768, 8)
+        return 0
     if args.load:
         results = json.loads(args.load.read_text())
     else:

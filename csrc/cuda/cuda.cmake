@@ -46,6 +46,7 @@ if(CMAKE_CUDA_COMPILER AND NOT STRATA_CUDA STREQUAL "OFF")
     csrc/cuda/kernels/route.cu
     csrc/cuda/kernels/experts.cu
     csrc/cuda/host/cuda_backend.cpp
+    csrc/cuda/host/arena_mirror.cpp
     csrc/cuda/host/host_registry.cpp
   )
   set_target_properties(strata_cuda PROPERTIES

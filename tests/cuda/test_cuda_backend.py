@@ -230,6 +230,43 @@ def test_bitwise_across_arena_sizes_split_lookahead_and_chunking(
 
 
 @cuda
+def test_slots_published_before_the_backend_registered_are_copied_before_their_pass(
+    tmp_path: Path,
+) -> None:
+    """Device arena: the mirror is filled at IO completion, by the backend's record observer,
+    before the stream publishes a record; a slot published before the backend registered (here
+    by a CPU Window on the same stream) has no device copy, and the fallback copies it on the
+    kernels' stream before the pass reads it. Then, in a small arena, slots are recycled and
+    refilled at IO completion while the same Window runs. The bits are a cold run's."""
+    path = make_pack(tmp_path, "q8", 64, "bf16")
+    xs = turns(384, [1, 9, 1, 4])
+    want = run(path, config(path), xs, "cuda")
+    for n_slots in (L * E, 2 * K + 2):
+        got: list[np.ndarray] = []
+        with ExpertStream(path, config(path, n_slots)) as stream:
+            with Window(stream, backend="cpu") as cpu, cpu.turn():  # fills slots, no observer
+                for layer, x in enumerate(xs[0]):
+                    cpu.moe(layer, x)
+            with Window(stream, backend="cuda") as w:
+                for turn in xs:
+                    with w.turn():
+                        got.extend(w.moe(layer, x) for layer, x in enumerate(turn))
+            assert testing.check_invariants(stream) == ""
+        assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True)), n_slots
+    # The fallback alone (STRATA_CUDA_MIRROR_FILL=lazy: no copy at IO completion), and a bad value.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("STRATA_CUDA_MIRROR_FILL", "lazy")
+        lazy = run(path, config(path, 2 * K), xs, "cuda")
+        assert all(np.array_equal(a, b) for a, b in zip(lazy, want, strict=True))
+        mp.setenv("STRATA_CUDA_MIRROR_FILL", "eager")
+        with (
+            ExpertStream(path, config(path)) as stream,
+            pytest.raises(ConfigError, match="STRATA_CUDA_MIRROR_FILL must be completion or lazy"),
+        ):
+            Window(stream, backend="cuda")
+
+
+@cuda
 @pytest.mark.parametrize("plant", ["gate_up", "route"])
 def test_a_planted_kernel_change_fails_the_parity(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plant: str

@@ -18,6 +18,7 @@
 #include <tuple>
 #include <vector>
 
+#include "arena_mirror.h"
 #include "host_registry.h"
 #include "kernels/kernels.h"
 #include "residency/smap.h"
@@ -174,11 +175,24 @@ std::string device_pointer_problem(const void* p, const char* what) {
 }
 
 // Where the kernels read experts (STRATA_CUDA_ARENA, read when the backend is made).
-//   Device (default): a device-memory mirror of the arena, slot for slot. Before a pass the
-//     device thread copies each slot it will read whose mirror does not hold that key yet
-//     (stream-ordered, from the registered host arena), so the kernels read HBM.
+//   Device (default): a device-memory mirror of the arena, slot for slot (arena_mirror.h),
+//     filled at IO completion on copy streams before the stream publishes a record, so the
+//     kernels read HBM; a published slot whose mirror holds another key (read before this
+//     backend registered) is copied by the device thread before the pass, on its stream.
 //   Mapped: the kernels read the host arena itself through the mapping (over PCIe).
 enum class ArenaMode : std::uint8_t { Device, Mapped };
+
+// How the device mirror is filled (STRATA_CUDA_MIRROR_FILL, read when the backend is made):
+//   completion (default): at IO completion, on copy streams, before publication (arena_mirror.h);
+//   lazy: only by the device thread before the pass that reads a slot (the fallback alone, as
+//     before the record observer existed: for comparison).
+bool fill_at_completion_from_env() {
+  const char* v = std::getenv("STRATA_CUDA_MIRROR_FILL");
+  if (!v || !*v || std::strcmp(v, "completion") == 0) return true;
+  if (std::strcmp(v, "lazy") == 0) return false;
+  throw std::runtime_error(
+      std::string("STRATA_CUDA_MIRROR_FILL must be completion or lazy, got '") + v + "'");
+}
 
 ArenaMode arena_mode_from_env() {
   const char* v = std::getenv("STRATA_CUDA_ARENA");
@@ -190,7 +204,8 @@ ArenaMode arena_mode_from_env() {
 
 class CudaBackend final : public Backend {
  public:
-  CudaBackend() : mode_(arena_mode_from_env()) {
+  CudaBackend()
+      : mode_(arena_mode_from_env()), fill_at_completion_(fill_at_completion_from_env()) {
     check(cudaSetDevice(0), "cudaSetDevice");
     check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
     void* p = nullptr;
@@ -243,6 +258,11 @@ class CudaBackend final : public Backend {
   }
   ArenaMode mode() const { return mode_; }
 
+  // Device mode: the mirror, filled at IO completion (the Window registers it after bind()).
+  RecordObserver* record_observer() override {
+    return mode_ == ArenaMode::Device && fill_at_completion_ ? &mirror_ : nullptr;
+  }
+
   void bind(const DeviceBuffers& b) override {
     synchronize();
     std::lock_guard<std::mutex> lk(mu_);
@@ -273,13 +293,10 @@ class CudaBackend final : public Backend {
       dev_.arena = static_cast<const unsigned char*>(a);
       dev_.smap = static_cast<const std::uint32_t*>(s);
       if (mode_ == ArenaMode::Device) {
-        mirror_.reset();
-        mirror_.ensure(arena_bytes);
-        dev_.arena = mirror_.as<const unsigned char>();
-        mirror_key_.assign(b.n_slots, kAbsentSlot);  // nothing copied yet
+        mirror_.allocate(b.n_slots, b.slot_bytes, L.record_bytes);  // nothing mirrored yet
+        dev_.arena = mirror_.device();
       }
     }
-    record_bytes_ = L.record_bytes;
     n_experts_ = L.n_experts;
     dev_.slot_bytes = b.slot_bytes;
     dev_.n_slots = b.n_slots;
@@ -640,7 +657,14 @@ class CudaBackend final : public Backend {
       if (op_calls_[i])
         std::fprintf(stderr, " %s %.1f x%llu", names[i], 1e-3 * double(op_ns_[i]) / double(op_calls_[i]),
                      static_cast<unsigned long long>(op_calls_[i]));
-    std::fprintf(stderr, " | slot copies %llu", static_cast<unsigned long long>(mirror_copies_));
+    const std::uint64_t at_io = mirror_.copies_at_completion();
+    std::fprintf(stderr,
+                 " | slot copies at IO completion %llu (IO thread us a copy: %.1f queueing, %.1f"
+                 " waiting), lazy %llu",
+                 static_cast<unsigned long long>(at_io),
+                 at_io ? 1e-3 * double(mirror_.issue_ns()) / double(at_io) : 0.0,
+                 at_io ? 1e-3 * double(mirror_.wait_ns()) / double(at_io) : 0.0,
+                 static_cast<unsigned long long>(mirror_.copies_lazy()));
     const auto [p50, p90, n] = crossing_us();
     std::fprintf(stderr,
                  " | GPU idle across a handshake (Signal to release): p50 %.1f us, p90 %.1f us,"
@@ -694,20 +718,15 @@ class CudaBackend final : public Backend {
     return layer * n_experts_ + std::uint32_t(expert);
   }
 
-  // Device mode: makes slot smap[key]'s mirror hold `key`. A published slot is complete and
-  // stays so while its layer runs (I1, I4, I8); the copy is queued before the kernels that read
-  // it, on their stream, and the layer's last Signal drains the stream before the host may
-  // recycle the slot. A mirror tagged with a key holds that key's bytes: records never change.
-  // An absent key is left to the group kernel, which reports it.
+  // Device mode: makes slot smap[key]'s mirror hold `key`: already so when the copy at IO
+  // completion did it (arena_mirror.h); else (the fallback) a copy queued before the kernels
+  // that read it, on their stream. A published slot is complete and stays so while its layer
+  // runs (I1, I4, I8), and the layer's last Signal drains the stream before the host may
+  // recycle it. An absent key is left to the grouping, which reports it.
   void mirror(std::uint32_t k) {
     const std::uint32_t slot = smap_load(host_.smap, k);
-    if (slot == kAbsentSlot || slot >= host_.n_slots || mirror_key_[slot] == k) return;
-    const std::uint64_t off = std::uint64_t(slot) * host_.slot_bytes;
-    check(cudaMemcpyAsync(mirror_.as<unsigned char>() + off, host_.arena + off, record_bytes_,
-                          cudaMemcpyHostToDevice, stream_),
-          "slot copy");
-    mirror_key_[slot] = k;
-    ++mirror_copies_;
+    if (slot == kAbsentSlot || slot >= host_.n_slots) return;
+    mirror_.ensure(slot, k, host_.arena, stream_);
   }
 
   bool pass_is_empty(std::uint32_t rows, Pass pass) const {
@@ -727,14 +746,7 @@ class CudaBackend final : public Backend {
       if (pass == Pass::Resident) {
         // The plan's slot (it is smap[k] still: the layer's slots stay put, I8).
         const std::uint32_t slot = host_plan_[i];
-        if (slot < host_.n_slots && mirror_key_[slot] != k) {
-          const std::uint64_t off = std::uint64_t(slot) * host_.slot_bytes;
-          check(cudaMemcpyAsync(mirror_.as<unsigned char>() + off, host_.arena + off,
-                                record_bytes_, cudaMemcpyHostToDevice, stream_),
-                "slot copy");
-          mirror_key_[slot] = k;
-          ++mirror_copies_;
-        }
+        if (slot < host_.n_slots) mirror_.ensure(slot, k, host_.arena, stream_);
       } else {
         mirror(k);
       }
@@ -859,14 +871,14 @@ class CudaBackend final : public Backend {
   std::size_t up_used_ = 0;
   std::size_t back_ids_ = 0, back_weights_ = 0, back_pred_[2] = {0, 0}, back_out_ = 0;
   const ArenaMode mode_;
-  DeviceArray mirror_;                    // Device mode: the arena's device copy
-  std::uint64_t record_bytes_ = 0;
+  const bool fill_at_completion_;  // STRATA_CUDA_MIRROR_FILL
+  // Device mode: the arena's device copy and its per-slot tags, written by the IO threads (at
+  // IO completion) and the device thread (the fallback): its own locks (arena_mirror.h).
+  ArenaMirror mirror_;
   std::uint32_t n_experts_ = 0;
   // The device thread's own (bind() resets them while it is idle).
-  std::vector<std::uint32_t> mirror_key_;  // per slot: the key its mirror holds, or absent
   std::vector<std::uint32_t> host_plan_;   // Device mode: the last Plan's snapshot
   std::vector<std::uint32_t> host_groups_;  // Device mode: group_on_host()'s upload
-  std::uint64_t mirror_copies_ = 0;
   const bool trace_ = std::getenv("STRATA_CUDA_TRACE") != nullptr;
   std::uint64_t op_ns_[9] = {}, op_calls_[9] = {};  // the device thread's (trace_)
   static constexpr std::size_t kMaxCrossings = 1 << 14;

@@ -13,6 +13,7 @@
 #include "policy/moce.h"
 #include "pack/pack_file.h"
 #include "exec/shared_event.h"
+#include "residency/record_observer.h"
 
 namespace strata {
 
@@ -136,6 +137,11 @@ class Backend {
     if (io.x || io.out)
       throw std::logic_error("the " + name() + " backend cannot read or write device memory");
   }
+  // What must happen to a record's bytes before the stream may publish it (a device copy:
+  // residency/record_observer.h), or null (the default: the device reads the host arena, or
+  // copies lazily). The Window registers it with the stream after the first bind() and removes
+  // it before the backend goes; the backend owns it.
+  virtual RecordObserver* record_observer() { return nullptr; }
   // Runs asynchronously, in order, after everything submitted before it. The commands are
   // copied: the caller reuses its vector.
   virtual void submit(const std::vector<Command>& commands) = 0;

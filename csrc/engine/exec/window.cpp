@@ -137,8 +137,16 @@ Window::Window(ExpertStream& stream, std::unique_ptr<Backend> backend,
   gov_issued_ = std::uint64_t(snap.at("spec_requests"));
   gov_used_ = std::uint64_t(snap.at("spec_hits"));
   ensure_scratch(1);
+  // The backend's hook at IO completion (a device copy before publication: docs/cuda.md), once
+  // its buffers are bound; removed again if the registration below fails.
+  if (RecordObserver* o = backend_->record_observer()) observer_ = stream_.add_observer(o);
   // Last: once registered, the stream's close() may call close() on this Window.
-  client_ = stream_.open_client([this] { close(); });
+  try {
+    client_ = stream_.open_client([this] { close(); });
+  } catch (...) {
+    if (observer_) stream_.remove_observer(*observer_);
+    throw;
+  }
 }
 
 Window::~Window() {
@@ -189,6 +197,10 @@ void Window::close() {
 }
 
 void Window::teardown() {
+  // First, so that no new IO completion calls into the backend; returns once no IO thread is
+  // inside its observer (a device copy in progress finishes), so the backend may then go.
+  if (observer_) stream_.remove_observer(*observer_);
+  observer_.reset();
   backend_->abort_pending();
   backend_->synchronize();  // no device work in flight from here
   stream_.release_client(client_);  // the turn's protections and pins end with it

@@ -27,6 +27,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -339,6 +340,10 @@ class Window {
   std::thread::id busy_thread_;            // door_mu_: which thread runs it
   std::uint32_t next_layer_ = 0;           // door_mu_
   ClientId client_ = kStreamClient;        // immutable after construction
+  // The backend's record observer registered with the stream (Backend::record_observer), from
+  // construction until teardown(), which removes it (waiting out an IO thread inside it) before
+  // the backend goes. Set in the constructor, cleared by teardown (under the Closing state).
+  std::optional<ObserverId> observer_;
   std::atomic<std::uint64_t> scratch_bytes_{0};
 
   // stats_mu_: figures written by the driving call and read by any thread.

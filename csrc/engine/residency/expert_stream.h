@@ -16,6 +16,11 @@
 // (STRATA_ASSERT, on in debug and sanitizer builds); the invariant checker scans the whole table
 // for I1 and I3-I7 on demand, and tests/test_stream_state_machine.py calls it after every step.
 //
+// IO completion observers (residency/record_observer.h): observers_mu_ guards the list and each
+// entry's count of calls in progress; IO threads call observers holding neither lock, and
+// remove_observer waits on observers_cv_ until no call into the removed observer is in progress.
+// observers_mu_ and mu_ are never held together.
+//
 // Tests reach the hooks that are no part of the product (manual IO, fault injection, the
 // invariant checker, forced eviction) through StreamTesting (residency/stream_testing.h) only.
 //
@@ -30,6 +35,7 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -44,6 +50,7 @@
 #include "residency/lru_list.h"
 #include "residency/protection_set.h"
 #include "pack/pack_file.h"
+#include "residency/record_observer.h"
 #include "residency/slot.h"
 #include "residency/stats.h"
 #include "common/timing.h"
@@ -117,9 +124,12 @@ struct SlotInfo {
 using InterruptCheck = std::function<void()>;
 
 // Why a failed slot failed (Slot::err), where it is not an errno (> 0): a read that came back
-// short (kShortRead), or a record that failed its CRC32C (kChecksumMismatch).
+// short (kShortRead), a record that failed its CRC32C (kChecksumMismatch), or one a record
+// observer refused (kObserverFailed).
 constexpr int kShortRead = -1;
 constexpr int kChecksumMismatch = -2;
+// A record observer (record_observer.h) threw at IO completion; Slot::cause says why.
+constexpr int kObserverFailed = -3;
 
 class FaultInjector;        // residency/fault_injection.h: tests' failing reads
 struct StreamTesting;       // residency/stream_testing.h: the testing seam
@@ -169,6 +179,17 @@ class ExpertStream {
   const StreamOptions& options() const { return opt_; }
   // One layer's top-k being executed plus the next layer's, whose router may be running.
   static std::uint32_t min_slots(const PackLayout& L) { return 2 * L.top_k; }
+
+  // ---- IO completion observers (residency/record_observer.h) -------------------------------
+  // Registers `observer`: it sees every record whose reads complete after this returns (a
+  // record completing meanwhile may or may not be seen), before the record can be published.
+  // The caller keeps it alive until remove_observer returned.
+  ObserverId add_observer(RecordObserver* observer);
+  // Unregisters it and returns once no thread is inside it (a call in progress finishes first;
+  // none starts after), so the observer may then be destroyed. Unknown ids are ignored. Never
+  // from inside an observer (it would wait for itself).
+  void remove_observer(ObserverId id);
+  std::size_t n_observers() const;
 
   // ---- requests -------------------------------------------------------------------------
   // Urgent: every expert becomes resident or loading, evicting if needed (waits for an in-flight
@@ -322,6 +343,9 @@ class ExpertStream {
   // queued and an IO thread sleeps, so wake one once mu_ is released.
   void execute_job(Lock& lk, const IoJob& job, bool wake_another = false);
   void on_reads_finished(std::uint32_t s);
+  // Calls every registered observer on a record whose bytes are complete (without mu_); false,
+  // with the first failure's message in `cause`, when one threw (the rest are not called).
+  bool notify_observers(const CompletedRecord& record, std::string* cause);
   std::int32_t take_slot(bool speculative);
   std::int32_t pick_victim(bool speculative) const;
   bool evictable(std::uint32_t s, bool speculative) const;  // no rule protects slot s
@@ -392,6 +416,20 @@ class ExpertStream {
   std::vector<std::thread> threads_;
   // Consulted by every part read (one relaxed load while no fault was ever added); its own lock.
   std::unique_ptr<FaultInjector> faults_;
+  // observers_mu_: the registered record observers, in registration order. A std::list so an
+  // entry an IO thread is calling stays put while others are added or removed; `calls` counts
+  // the calls in progress (remove_observer waits on observers_cv_ for 0), `removed` stops new
+  // ones. Lock order: observers_mu_ is never taken with mu_ held, nor mu_ with it held.
+  struct ObserverEntry {
+    ObserverId id;
+    RecordObserver* observer;
+    std::uint32_t calls = 0;
+    bool removed = false;
+  };
+  mutable std::mutex observers_mu_;
+  std::condition_variable observers_cv_;  // a call into a removed observer returned
+  std::list<ObserverEntry> observers_;    // observers_mu_
+  std::uint32_t next_observer_ = 1;       // observers_mu_
   StreamStats stats_;
 };
 

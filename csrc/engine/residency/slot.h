@@ -13,6 +13,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace strata {
@@ -54,6 +55,7 @@ struct Slot {
   // (expert_stream.h); 0 while nothing failed.
   std::int32_t err = 0;
   std::uint64_t err_offset = 0; // file offset of the first failed part
+  std::string cause;            // kObserverFailed: the observer's message
   std::uint64_t last_use = 0;   // LRU clock
   std::uint32_t pins = 0;       // plan-resident pins (I8)
   std::uint32_t gen = 0;        // bumped by every recycle/cancel; IO jobs carry it

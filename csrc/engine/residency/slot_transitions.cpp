@@ -21,6 +21,7 @@ void ExpertStream::assign(std::uint32_t s, std::uint32_t key, ReadClass cls) {
   sl.used = cls == ReadClass::Urgent;
   sl.err = 0;
   sl.err_offset = 0;
+  sl.cause.clear();
   sl.unread.clear();
   touch(s);
   sl.state.store(SlotState::Queued, std::memory_order_release);

@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <exception>
+#include <string>
 #include <thread>
 
 #include "common/check.h"
@@ -84,20 +86,30 @@ void ExpertStream::execute_job(Lock& lk, const IoJob& job, bool wake_another) {
     sl.err = err;
     sl.err_offset = offset;
   }
-  // The record's last part: check the CRC32C of the whole record before the part counts as done,
-  // with mu_ released (milliseconds at the start, now ~0.2 ms for 2.6 MB, but never under the
-  // lock every IO thread and the handshake need). Until ++parts_done the part is in flight, so
-  // no recycle, eviction or limbo release touches the slot (I4, I7); park and revive may run.
-  if (opt_.verify_reads && !opt_.simulate_io && !sl.failed_part &&
-      sl.parts_done + 1 == sl.parts_total) {
+  // The record's last part: check the CRC32C of the whole record, then hand its bytes to the
+  // record observers (a backend's device copy: record_observer.h), both before the part counts
+  // as done and with mu_ released (the CRC is ~0.2 ms for 2.6 MB, an observer may block on a
+  // copy, and every IO thread and the handshake need the lock). Until ++parts_done the part is
+  // in flight, so no recycle, eviction or limbo release touches the slot (I4, I7), and nothing
+  // publishes it (on_reads_finished runs after): I1 holds for the observers' copies too. park
+  // and revive may run meanwhile.
+  if (!sl.failed_part && sl.parts_done + 1 == sl.parts_total) {
     const unsigned char* record = arena_->slot(job.slot);
+    const std::uint64_t record_bytes = layout().record_bytes;
+    const bool verify = opt_.verify_reads && !opt_.simulate_io;
     lk.unlock();
-    const bool bad = crc32c(record, std::size_t(layout().record_bytes)) != file_->checksums()[key];
+    int why = 0;
+    std::string cause;
+    if (verify && crc32c(record, std::size_t(record_bytes)) != file_->checksums()[key])
+      why = kChecksumMismatch;
+    else if (!notify_observers(CompletedRecord{job.slot, key, record, record_bytes}, &cause))
+      why = kObserverFailed;
     lk.lock();
-    if (bad && !sl.failed_part) {
+    if (why != 0 && !sl.failed_part) {
       sl.failed_part = true;
-      sl.err = kChecksumMismatch;
+      sl.err = why;
       sl.err_offset = layout().record_offset(key);
+      sl.cause = std::move(cause);
     }
   }
   ++sl.parts_done;
@@ -137,6 +149,56 @@ void ExpertStream::on_reads_finished(std::uint32_t s) {
   stats_.reads_completed.fetch_add(1, std::memory_order_relaxed);
   // I2: only urgent completions publish from the IO side; speculation waits for publish(l).
   if (sl.cls == ReadClass::Urgent) publish_slot(s);
+}
+
+bool ExpertStream::notify_observers(const CompletedRecord& record, std::string* cause) {
+  std::unique_lock<std::mutex> ol(observers_mu_);
+  // The entry being called stays in the list (remove_observer waits for its calls to end), and
+  // the iterator only moves with observers_mu_ held, so others may come and go meanwhile.
+  for (auto it = observers_.begin(); it != observers_.end(); ++it) {
+    if (it->removed) continue;
+    ++it->calls;
+    ol.unlock();
+    bool ok = true;
+    try {
+      it->observer->on_record_complete(record);
+    } catch (const std::exception& e) {
+      *cause = e.what();
+      ok = false;
+    } catch (...) {
+      *cause = "unknown exception";
+      ok = false;
+    }
+    ol.lock();
+    if (--it->calls == 0 && it->removed) observers_cv_.notify_all();
+    if (!ok) return false;
+  }
+  return true;
+}
+
+ObserverId ExpertStream::add_observer(RecordObserver* observer) {
+  if (!observer) throw EngineError(ErrorKind::Config, "add_observer: a null observer");
+  std::lock_guard<std::mutex> ol(observers_mu_);
+  const ObserverId id{next_observer_++};
+  observers_.push_back(ObserverEntry{id, observer});
+  return id;
+}
+
+void ExpertStream::remove_observer(ObserverId id) {
+  std::unique_lock<std::mutex> ol(observers_mu_);
+  auto it = std::find_if(observers_.begin(), observers_.end(),
+                         [&](const ObserverEntry& e) { return e.id == id && !e.removed; });
+  if (it == observers_.end()) return;
+  it->removed = true;  // no call starts from now on
+  observers_cv_.wait(ol, [&] { return it->calls == 0; });
+  observers_.erase(it);
+}
+
+std::size_t ExpertStream::n_observers() const {
+  std::lock_guard<std::mutex> ol(observers_mu_);
+  std::size_t n = 0;
+  for (const ObserverEntry& e : observers_) n += !e.removed;
+  return n;
 }
 
 std::vector<JobInfo> ExpertStream::pending_jobs() const {

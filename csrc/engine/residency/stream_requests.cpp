@@ -172,6 +172,9 @@ void ExpertStream::throw_read_error(std::uint32_t s) {
   else if (err == kChecksumMismatch)
     m << "checksum mismatch: the record read fails its CRC32C (the file changed on disk or is "
          "corrupt) (errno 0)";
+  else if (err == kObserverFailed)
+    m << "the record was read but a backend could not take it at IO completion: " << sl.cause
+      << " (errno 0)";
   else
     m << "short read (errno 0)";
   recycle(s);
