@@ -32,6 +32,7 @@ from strata_stream.convert import convert  # noqa: E402
 from strata_stream.mlx_lm import load  # noqa: E402
 from strata_stream.mlx_lm.families import family_of  # noqa: E402
 from strata_stream.mlx_lm.loader import _find_blocks  # noqa: E402
+from strata_stream.stream import ABSENT  # noqa: E402
 from strata_stream.units import human_bytes  # noqa: E402
 
 FAMILIES = list(CONFIGS)
@@ -523,7 +524,9 @@ def test_each_two_layer_flag_alone_runs_only_the_gates_the_engine_uses(
     """The engine decides which next-layer gates run (Window.wants_predictions); the loader
     runs exactly those and the Window reads what they predict: decode_prefetch2 alone gives a
     decode token router l+2 and a prompt none, prompt_pred2 alone the other way round, on the
-    CPU-backend path and on the MLX-kernel path alike. Output stays bitwise the same."""
+    CPU-backend path and on the MLX-kernel path alike, and no gate of a layer whose experts
+    are all resident in an arena of every expert (nothing left to read). Output stays bitwise
+    the same."""
     base = fam.load(experts)
     closing.append(base)
     want_logits, want_greedy = logits(base), greedy(base)
@@ -532,13 +535,21 @@ def test_each_two_layer_flag_alone_runs_only_the_gates_the_engine_uses(
     engine = model.strata_engine
     window = engine.window
     n_layers = window.n_layers
-    calls: list[tuple[int, int, bool, bool]] = []
+    calls: list[tuple[int, int, bool, bool, list[bool]]] = []
     name = "moe_routed" if experts == "cpu" else "moe_routed_external"
     inner = getattr(window, name)
+    stream = engine.stream
+    n_experts = stream.n_experts
+    everything = stream.n_slots >= n_layers * n_experts
+
+    def resident(layer: int) -> bool:  # every expert of `layer` published, for good
+        keys = stream.smap[layer * n_experts : (layer + 1) * n_experts]
+        return everything and layer < n_layers and bool((keys != ABSENT).all())
 
     def spy(layer: int, *args: Any, pred1: Any = None, pred2: Any = None, **kw: Any) -> Any:
         rows = int(np.asarray(args[1] if experts == "cpu" else args[0]).shape[0])
-        calls.append((layer, rows, pred1 is not None, pred2 is not None))
+        done = [resident(layer + d) for d in (0, 1, 2)]
+        calls.append((layer, rows, pred1 is not None, pred2 is not None, done))
         return inner(layer, *args, pred1=pred1, pred2=pred2, **kw)
 
     setattr(window, name, spy)
@@ -547,11 +558,12 @@ def test_each_two_layer_flag_alone_runs_only_the_gates_the_engine_uses(
     prompt_reads = engine.stream.stats()["spec_requests"] - before
     assert greedy(model) == want_greedy
     decode_rows = engine.config.decode_rows
-    for layer, rows, has1, has2 in calls:
+    for layer, rows, has1, has2, done in calls:
         decode = rows <= decode_rows
         on = flag == ("decode_prefetch2" if decode else "prompt_pred2")
-        assert has1 == (layer + 1 < n_layers), (layer, rows)
-        assert has2 == (on and layer + 2 < n_layers), (layer, rows, flag)
-    assert {rows <= decode_rows for _, rows, _, _ in calls} == {True, False}  # both sizes ran
+        assert has1 == (layer + 1 < n_layers and not done[1]), (layer, rows)
+        assert has2 == (on and layer + 2 < n_layers and not done[2]), (layer, rows, flag)
+    assert {rows <= decode_rows for _, rows, _, _, _ in calls} == {True, False}  # both sizes ran
+    assert any(c[2] for c in calls)  # the gates ran while their layers were being read
     assert prompt_reads > 0  # the predictions were read (a fresh arena holds nothing)
     assert window.stats()["total"]["pred_predicted"] > 0

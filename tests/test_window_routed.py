@@ -350,3 +350,43 @@ def test_prediction_precision_is_counted_per_chunk_of_a_long_call(tmp_path: Path
         want["pred_actual"] += len(a)
     assert 0 < want["pred_correct"] < want["pred_predicted"]  # the check can tell them apart
     assert {k: got[k] for k in want} == want
+
+
+@pytest.mark.parametrize("all_fit", [True, False])
+def test_no_prediction_of_a_layer_resident_for_good(tmp_path: Path, all_fit: bool) -> None:
+    """With an arena of every expert, a layer whose experts are all published stays so, and a
+    prediction of it would read and protect nothing: wants_predictions leaves it out (at
+    all-resident decode the caller then runs no next-layer gate). With a smaller arena the same
+    resident layer can still be evicted, so its prediction stays. Output is the same bits."""
+    pack_path = _pack(tmp_path, "p")
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((1, H)).astype(np.float32)
+    with ExpertPack.open(pack_path) as pack:
+        slots = L * E if all_fit else L * E - 1
+        cfg = StreamConfig(
+            arena_bytes=slots * pack.record_stride, io_threads=2, direct_io=False,
+            prefetch_backoff=False, persist_profile=False, decode_prefetch2=True,
+        )  # fmt: skip
+    every = np.tile(np.arange(E, dtype=np.int32), (E // K, 1)).reshape(-1, K)  # each expert once
+    w_every = np.full(every.shape, 1.0 / K, dtype=np.float32)
+    ids, w = _routing(rng, 1)
+    with ExpertStream(pack_path, cfg) as stream, Window(stream) as window:
+        assert window.wants_predictions(0, 1) == (True, True)  # nothing resident yet
+        with window.turn():  # reads every expert of layers 0 and 1 (and 2, 3 for the turn)
+            for layer in range(L):
+                window.moe_routed(layer, np.repeat(x, len(every), 0), every, w_every)
+        smap = stream.smap
+        layer1 = smap[E : 2 * E] != ABSENT
+        assert layer1.all() and (smap[2 * E : 3 * E] != ABSENT).all()
+        assert window.wants_predictions(0, 1) == ((False, False) if all_fit else (True, True))
+        with window.turn():  # the caller brings what the engine wants; the bits do not care
+            want = window.wants_predictions(0, 1)
+            y = window.moe_routed(0, x, ids, w, pred1=ids if want[0] else None,
+                                  pred2=ids if want[1] else None)  # fmt: skip
+            for layer in range(1, L):
+                window.moe_routed(layer, x, ids, w)
+        with window.turn():
+            y_pred = window.moe_routed(0, x, ids, w, pred1=ids, pred2=ids)
+            for layer in range(1, L):
+                window.moe_routed(layer, x, ids, w)
+    assert np.array_equal(y, y_pred)

@@ -13,6 +13,7 @@
 #include "common/timing.h"
 #include "pack/weights.h"
 #include "residency/slot.h"
+#include "residency/smap.h"
 
 namespace strata {
 
@@ -94,6 +95,7 @@ Window::Window(ExpertStream& stream, std::unique_ptr<Backend> backend,
     : stream_(stream),
       backend_(std::move(backend)),
       backend_name_(backend_ ? backend_->name() : ""),
+      host_spin_(backend_name_ == "cuda" ? 200 : 0),
       opt_(options),
       L_(stream.layout()),
       routers_(stream.file().read_routers()),
@@ -465,7 +467,20 @@ Lookahead Window::wants_predictions(std::uint32_t layer, std::uint32_t rows) con
   if (layer >= L_.n_layers)
     throw std::out_of_range("layer " + std::to_string(layer) + " out of range [0, " +
                             std::to_string(L_.n_layers) + ")");
-  return call_lookahead(rules_, layer, rows, opt_.max_rows, wave_capacity());
+  Lookahead l = call_lookahead(rules_, layer, rows, opt_.max_rows, wave_capacity());
+  if (l.next && all_resident_for_good(layer + 1)) l.next = false;
+  if (l.two_layer && all_resident_for_good(layer + 2)) l.two_layer = false;
+  return l;
+}
+
+bool Window::all_resident_for_good(std::uint32_t layer) const {
+  // Slots are recycled only when no slot is free (take_slot), which an arena of every key's
+  // slot never lacks for a key not yet resident: a published key of such an arena stays so.
+  if (layer >= L_.n_layers || stream_.n_slots() < L_.n_keys()) return false;
+  const std::uint32_t* smap = stream_.smap();
+  for (std::uint32_t e = 0; e < L_.n_experts; ++e)
+    if (smap_load(smap, layer * L_.n_experts + e) == kAbsent) return false;
+  return true;
 }
 
 ChunkPlan Window::plan(CallKind kind, std::uint32_t layer, std::uint32_t r0, std::uint32_t rows,
@@ -778,6 +793,11 @@ void Window::record_actual(std::uint32_t layer, std::uint32_t chunk,
 }
 
 void Window::wait_device(SharedEvent& ev, std::uint64_t v, const InterruptCheck& interrupt) {
+  if (host_spin_.count() > 0) {  // the device usually answers within the spin (host_spin_)
+    const auto until = Clock::now() + host_spin_;
+    while (ev.value() < v && Clock::now() < until) {
+    }
+  }
   if (!ev.wait_for(v, std::chrono::duration<double>(opt_.device_timeout_s), interrupt))
     throw EngineError(ErrorKind::Timeout, "the " + backend_->name() +
                                               " device did not reach the handshake within " +

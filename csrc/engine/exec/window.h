@@ -159,7 +159,9 @@ class Window {
                            const WaveCompute& compute, const InterruptCheck& interrupt = {});
   // Which predictions (router l+1, l+2 on layer l's input) an externally routed call of `rows`
   // rows at `layer` uses, so that its caller runs only those gates: the engine's one decision
-  // (chunk_plan.h), the same for moe_routed and moe_routed_external.
+  // (chunk_plan.h), the same for moe_routed and moe_routed_external, less the predictions of a
+  // layer that can do nothing: with an arena that holds every expert of the pack, once every
+  // expert of the predicted layer is published (nothing to read, nothing to evict it).
   Lookahead wants_predictions(std::uint32_t layer, std::uint32_t rows) const;
 
   // Opens an explicit turn (ending an implicit one of this thread). Turn error if one is open.
@@ -250,6 +252,9 @@ class Window {
   void record_actual(std::uint32_t layer, std::uint32_t chunk,
                      const std::vector<std::int32_t>& chosen);
   void wait_device(SharedEvent& ev, std::uint64_t v, const InterruptCheck& interrupt);
+  // Every expert of `layer` published, in an arena that holds every expert of the pack (so it
+  // stays so): a prediction of that layer would request and protect nothing.
+  bool all_resident_for_good(std::uint32_t layer) const;
   void stall_for(std::uint32_t layer, const std::int32_t* experts, std::size_t n,
                  const InterruptCheck& interrupt);
   void after(std::uint32_t layer, const std::vector<std::int32_t>& chosen,
@@ -283,6 +288,10 @@ class Window {
   ExpertStream& stream_;
   std::unique_ptr<Backend> backend_;  // null once closed
   const std::string backend_name_;
+  // How long wait_device spins before it blocks: the cuda backend answers a handshake in tens
+  // of microseconds from a thread of its own, about what waking a blocked host thread costs on
+  // a virtual machine (docs/cuda.md); the cpu backend's device thread needs the cores instead.
+  const std::chrono::microseconds host_spin_;
   std::array<std::string, 3> arithmetic_why_;  // written by the constructor only, then read-only
   std::string device_io_why_;  // Capability::io Device: the constructor's, then read-only
   WindowOptions opt_;

@@ -2,18 +2,22 @@
 
 Every streamed experts module calls `TorchMoeEngine.run(layer, ...)` in decoder order during a
 forward pass; the Window's turn is the pass (it opens at pack layer 0, closes after the last).
-Only the expert ids and weights (and the predicted ids) cross to the host, as one small array
-(one copy, so on a GPU one synchronization of torch's stream per layer).
+Only the expert ids and weights (and the predicted ids) cross to the host, as they are (no
+kernel casts them): the host widens them to the binding's int32 and float32, which changes no
+value.
 - CPU: x is read in place from the torch tensor, and the output comes back as a torch tensor
   over the engine's float32 result, cast to x's dtype.
 - CUDA: the Window is on the cuda backend; x (float32: a bfloat16 or float16 x is widened in
   torch) is read in place from the torch CUDA tensor and the output is written into a torch
-  CUDA tensor by the backend, which returns once its own stream drained. The host copy of the
-  routing is what orders the two streams: when it arrives, torch's stream has finished x.
+  CUDA tensor by the backend, which returns once its own stream drained. The routing's tables
+  are copied into pinned host memory on torch's stream, and one event after them is waited for
+  (one synchronization of torch's stream per layer): that wait is what orders the two streams,
+  since when it returns torch's stream has finished x.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +33,13 @@ from strata_stream.transformers.families import Family, route_ids
 from strata_stream.window import Window
 
 _X_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+# The routing as the binding takes it: ids, weights, predicted ids (l+1, l+2) or None.
+_HostRouting = tuple[
+    npt.NDArray[np.int32],
+    npt.NDArray[np.float32],
+    npt.NDArray[np.int32] | None,
+    npt.NDArray[np.int32] | None,
+]
 
 
 @dataclass
@@ -63,6 +74,7 @@ class TorchMoeEngine:
         except BaseException:
             self.stream.close()
             raise
+        self.routing = _PinnedRouting() if self.on_cuda else None
         self.closed = False
 
     def close(self) -> None:
@@ -107,9 +119,11 @@ class TorchMoeEngine:
             # Queued on torch's stream before the routing's copy to the host, which waits for it.
             flat = flat.to(torch.float32)  # no copy when x is float32 already
         rows = flat.shape[0]
-        ids_h, weights_h, pred1, pred2 = _routing_to_host(
-            ids.reshape(rows, self.top_k), weights.reshape(rows, self.top_k), preds
-        )
+        tables = [ids.reshape(rows, self.top_k), weights.reshape(rows, self.top_k), *preds]
+        if self.routing is not None:
+            ids_h, weights_h, pred1, pred2 = self.routing.host_tables(tables)
+        else:
+            ids_h, weights_h, pred1, pred2 = _host_tables(tables)
         if self.on_cuda:
             # Made after the routing reached the host: torch's stream is idle, so no kernel of
             # its can still use this memory while the backend writes it on its own stream.
@@ -131,23 +145,64 @@ class TorchMoeEngine:
         return torch.from_numpy(y).to(x.dtype).reshape(x.shape)
 
 
-def _routing_to_host(
-    ids: torch.Tensor, weights: torch.Tensor, preds: list[torch.Tensor | None]
-) -> tuple[
-    npt.NDArray[np.int32],
-    npt.NDArray[np.float32],
-    npt.NDArray[np.int32] | None,
-    npt.NDArray[np.int32] | None,
-]:
-    """The routing ([T, k] ids, float32 weights, predicted ids) as host arrays, in one copy:
-    on a GPU, one synchronization of torch's stream instead of one per table."""
-    k = ids.shape[1]
-    parts = [ids.detach().to(torch.int32), weights.detach().to(torch.float32).view(torch.int32)]
-    parts += [p.detach().to(torch.int32) for p in preds if p is not None]
-    host = torch.cat(parts, dim=1).cpu().numpy()  # [T, k * tables]
-    tables = [np.ascontiguousarray(host[:, i * k : (i + 1) * k]) for i in range(len(parts))]
-    out_preds: list[npt.NDArray[np.int32] | None] = []
-    rest = iter(tables[2:])
-    for p in preds:
-        out_preds.append(None if p is None else next(rest))
-    return tables[0], tables[1].view(np.float32), out_preds[0], out_preds[1]
+class _PinnedRouting:
+    """The routing's tables copied from the GPU as they are, into pinned host memory kept from
+    call to call, then one event waited for: no kernel, and one synchronization of torch's
+    stream. `host_tables` reads the staging (copying out of it) before the next call may
+    write it again: the lock keeps a second thread's copy off it meanwhile."""
+
+    def __init__(self) -> None:
+        self.staging: list[torch.Tensor | None] = [None] * 4
+        self.done = torch.cuda.Event()  # type: ignore[no-untyped-call,unused-ignore]
+        self.lock = threading.Lock()
+
+    def host_tables(self, tables: list[torch.Tensor | None]) -> _HostRouting:
+        with self.lock:
+            return _host_tables(self.to_host(tables))
+
+    def to_host(self, tables: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        out: list[torch.Tensor | None] = []
+        for i, t in enumerate(tables):
+            if t is None:
+                out.append(None)
+                continue
+            t = t.detach()
+            if t.dtype not in _HOST_WIDENS:  # a dtype the host does not widen: float32 first
+                t = t.to(torch.float32)
+            buf = self.staging[i]
+            if buf is None or buf.dtype != t.dtype or buf.numel() < t.numel():
+                buf = torch.empty(max(t.numel(), 64), dtype=t.dtype, pin_memory=True)
+                self.staging[i] = buf
+            host = buf[: t.numel()].view(t.shape)
+            host.copy_(t, non_blocking=True)
+            out.append(host)
+        self.done.record()  # on torch's current stream, after x and the routing
+        self.done.synchronize()
+        return out
+
+
+# What a routing table's dtype becomes on the host, value for value: ids int32, weights float32.
+_HOST_WIDENS = {torch.int64, torch.int32, torch.float32, torch.bfloat16, torch.float16}
+
+
+def _host_tables(tables: list[torch.Tensor | None]) -> _HostRouting:
+    """The routing (host tensors: [T, k] ids, weights, predicted ids) as the binding's fresh
+    C-contiguous int32 and float32 arrays. A bfloat16 weight widens by its bits (what torch's
+    cast does); every other widening is numpy's exact one."""
+    ids, weights, pred1, pred2 = tables
+    assert ids is not None and weights is not None
+    w = weights.detach()
+    if w.dtype == torch.bfloat16:
+        bits = w.view(torch.int16).numpy().view(np.uint16).astype(np.uint32) << 16
+        weights_h = bits.view(np.float32)
+    elif w.dtype in (torch.float32, torch.float16):
+        weights_h = w.numpy().astype(np.float32)
+    else:
+        weights_h = w.to(torch.float32).numpy().copy()
+
+    def ids_of(t: torch.Tensor | None) -> npt.NDArray[np.int32] | None:
+        return None if t is None else t.detach().numpy().astype(np.int32)
+
+    got = ids_of(ids)
+    assert got is not None
+    return got, weights_h, ids_of(pred1), ids_of(pred2)
