@@ -220,7 +220,10 @@ def test_speculative_failure_is_dropped_and_counted(make_pack: PackFactory) -> N
         assert s.expert_bytes(1, 4) is not None
 
 
-def test_checksum_mismatch_on_read(make_pack: PackFactory, tmp_path: object) -> None:
+@pytest.mark.parametrize("where", ["first byte", "second part", "last part", "last byte"])
+def test_checksum_mismatch_on_read(make_pack: PackFactory, tmp_path: object, where: str) -> None:
+    # Each part's CRC is taken by the thread that read it and the record's check combines them
+    # in order (16 KiB parts here: three a record), so a flip in any part must show.
     import shutil
 
     src = make_pack()
@@ -228,13 +231,19 @@ def test_checksum_mismatch_on_read(make_pack: PackFactory, tmp_path: object) -> 
     shutil.copy(src, path)
     stride = stride_of(path)
     with ExpertStream(path, config(8, stride)) as s:
-        off = s._s.layout["records_offset"] + s.key(1, 2) * stride + 100
+        record_bytes = s._s.layout["record_bytes"]
+        assert record_bytes > 2 * 16384, "the pack's records must span several 16 KiB parts"
+        at = {"first byte": 0, "second part": 16384 + 17, "last part": record_bytes - 100,
+              "last byte": record_bytes - 1}[where]  # fmt: skip
+        off = s._s.layout["records_offset"] + s.key(1, 2) * stride + at
+    with ExpertStream(path, config(8, stride, part_bytes=16384, verify_reads=True)) as s:
+        s.wait(1, [2])  # the parts' CRCs combine to the record's
     with open(path, "r+b") as f:
         f.seek(off)
         byte = f.read(1)
         f.seek(off)
         f.write(bytes([byte[0] ^ 0xFF]))
-    with ExpertStream(path, config(8, stride, verify_reads=True)) as s:
+    with ExpertStream(path, config(8, stride, part_bytes=16384, verify_reads=True)) as s:
         with pytest.raises(ExpertReadError, match="checksum mismatch"):
             s.wait(1, [2])
         s.wait(1, [3])  # other records still fine

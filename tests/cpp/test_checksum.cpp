@@ -1,5 +1,6 @@
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -72,4 +73,28 @@ TEST_CASE("crc32c sees a single flipped bit anywhere in a record") {
     CHECK(crc32c(buf.data(), buf.size()) != good);
     buf[at] ^= 0x10;
   }
+}
+
+TEST_CASE("crc32c_combine of two parts' CRCs is the CRC of the whole, at every split") {
+  std::vector<unsigned char> buf = pseudo_random(3 * 1024 * 1024 + 37, 7);
+  const std::uint32_t whole = crc32c(buf.data(), buf.size());
+  for (std::size_t split : {std::size_t(0), std::size_t(1), std::size_t(7), std::size_t(4096),
+                            std::size_t(1) << 20, buf.size() - 1, buf.size()}) {
+    const std::uint32_t a = crc32c(buf.data(), split);
+    const std::uint32_t b = crc32c(buf.data() + split, buf.size() - split);
+    REQUIRE(crc32c_combine(a, b, buf.size() - split) == whole);
+  }
+  // Many parts folded in order, as the IO threads' parts of one record are.
+  const std::size_t part = 1 << 20;
+  std::uint32_t folded = 0;
+  for (std::size_t off = 0; off < buf.size(); off += part) {
+    const std::size_t n = std::min(part, buf.size() - off);
+    const std::uint32_t c = crc32c(buf.data() + off, n);
+    folded = off == 0 ? c : crc32c_combine(folded, c, n);
+  }
+  REQUIRE(folded == whole);
+  // A flipped bit in a later part changes the folded CRC.
+  buf[part + 12345] ^= 0x10;
+  const std::uint32_t b2 = crc32c(buf.data() + part, buf.size() - part);
+  REQUIRE(crc32c_combine(crc32c(buf.data(), part), b2, buf.size() - part) != whole);
 }

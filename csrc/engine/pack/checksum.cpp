@@ -171,6 +171,45 @@ std::uint32_t crc32c_portable(const void* data, std::size_t n, std::uint32_t see
   return ~table_update(~seed, static_cast<const unsigned char*>(data), n);
 }
 
+namespace {
+
+// a * b modulo the (reflected) polynomial: bit 31 is x^0.
+std::uint32_t mul_mod_poly(std::uint32_t a, std::uint32_t b) {
+  std::uint32_t m = 1u << 31, p = 0;
+  for (;;) {
+    if (a & m) {
+      p ^= b;
+      if ((a & (m - 1)) == 0) break;
+    }
+    m >>= 1;
+    b = (b & 1) ? (b >> 1) ^ kPoly : b >> 1;
+  }
+  return p;
+}
+
+// x^(2^k) modulo the polynomial, k = 0..31 (the powers repeat with a period dividing 2^32 - 1).
+const std::array<std::uint32_t, 32>& x_pow2k() {
+  static const std::array<std::uint32_t, 32> t = [] {
+    std::array<std::uint32_t, 32> v{};
+    std::uint32_t p = 1u << 30;  // x^1
+    v[0] = p;
+    for (std::size_t k = 1; k < 32; ++k) v[k] = p = mul_mod_poly(p, p);
+    return v;
+  }();
+  return t;
+}
+
+}  // namespace
+
+std::uint32_t crc32c_combine(std::uint32_t crc_a, std::uint32_t crc_b, std::uint64_t len_b) {
+  // crc(a + b) = crc(a) * x^(8 len_b) + crc(b), modulo the polynomial; the pre- and
+  // post-conditioning of the public CRC cancel out of this form.
+  std::uint32_t xp = 1u << 31;  // x^0
+  for (std::size_t k = 3; len_b != 0; len_b >>= 1, ++k)
+    if (len_b & 1) xp = mul_mod_poly(x_pow2k()[k & 31], xp);
+  return mul_mod_poly(xp, crc_a) ^ crc_b;
+}
+
 bool crc32c_hardware() { return have_hw(); }
 
 const char* crc32c_impl() { return have_hw() ? kHwName : "table"; }

@@ -15,6 +15,12 @@ namespace strata {
 // hardware instructions when the CPU has them, else a table implementation.
 std::uint32_t crc32c(const void* data, std::size_t n, std::uint32_t seed = 0);
 
+// The CRC32C of a + b from crc32c(a), crc32c(b) and b's length, in O(log len_b) carry-less
+// multiplications modulo the polynomial: so several threads can checksum the parts of one
+// record as each part lands, and the record's check after its last part costs only that
+// part's CRC and the combines.
+std::uint32_t crc32c_combine(std::uint32_t crc_a, std::uint32_t crc_b, std::uint64_t len_b);
+
 // The table implementation alone (slicing by 8), for tests and as the fallback.
 std::uint32_t crc32c_portable(const void* data, std::size_t n, std::uint32_t seed = 0);
 

@@ -70,6 +70,7 @@ ExpertStream::ExpertStream(const std::string& pack_path, const StreamOptions& op
   std::fill_n(smap_.get(), smap_bytes / 4, kAbsent);
 
   slots_ = std::vector<Slot>(n_slots);
+  if (opt_.verify_reads && !opt_.simulate_io) part_crc_.assign(std::size_t(n_slots) * n_parts_, 0);
   lru_ = LruList(n_slots);
   // One token routes n_layers * top_k experts: guard one token, decay over sixteen. An arena
   // of fewer slots than one token's uses cannot keep a key until the next token, and there a

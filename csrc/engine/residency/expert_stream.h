@@ -5,8 +5,9 @@
 // registry's close hooks and is always taken before mu_, never while holding it. Every public
 // method may be called from any thread. IO threads take mu_ once per part, to record a
 // completion and pop the next job; the pread runs unlocked straight into the slot's bytes, and
-// so does the CRC32C of a record (verify_reads), computed by the thread that finishes its last
-// part while that part still counts as in flight, so nothing can recycle the slot under it.
+// so does the CRC32C of each part (verify_reads), by the thread that read it; the thread that
+// finishes a record's last part combines the parts' CRCs while that part still counts as in
+// flight, so nothing can recycle the slot under it.
 // smap is a plain uint32 array so
 // a device can map it; the host writes it only under mu_ and every access goes through
 // std::atomic_ref (release on store, acquire on load), so a device thread reading it
@@ -366,6 +367,7 @@ class ExpertStream {
   void require_open() const;
   void check_layer(std::uint32_t layer) const;
   [[noreturn]] void throw_read_error(std::uint32_t s);
+  std::uint32_t record_crc(std::uint32_t s) const;  // the parts' CRCs combined (part_crc_)
   std::string describe_full(ClientId who) const;
 
   StreamOptions opt_;
@@ -373,6 +375,11 @@ class ExpertStream {
   std::unique_ptr<Arena> arena_;
   std::uint32_t n_parts_ = 0;   // immutable after construction
   std::uint64_t read_span_ = 0;  // record_bytes rounded up to the O_DIRECT granularity
+  // [slot][part]: the CRC32C of the record's bytes in that part (verify_reads). Written by the
+  // IO thread that read the part, without mu_, before it takes mu_ to count the part done; read
+  // by the thread that counts the record's last part, after that count (mu_ orders them). A
+  // slot's entries are rewritten only by its next generation's reads.
+  std::vector<std::uint32_t> part_crc_;
 
   struct SmapFree { void operator()(std::uint32_t* p) const; };
   std::unique_ptr<std::uint32_t[], SmapFree> smap_;  // writes under mu_, atomic_ref access

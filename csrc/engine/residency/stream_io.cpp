@@ -1,4 +1,5 @@
-// The IO threads: one pread per part straight into the slot's bytes, the record's checksum, completion.
+// The IO threads: one pread per part straight into the slot's bytes and that part's checksum;
+// the record's check and completion after its last part.
 #include "residency/expert_stream.h"
 
 #include <algorithm>
@@ -76,6 +77,15 @@ void ExpertStream::execute_job(Lock& lk, const IoJob& job, bool wake_another) {
   else
     err = file_->read_fully(offset, dst, std::size_t(len), &got);
   std::uint64_t dt = ns_since(t0);
+  // This part's share of the record's CRC32C, here, in parallel with the other parts' reads:
+  // after the last part only its own CRC and the combines remain (a whole record's CRC was
+  // about 0.2 ms of a miss's latency at 2.6 MB).
+  const std::uint64_t record_bytes = layout().record_bytes;
+  const bool verify = !part_crc_.empty();
+  if (verify && err == 0) {
+    const std::uint64_t n = rel < record_bytes ? std::min(len, record_bytes - rel) : 0;
+    part_crc_[std::size_t(job.slot) * n_parts_ + job.part] = crc32c(dst, std::size_t(n));
+  }
 
   lk.lock();
   if (speculative) stats_.spec_parts_done.fetch_add(1, std::memory_order_relaxed);
@@ -95,12 +105,10 @@ void ExpertStream::execute_job(Lock& lk, const IoJob& job, bool wake_another) {
   // and revive may run meanwhile.
   if (!sl.failed_part && sl.parts_done + 1 == sl.parts_total) {
     const unsigned char* record = arena_->slot(job.slot);
-    const std::uint64_t record_bytes = layout().record_bytes;
-    const bool verify = opt_.verify_reads && !opt_.simulate_io;
     lk.unlock();
     int why = 0;
     std::string cause;
-    if (verify && crc32c(record, std::size_t(record_bytes)) != file_->checksums()[key])
+    if (verify && record_crc(job.slot) != file_->checksums()[key])
       why = kChecksumMismatch;
     else if (!notify_observers(CompletedRecord{job.slot, key, record, record_bytes}, &cause))
       why = kObserverFailed;
@@ -128,6 +136,19 @@ void ExpertStream::execute_job(Lock& lk, const IoJob& job, bool wake_another) {
     done_cv_.notify_all();
     lk.lock();
   }
+}
+
+std::uint32_t ExpertStream::record_crc(std::uint32_t s) const {
+  const std::uint64_t record_bytes = layout().record_bytes;
+  const std::uint32_t* crc = part_crc_.data() + std::size_t(s) * n_parts_;
+  std::uint32_t whole = crc[0];
+  for (std::uint32_t p = 1; p < n_parts_; ++p) {
+    const std::uint64_t rel = std::uint64_t(p) * opt_.part_bytes;
+    if (rel >= record_bytes) break;  // the alignment padding's parts hold no record bytes
+    const std::uint64_t n = std::min<std::uint64_t>(opt_.part_bytes, record_bytes - rel);
+    whole = crc32c_combine(whole, crc[p], n);
+  }
+  return whole;
 }
 
 void ExpertStream::on_reads_finished(std::uint32_t s) {

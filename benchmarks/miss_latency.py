@@ -1,0 +1,90 @@
+"""What one urgent miss costs: request to wait() for a record not in the arena, from a warm page
+cache (a device faster than this machine's disk, as an Apple SSD or the H200's host is), with
+the record's CRC32C check (verify_reads, the default) against without it, side by side.
+
+    python benchmarks/miss_latency.py [--formats q4 bf16] [--io-threads 4] [--part-mib 1]
+        [--rounds 6] [--json OUT]
+
+The packs have Qwen3-30B-A3B's expert shape (hidden 2048, moe_intermediate 768): 2.5 MiB records
+in q4 g64, 9 MiB in bf16; 2 layers x 32 experts, written once under --pack-dir. The arena holds
+16 slots, so walking 32 experts misses on each (only misses are timed). Each part's CRC is taken
+by the IO thread that read it, and the record's check after the last part combines them
+(`crc32c_combine`); what is left of the check on a miss's path is the "verify costs" column.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+from pathlib import Path
+
+from strata_stream import ExpertPack, ExpertStream, StreamConfig
+from strata_stream.pack import Geometry, presets
+
+
+def ensure(fmt: str, pack_dir: Path) -> Path:
+    out = pack_dir / f"miss_latency_{fmt}.strpk"
+    if not out.exists():
+        pack_dir.mkdir(parents=True, exist_ok=True)
+        base = presets.PRESETS["qwen3-30b-a3b"]
+        g = Geometry(2, 32, 8, base.geometry.hidden, base.geometry.moe_intermediate,
+                     "softmax_topk", True)  # fmt: skip
+        presets.PRESETS["miss-latency"] = dataclasses.replace(
+            base, name="miss-latency", geometry=g, weight_format=fmt
+        )
+        presets.pack_preset("miss-latency", out, progress=False)
+    return out
+
+
+def miss_ms(path: Path, verify: bool, io_threads: int, part: int, rounds: int) -> list[float]:
+    with ExpertPack.open(path) as p:
+        stride, n_experts = p.record_stride, p.geometry.n_experts
+    cfg = StreamConfig(arena_bytes=16 * stride, io_threads=io_threads, part_bytes=part,
+                       direct_io=False, verify_reads=verify)  # fmt: skip
+    out: list[float] = []
+    with ExpertStream(path, cfg) as s:
+        for r in range(rounds):
+            for e in range(n_experts):
+                m0 = s.stats()["misses"]
+                t = time.perf_counter()
+                s.wait(r % 2, [e])
+                dt = time.perf_counter() - t
+                if s.stats()["misses"] > m0:
+                    out.append(1e3 * dt)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--formats", nargs="+", default=["q4", "bf16"])
+    ap.add_argument("--pack-dir", type=Path, default=Path("packs"))
+    ap.add_argument("--io-threads", type=int, default=4)
+    ap.add_argument("--part-mib", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    rows = []
+    print("| format | record MiB | miss p50 ms, verify on | verify off | verify costs | on / off |")
+    print("|---|---|---|---|---|---|")
+    for fmt in args.formats:
+        path = ensure(fmt, args.pack_dir)
+        path.read_bytes()  # warm the page cache
+        with ExpertPack.open(path) as p:
+            mib = p.record_stride / 2**20
+        on: list[float] = []
+        off: list[float] = []
+        for _ in range(2):  # interleaved, so drift hits both alike
+            on += miss_ms(path, True, args.io_threads, args.part_mib << 20, args.rounds)
+            off += miss_ms(path, False, args.io_threads, args.part_mib << 20, args.rounds)
+        a, b = statistics.median(on), statistics.median(off)
+        rows.append({"format": fmt, "record_mib": mib, "verify_ms": a, "no_verify_ms": b})
+        print(f"| {fmt} | {mib:.1f} | {a:.3f} | {b:.3f} | {a - b:.3f} | x{a / b:.2f} |")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
