@@ -29,10 +29,10 @@ import collections
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from common import PieceTimes
 from serve_load import PROMPTS  # the load test's prompts, so both measure the same requests
 
 
@@ -41,28 +41,10 @@ def pct(xs: list[float], p: float) -> float:
     return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))] if s else float("nan")
 
 
-class Timers:
-    """Seconds spent per named part, summed (the worker thread alone writes them)."""
-
-    def __init__(self) -> None:
-        self.t: collections.defaultdict[str, float] = collections.defaultdict(float)
-        self.on = False
-
-    def wrap(self, name: str, f: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*a: Any, **k: Any) -> Any:
-            if not self.on:
-                return f(*a, **k)
-            t0 = time.perf_counter()
-            try:
-                return f(*a, **k)
-            finally:
-                self.t[name] += time.perf_counter() - t0
-
-        return timed
 
 
 def closed_loop(model: Any, tok: Any, clients: int, seconds: float, max_tokens: int,
-                timers: Timers) -> dict[str, float]:  # fmt: skip
+                timers: PieceTimes) -> dict[str, float]:  # fmt: skip
     from strata_stream.serve.batch import ContinuousBatch
     from strata_stream.serve.generation import GenerationRequest, SamplingParams
     from strata_stream.serve.jobs import Event, Finished, Job, TextChunk
@@ -101,7 +83,7 @@ def closed_loop(model: Any, tok: Any, clients: int, seconds: float, max_tokens: 
     while time.perf_counter() < end:
         measuring = time.perf_counter() >= warm_until
         if measuring and not timers.on:
-            timers.t.clear()
+            timers.total.clear()
             gaps.clear()
             timers.on = True
         while ready:
@@ -125,7 +107,7 @@ def closed_loop(model: Any, tok: Any, clients: int, seconds: float, max_tokens: 
         "prefill_steps": steps["prefill"] / n,
         "prefill_step_ms": 1e3 * spent["prefill"] / max(steps["prefill"], 1),
     }
-    for name, v in timers.t.items():
+    for name, v in timers.total.items():
         out[f"{name}_ms"] = 1e3 * v / n
     return out
 
@@ -212,7 +194,7 @@ def main() -> None:
 
             route_by_trace(model, args.route_trace)
 
-        timers = Timers()
+        timers = PieceTimes()
         run_cpu = engine.MoeEngine.run_cpu
 
         def timed_run_cpu(self: Any, layer: int, x: Any, inds: Any, scores: Any) -> Any:

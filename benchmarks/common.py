@@ -9,7 +9,9 @@ import shutil
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from strata_stream.pack import pack_preset
 
@@ -77,3 +79,28 @@ def raw_read(path: Path, offset: int, size: int, part: int, depth: int) -> float
     """Raw device bandwidth (bytes/s), with fio when installed."""
     reader = fio_read if shutil.which("fio") else threaded_read
     return reader(path, offset, size, part, depth)
+
+
+class PieceTimes:
+    """Host seconds (and calls) per named piece of a loop, summed while `on`: `wrap(name, f)`
+    times each call of f. One thread writes them (the loop being measured)."""
+
+    def __init__(self) -> None:
+        from collections import defaultdict
+
+        self.total: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.on = False
+
+    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*a: Any, **k: Any) -> Any:
+            if not self.on:
+                return fn(*a, **k)
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.total[name] += time.perf_counter() - t0
+                self.calls[name] += 1
+
+        return timed

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from common import PieceTimes
 from strata_stream import ExpertPack, StreamConfig
 from strata_stream.convert.pack_cache import ensure_pack
 from strata_stream.paths import cache_dir
@@ -79,26 +80,8 @@ def _model_dir(layers: int, dims: dict[str, int]) -> Path:
     return path
 
 
-class Spans:
-    """Host seconds per named piece, accumulated while `on`."""
-
-    def __init__(self) -> None:
-        self.total: dict[str, float] = defaultdict(float)
-        self.calls: dict[str, int] = defaultdict(int)
-        self.on = False
-
-    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*a: Any, **k: Any) -> Any:
-            if not self.on:
-                return fn(*a, **k)
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                self.total[name] += time.perf_counter() - t0
-                self.calls[name] += 1
-
-        return timed
+class Spans(PieceTimes):
+    """PieceTimes with the breakdown's reset and per-token view."""
 
     def reset(self) -> None:
         self.total.clear()
