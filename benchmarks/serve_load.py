@@ -47,9 +47,10 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 PROMPTS = [
     "hello world how are you",
@@ -230,14 +231,77 @@ def model_id(url: str) -> str:
         return str(json.loads(r.read())["data"][0]["id"])
 
 
-def run_level(url: str, mid: str, level: Level, max_tokens: int, max_requests: int) -> None:
+Streamer = Callable[[str, str, str, int], Iterator[tuple[bool, int]]]
+
+
+def openai_streamer() -> Streamer:
+    """A client's streams through one real `openai` client (httpx, a pydantic model a chunk):
+    per chunk, whether it carries text, and the completion tokens (0 until the usage chunk)."""
+    import openai  # here, not at the top: the server subprocess runs this file too
+
+    clients: dict[str, Any] = {}
+
+    def stream(url: str, mid: str, prompt: str, max_tokens: int) -> Iterator[tuple[bool, int]]:
+        if url not in clients:
+            clients[url] = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=120,
+                                         max_retries=0)  # fmt: skip
+        yield from _openai_chunks(clients[url], mid, prompt, max_tokens)
+
+    return stream
+
+
+def _openai_chunks(c: Any, mid: str, prompt: str, max_tokens: int) -> Iterator[tuple[bool, int]]:
+    stream = c.chat.completions.create(
+        model=mid,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    for chunk in stream:
+        text = bool(chunk.choices and chunk.choices[0].delta.content)
+        yield text, chunk.usage.completion_tokens if chunk.usage is not None else 0
+
+
+def raw_streamer() -> Streamer:
+    return raw_stream
+
+
+def raw_stream(url: str, mid: str, prompt: str, max_tokens: int) -> Iterator[tuple[bool, int]]:
+    """The same over http.client with one json.loads a chunk: a load generator that takes
+    less of the cores it shares with the server."""
+    import http.client
+
+    u = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port, timeout=120)
+    body = json.dumps({"model": mid, "messages": [{"role": "user", "content": prompt}],
+                       "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                       "stream_options": {"include_usage": True}})  # fmt: skip
+    try:
+        conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {r.read()[:200]!r}")
+        for line in r:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            chunk = json.loads(line[6:])
+            choices = chunk.get("choices") or []
+            text = bool(choices and (choices[0].get("delta") or {}).get("content"))
+            usage = chunk.get("usage")
+            yield text, int(usage["completion_tokens"]) if usage else 0
+    finally:
+        conn.close()
+
+
+def run_level(
+    url: str, mid: str, level: Level, max_tokens: int, max_requests: int, client_kind: str
+) -> None:
     lock = threading.Lock()
     deadline = time.monotonic() + level.seconds
-
     def client(i: int) -> None:
-        import openai  # here, not at the top: the server subprocess runs this file too
-
-        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=120, max_retries=0)
+        stream_of = openai_streamer() if client_kind == "openai" else raw_streamer()
         for n in range(max_requests):
             if time.monotonic() >= deadline:
                 return
@@ -245,24 +309,16 @@ def run_level(url: str, mid: str, level: Level, max_tokens: int, max_requests: i
             ttft, gaps, tokens = None, [], 0
             t0 = last = time.perf_counter()
             try:
-                stream = c.chat.completions.create(
-                    model=mid,
-                    messages=[{"role": "user", "content": prompt}],
-                    max_tokens=max_tokens,
-                    temperature=0,
-                    stream=True,
-                    stream_options={"include_usage": True},
-                )
-                for chunk in stream:
+                for text, used in stream_of(url, mid, prompt, max_tokens):
                     now = time.perf_counter()
-                    if chunk.choices and chunk.choices[0].delta.content:
+                    if text:
                         if ttft is None:
                             ttft = now - t0
                         else:
                             gaps.append(now - last)
                         last = now
-                    if chunk.usage is not None:
-                        tokens = chunk.usage.completion_tokens
+                    if used:
+                        tokens = used
                 if ttft is None or tokens == 0:
                     raise RuntimeError("a stream without tokens or usage")
             except Exception as e:
@@ -394,6 +450,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1, help="interleaved repeats (default 1)")
     ap.add_argument("--max-tokens", type=int, default=32, help="per request (default 32)")
     ap.add_argument("--max-requests", type=int, default=100_000, help="per client per level")
+    ap.add_argument("--client", choices=("openai", "raw"), default="openai",
+                    help="the clients: the real openai client (default) or a raw http.client "
+                    "reader that takes less of the cores the server runs on")  # fmt: skip
     ap.add_argument("--max-batch", default="8",
                     help="the server's --max-batch, comma-separated: one server each (default 8)")
     ap.add_argument("--json", type=Path, help="write the results here")
@@ -446,14 +505,14 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 mid = model_id(url)
                 warm = Level(1, 0, 2.0)
-                run_level(url, mid, warm, args.max_tokens, 5)  # compile and warm first
+                run_level(url, mid, warm, args.max_tokens, 5, args.client)  # compile and warm first
                 rss0 = rss_mb(pid) if pid else float("nan")
                 for r in range(args.repeats):
                     for n in levels_n:
                         lv = Level(n, r, args.seconds, max_batch=b)
                         lv.rss_start_mb = rss_mb(pid) if pid else float("nan")
                         before = engine_counters(url)
-                        run_level(url, mid, lv, args.max_tokens, args.max_requests)
+                        run_level(url, mid, lv, args.max_tokens, args.max_requests, args.client)
                         time.sleep(0.6)  # the worker refreshes the engine's figures each 0.5 s
                         after = engine_counters(url)
                         lv.engine = {k: after[k] - before.get(k, 0.0) for k in after}
