@@ -2,7 +2,8 @@
 
     python benchmarks/serve_load.py [--model DIR | --url http://127.0.0.1:PORT]
         [--routing trace|model] [--arena-fraction 0.25] [--clients 1,2,4,8,16] [--seconds 60]
-        [--repeats 2] [--max-tokens 32] [--max-batch 1,8] [--json OUT] [--plot PNG]
+        [--repeats 2] [--max-tokens 32] [--max-batch 1,8] [--client openai|raw] [--json OUT]
+        [--plot PNG]
 
 Without --url it starts the server itself as a subprocess on a free loopback port (this
 script's --serve-child: `strata-stream serve`'s own steps, plus the routing below), on --model
