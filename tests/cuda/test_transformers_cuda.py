@@ -17,9 +17,6 @@ random checkpoint (tests/test_transformers_families.py's builders; eager attenti
 
 from __future__ import annotations
 
-import shutil
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,17 +30,26 @@ from strata_stream.transformers import describe, load  # noqa: E402
 from strata_stream.transformers.random_model import CONFIGS  # noqa: E402
 from test_transformers_families import (  # noqa: E402
     BASE,
-    PROMPT,
     Family,
-    decisive,
-    generate,
+    closing,
     logits,
-    oracle,
-    poison_experts,
-    sample,
+    test_bfloat16_within_transformers_own_bf16_rounding,
+    test_float32_logits_and_generate_match_plain_transformers,
+    test_streamed_output_identical_across_configs,
+    test_torch_never_reads_the_expert_tensors,
 )
 
 pytestmark = pytest.mark.cuda
+
+# The families module's device-neutral tests, collected here again with this module's fixtures:
+# `fam` and `fam_bf16` below load on CUDA, and its oracle is plain transformers on CUDA.
+__all__ = [
+    "closing",
+    "test_bfloat16_within_transformers_own_bf16_rounding",
+    "test_float32_logits_and_generate_match_plain_transformers",
+    "test_streamed_output_identical_across_configs",
+    "test_torch_never_reads_the_expert_tensors",
+]
 
 FAMILIES = list(CONFIGS)
 CUDA = "cuda"
@@ -59,14 +65,6 @@ def fam_bf16(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     return Family(request.param, tmp_path_factory.mktemp("hf_cuda_bf16"), "bfloat16", CUDA)
 
 
-@pytest.fixture
-def closing() -> Iterator[list[Any]]:
-    models: list[Any] = []
-    yield models
-    for m in models:
-        m.strata_engine.close()
-
-
 def test_dense_on_the_gpu_experts_on_the_cuda_backend(fam: Family, closing: list[Any]) -> None:
     model = fam.load()
     closing.append(model)
@@ -74,87 +72,6 @@ def test_dense_on_the_gpu_experts_on_the_cuda_backend(fam: Family, closing: list
     assert not [n for n, _ in model.named_parameters() if ".experts." in n]
     stats = describe(model)
     assert stats["backend"] == "cuda" and stats["device"] == "cuda:0"
-
-
-def test_float32_logits_and_generate_match_plain_transformers(
-    fam: Family, closing: list[Any]
-) -> None:
-    model = fam.load(2 * fam.top_k + 1)
-    closing.append(model)
-    got = logits(model)
-    ref = fam.ref_logits
-    tolerance = 1e-5 * np.abs(ref).max()
-    diff = np.abs(got - ref).max()
-    print(f"{fam.name} float32 cuda: max|diff| {diff:.3g} of max|logit| {np.abs(ref).max():.3g}")
-    assert diff <= tolerance
-    mask = decisive(ref, tolerance)
-    assert mask.sum() >= len(PROMPT) // 2
-    assert (got.argmax(-1) == ref.argmax(-1))[mask].all()
-    assert generate(model, do_sample=False) == generate(fam.ref, do_sample=False)
-    assert sample(model) == sample(fam.ref)
-    total = describe(model)["total"]
-    assert total["hits"] + total["misses"] > 0
-
-
-def test_bfloat16_within_transformers_own_bf16_rounding(
-    fam_bf16: Family, closing: list[Any]
-) -> None:
-    fam = fam_bf16
-    model = fam.load()
-    closing.append(model)
-    got = logits(model)
-    ref = fam.ref_logits
-    ref32_model = oracle(fam.path, "float32", CUDA)
-    ref32 = logits(ref32_model)
-    own = np.abs(ref - ref32).max()
-    print(f"{fam.name} bfloat16 cuda: streamed-vs-bf16 {np.abs(got - ref).max():.3g}, "
-          f"own bf16-vs-f32 {own:.3g}")  # fmt: skip
-    assert own > 0
-    assert np.abs(got - ref).max() <= 2 * own
-    assert np.abs(got - ref32).max() <= 2 * own
-    mask = decisive(ref, own)
-    assert mask.any()
-    assert (got.argmax(-1) == ref.argmax(-1))[mask].all()
-    tokens = generate(fam.ref, do_sample=False)
-    seq = PROMPT + tokens
-    ref_seq = logits(fam.ref, seq)[len(PROMPT) - 1 : -1]
-    got_seq = logits(model, seq)[len(PROMPT) - 1 : -1]
-    assert list(ref_seq.argmax(-1)) == tokens
-    assert (got_seq.argmax(-1) == ref_seq.argmax(-1))[decisive(ref_seq, own)].all()
-    del ref32_model
-
-
-def test_streamed_output_identical_across_configs(fam: Family, closing: list[Any]) -> None:
-    base = fam.load()
-    closing.append(base)
-    want_logits, want_tokens = logits(base), generate(base, do_sample=False)
-    k = fam.top_k
-    for slots, cfg in (
-        (2 * k, {}),
-        (2 * k + 1, {"lookahead": False}),
-        (2 * k + 2, {"split_turn": True}),
-        (None, {"max_rows": 7, "decode_prefetch2": True, "prompt_pred2": True}),
-    ):
-        model = fam.load(slots, **cfg)
-        closing.append(model)
-        assert np.array_equal(logits(model), want_logits), (slots, cfg)
-        assert generate(model, do_sample=False) == want_tokens, (slots, cfg)
-
-
-def test_torch_never_reads_the_expert_tensors(
-    fam: Family, tmp_path: Path, closing: list[Any]
-) -> None:
-    copy = tmp_path / "poisoned"
-    shutil.copytree(fam.path, copy)
-    assert poison_experts(copy) > 0
-    assert not np.isfinite(logits(oracle(copy, "float32", CUDA))).all()
-    model = fam.load(path=copy)
-    closing.append(model)
-    clean = fam.load()
-    closing.append(clean)
-    got = logits(model)
-    assert np.isfinite(got).all()
-    assert np.array_equal(got, logits(clean))
 
 
 @pytest.mark.parametrize("fam", ["qwen3_moe"], indirect=True)
