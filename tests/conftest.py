@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -34,6 +35,16 @@ def random_routers(geometry: Geometry, seed: int) -> list[np.ndarray]:
         rng.standard_normal((geometry.n_experts, geometry.hidden)).astype(np.float32)
         for _ in range(geometry.n_layers)
     ]
+
+
+@pytest.fixture
+def closing() -> Iterator[list[Any]]:
+    """Models loaded by strata_stream.mlx_lm or .transformers that a test appends: their engines
+    (stream and Window) are closed when it ends, pass or fail."""
+    models: list[Any] = []
+    yield models
+    for m in models:
+        m.strata_engine.close()
 
 
 @pytest.fixture(scope="session")

@@ -98,14 +98,6 @@ def fam(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     return Family(request.param, tmp_path_factory.mktemp("ckpt"))
 
 
-@pytest.fixture
-def closing() -> Iterator[list[Any]]:
-    models: list[Any] = []
-    yield models
-    for m in models:
-        m.strata_engine.close()
-
-
 @pytest.mark.parametrize("experts", ["mlx", "cpu"])
 def test_streamed_is_bitwise_plain_mlx_lm(fam: Family, experts: str, closing: list[Any]) -> None:
     # experts="cpu" with the default arithmetic reproduces MLX's CPU arithmetic op by op.

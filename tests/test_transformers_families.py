@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -106,14 +105,6 @@ def fam(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 @pytest.fixture(scope="module", params=FAMILIES)
 def fam_bf16(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Family:
     return Family(request.param, tmp_path_factory.mktemp("hf_bf16"), "bfloat16")
-
-
-@pytest.fixture
-def closing() -> Iterator[list[Any]]:
-    models: list[Any] = []
-    yield models
-    for m in models:
-        m.strata_engine.close()
 
 
 def decisive(ref: np.ndarray, tolerance: float) -> np.ndarray:

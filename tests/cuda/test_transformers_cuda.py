@@ -31,7 +31,6 @@ from strata_stream.transformers.random_model import CONFIGS  # noqa: E402
 from test_transformers_families import (  # noqa: E402
     BASE,
     Family,
-    closing,
     logits,
     test_bfloat16_within_transformers_own_bf16_rounding,
     test_float32_logits_and_generate_match_plain_transformers,
@@ -44,7 +43,6 @@ pytestmark = pytest.mark.cuda
 # The families module's device-neutral tests, collected here again with this module's fixtures:
 # `fam` and `fam_bf16` below load on CUDA, and its oracle is plain transformers on CUDA.
 __all__ = [
-    "closing",
     "test_bfloat16_within_transformers_own_bf16_rounding",
     "test_float32_logits_and_generate_match_plain_transformers",
     "test_streamed_output_identical_across_configs",
