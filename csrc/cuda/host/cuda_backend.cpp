@@ -239,6 +239,9 @@ class CudaBackend final : public Backend {
   }
 
   std::string name() const override { return "cuda"; }
+  // The device thread answers a handshake in tens of microseconds, about what waking a blocked
+  // host thread costs on a virtual machine (docs/cuda.md): the host spins as that thread does.
+  std::chrono::microseconds host_spin() const override { return kSpin; }
 
   // Float32 without moce, as every backend, on host memory or on the caller's device memory.
   std::optional<std::string> unsupported(const Capability& c) const override {

@@ -288,12 +288,7 @@ class Window {
   ExpertStream& stream_;
   std::unique_ptr<Backend> backend_;  // null once closed
   const std::string backend_name_;
-  // How long wait_device spins before it blocks: the cuda backend answers a handshake in tens
-  // of microseconds from a thread of its own, about what waking a blocked host thread costs on
-  // a virtual machine (docs/cuda.md). The cpu backend's device thread needs the cores, so its
-  // spin is short: 50 us covers a small decode layer's answer (the serving load test's model:
-  // the engine's calls 2.39 -> 1.97 ms a 1-row step, benchmarks/batch_step.py) and costs a
-  // long layer at most that much of a core before the host sleeps.
+  // How long wait_device spins before it blocks: the backend's host_spin(), read once.
   const std::chrono::microseconds host_spin_;
   std::array<std::string, 3> arithmetic_why_;  // written by the constructor only, then read-only
   std::string device_io_why_;  // Capability::io Device: the constructor's, then read-only
