@@ -143,9 +143,10 @@ class Backend {
   // copies lazily). The Window registers it with the stream after the first bind() and removes
   // it before the backend goes; the backend owns it.
   virtual RecordObserver* record_observer() { return nullptr; }
-  // How long the host spins on a handshake event before it blocks (Window::wait_device): about
-  // how soon this backend's device usually answers, when that is sooner than waking a blocked
-  // thread costs. Zero: block at once.
+  // How long the host may spin on a handshake event before it blocks (Window::wait_device):
+  // about how soon this backend's device usually answers, when that is sooner than waking a
+  // blocked thread costs. The Window spins only at wait sites whose answers have been coming
+  // within it (exec/adaptive_spin.h). Zero: block at once.
   virtual std::chrono::microseconds host_spin() const { return std::chrono::microseconds(0); }
   // Runs asynchronously, in order, after everything submitted before it. The commands are
   // copied: the caller reuses its vector.

@@ -96,6 +96,9 @@ Window::Window(ExpertStream& stream, std::unique_ptr<Backend> backend,
       backend_(std::move(backend)),
       backend_name_(backend_ ? backend_->name() : ""),
       host_spin_(backend_ ? backend_->host_spin() : std::chrono::microseconds(0)),
+      spin_routed_(host_spin_),
+      spin_wave_(host_spin_),
+      spin_done_(host_spin_),
       opt_(options),
       L_(stream.layout()),
       routers_(stream.file().read_routers()),
@@ -792,13 +795,12 @@ void Window::record_actual(std::uint32_t layer, std::uint32_t chunk,
   noted[chunk].clear();
 }
 
-void Window::wait_device(SharedEvent& ev, std::uint64_t v, const InterruptCheck& interrupt) {
-  if (host_spin_.count() > 0) {  // the device usually answers within the spin (host_spin_)
-    const auto until = Clock::now() + host_spin_;
-    while (ev.value() < v && Clock::now() < until) {
-    }
-  }
-  if (!ev.wait_for(v, std::chrono::duration<double>(opt_.device_timeout_s), interrupt))
+void Window::wait_device(SharedEvent& ev, std::uint64_t v, const InterruptCheck& interrupt,
+                         AdaptiveSpin& spin) {
+  const bool answered = spin.wait([&] { return ev.value() >= v; }, [&] {
+    return ev.wait_for(v, std::chrono::duration<double>(opt_.device_timeout_s), interrupt);
+  });
+  if (!answered)
     throw EngineError(ErrorKind::Timeout, "the " + backend_->name() +
                                               " device did not reach the handshake within " +
                                               std::to_string(opt_.device_timeout_s) + " s");
@@ -883,7 +885,7 @@ void Window::run_chunk(const ChunkPlan& p, std::uint32_t chunk, const InterruptC
   if (p.device_before_host) {
     encode_chunk(p, events_, v, first_wave, buf_.commands);
     submit(buf_.commands);
-    wait_device(routed_, v, interrupt);
+    wait_device(routed_, v, interrupt, spin_routed_);
     note_moce(p.layer, p.rows);
   }
   settle(p.layer, interrupt);
@@ -922,7 +924,7 @@ void Window::run_decode(const ChunkPlan& p, std::uint32_t chunk, std::uint64_t v
   } else {
     release2_.signal(v);
   }
-  wait_device(done_, v, interrupt);
+  wait_device(done_, v, interrupt, spin_done_);
   observe_handshake(true, missed, contended, ns_since(start));
 }
 
@@ -989,7 +991,7 @@ void Window::run_waves(const ChunkPlan& p, std::uint32_t chunk, std::uint64_t v,
     } else {
       wave_release_.signal(wv);
     }
-    wait_device(wave_done_, wv, interrupt);
+    wait_device(wave_done_, wv, interrupt, spin_wave_);
     if (multi) stream_.release_plan(client_);
   }
   with_stats(p.layer, [&](LayerStats& st) { st.waves += n_waves; });
@@ -1002,10 +1004,10 @@ void Window::run_waves(const ChunkPlan& p, std::uint32_t chunk, std::uint64_t v,
         wave_n_[0] = 0;  // encoded waves this chunk needs not
         wave_seq_ = wv;
         wave_release_.signal(wv);
-        wait_device(wave_done_, wv, interrupt);
+        wait_device(wave_done_, wv, interrupt, spin_wave_);
       }
     }
-    wait_device(done_, v, interrupt);
+    wait_device(done_, v, interrupt, spin_done_);
   }
   observe_handshake(false, missed, contended, ns_since(start));
 }

@@ -37,6 +37,7 @@
 #include "residency/expert_stream.h"
 #include "policy/prefetch_governor.h"
 #include "exec/scratch.h"
+#include "exec/adaptive_spin.h"
 #include "exec/shared_event.h"
 
 namespace strata {
@@ -251,7 +252,8 @@ class Window {
   void add_speculation(const ChunkPlan& p, std::uint32_t chunk, HandshakeRequest& r);
   void record_actual(std::uint32_t layer, std::uint32_t chunk,
                      const std::vector<std::int32_t>& chosen);
-  void wait_device(SharedEvent& ev, std::uint64_t v, const InterruptCheck& interrupt);
+  void wait_device(SharedEvent& ev, std::uint64_t v, const InterruptCheck& interrupt,
+                   AdaptiveSpin& spin);
   // Every expert of `layer` published, in an arena that holds every expert of the pack (so it
   // stays so): a prediction of that layer would request and protect nothing.
   bool all_resident_for_good(std::uint32_t layer) const;
@@ -288,8 +290,10 @@ class Window {
   ExpertStream& stream_;
   std::unique_ptr<Backend> backend_;  // null once closed
   const std::string backend_name_;
-  // How long wait_device spins before it blocks: the backend's host_spin(), read once.
+  // How long wait_device may spin before it blocks: the backend's host_spin(), read once; and
+  // whether it does, learned per wait site (exec/adaptive_spin.h).
   const std::chrono::microseconds host_spin_;
+  AdaptiveSpin spin_routed_, spin_wave_, spin_done_;
   std::array<std::string, 3> arithmetic_why_;  // written by the constructor only, then read-only
   std::string device_io_why_;  // Capability::io Device: the constructor's, then read-only
   WindowOptions opt_;
