@@ -83,6 +83,7 @@ def closed_loop(model: Any, tok: Any, clients: int, seconds: float, max_tokens: 
     while time.perf_counter() < end:
         measuring = time.perf_counter() >= warm_until
         if measuring and not timers.on:
+            model.strata_engine.window.reset_stats()
             timers.total.clear()
             gaps.clear()
             timers.on = True
@@ -109,6 +110,10 @@ def closed_loop(model: Any, tok: Any, clients: int, seconds: float, max_tokens: 
     }
     for name, v in timers.total.items():
         out[f"{name}_ms"] = 1e3 * v / n
+    st = model.strata_engine.window.stats()["total"]
+    out["stall_ms"] = 1e3 * st["stall_seconds"] / n
+    out["misses"] = st["misses"] / n
+    out["handshake_ms"] = 1e3 * st["handshake_seconds"] / n
     return out
 
 
@@ -214,7 +219,8 @@ def main() -> None:
                     results[b] = r
         base = results[batches[0]]["gap_p50_ms"]
         cols = ["gap_p50_ms", "gap_p99_ms", "decode_step_ms", "mlx_dense_ms", "engine_ms",
-                "server_per_token_ms", "prefill_steps", "prefill_step_ms"]  # fmt: skip
+                "server_per_token_ms", "stall_ms", "misses", "handshake_ms", "prefill_steps",
+            "prefill_step_ms"]  # fmt: skip
         print("| B | " + " | ".join(cols) + " | gap p50 vs B=1 |")
         print("|---" * (len(cols) + 2) + "|")
         for b in batches:
