@@ -41,6 +41,8 @@ void ExpertStream::io_loop() {
 }
 
 void ExpertStream::execute_job(Lock& lk, const IoJob& job, bool wake_another) {
+  const auto job_start = Clock::now();
+  const std::uint64_t job_cpu_start = thread_cpu_ns();
   Slot& sl = slots_[job.slot];
   STRATA_ASSERT(sl.gen == job.gen, "queued jobs are dropped when their slot is recycled");
   SlotState st = sl.load();
@@ -83,8 +85,10 @@ void ExpertStream::execute_job(Lock& lk, const IoJob& job, bool wake_another) {
   const std::uint64_t record_bytes = layout().record_bytes;
   const bool verify = !part_crc_.empty();
   if (verify && err == 0) {
+    const auto c0 = Clock::now();
     const std::uint64_t n = rel < record_bytes ? std::min(len, record_bytes - rel) : 0;
     part_crc_[std::size_t(job.slot) * n_parts_ + job.part] = crc32c(dst, std::size_t(n));
+    stats_.crc_ns.fetch_add(ns_since(c0), std::memory_order_relaxed);
   }
 
   lk.lock();
@@ -108,10 +112,17 @@ void ExpertStream::execute_job(Lock& lk, const IoJob& job, bool wake_another) {
     lk.unlock();
     int why = 0;
     std::string cause;
-    if (verify && record_crc(job.slot) != file_->checksums()[key])
+    const auto c0 = Clock::now();
+    const bool crc_ok = !verify || record_crc(job.slot) == file_->checksums()[key];
+    const auto o0 = Clock::now();
+    if (verify) stats_.crc_ns.fetch_add(ns_between(c0, o0), std::memory_order_relaxed);
+    if (!crc_ok) {
       why = kChecksumMismatch;
-    else if (!notify_observers(CompletedRecord{job.slot, key, record, record_bytes}, &cause))
-      why = kObserverFailed;
+    } else {
+      if (!notify_observers(CompletedRecord{job.slot, key, record, record_bytes}, &cause))
+        why = kObserverFailed;
+      stats_.observer_ns.fetch_add(ns_since(o0), std::memory_order_relaxed);
+    }
     lk.lock();
     if (why != 0 && !sl.failed_part) {
       sl.failed_part = true;
@@ -136,6 +147,8 @@ void ExpertStream::execute_job(Lock& lk, const IoJob& job, bool wake_another) {
     done_cv_.notify_all();
     lk.lock();
   }
+  stats_.job_ns.fetch_add(ns_since(job_start), std::memory_order_relaxed);
+  stats_.job_cpu_ns.fetch_add(thread_cpu_ns() - job_cpu_start, std::memory_order_relaxed);
 }
 
 std::uint32_t ExpertStream::record_crc(std::uint32_t s) const {
