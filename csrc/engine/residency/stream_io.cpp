@@ -27,20 +27,43 @@ void ExpertStream::io_exited() {
 
 void ExpertStream::io_loop() {
   Lock lk(mu_);
+  // A record finished by the last job: its waiters are woken at this thread's next release of
+  // mu_ (before its next pread, or before it sleeps), not by a release and retake of their own.
+  bool done_owed = false;
   for (;;) {
     while (!closing_ && queue_.empty()) {
+      if (done_owed) {
+        done_owed = false;
+        lk.unlock();
+        done_cv_.notify_all();
+        lk.lock();
+        continue;  // the queue may have filled meanwhile
+      }
       ++io_sleeping_;
       io_cv_.wait(lk);
       --io_sleeping_;
+      // This thread was one of them (or the host's, or spurious); never more than sleep.
+      io_signalled_ = std::min(io_signalled_ - (io_signalled_ > 0 ? 1u : 0u), io_sleeping_);
     }
-    if (closing_) return;
+    if (closing_) break;
     IoJob job = queue_.pop();
-    // Chain: more work and a sleeping thread, so wake one (after mu_ is released).
-    execute_job(lk, job, !queue_.empty() && io_sleeping_ > 0);
+    // Fan out: wake as many sleeping threads as there are jobs left that no thread already
+    // woken will take (after mu_ is released), so a record's parts start one wake after the
+    // first, together, instead of one wake apart in a chain.
+    const std::size_t untaken = queue_.size() - std::min<std::size_t>(queue_.size(), io_signalled_);
+    const std::uint32_t asleep = io_sleeping_ - std::min(io_sleeping_, io_signalled_);
+    const auto wake = std::uint32_t(std::min<std::size_t>(untaken, asleep));
+    io_signalled_ += wake;
+    execute_job(lk, job, wake, &done_owed);
+  }
+  if (done_owed) {
+    lk.unlock();
+    done_cv_.notify_all();
   }
 }
 
-void ExpertStream::execute_job(Lock& lk, const IoJob& job, bool wake_another) {
+void ExpertStream::execute_job(Lock& lk, const IoJob& job, std::uint32_t wake,
+                               bool* done_owed) {
   const auto job_start = Clock::now();
   const std::uint64_t job_cpu_start = thread_cpu_ns();
   Slot& sl = slots_[job.slot];
@@ -58,7 +81,11 @@ void ExpertStream::execute_job(Lock& lk, const IoJob& job, bool wake_another) {
   const std::uint64_t offset = layout().record_offset(key) + rel;
   unsigned char* dst = arena_->slot(job.slot) + rel;
   lk.unlock();
-  if (wake_another) io_cv_.notify_one();
+  for (std::uint32_t i = 0; i < wake; ++i) io_cv_.notify_one();
+  if (done_owed && *done_owed) {
+    *done_owed = false;
+    done_cv_.notify_all();
+  }
 
   int err = 0;
   std::size_t got = 0;
@@ -142,7 +169,9 @@ void ExpertStream::execute_job(Lock& lk, const IoJob& job, bool wake_another) {
   } else if (!sl.in_flight() && sl.load() == SlotState::Limbo) {
     notify = true;
   }
-  if (notify) {
+  if (notify && done_owed) {
+    *done_owed = true;  // the caller's next release of mu_ wakes the waiters
+  } else if (notify) {
     lk.unlock();
     done_cv_.notify_all();
     lk.lock();
