@@ -347,9 +347,10 @@ class ExpertStream {
   void execute_job(Lock& lk, const IoJob& job, std::uint32_t wake = 0,
                    bool* done_owed = nullptr);
   void on_reads_finished(std::uint32_t s);
-  // Calls every registered observer on a record whose bytes are complete (without mu_); false,
-  // with the first failure's message in `cause`, when one threw (the rest are not called).
-  bool notify_observers(const CompletedRecord& record, std::string* cause);
+  // Calls every registered observer (without mu_) on a record whose bytes are complete, or
+  // (record null) on one part just read; false, with the first failure's message in `cause`,
+  // when one threw (the rest are not called).
+  bool notify_observers(const CompletedRecord* record, const ReadPart& part, std::string* cause);
   std::int32_t take_slot(bool speculative);
   std::int32_t pick_victim(bool speculative) const;
   bool evictable(std::uint32_t s, bool speculative) const;  // no rule protects slot s

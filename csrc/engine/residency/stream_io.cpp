@@ -111,11 +111,23 @@ void ExpertStream::execute_job(Lock& lk, const IoJob& job, std::uint32_t wake,
   // about 0.2 ms of a miss's latency at 2.6 MB).
   const std::uint64_t record_bytes = layout().record_bytes;
   const bool verify = !part_crc_.empty();
+  const std::uint64_t part_record_bytes = rel < record_bytes ? std::min(len, record_bytes - rel) : 0;
   if (verify && err == 0) {
     const auto c0 = Clock::now();
-    const std::uint64_t n = rel < record_bytes ? std::min(len, record_bytes - rel) : 0;
-    part_crc_[std::size_t(job.slot) * n_parts_ + job.part] = crc32c(dst, std::size_t(n));
+    part_crc_[std::size_t(job.slot) * n_parts_ + job.part] =
+        crc32c(dst, std::size_t(part_record_bytes));
     stats_.crc_ns.fetch_add(ns_since(c0), std::memory_order_relaxed);
+  }
+  // The observers' share of this part (a backend's copy of it to the device), beside the other
+  // parts' reads. The part is still in flight, so nothing recycles the slot meanwhile.
+  std::string part_cause;
+  if (err == 0 && part_record_bytes > 0) {
+    const auto o0 = Clock::now();
+    if (!notify_observers(nullptr,
+                          ReadPart{job.slot, key, job.gen, job.part, rel, dst, part_record_bytes},
+                          &part_cause))
+      err = kObserverFailed;
+    stats_.observer_ns.fetch_add(ns_since(o0), std::memory_order_relaxed);
   }
 
   lk.lock();
@@ -126,6 +138,7 @@ void ExpertStream::execute_job(Lock& lk, const IoJob& job, std::uint32_t wake,
     sl.failed_part = true;
     sl.err = err;
     sl.err_offset = offset;
+    sl.cause = std::move(part_cause);
   }
   // The record's last part: check the CRC32C of the whole record, then hand its bytes to the
   // record observers (a backend's device copy: record_observer.h), both before the part counts
@@ -146,8 +159,9 @@ void ExpertStream::execute_job(Lock& lk, const IoJob& job, std::uint32_t wake,
     if (!crc_ok) {
       why = kChecksumMismatch;
     } else {
-      if (!notify_observers(CompletedRecord{job.slot, key, record, record_bytes}, &cause))
-        why = kObserverFailed;
+      const auto parts = std::uint32_t((record_bytes + opt_.part_bytes - 1) / opt_.part_bytes);
+      const CompletedRecord done{job.slot, key, record, record_bytes, job.gen, parts};
+      if (!notify_observers(&done, ReadPart{}, &cause)) why = kObserverFailed;
       stats_.observer_ns.fetch_add(ns_since(o0), std::memory_order_relaxed);
     }
     lk.lock();
@@ -214,7 +228,8 @@ void ExpertStream::on_reads_finished(std::uint32_t s) {
   if (sl.cls == ReadClass::Urgent) publish_slot(s);
 }
 
-bool ExpertStream::notify_observers(const CompletedRecord& record, std::string* cause) {
+bool ExpertStream::notify_observers(const CompletedRecord* record, const ReadPart& part,
+                                    std::string* cause) {
   std::unique_lock<std::mutex> ol(observers_mu_);
   // The entry being called stays in the list (remove_observer waits for its calls to end), and
   // the iterator only moves with observers_mu_ held, so others may come and go meanwhile.
@@ -224,7 +239,10 @@ bool ExpertStream::notify_observers(const CompletedRecord& record, std::string* 
     ol.unlock();
     bool ok = true;
     try {
-      it->observer->on_record_complete(record);
+      if (record)
+        it->observer->on_record_complete(*record);
+      else
+        it->observer->on_part_read(part);
     } catch (const std::exception& e) {
       *cause = e.what();
       ok = false;
