@@ -224,16 +224,19 @@ def pinned_h2d(size: int = 1 << 28) -> float:
 
 
 def engine_to_device(
-    path: Path, pack: ExpertPack, cfg: StreamConfig, rows: int, seed: int
+    path: Path, pack: ExpertPack, cfg: StreamConfig, rows: int, seed: int, backend: str = "cuda"
 ) -> dict[str, float]:
-    """The engine's bytes/s from the page cache to device slots: a `rows`-token prompt over
-    every layer, all resident, on a fresh stream (every expert it routes to is read, copied into
-    the arena and then into its device slot), against the same prompt replayed once all of them
-    are in place (the compute alone)."""
+    """The prompt-shaped IO figure: the engine's bytes/s from the page cache to device slots
+    over a `rows`-token prompt over every layer, all resident, on a fresh stream (every expert
+    it routes to is read, copied into the arena and then into its device slot), against the
+    same prompt replayed once all of them are in place (the compute alone). A layer's urgent
+    reads start at its host point, and the wall time less the replay counts whatever of them
+    the compute did not hide: IO in the prompt's shape, not the IO path's own throughput
+    (benchmarks/io_path.py measures both)."""
     g, routers = pack.geometry, pack.router_weights  # routers are read lazily: pack stays open
     walls: list[float] = []
     reads: list[int] = []
-    with ExpertStream(path, cfg) as stream, Window(stream, backend="cuda") as window:
+    with ExpertStream(path, cfg) as stream, Window(stream, backend=backend) as window:
         with window.turn():  # the backend's first launches and copies, outside the timing
             window.moe(0, SyntheticDriver(g, routers, seed=seed + 1).prompt(1).layer_input(0))
         for _ in range(2):

@@ -3,13 +3,15 @@ cache (a device faster than this machine's disk, as an Apple SSD or the H200's h
 the record's CRC32C check (verify_reads, the default) against without it, side by side.
 
     python benchmarks/miss_latency.py [--formats q4 bf16] [--io-threads 4] [--part-mib 1]
-        [--rounds 6] [--json OUT]
+        [--rounds 6] [--backend cpu|cuda] [--json OUT]
 
 The packs have Qwen3-30B-A3B's expert shape (hidden 2048, moe_intermediate 768): 2.5 MiB records
 in q4 g64, 9 MiB in bf16; 2 layers x 32 experts, written once under --pack-dir. The arena holds
 16 slots, so walking 32 experts misses on each (only misses are timed). Each part's CRC is taken
 by the IO thread that read it, and the record's check after the last part combines them
 (`crc32c_combine`); what is left of the check on a miss's path is the "verify costs" column.
+--backend: a Window of that backend is open on the stream, so its record observer runs in every
+miss (the CUDA backend's copy of the record to its device slot, before it is published).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import statistics
 import time
 from pathlib import Path
 
-from strata_stream import ExpertPack, ExpertStream, StreamConfig
+from strata_stream import ExpertPack, ExpertStream, StreamConfig, Window
 from strata_stream.pack import Geometry, presets
 
 
@@ -39,13 +41,15 @@ def ensure(fmt: str, pack_dir: Path) -> Path:
     return out
 
 
-def miss_ms(path: Path, verify: bool, io_threads: int, part: int, rounds: int) -> list[float]:
+def miss_ms(
+    path: Path, verify: bool, io_threads: int, part: int, rounds: int, backend: str
+) -> list[float]:
     with ExpertPack.open(path) as p:
         stride, n_experts = p.record_stride, p.geometry.n_experts
     cfg = StreamConfig(arena_bytes=16 * stride, io_threads=io_threads, part_bytes=part,
-                       direct_io=False, verify_reads=verify)  # fmt: skip
+                       direct_io=False, verify_reads=verify, persist_profile=False)  # fmt: skip
     out: list[float] = []
-    with ExpertStream(path, cfg) as s:
+    with ExpertStream(path, cfg) as s, Window(s, backend=backend):
         for r in range(rounds):
             for e in range(n_experts):
                 m0 = s.stats()["misses"]
@@ -64,6 +68,7 @@ def main() -> None:
     ap.add_argument("--io-threads", type=int, default=4)
     ap.add_argument("--part-mib", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--backend", default="cpu", help="the Window whose record observer runs")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     rows = []
@@ -77,8 +82,10 @@ def main() -> None:
         on: list[float] = []
         off: list[float] = []
         for _ in range(2):  # interleaved, so drift hits both alike
-            on += miss_ms(path, True, args.io_threads, args.part_mib << 20, args.rounds)
-            off += miss_ms(path, False, args.io_threads, args.part_mib << 20, args.rounds)
+            on += miss_ms(path, True, args.io_threads, args.part_mib << 20, args.rounds,
+                          args.backend)  # fmt: skip
+            off += miss_ms(path, False, args.io_threads, args.part_mib << 20, args.rounds,
+                           args.backend)  # fmt: skip
         a, b = statistics.median(on), statistics.median(off)
         rows.append({"format": fmt, "record_mib": mib, "verify_ms": a, "no_verify_ms": b})
         print(f"| {fmt} | {mib:.1f} | {a:.3f} | {b:.3f} | {a - b:.3f} | x{a / b:.2f} |")

@@ -94,3 +94,35 @@ def test_verify_off_is_still_available_and_reads_what_the_disk_holds(
         stream.wait(3, [2])
         data = stream.expert_bytes(3, 2)
         assert data is not None and not np.asarray(data).any()
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_the_io_threads_time_splits_into_read_checksum_observers_and_the_rest(
+    make_pack: PackFactory, tmp_path: Path, verify: bool
+) -> None:
+    """benchmarks/io_path.py reads these counters: each piece is a part of the jobs' time, and the
+    checksum counts only when reads are verified."""
+    path = _copy(make_pack, tmp_path)
+    with ExpertStream(path, _config(path, verify_reads=verify)) as stream, Window(stream):
+        for layer in range(L):
+            stream.wait(layer, list(range(E)))
+        st = stream.stats()
+    assert st["reads_completed"] == L * E
+    pieces = st["read_seconds"] + st["crc_seconds"] + st["observer_seconds"]
+    assert 0 < pieces <= st["io_job_seconds"]
+    assert st["io_job_cpu_seconds"] > 0
+    assert (st["crc_seconds"] > 0) == verify
+
+
+def test_the_raw_reference_reads_every_part_into_either_destination(
+    make_pack: PackFactory, tmp_path: Path
+) -> None:
+    from strata_stream import _bench
+
+    path = _copy(make_pack, tmp_path)
+    with ExpertPack.open(path) as p:
+        n, stride, span = L * E, p.record_stride, -(-p.record_bytes // 4096) * 4096
+    for dest in (0, n * stride, 3 * stride):  # staging buffers, an arena, a smaller one
+        for crc in (False, True):
+            r = _bench.bench_raw_read(str(path), 0, n, 4096, 2, dest, False, crc)
+            assert r["bytes"] == n * span and r["seconds"] > 0

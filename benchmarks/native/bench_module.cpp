@@ -59,11 +59,12 @@ PYBIND11_MODULE(_bench, m) {
   m.def(
       "bench_raw_read",
       [](const std::string& path, std::uint64_t first, std::uint64_t count,
-         std::uint64_t part_bytes, unsigned threads, std::uint64_t dest_bytes, bool direct) {
+         std::uint64_t part_bytes, unsigned threads, std::uint64_t dest_bytes, bool direct,
+         bool crc) {
         RawReadResult r;
         {
           py::gil_scoped_release nogil;
-          r = raw_read_records(path, first, count, part_bytes, threads, dest_bytes, direct);
+          r = raw_read_records(path, first, count, part_bytes, threads, dest_bytes, direct, crc);
         }
         py::dict d;
         d["seconds"] = r.seconds;
@@ -72,7 +73,9 @@ PYBIND11_MODULE(_bench, m) {
       },
       py::arg("path"), py::arg("first"), py::arg("count"), py::arg("part_bytes"),
       py::arg("threads"), py::arg("dest_bytes"), py::arg("direct") = false,
-      "Threaded preads of records [first, first + count), split as ExpertStream splits them: "
+      py::arg("crc") = false,
+      "Threaded preads of records [first, first + count), split as ExpertStream splits them, "
+      "into dest_bytes (0: two part-sized buffers a thread), each part's CRC32C with crc: "
       "{seconds, bytes}.");
 
   // Engine errors as strata_stream.errors, as in _core (csrc/python/errors.cpp).

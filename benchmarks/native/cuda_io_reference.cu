@@ -6,8 +6,11 @@
 // the thread's own stream. A buffer is reused only once its copy's event completed, so the next
 // preads overlap the copies in flight (depth 1 would wait for each copy). Also the pinned
 // host-to-device bandwidth alone (one large pinned buffer, one copy, median of 5).
+// --arena: the engine's shape instead: each part pread into its own place in one pinned host
+// buffer of BYTES (as the IO threads read into the registered arena) and copied from there, so
+// no buffer is reused and the preads write a destination far larger than the caches.
 //   nvcc -O2 -std=c++17 -o io_ref benchmarks/native/cuda_io_reference.cu
-//   io_ref FILE OFFSET BYTES PART THREADS DEPTH [--direct]
+//   io_ref FILE OFFSET BYTES PART THREADS DEPTH [--direct] [--arena]
 // prints one JSON object: {"bytes", "seconds", "gb_s", "pinned_h2d_gb_s", ...}.
 #include <cuda_runtime.h>
 #include <fcntl.h>
@@ -66,14 +69,20 @@ double pinned_h2d(std::size_t bytes) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 7) fail("usage: io_ref FILE OFFSET BYTES PART THREADS DEPTH [--direct]");
+  if (argc < 7) fail("usage: io_ref FILE OFFSET BYTES PART THREADS DEPTH [--direct] [--arena]");
   const std::string path = argv[1];
   const std::uint64_t offset = std::strtoull(argv[2], nullptr, 10);
   const std::uint64_t bytes = std::strtoull(argv[3], nullptr, 10);
   const std::uint64_t part = std::strtoull(argv[4], nullptr, 10);
   const unsigned threads = unsigned(std::strtoul(argv[5], nullptr, 10));
   const unsigned depth = unsigned(std::strtoul(argv[6], nullptr, 10));
-  const bool direct = argc > 7 && std::string(argv[7]) == "--direct";
+  bool direct = false, arena = false;
+  for (int i = 7; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (flag == "--direct") direct = true;
+    else if (flag == "--arena") arena = true;
+    else fail("unknown flag " + flag);
+  }
   if (part == 0 || part % 4096 || threads == 0 || depth == 0 || bytes < part)
     fail("PART a positive multiple of 4096, THREADS and DEPTH > 0, BYTES >= PART");
   int flags = O_RDONLY | O_CLOEXEC;
@@ -84,6 +93,13 @@ int main(int argc, char** argv) {
   unsigned char* dev = nullptr;
   ck(cudaMalloc(&dev, bytes), "cudaMalloc (destination)");
   const std::uint64_t parts = bytes / part;
+  unsigned char* host_arena = nullptr;  // --arena: the pinned destination of every pread
+  if (arena) {
+    void* p = nullptr;
+    ck(cudaHostAlloc(&p, bytes, cudaHostAllocDefault), "cudaHostAlloc (arena)");
+    std::memset(p, 0, bytes);  // committed before the clock, as the engine's arena is
+    host_arena = static_cast<unsigned char*>(p);
+  }
 
   // Per thread: its stream, `depth` pinned buffers, an event per buffer. Made before the clock.
   struct Lane {
@@ -111,11 +127,11 @@ int main(int argc, char** argv) {
     unsigned use = 0;
     std::vector<bool> busy(depth, false);
     for (std::uint64_t j; (j = next.fetch_add(1, std::memory_order_relaxed)) < parts;) {
-      if (busy[use] && cudaEventSynchronize(l.done[use]) != cudaSuccess) {
+      if (!arena && busy[use] && cudaEventSynchronize(l.done[use]) != cudaSuccess) {
         error.store(-2);
         return;
       }
-      unsigned char* b = l.buf[use];
+      unsigned char* b = arena ? host_arena + j * part : l.buf[use];
       std::uint64_t got = 0;
       while (got < part) {
         const ssize_t n = ::pread(fd, b + got, part - got, off_t(offset + j * part + got));
@@ -148,15 +164,18 @@ int main(int argc, char** argv) {
   const double h2d = pinned_h2d(std::size_t(1) << 28);
   std::printf(
       "{\"bytes\": %llu, \"seconds\": %.6f, \"gb_s\": %.3f, \"pinned_h2d_gb_s\": %.3f, "
-      "\"part_bytes\": %llu, \"threads\": %u, \"depth\": %u, \"direct\": %s}\n",
+      "\"part_bytes\": %llu, \"threads\": %u, \"depth\": %u, \"direct\": %s, "
+      "\"arena\": %s}\n",
       (unsigned long long)moved.load(), seconds, moved.load() / seconds / 1e9, h2d / 1e9,
-      (unsigned long long)part, threads, depth, direct ? "true" : "false");
+      (unsigned long long)part, threads, depth, direct ? "true" : "false",
+      arena ? "true" : "false");
   for (Lane& l : lanes) {
     for (auto* b : l.buf) cudaFreeHost(b);
     for (auto e : l.done) cudaEventDestroy(e);
     cudaStreamDestroy(l.stream);
   }
   cudaFree(dev);
+  if (host_arena) cudaFreeHost(host_arena);
   ::close(fd);
   return 0;
 }

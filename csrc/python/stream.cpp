@@ -102,7 +102,7 @@ py::dict slot_table(ExpertStream& s) {
 py::dict stream_stats(ExpertStream& s) {
   py::dict d;
   for (auto& [k, v] : s.stats().snapshot()) {
-    if (k == "read_seconds" || k == "stall_seconds")
+    if (k.size() > 8 && k.compare(k.size() - 8, 8, "_seconds") == 0)
       d[py::str(k)] = v;
     else
       d[py::str(k)] = std::uint64_t(v);

@@ -23,4 +23,5 @@ def bench_raw_read(
     threads: int,
     dest_bytes: int,
     direct: bool = False,
+    crc: bool = False,
 ) -> RawRead: ...

@@ -42,9 +42,12 @@ TEST_CASE("crc32c matches the published check values") {
 
 TEST_CASE("hardware and table crc32c agree at every length, alignment and seed") {
   INFO("implementation: " << crc32c_impl());
-  // Lengths around the interleaved loop's block edges (3 x 256, 3 x 8192) and beyond.
-  const std::size_t lengths[] = {0,    1,    7,    8,    9,     255,   767,    768,   769,
-                                 3000, 24575, 24576, 24577, 24583, 100000, 1 << 20};
+  // Lengths around the interleaved loop's block edges (3 x 256, 3 x 8192), the folding loop's
+  // (from 1 KiB, 256 bytes a step, with tails of every kind) and beyond.
+  const std::size_t lengths[] = {0,     1,     7,     8,     9,      255,    767,    768,
+                                 769,   1023,  1024,  1025,  1031,   1279,   1280,   1281,
+                                 1535,  2047,  3000,  4351,  24575,  24576,  24577,  24583,
+                                 65553, 100000, 1 << 20};
   auto buf = pseudo_random((1 << 20) + 16, 7);
   for (std::size_t n : lengths)
     for (std::size_t align = 0; align < 8; align += 3)

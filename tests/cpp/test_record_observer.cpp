@@ -10,6 +10,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <random>
@@ -210,6 +211,102 @@ TEST_CASE("a throwing observer is the read error, naming its cause; the stream s
   CHECK(s.stats().spec_failed.load() == 1);
   CHECK(s.publish(0) == 0);
   CHECK(s.where(1, 9) < 0);
+  CHECK(StreamTesting::check_invariants(s).empty());
+  s.remove_observer(id);
+  std::remove(path.c_str());
+}
+
+namespace {
+
+// Records every part it is shown and checks it against the file; at the record's completion,
+// that this read's parts (one generation) were all seen, each once, covering the record.
+class PartObserver final : public RecordObserver {
+ public:
+  PartObserver(const ExpertStream& s, const TestGeometry& g) : s_(s), g_(g) {}
+  void on_part_read(const ReadPart& p) override {
+    const auto want = expected_record(g_, p.key / g_.n_experts, p.key % g_.n_experts);
+    if (p.bytes != s_.arena().slot(p.slot) + p.offset || p.offset + p.size > want.size() ||
+        std::memcmp(p.bytes, want.data() + p.offset, p.size) != 0)
+      wrong_bytes.fetch_add(1);
+    if (s_.smap_at(p.key) != kAbsent) published_early.fetch_add(1);
+    std::lock_guard<std::mutex> lk(mu_);
+    if (p.key == fail_key) throw std::runtime_error("fake part copy failed (cudaErrorFake)");
+    parts_[p.slot].push_back(p);
+  }
+  void on_record_complete(const CompletedRecord& r) override {
+    std::lock_guard<std::mutex> lk(mu_);
+    std::vector<ReadPart>& mine = parts_[r.slot];
+    std::vector<int> seen(r.parts, 0);
+    std::uint64_t bytes = 0;
+    for (const ReadPart& p : mine) {
+      if (p.gen != r.gen || p.key != r.key || p.part >= r.parts) {
+        ++stray;
+        continue;
+      }
+      ++seen[p.part];
+      bytes += p.size;
+    }
+    bool whole = bytes == r.size;
+    for (int n : seen) whole = whole && n == 1;
+    records += 1;
+    complete_records += whole;
+    mine.clear();
+  }
+  void fail(std::uint32_t key) {
+    std::lock_guard<std::mutex> lk(mu_);
+    fail_key = key;
+  }
+  std::atomic<int> wrong_bytes{0}, published_early{0};
+  int records = 0, complete_records = 0, stray = 0;  // mu_ (read once IO settled)
+
+ private:
+  const ExpertStream& s_;
+  TestGeometry g_;
+  std::mutex mu_;
+  std::map<std::uint32_t, std::vector<ReadPart>> parts_;  // mu_: by slot, this read's so far
+  std::uint32_t fail_key = kNoKey;                        // mu_
+};
+
+}  // namespace
+
+TEST_CASE("an observer sees each part of a record as it lands, then the record, one generation") {
+  TestGeometry g;
+  auto path = build_test_pack(g, "observer_parts");
+  PackLayout L = read_pack_layout(path);
+  // Fewer slots than records: slots are recycled, so a slot's next read is another generation.
+  ExpertStream s(path, small_options(8, L, 3));
+  REQUIRE(s.n_parts() == 3);
+  PartObserver obs(s, g);
+  const ObserverId id = s.add_observer(&obs);
+  int records = 0;
+  for (std::uint32_t layer = 0; layer < 3; ++layer) {
+    std::int32_t ex[] = {1, 4, 6, 9};
+    s.wait(layer, ex, 4);
+    records += 4;
+    for (std::int32_t e : ex) CHECK(slot_matches(s, g, layer, std::uint32_t(e)));
+  }
+  s.settle();
+  CHECK(obs.records == records);
+  CHECK(obs.complete_records == records);
+  CHECK(obs.stray == 0);
+  CHECK(obs.wrong_bytes.load() == 0);
+  CHECK(obs.published_early.load() == 0);
+
+  // A part the observer refuses fails the record with its cause; the stream stays usable.
+  obs.fail(3 * g.n_experts + 2);
+  std::int32_t bad[] = {2};
+  try {
+    s.wait(3, bad, 1);
+    FAIL("expected an ExpertReadError");
+  } catch (const ExpertReadError& e) {
+    CHECK(e.layer == 3);
+    CHECK(e.expert == 2);
+    CHECK(std::string(e.what()).find("fake part copy failed (cudaErrorFake)") != std::string::npos);
+  }
+  CHECK(s.where(3, 2) < 0);
+  obs.fail(kNoKey);
+  s.wait(3, bad, 1);
+  CHECK(slot_matches(s, g, 3, 2));
   CHECK(StreamTesting::check_invariants(s).empty());
   s.remove_observer(id);
   std::remove(path.c_str());

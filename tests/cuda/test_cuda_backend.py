@@ -136,10 +136,9 @@ def max_violation(got: list, want: list) -> float:
     return worst
 
 
-FORMATS = (
-    [("f32", 64, "f16"), ("f16", 64, "f16"), ("bf16", 64, "f16"), ("mxfp4", 32, "e8m0")]
-    + [(q, g, s) for q in ("q4", "q8") for g in (32, 64, 128) for s in ("f32", "f16", "bf16")]
-)
+FORMATS = [("f32", 64, "f16"), ("f16", 64, "f16"), ("bf16", 64, "f16"), ("mxfp4", 32, "e8m0")] + [
+    (q, g, s) for q in ("q4", "q8") for g in (32, 64, 128) for s in ("f32", "f16", "bf16")
+]
 
 
 @cuda
@@ -227,6 +226,15 @@ def test_bitwise_across_arena_sizes_split_lookahead_and_chunking(
     ):
         got = run(path, cfg, xs, "cuda")
         assert all(np.array_equal(a, b) for a, b in zip(ref, got, strict=True)), cfg
+    # Each part copied to the device as it lands: the minimum arena recycles every layer's slots.
+    # Parts of 16 KiB: several a record.
+    monkeypatch.setenv("STRATA_CUDA_MIRROR_FILL", "parts")
+    for cfg in (
+        config(path, 2 * K, part_bytes=1 << 14),
+        config(path, 2 * K, part_bytes=1 << 14, split_turn=True),
+    ):
+        got = run(path, cfg, xs, "cuda")
+        assert all(np.array_equal(a, b) for a, b in zip(ref, got, strict=True)), cfg
 
 
 @cuda
@@ -241,18 +249,27 @@ def test_slots_published_before_the_backend_registered_are_copied_before_their_p
     path = make_pack(tmp_path, "q8", 64, "bf16")
     xs = turns(384, [1, 9, 1, 4])
     want = run(path, config(path), xs, "cuda")
-    for n_slots in (L * E, 2 * K + 2):
-        got: list[np.ndarray] = []
-        with ExpertStream(path, config(path, n_slots)) as stream:
-            with Window(stream, backend="cpu") as cpu, cpu.turn():  # fills slots, no observer
-                for layer, x in enumerate(xs[0]):
-                    cpu.moe(layer, x)
-            with Window(stream, backend="cuda") as w:
-                for turn in xs:
-                    with w.turn():
-                        got.extend(w.moe(layer, x) for layer, x in enumerate(turn))
-            assert testing.check_invariants(stream) == ""
-        assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True)), n_slots
+    # At IO completion, the whole record (the default) or each part as it lands (parts, of
+    # 16 KiB: several a record).
+    for fill, part_bytes in (("completion", 1 << 20), ("parts", 1 << 14)):
+        for n_slots in (L * E, 2 * K + 2):
+            got: list[np.ndarray] = []
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("STRATA_CUDA_MIRROR_FILL", fill)
+                cfg = config(path, n_slots, part_bytes=part_bytes)
+                with ExpertStream(path, cfg) as stream:
+                    with Window(stream, backend="cpu") as cpu, cpu.turn():  # no observer
+                        for layer, x in enumerate(xs[0]):
+                            cpu.moe(layer, x)
+                    with Window(stream, backend="cuda") as w:
+                        for turn in xs:
+                            with w.turn():
+                                got.extend(w.moe(layer, x) for layer, x in enumerate(turn))
+                    assert testing.check_invariants(stream) == ""
+            assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True)), (
+                fill,
+                n_slots,
+            )
     # The fallback alone (STRATA_CUDA_MIRROR_FILL=lazy: no copy at IO completion), and a bad value.
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("STRATA_CUDA_MIRROR_FILL", "lazy")
@@ -261,7 +278,9 @@ def test_slots_published_before_the_backend_registered_are_copied_before_their_p
         mp.setenv("STRATA_CUDA_MIRROR_FILL", "eager")
         with (
             ExpertStream(path, config(path)) as stream,
-            pytest.raises(ConfigError, match="STRATA_CUDA_MIRROR_FILL must be completion or lazy"),
+            pytest.raises(
+                ConfigError, match="STRATA_CUDA_MIRROR_FILL must be completion, parts or lazy"
+            ),
         ):
             Window(stream, backend="cuda")
 

@@ -47,8 +47,19 @@ class ArenaMirror final : public RecordObserver {
   void allocate(std::uint32_t n_slots, std::uint64_t slot_bytes, std::uint64_t record_bytes);
   const unsigned char* device() const { return device_; }
 
+  // Copy each part as it lands (STRATA_CUDA_MIRROR_FILL=parts) instead of the whole record
+  // after its last part: set before the mirror is registered with a stream.
+  void copy_parts(bool on) { copy_parts_ = on; }
+
+  // The IO thread's copy of one part (copy_parts): its bytes into their place in the mirror slot
+  // on a copy lane, waited for, then counted for the read `part.gen` of the slot; the slot's tag
+  // is cleared first. So the copies of a record's parts run beside its other parts' reads, and
+  // after its last part only that part's copy is left. Throws std::runtime_error naming the
+  // CUDA error.
+  void on_part_read(const ReadPart& part) override;
   // The IO thread's copy: record.bytes (registered, pinned host memory) into the record's mirror
-  // slot on a copy lane, waited for, then the slot tagged with record.key. Throws
+  // slot on a copy lane, waited for, then the slot tagged with record.key. With copy_parts, when
+  // every part of this read was copied already, only the tag is set. Throws
   // std::runtime_error naming the CUDA error (the stream makes it the record's read error).
   void on_record_complete(const CompletedRecord& record) override;
 
@@ -62,6 +73,7 @@ class ArenaMirror final : public RecordObserver {
     return at_completion_.load(std::memory_order_relaxed);
   }
   std::uint64_t copies_lazy() const { return lazy_.load(std::memory_order_relaxed); }
+  std::uint64_t part_copies() const { return parts_.load(std::memory_order_relaxed); }
   // The IO threads' time in on_record_complete: queueing the copy, and waiting for it (ns).
   std::uint64_t issue_ns() const { return issue_ns_.load(std::memory_order_relaxed); }
   std::uint64_t wait_ns() const { return wait_ns_.load(std::memory_order_relaxed); }
@@ -74,16 +86,23 @@ class ArenaMirror final : public RecordObserver {
   Lane take_lane();
   void give_lane(const Lane& lane);
   void release();
+  // Copies `size` host bytes to `offset` in the mirror on a copy lane and waits for it.
+  void copy_and_wait(const unsigned char* host, std::uint64_t offset, std::uint64_t size);
 
   std::shared_mutex mu_;
   unsigned char* device_ = nullptr;                      // mu_
   std::unique_ptr<std::atomic<std::uint32_t>[]> tags_;  // mu_ (the array); entries: see above
+  // mu_ (the array); entries: the parts copied of one read of the slot, (gen << 32) | count,
+  // updated by the IO threads reading its parts (compare-exchange), read by the one that
+  // completes the record, after every part counted done (the stream's lock orders them).
+  std::unique_ptr<std::atomic<std::uint64_t>[]> parts_copied_;
   std::uint32_t n_slots_ = 0;                            // mu_
   std::uint64_t slot_bytes_ = 0, record_bytes_ = 0;      // mu_
   std::mutex lanes_mu_;
   std::vector<Lane> free_lanes_, all_lanes_;  // lanes_mu_
   // Counts and times, for STRATA_CUDA_TRACE (relaxed: read when the backend goes).
-  std::atomic<std::uint64_t> at_completion_{0}, lazy_{0}, issue_ns_{0}, wait_ns_{0};
+  std::atomic<std::uint64_t> at_completion_{0}, lazy_{0}, issue_ns_{0}, wait_ns_{0}, parts_{0};
+  bool copy_parts_ = false;  // set before registration, then read only
 };
 
 }  // namespace strata::cuda

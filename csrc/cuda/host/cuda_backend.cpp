@@ -184,14 +184,18 @@ enum class ArenaMode : std::uint8_t { Device, Mapped };
 
 // How the device mirror is filled (STRATA_CUDA_MIRROR_FILL, read when the backend is made):
 //   completion (default): at IO completion, on copy streams, before publication (arena_mirror.h);
+//   parts: the same, each part copied as it lands, beside the record's other parts' reads;
 //   lazy: only by the device thread before the pass that reads a slot (the fallback alone, as
 //     before the record observer existed: for comparison).
-bool fill_at_completion_from_env() {
+enum class MirrorFill : std::uint8_t { Completion, Parts, Lazy };
+
+MirrorFill mirror_fill_from_env() {
   const char* v = std::getenv("STRATA_CUDA_MIRROR_FILL");
-  if (!v || !*v || std::strcmp(v, "completion") == 0) return true;
-  if (std::strcmp(v, "lazy") == 0) return false;
+  if (!v || !*v || std::strcmp(v, "completion") == 0) return MirrorFill::Completion;
+  if (std::strcmp(v, "parts") == 0) return MirrorFill::Parts;
+  if (std::strcmp(v, "lazy") == 0) return MirrorFill::Lazy;
   throw std::runtime_error(
-      std::string("STRATA_CUDA_MIRROR_FILL must be completion or lazy, got '") + v + "'");
+      std::string("STRATA_CUDA_MIRROR_FILL must be completion, parts or lazy, got '") + v + "'");
 }
 
 ArenaMode arena_mode_from_env() {
@@ -205,7 +209,8 @@ ArenaMode arena_mode_from_env() {
 class CudaBackend final : public Backend {
  public:
   CudaBackend()
-      : mode_(arena_mode_from_env()), fill_at_completion_(fill_at_completion_from_env()) {
+      : mode_(arena_mode_from_env()), fill_(mirror_fill_from_env()) {
+    mirror_.copy_parts(fill_ == MirrorFill::Parts);
     check(cudaSetDevice(0), "cudaSetDevice");
     check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
     void* p = nullptr;
@@ -263,7 +268,7 @@ class CudaBackend final : public Backend {
 
   // Device mode: the mirror, filled at IO completion (the Window registers it after bind()).
   RecordObserver* record_observer() override {
-    return mode_ == ArenaMode::Device && fill_at_completion_ ? &mirror_ : nullptr;
+    return mode_ == ArenaMode::Device && fill_ != MirrorFill::Lazy ? &mirror_ : nullptr;
   }
 
   void bind(const DeviceBuffers& b) override {
@@ -662,11 +667,12 @@ class CudaBackend final : public Backend {
                      static_cast<unsigned long long>(op_calls_[i]));
     const std::uint64_t at_io = mirror_.copies_at_completion();
     std::fprintf(stderr,
-                 " | slot copies at IO completion %llu (IO thread us a copy: %.1f queueing, %.1f"
-                 " waiting), lazy %llu",
+                 " | slot copies at IO completion %llu (IO thread us a record: %.1f queueing, %.1f"
+                 " waiting; %llu parts copied as each landed), lazy %llu",
                  static_cast<unsigned long long>(at_io),
                  at_io ? 1e-3 * double(mirror_.issue_ns()) / double(at_io) : 0.0,
                  at_io ? 1e-3 * double(mirror_.wait_ns()) / double(at_io) : 0.0,
+                 static_cast<unsigned long long>(mirror_.part_copies()),
                  static_cast<unsigned long long>(mirror_.copies_lazy()));
     const auto [p50, p90, n] = crossing_us();
     std::fprintf(stderr,
@@ -874,7 +880,7 @@ class CudaBackend final : public Backend {
   std::size_t up_used_ = 0;
   std::size_t back_ids_ = 0, back_weights_ = 0, back_pred_[2] = {0, 0}, back_out_ = 0;
   const ArenaMode mode_;
-  const bool fill_at_completion_;  // STRATA_CUDA_MIRROR_FILL
+  const MirrorFill fill_;  // STRATA_CUDA_MIRROR_FILL
   // Device mode: the arena's device copy and its per-slot tags, written by the IO threads (at
   // IO completion) and the device thread (the fallback): its own locks (arena_mirror.h).
   ArenaMirror mirror_;

@@ -340,13 +340,17 @@ class ExpertStream {
                          const std::function<EngineError()>& timed_out);
   void io_loop();
   // Runs one part read: bookkeeping under mu_, the pread (and, for a record's last part, the
-  // checksum) with mu_ released. Entered and left with `lk` held. `wake_another`: work remains
-  // queued and an IO thread sleeps, so wake one once mu_ is released.
-  void execute_job(Lock& lk, const IoJob& job, bool wake_another = false);
+  // checksum) with mu_ released. Entered and left with `lk` held. `wake`: sleeping IO threads to
+  // wake once mu_ is released (work remains queued for them). `done_owed` (the IO threads'
+  // loop): when true on entry, done_cv_ is notified once mu_ is released; set on exit when the
+  // job finished what a waiter waits for, instead of notifying then (without it, notified now).
+  void execute_job(Lock& lk, const IoJob& job, std::uint32_t wake = 0,
+                   bool* done_owed = nullptr);
   void on_reads_finished(std::uint32_t s);
-  // Calls every registered observer on a record whose bytes are complete (without mu_); false,
-  // with the first failure's message in `cause`, when one threw (the rest are not called).
-  bool notify_observers(const CompletedRecord& record, std::string* cause);
+  // Calls every registered observer (without mu_) on a record whose bytes are complete, or
+  // (record null) on one part just read; false, with the first failure's message in `cause`,
+  // when one threw (the rest are not called).
+  bool notify_observers(const CompletedRecord* record, const ReadPart& part, std::string* cause);
   std::int32_t take_slot(bool speculative);
   std::int32_t pick_victim(bool speculative) const;
   bool evictable(std::uint32_t s, bool speculative) const;  // no rule protects slot s
@@ -413,8 +417,12 @@ class ExpertStream {
   std::mutex clients_mu_;
   std::map<ClientId, std::function<void()>> closers_;
   // mu_: IO threads blocked on io_cv_; a thread that pops a job and leaves more queued wakes
-  // one of them (only then: a notify with nobody asleep is wasted work on the IO path).
+  // as many of them as there are jobs left (only then: a notify with nobody asleep is wasted
+  // work on the IO path). io_signalled_: those woken by IO threads and not yet running, so
+  // two threads do not wake one sleeper twice for two jobs (a hint: the host's own wake-up
+  // and spurious wake-ups are not counted; a miscount only wakes a thread early or late).
   std::uint32_t io_sleeping_ = 0;
+  std::uint32_t io_signalled_ = 0;
   // Jobs were queued since the IO threads were last woken: set under mu_, consumed by the
   // IoWaker that ends request() after mu_ is released.
   std::atomic<bool> wake_io_{false};

@@ -14,6 +14,12 @@
 // - A throw (std::exception) fails the record with that message as its cause: the slot is not
 //   published, an urgent read raises ExpertReadError naming the cause, a speculative one is
 //   dropped and counted, and the stream stays usable.
+// - on_part_read (optional): called the same way for each part of the record as that part's
+//   pread (and its CRC32C) finished, on the thread that read it, while the part counts as in
+//   flight, before the record is checked; parts of one read share `gen`. An observer that
+//   registers while a record is being read may see only some of its parts, so it must not take
+//   parts seen for a whole record: on_record_complete says how many parts the record has.
+//   A throw fails the record as above.
 #pragma once
 
 #include <cstdint>
@@ -25,11 +31,23 @@ struct CompletedRecord {
   std::uint32_t key = 0;                // layer * n_experts + expert
   const unsigned char* bytes = nullptr;  // the slot's bytes in the host arena
   std::uint64_t size = 0;               // the record's bytes (PackLayout::record_bytes)
+  std::uint32_t gen = 0;                // the slot's read generation (ReadPart::gen)
+  std::uint32_t parts = 0;              // parts holding record bytes, each seen by on_part_read
+};
+
+struct ReadPart {
+  std::uint32_t slot = 0, key = 0;
+  std::uint32_t gen = 0;                // the same for every part of one read of the slot
+  std::uint32_t part = 0;               // 0 .. CompletedRecord::parts - 1
+  std::uint64_t offset = 0;             // of the part within the record
+  const unsigned char* bytes = nullptr;  // the part's bytes in the host arena
+  std::uint64_t size = 0;               // its record bytes (the last may be short)
 };
 
 class RecordObserver {
  public:
   virtual ~RecordObserver() = default;
+  virtual void on_part_read(const ReadPart& /*part*/) {}
   virtual void on_record_complete(const CompletedRecord& record) = 0;
 };
 

@@ -20,6 +20,16 @@ struct StreamStats {
   std::atomic<std::uint64_t> bytes_read{0};
   std::atomic<std::uint64_t> reads_completed{0};  // records fully read
   std::atomic<std::uint64_t> read_ns{0};          // sum over IO threads of time inside pread
+  // Where the rest of an IO thread's time goes (benchmarks/io_path.py splits it with these):
+  // the parts' CRC32C and the record's check (verify_reads), the record observers (a backend's
+  // device copy), and every part job from its pop to its end, locks and wakes included, so
+  // job - read - crc - observer is the IO path's own bookkeeping; job_cpu_ns is the CPU time
+  // the IO threads were given for those jobs (from a warm page cache a pread is CPU work too,
+  // so job - job_cpu is time spent blocked on a lock or off a busy core).
+  std::atomic<std::uint64_t> crc_ns{0};
+  std::atomic<std::uint64_t> observer_ns{0};
+  std::atomic<std::uint64_t> job_ns{0};
+  std::atomic<std::uint64_t> job_cpu_ns{0};
   std::atomic<std::uint64_t> stall_ns{0};         // host time blocked in wait()
   std::atomic<std::uint64_t> cancelled{0};
   std::atomic<std::uint64_t> limbo{0};            // slots parked in limbo
@@ -45,6 +55,10 @@ struct StreamStats {
             {"bytes_read", g(bytes_read)},
             {"reads_completed", g(reads_completed)},
             {"read_seconds", g(read_ns) * 1e-9},
+            {"crc_seconds", g(crc_ns) * 1e-9},
+            {"observer_seconds", g(observer_ns) * 1e-9},
+            {"io_job_seconds", g(job_ns) * 1e-9},
+            {"io_job_cpu_seconds", g(job_cpu_ns) * 1e-9},
             {"stall_seconds", g(stall_ns) * 1e-9},
             {"cancelled", g(cancelled)},
             {"limbo", g(limbo)},

@@ -27,20 +27,45 @@ void ExpertStream::io_exited() {
 
 void ExpertStream::io_loop() {
   Lock lk(mu_);
+  // A record finished by the last job: its waiters are woken at this thread's next release of
+  // mu_ (before its next pread, or before it sleeps), not by a release and retake of their own.
+  bool done_owed = false;
   for (;;) {
     while (!closing_ && queue_.empty()) {
+      if (done_owed) {
+        done_owed = false;
+        lk.unlock();
+        done_cv_.notify_all();
+        lk.lock();
+        continue;  // the queue may have filled meanwhile
+      }
       ++io_sleeping_;
       io_cv_.wait(lk);
       --io_sleeping_;
+      // This thread was one of them (or the host's, or spurious); never more than sleep.
+      io_signalled_ = std::min(io_signalled_ - (io_signalled_ > 0 ? 1u : 0u), io_sleeping_);
     }
-    if (closing_) return;
+    if (closing_) break;
     IoJob job = queue_.pop();
-    // Chain: more work and a sleeping thread, so wake one (after mu_ is released).
-    execute_job(lk, job, !queue_.empty() && io_sleeping_ > 0);
+    // Fan out: wake as many sleeping threads as there are jobs left that no thread already
+    // woken will take (after mu_ is released), so a record's parts start one wake after the
+    // first, together, instead of one wake apart in a chain.
+    const std::size_t untaken = queue_.size() - std::min<std::size_t>(queue_.size(), io_signalled_);
+    const std::uint32_t asleep = io_sleeping_ - std::min(io_sleeping_, io_signalled_);
+    const auto wake = std::uint32_t(std::min<std::size_t>(untaken, asleep));
+    io_signalled_ += wake;
+    execute_job(lk, job, wake, &done_owed);
+  }
+  if (done_owed) {
+    lk.unlock();
+    done_cv_.notify_all();
   }
 }
 
-void ExpertStream::execute_job(Lock& lk, const IoJob& job, bool wake_another) {
+void ExpertStream::execute_job(Lock& lk, const IoJob& job, std::uint32_t wake,
+                               bool* done_owed) {
+  const auto job_start = Clock::now();
+  const std::uint64_t job_cpu_start = thread_cpu_ns();
   Slot& sl = slots_[job.slot];
   STRATA_ASSERT(sl.gen == job.gen, "queued jobs are dropped when their slot is recycled");
   SlotState st = sl.load();
@@ -56,7 +81,11 @@ void ExpertStream::execute_job(Lock& lk, const IoJob& job, bool wake_another) {
   const std::uint64_t offset = layout().record_offset(key) + rel;
   unsigned char* dst = arena_->slot(job.slot) + rel;
   lk.unlock();
-  if (wake_another) io_cv_.notify_one();
+  for (std::uint32_t i = 0; i < wake; ++i) io_cv_.notify_one();
+  if (done_owed && *done_owed) {
+    *done_owed = false;
+    done_cv_.notify_all();
+  }
 
   int err = 0;
   std::size_t got = 0;
@@ -82,9 +111,23 @@ void ExpertStream::execute_job(Lock& lk, const IoJob& job, bool wake_another) {
   // about 0.2 ms of a miss's latency at 2.6 MB).
   const std::uint64_t record_bytes = layout().record_bytes;
   const bool verify = !part_crc_.empty();
+  const std::uint64_t part_record_bytes = rel < record_bytes ? std::min(len, record_bytes - rel) : 0;
   if (verify && err == 0) {
-    const std::uint64_t n = rel < record_bytes ? std::min(len, record_bytes - rel) : 0;
-    part_crc_[std::size_t(job.slot) * n_parts_ + job.part] = crc32c(dst, std::size_t(n));
+    const auto c0 = Clock::now();
+    part_crc_[std::size_t(job.slot) * n_parts_ + job.part] =
+        crc32c(dst, std::size_t(part_record_bytes));
+    stats_.crc_ns.fetch_add(ns_since(c0), std::memory_order_relaxed);
+  }
+  // The observers' share of this part (a backend's copy of it to the device), beside the other
+  // parts' reads. The part is still in flight, so nothing recycles the slot meanwhile.
+  std::string part_cause;
+  if (err == 0 && part_record_bytes > 0) {
+    const auto o0 = Clock::now();
+    if (!notify_observers(nullptr,
+                          ReadPart{job.slot, key, job.gen, job.part, rel, dst, part_record_bytes},
+                          &part_cause))
+      err = kObserverFailed;
+    stats_.observer_ns.fetch_add(ns_since(o0), std::memory_order_relaxed);
   }
 
   lk.lock();
@@ -95,6 +138,7 @@ void ExpertStream::execute_job(Lock& lk, const IoJob& job, bool wake_another) {
     sl.failed_part = true;
     sl.err = err;
     sl.err_offset = offset;
+    sl.cause = std::move(part_cause);
   }
   // The record's last part: check the CRC32C of the whole record, then hand its bytes to the
   // record observers (a backend's device copy: record_observer.h), both before the part counts
@@ -108,10 +152,18 @@ void ExpertStream::execute_job(Lock& lk, const IoJob& job, bool wake_another) {
     lk.unlock();
     int why = 0;
     std::string cause;
-    if (verify && record_crc(job.slot) != file_->checksums()[key])
+    const auto c0 = Clock::now();
+    const bool crc_ok = !verify || record_crc(job.slot) == file_->checksums()[key];
+    const auto o0 = Clock::now();
+    if (verify) stats_.crc_ns.fetch_add(ns_between(c0, o0), std::memory_order_relaxed);
+    if (!crc_ok) {
       why = kChecksumMismatch;
-    else if (!notify_observers(CompletedRecord{job.slot, key, record, record_bytes}, &cause))
-      why = kObserverFailed;
+    } else {
+      const auto parts = std::uint32_t((record_bytes + opt_.part_bytes - 1) / opt_.part_bytes);
+      const CompletedRecord done{job.slot, key, record, record_bytes, job.gen, parts};
+      if (!notify_observers(&done, ReadPart{}, &cause)) why = kObserverFailed;
+      stats_.observer_ns.fetch_add(ns_since(o0), std::memory_order_relaxed);
+    }
     lk.lock();
     if (why != 0 && !sl.failed_part) {
       sl.failed_part = true;
@@ -131,11 +183,15 @@ void ExpertStream::execute_job(Lock& lk, const IoJob& job, bool wake_another) {
   } else if (!sl.in_flight() && sl.load() == SlotState::Limbo) {
     notify = true;
   }
-  if (notify) {
+  if (notify && done_owed) {
+    *done_owed = true;  // the caller's next release of mu_ wakes the waiters
+  } else if (notify) {
     lk.unlock();
     done_cv_.notify_all();
     lk.lock();
   }
+  stats_.job_ns.fetch_add(ns_since(job_start), std::memory_order_relaxed);
+  stats_.job_cpu_ns.fetch_add(thread_cpu_ns() - job_cpu_start, std::memory_order_relaxed);
 }
 
 std::uint32_t ExpertStream::record_crc(std::uint32_t s) const {
@@ -172,7 +228,8 @@ void ExpertStream::on_reads_finished(std::uint32_t s) {
   if (sl.cls == ReadClass::Urgent) publish_slot(s);
 }
 
-bool ExpertStream::notify_observers(const CompletedRecord& record, std::string* cause) {
+bool ExpertStream::notify_observers(const CompletedRecord* record, const ReadPart& part,
+                                    std::string* cause) {
   std::unique_lock<std::mutex> ol(observers_mu_);
   // The entry being called stays in the list (remove_observer waits for its calls to end), and
   // the iterator only moves with observers_mu_ held, so others may come and go meanwhile.
@@ -182,7 +239,10 @@ bool ExpertStream::notify_observers(const CompletedRecord& record, std::string* 
     ol.unlock();
     bool ok = true;
     try {
-      it->observer->on_record_complete(record);
+      if (record)
+        it->observer->on_record_complete(*record);
+      else
+        it->observer->on_part_read(part);
     } catch (const std::exception& e) {
       *cause = e.what();
       ok = false;
