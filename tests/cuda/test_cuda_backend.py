@@ -15,6 +15,7 @@ every arena size, split mode, lookahead setting and chunking (I11).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from pathlib import Path
 
@@ -336,25 +337,35 @@ def test_a_queued_completion_keeps_its_slots_until_the_backend_drained(
     xs = [torch.from_numpy(x).cuda() for _, x, _, _ in calls]
     torch.cuda.synchronize()  # the caller's part: x complete before its call
 
-    def drive(cfg: StreamConfig, queued: bool) -> tuple[list[np.ndarray], list[bool]]:
+    def drive(
+        cfg: StreamConfig, queued: bool, explicit: bool = False
+    ) -> tuple[list[np.ndarray], list[bool]]:
         copies, pending = [], []
-        with ExpertStream(path, cfg) as stream, Window(stream, backend="cuda") as w:
-            s = torch.cuda.current_stream().cuda_stream
-            for (layer, _, ids, wt), x in zip(calls, xs, strict=True):
-                out = torch.empty_like(x)
-                w.moe_routed_device(layer, x, ids, wt, out, stream=s if queued else None)
-                pending.append(w.completion_pending)
-                copies.append(out.clone())  # on torch's stream: ordered after the experts
-            w.end_turn()
-            assert not w.completion_pending
-            torch.cuda.synchronize()
-            assert testing.check_invariants(stream) == ""
+        with ExpertStream(path, cfg) as stream:
+            with Window(stream, backend="cuda") as w:
+                s = torch.cuda.current_stream().cuda_stream
+                with w.turn() if explicit else contextlib.nullcontext():
+                    for (layer, _, ids, wt), x in zip(calls, xs, strict=True):
+                        out = torch.empty_like(x)
+                        w.moe_routed_device(layer, x, ids, wt, out, stream=s if queued else None)
+                        pending.append(w.completion_pending)
+                        copies.append(out.clone())  # on torch's stream: after the experts
+                # An explicit turn's end retired the last call; an implicit turn that ended with
+                # it queued owes the stream its end until the next call or close().
+                assert w.completion_pending == (pending[-1] and not explicit)
+                torch.cuda.synchronize()  # torch's stream waited for every layer's kernels
+            assert testing.check_invariants(stream) == ""  # close() retired a pending one
         return [c.cpu().numpy() for c in copies], pending
 
     want, waited = drive(config(path), False)
     assert not any(waited)
-    for cfg in (config(path, 2 * K), config(path, 2 * K, split_turn=True), config(path)):
-        got, pending = drive(cfg, True)
+    for cfg, explicit in (
+        (config(path, 2 * K), False),
+        (config(path, 2 * K, split_turn=True), False),
+        (config(path, 2 * K), True),
+        (config(path), False),
+    ):
+        got, pending = drive(cfg, True, explicit)
         assert all(pending), "the calls returned with their kernels queued"
         assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True)), cfg
     with ExpertStream(path, config(path)) as stream, Window(stream, backend="cpu") as cpu:
