@@ -469,6 +469,20 @@ TEST_CASE("queued completion: every path out of a pending layer drains it") {
     CHECK(be->stale_reads() == 0);
     REQUIRE(StreamTesting::check_invariants(stream).empty());
   }
+  SECTION("a device error found at end_turn's drain ends the turn all the same") {
+    auto owned = std::make_unique<LateKernelBackend>(g);
+    LateKernelBackend* be = owned.get();
+    Window w(stream, std::move(owned), options(false));
+    w.begin_turn();
+    w.moe_routed_device(0, t0.x.data(), 1, routed_of(t0), out.data(), {}, kStream);
+    be->fail_next_drain();
+    CHECK_THROWS_WITH(w.end_turn(), Catch::Contains("planted fault"));
+    CHECK_FALSE(w.in_turn());
+    CHECK_FALSE(w.completion_pending());
+    REQUIRE(StreamTesting::check_invariants(stream).empty());
+    w.moe_routed_device(0, t0.x.data(), 1, routed_of(t0), out.data(), {}, kStream);
+    w.end_turn();
+  }
   SECTION("a call without the stream waits as before") {
     auto owned = std::make_unique<LateKernelBackend>(g);
     LateKernelBackend* be = owned.get();

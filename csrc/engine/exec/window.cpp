@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <ctime>
+#include <exception>
 #include <stdexcept>
 #include <utility>
 
@@ -214,7 +215,8 @@ void Window::retire_completion() {
     std::lock_guard<std::mutex> lk(door_mu_);
     completion_ = Completion::Done;
   }
-  if (was == Completion::TurnEndPending) end_turn_in_stream(std::exchange(pending_turn_prompt_, false));
+  if (was == Completion::TurnEndPending)
+    end_turn_in_stream(std::exchange(pending_turn_prompt_, false));
   // A fault the drained kernels met (an asynchronous one shows only at the drain) fails the
   // call that retires them: their output was already the caller's, so it must not go unsaid.
   std::string err = backend_->take_device_error();
@@ -336,7 +338,14 @@ void Window::end_turn() {
 }
 
 void Window::finish_turn() {
-  retire_completion();  // this turn's last call may have returned with its kernels queued
+  // This turn's last call may have returned with its kernels queued. A device error they met
+  // is thrown once the turn has ended all the same (the stream stays usable, nothing stays open).
+  std::exception_ptr fault;
+  try {
+    retire_completion();
+  } catch (...) {
+    fault = std::current_exception();
+  }
   drain();
   {
     std::lock_guard<std::mutex> lk(door_mu_);
@@ -346,6 +355,7 @@ void Window::finish_turn() {
     next_layer_ = 0;
   }
   end_turn_in_stream(std::exchange(turn_prompt_, false));
+  if (fault) std::rethrow_exception(fault);
 }
 
 void Window::end_turn_in_stream(bool prompt) {
