@@ -1,6 +1,7 @@
 """load(device="cuda") against plain transformers on the same GPU: decode and prompt tokens/s.
 
-    python benchmarks/transformers_cuda.py [--layers 2] [--fractions 1 0.25 0.1] [--json OUT]
+    python benchmarks/transformers_cuda.py [--layers 2] [--fractions 1 0.25 0.1] [--waiting]
+        [--json OUT]
 
 A check of the CUDA path (docs/transformers.md), not the end-to-end benchmark
 (benchmarks/transformers_e2e.py): random qwen3_moe weights with Qwen3-30B-A3B's routed experts
@@ -10,7 +11,9 @@ Plain transformers on CUDA with eager and grouped_mm experts, then streamed at e
 fraction (of every expert), each after a warm-up: greedy generate of --tokens after a
 --prompt-tokens prompt, torch synchronized around each timing. GPU memory: torch's peak
 allocation (dense weights, KV cache, activations) and, streamed, the arena's device mirror,
-which the cuda backend allocates outside torch.
+which the cuda backend allocates outside torch. --waiting also runs each arena with the experts
+calls waiting for the backend's kernels (no stream given: each call returns once its output is
+complete, as before the queued completion), before the default run, in the same process.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,12 +63,23 @@ def _run(model: Any, prompt: torch.Tensor, tokens: int) -> tuple[float, float]:
     return prompt.shape[1] / prefill, tokens / max(1e-9, total - prefill)
 
 
+def _waiting(call: Callable[..., None]) -> Callable[..., None]:
+    """The engine's experts call without its stream: each call waits for its kernels."""
+
+    def waiting_call(*a: Any, stream: int | None = None, **k: Any) -> None:
+        call(*a, **k)
+
+    return waiting_call
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--fractions", type=float, nargs="*", default=[1.0, 0.25, 0.1])
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--waiting", action="store_true",
+                        help="also each arena with calls that wait for their kernels")  # fmt: skip
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM
@@ -93,17 +108,21 @@ def main() -> None:
         del ref
         torch.cuda.empty_cache()
     config = StreamConfig.from_env()
-    for fraction in args.fractions:
+    runs = [(f, w) for f in args.fractions for w in ((True, False) if args.waiting else (False,))]
+    for fraction, waiting in runs:
         torch.cuda.reset_peak_memory_stats()
         model = load(path, pack_path=pack, arena_bytes=int(everything * fraction),
                      dtype=torch.bfloat16, device="cuda", config=config,
                      progress=False)  # fmt: skip
         window = model.strata_engine.window
+        if waiting:
+            window.moe_routed_device = _waiting(window.moe_routed_device)  # type: ignore[method-assign]
         _run(model, prompt, 0)  # first touches of the experts, not measured
         window.reset_stats()
         pre, dec = _run(model, prompt, args.tokens)
         total = window.stats()["total"]
-        report({"config": f"streamed, arena {fraction:.0%}", "prompt_tps": pre,
+        name = f"streamed, arena {fraction:.0%}" + (", waiting" if waiting else "")
+        report({"config": name, "prompt_tps": pre,
                 "decode_tps": dec, "hit_rate": total["hit_rate"],
                 "torch_peak_gb": torch.cuda.max_memory_allocated() / 1e9,
                 "arena_gb": model.strata_engine.config.arena_bytes / 1e9})  # fmt: skip

@@ -112,6 +112,14 @@ def test_a_routed_call_on_device_memory_is_refused_by_name(
         # A contiguous [1, H] array with any row stride is fine: the check above was the backend.
         with pytest.raises(ConfigError, match="host memory only"):
             w.moe_routed_device(0, _Cai((1, 64), strides=(999, 4)), ids, wts, out)
+        # A stream that is no CUDA stream handle is refused before anything else; the cpu
+        # backend refuses a call given a good one as without it (it never returns early).
+        for stream in (-1, True, 1.5, "0"):
+            with pytest.raises(ConfigError, match="stream must be a CUDA stream handle"):
+                w.moe_routed_device(0, x, ids, wts, out, stream=stream)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="host memory only"):
+            w.moe_routed_device(0, x, ids, wts, out, stream=0)
+        assert not w.completion_pending
         # The engine refuses it too, below the Python wrapper (the capability, asked once).
         with pytest.raises(ConfigError, match="the cpu backend reads x from"):
             w._w.moe_routed_device(0, x.buf.ctypes.data, out.buf.ctypes.data, 1, ids, wts)

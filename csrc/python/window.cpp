@@ -243,7 +243,7 @@ py::array_t<float> moe_routed(Window& w, std::uint32_t layer, const py::buffer& 
 void moe_routed_device(Window& w, std::uint32_t layer, std::uintptr_t x, std::uintptr_t out,
                        const py::object& rows_arg, const py::object& ids,
                        const py::object& weights, const py::object& pred1,
-                       const py::object& pred2) {
+                       const py::object& pred2, std::optional<std::uintptr_t> stream) {
   const PackLayout& L = w.layout();
   const std::uint32_t rows = count_arg(rows_arg, UINT32_MAX, "rows");
   if (rows > 0 && (x == 0 || out == 0))
@@ -255,7 +255,7 @@ void moe_routed_device(Window& w, std::uint32_t layer, std::uintptr_t x, std::ui
   const Window::Routed r = tables.routed();
   py::gil_scoped_release nogil;
   w.moe_routed_device(layer, reinterpret_cast<const float*>(x), rows, r,
-                      reinterpret_cast<float*>(out), check_signals);
+                      reinterpret_cast<float*>(out), check_signals, stream);
 }
 
 void moe_routed_external(Window& w, std::uint32_t layer, const py::object& ids,
@@ -389,8 +389,10 @@ void init_window(py::module_& m) {
            py::arg("weights_dtype") = "float32")
       .def("moe_routed_device", &moe_routed_device, py::arg("layer"), py::arg("x"),
            py::arg("out"), py::arg("rows"), py::arg("ids"), py::arg("weights"),
-           py::arg("pred1") = py::none(), py::arg("pred2") = py::none())
+           py::arg("pred1") = py::none(), py::arg("pred2") = py::none(),
+           py::arg("stream") = py::none())
       .def_property_readonly("device_io_unsupported", &Window::device_io_unsupported)
+      .def_property_readonly("completion_pending", &Window::completion_pending)
       .def("moe_routed_external", &moe_routed_external, py::arg("layer"), py::arg("ids"),
            py::arg("pred1"), py::arg("pred2"), py::arg("compute"))
       .def(

@@ -273,6 +273,8 @@ class Window:
         out: Any,
         pred1: npt.ArrayLike | None = None,
         pred2: npt.ArrayLike | None = None,
+        *,
+        stream: int | None = None,
     ) -> None:
         """As `moe_routed`, with x and out on the backend's GPU (backend="cuda"): the backend
         reads x and writes the MoE output into out itself, with no copy through the host.
@@ -280,12 +282,24 @@ class Window:
         x, out: float32 C-contiguous [T, hidden] GPU arrays (``__cuda_array_interface__``: a
         torch CUDA tensor, a CuPy array) on device 0, out writable and apart from x. x must be
         complete when the call is made (for torch, copying the ids and weights to the host
-        synchronizes its stream, which completes x); the call returns once out is complete on
-        the device, so any stream may read it then. ids, weights, pred1, pred2: host arrays as
-        for `moe_routed`. Float32 arithmetic. ConfigError names the cause for an array that is
-        not one of these, and on a backend that computes from host memory only (the cpu one).
+        synchronizes its stream, which completes x). ids, weights, pred1, pred2: host arrays as
+        for `moe_routed`. Float32 arithmetic.
+
+        Without `stream` the call returns once out is complete on the device, so any stream may
+        read it then. With the caller's CUDA stream (``torch.cuda.current_stream().cuda_stream``;
+        0 is the legacy default stream) it returns once the kernels are queued, and that stream
+        waits for them on the device: work queued on it afterwards reads out complete, and
+        neither x nor out may be written on any other stream until then. The layer's slots stay
+        protected until the next call, `begin_turn`, `end_turn` or `close` drains the backend
+        (`completion_pending`). The cuda backend's device arena only; elsewhere the call waits
+        as without it. ConfigError names the cause for an array or stream that is not one of
+        these, and on a backend that computes from host memory only (the cpu one).
         """
         layer = self._layer_arg(layer)
+        if stream is not None and (
+            isinstance(stream, bool) or not isinstance(stream, (int, np.integer)) or stream < 0
+        ):
+            raise ConfigError(f"stream must be a CUDA stream handle (an int >= 0), got {stream!r}")
         x_ptr, rows = _device_rows(x, "x", self.hidden)
         out_ptr, out_rows = _device_rows(out, "out", self.hidden, writable=True)
         if out_rows != rows:
@@ -295,7 +309,15 @@ class Window:
         self._routed_call(
             layer,
             lambda: self._w.moe_routed_device(
-                layer, x_ptr, out_ptr, rows, ids, weights, pred1, pred2
+                layer,
+                x_ptr,
+                out_ptr,
+                rows,
+                ids,
+                weights,
+                pred1,
+                pred2,
+                None if stream is None else int(stream),
             ),
         )
 
@@ -328,6 +350,13 @@ class Window:
     def backend(self) -> str:
         """The backend's name ("cpu", "cuda", "metal")."""
         return str(self._w.backend)
+
+    @property
+    def completion_pending(self) -> bool:
+        """Whether the last call returned with its kernels still queued (`moe_routed_device`
+        with a stream): its layer's slots stay protected until the next call, `begin_turn`,
+        `end_turn` or `close` waits for the backend. False on a closed Window."""
+        return bool(self._w.completion_pending)
 
     def wants_predictions(self, layer: int, rows: int) -> tuple[bool, bool]:
         """Which predictions an externally routed call (`moe_routed` or `moe_routed_external`)

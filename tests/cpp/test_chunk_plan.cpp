@@ -167,3 +167,44 @@ TEST_CASE("encode: one-piece decode and waves wait on their events in order") {
   REQUIRE(out.size() == 2);
   CHECK((out[0].op == Op::MoeMM && out[1].event == &wd && out[1].value == 12));
 }
+
+TEST_CASE("encode: a queued routed chunk signals nothing before the host point, done queued") {
+  SharedEvent routed, r1, r2, done, wr, wd;
+  const HandshakeEvents ev{&routed, &r1, &r2, &done, &wr, &wd};
+  std::vector<Command> out, steps;
+  for (bool split : {false, true}) {
+    PlanRules r = rules(false, false);
+    r.split_turn = split;
+    for (std::uint32_t rows : {1u, 40u}) {
+      for (CallKind kind : kKinds) {
+        ChunkRequest q = request(kind, 1, rows);
+        q.queued_done = true;  // only a routed chunk may take it
+        const ChunkPlan p = plan_chunk(r, q, 6, 0);
+        const bool queued = kind == CallKind::Routed;
+        CHECK(p.queued_done == queued);
+        CHECK(p.routed_signal == (p.device_before_host && !queued));
+        q.queued_done = false;
+        const ChunkPlan before = plan_chunk(r, q, 6, 0);
+        CHECK(before.routed_signal == before.device_before_host);  // unchanged without it
+        if (kind == CallKind::External) continue;
+        // Every done Signal of the chunk (one-piece, or its last split step) is queued; no
+        // other Signal is, and a queued chunk's first submission has no routed Signal.
+        encode_chunk(p, ev, 4, 2, out);
+        std::vector<Command> all = out;
+        for (Step s : {Step::ResidentPass, Step::MissingPass, Step::Wave, Step::Finish}) {
+          if (!split) break;
+          encode_step(p, s, ev, 4, steps);
+          all.insert(all.end(), steps.begin(), steps.end());
+        }
+        std::size_t queued_dones = 0;
+        for (const Command& c : all) {
+          if (c.op != Op::Signal) continue;
+          CHECK(c.queued == (queued && c.event == &done));
+          CHECK_FALSE((queued && c.event == &routed));
+          queued_dones += c.queued;
+        }
+        if (queued) CHECK(queued_dones == (split ? 2u : 1u));  // MissingPass and Finish steps
+      }
+    }
+  }
+}

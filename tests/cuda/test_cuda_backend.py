@@ -15,6 +15,7 @@ every arena size, split mode, lookahead setting and chunking (I11).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from pathlib import Path
 
@@ -328,6 +329,75 @@ def test_two_windows_on_one_stream_from_two_threads(tmp_path: Path) -> None:
         assert testing.check_invariants(stream) == ""
     for i in (0, 1):
         assert all(np.array_equal(a, b) for a, b in zip(got[i], want[i], strict=True))
+
+
+@cuda
+def test_a_queued_completion_keeps_its_slots_until_the_backend_drained(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """moe_routed_device with the caller's stream returns with the kernels queued, the caller's
+    (torch's) stream waiting on them. In an arena of two layers' top-k every layer's urgent
+    reads recycle the layer before's slots and refill their mirror slots at IO completion, so a
+    release of a layer before its kernels finished would let a copy overwrite bytes a queued
+    kernel still reads. Many tokens, never a synchronization between calls (each output is
+    copied on torch's stream right after its call, behind the wait): the bits are those of the
+    calls that wait (no stream) with every expert resident, in both mirror fills, and the CPU
+    backend's within the tolerance. The mapped arena keeps waiting (its error word needs the
+    drain), with the same bits."""
+    torch = pytest.importorskip("torch")
+    path = make_pack(tmp_path, "q4", 64, "f16")
+    rng = np.random.default_rng(5)
+    calls = []
+    for _ in range(16):  # tokens, each through every layer
+        for layer in range(L):
+            ids = rng.choice(E, K, replace=False).astype(np.int32)[None]
+            wt = rng.random((1, K)).astype(np.float32)
+            calls.append((layer, rng.standard_normal((1, 384)).astype(np.float32), ids, wt))
+    xs = [torch.from_numpy(x).cuda() for _, x, _, _ in calls]
+    torch.cuda.synchronize()  # the caller's part: x complete before its call
+
+    def drive(
+        cfg: StreamConfig, queued: bool, explicit: bool = False
+    ) -> tuple[list[np.ndarray], list[bool]]:
+        copies, pending = [], []
+        with ExpertStream(path, cfg) as stream:
+            with Window(stream, backend="cuda") as w:
+                s = torch.cuda.current_stream().cuda_stream
+                with w.turn() if explicit else contextlib.nullcontext():
+                    for (layer, _, ids, wt), x in zip(calls, xs, strict=True):
+                        out = torch.empty_like(x)
+                        w.moe_routed_device(layer, x, ids, wt, out, stream=s if queued else None)
+                        pending.append(w.completion_pending)
+                        copies.append(out.clone())  # on torch's stream: after the experts
+                # An explicit turn's end retired the last call; an implicit turn that ended with
+                # it queued owes the stream its end until the next call or close().
+                assert w.completion_pending == (pending[-1] and not explicit)
+                torch.cuda.synchronize()  # torch's stream waited for every layer's kernels
+            assert testing.check_invariants(stream) == ""  # close() retired a pending one
+        return [c.cpu().numpy() for c in copies], pending
+
+    want, waited = drive(config(path), False)
+    assert not any(waited)
+    for cfg, explicit in (
+        (config(path, 2 * K), False),
+        (config(path, 2 * K, split_turn=True), False),
+        (config(path, 2 * K), True),
+        (config(path), False),
+    ):
+        got, pending = drive(cfg, True, explicit)
+        assert all(pending), "the calls returned with their kernels queued"
+        assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True)), cfg
+    with ExpertStream(path, config(path)) as stream, Window(stream, backend="cpu") as cpu:
+        ref = [cpu.moe_routed(layer, x, ids, wt) for layer, x, ids, wt in calls]
+    assert max_violation(want, ref) <= 1.0
+    monkeypatch.setenv("STRATA_CUDA_MIRROR_FILL", "lazy")
+    got, pending = drive(config(path, 2 * K), True)
+    assert all(pending) and all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+    monkeypatch.delenv("STRATA_CUDA_MIRROR_FILL")
+    monkeypatch.setenv("STRATA_CUDA_ARENA", "mapped")
+    got, pending = drive(config(path, 2 * K), True)
+    assert not any(pending)
+    assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 @cuda

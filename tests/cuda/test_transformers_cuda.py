@@ -80,12 +80,12 @@ def test_a_routed_call_reads_x_in_place_and_matches_the_cpu_backend(
     model = fam.load(lookahead=False)
     closing.append(model)
     engine = model.strata_engine
-    seen: list[tuple[int, str, str]] = []
+    seen: list[tuple[int, str, str, int | None]] = []
     real = engine.window.moe_routed_device
 
-    def spy(layer: int, x: Any, ids: Any, w: Any, out: Any, *args: Any) -> None:
-        seen.append((x.data_ptr(), str(x.device), str(out.device)))
-        real(layer, x, ids, w, out, *args)
+    def spy(layer: int, x: Any, ids: Any, w: Any, out: Any, *args: Any, **kw: Any) -> None:
+        seen.append((x.data_ptr(), str(x.device), str(out.device), kw.get("stream")))
+        real(layer, x, ids, w, out, *args, **kw)
 
     monkeypatch.setattr(engine.window, "moe_routed_device", spy)
     gen = torch.Generator().manual_seed(1)
@@ -97,7 +97,9 @@ def test_a_routed_call_reads_x_in_place_and_matches_the_cpu_backend(
     assert y.device == x.device and y.dtype == x.dtype and y.shape == x.shape
     if dtype == "float32":
         assert seen[0][0] == x.data_ptr()  # read in place: no copy of x
-    assert seen[0][1:] == ("cuda:0", "cuda:0")
+    # torch's stream waits for the experts: the call returned with its kernels queued.
+    assert seen[0][1:] == ("cuda:0", "cuda:0", torch.cuda.current_stream().cuda_stream)
+    assert engine.window.completion_pending
     cpu = load(fam.path, pack_path=fam.pack, config=BASE.replace(lookahead=False),
                progress=False)  # fmt: skip
     closing.append(cpu)

@@ -220,6 +220,7 @@ class CudaBackend final : public Backend {
     std::memset(err_host_, 0, sizeof(DevError));
     check(cudaHostGetDevicePointer(&p, err_host_, 0), "cudaHostGetDevicePointer");
     dev_.error = static_cast<DevError*>(p);
+    check(cudaEventCreateWithFlags(&queued_done_, cudaEventDisableTiming), "cudaEventCreate");
     device_ = std::thread([this] { device_loop(); });
   }
 
@@ -239,6 +240,7 @@ class CudaBackend final : public Backend {
     }
     unmap();
     cudaFreeHost(err_host_);
+    cudaEventDestroy(queued_done_);
     cudaStreamDestroy(stream_);
     cudaGetLastError();
   }
@@ -259,12 +261,20 @@ class CudaBackend final : public Backend {
     if (io.x || io.out) {  // {}: the scratch again
       std::string why = device_pointer_problem(io.x, "x");
       if (why.empty()) why = device_pointer_problem(io.out, "out");
+      if (why.empty() && io.ordered) why = stream_problem(io.stream);
       if (!why.empty()) throw std::invalid_argument("cuda: " + why);
     }
     std::lock_guard<std::mutex> lk(mu_);
     io_ = io;
   }
   ArenaMode mode() const { return mode_; }
+
+  // Device mode: a queued Signal makes the caller's stream wait for the kernels (an event after
+  // them) and returns; the host learns they ended at the next synchronize(). Every unpublished
+  // expert is found by group_on_host() before then, so a layer's handshake bug is still its own
+  // call's error. The mapped mode's group kernel reports through the error word, which only a
+  // drain reads: it keeps draining at every Signal.
+  bool completes_async() const override { return mode_ == ArenaMode::Device; }
 
   // Device mode: the mirror, filled at IO completion (the Window registers it after bind()).
   RecordObserver* record_observer() override {
@@ -510,6 +520,7 @@ class CudaBackend final : public Backend {
   // What the host reads, written on the device since the last Signal.
   struct Dirty {
     std::uint32_t ids_rows = 0, pred_rows[2] = {0, 0}, out_rows = 0;
+    bool empty() const { return !ids_rows && !pred_rows[0] && !pred_rows[1] && !out_rows; }
   };
 
   // Uploads go through pinned staging (pageable copies synchronise and stage in the driver):
@@ -638,6 +649,8 @@ class CudaBackend final : public Backend {
         if (!it.io.out) dirty_.out_rows = std::max(dirty_.out_rows, c.rows);
         return "";
       case Op::Signal: {
+        if (c.queued && it.io.ordered && completes_async() && dirty_.empty())
+          return signal_queued(it);
         if (trace_) open_crossing();
         std::string err = settle();
         c.event->signal(c.value);
@@ -674,6 +687,8 @@ class CudaBackend final : public Backend {
                  at_io ? 1e-3 * double(mirror_.wait_ns()) / double(at_io) : 0.0,
                  static_cast<unsigned long long>(mirror_.part_copies()),
                  static_cast<unsigned long long>(mirror_.copies_lazy()));
+    std::fprintf(stderr, " | queued completions %llu",
+                 static_cast<unsigned long long>(queued_signals_));
     const auto [p50, p90, n] = crossing_us();
     std::fprintf(stderr,
                  " | GPU idle across a handshake (Signal to release): p50 %.1f us, p90 %.1f us,"
@@ -830,6 +845,39 @@ class CudaBackend final : public Backend {
     return "";
   }
 
+  // A queued Signal (Command::queued): the caller's stream waits on the device for everything
+  // queued here so far (the event after the layer's last kernel), and the host is told at once.
+  // Nothing is brought back (a routed call on device memory writes out in place: dirty_ is
+  // empty), the staging is not reused before the next drain, and the error word waits for it
+  // too (synchronize(), the Window's retire, before it reuses anything these kernels read). A
+  // failure to order the caller's stream is this call's error, after a drain (so nothing runs
+  // unordered behind the caller's back), and the event is signalled either way: the host never
+  // waits out its timeout for it.
+  std::string signal_queued(const Item& it) {
+    cudaError_t e = cudaEventRecord(queued_done_, stream_);
+    if (e == cudaSuccess)
+      e = cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(it.io.stream), queued_done_, 0);
+    std::string err;
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      err = cuda_message("ordering the caller's stream after the layer's kernels", e);
+      cudaStreamSynchronize(stream_);
+    }
+    ++queued_signals_;
+    it.c.event->signal(it.c.value);
+    return err;
+  }
+
+  // Why `s` is not a stream this backend can order ("" when it is): a handle the runtime does
+  // not know (the legacy default stream, 0, is one it knows).
+  static std::string stream_problem(std::uintptr_t s) {
+    const cudaError_t e = cudaStreamQuery(reinterpret_cast<cudaStream_t>(s));
+    if (e == cudaSuccess || e == cudaErrorNotReady) return "";
+    cudaGetLastError();
+    return std::string("stream is not a CUDA stream of this process (") + cudaGetErrorName(e) +
+           ")";
+  }
+
   // Waits for the stream, brings the host what it reads (the kernels wrote it into the
   // readback, which the drain makes visible here) and reads the error word.
   std::string settle() {
@@ -863,6 +911,10 @@ class CudaBackend final : public Backend {
   }
 
   cudaStream_t stream_ = nullptr;
+  // Recorded after a layer's last kernel at a queued Signal, for the caller's stream to wait on
+  // (a wait takes the record's state when it is queued, so one event serves every layer).
+  cudaEvent_t queued_done_ = nullptr;
+  std::uint64_t queued_signals_ = 0;  // the device thread's (printed by the trace)
   DevError* err_host_ = nullptr;  // mapped pinned; written by kernels, read after a sync
   // Bound state: written by bind() while the device thread is idle, read by it afterwards
   // (mu_ orders the two).

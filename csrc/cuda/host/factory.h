@@ -16,8 +16,10 @@ namespace strata::cuda {
 constexpr const char* kFactoryCapsule = "strata_stream._cuda.factory";
 // 2: Backend::unsupported(Capability), submit by reference. 3: Capability::io,
 // Backend::set_device_io (routed calls on the caller's device memory). 4:
-// Backend::record_observer (the device copy at IO completion). 5: Backend::host_spin.
-constexpr std::uint32_t kFactoryAbi = 5;
+// Backend::record_observer (the device copy at IO completion). 5: Backend::host_spin. 6:
+// Command::queued, DeviceIo::ordered and ::stream, Backend::completes_async (a routed call
+// returning before its kernels finish, the caller's stream waiting for them).
+constexpr std::uint32_t kFactoryAbi = 6;
 
 struct BackendFactory {
   std::uint32_t abi = kFactoryAbi;

@@ -85,6 +85,10 @@ struct Command {
   std::uint64_t value = 0;
   MoceParams moce;  // Route: cache-aware routing (off: exact top-k)
   Rounding rounding;  // GateUp, Down, MoeMM
+  // Signal: raise the event once everything before it is queued on the device, not finished
+  // (a chunk whose caller's stream waits for its output: DeviceIo::ordered). Only a backend
+  // whose completes_async() is true honours it; any other signals after the work, as always.
+  bool queued = false;
 };
 
 // Where a routed call's x and out live. Host: the Window copies x into its scratch and out
@@ -109,6 +113,13 @@ struct Capability {
 struct DeviceIo {
   const float* x = nullptr;
   float* out = nullptr;
+  // The caller's stream on the device (a cudaStream_t for the cuda backend; 0 is the legacy
+  // default stream, so `ordered` says whether one is given). With it, a queued Signal
+  // (Command::queued) makes `stream` wait on the device for everything submitted before it:
+  // work the caller queues there afterwards reads out complete, and x stays unchanged for the
+  // backend's kernels (the caller writes it only on that stream), with no host wait.
+  bool ordered = false;
+  std::uintptr_t stream = 0;
 };
 
 class Backend {
@@ -148,10 +159,16 @@ class Backend {
   // blocked thread costs. The Window spins only at wait sites whose answers have been coming
   // within it (exec/adaptive_spin.h). Zero: block at once.
   virtual std::chrono::microseconds host_spin() const { return std::chrono::microseconds(0); }
+  // Whether a queued Signal (Command::queued) with an ordered DeviceIo may be raised before the
+  // kernels before it finish. Then the host learns that they finished only from synchronize(),
+  // which the Window calls before anything may reuse what they read (the pending completion:
+  // exec/window.h, I4). False (the default): every Signal follows the work before it.
+  virtual bool completes_async() const { return false; }
   // Runs asynchronously, in order, after everything submitted before it. The commands are
   // copied: the caller reuses its vector.
   virtual void submit(const std::vector<Command>& commands) = 0;
-  // Blocks until every submitted command has run.
+  // Blocks until every submitted command has run and every kernel it launched has finished; a
+  // device error one of them met (an asynchronous fault) is then in take_device_error().
   virtual void synchronize() = 0;
   // Makes the device skip the rest of what is queued (Wait commands included) until
   // synchronize() returns; used when the host abandons a layer call (IO error, Ctrl-C).

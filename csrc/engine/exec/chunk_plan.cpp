@@ -21,6 +21,13 @@ Command event_cmd(Op op, SharedEvent* ev, std::uint64_t v) {
   return c;
 }
 
+// The chunk's done Signal: queued (raised once the kernels before it are queued) when planned so.
+Command done_cmd(const ChunkPlan& p, const HandshakeEvents& ev, std::uint64_t v) {
+  Command c = event_cmd(Op::Signal, ev.done, v);
+  c.queued = p.queued_done;
+  return c;
+}
+
 // An expert pass, stamped with the chunk's rounding.
 Command pass_cmd(const ChunkPlan& p, Op op, Pass pass = Pass::Resident) {
   Command c = cmd(op, p.layer, p.rows);
@@ -69,6 +76,8 @@ ChunkPlan plan_chunk(const PlanRules& rules, const ChunkRequest& q, std::uint32_
   p.two_layer_max = rules.two_layer_max;
   p.split = rules.split_turn;
   p.device_before_host = !routed || (!p.split && device_experts);
+  p.queued_done = q.kind == CallKind::Routed && q.queued_done;
+  p.routed_signal = p.device_before_host && !p.queued_done;
   p.rounding = q.kind == CallKind::Routed ? q.rounding : Rounding{};
   if (!routed) p.moce = rules.moce;
   return p;
@@ -104,7 +113,7 @@ void encode_chunk(const ChunkPlan& p, const HandshakeEvents& ev, std::uint64_t v
       out.push_back(c);
     }
   }
-  out.push_back(event_cmd(Op::Signal, ev.routed, v));
+  if (p.routed_signal) out.push_back(event_cmd(Op::Signal, ev.routed, v));
   if (p.split || p.kind == CallKind::External) return;
   if (p.executor == Executor::Decode) {
     out.push_back(event_cmd(Op::Wait, ev.release_resident, v));
@@ -122,7 +131,7 @@ void encode_chunk(const ChunkPlan& p, const HandshakeEvents& ev, std::uint64_t v
     }
   }
   out.push_back(cmd(Op::Combine, p.layer, p.rows));
-  out.push_back(event_cmd(Op::Signal, ev.done, v));
+  out.push_back(done_cmd(p, ev, v));
 }
 
 void encode_step(const ChunkPlan& p, Step step, const HandshakeEvents& ev, std::uint64_t value,
@@ -138,7 +147,7 @@ void encode_step(const ChunkPlan& p, Step step, const HandshakeEvents& ev, std::
       out.push_back(pass_cmd(p, Op::GateUp, Pass::Missing));
       out.push_back(pass_cmd(p, Op::Down, Pass::Missing));
       out.push_back(cmd(Op::Combine, p.layer, p.rows));
-      out.push_back(event_cmd(Op::Signal, ev.done, value));
+      out.push_back(done_cmd(p, ev, value));
       return;
     case Step::Wave:
       out.push_back(pass_cmd(p, Op::MoeMM));
@@ -146,7 +155,7 @@ void encode_step(const ChunkPlan& p, Step step, const HandshakeEvents& ev, std::
       return;
     case Step::Finish:
       out.push_back(cmd(Op::Combine, p.layer, p.rows));
-      out.push_back(event_cmd(Op::Signal, ev.done, value));
+      out.push_back(done_cmd(p, ev, value));
       return;
   }
 }

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <ctime>
+#include <exception>
 #include <stdexcept>
 #include <utility>
 
@@ -115,6 +116,7 @@ Window::Window(ExpertStream& stream, std::unique_ptr<Backend> backend,
       backend_->unsupported(Capability{Op::Combine, &L_, Arithmetic::Float32, MoceMode::Off,
                                        Io::Device})
           .value_or("");
+  completes_async_ = device_io_why_.empty() && backend_->completes_async();
   if (auto why = backend_->unsupported(route_capability(L_, options.moce)))
     throw EngineError(ErrorKind::Config, "backend '" + backend_name_ + "': " + *why);
   if (opt_.max_rows == 0) throw EngineError(ErrorKind::Config, "max_rows must be positive");
@@ -174,6 +176,56 @@ std::uint32_t Window::next_layer() const {
   return next_layer_;
 }
 
+bool Window::completion_pending() const {
+  std::lock_guard<std::mutex> lk(door_mu_);
+  return completion_ != Completion::Done;
+}
+
+// ---- the pending completion: a call that returned with its kernels queued (I4) ---------------
+
+void Window::defer_completion() {
+  std::lock_guard<std::mutex> lk(door_mu_);
+  STRATA_ASSERT(completion_ == Completion::Done, "a call starts with no completion pending");
+  completion_ = Completion::LayerPending;
+}
+
+void Window::defer_turn_end() {
+  pending_turn_prompt_ = std::exchange(turn_prompt_, false);
+  std::lock_guard<std::mutex> lk(door_mu_);
+  STRATA_ASSERT(completion_ == Completion::LayerPending, "only a pending layer defers the turn end");
+  completion_ = Completion::TurnEndPending;
+  turn_ = TurnKind::None;  // the Window's turn is over; the stream's ends at the retire
+  owner_ = {};
+  next_layer_ = 0;
+}
+
+void Window::drain() {
+  backend_->synchronize();  // every kernel submitted has finished
+  std::lock_guard<std::mutex> lk(door_mu_);
+  // A deferred turn end is still owed to the stream: only retire_completion() settles it.
+  if (completion_ == Completion::LayerPending) completion_ = Completion::Done;
+}
+
+void Window::retire_completion() {
+  Completion was;
+  {
+    std::lock_guard<std::mutex> lk(door_mu_);
+    was = completion_;
+  }
+  if (was == Completion::Done) return;
+  backend_->synchronize();  // the provable point: every kernel of the last call has finished
+  {
+    std::lock_guard<std::mutex> lk(door_mu_);
+    completion_ = Completion::Done;
+  }
+  if (was == Completion::TurnEndPending)
+    end_turn_in_stream(std::exchange(pending_turn_prompt_, false));
+  // A fault the drained kernels met (an asynchronous one shows only at the drain) fails the
+  // call that retires them: their output was already the caller's, so it must not go unsaid.
+  std::string err = backend_->take_device_error();
+  if (!err.empty()) throw std::logic_error(err);
+}
+
 void Window::close() {
   {
     std::unique_lock<std::mutex> lk(door_mu_);
@@ -208,6 +260,11 @@ void Window::teardown() {
   observer_.reset();
   backend_->abort_pending();
   backend_->synchronize();  // no device work in flight from here
+  {
+    std::lock_guard<std::mutex> lk(door_mu_);
+    completion_ = Completion::Done;  // a pending one: release_client ends its protections
+  }
+  pending_turn_prompt_ = false;
   stream_.release_client(client_);  // the turn's protections and pins end with it
   backend_.reset();  // joins the device thread and its worker pool
   scratch_.release();
@@ -253,6 +310,7 @@ void Window::begin_turn() {
     implicit_open = turn_ == TurnKind::Implicit;  // this thread's (Call checked the owner)
   }
   if (implicit_open) finish_turn();
+  retire_completion();  // a turn that ended with its kernels queued ends in the stream first
   {
     std::lock_guard<std::mutex> lk(door_mu_);
     turn_ = TurnKind::Explicit;
@@ -265,29 +323,49 @@ void Window::begin_turn() {
 void Window::end_turn() {
   {
     std::lock_guard<std::mutex> lk(door_mu_);
-    if (life_ != Lifecycle::Open || turn_ == TurnKind::None) return;  // nothing to end
+    if (life_ != Lifecycle::Open) return;
+    // Nothing to end: no turn, and none whose end the stream still waits for.
+    if (turn_ == TurnKind::None && completion_ == Completion::Done) return;
   }
   Call call(*this, /*closed_ok=*/true);  // Turn error from a thread that does not own the turn
   if (!call.admitted()) return;          // closed meanwhile: close() ended the turn
+  bool open = false;
   {
     std::lock_guard<std::mutex> lk(door_mu_);
-    if (turn_ == TurnKind::None) return;
+    open = turn_ != TurnKind::None;
   }
-  finish_turn();
+  if (open)
+    finish_turn();
+  else
+    retire_completion();  // the implicit turn ended with its kernels queued: end it now
 }
 
 void Window::finish_turn() {
-  backend_->synchronize();
-  stream_.end_turn(client_);  // no device work in flight: protections end with the turn
+  // This turn's last call may have returned with its kernels queued. A device error they met
+  // is thrown once the turn has ended all the same (the stream stays usable, nothing stays open).
+  std::exception_ptr fault;
+  try {
+    retire_completion();
+  } catch (...) {
+    fault = std::current_exception();
+  }
+  drain();
   {
     std::lock_guard<std::mutex> lk(door_mu_);
+    STRATA_ASSERT(completion_ == Completion::Done, "an open turn owes the stream no turn end");
     turn_ = TurnKind::None;
     owner_ = {};
     next_layer_ = 0;
   }
+  end_turn_in_stream(std::exchange(turn_prompt_, false));
+  if (fault) std::rethrow_exception(fault);
+}
+
+void Window::end_turn_in_stream(bool prompt) {
+  STRATA_ASSERT(completion_ == Completion::Done, "no kernel of this Window is in flight");
+  stream_.end_turn(client_);  // no device work in flight: protections end with the turn
   // Without BUF_REUSE a prompt's scratch goes back to the system between turns; a decode-path
   // one (a few rows, or a decode batch's at most decode_batch_rows) is not worth the churn.
-  const bool prompt = std::exchange(turn_prompt_, false);
   if (!opt_.prompt_buf_reuse && prompt && scratch_.rows() > opt_.decode_rows) release_scratch();
 }
 
@@ -349,6 +427,7 @@ void Window::queue_start_layers() {
   const std::uint32_t E = L_.n_experts;
   const std::uint32_t n = std::min(opt_.start_layers, L_.n_layers);
   if (n == 0) return;
+  STRATA_ASSERT(completion_ == Completion::Done, "no queued kernel may lose its protections");
   stream_.enter_layer(client_, 0);  // until layer 0 runs, speculation evicts neither 0 nor 1 (I9)
   for (std::uint32_t layer = 0; layer < n; ++layer) {
     // Layer 0 is needed first: as many as one token uses. Later layers: a bounded head start.
@@ -487,9 +566,10 @@ bool Window::all_resident_for_good(std::uint32_t layer) const {
 }
 
 ChunkPlan Window::plan(CallKind kind, std::uint32_t layer, std::uint32_t r0, std::uint32_t rows,
-                       const Routed* routed) {
+                       const Routed* routed, bool queued_done) {
   ChunkRequest q;
   q.kind = kind;
+  q.queued_done = queued_done;
   q.layer = layer;
   q.row0 = r0;
   q.rows = rows;
@@ -622,8 +702,8 @@ class ChunkDeviceIo {
 }  // namespace
 
 void Window::moe_routed_device(std::uint32_t layer, const float* x, std::uint32_t rows,
-                               const Routed& routed, float* out,
-                               const InterruptCheck& interrupt) {
+                               const Routed& routed, float* out, const InterruptCheck& interrupt,
+                               std::optional<std::uintptr_t> stream) {
   if (!device_io_why_.empty())
     throw EngineError(ErrorKind::Config, "backend '" + backend_name_ + "': " + device_io_why_);
   if (routed.rounding.arithmetic != Arithmetic::Float32)
@@ -632,17 +712,22 @@ void Window::moe_routed_device(std::uint32_t layer, const float* x, std::uint32_
   check_routed(routed, rows, true);
   if (rows > 0 && (!x || !out)) throw std::invalid_argument("moe_routed_device needs x and out");
   const std::uint32_t H = L_.hidden;
+  // With the caller's stream on a backend that completes asynchronously, the last chunk returns
+  // with its kernels queued (the caller's stream waits for them); the chunks before it drain.
+  const bool queued = stream.has_value() && completes_async_;
   run_call(
       layer, rows,
       [&](std::uint32_t r0, std::uint32_t n, std::uint32_t chunk) {
         const std::size_t first = std::size_t(r0) * H;
         // The backend reads x and writes out on the device: the host scratch's x and out are
         // neither filled nor read (the ids and weights are staged as for any routed call).
-        ChunkDeviceIo io(*backend_, DeviceIo{x + first, out + first});
+        ChunkDeviceIo io(*backend_,
+                         DeviceIo{x + first, out + first, stream.has_value(), stream.value_or(0)});
         stage_routed(routed, r0, n);
-        run_chunk(plan(CallKind::Routed, layer, r0, n, &routed), chunk, interrupt);
+        const bool last = r0 + n == rows;
+        run_chunk(plan(CallKind::Routed, layer, r0, n, &routed, queued && last), chunk, interrupt);
       },
-      interrupt);
+      interrupt, queued);
 }
 
 void Window::moe_routed_external(std::uint32_t layer, std::uint32_t rows, const Routed& routed,
@@ -659,7 +744,7 @@ void Window::moe_routed_external(std::uint32_t layer, std::uint32_t rows, const 
 }
 
 void Window::run_call(std::uint32_t layer, std::uint32_t rows, const ChunkFn& run,
-                      const InterruptCheck& interrupt) {
+                      const InterruptCheck& interrupt, bool queued) {
   if (layer >= L_.n_layers)
     throw std::out_of_range("layer " + std::to_string(layer) + " out of range [0, " +
                             std::to_string(L_.n_layers) + ")");
@@ -688,6 +773,9 @@ void Window::run_call(std::uint32_t layer, std::uint32_t rows, const ChunkFn& ru
     tokens_seen_ += rows;
   }
   try {
+    // First, before anything may evict or unprotect a slot: the last call's kernels finished
+    // (a call that returned with them queued left its layer's protections standing: I4).
+    retire_completion();
     if (opens) queue_start_layers();
     std::vector<std::int32_t>& chosen = buf_.call_chosen;
     chosen.clear();
@@ -703,7 +791,10 @@ void Window::run_call(std::uint32_t layer, std::uint32_t rows, const ChunkFn& ru
         }
     }
     for (std::int32_t e : chosen) buf_.seen[std::uint32_t(e)] = 0;
+    // finish_layer keeps this layer's slots protected (executing) and adds layer l+1's, so it
+    // may run while the kernels are queued; the next at_layer ends them, after a retire.
     after(layer, chosen, interrupt);
+    if (queued) defer_completion();
     with_stats(layer, [&](LayerStats& st) {
       st.calls += 1;
       st.tokens += rows;
@@ -719,13 +810,23 @@ void Window::run_call(std::uint32_t layer, std::uint32_t rows, const ChunkFn& ru
     next_layer_ = (layer + 1) % L_.n_layers;
     ends = turn_ == TurnKind::Implicit && layer + 1 == L_.n_layers;
   }
-  if (ends) finish_turn();
+  if (ends) {
+    if (queued)
+      defer_turn_end();  // the stream's end_turn would drop the queued kernels' protections
+    else
+      finish_turn();
+  }
 }
 
 void Window::abandon_call() {
   // The device skips what is queued, the turn ends, the stream stays usable.
   backend_->abort_pending();
   backend_->synchronize();
+  {
+    std::lock_guard<std::mutex> lk(door_mu_);
+    completion_ = Completion::Done;  // drained; end_turn below ends a deferred turn's protections
+  }
+  pending_turn_prompt_ = false;
   // Aborting woke the device by signalling the value it waited for, which can be ahead of the
   // counters (waves encoded but never released). Resume past every value an event holds, so
   // no stale signal can release a later wait.
@@ -885,8 +986,10 @@ void Window::run_chunk(const ChunkPlan& p, std::uint32_t chunk, const InterruptC
   if (p.device_before_host) {
     encode_chunk(p, events_, v, first_wave, buf_.commands);
     submit(buf_.commands);
-    wait_device(routed_, v, interrupt, spin_routed_);
-    note_moce(p.layer, p.rows);
+    if (p.routed_signal) {
+      wait_device(routed_, v, interrupt, spin_routed_);
+      note_moce(p.layer, p.rows);
+    }
   }
   settle(p.layer, interrupt);
   if (p.executor == Executor::Decode)
@@ -906,6 +1009,8 @@ void Window::run_decode(const ChunkPlan& p, std::uint32_t chunk, std::uint64_t v
   q.n_urgent = chosen.size();
   add_speculation(p, chunk, q);
   const SpecWatch watch = watch_spec();
+  // at_layer ends the previous layer's protections: none of its kernels may still be queued.
+  STRATA_ASSERT(completion_ == Completion::Done, "the last call's kernels finished (I4)");
   const AtLayerResult r = stream_.at_layer(client_, q, interrupt);
   count_urgent(p.layer, r.urgent);
   add_host_time(p.layer, at_layer);
@@ -953,6 +1058,7 @@ void Window::run_waves(const ChunkPlan& p, std::uint32_t chunk, std::uint64_t v,
     q.publish = w == 0;
     if (w + 1 == n_waves) add_speculation(p, chunk, q);  // behind the last wave's reads
     const SpecWatch watch = watch_spec();
+    STRATA_ASSERT(completion_ == Completion::Done, "the last call's kernels finished (I4)");
     const AtLayerResult r = stream_.at_layer(client_, q, interrupt);
     count_urgent(p.layer, r.urgent);
     add_host_time(p.layer, wave_timer);

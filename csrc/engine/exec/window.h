@@ -140,12 +140,22 @@ class Window {
                   const Routed& routed, float* out, const InterruptCheck& interrupt = {});
   // As moe_routed, with x and out the caller's float32 memory on the backend's device
   // ([rows, hidden] each, row-major; a torch CUDA tensor, say): the backend reads x and writes
-  // out there itself, and the call returns once out is complete on the device. The caller has
-  // finished writing x before the call (for torch: its stream is synchronized, which the
-  // host-side ids already imply). Throws EngineError(Config) where the backend cannot
-  // (Capability::io; the cpu backend) or for a pointer that is not memory of its device.
+  // out there itself. The caller has finished writing x before the call (for torch: its stream
+  // is synchronized, which the host-side ids already imply). Without `stream` the call returns
+  // once out is complete on the device. With the caller's stream (a cudaStream_t as an integer;
+  // 0 is the legacy default stream) on a backend that completes_async(), it returns once the
+  // kernels are queued, `stream` waiting for them on the device: work queued there afterwards
+  // reads out complete, and the caller must not write x or out on any other stream. The layer's
+  // protections then stay in the stream until the completion is retired (completion_pending()).
+  // Throws EngineError(Config) where the backend cannot (Capability::io; the cpu backend) or
+  // for a pointer that is not memory of its device.
   void moe_routed_device(std::uint32_t layer, const float* x, std::uint32_t rows,
-                         const Routed& routed, float* out, const InterruptCheck& interrupt = {});
+                         const Routed& routed, float* out, const InterruptCheck& interrupt = {},
+                         std::optional<std::uintptr_t> stream = std::nullopt);
+  // Whether the last call returned with its kernels still queued (moe_routed_device with a
+  // stream): its layer's slots stay protected until the next call, begin_turn, end_turn or
+  // close drains the backend (the completion is retired there, before anything is evicted).
+  bool completion_pending() const;
   // Why this Window's backend cannot run moe_routed_device; "" when it can.
   const std::string& device_io_unsupported() const { return device_io_why_; }
   // The caller computes the experts (the MLX-kernel path; on a Mac MLX runs them on the GPU):
@@ -206,12 +216,35 @@ class Window {
 
  private:
   enum class Lifecycle : std::uint8_t { Open, Closing, Closed };
+  // A call's kernels after it returned. A layer's protections (the executing layer's experts,
+  // I4; layer l+1's, the next router's) end only at the next at_layer, enter_layer, end_turn or
+  // release_client of this client, so a call that returns with its kernels queued (its chunk's
+  // done Signal queued: chunk_plan.h) leaves them standing, and nothing of this Window may drop
+  // them until the backend drained. Transitions, each named by its function:
+  //   Done -> LayerPending        defer_completion(): a call returned with its kernels queued;
+  //   LayerPending -> TurnEndPending  defer_turn_end(): that call was the implicit turn's last
+  //                               layer; the Window's turn is over, the stream's end_turn waits;
+  //   * -> Done                   drain(): backend_->synchronize() returned (every kernel done);
+  //                               retire_completion() then ends a deferred turn in the stream.
+  // Written by the busy_ holder under door_mu_ (completion_pending() reads it from any thread).
+  enum class Completion : std::uint8_t { Done, LayerPending, TurnEndPending };
   enum class TurnKind : std::uint8_t { None, Explicit, Implicit };
   // Admits one driving call: throws Closed after close(), Turn when another thread owns the turn
   // or is inside a call. Releases busy_ when destroyed.
   class Call;
   // Ends the open turn on the stream and frees a prompt-sized scratch (busy_ held).
   void finish_turn();
+  // The stream's half of a turn's end (no device work in flight): its protections end, and a
+  // prompt-sized scratch goes back when the turn ran prompt waves (`prompt`).
+  void end_turn_in_stream(bool prompt);
+  // backend_->synchronize(): every kernel submitted has finished, so nothing this Window
+  // launched still reads a slot or the scratch; the completion is Done from here.
+  void drain();
+  // A pending completion ends: the backend drains, a deferred turn end reaches the stream, and
+  // a device error the drained kernels met is thrown. Before anything that drops protections.
+  void retire_completion();
+  void defer_completion();
+  void defer_turn_end();
   // Abandons the layer call after an error: the device skips what is queued, the turn ends.
   void abandon_call();
   void teardown();  // close()'s release of everything (busy_ held)
@@ -222,15 +255,16 @@ class Window {
   // (each leaves the experts it chose in buf_.chosen), then the after-layer host point. Any error
   // abandons the turn with the stream usable.
   using ChunkFn = std::function<void(std::uint32_t r0, std::uint32_t n, std::uint32_t chunk)>;
+  // queued: the call's last chunk returns with its kernels queued (its plan's queued_done).
   void run_call(std::uint32_t layer, std::uint32_t rows, const ChunkFn& chunk,
-                const InterruptCheck& interrupt);
+                const InterruptCheck& interrupt, bool queued = false);
   void check_routed(const Routed& routed, std::uint32_t rows, bool need_weights) const;
   // Copies rows [r0, r0 + n) of the routing into the scratch (ids, weights, predictions).
   void stage_routed(const Routed& routed, std::uint32_t r0, std::uint32_t n);
   // plan_chunk with this Window's rules, its wave capacity now and the governor's cap now (and
   // for a routed chunk the union of its rows' experts, counted in buf_.batch_marks).
   ChunkPlan plan(CallKind kind, std::uint32_t layer, std::uint32_t r0, std::uint32_t rows,
-                 const Routed* routed);
+                 const Routed* routed, bool queued_done = false);
   // Runs one planned chunk: the first submission, the host point's bookkeeping, then the
   // plan's executor. Leaves the experts the chunk chose in buf_.chosen, most popular first.
   // compute: the caller's expert pass (CallKind::External).
@@ -296,6 +330,7 @@ class Window {
   AdaptiveSpin spin_routed_, spin_wave_, spin_done_;
   std::array<std::string, 3> arithmetic_why_;  // written by the constructor only, then read-only
   std::string device_io_why_;  // Capability::io Device: the constructor's, then read-only
+  bool completes_async_ = false;  // Backend::completes_async(), read once by the constructor
   WindowOptions opt_;
   const PackLayout& L_;
   std::vector<float> routers_;  // [n_layers][n_experts][hidden], read once from the pack
@@ -350,6 +385,10 @@ class Window {
   bool busy_ = false;                      // door_mu_: a driving call (or close) is running
   std::thread::id busy_thread_;            // door_mu_: which thread runs it
   std::uint32_t next_layer_ = 0;           // door_mu_
+  Completion completion_ = Completion::Done;  // door_mu_ for writes (the busy_ holder's)
+  // A completion whose turn ended (TurnEndPending) ran prompt waves: the prompt scratch goes
+  // back when it is retired. The busy_ holder's.
+  bool pending_turn_prompt_ = false;
   ClientId client_ = kStreamClient;        // immutable after construction
   // The backend's record observer registered with the stream (Backend::record_observer), from
   // construction until teardown(), which removes it (waiting out an IO thread inside it) before

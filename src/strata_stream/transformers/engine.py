@@ -9,10 +9,13 @@ value.
   over the engine's float32 result, cast to x's dtype.
 - CUDA: the Window is on the cuda backend; x (float32: a bfloat16 or float16 x is widened in
   torch) is read in place from the torch CUDA tensor and the output is written into a torch
-  CUDA tensor by the backend, which returns once its own stream drained. The routing's tables
-  are copied into pinned host memory on torch's stream, and one event after them is waited for
-  (one synchronization of torch's stream per layer): that wait is what orders the two streams,
-  since when it returns torch's stream has finished x.
+  CUDA tensor by the backend. The routing's tables are copied into pinned host memory on
+  torch's stream, and one event after them is waited for (one synchronization of torch's stream
+  per layer): when it returns torch's stream has finished x. The call returns once the
+  backend's kernels are queued, torch's current stream waiting for them on the device (an
+  event the backend records after the layer's last kernel), so torch's later kernels (the cast
+  of the output, the next layer) are ordered after the experts' output without a host wait; the
+  next layer's routing synchronization then also covers this layer's kernels.
 """
 
 from __future__ import annotations
@@ -126,9 +129,14 @@ class TorchMoeEngine:
             ids_h, weights_h, pred1, pred2 = _host_tables(tables)
         if self.on_cuda:
             # Made after the routing reached the host: torch's stream is idle, so no kernel of
-            # its can still use this memory while the backend writes it on its own stream.
+            # its can still use this memory while the backend writes it on its own stream. The
+            # call returns with the kernels queued and torch's stream waiting for them, so x and
+            # out go back to torch's allocator only behind them (they are used on that stream).
             out = torch.empty_like(flat)
-            self.window.moe_routed_device(layer, flat, ids_h, weights_h, out, pred1, pred2)
+            stream = torch.cuda.current_stream(self.device).cuda_stream
+            self.window.moe_routed_device(
+                layer, flat, ids_h, weights_h, out, pred1, pred2, stream=stream
+            )
             return out.to(x.dtype).reshape(x.shape)
         # bfloat16 has no numpy dtype: its bits go as int16, named by x_dtype.
         host = (flat.view(torch.int16) if flat.dtype == torch.bfloat16 else flat).numpy()
