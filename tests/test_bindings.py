@@ -229,3 +229,28 @@ def test_the_bench_helpers_are_not_in_core() -> None:
     assert callable(_bench.bench_kernels) and callable(_bench.bench_raw_read)
     text = STUB.with_name("_bench.pyi").read_text()
     assert set(re.findall(r"^def (\w+)", text, re.M)) == _public(_bench)
+
+
+# ErrorKind's order in csrc/engine/common/errors.h, and the class each kind must become.
+ENGINE_ERROR_CLASSES = [
+    "PackError",
+    "ConfigError",
+    "ExpertReadError",
+    "StreamClosedError",
+    "StreamTimeoutError",
+    "ArenaFullError",
+    "TurnError",
+    "DeviceError",
+]
+
+
+@pytest.mark.parametrize("kind", range(len(ENGINE_ERROR_CLASSES)))
+def test_every_engine_error_kind_becomes_its_strata_stream_class(kind: int) -> None:
+    import strata_stream.errors as errors
+
+    cls = getattr(errors, ENGINE_ERROR_CLASSES[kind])
+    with pytest.raises(cls, match="planted") as info:
+        core.testing.raise_engine_error(kind, "planted")
+    assert type(info.value) is cls and isinstance(info.value, errors.StrataError)
+    with pytest.raises(ValueError, match="no ErrorKind"):
+        core.testing.raise_engine_error(len(ENGINE_ERROR_CLASSES), "x")

@@ -19,6 +19,7 @@ const char* class_name(ErrorKind kind) {
     case ErrorKind::Timeout: return "StreamTimeoutError";
     case ErrorKind::ArenaFull: return "ArenaFullError";
     case ErrorKind::Turn: return "TurnError";
+    case ErrorKind::Device: return "DeviceError";
   }
   return "StrataError";
 }

@@ -8,6 +8,7 @@
 #include <cmath>
 
 #include "arguments.h"
+#include "common/errors.h"
 #include "residency/fault_injection.h"
 #include "residency/stream_testing.h"
 #include "stream.h"
@@ -48,6 +49,16 @@ void inject_fault(Stream& stream, const py::object& layer, const py::object& exp
 void init_testing(py::module_& parent) {
   py::module_ m = parent.def_submodule(
       "testing", "Test hooks: manual IO, read faults, eviction by hand, the invariant scan.");
+  m.def(
+      "raise_engine_error",
+      [](int kind, const std::string& what) {
+        if (kind < int(ErrorKind::Pack) || kind > int(ErrorKind::Device))
+          throw py::value_error("raise_engine_error: no ErrorKind " + std::to_string(kind));
+        throw EngineError(ErrorKind(kind), what);
+      },
+      py::arg("kind"), py::arg("what"),
+      "Throws the engine's EngineError of ErrorKind `kind` (its C++ order), to check that the "
+      "bindings translate every kind into its strata_stream.errors class.");
   m.def(
       "pending_jobs",
       [](Stream& self) {

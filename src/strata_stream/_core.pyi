@@ -264,5 +264,6 @@ class _Testing:
     def clear_faults(self, stream: Stream) -> None: ...
     def evict_one(self, stream: Stream) -> int: ...  # -1: none may go
     def check_invariants(self, stream: Stream) -> str: ...
+    def raise_engine_error(self, kind: int, what: str) -> None: ...  # ErrorKind's C++ order
 
 testing: _Testing

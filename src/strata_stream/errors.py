@@ -39,9 +39,16 @@ class ArenaFullError(StrataError, RuntimeError):
     """An urgent request found no slot it may use: every slot is protected or in flight."""
 
 
+class DeviceError(StrataError, RuntimeError):
+    """The backend's device reported a fault (a CUDA error, or a kernel that met an expert the
+    slot map did not publish): the Window call failed, its output is not to be used, and the
+    stream and Window stay usable."""
+
+
 __all__ = [
     "ArenaFullError",
     "ConfigError",
+    "DeviceError",
     "ExpertReadError",
     "PackError",
     "StrataError",

@@ -459,9 +459,13 @@ TEST_CASE("queued completion: every path out of a pending layer drains it") {
     Window w(stream, std::move(owned), options(false));
     w.moe_routed_device(0, t0.x.data(), 1, routed_of(t0), out.data(), {}, kStream);
     be->fail_next_drain();
-    CHECK_THROWS_WITH(
-        w.moe_routed_device(1, t1.x.data(), 1, routed_of(t1), out.data(), {}, kStream),
-        Catch::Contains("planted fault"));
+    try {  // a device fault is the engine's Device error (strata_stream.errors.DeviceError)
+      w.moe_routed_device(1, t1.x.data(), 1, routed_of(t1), out.data(), {}, kStream);
+      FAIL("the planted fault was not reported");
+    } catch (const strata::EngineError& e) {
+      CHECK(e.kind() == strata::ErrorKind::Device);
+      CHECK_THAT(e.what(), Catch::Contains("planted fault"));
+    }
     CHECK_FALSE(w.completion_pending());
     CHECK_FALSE(w.in_turn());  // the failed call abandoned the turn
     w.moe_routed_device(0, t0.x.data(), 1, routed_of(t0), out.data(), {}, kStream);

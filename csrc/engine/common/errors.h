@@ -8,7 +8,9 @@
 namespace strata {
 
 // Turn: a Window call out of turn order, or on a turn another thread owns.
-enum class ErrorKind { Pack, Config, ExpertRead, Closed, Timeout, ArenaFull, Turn };
+// Device: the backend's device reported a fault (a CUDA error, a kernel that met an expert the
+// slot map did not publish); the Window's call failed and the stream stays usable.
+enum class ErrorKind { Pack, Config, ExpertRead, Closed, Timeout, ArenaFull, Turn, Device };
 
 class EngineError : public std::runtime_error {
  public:

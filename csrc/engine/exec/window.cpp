@@ -223,7 +223,7 @@ void Window::retire_completion() {
   // A fault the drained kernels met (an asynchronous one shows only at the drain) fails the
   // call that retires them: their output was already the caller's, so it must not go unsaid.
   std::string err = backend_->take_device_error();
-  if (!err.empty()) throw std::logic_error(err);
+  if (!err.empty()) throw EngineError(ErrorKind::Device, err);
 }
 
 void Window::close() {
@@ -906,7 +906,7 @@ void Window::wait_device(SharedEvent& ev, std::uint64_t v, const InterruptCheck&
                                               " device did not reach the handshake within " +
                                               std::to_string(opt_.device_timeout_s) + " s");
   std::string err = backend_->take_device_error();
-  if (!err.empty()) throw std::logic_error(err);
+  if (!err.empty()) throw EngineError(ErrorKind::Device, err);
 }
 
 void Window::stall_for(std::uint32_t layer, const std::int32_t* experts, std::size_t n,
