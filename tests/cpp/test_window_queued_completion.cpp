@@ -361,19 +361,43 @@ TEST_CASE("queued completion: a layer's slots outlive its queued kernels, output
   }
 }
 
+// One layer-0 call left pending on a minimum arena: the set-up of the eviction cases below.
+struct OnePendingLayer {
+  explicit OnePendingLayer(const char* name)
+      : g(geometry()),
+        path(build_test_pack(g, name)),
+        L(read_pack_layout(path)),
+        stream(path, small_options(ExpertStream::min_slots(L), L, 2)),
+        w(stream, make_backend(), options(false)),
+        t(token(g, 0, 0)),
+        out(g.hidden, -1.0f) {
+    w.moe_routed_device(0, t.x.data(), 1, routed_of(t), out.data(), {}, kStream);
+  }
+  std::unique_ptr<Backend> make_backend() {
+    auto owned = std::make_unique<LateKernelBackend>(g);
+    be = owned.get();
+    return owned;
+  }
+  const TestGeometry g;
+  const std::string path;
+  const PackLayout L;
+  ExpertStream stream;
+  LateKernelBackend* be = nullptr;  // owned by w
+  Window w;
+  const Token t;
+  std::vector<float> out;
+};
+
 TEST_CASE("queued completion: another client cannot evict a pending layer's slots") {
-  const TestGeometry g = geometry();
-  auto path = build_test_pack(g, "queued_completion_rival");
-  PackLayout L = read_pack_layout(path);
   // Every slot but the pending layer's two goes to a rival's reads; the pending ones must stay
   // put while the rival recycles slots.
-  ExpertStream stream(path, small_options(ExpertStream::min_slots(L), L, 2));
-  auto owned = std::make_unique<LateKernelBackend>(g);
-  LateKernelBackend* be = owned.get();
-  Window w(stream, std::move(owned), options(false));
-  const Token t = token(g, 0, 0);
-  std::vector<float> out(g.hidden, -1.0f);
-  w.moe_routed_device(0, t.x.data(), 1, routed_of(t), out.data(), {}, kStream);
+  OnePendingLayer f("queued_completion_rival");
+  ExpertStream& stream = f.stream;
+  Window& w = f.w;
+  const Token& t = f.t;
+  std::vector<float>& out = f.out;
+  LateKernelBackend* be = f.be;
+  const TestGeometry& g = f.g;
   REQUIRE(w.completion_pending());
   REQUIRE(be->late_kernels() == 1);  // its kernel has not read its slots yet
   // The stream's own client reads experts of layer 2 (neither the pending layer nor the next,
@@ -396,16 +420,10 @@ TEST_CASE("queued completion: another client cannot evict a pending layer's slot
 TEST_CASE("queued completion: the check sees a slot recycled under a queued kernel") {
   // The control: what the Window prevents, done by hand. The pending layer's protections are
   // dropped before its kernel ran, a rival recycles its slots, and the late read is stale.
-  const TestGeometry g = geometry();
-  auto path = build_test_pack(g, "queued_completion_control");
-  PackLayout L = read_pack_layout(path);
-  ExpertStream stream(path, small_options(ExpertStream::min_slots(L), L, 2));
-  auto owned = std::make_unique<LateKernelBackend>(g);
-  LateKernelBackend* be = owned.get();
-  Window w(stream, std::move(owned), options(false));
-  const Token t = token(g, 0, 0);
-  std::vector<float> out(g.hidden, -1.0f);
-  w.moe_routed_device(0, t.x.data(), 1, routed_of(t), out.data(), {}, kStream);
+  OnePendingLayer f("queued_completion_control");
+  ExpertStream& stream = f.stream;
+  Window& w = f.w;
+  LateKernelBackend* be = f.be;
   stream.end_turn(w.client());  // what a release before the kernels would do
   const std::int32_t rivals[] = {9, 10, 11, 12};
   stream.request(2, rivals, 4, ReadClass::Urgent);
