@@ -79,6 +79,27 @@ class TorchMoeEngine:
             raise
         self.routing = _PinnedRouting() if self.on_cuda else None
         self.closed = False
+        try:
+            self.filled_at_load = self._fill_when_everything_fits()
+        except BaseException:
+            self.close()
+            raise
+
+    def _fill_when_everything_fits(self) -> bool:
+        """An arena with a slot for every expert reads them all now, as plain from_pretrained
+        reads every weight at load: nothing is then left to stream, no token waits on a cold
+        miss, and no layer pays for the next layer's router, which only ever served to read
+        ahead (Window.wants_predictions skips a layer resident for good). Returns whether it
+        did."""
+        s = self.stream
+        if s.n_slots < s.n_layers * s.n_experts:
+            return False
+        every = np.arange(s.n_experts, dtype=np.int32)
+        for layer in range(s.n_layers):  # queue every layer's reads before waiting for any
+            s.request(layer, every)
+        for layer in range(s.n_layers):
+            s.wait(layer, every)
+        return True
 
     def close(self) -> None:
         if not self.closed:
