@@ -199,29 +199,23 @@ void Window::defer_turn_end() {
   next_layer_ = 0;
 }
 
-void Window::drain() {
+Window::Completion Window::drain() {
   backend_->synchronize();  // every kernel submitted has finished
   std::lock_guard<std::mutex> lk(door_mu_);
-  // A deferred turn end is still owed to the stream: only retire_completion() settles it.
-  if (completion_ == Completion::LayerPending) completion_ = Completion::Done;
+  return std::exchange(completion_, Completion::Done);
 }
 
 void Window::retire_completion() {
-  Completion was;
-  {
-    std::lock_guard<std::mutex> lk(door_mu_);
-    was = completion_;
-  }
-  if (was == Completion::Done) return;
-  backend_->synchronize();  // the provable point: every kernel of the last call has finished
-  {
-    std::lock_guard<std::mutex> lk(door_mu_);
-    completion_ = Completion::Done;
-  }
-  if (was == Completion::TurnEndPending)
+  if (!completion_pending()) return;
+  // The provable point: every kernel of the last call has finished.
+  if (drain() == Completion::TurnEndPending)
     end_turn_in_stream(std::exchange(pending_turn_prompt_, false));
   // A fault the drained kernels met (an asynchronous one shows only at the drain) fails the
   // call that retires them: their output was already the caller's, so it must not go unsaid.
+  raise_device_error();
+}
+
+void Window::raise_device_error() {
   std::string err = backend_->take_device_error();
   if (!err.empty()) throw EngineError(ErrorKind::Device, err);
 }
@@ -259,11 +253,7 @@ void Window::teardown() {
   if (observer_) stream_.remove_observer(*observer_);
   observer_.reset();
   backend_->abort_pending();
-  backend_->synchronize();  // no device work in flight from here
-  {
-    std::lock_guard<std::mutex> lk(door_mu_);
-    completion_ = Completion::Done;  // a pending one: release_client ends its protections
-  }
+  drain();  // no device work in flight from here; a pending one's protections end just below
   pending_turn_prompt_ = false;
   stream_.release_client(client_);  // the turn's protections and pins end with it
   backend_.reset();  // joins the device thread and its worker pool
@@ -349,10 +339,11 @@ void Window::finish_turn() {
   } catch (...) {
     fault = std::current_exception();
   }
-  drain();
+  // The retire left nothing pending: an open turn owes the stream no turn end.
+  [[maybe_unused]] const Completion was = drain();
+  STRATA_ASSERT(was == Completion::Done, "an open turn owes the stream no turn end");
   {
     std::lock_guard<std::mutex> lk(door_mu_);
-    STRATA_ASSERT(completion_ == Completion::Done, "an open turn owes the stream no turn end");
     turn_ = TurnKind::None;
     owner_ = {};
     next_layer_ = 0;
@@ -821,11 +812,7 @@ void Window::run_call(std::uint32_t layer, std::uint32_t rows, const ChunkFn& ru
 void Window::abandon_call() {
   // The device skips what is queued, the turn ends, the stream stays usable.
   backend_->abort_pending();
-  backend_->synchronize();
-  {
-    std::lock_guard<std::mutex> lk(door_mu_);
-    completion_ = Completion::Done;  // drained; end_turn below ends a deferred turn's protections
-  }
+  drain();  // a deferred turn end's protections end with the end_turn below
   pending_turn_prompt_ = false;
   // Aborting woke the device by signalling the value it waited for, which can be ahead of the
   // counters (waves encoded but never released). Resume past every value an event holds, so
@@ -905,8 +892,7 @@ void Window::wait_device(SharedEvent& ev, std::uint64_t v, const InterruptCheck&
     throw EngineError(ErrorKind::Timeout, "the " + backend_->name() +
                                               " device did not reach the handshake within " +
                                               std::to_string(opt_.device_timeout_s) + " s");
-  std::string err = backend_->take_device_error();
-  if (!err.empty()) throw EngineError(ErrorKind::Device, err);
+  raise_device_error();
 }
 
 void Window::stall_for(std::uint32_t layer, const std::int32_t* experts, std::size_t n,

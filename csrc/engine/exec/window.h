@@ -225,7 +225,8 @@ class Window {
   //   LayerPending -> TurnEndPending  defer_turn_end(): that call was the implicit turn's last
   //                               layer; the Window's turn is over, the stream's end_turn waits;
   //   * -> Done                   drain(): backend_->synchronize() returned (every kernel done);
-  //                               retire_completion() then ends a deferred turn in the stream.
+  //                               retire_completion() then ends a deferred turn in the stream,
+  //                               teardown() and abandon_call() end its protections themselves.
   // Written by the busy_ holder under door_mu_ (completion_pending() reads it from any thread).
   enum class Completion : std::uint8_t { Done, LayerPending, TurnEndPending };
   enum class TurnKind : std::uint8_t { None, Explicit, Implicit };
@@ -238,11 +239,14 @@ class Window {
   // prompt-sized scratch goes back when the turn ran prompt waves (`prompt`).
   void end_turn_in_stream(bool prompt);
   // backend_->synchronize(): every kernel submitted has finished, so nothing this Window
-  // launched still reads a slot or the scratch; the completion is Done from here.
-  void drain();
+  // launched still reads a slot or the scratch; the completion is Done from here. Returns what
+  // it was: a deferred turn end is the caller's to settle.
+  Completion drain();
   // A pending completion ends: the backend drains, a deferred turn end reaches the stream, and
   // a device error the drained kernels met is thrown. Before anything that drops protections.
   void retire_completion();
+  // Throws the device error the backend holds, if any (EngineError, Device).
+  void raise_device_error();
   void defer_completion();
   void defer_turn_end();
   // Abandons the layer call after an error: the device skips what is queued, the turn ends.
