@@ -196,6 +196,21 @@ def test_streamed_output_identical_across_configs(fam: Family, closing: list[Any
         assert generate(model, do_sample=False) == want_tokens, (slots, cfg)
 
 
+def test_an_arena_of_every_expert_is_filled_at_load(fam: Family, closing: list[Any]) -> None:
+    # Filled at load: no miss and no next-layer router afterwards. That it gives the small
+    # arena's bits is test_streamed_output_identical_across_configs (fam.load() is this arena).
+    full, part = fam.load(), fam.load(2 * fam.top_k)
+    closing += [full, part]
+    for model in (full, part):
+        generate(model, do_sample=False)
+    assert full.strata_engine.filled_at_load and not part.strata_engine.filled_at_load
+    got = full.strata_engine.window.stats()["total"]
+    assert got["misses"] == 0 and got["hits"] > 0
+    assert got["pred_predicted"] == 0  # every layer resident for good
+    small = part.strata_engine.window.stats()["total"]
+    assert small["misses"] > 0 and small["pred_predicted"] > 0
+
+
 def poison_experts(path: Path) -> int:
     """Overwrite every routed expert tensor in the shards with 0xFF bytes (NaN in bf16/f32).
     Each shard keeps its modification time, so the cheap provenance check on load (sizes,

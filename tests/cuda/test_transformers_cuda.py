@@ -32,6 +32,7 @@ from test_transformers_families import (  # noqa: E402
     BASE,
     Family,
     logits,
+    test_an_arena_of_every_expert_is_filled_at_load,
     test_bfloat16_within_transformers_own_bf16_rounding,
     test_float32_logits_and_generate_match_plain_transformers,
     test_streamed_output_identical_across_configs,
@@ -43,6 +44,7 @@ pytestmark = pytest.mark.cuda
 # The families module's device-neutral tests, collected here again with this module's fixtures:
 # `fam` and `fam_bf16` below load on CUDA, and its oracle is plain transformers on CUDA.
 __all__ = [
+    "test_an_arena_of_every_expert_is_filled_at_load",
     "test_bfloat16_within_transformers_own_bf16_rounding",
     "test_float32_logits_and_generate_match_plain_transformers",
     "test_streamed_output_identical_across_configs",
