@@ -17,7 +17,8 @@ weights and float32 x (max |ours - ref| / max |ref|, beside the tolerance the CU
 1e-5 * max|ref| + 1e-6), and a token's output bitwise alone, in 3 rows and in the wave.
 
     python benchmarks/cuda_prompt.py --lib-now libnow.so --lib-one-piece libone.so \
-        [--lib-before libbefore.so] [--rows 128 512 2048] [--json out.json]
+        [--lib-before libbefore.so] [--lib-variant NAME=lib.so ...] [--rows 128 512 2048] \
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -146,6 +147,14 @@ def main() -> int:
     ap.add_argument("--lib-now", required=True)
     ap.add_argument("--lib-one-piece")
     ap.add_argument("--lib-before")
+    ap.add_argument(
+        "--lib-variant",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="another build of the same kernels (a tuning): timed, and its outputs checked "
+        "bitwise against --lib-now's",
+    )
     ap.add_argument("--rows", type=int, nargs="+", default=[128, 512, 2048])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json")
@@ -174,6 +183,16 @@ def main() -> int:
         libs["one_piece"] = Ours(args.lib_one_piece, arena, slot, max_rows)
     if args.lib_before:
         libs["before"] = Ours(args.lib_before, arena, slot, max_rows)
+    for spec in args.lib_variant:
+        name, _, path = spec.partition("=")
+        libs[f"v_{name}"] = Ours(path, arena, slot, max_rows)
+
+    def same_bits(o: Ours, rows: int, table: torch.Tensor) -> bool:
+        """o's output bitwise --lib-now's on the same wave."""
+        libs["now"].launch(rows, table)
+        o.launch(rows, table)
+        torch.cuda.synchronize()
+        return bool(torch.equal(o.out[:rows], libs["now"].out[:rows]))
 
     results: dict[str, Any] = {"torch": torch.__version__, "torch_side": gmm_name, "prompt": []}
 
@@ -227,6 +246,8 @@ def main() -> int:
                     lambda _, o=o, p=passes: o.launch(rows, table, p), reps
                 )
             row[f"torch_over_{name}"] = row["torch_us"] / row[f"{name}_us"]
+            if name.startswith("v_"):
+                row[f"{name}_bitwise_now"] = same_bits(o, rows, table)
         if rows == 512 and not skewed:  # accuracy and the batch-size rule, once
             ref = reference(x, ids.cuda().long(), w.cuda())
             scale = float(ref.abs().max())
@@ -267,6 +288,8 @@ def main() -> int:
                 lambda i, o=o, p=passes: o.launch(1, tables[i % 16], p), 100
             )
         dec[f"{name}_TB_s"] = dec["bytes"] / (dec[f"{name}_us"] * 1e-6) / 1e12
+        if name.startswith("v_"):
+            dec[f"{name}_bitwise_now"] = all(same_bits(o, 1, t) for t in tables)
     print("decode", json.dumps(dec), flush=True)
     results["decode"] = dec
     if args.json:
@@ -279,6 +302,18 @@ def main() -> int:
               f"{r['torch_over_now']:10.3f} {r.get('one_piece_us', float('nan')):10.1f} "
               f"{r.get('torch_over_one_piece', float('nan')):8.3f} "
               f"{r.get('before_us', float('nan')):9.1f}")  # fmt: skip
+    variants = [n for n in libs if n.startswith("v_")]
+    if variants:
+        print(
+            f"{'variant':14} {'bitwise':>7} {'decode us':>9} "
+            + " ".join(f"{r['routing'][:4]}{r['rows']:>5}" for r in results["prompt"])
+        )
+        for n in ["now", *variants]:
+            same = all(r.get(f"{n}_bitwise_now", True) for r in results["prompt"]) and dec.get(
+                f"{n}_bitwise_now", True
+            )
+            ratios = " ".join(f"{r[f'torch_over_{n}']:9.3f}" for r in results["prompt"])
+            print(f"{n:14} {str(same):>7} {dec[f'{n}_us']:9.1f} {ratios}")
     return 0
 
 

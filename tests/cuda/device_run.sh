@@ -130,14 +130,27 @@ if wants prompt; then
       "$dir/kernels/experts.cu" "${mma[@]}" > "$out/prompt_build_$name.log" 2>&1 \
       || echo "prompt bench build $name failed"
   }
+  # Neighbours of the tensor-core kernels' tuning knobs (mma_experts.cu): timed beside the
+  # defaults and checked bitwise against them; the defaults change by hand, from these figures.
+  M=-DSTRATA_CUDA_MMA
+  variants=("dw1:${M}_DECODE_WARPS=1" "dw4:${M}_DECODE_WARPS=4" "ds8:${M}_DECODE_STAGES=8"
+            "dk128:${M}_DECODE_BK=128 ${M}_DECODE_STAGES=3" "pw1:${M}_PROMPT_TOKEN_WARPS=1"
+            "ps3:${M}_PROMPT_STAGES=3" "pk64:${M}_PROMPT_BK=64 ${M}_PROMPT_STAGES=3")
   pb_build now csrc/cuda &
   pb_build one_piece csrc/cuda -DSTRATA_CUDA_MMA_ONE_PIECE_BENCH &
   [ -n "${STRATA_KERNELS_BEFORE:-}" ] && pb_build before "$STRATA_KERNELS_BEFORE" &
+  for v in "${variants[@]}"; do
+    # shellcheck disable=SC2086
+    pb_build "${v%%:*}" csrc/cuda ${v#*:} &
+  done
   wait
-  before=()
-  [ -f /tmp/libprompt_before.so ] && before=(--lib-before /tmp/libprompt_before.so)
+  extra=()
+  [ -f /tmp/libprompt_before.so ] && extra=(--lib-before /tmp/libprompt_before.so)
+  for v in "${variants[@]}"; do
+    [ -f "/tmp/libprompt_${v%%:*}.so" ] && extra+=(--lib-variant "${v%%:*}=/tmp/libprompt_${v%%:*}.so")
+  done
   step prompt 240 $py benchmarks/cuda_prompt.py --lib-now /tmp/libprompt_now.so \
-    --lib-one-piece /tmp/libprompt_one_piece.so "${before[@]}" --json "$out/cuda_prompt.json"
+    --lib-one-piece /tmp/libprompt_one_piece.so "${extra[@]}" --json "$out/cuda_prompt.json"
 fi
 # One build folder per source tree: several trees share a warm machine (CMake refuses a cache
 # made from another source directory).

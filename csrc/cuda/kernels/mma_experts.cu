@@ -56,9 +56,39 @@ struct Tiling {
   static constexpr int kStride = BK + 8;
 };
 
-using DecodeTiling = Tiling<2, 1, 1, 1, 64, 4>;
+// Compile-time tuning knobs (tests/cuda/device_run.sh prompt builds neighbours of these, checks
+// their outputs bitwise against the defaults' and times them): decode's warps a block (each 16
+// output rows of gate and up, or of down), k-stage width and depth; the prompt tiling's warps
+// along the tokens (64 tokens a chunk with 2, 32 with 1), k-stage width and depth. The defaults
+// are what the H200 measured (docs/cuda.md). None changes an output bit.
+#ifndef STRATA_CUDA_MMA_DECODE_WARPS
+#define STRATA_CUDA_MMA_DECODE_WARPS 2
+#endif
+#ifndef STRATA_CUDA_MMA_DECODE_BK
+#define STRATA_CUDA_MMA_DECODE_BK 64
+#endif
+#ifndef STRATA_CUDA_MMA_DECODE_STAGES
+#define STRATA_CUDA_MMA_DECODE_STAGES 4
+#endif
+#ifndef STRATA_CUDA_MMA_PROMPT_TOKEN_WARPS
+#define STRATA_CUDA_MMA_PROMPT_TOKEN_WARPS 2
+#endif
+#ifndef STRATA_CUDA_MMA_PROMPT_BK
+#define STRATA_CUDA_MMA_PROMPT_BK 32
+#endif
+#ifndef STRATA_CUDA_MMA_PROMPT_STAGES
+#define STRATA_CUDA_MMA_PROMPT_STAGES 4
+#endif
+static_assert(STRATA_CUDA_MMA_DECODE_BK % 16 == 0 && STRATA_CUDA_MMA_PROMPT_BK % 16 == 0,
+              "k-stages hold whole k-blocks of 16");
+static_assert(STRATA_CUDA_MMA_DECODE_STAGES >= 2 && STRATA_CUDA_MMA_PROMPT_STAGES >= 2,
+              "the ring needs two stages at least");
+
+using DecodeTiling = Tiling<STRATA_CUDA_MMA_DECODE_WARPS, 1, 1, 1, STRATA_CUDA_MMA_DECODE_BK,
+                            STRATA_CUDA_MMA_DECODE_STAGES>;
 template <bool GateUp>
-using PromptTiling = Tiling<2, 2, GateUp ? 2 : 4, 4, 32, 4>;
+using PromptTiling = Tiling<2, STRATA_CUDA_MMA_PROMPT_TOKEN_WARPS, GateUp ? 2 : 4, 4,
+                            STRATA_CUDA_MMA_PROMPT_BK, STRATA_CUDA_MMA_PROMPT_STAGES>;
 
 // Rows below this take the decode tiling (experts.cu's kDirectBelowRows, the same boundary).
 constexpr std::uint32_t kDecodeBelowRows = 8;
