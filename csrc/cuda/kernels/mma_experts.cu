@@ -20,10 +20,10 @@
 // activation fuses) over a chunk of up to BN of its group's tokens, looping over the group's
 // chunks; the weight tile and the activations' float32 rows are staged through shared memory
 // by cp.async, STAGES deep, and the activations are split into their pieces once a stage;
-// warps read their fragments with ldmatrix. Decode (below 8 rows) takes small tiles (32 output
-// rows, one 8-token column block, 2 warps) so that enough blocks stream the weights; prompts
-// take 64 (gate_up) or 128 (down) rows by 64 tokens over 4 warps. The tiling changes which
-// thread computes an element, not its order.
+// warps read their fragments with ldmatrix. Decode (below 8 rows) takes small tiles (by default
+// 32 output rows, one 8-token column block, 2 warps) so that enough blocks stream the weights;
+// prompts take 64 (gate_up) or 128 (down) rows by 64 tokens over 4 warps (the knobs below). The
+// tiling changes which thread computes an element, not its order.
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
