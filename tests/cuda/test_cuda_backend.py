@@ -4,13 +4,15 @@ the same inputs through Window(backend="cpu") and Window(backend="cuda").
 
 Tolerance. Both backends compute each output element as one float32 dot product, in different
 fixed orders (the CPU: 16 lanes and a tree; CUDA: 32 lanes of 8-column chunks with fused
-multiply-adds and a butterfly), and exp differs by at most 2 ulp; weights dequantize to the
-same floats on both. Reordering a float32 sum of n products moves it by at most about
-n * 2^-24 * sum|w_i x_i| (n <= 384 here: 2.3e-5 of that sum, far less in practice: random
-signs), so the check is max|cuda - cpu| <= 1e-5 * max|cpu| + 1e-6, the bound the routed tests
-already use against the float64 oracle. A planted 2^-10 error in one kernel exceeds it
-(test_a_planted_kernel_change_fails_the_parity). Within CUDA the output is bitwise the same at
-every arena size, split mode, lookahead setting and chunking (I11).
+multiply-adds and a butterfly; for bf16 weights the tensor cores' float32 sums over k-blocks of
+16, x split exactly into three bf16 pieces so that every product is exact), and exp differs by
+at most 2 ulp; weights dequantize to the same floats on both. Reordering a float32 sum of n
+products moves it by at most about n * 2^-24 * sum|w_i x_i| (n <= 384 here: 2.3e-5 of that
+sum, far less in practice: random signs), so the check is max|cuda - cpu| <= 1e-5 * max|cpu|
++ 1e-6, the bound the routed tests already use against the float64 oracle. A planted 2^-10
+error in one kernel exceeds it (test_a_planted_kernel_change_fails_the_parity). Within CUDA the
+output is bitwise the same at every arena size, split mode, lookahead setting and chunking
+(I11).
 """
 
 from __future__ import annotations
@@ -161,10 +163,12 @@ def test_every_format_matches_the_cpu_backend(
 
 
 @cuda
+@pytest.mark.parametrize("fmt", ["f32", "bf16"])
 @pytest.mark.parametrize("norm_topk", [False, True])
-def test_odd_widths_and_unnormalised_routing(tmp_path: Path, norm_topk: bool) -> None:
-    """Float rows whose width is no multiple of the 8-column chunk (hidden 100, intermediate 52)."""
-    path = make_pack(tmp_path, "f32", hidden=100, inter=52, norm_topk=norm_topk)
+def test_odd_widths_and_unnormalised_routing(tmp_path: Path, norm_topk: bool, fmt: str) -> None:
+    """Float rows whose width is no multiple of the 8-column chunk (hidden 100, intermediate 52);
+    for bf16 (the tensor-core kernels) nor of the 16-column k-block and the 16-row tile."""
+    path = make_pack(tmp_path, fmt, hidden=100, inter=52, norm_topk=norm_topk)
     xs = turns(100, [1, 9])
     want = run(path, config(path), xs, "cpu")
     assert max_violation(run(path, config(path), xs, "cuda"), want) <= 1.0
@@ -287,13 +291,16 @@ def test_slots_published_before_the_backend_registered_are_copied_before_their_p
 
 
 @cuda
-@pytest.mark.parametrize("plant", ["gate_up", "route"])
+@pytest.mark.parametrize(
+    ("plant", "fmt"), [("gate_up", "q4"), ("gate_up", "bf16"), ("route", "q4")]
+)
 def test_a_planted_kernel_change_fails_the_parity(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plant: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plant: str, fmt: str
 ) -> None:
     """The parity check can fail: a 2^-10 change in one kernel (STRATA_CUDA_TEST_PLANT, read
-    when a CUDA backend binds) is caught; without it the same check passes."""
-    path = make_pack(tmp_path, "q4", 64, "bf16")
+    when a CUDA backend binds) is caught; without it the same check passes. bf16's gate_up is
+    the tensor-core kernel (decode and prompt tilings), q4's the float32 FMA kernels."""
+    path = make_pack(tmp_path, fmt, 64, "bf16")
     xs = turns(384, [1, 13])
     want = run(path, config(path), xs, "cpu")
     assert max_violation(run(path, config(path), xs, "cuda"), want) <= 1.0
