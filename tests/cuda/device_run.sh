@@ -133,7 +133,7 @@ if wants prompt; then
   # Neighbours of the tensor-core kernels' tuning knobs (mma_experts.cu): timed beside the
   # defaults and checked bitwise against them; the defaults change by hand, from these figures.
   M=-DSTRATA_CUDA_MMA
-  variants=("dw1:${M}_DECODE_WARPS=1" "dw4:${M}_DECODE_WARPS=4" "ds8:${M}_DECODE_STAGES=8"
+  variants=("dw2:${M}_DECODE_WARPS=2" "dw8:${M}_DECODE_WARPS=8" "ds8:${M}_DECODE_STAGES=8"
             "dk128:${M}_DECODE_BK=128 ${M}_DECODE_STAGES=3" "pw1:${M}_PROMPT_TOKEN_WARPS=1"
             "ps3:${M}_PROMPT_STAGES=3" "pk64:${M}_PROMPT_BK=64 ${M}_PROMPT_STAGES=3")
   pb_build now csrc/cuda &

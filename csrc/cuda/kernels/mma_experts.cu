@@ -21,7 +21,7 @@
 // chunks; the weight tile and the activations' float32 rows are staged through shared memory
 // by cp.async, STAGES deep, and the activations are split into their pieces once a stage;
 // warps read their fragments with ldmatrix. Decode (below 8 rows) takes small tiles (by default
-// 32 output rows, one 8-token column block, 2 warps) so that enough blocks stream the weights;
+// 64 output rows, one 8-token column block, 4 warps) so that enough blocks stream the weights;
 // prompts take 64 (gate_up) or 128 (down) rows by 64 tokens over 4 warps (the knobs below). The
 // tiling changes which thread computes an element, not its order.
 #include <algorithm>
@@ -62,7 +62,7 @@ struct Tiling {
 // along the tokens (64 tokens a chunk with 2, 32 with 1), k-stage width and depth. The defaults
 // are what the H200 measured (docs/cuda.md). None changes an output bit.
 #ifndef STRATA_CUDA_MMA_DECODE_WARPS
-#define STRATA_CUDA_MMA_DECODE_WARPS 2
+#define STRATA_CUDA_MMA_DECODE_WARPS 4
 #endif
 #ifndef STRATA_CUDA_MMA_DECODE_BK
 #define STRATA_CUDA_MMA_DECODE_BK 64
