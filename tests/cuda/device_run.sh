@@ -157,9 +157,9 @@ fi
 build=${STRATA_BUILD_DIR:-/tmp/strata-build-$(printf %s "$PWD" | md5sum | cut -c1-8)}
 step build 240 bash -c "cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DSTRATA_BUILD_PYTHON=ON -DSTRATA_CUDA=ON -DPython_EXECUTABLE=\$(command -v $py) \
-  -Dpybind11_DIR=\$($py -m pybind11 --cmakedir) -DCMAKE_CUDA_FLAGS='$tuning' && cmake --build $build -j16 --target _core _cuda strata_cuda_check" \
+  -Dpybind11_DIR=\$($py -m pybind11 --cmakedir) -DCMAKE_CUDA_FLAGS='$tuning' && cmake --build $build -j16 --target _core _cuda _bench strata_cuda_check" \
   || exit 1
-cp "$build"/_core*.so "$build"/_cuda*.so src/strata_stream/
+cp "$build"/_core*.so "$build"/_cuda*.so "$build"/_bench*.so src/strata_stream/
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
 $py -c "import strata_stream._cuda as c; print('cuda:', c.unavailable() or 'available')"
 if wants tests; then
