@@ -96,7 +96,7 @@ cudaStream_t ArenaMirror::part_lane() {
 }
 
 void ArenaMirror::wait_parts(std::uint32_t slot, std::uint32_t first, std::uint32_t last,
-                             std::uint32_t gen) {
+                             [[maybe_unused]] std::uint32_t gen) {
   std::vector<PendingCopy> taken;
   {
     std::lock_guard<std::mutex> lk(pending_mu_);
