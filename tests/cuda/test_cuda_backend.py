@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from strata_stream import ExpertPack, ExpertStream, StreamConfig, Window, testing
-from strata_stream.errors import ConfigError
+from strata_stream.errors import ConfigError, ExpertReadError
 from strata_stream.pack import Geometry, write_pack
 
 from .conftest import cuda_unavailable
@@ -231,15 +231,48 @@ def test_bitwise_across_arena_sizes_split_lookahead_and_chunking(
     ):
         got = run(path, cfg, xs, "cuda")
         assert all(np.array_equal(a, b) for a, b in zip(ref, got, strict=True)), cfg
-    # Each part copied to the device as it lands: the minimum arena recycles every layer's slots.
-    # Parts of 16 KiB: several a record.
+    # Each part copied to the device as it lands, or each whole record at its completion (the
+    # default): the minimum arena recycles every layer's slots. Parts of 16 KiB: several a
+    # record.
+    for fill in ("parts", "completion"):
+        monkeypatch.setenv("STRATA_CUDA_MIRROR_FILL", fill)
+        for cfg in (
+            config(path, 2 * K, part_bytes=1 << 14),
+            config(path, 2 * K, part_bytes=1 << 14, split_turn=True),
+        ):
+            got = run(path, cfg, xs, "cuda")
+            assert all(np.array_equal(a, b) for a, b in zip(ref, got, strict=True)), (fill, cfg)
+
+
+@cuda
+def test_part_copies_of_a_failed_read_never_land_over_its_retry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """STRATA_CUDA_MIRROR_FILL=parts queues each part's device copy and goes on without waiting
+    for it; only the record's completion waits for its parts' copies before the slot is tagged
+    and published. A read that fails after some of its parts were queued leaves those copies
+    behind: the slot's next read of each part waits for the old copy before queueing its own,
+    so no stale copy lands over the new bytes. Here every layer-1 record fails at its fourth part
+    of 16 KiB (q4 records of five parts) on its first read, at the minimum arena; the stream
+    stays usable and the turns after it give a cold run's bits."""
+    path = make_pack(tmp_path, "q4", 64, "f16")
+    xs = turns(384, [1, 4, 1, 17])
+    want = run(path, config(path), xs, "cuda")
     monkeypatch.setenv("STRATA_CUDA_MIRROR_FILL", "parts")
-    for cfg in (
-        config(path, 2 * K, part_bytes=1 << 14),
-        config(path, 2 * K, part_bytes=1 << 14, split_turn=True),
-    ):
-        got = run(path, cfg, xs, "cuda")
-        assert all(np.array_equal(a, b) for a, b in zip(ref, got, strict=True)), cfg
+    cfg = config(path, 2 * K, part_bytes=1 << 14, lookahead=False)
+    with ExpertStream(path, cfg) as stream, Window(stream, backend="cuda") as w:
+        for e in range(E):
+            testing.inject_fault(stream, 1, e, part=3, kind="eio", count=1)
+        with pytest.raises(ExpertReadError), w.turn():
+            for layer, x in enumerate(xs[0]):
+                w.moe(layer, x)
+        testing.clear_faults(stream)
+        got: list[np.ndarray] = []
+        for turn in xs:
+            with w.turn():
+                got.extend(w.moe(layer, x) for layer, x in enumerate(turn))
+        assert testing.check_invariants(stream) == ""
+    assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 @cuda
