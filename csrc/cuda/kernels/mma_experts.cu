@@ -99,6 +99,18 @@ struct Tiling {
 #ifndef STRATA_CUDA_MMA_PROMPT_PIECES
 #define STRATA_CUDA_MMA_PROMPT_PIECES 1
 #endif
+// Prompts below this many rows (0: none) take a second tiling, with its own warps along the
+// rows and along the tokens (the other knobs as the prompt tiling's): few tokens a group want
+// taller tiles and narrower chunks.
+#ifndef STRATA_CUDA_MMA_SMALL_BELOW_ROWS
+#define STRATA_CUDA_MMA_SMALL_BELOW_ROWS 0
+#endif
+#ifndef STRATA_CUDA_MMA_SMALL_ROW_WARPS
+#define STRATA_CUDA_MMA_SMALL_ROW_WARPS 4
+#endif
+#ifndef STRATA_CUDA_MMA_SMALL_TOKEN_WARPS
+#define STRATA_CUDA_MMA_SMALL_TOKEN_WARPS 1
+#endif
 static_assert(STRATA_CUDA_MMA_DECODE_BK % 16 == 0 && STRATA_CUDA_MMA_PROMPT_BK % 16 == 0,
               "k-stages hold whole k-blocks of 16");
 static_assert(STRATA_CUDA_MMA_DECODE_STAGES >= 2 && STRATA_CUDA_MMA_PROMPT_STAGES >= 2,
@@ -111,7 +123,13 @@ using PromptTiling = Tiling<STRATA_CUDA_MMA_PROMPT_ROW_WARPS, STRATA_CUDA_MMA_PR
                             GateUp ? 2 : 4, STRATA_CUDA_MMA_PROMPT_TOKEN_TILES,
                             STRATA_CUDA_MMA_PROMPT_BK, STRATA_CUDA_MMA_PROMPT_STAGES,
                             STRATA_CUDA_MMA_PROMPT_MIN_BLOCKS>;
+template <bool GateUp>
+using SmallTiling = Tiling<STRATA_CUDA_MMA_SMALL_ROW_WARPS, STRATA_CUDA_MMA_SMALL_TOKEN_WARPS,
+                           GateUp ? 2 : 4, STRATA_CUDA_MMA_PROMPT_TOKEN_TILES,
+                           STRATA_CUDA_MMA_PROMPT_BK, STRATA_CUDA_MMA_PROMPT_STAGES,
+                           STRATA_CUDA_MMA_PROMPT_MIN_BLOCKS>;
 constexpr bool kPromptPieces = STRATA_CUDA_MMA_PROMPT_PIECES != 0;
+constexpr std::uint32_t kSmallBelowRows = STRATA_CUDA_MMA_SMALL_BELOW_ROWS;
 
 // Rows below this take the decode tiling (experts.cu's kDirectBelowRows, the same boundary).
 constexpr std::uint32_t kDecodeBelowRows = 8;
@@ -412,6 +430,22 @@ bool stages_pieces(const DevLayout& L, const DevBuffers& b, std::uint32_t rows, 
          (gate_up ? b.x_pieces : b.h_pieces) != nullptr && vectorizable(L, b, gate_up);
 }
 
+template <class P, bool GateUp>
+cudaError_t launch_prompt(const DevLayout& L, const DevBuffers& b, std::uint32_t rows,
+                          std::uint32_t groups, bool vec, std::uint16_t* h_out, cudaStream_t s) {
+  if (stages_pieces(L, b, rows, GateUp)) {
+    if constexpr (GateUp) {
+      const std::uint64_t quads = std::uint64_t(rows) * L.hidden / 4;
+      const unsigned blocks = unsigned(std::min<std::uint64_t>((quads + 255) / 256, 4096));
+      split_rows_kernel<<<blocks, 256, 0, s>>>(b.x, b.x_pieces, rows, L.hidden);
+      if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+    }
+    return launch_as<P, GateUp, true, true>(L, b, rows, groups, h_out, s);
+  }
+  return vec ? launch_as<P, GateUp, true, false>(L, b, rows, groups, h_out, s)
+             : launch_as<P, GateUp, false, false>(L, b, rows, groups, h_out, s);
+}
+
 template <bool GateUp>
 cudaError_t launch_mma(const DevLayout& L, const DevBuffers& b, std::uint32_t rows,
                        cudaStream_t s) {
@@ -424,18 +458,11 @@ cudaError_t launch_mma(const DevLayout& L, const DevBuffers& b, std::uint32_t ro
   if (rows < kDecodeBelowRows)
     return vec ? launch_as<DecodeTiling, GateUp, true, false>(L, b, rows, groups, h_out, s)
                : launch_as<DecodeTiling, GateUp, false, false>(L, b, rows, groups, h_out, s);
-  using P = PromptTiling<GateUp>;
-  if (stages_pieces(L, b, rows, GateUp)) {
-    if constexpr (GateUp) {
-      const std::uint64_t quads = std::uint64_t(rows) * L.hidden / 4;
-      const unsigned blocks = unsigned(std::min<std::uint64_t>((quads + 255) / 256, 4096));
-      split_rows_kernel<<<blocks, 256, 0, s>>>(b.x, b.x_pieces, rows, L.hidden);
-      if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-    }
-    return launch_as<P, GateUp, true, true>(L, b, rows, groups, h_out, s);
+  if constexpr (kSmallBelowRows > kDecodeBelowRows) {
+    if (rows < kSmallBelowRows)
+      return launch_prompt<SmallTiling<GateUp>, GateUp>(L, b, rows, groups, vec, h_out, s);
   }
-  return vec ? launch_as<P, GateUp, true, false>(L, b, rows, groups, h_out, s)
-             : launch_as<P, GateUp, false, false>(L, b, rows, groups, h_out, s);
+  return launch_prompt<PromptTiling<GateUp>, GateUp>(L, b, rows, groups, vec, h_out, s);
 }
 
 }  // namespace
