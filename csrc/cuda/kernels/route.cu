@@ -100,13 +100,23 @@ __device__ void select_top_k(const float* logit, std::uint32_t E, std::uint32_t 
     __syncthreads();
     return;
   }
+  // Four logits a 16-byte shared load, four loads in flight (logit is 16-byte aligned where
+  // vec4: the caller's layout), so the scan is not one shared-memory latency a logit.
+  const bool vec4 = E % 4 == 0 && (reinterpret_cast<std::uintptr_t>(logit) & 15u) == 0;
   for (std::uint32_t e = threadIdx.x; e < E; e += blockDim.x) {
     const float v = logit[e];
     std::uint32_t rank = 0;
-    for (std::uint32_t f = 0; f < E; ++f) {
-      const float u = logit[f];
-      rank += (u > v) | ((u == v) & (f < e));
+    auto before = [&](float u, std::uint32_t f) { return (u > v) | ((u == v) & (f < e)); };
+    std::uint32_t f = 0;
+    if (vec4) {
+      const float4* l4 = reinterpret_cast<const float4*>(logit);
+#pragma unroll 4
+      for (; f < E; f += 4) {
+        const float4 u = l4[f / 4];
+        rank += before(u.x, f) + before(u.y, f + 1) + before(u.z, f + 2) + before(u.w, f + 3);
+      }
     }
+    for (; f < E; ++f) rank += before(logit[f], f);
     if (rank < k) order[rank] = e;
   }
   __syncthreads();
@@ -200,7 +210,19 @@ __global__ void route_kernel(DevLayout L, DevBuffers b, RouteTasks tasks, const 
   float* w = reinterpret_cast<float*>(order + k);  // [k], in shared memory (not local)
   if (L.routing == 0) {  // softmax over every expert, then the chosen (renormalised if asked)
     float total = 0;
-    for (std::uint32_t q = 0; q < E; ++q) total += ex[q];
+    std::uint32_t q = 0;
+    if (E % 4 == 0 && (reinterpret_cast<std::uintptr_t>(ex) & 15u) == 0) {
+      const float4* e4 = reinterpret_cast<const float4*>(ex);
+#pragma unroll 4
+      for (; q < E; q += 4) {  // the same sum, in expert order: the loads only go ahead
+        const float4 v = e4[q / 4];
+        total += v.x;
+        total += v.y;
+        total += v.z;
+        total += v.w;
+      }
+    }
+    for (; q < E; ++q) total += ex[q];
     float chosen = 0;
     for (std::uint32_t j = 0; j < k; ++j) {
       w[j] = ex[order[j]] / total;
