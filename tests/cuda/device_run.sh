@@ -41,9 +41,9 @@ done
 tuning=${STRATA_CUDA_TUNING:-}
 if wants kernels; then
   # Built in parallel: now, before (STRATA_KERNELS_BEFORE), and tunings of the compile-time
-  # knobs: the route kernel's experts per block and the rows from which a staged x is copied
-  # first (r*), the decode kernels' output rows per warp (down: d*; gate_up's 2 rows spill), and
-  # a build without programmatic dependent launch (nopdl: for comparison, never chosen). Every
+  # knobs: the route kernel's experts per block (r*), the decode kernels' output rows per warp
+  # (down: d*; gate_up's 2 rows spill) and per-chunk scale loads instead of shared scales (dps),
+  # and a build without programmatic dependent launch (nopdl: for comparison, never chosen). Every
   # build's outputs are compared with before's, bitwise; the fastest route (route_xs) and the
   # fastest decode expert launches (experts_seq: gate_up, down and combine back to back) then
   # become the build's flags.
@@ -58,13 +58,14 @@ if wants kernels; then
   R=-DSTRATA_CUDA_ROUTE_LOGITS D=-DSTRATA_CUDA_DOWN_DECODE_ROWS
   [ -n "${STRATA_KERNELS_BEFORE:-}" ] && kb_build before "$STRATA_KERNELS_BEFORE" &
   kb_build now csrc/cuda &
-  kb_build r4 csrc/cuda $R=4 &
+  kb_build r8 csrc/cuda $R=8 &
   kb_build r16 csrc/cuda $R=16 &
-  kb_build d4 csrc/cuda $D=4 &
+  kb_build d2 csrc/cuda $D=2 &
   kb_build d1 csrc/cuda $D=1 &
+  kb_build dps csrc/cuda -DSTRATA_CUDA_DECODE_SHARED_SCALES=0 &
   kb_build nopdl csrc/cuda -DSTRATA_CUDA_PDL=0 &
   wait
-  names="before now r4 r16 d4 d1 nopdl"
+  names="before now r8 r16 d2 d1 dps nopdl"
   for name in $names; do
     [ -x "/tmp/kbench_$name" ] || continue
     step "kbench_$name" 60 "/tmp/kbench_$name" --dump "/tmp/kbench_$name.bin" \

@@ -266,12 +266,14 @@ constexpr std::uint32_t kWarps = kThreads / 32;
 #endif
 constexpr int kGateUpDirectRows = STRATA_CUDA_GATE_UP_DIRECT_ROWS;
 constexpr int kDownDirectRows = STRATA_CUDA_DOWN_DIRECT_ROWS;
-// Output rows per warp of the loads-first decode kernels (below), compile-time knobs too.
+// Output rows per warp of the loads-first decode kernels (below), compile-time knobs too: what
+// tests/cuda/device_run.sh kernels chose on the H200 (down 4 against 2: level within noise;
+// gate_up's 2 rows spill at the registers that keep 3 blocks a multiprocessor).
 #ifndef STRATA_CUDA_GATE_UP_DECODE_ROWS
 #define STRATA_CUDA_GATE_UP_DECODE_ROWS 1
 #endif
 #ifndef STRATA_CUDA_DOWN_DECODE_ROWS
-#define STRATA_CUDA_DOWN_DECODE_ROWS 2
+#define STRATA_CUDA_DOWN_DECODE_ROWS 4
 #endif
 constexpr int kGateUpDecodeRows = STRATA_CUDA_GATE_UP_DECODE_ROWS;
 constexpr int kDownDecodeRows = STRATA_CUDA_DOWN_DECODE_ROWS;
@@ -454,9 +456,16 @@ struct ArgGroups {
 // the scale and bias of groups lane and lane + 32 of its rows once, packed in one word, and a
 // chunk step takes its group's word from the lane that holds it (a shuffle), instead of every
 // lane loading its chunk's two scales at every step (two loads and two registers a chunk).
+// Compile-time knob: 0 keeps every chunk's own scale loads (the first revision: under ncu its
+// gate_up was 13.8 us at 100 registers against 15.8 for shared scales at 64; level by events;
+// not yet measured side by side in one call: tests/cuda/device_run.sh kernels builds both).
+#ifndef STRATA_CUDA_DECODE_SHARED_SCALES
+#define STRATA_CUDA_DECODE_SHARED_SCALES 1
+#endif
 template <int F, int S>
 __host__ __device__ constexpr bool coop_scales() {
-  return F == 5 || ((F == 3 || F == 4) && (S == 1 || S == 2));
+  return STRATA_CUDA_DECODE_SHARED_SCALES &&
+         (F == 5 || ((F == 3 || F == 4) && (S == 1 || S == 2)));
 }
 constexpr std::uint32_t kCoopWords = 2;  // groups a lane holds: rows of up to 64 groups
 

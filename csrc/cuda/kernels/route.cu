@@ -20,10 +20,11 @@
 namespace strata::cuda {
 namespace {
 
-// Compile-time tuning knobs, set to what was fastest on the H200 (docs/cuda.md: 32, 16 and 8
-// experts per block, copy from 1 or 8 rows, measured by benchmarks/native/cuda_kernel_bench.cu).
+// Compile-time tuning knobs, set to what was fastest on the H200 (docs/cuda.md: 32, 16, 8 and 4
+// experts per block, copy from 1 or 8 rows, measured by benchmarks/native/cuda_kernel_bench.cu;
+// 4 and 8 level within noise since the router rows are loaded first).
 #ifndef STRATA_CUDA_ROUTE_LOGITS  // experts per block, one per warp
-#define STRATA_CUDA_ROUTE_LOGITS 8
+#define STRATA_CUDA_ROUTE_LOGITS 4
 #endif
 #ifndef STRATA_CUDA_ROUTE_COPY_ROWS  // below: kCopyStagedRows
 #define STRATA_CUDA_ROUTE_COPY_ROWS 1
