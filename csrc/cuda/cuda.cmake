@@ -45,6 +45,7 @@ if(CMAKE_CUDA_COMPILER AND NOT STRATA_CUDA STREQUAL "OFF")
   add_library(strata_cuda STATIC
     csrc/cuda/kernels/route.cu
     csrc/cuda/kernels/experts.cu
+    csrc/cuda/kernels/mma_experts.cu
     csrc/cuda/host/cuda_backend.cpp
     csrc/cuda/host/arena_mirror.cpp
     csrc/cuda/host/host_registry.cpp

@@ -1,6 +1,7 @@
 #pragma once
 
 #include <cstring>
+#include <random>
 #include <vector>
 
 #include "residency/expert_stream.h"
@@ -25,6 +26,26 @@ inline bool slot_matches(const ExpertStream& s, const TestGeometry& g, std::uint
   if (slot == kAbsent) return false;
   auto want = expected_record(g, layer, expert);
   return std::memcmp(s.arena().slot(slot), want.data(), want.size()) == 0;
+}
+
+// The inputs of an externally routed call of T rows: x, each row's top_k ids and weights.
+struct CallRows {
+  std::vector<float> x, w;
+  std::vector<std::int32_t> ids;
+};
+
+inline CallRows make_rows(const PackLayout& L, std::uint32_t T, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd;
+  CallRows r;
+  r.x.resize(std::size_t(T) * L.hidden);
+  for (auto& v : r.x) v = nd(rng);
+  for (std::uint32_t t = 0; t < T; ++t)
+    for (std::uint32_t j = 0; j < L.top_k; ++j) {
+      r.ids.push_back(std::int32_t((t * 3 + j * 5 + seed) % L.n_experts));
+      r.w.push_back(1.0f / float(j + 1));
+    }
+  return r;
 }
 
 }  // namespace strata::test

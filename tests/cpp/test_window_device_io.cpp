@@ -71,25 +71,6 @@ class HostAsDeviceBackend final : public Backend {
   std::uint32_t rows_ = 0;
 };
 
-struct CallRows {
-  std::vector<float> x, w;
-  std::vector<std::int32_t> ids;
-};
-
-CallRows make_rows(const PackLayout& L, std::uint32_t T, unsigned seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> nd;
-  CallRows r;
-  r.x.resize(std::size_t(T) * L.hidden);
-  for (auto& v : r.x) v = nd(rng);
-  for (std::uint32_t t = 0; t < T; ++t)
-    for (std::uint32_t j = 0; j < L.top_k; ++j) {
-      r.ids.push_back(std::int32_t((t * 3 + j * 5 + seed) % L.n_experts));
-      r.w.push_back(1.0f / float(j + 1));
-    }
-  return r;
-}
-
 }  // namespace
 
 TEST_CASE("window: moe_routed_device hands each chunk's rows to the backend, output bitwise") {

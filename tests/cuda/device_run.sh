@@ -2,10 +2,12 @@
 # One call on a CUDA machine (the H200 of the device tool): build _core and _cuda, run the CUDA
 # tests, compute-sanitizer over a short parity run, the handshake probe and benchmarks/cuda.py.
 # Logs go to $OUT (or /tmp/strata-cuda-out). Every step is bounded by `timeout`.
-#   tests/cuda/device_run.sh [all | tests sanitize kernels bench ...]
+#   tests/cuda/device_run.sh [all | tests sanitize kernels bench prompt ...]
 # kernels: benchmarks/native/cuda_kernel_bench.cu (the decode kernels alone, CUDA events) and ncu
 # over it; with STRATA_KERNELS_BEFORE=DIR (a folder holding another commit's kernels/), the same
 # for those kernels, and their outputs compared bitwise.
+# prompt: benchmarks/cuda_prompt.py (the bf16 tensor-core kernels against torch._grouped_mm, and
+# against STRATA_KERNELS_BEFORE's kernels where given).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 what=" ${*:-all} "
@@ -51,9 +53,11 @@ if wants kernels; then
     local name=$1 dir=$2
     shift 2
     echo "$*" > "/tmp/kbench_$name.flags"
+    local mma=()  # the tensor-core kernels, in trees that have them
+    [ -f "$dir/kernels/mma_experts.cu" ] && mma=("$dir/kernels/mma_experts.cu")
     nvcc -std=c++20 -O3 -arch=sm_90 "$@" -I"$dir" -Icsrc/engine -o "/tmp/kbench_$name" \
       benchmarks/native/cuda_kernel_bench.cu "$dir/kernels/route.cu" "$dir/kernels/experts.cu" \
-      > "$out/kbench_build_$name.log" 2>&1 || echo "kbench build $name failed"
+      "${mma[@]}" > "$out/kbench_build_$name.log" 2>&1 || echo "kbench build $name failed"
   }
   R=-DSTRATA_CUDA_ROUTE_LOGITS D=-DSTRATA_CUDA_DOWN_DECODE_ROWS
   [ -n "${STRATA_KERNELS_BEFORE:-}" ] && kb_build before "$STRATA_KERNELS_BEFORE" &
@@ -115,14 +119,48 @@ PY
       /tmp/kbench_tuned
   fi
 fi
+# The bf16 tensor-core kernels against torch: no Python build either.
+if wants prompt; then
+  pb_build() {  # pb_build NAME DIR [nvcc flags]: benchmarks/native/cuda_prompt_bench.cu as a library
+    local name=$1 dir=$2
+    shift 2
+    local mma=()
+    [ -f "$dir/kernels/mma_experts.cu" ] && mma=("$dir/kernels/mma_experts.cu")
+    nvcc -std=c++20 -O3 -arch=sm_90 -shared -Xcompiler -fPIC "$@" -I"$dir" -Icsrc/engine \
+      -o "/tmp/libprompt_$name.so" benchmarks/native/cuda_prompt_bench.cu \
+      "$dir/kernels/experts.cu" "${mma[@]}" > "$out/prompt_build_$name.log" 2>&1 \
+      || echo "prompt bench build $name failed"
+  }
+  # Neighbours of the tensor-core kernels' tuning knobs (mma_experts.cu): timed beside the
+  # defaults and checked bitwise against them; the defaults change by hand, from these figures.
+  M=-DSTRATA_CUDA_MMA
+  variants=("dw2:${M}_DECODE_WARPS=2" "dw8:${M}_DECODE_WARPS=8" "ds8:${M}_DECODE_STAGES=8"
+            "dk128:${M}_DECODE_BK=128 ${M}_DECODE_STAGES=3" "pw1:${M}_PROMPT_TOKEN_WARPS=1"
+            "ps3:${M}_PROMPT_STAGES=3" "pk64:${M}_PROMPT_BK=64 ${M}_PROMPT_STAGES=3")
+  pb_build now csrc/cuda &
+  pb_build one_piece csrc/cuda -DSTRATA_CUDA_MMA_ONE_PIECE_BENCH &
+  [ -n "${STRATA_KERNELS_BEFORE:-}" ] && pb_build before "$STRATA_KERNELS_BEFORE" &
+  for v in "${variants[@]}"; do
+    # shellcheck disable=SC2086
+    pb_build "${v%%:*}" csrc/cuda ${v#*:} &
+  done
+  wait
+  extra=()
+  [ -f /tmp/libprompt_before.so ] && extra=(--lib-before /tmp/libprompt_before.so)
+  for v in "${variants[@]}"; do
+    [ -f "/tmp/libprompt_${v%%:*}.so" ] && extra+=(--lib-variant "${v%%:*}=/tmp/libprompt_${v%%:*}.so")
+  done
+  step prompt 240 $py benchmarks/cuda_prompt.py --lib-now /tmp/libprompt_now.so \
+    --lib-one-piece /tmp/libprompt_one_piece.so "${extra[@]}" --json "$out/cuda_prompt.json"
+fi
 # One build folder per source tree: several trees share a warm machine (CMake refuses a cache
 # made from another source directory).
 build=${STRATA_BUILD_DIR:-/tmp/strata-build-$(printf %s "$PWD" | md5sum | cut -c1-8)}
 step build 240 bash -c "cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DSTRATA_BUILD_PYTHON=ON -DSTRATA_CUDA=ON -DPython_EXECUTABLE=\$(command -v $py) \
-  -Dpybind11_DIR=\$($py -m pybind11 --cmakedir) -DCMAKE_CUDA_FLAGS='$tuning' && cmake --build $build -j16 --target _core _cuda strata_cuda_check" \
+  -Dpybind11_DIR=\$($py -m pybind11 --cmakedir) -DCMAKE_CUDA_FLAGS='$tuning' && cmake --build $build -j16 --target _core _cuda _bench strata_cuda_check" \
   || exit 1
-cp "$build"/_core*.so "$build"/_cuda*.so src/strata_stream/
+cp "$build"/_core*.so "$build"/_cuda*.so "$build"/_bench*.so src/strata_stream/
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
 $py -c "import strata_stream._cuda as c; print('cuda:', c.unavailable() or 'available')"
 if wants tests; then
@@ -148,7 +186,7 @@ if wants sanitize; then
     step "sanitize_$tool" 120 compute-sanitizer --tool "$tool" --error-exitcode 9 \
       --target-processes all $py -m pytest -q -p no:cacheprovider -m cuda \
       tests/cuda/test_cuda_backend.py tests/cuda/test_cuda_kernels.py \
-      -k "odd_widths or (routed_calls and mxfp4) or (many_experts and q4)"
+      -k "odd_widths or (routed_calls and mxfp4) or (many_experts and q4) or (same_bits and bf16)"
   done
 fi
 if wants bench; then

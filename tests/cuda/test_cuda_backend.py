@@ -4,13 +4,15 @@ the same inputs through Window(backend="cpu") and Window(backend="cuda").
 
 Tolerance. Both backends compute each output element as one float32 dot product, in different
 fixed orders (the CPU: 16 lanes and a tree; CUDA: 32 lanes of 8-column chunks with fused
-multiply-adds and a butterfly), and exp differs by at most 2 ulp; weights dequantize to the
-same floats on both. Reordering a float32 sum of n products moves it by at most about
-n * 2^-24 * sum|w_i x_i| (n <= 384 here: 2.3e-5 of that sum, far less in practice: random
-signs), so the check is max|cuda - cpu| <= 1e-5 * max|cpu| + 1e-6, the bound the routed tests
-already use against the float64 oracle. A planted 2^-10 error in one kernel exceeds it
-(test_a_planted_kernel_change_fails_the_parity). Within CUDA the output is bitwise the same at
-every arena size, split mode, lookahead setting and chunking (I11).
+multiply-adds and a butterfly; for bf16 weights the tensor cores' float32 sums over k-blocks of
+16, x split exactly into three bf16 pieces so that every product is exact), and exp differs by
+at most 2 ulp; weights dequantize to the same floats on both. Reordering a float32 sum of n
+products moves it by at most about n * 2^-24 * sum|w_i x_i| (n <= 384 here: 2.3e-5 of that
+sum, far less in practice: random signs), so the check is max|cuda - cpu| <= 1e-5 * max|cpu|
++ 1e-6, the bound the routed tests already use against the float64 oracle. A planted 2^-10
+error in one kernel exceeds it (test_a_planted_kernel_change_fails_the_parity). Within CUDA the
+output is bitwise the same at every arena size, split mode, lookahead setting and chunking
+(I11).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import numpy as np
 import pytest
 
 from strata_stream import ExpertPack, ExpertStream, StreamConfig, Window, testing
-from strata_stream.errors import ConfigError
+from strata_stream.errors import ConfigError, ExpertReadError
 from strata_stream.pack import Geometry, write_pack
 
 from .conftest import cuda_unavailable
@@ -161,10 +163,12 @@ def test_every_format_matches_the_cpu_backend(
 
 
 @cuda
+@pytest.mark.parametrize("fmt", ["f32", "bf16"])
 @pytest.mark.parametrize("norm_topk", [False, True])
-def test_odd_widths_and_unnormalised_routing(tmp_path: Path, norm_topk: bool) -> None:
-    """Float rows whose width is no multiple of the 8-column chunk (hidden 100, intermediate 52)."""
-    path = make_pack(tmp_path, "f32", hidden=100, inter=52, norm_topk=norm_topk)
+def test_odd_widths_and_unnormalised_routing(tmp_path: Path, norm_topk: bool, fmt: str) -> None:
+    """Float rows whose width is no multiple of the 8-column chunk (hidden 100, intermediate 52);
+    for bf16 (the tensor-core kernels) nor of the 16-column k-block and the 16-row tile."""
+    path = make_pack(tmp_path, fmt, hidden=100, inter=52, norm_topk=norm_topk)
     xs = turns(100, [1, 9])
     want = run(path, config(path), xs, "cpu")
     assert max_violation(run(path, config(path), xs, "cuda"), want) <= 1.0
@@ -227,15 +231,48 @@ def test_bitwise_across_arena_sizes_split_lookahead_and_chunking(
     ):
         got = run(path, cfg, xs, "cuda")
         assert all(np.array_equal(a, b) for a, b in zip(ref, got, strict=True)), cfg
-    # Each part copied to the device as it lands: the minimum arena recycles every layer's slots.
-    # Parts of 16 KiB: several a record.
+    # Each part copied to the device as it lands, or each whole record at its completion (the
+    # default): the minimum arena recycles every layer's slots. Parts of 16 KiB: several a
+    # record.
+    for fill in ("parts", "completion"):
+        monkeypatch.setenv("STRATA_CUDA_MIRROR_FILL", fill)
+        for cfg in (
+            config(path, 2 * K, part_bytes=1 << 14),
+            config(path, 2 * K, part_bytes=1 << 14, split_turn=True),
+        ):
+            got = run(path, cfg, xs, "cuda")
+            assert all(np.array_equal(a, b) for a, b in zip(ref, got, strict=True)), (fill, cfg)
+
+
+@cuda
+def test_part_copies_of_a_failed_read_never_land_over_its_retry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """STRATA_CUDA_MIRROR_FILL=parts queues each part's device copy and goes on without waiting
+    for it; only the record's completion waits for its parts' copies before the slot is tagged
+    and published. A read that fails after some of its parts were queued leaves those copies
+    behind: the slot's next read of each part waits for the old copy before queueing its own,
+    so no stale copy lands over the new bytes. Here every layer-1 record fails at its fourth part
+    of 16 KiB (q4 records of five parts) on its first read, at the minimum arena; the stream
+    stays usable and the turns after it give a cold run's bits."""
+    path = make_pack(tmp_path, "q4", 64, "f16")
+    xs = turns(384, [1, 4, 1, 17])
+    want = run(path, config(path), xs, "cuda")
     monkeypatch.setenv("STRATA_CUDA_MIRROR_FILL", "parts")
-    for cfg in (
-        config(path, 2 * K, part_bytes=1 << 14),
-        config(path, 2 * K, part_bytes=1 << 14, split_turn=True),
-    ):
-        got = run(path, cfg, xs, "cuda")
-        assert all(np.array_equal(a, b) for a, b in zip(ref, got, strict=True)), cfg
+    cfg = config(path, 2 * K, part_bytes=1 << 14, lookahead=False)
+    with ExpertStream(path, cfg) as stream, Window(stream, backend="cuda") as w:
+        for e in range(E):
+            testing.inject_fault(stream, 1, e, part=3, kind="eio", count=1)
+        with pytest.raises(ExpertReadError), w.turn():
+            for layer, x in enumerate(xs[0]):
+                w.moe(layer, x)
+        testing.clear_faults(stream)
+        got: list[np.ndarray] = []
+        for turn in xs:
+            with w.turn():
+                got.extend(w.moe(layer, x) for layer, x in enumerate(turn))
+        assert testing.check_invariants(stream) == ""
+    assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 @cuda
@@ -287,13 +324,16 @@ def test_slots_published_before_the_backend_registered_are_copied_before_their_p
 
 
 @cuda
-@pytest.mark.parametrize("plant", ["gate_up", "route"])
+@pytest.mark.parametrize(
+    ("plant", "fmt"), [("gate_up", "q4"), ("gate_up", "bf16"), ("route", "q4")]
+)
 def test_a_planted_kernel_change_fails_the_parity(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plant: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plant: str, fmt: str
 ) -> None:
     """The parity check can fail: a 2^-10 change in one kernel (STRATA_CUDA_TEST_PLANT, read
-    when a CUDA backend binds) is caught; without it the same check passes."""
-    path = make_pack(tmp_path, "q4", 64, "bf16")
+    when a CUDA backend binds) is caught; without it the same check passes. bf16's gate_up is
+    the tensor-core kernel (decode and prompt tilings), q4's the float32 FMA kernels."""
+    path = make_pack(tmp_path, fmt, 64, "bf16")
     xs = turns(384, [1, 13])
     want = run(path, config(path), xs, "cpu")
     assert max_violation(run(path, config(path), xs, "cuda"), want) <= 1.0

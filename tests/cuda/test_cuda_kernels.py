@@ -5,8 +5,9 @@ blocks and the last of them takes the top-k, which must still break ties to the 
 routers here repeat each row for two experts, so their logits are exactly equal, and an odd top-k
 makes the last pick a tie) and match the CPU backend. And issue 19's batch-size rule: a token's
 output is the same bits alone (rows below 8: the decode kernels, rows read straight from the
-arena) and inside a batch (the staged kernels), for a row length the 16-byte loads take whole and
-for one they do not.
+arena; for bf16 the tensor-core kernels' decode tiling) and inside a batch (the staged kernels;
+bf16: the prompt tiling), for a row length the 16-byte loads take whole and for one they do not,
+and for bf16 groups of more tokens than the tensor-core kernels take in one pass of their blocks.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def test_routing_over_many_experts_matches_the_cpu_with_ties_to_the_lower_index(
 
 
 @cuda
-@pytest.mark.parametrize(("hidden", "fmt"), [(256, "q4"), (100, "bf16")])
+@pytest.mark.parametrize(("hidden", "fmt"), [(256, "q4"), (256, "bf16"), (100, "bf16")])
 def test_a_token_has_the_same_bits_alone_and_in_a_batch(
     tmp_path: Path, hidden: int, fmt: str
 ) -> None:
@@ -80,3 +81,19 @@ def test_a_token_has_the_same_bits_alone_and_in_a_batch(
     alone, three, many = (run(path, [[x[:t] for x in batch]], "cuda") for t in (1, 3, 64))
     for a, b, c in zip(alone, three, many, strict=True):
         assert np.array_equal(a[0], c[0]) and np.array_equal(b, c[:3])
+
+
+@cuda
+def test_bf16_groups_of_many_chunks_keep_a_tokens_bits_and_match_the_cpu(tmp_path: Path) -> None:
+    """4 experts, top-3, 1000 rows: about 750 tokens a group, 12 chunks of 64 for the 8 blocks
+    that share a (group, row tile), so each block takes several in turn."""
+    g = Geometry(LAYERS, 4, 3, 256, 64, "softmax_topk", True)
+    rng = np.random.default_rng(6)
+    routers = [rng.standard_normal((4, 256)).astype(np.float32) for _ in range(LAYERS)]
+    path = tmp_path / "chunks-bf16.strpk"
+    write_pack(path, g, routers, _experts(g, 1, False), weight_format="bf16", progress=False)
+    batch = [rng.standard_normal((1000, 256)).astype(np.float32) for _ in range(LAYERS)]
+    alone, three, many = (run(path, [[x[:t] for x in batch]], "cuda") for t in (1, 3, 1000))
+    for a, b, c in zip(alone, three, many, strict=True):
+        assert np.array_equal(a[0], c[0]) and np.array_equal(b, c[:3])
+    assert max_violation(many, run(path, [batch], "cpu")) <= 1.0

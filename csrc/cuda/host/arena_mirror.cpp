@@ -4,6 +4,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/check.h"
 #include "residency/slot.h"
 
 namespace strata::cuda {
@@ -19,11 +20,18 @@ void check(cudaError_t e, const char* what) {
 }  // namespace
 
 ArenaMirror::~ArenaMirror() {
+  // No IO thread calls in any more (the backend unregistered); copies may still be queued.
+  try {
+    wait_all_parts();
+  } catch (const std::exception&) {  // a device error: nothing is left to copy into
+  }
   release();
   for (const Lane& l : all_lanes_) {
     cudaEventDestroy(l.done);
     cudaStreamDestroy(l.stream);
   }
+  for (const auto& [id, s] : part_lanes_) cudaStreamDestroy(s);
+  for (cudaEvent_t e : all_events_) cudaEventDestroy(e);
   cudaGetLastError();
 }
 
@@ -37,7 +45,8 @@ void ArenaMirror::release() {
 
 void ArenaMirror::allocate(std::uint32_t n_slots, std::uint64_t slot_bytes,
                            std::uint64_t record_bytes) {
-  std::unique_lock<std::shared_mutex> lk(mu_);  // waits out the copies in flight
+  std::unique_lock<std::shared_mutex> lk(mu_);  // waits out the copies being issued
+  wait_all_parts();                              // and those queued before: into the old memory
   release();
   void* p = nullptr;
   const std::uint64_t bytes = std::uint64_t(n_slots) * slot_bytes;
@@ -73,6 +82,54 @@ ArenaMirror::Lane ArenaMirror::take_lane() {
 void ArenaMirror::give_lane(const Lane& lane) {
   std::lock_guard<std::mutex> lk(lanes_mu_);
   free_lanes_.push_back(lane);
+}
+
+cudaStream_t ArenaMirror::part_lane() {
+  std::lock_guard<std::mutex> lk(lanes_mu_);
+  auto [it, fresh] = part_lanes_.try_emplace(std::this_thread::get_id(), nullptr);
+  if (fresh) {
+    const cudaError_t e = cudaStreamCreateWithFlags(&it->second, cudaStreamNonBlocking);
+    if (e != cudaSuccess) part_lanes_.erase(it);
+    check(e, "cudaStreamCreate (part copies)");
+  }
+  return it->second;
+}
+
+void ArenaMirror::wait_parts(std::uint32_t slot, std::uint32_t first, std::uint32_t last,
+                             [[maybe_unused]] std::uint32_t gen) {
+  std::vector<PendingCopy> taken;
+  {
+    std::lock_guard<std::mutex> lk(pending_mu_);
+    auto it = pending_.find(slot);
+    if (it == pending_.end()) return;
+    std::vector<PendingCopy>& parts = it->second;
+    for (std::uint32_t p = first; p < last && p < parts.size(); ++p) {
+      if (!parts[p].done) continue;
+      STRATA_ASSERT(gen == ~0u || parts[p].gen == gen,
+                    "a completing record's parts were all queued by its own read");
+      taken.push_back(parts[p]);
+      parts[p] = PendingCopy{};
+    }
+  }
+  cudaError_t first_error = cudaSuccess;
+  for (const PendingCopy& c : taken) {
+    const cudaError_t e = cudaEventSynchronize(c.done);
+    if (first_error == cudaSuccess) first_error = e;
+  }
+  {
+    std::lock_guard<std::mutex> lk(pending_mu_);
+    for (const PendingCopy& c : taken) spare_events_.push_back(c.done);
+  }
+  check(first_error, "part copy to the device mirror");
+}
+
+void ArenaMirror::wait_all_parts() {
+  std::vector<std::uint32_t> slots;
+  {
+    std::lock_guard<std::mutex> lk(pending_mu_);
+    for (const auto& [slot, parts] : pending_) slots.push_back(slot);
+  }
+  for (std::uint32_t s : slots) wait_parts(s, 0, ~0u);
 }
 
 void ArenaMirror::copy_and_wait(const unsigned char* host, std::uint64_t offset,
@@ -111,7 +168,44 @@ void ArenaMirror::on_part_read(const ReadPart& p) {
   // The slot's old bytes stop counting before this copy overwrites some of them (no pass reads
   // this slot while its read is in flight: see arena_mirror.h); every part clears it alike.
   tags_[p.slot].store(kNoKey, std::memory_order_release);
-  copy_and_wait(p.bytes, std::uint64_t(p.slot) * slot_bytes_ + p.offset, p.size);
+  // A copy into this place from an earlier read of the slot (one that failed after queueing it)
+  // lands before this one is queued, so it cannot overwrite this read's bytes.
+  wait_parts(p.slot, p.part, p.part + 1);
+  const auto t0 = std::chrono::steady_clock::now();
+  check(cudaSetDevice(0), "cudaSetDevice (IO thread)");
+  const cudaStream_t lane = part_lane();
+  cudaEvent_t copied = nullptr;
+  {
+    std::lock_guard<std::mutex> pl(pending_mu_);
+    if (!spare_events_.empty()) {
+      copied = spare_events_.back();
+      spare_events_.pop_back();
+    }
+  }
+  if (!copied) {
+    check(cudaEventCreateWithFlags(&copied, cudaEventDisableTiming),
+          "cudaEventCreate (part copy)");
+    std::lock_guard<std::mutex> pl(pending_mu_);
+    all_events_.push_back(copied);
+  }
+  cudaError_t e = cudaMemcpyAsync(device_ + std::uint64_t(p.slot) * slot_bytes_ + p.offset,
+                                  p.bytes, p.size, cudaMemcpyHostToDevice, lane);
+  if (e == cudaSuccess) e = cudaEventRecord(copied, lane);
+  {
+    std::lock_guard<std::mutex> pl(pending_mu_);
+    if (e != cudaSuccess) {
+      spare_events_.push_back(copied);
+    } else {
+      std::vector<PendingCopy>& parts = pending_[p.slot];
+      if (parts.size() <= p.part) parts.resize(std::size_t(p.part) + 1);
+      parts[p.part] = PendingCopy{copied, p.gen};
+    }
+  }
+  check(e, "part copy to the device mirror");
+  issue_ns_.fetch_add(std::uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                        std::chrono::steady_clock::now() - t0)
+                                        .count()),
+                      std::memory_order_relaxed);
   // Counted for this read only: another generation's count starts again from this part.
   std::atomic<std::uint64_t>& done = parts_copied_[p.slot];
   const std::uint64_t gen = std::uint64_t(p.gen) << 32;
@@ -129,14 +223,23 @@ void ArenaMirror::on_record_complete(const CompletedRecord& r) {
     throw std::runtime_error("cuda: a record of " + std::to_string(r.size) +
                              " bytes does not fit a mirror slot of " +
                              std::to_string(slot_bytes_));
-  // Every part of this read on the device already (each waited for before it counted done, and
-  // the stream counts this record's last part after them): only the tag is left.
-  const bool copied = copy_parts_ && parts_copied_[r.slot].load(std::memory_order_acquire) ==
+  // Every part of this read queued already (each counted before its part counted done, and the
+  // stream counts this record's last part after them): wait for their copies, then tag.
+  const bool queued = copy_parts_ && parts_copied_[r.slot].load(std::memory_order_acquire) ==
                                          ((std::uint64_t(r.gen) << 32) | r.parts);
-  if (!copied) {
+  if (queued) {
+    const auto t0 = std::chrono::steady_clock::now();
+    wait_parts(r.slot, 0, r.parts, r.gen);
+    wait_ns_.fetch_add(std::uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                         std::chrono::steady_clock::now() - t0)
+                                         .count()),
+                       std::memory_order_relaxed);
+  } else {
     // The slot's old bytes stop counting before the copy overwrites them (no pass reads this
-    // slot while its read is in flight: see arena_mirror.h).
+    // slot while its read is in flight: see arena_mirror.h). Part copies of this read or an
+    // earlier one land first, so none overwrites the whole copy.
     tags_[r.slot].store(kNoKey, std::memory_order_release);
+    wait_parts(r.slot, 0, ~0u);
     copy_and_wait(r.bytes, std::uint64_t(r.slot) * slot_bytes_, r.size);
   }
   tags_[r.slot].store(r.key, std::memory_order_release);
@@ -147,6 +250,8 @@ bool ArenaMirror::ensure(std::uint32_t slot, std::uint32_t key, const unsigned c
                          cudaStream_t stream) {
   if (slot >= n_slots_) return true;  // not a slot: the grouping reports it
   if (tags_[slot].load(std::memory_order_acquire) == key) return true;
+  // A part copy of a failed read of this slot may still be queued: it lands before this one.
+  wait_parts(slot, 0, ~0u);
   const std::uint64_t off = std::uint64_t(slot) * slot_bytes_;
   check(cudaMemcpyAsync(device_ + off, host_arena + off, record_bytes_, cudaMemcpyHostToDevice,
                         stream),

@@ -19,7 +19,16 @@
 //   that drained every kernel that read it (I4), so a copy-stream write into a recycled slot
 //   never races a queued kernel or the kernels' stream's own copy into it.
 // - lanes_mu_ guards the copy lanes (a stream and its event); an IO thread holds one lane for
-//   the duration of its copy, so there are at most as many as IO threads ever copied at once.
+//   the duration of a whole-record copy, so there are at most as many as IO threads ever copied
+//   at once. Part copies go on the part lanes (part_lane(): one stream per IO thread, by thread
+//   id, created once under lanes_mu_), queued and not waited for.
+// - pending_mu_ guards pending_ (a part copy queued and not yet waited for, per slot and part:
+//   its event and read generation) and the spare events. An entry is written by the IO thread
+//   reading that part and taken by the one completing the record, or by the next read of the
+//   same part (after a failed read), or by the fallback, allocate() and the destructor; whoever
+//   takes it waits for its event outside the lock. So a copy into a part's place in a mirror
+//   slot is always complete before the next copy into it is queued, and before the slot is
+//   tagged.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -29,6 +38,8 @@
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
+#include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "residency/record_observer.h"
@@ -51,16 +62,20 @@ class ArenaMirror final : public RecordObserver {
   // after its last part: set before the mirror is registered with a stream.
   void copy_parts(bool on) { copy_parts_ = on; }
 
-  // The IO thread's copy of one part (copy_parts): its bytes into their place in the mirror slot
-  // on a copy lane, waited for, then counted for the read `part.gen` of the slot; the slot's tag
-  // is cleared first. So the copies of a record's parts run beside its other parts' reads, and
-  // after its last part only that part's copy is left. Throws std::runtime_error naming the
-  // CUDA error.
+  // The IO thread's copy of one part (copy_parts): its bytes into their place in the mirror slot,
+  // queued on the thread's part lane and not waited for (the IO thread goes on to its next
+  // pread, as the native reference does), then counted for the read `part.gen` of the slot; the
+  // slot's tag is cleared first. A copy of an earlier read into the same place is waited for
+  // before this one is queued. The host bytes it reads stay put until the record completes: the
+  // part counts as in flight until then, or, after a failed read, until the slot's next read of
+  // the part, which waits for this copy first. Throws std::runtime_error naming the CUDA error.
   void on_part_read(const ReadPart& part) override;
   // The IO thread's copy: record.bytes (registered, pinned host memory) into the record's mirror
   // slot on a copy lane, waited for, then the slot tagged with record.key. With copy_parts, when
-  // every part of this read was copied already, only the tag is set. Throws
-  // std::runtime_error naming the CUDA error (the stream makes it the record's read error).
+  // every part of this read was queued already, it waits for those copies and sets the tag.
+  // Either way the record's device bytes are complete when it returns, before the stream may
+  // publish it. Throws std::runtime_error naming the CUDA error (the stream makes it the
+  // record's read error).
   void on_record_complete(const CompletedRecord& record) override;
 
   // The device thread, for a published slot a pass is about to read: true when its mirror
@@ -83,8 +98,18 @@ class ArenaMirror final : public RecordObserver {
     cudaStream_t stream = nullptr;
     cudaEvent_t done = nullptr;
   };
+  struct PendingCopy {
+    cudaEvent_t done = nullptr;  // recorded after the copy on its part lane
+    std::uint32_t gen = 0;       // the read of the slot it belongs to
+  };
   Lane take_lane();
   void give_lane(const Lane& lane);
+  cudaStream_t part_lane();
+  // Waits for the queued copies of `slot`'s parts [first, last) (every part: last = ~0u) and
+  // returns their events to the spares. `gen` (when not ~0u): the read they must belong to.
+  void wait_parts(std::uint32_t slot, std::uint32_t first, std::uint32_t last,
+                  std::uint32_t gen = ~0u);
+  void wait_all_parts();
   void release();
   // Copies `size` host bytes to `offset` in the mirror on a copy lane and waits for it.
   void copy_and_wait(const unsigned char* host, std::uint64_t offset, std::uint64_t size);
@@ -100,6 +125,12 @@ class ArenaMirror final : public RecordObserver {
   std::uint64_t slot_bytes_ = 0, record_bytes_ = 0;      // mu_
   std::mutex lanes_mu_;
   std::vector<Lane> free_lanes_, all_lanes_;  // lanes_mu_
+  // lanes_mu_: each IO thread's part lane, created at its first part copy, kept until the end.
+  std::unordered_map<std::thread::id, cudaStream_t> part_lanes_;
+  std::mutex pending_mu_;
+  // pending_mu_: per slot, per part index, the copy queued and not yet waited for.
+  std::unordered_map<std::uint32_t, std::vector<PendingCopy>> pending_;
+  std::vector<cudaEvent_t> spare_events_, all_events_;  // pending_mu_
   // Counts and times, for STRATA_CUDA_TRACE (relaxed: read when the backend goes).
   std::atomic<std::uint64_t> at_completion_{0}, lazy_{0}, issue_ns_{0}, wait_ns_{0}, parts_{0};
   bool copy_parts_ = false;  // set before registration, then read only

@@ -1,7 +1,8 @@
 // Launches of the CUDA expert and routing kernels, in stream order. Each returns the launch's
-// error (cudaSuccess when queued). The arithmetic: every output element is one float32 dot
-// product in one fixed order (dot.cuh), whichever pass, wave or grouping computes it, so the
-// output is the same bits at every arena size and split mode (I11 on CUDA).
+// error (cudaSuccess when queued). The arithmetic: every output element is computed in one fixed
+// order per weight format (float32 FMAs in dot.cuh's order; bf16 on the tensor cores with exact
+// products, mma_experts.cu), whichever pass, wave, grouping or batch computes it, so the output
+// is the same bits at every arena size, split mode and batch size (I11 on CUDA).
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -268,6 +268,7 @@ void Window::teardown() {
 void Window::release_scratch() {
   backend_->synchronize();  // no command may still read the buffers
   scratch_.release();
+  bound_ = false;
   scratch_bytes_.store(0, std::memory_order_relaxed);
   x_ = out_ = weights_ = nullptr;
   ids_ = pred1_ = pred2_ = wave_ = nullptr;
@@ -275,8 +276,9 @@ void Window::release_scratch() {
 }
 
 void Window::ensure_scratch(std::uint32_t rows) {
-  if (rows <= scratch_.rows()) return;
+  if (rows <= scratch_.rows() && bound_) return;
   backend_->synchronize();  // nothing may run over the buffers being replaced
+  bound_ = false;           // until the backend has the new ones
   scratch_.ensure(rows);
   scratch_bytes_.store(scratch_.bytes(), std::memory_order_relaxed);
   const DeviceBuffers& b = scratch_.buffers();
@@ -288,7 +290,18 @@ void Window::ensure_scratch(std::uint32_t rows) {
   wave_ = b.wave;
   wave_n_ = b.wave_n;
   weights_ = b.weights;
-  backend_->bind(b);
+  // A backend's set-up (device scratch, host registration) can fail: a Device error naming the
+  // backend, the call abandoned, the stream usable; the next call binds again (bound_).
+  try {
+    backend_->bind(b);
+  } catch (const EngineError&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw EngineError(ErrorKind::Device,
+                      "the " + backend_name_ + " backend could not take its buffers for " +
+                          std::to_string(scratch_.rows()) + " rows: " + e.what());
+  }
+  bound_ = true;
 }
 
 void Window::begin_turn() {

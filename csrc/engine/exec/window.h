@@ -340,6 +340,10 @@ class Window {
   std::vector<float> routers_;  // [n_layers][n_experts][hidden], read once from the pack
 
   Scratch scratch_;  // grown to the largest chunk seen and kept (bounded by max_rows: I12)
+  // Whether the backend holds scratch_'s current buffers (ensure_scratch, inside a call or the
+  // constructor; false from a reallocation until its bind returned). A bind that threw leaves
+  // it false, so the next call binds again instead of handing the backend freed buffers.
+  bool bound_ = false;
   // Host views of the scratch the device shares (set by ensure_scratch).
   float* x_ = nullptr;
   float* out_ = nullptr;

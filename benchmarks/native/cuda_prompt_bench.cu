@@ -1,0 +1,68 @@
+// The CUDA backend's expert passes (gate_up, down, combine through kernels.h's launchers, as the
+// backend calls them: bf16 takes the tensor-core kernels) over buffers that
+// benchmarks/cuda_prompt.py allocates with torch and hands over by address (ctypes), so that the
+// script times them with the same CUDA events as torch's grouped matmuls on the same data.
+// Built as a shared library against csrc/cuda/kernels (or another commit's copy: the launchers
+// of kernels.h are the interface):
+//   nvcc -std=c++20 -O3 -arch=sm_90 -shared -Xcompiler -fPIC -I<dir above kernels> -Icsrc/engine \
+//     -o libprompt.so benchmarks/native/cuda_prompt_bench.cu <kernels>/experts.cu \
+//     [<kernels>/mma_experts.cu [-DSTRATA_CUDA_MMA_ONE_PIECE_BENCH]]
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/kernels.h"
+
+using namespace strata::cuda;
+
+namespace {
+DevLayout layout;
+DevBuffers buffers;
+}  // namespace
+
+extern "C" {
+
+// The geometry (bf16 weights by default: format 2), the arena of n_slots records (device
+// memory; each record gate [inter, hidden], up [inter, hidden], down [hidden, inter] at the byte
+// offsets given) and the scratch: x [rows, hidden] float32, weights [rows * top_k], h
+// [rows * top_k, inter], y [rows * top_k, hidden], out [rows, hidden].
+int pb_configure(std::uint32_t n_experts, std::uint32_t hidden, std::uint32_t inter,
+                 std::uint32_t top_k, std::uint32_t format, const void* arena,
+                 std::uint64_t slot_bytes, std::uint32_t n_slots, std::uint64_t off_gate,
+                 std::uint64_t off_up, std::uint64_t off_down, float* x, float* weights, float* h,
+                 float* y, float* out) {
+  DevLayout L;
+  L.n_experts = n_experts, L.top_k = top_k, L.hidden = hidden, L.inter = inter;
+  L.format = format;
+  const std::uint64_t offs[3] = {off_gate, off_up, off_down};
+  for (int m = 0; m < 3; ++m) {
+    L.m[m].weight = offs[m];
+    L.m[m].rows = m == 2 ? hidden : inter;
+    L.m[m].cols = m == 2 ? inter : hidden;
+  }
+  DevBuffers b;
+  b.arena = static_cast<const unsigned char*>(arena);
+  b.slot_bytes = slot_bytes, b.n_slots = n_slots;
+  b.x = x, b.weights = weights, b.h = h, b.y = y, b.out = out;
+  layout = L;
+  buffers = b;
+  return int(prepare_kernels(L));
+}
+
+// One layer's expert work for `rows` tokens over a group table in device memory (uint32:
+// [0] the group count, then group_slot, group_start, group_count, each n_experts long, then the
+// entries), on `stream`: bit 1 gate_up, bit 2 down, bit 4 combine. Returns the launch error.
+int pb_launch(std::uint32_t rows, std::uint32_t* groups, void* stream, int passes) {
+  DevBuffers b = buffers;
+  const std::uint32_t E = layout.n_experts;
+  b.groups_n = groups, b.group_slot = groups + 1, b.group_start = groups + 1 + E;
+  b.group_count = groups + 1 + 2 * E, b.group_entries = groups + 1 + 3 * E;
+  auto s = static_cast<cudaStream_t>(stream);
+  cudaError_t e = cudaSuccess;
+  if ((passes & 1) && e == cudaSuccess) e = launch_gate_up(layout, b, rows, s);
+  if ((passes & 2) && e == cudaSuccess) e = launch_down(layout, b, rows, s);
+  if ((passes & 4) && e == cudaSuccess) e = launch_combine(layout, b, rows, s);
+  return int(e);
+}
+
+}  // extern "C"

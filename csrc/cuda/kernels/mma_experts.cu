@@ -1,0 +1,344 @@
+// gate_up and down for the bf16 weight format on the tensor cores, at every row count (decode's
+// one token too), so that a token's output is the same bits alone and in any batch (I11, issue
+// 19's batch-size rule).
+//
+// Arithmetic. A bf16 weight is an exact bf16 value; each float32 activation (x for gate_up, h
+// for down) is split exactly into three bf16 pieces, x = hi + mid + lo (mma.cuh), so every
+// product w * piece is exact in float32 and only the order of the sums differs from the CPU
+// backend. The order is one per output element, fixed by the row length alone: the weight
+// matrix is the MMA's A operand (16 output rows), the tokens its B operand (8 a column block,
+// zero-padded), k in blocks of 16 strictly in order, and in each k-block
+//   hi_acc = mma(W, hi, hi_acc);  rest = mma(W, mid, rest);  rest = mma(W, lo, rest);
+// then out = (hi_acc + rest) + bias. Two accumulators, not one: `rest` is about 2^-8 of hi_acc,
+// so its own rounding is negligible and hi_acc's is that of one bf16 GEMM's float32 sum (the
+// tensor core's, fixed by the hardware). An element's MMA result depends only on its row of W,
+// its token's column and its own accumulator, never on the other columns (padding columns are
+// zeros), the tile, the grid, the chunk or the pass: the same bits at every arena size, split,
+// wave and batch.
+//
+// A block computes a tile of output rows (for gate_up the same rows of gate and of up, so the
+// activation fuses) over a chunk of up to BN of its group's tokens, looping over the group's
+// chunks; the weight tile and the activations' float32 rows are staged through shared memory
+// by cp.async, STAGES deep, and the activations are split into their pieces once a stage;
+// warps read their fragments with ldmatrix. Decode (below 8 rows) takes small tiles (by default
+// 64 output rows, one 8-token column block, 4 warps) so that enough blocks stream the weights;
+// prompts take 64 (gate_up) or 128 (down) rows by 64 tokens over 4 warps (the knobs below). The
+// tiling changes which thread computes an element, not its order.
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+#include "activation.cuh"
+#include "mma.cuh"
+#include "mma_experts.h"
+#include "weights.cuh"
+
+namespace strata::cuda {
+namespace {
+
+// Bench only (benchmarks/native/cuda_prompt_bench.cu builds it): x rounded to bf16 alone (one
+// MMA a k-block, torch's arithmetic), to show what the exact split costs. Never in the backend.
+#ifdef STRATA_CUDA_MMA_ONE_PIECE_BENCH
+constexpr int kPieces = 1;
+#else
+constexpr int kPieces = 3;
+#endif
+
+template <int WM_, int WN_, int MT_, int NT_, int BK_, int STAGES_>
+struct Tiling {
+  static constexpr int WM = WM_, WN = WN_;  // warps along output rows, along tokens
+  static constexpr int MT = MT_, NT = NT_;  // a warp's 16-row tiles (per matrix), 8-token tiles
+  static constexpr int BK = BK_, STAGES = STAGES_;
+  static constexpr int kThreads = 32 * WM * WN;
+  static constexpr int BM = WM * MT * 16;  // output rows a block, per matrix
+  static constexpr int BN = WN * NT * 8;   // tokens a chunk
+  // A staged bf16 row: 16 bytes of padding, so that ldmatrix's 8 rows fall in distinct banks.
+  static constexpr int kStride = BK + 8;
+};
+
+// Compile-time tuning knobs (tests/cuda/device_run.sh prompt builds neighbours of these, checks
+// their outputs bitwise against the defaults' and times them): decode's warps a block (each 16
+// output rows of gate and up, or of down), k-stage width and depth; the prompt tiling's warps
+// along the tokens (64 tokens a chunk with 2, 32 with 1), k-stage width and depth. The defaults
+// are what the H200 measured (docs/cuda.md). None changes an output bit.
+#ifndef STRATA_CUDA_MMA_DECODE_WARPS
+#define STRATA_CUDA_MMA_DECODE_WARPS 4
+#endif
+#ifndef STRATA_CUDA_MMA_DECODE_BK
+#define STRATA_CUDA_MMA_DECODE_BK 64
+#endif
+#ifndef STRATA_CUDA_MMA_DECODE_STAGES
+#define STRATA_CUDA_MMA_DECODE_STAGES 4
+#endif
+#ifndef STRATA_CUDA_MMA_PROMPT_TOKEN_WARPS
+#define STRATA_CUDA_MMA_PROMPT_TOKEN_WARPS 2
+#endif
+#ifndef STRATA_CUDA_MMA_PROMPT_BK
+#define STRATA_CUDA_MMA_PROMPT_BK 32
+#endif
+#ifndef STRATA_CUDA_MMA_PROMPT_STAGES
+#define STRATA_CUDA_MMA_PROMPT_STAGES 4
+#endif
+static_assert(STRATA_CUDA_MMA_DECODE_BK % 16 == 0 && STRATA_CUDA_MMA_PROMPT_BK % 16 == 0,
+              "k-stages hold whole k-blocks of 16");
+static_assert(STRATA_CUDA_MMA_DECODE_STAGES >= 2 && STRATA_CUDA_MMA_PROMPT_STAGES >= 2,
+              "the ring needs two stages at least");
+
+using DecodeTiling = Tiling<STRATA_CUDA_MMA_DECODE_WARPS, 1, 1, 1, STRATA_CUDA_MMA_DECODE_BK,
+                            STRATA_CUDA_MMA_DECODE_STAGES>;
+template <bool GateUp>
+using PromptTiling = Tiling<2, STRATA_CUDA_MMA_PROMPT_TOKEN_WARPS, GateUp ? 2 : 4, 4,
+                            STRATA_CUDA_MMA_PROMPT_BK, STRATA_CUDA_MMA_PROMPT_STAGES>;
+
+// Rows below this take the decode tiling (experts.cu's kDirectBelowRows, the same boundary).
+constexpr std::uint32_t kDecodeBelowRows = 8;
+// At most this many blocks share one (group, row tile), each taking every such chunk in turn.
+constexpr std::uint32_t kMaxChunkSlots = 8;
+
+template <class T, int Mats>
+__host__ __device__ constexpr std::size_t a_bytes() {
+  return std::size_t(T::STAGES) * Mats * T::BM * T::kStride * 2;
+}
+template <class T>
+__host__ __device__ constexpr std::size_t x_bytes() {
+  return std::size_t(T::STAGES) * T::BN * T::BK * 4;
+}
+template <class T, int Mats>
+__host__ __device__ constexpr std::size_t smem_bytes() {
+  return a_bytes<T, Mats>() + x_bytes<T>() + std::size_t(kPieces) * T::BN * T::kStride * 2;
+}
+
+// GateUp: h <- act(gate x + bg, up x + bu); else y <- w * (down h + bd). Vec: every staged
+// 16-byte piece is aligned and whole (rows a multiple of 8 columns), so cp.async stages them;
+// else plain loads do, element by element (odd widths), with the same arithmetic after.
+template <class T, bool GateUp, bool Vec>
+__global__ void __launch_bounds__(T::kThreads) mma_kernel(DevLayout L, DevBuffers b) {
+  constexpr int Mats = GateUp ? 2 : 1;
+  constexpr int BM = T::BM, BN = T::BN, BK = T::BK, S = T::STAGES, KS = T::kStride;
+  constexpr int MT = T::MT, NT = T::NT;
+  const std::uint32_t g = blockIdx.z;
+  // Read before groups_n is known (g < n_experts keeps them in bounds), so the loads overlap.
+  const std::uint32_t slot = b.group_slot[g], start = b.group_start[g], count = b.group_count[g];
+  if (g >= *b.groups_n) return;
+  const DevMatrix& m0 = GateUp ? L.m[0] : L.m[2];
+  const std::uint32_t K = m0.cols, R = m0.rows;  // gate/up: H columns, I rows; down: I, H
+  const std::uint32_t r0 = blockIdx.y * BM;
+  const unsigned char* rec = b.arena + std::uint64_t(slot) * b.slot_bytes;
+  const unsigned char* w0 = rec + m0.weight;
+  const unsigned char* w1 = GateUp ? rec + L.m[1].weight : w0;
+  const std::uint32_t* entries = b.group_entries + start;
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  auto* As = reinterpret_cast<std::uint16_t*>(smem);                                // [S][Mats*BM][KS]
+  auto* Xs = reinterpret_cast<float*>(smem + a_bytes<T, Mats>());                   // [S][BN][BK]
+  auto* Ps = reinterpret_cast<std::uint16_t*>(smem + a_bytes<T, Mats>() + x_bytes<T>());  // [pieces][BN][KS]
+  __shared__ const float* src_row[BN];
+  __shared__ std::uint32_t entry_of[BN];
+
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int wm = warp % T::WM, wn = warp / T::WM;
+  const std::uint32_t KT = (K + BK - 1) / BK;
+  const std::uint32_t chunks = (count + BN - 1) / BN;
+
+  for (std::uint32_t chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) {
+    const std::uint32_t t0 = chunk * BN;
+    const std::uint32_t nvalid = count - t0 < std::uint32_t(BN) ? count - t0 : BN;
+    __syncthreads();  // the previous chunk's last reads of the staging and of entry_of
+    for (int t = tid; t < BN; t += T::kThreads) {
+      const std::uint32_t i = entries[t0 + (std::uint32_t(t) < nvalid ? t : 0)];
+      entry_of[t] = i;
+      src_row[t] = GateUp ? b.x + std::size_t(i / L.top_k) * K : b.h + std::size_t(i) * K;
+    }
+    __syncthreads();
+
+    // Stage kt of the k loop into its ring buffer: the tile's weight rows (zero past the matrix)
+    // and the chunk's activation rows (zero past the chunk's tokens and the row's end).
+    auto stage = [&](std::uint32_t kt) {
+      if (kt >= KT) return;
+      const std::uint32_t k0 = kt * BK;
+      std::uint16_t* A = As + (kt % S) * (Mats * BM * KS);
+      float* X = Xs + (kt % S) * (BN * BK);
+      if constexpr (Vec) {
+        for (int c = tid; c < Mats * BM * BK / 8; c += T::kThreads) {
+          const int q = c / (BK / 8), col = c % (BK / 8) * 8;
+          const std::uint32_t r = r0 + q % BM;
+          const bool in = r < R && k0 + col < K;
+          const unsigned char* w = q < BM ? w0 : w1;
+          cp_async16(A + q * KS + col, w + (in ? (std::size_t(r) * K + k0 + col) * 2 : 0), in);
+        }
+        for (int c = tid; c < BN * BK / 4; c += T::kThreads) {
+          const int t = c / (BK / 4), col = c % (BK / 4) * 4;
+          const bool in = std::uint32_t(t) < nvalid && k0 + col < K;
+          cp_async16(X + t * BK + col, src_row[t] + (in ? k0 + col : 0), in);
+        }
+      } else {
+        for (int e = tid; e < Mats * BM * BK; e += T::kThreads) {
+          const int q = e / BK, col = e % BK;
+          const std::uint32_t r = r0 + q % BM, kc = k0 + col;
+          const unsigned char* w = q < BM ? w0 : w1;
+          A[q * KS + col] = r < R && kc < K ? load_u16(w + (std::size_t(r) * K + kc) * 2) : 0;
+        }
+        for (int e = tid; e < BN * BK; e += T::kThreads) {
+          const int t = e / BK, col = e % BK;
+          const std::uint32_t kc = k0 + col;
+          X[t * BK + col] = std::uint32_t(t) < nvalid && kc < K ? src_row[t][kc] : 0.0f;
+        }
+      }
+    };
+
+    float hi_acc[Mats][MT][NT][4] = {};
+    float rest[Mats][MT][NT][kPieces > 1 ? 4 : 1] = {};
+    for (int s = 0; s < S - 1; ++s) {
+      stage(s);
+      cp_async_commit();
+    }
+    for (std::uint32_t kt = 0; kt < KT; ++kt) {
+      cp_async_wait<S - 2>();
+      __syncthreads();  // stage kt landed for every thread; stage kt - 1's buffers are free
+      stage(kt + S - 1);
+      cp_async_commit();
+      // The stage's activations, split into their bf16 pieces once for every warp.
+      const float* X = Xs + (kt % S) * (BN * BK);
+      for (int c = tid; c < BN * BK / 4; c += T::kThreads) {
+        const int t = c / (BK / 4), col = c % (BK / 4) * 4;
+        const float4 v = *reinterpret_cast<const float4*>(X + t * BK + col);
+        const float xs[4] = {v.x, v.y, v.z, v.w};
+        std::uint16_t p[3][4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          if constexpr (kPieces == 3) split3(xs[j], p[0][j], p[1][j], p[2][j]);
+          else p[0][j] = bf16_rn(xs[j]);
+        }
+#pragma unroll
+        for (int piece = 0; piece < kPieces; ++piece) {
+          const uint2 packed{std::uint32_t(p[piece][0]) | std::uint32_t(p[piece][1]) << 16,
+                             std::uint32_t(p[piece][2]) | std::uint32_t(p[piece][3]) << 16};
+          *reinterpret_cast<uint2*>(Ps + (piece * BN + t) * KS + col) = packed;
+        }
+      }
+      __syncthreads();
+      const std::uint16_t* A = As + (kt % S) * (Mats * BM * KS);
+#pragma unroll
+      for (int kk = 0; kk < BK / 16; ++kk) {
+        std::uint32_t a[Mats][MT][4];
+#pragma unroll
+        for (int mat = 0; mat < Mats; ++mat)
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt)
+            ldmatrix_x4(a[mat][mt],
+                        A + (mat * BM + wm * MT * 16 + mt * 16 + lane % 16) * KS + kk * 16 +
+                            lane / 16 * 8);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const int tok = wn * NT * 8 + nt * 8;
+          if (std::uint32_t(tok) >= nvalid) continue;  // the whole warp: an all-padding tile
+          const int row = tok + lane % 8, half = lane / 8 % 2 * 8;
+          if constexpr (kPieces == 3) {
+            std::uint32_t hm[4], lo[2];  // hi's two k-halves, then mid's; lo's
+            ldmatrix_x4(hm, Ps + ((lane / 16) * BN + row) * KS + kk * 16 + half);
+            ldmatrix_x2(lo, Ps + (2 * BN + row) * KS + kk * 16 + half);
+#pragma unroll
+            for (int mat = 0; mat < Mats; ++mat)
+#pragma unroll
+              for (int mt = 0; mt < MT; ++mt) {
+                mma_bf16(hi_acc[mat][mt][nt], a[mat][mt], hm[0], hm[1]);
+                mma_bf16(rest[mat][mt][nt], a[mat][mt], hm[2], hm[3]);
+                mma_bf16(rest[mat][mt][nt], a[mat][mt], lo[0], lo[1]);
+              }
+          } else {
+            std::uint32_t hi[2];
+            ldmatrix_x2(hi, Ps + row * KS + kk * 16 + half);
+#pragma unroll
+            for (int mat = 0; mat < Mats; ++mat)
+#pragma unroll
+              for (int mt = 0; mt < MT; ++mt) mma_bf16(hi_acc[mat][mt][nt], a[mat][mt], hi[0], hi[1]);
+          }
+        }
+      }
+    }
+    cp_async_wait<0>();
+
+    // The accumulators' layout (m16n8): element e of lane l is row l/4 (+8 for e >= 2), token
+    // 2 (l % 4) + e % 2 of the tile.
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const std::uint32_t r = r0 + wm * MT * 16 + mt * 16 + lane / 4 + e / 2 * 8;
+          const std::uint32_t t = wn * NT * 8 + nt * 8 + 2 * (lane % 4) + e % 2;
+          if (r >= R || t >= nvalid) continue;
+          const std::uint32_t i = entry_of[t];
+          float d0 = hi_acc[0][mt][nt][e];
+          if constexpr (kPieces > 1) d0 = d0 + rest[0][mt][nt][e];
+          if constexpr (GateUp) {
+            float d1 = hi_acc[Mats - 1][mt][nt][e];
+            if constexpr (kPieces > 1) d1 = d1 + rest[Mats - 1][mt][nt][e];
+            float h = activate_swiglu(L, d0 + bias_at(L, L.m[0], rec, r),
+                                      d1 + bias_at(L, L.m[1], rec, r));
+            if ((L.plant & kPlantGateUp) && r == 0) h += 1.0f / 1024.0f;  // tests only
+            b.h[std::size_t(i) * R + r] = h;
+          } else {
+            b.y[std::size_t(i) * R + r] = b.weights[i] * (d0 + bias_at(L, L.m[2], rec, r));
+          }
+        }
+  }
+}
+
+bool aligned16(std::uint64_t v) { return (v & 15u) == 0; }
+
+// Every staged 16-byte piece aligned and whole: the row length a multiple of 8 columns, the
+// arena, slot stride and weight offsets, and the activations' base.
+bool vectorizable(const DevLayout& L, const DevBuffers& b, bool gate_up) {
+  const std::uint32_t cols = gate_up ? L.hidden : L.inter;
+  const auto act = reinterpret_cast<std::uintptr_t>(gate_up ? b.x : b.h);
+  const std::uint64_t w = gate_up ? L.m[0].weight | L.m[1].weight : L.m[2].weight;
+  return cols % 8 == 0 && aligned16(reinterpret_cast<std::uintptr_t>(b.arena)) &&
+         aligned16(b.slot_bytes) && aligned16(w) && aligned16(act);
+}
+
+template <class T, bool GateUp, bool Vec>
+cudaError_t launch_as(const DevLayout& L, const DevBuffers& b, std::uint32_t rows,
+                      std::uint32_t groups, cudaStream_t s) {
+  constexpr std::size_t smem = smem_bytes<T, GateUp ? 2 : 1>();
+  static const cudaError_t prepared =
+      cudaFuncSetAttribute(mma_kernel<T, GateUp, Vec>,
+                           cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  if (prepared != cudaSuccess) return prepared;
+  const std::uint32_t out_rows = GateUp ? L.inter : L.hidden;
+  // A token routes to an expert once, so no group has more than `rows` entries.
+  const std::uint32_t slots = std::min<std::uint32_t>((rows + T::BN - 1) / T::BN, kMaxChunkSlots);
+  const dim3 grid(slots, (out_rows + T::BM - 1) / T::BM, groups);
+  mma_kernel<T, GateUp, Vec><<<grid, T::kThreads, smem, s>>>(L, b);
+  return cudaGetLastError();
+}
+
+template <bool GateUp>
+cudaError_t launch_mma(const DevLayout& L, const DevBuffers& b, std::uint32_t rows,
+                       cudaStream_t s) {
+  if (L.format != 2) return cudaErrorInvalidValue;
+  const std::uint32_t n = rows * L.top_k;
+  const std::uint32_t groups = n < L.n_experts ? n : L.n_experts;
+  if (groups == 0) return cudaSuccess;
+  const bool vec = vectorizable(L, b, GateUp);
+  if (rows < kDecodeBelowRows)
+    return vec ? launch_as<DecodeTiling, GateUp, true>(L, b, rows, groups, s)
+               : launch_as<DecodeTiling, GateUp, false>(L, b, rows, groups, s);
+  return vec ? launch_as<PromptTiling<GateUp>, GateUp, true>(L, b, rows, groups, s)
+             : launch_as<PromptTiling<GateUp>, GateUp, false>(L, b, rows, groups, s);
+}
+
+}  // namespace
+
+cudaError_t launch_gate_up_mma(const DevLayout& L, const DevBuffers& b, std::uint32_t rows,
+                               cudaStream_t s) {
+  return launch_mma<true>(L, b, rows, s);
+}
+
+cudaError_t launch_down_mma(const DevLayout& L, const DevBuffers& b, std::uint32_t rows,
+                            cudaStream_t s) {
+  return launch_mma<false>(L, b, rows, s);
+}
+
+}  // namespace strata::cuda

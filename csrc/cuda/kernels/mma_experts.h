@@ -1,0 +1,21 @@
+// Launches of the tensor-core expert kernels (mma_experts.cu), which take every pass of the bf16
+// weight format at every row count (experts.cu dispatches to them): the same contract as
+// launch_gate_up and launch_down in kernels.h, over the same group table.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "device_types.h"
+
+namespace strata::cuda {
+
+// h <- act(gate x + bg, up x + bu) for the grouped entries (L.format must be bf16).
+cudaError_t launch_gate_up_mma(const DevLayout& L, const DevBuffers& b, std::uint32_t rows,
+                               cudaStream_t s);
+// y <- w * (down h + bd) for the grouped entries (L.format must be bf16).
+cudaError_t launch_down_mma(const DevLayout& L, const DevBuffers& b, std::uint32_t rows,
+                            cudaStream_t s);
+
+}  // namespace strata::cuda
