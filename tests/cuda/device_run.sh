@@ -43,10 +43,12 @@ done
 tuning=${STRATA_CUDA_TUNING:-}
 if wants kernels; then
   # Built in parallel: now, before (STRATA_KERNELS_BEFORE), and tunings of the compile-time
-  # knobs: the route kernel's experts per block and the rows from which a staged x is copied
-  # first (r*), the decode kernels' output rows per warp (gate_up, down: d*). Every build's
-  # outputs are compared with before's, bitwise; the fastest route and the fastest decode pair
-  # then become the build's flags.
+  # knobs: the route kernel's experts per block (r*), the decode kernels' output rows per warp
+  # (down: d*; gate_up's 2 rows spill) and per-chunk scale loads instead of shared scales (dps),
+  # and a build without programmatic dependent launch (nopdl: for comparison, never chosen). Every
+  # build's outputs are compared with before's, bitwise; the fastest route (route_xs) and the
+  # fastest decode expert launches (experts_seq: gate_up, down and combine back to back) then
+  # become the build's flags.
   kb_build() {  # kb_build NAME DIR [nvcc flags]
     local name=$1 dir=$2
     shift 2
@@ -57,18 +59,17 @@ if wants kernels; then
       benchmarks/native/cuda_kernel_bench.cu "$dir/kernels/route.cu" "$dir/kernels/experts.cu" \
       "${mma[@]}" > "$out/kbench_build_$name.log" 2>&1 || echo "kbench build $name failed"
   }
-  R=-DSTRATA_CUDA_ROUTE_LOGITS C=-DSTRATA_CUDA_ROUTE_COPY_ROWS
-  G=-DSTRATA_CUDA_GATE_UP_DIRECT_ROWS D=-DSTRATA_CUDA_DOWN_DIRECT_ROWS
+  R=-DSTRATA_CUDA_ROUTE_LOGITS D=-DSTRATA_CUDA_DOWN_DECODE_ROWS
   [ -n "${STRATA_KERNELS_BEFORE:-}" ] && kb_build before "$STRATA_KERNELS_BEFORE" &
   kb_build now csrc/cuda &
+  kb_build r8 csrc/cuda $R=8 &
   kb_build r16 csrc/cuda $R=16 &
-  kb_build r32c8 csrc/cuda $R=32 $C=8 &
-  kb_build r8c8 csrc/cuda $C=8 &
-  kb_build d2x4 csrc/cuda $G=2 $D=4 &
-  kb_build d2x2 csrc/cuda $G=2 $D=2 &
-  kb_build d1x4 csrc/cuda $G=1 $D=4 &
+  kb_build d2 csrc/cuda $D=2 &
+  kb_build d1 csrc/cuda $D=1 &
+  kb_build dps csrc/cuda -DSTRATA_CUDA_DECODE_SHARED_SCALES=0 &
+  kb_build nopdl csrc/cuda -DSTRATA_CUDA_PDL=0 &
   wait
-  names="before now r16 r32c8 r8c8 d2x4 d2x2 d1x4"
+  names="before now r8 r16 d2 d1 dps nopdl"
   for name in $names; do
     [ -x "/tmp/kbench_$name" ] || continue
     step "kbench_$name" 60 "/tmp/kbench_$name" --dump "/tmp/kbench_$name.bin" \
@@ -94,16 +95,16 @@ for name in names:
 if "now" in t:
     route = min((n for n in t if n == "now" or n.startswith("r")), key=lambda n: t[n][0]["route_xs"])
     dec = min((n for n in t if n == "now" or n.startswith("d")),
-              key=lambda n: t[n][0]["gate_up"] + t[n][0]["down"])
-    print(" ".join([f for f in t[route][1] if "ROUTE" in f] + [f for f in t[dec][1] if "DIRECT" in f]))
+              key=lambda n: t[n][0].get("experts_seq", t[n][0]["gate_up"] + t[n][0]["down"]))
+    print(" ".join([f for f in t[route][1] if "ROUTE" in f] + [f for f in t[dec][1] if "DECODE" in f]))
 PY
 )
   echo "tuning chosen: '${tuning}'"
   echo "$tuning" > /tmp/strata-cuda-tuning
-  for name in before now; do  # ncu: 4 launches each of route, gate_up and down
+  for name in before now; do  # ncu: 2 launches of route, then gate_up and down
     [ -x "/tmp/kbench_$name" ] || continue
-    step "ncu_$name" 120 ncu --clock-control none -k regex:"route|direct" \
-      --launch-skip 402 --launch-count 12 \
+    step "ncu_$name" 120 ncu --clock-control none -k regex:"route_kernel|decode_kernel|direct" \
+      --launch-skip 404 --launch-count 4 \
       --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
       "/tmp/kbench_$name"
   done
@@ -113,7 +114,7 @@ PY
     step kbench_tuned 60 /tmp/kbench_tuned --dump /tmp/kbench_tuned.bin --json "$out/kbench_tuned.json"
     cmp /tmp/kbench_before.bin /tmp/kbench_tuned.bin && echo "tuned: bitwise equal to before"
     step ncu_tuned 120 ncu --clock-control none \
-      -k regex:"route|direct" --launch-skip 402 --launch-count 12 \
+      -k regex:"route_kernel|decode_kernel|direct" --launch-skip 404 --launch-count 4 \
       --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
       /tmp/kbench_tuned
   fi

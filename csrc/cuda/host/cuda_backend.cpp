@@ -628,6 +628,9 @@ class CudaBackend final : public Backend {
         } else if (regroup) {
           check(launch_group(layout_, dev, c.layer, c.rows, sel, stream_), "group");
         }
+        // Device mode: the pass's groups (this one's, or gate_up's before this down) are known
+        // here; the decode kernels take them as arguments.
+        if (mode_ == ArenaMode::Device) dev.host_groups = host_groups_.data();
         if (c.op == Op::GateUp)
           check(launch_gate_up(layout_, dev, c.rows, stream_), "gate_up");
         else
@@ -641,6 +644,7 @@ class CudaBackend final : public Backend {
         if (mode_ == ArenaMode::Device) {
           for (std::uint32_t w = 0; w < n; ++w) mirror(key(c.layer, b.wave[w]));
           err = group_on_host(c.layer, c.rows, Select::Wave);
+          dev.host_groups = host_groups_.data();
         } else {
           upload(const_cast<std::uint32_t*>(dev_.wave_n), b.wave_n, 4);
           upload(const_cast<std::int32_t*>(dev_.wave), b.wave, std::size_t(n) * 4);
@@ -848,7 +852,9 @@ class CudaBackend final : public Backend {
       const std::uint32_t e = std::uint32_t(b.ids[i]);
       if (accepts(i, e)) entries[cursor[e]++] = std::uint32_t(i);
     }
-    upload(groups_.as<void>(), g.data(), g.size() * 4);
+    // The decode kernels take the groups as arguments (execute() points them at host_groups_):
+    // no copy on the stream before them.
+    if (!groups_as_arguments(layout_, rows)) upload(groups_.as<void>(), g.data(), g.size() * 4);
     return "";
   }
 

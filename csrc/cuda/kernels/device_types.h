@@ -79,6 +79,11 @@ struct DevBuffers {
   std::uint32_t* expert_cursor = nullptr;  // [n_experts]
   std::uint32_t* expert_first = nullptr;   // [n_experts]
   std::uint32_t* in_wave = nullptr;        // [n_experts]
+  // The host's copy of the group table, laid out as the device one from groups_n on, where the
+  // host grouped the pass (device arena): the decode kernels then take the groups as kernel
+  // arguments instead of reading them (a dependent read before the weights). Host memory,
+  // read at launch; null: the kernels read the device table.
+  const std::uint32_t* host_groups = nullptr;
   DevError* error = nullptr;
 };
 

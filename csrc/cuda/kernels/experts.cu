@@ -10,6 +10,7 @@
 #include "dot.cuh"
 #include "kernels.h"
 #include "mma_experts.h"
+#include "pdl.cuh"
 #include "weights.cuh"
 
 namespace strata::cuda {
@@ -266,6 +267,17 @@ constexpr std::uint32_t kWarps = kThreads / 32;
 #endif
 constexpr int kGateUpDirectRows = STRATA_CUDA_GATE_UP_DIRECT_ROWS;
 constexpr int kDownDirectRows = STRATA_CUDA_DOWN_DIRECT_ROWS;
+// Output rows per warp of the loads-first decode kernels (below), compile-time knobs too: what
+// tests/cuda/device_run.sh kernels chose on the H200 (down 4 against 2: level within noise;
+// gate_up's 2 rows spill at the registers that keep 3 blocks a multiprocessor).
+#ifndef STRATA_CUDA_GATE_UP_DECODE_ROWS
+#define STRATA_CUDA_GATE_UP_DECODE_ROWS 1
+#endif
+#ifndef STRATA_CUDA_DOWN_DECODE_ROWS
+#define STRATA_CUDA_DOWN_DECODE_ROWS 4
+#endif
+constexpr int kGateUpDecodeRows = STRATA_CUDA_GATE_UP_DECODE_ROWS;
+constexpr int kDownDecodeRows = STRATA_CUDA_DOWN_DECODE_ROWS;
 
 // x's columns [c0, c0 + 8): two 16-byte loads where the row allows them (n a multiple of 8, so
 // every row starts 32-byte aligned), else one guarded load a column (0 past n).
@@ -417,11 +429,498 @@ __global__ void down_direct_kernel(DevLayout L, DevBuffers b) {
   }
 }
 
+// ---- The decode kernels, loads first ----
+// The kernels above issue a chunk step's loads right before that step's products (the compiler
+// keeps them there whatever the unrolling), so a warp waits one memory round trip per step: 8
+// for gate_up's 2048 columns. These take the same chunks in the same order, but as a load loop
+// over every step of a batch (all its weight words and scales in registers, in flight together)
+// and then a product loop; the vector (x for gate_up, h for down) is staged once per entry in
+// shared memory, shared by the block's warps, so a product loop reads it at shared-memory
+// latency. A block is (group, 8 warps of R output rows); the group comes from kernel arguments
+// when the host grouped the pass (DevBuffers::host_groups: no dependent read of the group
+// table before the weights), else from the table after pdl_wait(). The weights are read before
+// pdl_wait(): no kernel writes the arena (pdl.cuh). They need whole 8-column chunks (rows of a
+// multiple of 8 columns, a group size dividing 256) and a vector that fits 48 KiB of shared
+// memory; other shapes take the kernels above.
+
+// A pass's groups as kernel arguments (the device arena: the device thread grouped the pass).
+constexpr std::uint32_t kArgGroups = 128, kArgEntries = 512;
+struct ArgGroups {
+  std::uint32_t args = 0;  // 0: read the groups from device memory
+  std::uint32_t n = 0;
+  std::uint32_t slot[kArgGroups];
+  std::uint16_t start[kArgGroups], count[kArgGroups];
+  std::uint16_t entry[kArgEntries];
+};
+
+// A row's scales, one group a lane: for 16-bit scales (and mxfp4's e8m0 byte) each lane loads
+// the scale and bias of groups lane and lane + 32 of its rows once, packed in one word, and a
+// chunk step takes its group's word from the lane that holds it (a shuffle), instead of every
+// lane loading its chunk's two scales at every step (two loads and two registers a chunk).
+// Compile-time knob: 0 keeps every chunk's own scale loads (the first revision: under ncu its
+// gate_up was 13.8 us at 100 registers against 15.8 for shared scales at 64; level by events;
+// not yet measured side by side in one call: tests/cuda/device_run.sh kernels builds both).
+#ifndef STRATA_CUDA_DECODE_SHARED_SCALES
+#define STRATA_CUDA_DECODE_SHARED_SCALES 1
+#endif
+template <int F, int S>
+__host__ __device__ constexpr bool coop_scales() {
+  return STRATA_CUDA_DECODE_SHARED_SCALES &&
+         (F == 5 || ((F == 3 || F == 4) && (S == 1 || S == 2)));
+}
+constexpr std::uint32_t kCoopWords = 2;  // groups a lane holds: rows of up to 64 groups
+
+// The weight bytes of one lane's chunk (8 columns of one row), as loaded.
+template <int F>
+struct Codes;
+template <>
+struct Codes<0> {  // f32: 8 floats
+  uint4 a, b;
+};
+template <>
+struct Codes<1> {  // f16: 8 halves
+  uint4 a;
+};
+template <>
+struct Codes<2> {  // bf16: 8 halves
+  uint4 a;
+};
+template <>
+struct Codes<3> {  // q4: one word of 8 codes
+  std::uint32_t w;
+};
+template <>
+struct Codes<4> {  // q8: two words of 4 codes
+  uint2 w;
+};
+template <>
+struct Codes<5> {  // mxfp4: one word of 8 codes
+  std::uint32_t w;
+};
+
+// A chunk's codes and, for quantized formats whose scales are not shared by lanes, its group's
+// scale and bias words.
+template <int F, bool Scales>
+struct RawChunk {
+  Codes<F> c;
+};
+template <int F>
+struct RawChunk<F, true> {
+  Codes<F> c;
+  std::uint32_t s, b;
+};
+template <int F, int S>
+__host__ __device__ constexpr bool chunk_scales() {
+  return F >= 3 && !coop_scales<F, S>();
+}
+
+// 32-bit registers a raw chunk holds; a batch's steps are as many as keep a warp's raw chunks
+// near 64 registers (at least 1, at most Max: 8 for gate_up, whose 2048 columns are then one
+// batch; 4 for down, whose 768 are 3 steps).
+template <int F, int S>
+__host__ __device__ constexpr int raw_regs() {
+  return (F == 0 ? 8 : F == 1 || F == 2 ? 4 : F == 4 ? 2 : 1) + (chunk_scales<F, S>() ? 2 : 0);
+}
+template <int F, int S, int M, int R, int Max>
+__host__ __device__ constexpr int batch_steps() {
+  constexpr int n = 64 / (raw_regs<F, S>() * M * R);
+  return n < 1 ? 1 : n > Max ? Max : n;
+}
+
+__device__ __forceinline__ std::uint32_t scale_word(const unsigned char* p, std::uint32_t i,
+                                                    int fmt) {
+  return fmt == 0 ? load_u32(p + 4 * std::size_t(i)) : load_u16(p + 2 * std::size_t(i));
+}
+__device__ __forceinline__ float scale_value(std::uint32_t v, int fmt) {
+  return fmt == 0 ? __uint_as_float(v) : fmt == 1 ? half_bits(std::uint16_t(v))
+                                                  : bf16_bits(std::uint16_t(v));
+}
+
+// Bytes of a row's codes a chunk step (256 columns) advances.
+template <int F>
+__host__ __device__ constexpr std::uint32_t step_bytes() {
+  return F == 0 ? 1024 : F == 1 || F == 2 ? 512 : F == 4 ? 256 : 128;
+}
+
+// Lane `lane`'s first chunk of row r (column 8 lane): where its codes are.
+template <int F>
+__device__ __forceinline__ const unsigned char* lane_codes(const DevMatrix& m,
+                                                           const unsigned char* rec,
+                                                           std::uint32_t r, std::uint32_t lane) {
+  const std::size_t row_bytes = std::size_t(m.cols) * step_bytes<F>() / 256;
+  return rec + m.weight + std::size_t(r) * row_bytes + lane * (step_bytes<F>() / 32);
+}
+
+// One chunk's codes at p (and, with chunk scales, group g's scale words of row r).
+template <int F, int S>
+__device__ __forceinline__ void load_raw(const unsigned char* p, const DevMatrix& m,
+                                         const unsigned char* rec, std::uint32_t r,
+                                         std::uint32_t groups, std::uint32_t g,
+                                         RawChunk<F, chunk_scales<F, S>()>& out) {
+  if constexpr (F == 0) {
+    out.c.a = reinterpret_cast<const uint4*>(p)[0];
+    out.c.b = reinterpret_cast<const uint4*>(p)[1];
+  } else if constexpr (F == 1 || F == 2) {
+    out.c.a = *reinterpret_cast<const uint4*>(p);
+  } else if constexpr (F == 4) {
+    out.c.w = *reinterpret_cast<const uint2*>(p);
+  } else {  // q4, mxfp4
+    out.c.w = load_u32(p);
+  }
+  if constexpr (chunk_scales<F, S>()) {
+    out.s = scale_word(rec + m.scales, r * groups + g, S);
+    out.b = scale_word(rec + m.biases, r * groups + g, S);
+  }
+}
+
+// Group gi of row r as one word: the scale in the low half and the bias in the high (16-bit
+// formats), or the e8m0 byte (mxfp4).
+template <int F, int S>
+__device__ __forceinline__ std::uint32_t load_coop(const DevMatrix& m, const unsigned char* rec,
+                                                   std::uint32_t r, std::uint32_t groups,
+                                                   std::uint32_t gi) {
+  if constexpr (F == 5) {
+    return rec[m.scales + std::size_t(r) * groups + gi];
+  } else {
+    const std::size_t i = std::size_t(r) * groups + gi;
+    return std::uint32_t(load_u16(rec + m.scales + 2 * i)) |
+           (std::uint32_t(load_u16(rec + m.biases + 2 * i)) << 16);
+  }
+}
+
+// Code (w & Mask), a code still shifted left by its place in a half word (so below 2^16), as a
+// float: 2^23 + v is exact in a float's mantissa, and so is the subtraction. The mask and the
+// exponent's OR are one instruction (the compiler otherwise emits two): magic is 0x4B000000 in a
+// register.
+template <std::uint32_t Mask>
+__device__ __forceinline__ float code_float(std::uint32_t w, std::uint32_t magic) {
+  std::uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(w), "n"(Mask), "r"(magic));
+  return __fsub_rn(__uint_as_float(d), 8388608.0f);
+}
+
+// The chunk's 8 weights, the same floats as load8's. s and b: the group's scale and bias
+// (quantized formats). With f16 scales the affine s * q + b is one fused multiply-add: s has 11
+// significant bits and q at most 8, so s * q is exact in float32 (and at least 2^-24, far from
+// underflow), so rounding s * q + b once is rounding it twice. The codes are masked in place
+// (code i of a half word as q * 16^i, or 256^i for q8) and multiplied by s / 16^i, exact too:
+// no shift a code.
+template <int F, int S>
+__device__ __forceinline__ void dequant(const Codes<F>& c, float s, float b, std::uint32_t magic,
+                                        float v[8]) {
+  if constexpr (F == 0) {
+    v[0] = __uint_as_float(c.a.x), v[1] = __uint_as_float(c.a.y);
+    v[2] = __uint_as_float(c.a.z), v[3] = __uint_as_float(c.a.w);
+    v[4] = __uint_as_float(c.b.x), v[5] = __uint_as_float(c.b.y);
+    v[6] = __uint_as_float(c.b.z), v[7] = __uint_as_float(c.b.w);
+  } else if constexpr (F == 1 || F == 2) {
+    const std::uint32_t u[4] = {c.a.x, c.a.y, c.a.z, c.a.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const std::uint16_t lo = std::uint16_t(u[i] & 0xFFFFu), hi = std::uint16_t(u[i] >> 16);
+      v[2 * i] = F == 1 ? half_bits(lo) : bf16_bits(lo);
+      v[2 * i + 1] = F == 1 ? half_bits(hi) : bf16_bits(hi);
+    }
+  } else if constexpr (F == 3 && S == 1) {
+    const float s1 = __fmul_rn(s, 0.0625f), s2 = __fmul_rn(s, 0.00390625f),
+                s3 = __fmul_rn(s, 0.000244140625f);
+    const std::uint32_t lo = c.w, hi = c.w >> 16, mg = magic;
+    v[0] = __fmaf_rn(s, code_float<0xFu>(lo, mg), b);
+    v[1] = __fmaf_rn(s1, code_float<0xF0u>(lo, mg), b);
+    v[2] = __fmaf_rn(s2, code_float<0xF00u>(lo, mg), b);
+    v[3] = __fmaf_rn(s3, code_float<0xF000u>(lo, mg), b);
+    v[4] = __fmaf_rn(s, code_float<0xFu>(hi, mg), b);
+    v[5] = __fmaf_rn(s1, code_float<0xF0u>(hi, mg), b);
+    v[6] = __fmaf_rn(s2, code_float<0xF00u>(hi, mg), b);
+    v[7] = __fmaf_rn(s3, code_float<0xF000u>(hi, mg), b);
+  } else if constexpr (F == 4 && S == 1) {
+    const float s1 = __fmul_rn(s, 0.00390625f);
+    const std::uint32_t h[4] = {c.w.x, c.w.x >> 16, c.w.y, c.w.y >> 16};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      v[2 * i] = __fmaf_rn(s, code_float<0xFFu>(h[i], magic), b);
+      v[2 * i + 1] = __fmaf_rn(s1, code_float<0xFF00u>(h[i], magic), b);
+    }
+  } else if constexpr (F == 3) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      v[i] = __fadd_rn(__fmul_rn(s, small_uint_float((c.w >> (4 * i)) & 15u)), b);
+  } else if constexpr (F == 4) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      v[i] = __fadd_rn(__fmul_rn(s, small_uint_float((c.w.x >> (8 * i)) & 255u)), b);
+      v[4 + i] = __fadd_rn(__fmul_rn(s, small_uint_float((c.w.y >> (8 * i)) & 255u)), b);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = __fmul_rn(fp4((c.w >> (4 * i)) & 15u), s);
+  }
+}
+
+// A packed group word (load_coop) as its scale and bias.
+template <int F, int S>
+__device__ __forceinline__ void unpack_coop(std::uint32_t p, float& s, float& b) {
+  if constexpr (F == 5) {
+    s = e8m0(std::uint8_t(p)), b = 0.0f;
+  } else if constexpr (S == 1) {
+    s = half_bits(std::uint16_t(p)), b = half_bits(std::uint16_t(p >> 16));
+  } else {
+    s = __uint_as_float(p << 16), b = __uint_as_float(p & 0xFFFF0000u);
+  }
+}
+
+// Where a warp's chunk step finds its groups. The step's 256 columns are gs = 256 / G groups
+// (gs divides 32), all in one 32-group block of the row: word j = (S gs) / 32 of lane
+// (S gs) % 32 + g0, g0 = 8 lane / G being the lane's group inside the step.
+struct StepGroups {
+  std::uint32_t groups, g0, gs;
+};
+
+// One warp's share of a decode block: rows r0 .. r0 + R of the M matrices (gate and up, or
+// down), in batches of NS chunk steps (chunk s of lane l at column 8 l + 256 s). The warp steps
+// uniformly (ws steps: lane 0's count); a lane whose chunk lies past the row skips it.
+template <int F, int S, int R, int M, int NS>
+struct DirectWarp {
+  static constexpr bool kCoop = coop_scales<F, S>();
+  RawChunk<F, chunk_scales<F, S>()> raw[NS][M][R];
+  std::uint32_t coop[M][R][kCoop ? kCoopWords : 1];
+
+  __device__ __forceinline__ void load_groups(const DevMatrix* mats, const unsigned char* rec,
+                                              std::uint32_t r0, std::uint32_t lane,
+                                              const StepGroups& sg) {
+    if constexpr (kCoop) {
+#pragma unroll
+      for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int q = 0; q < R; ++q)
+#pragma unroll
+          for (std::uint32_t j = 0; j < kCoopWords; ++j) {
+            const std::uint32_t gi = lane + 32 * j;
+            coop[m][q][j] = gi < sg.groups ? load_coop<F, S>(mats[m], rec, r0 + q, sg.groups, gi)
+                                           : 0u;
+          }
+    }
+  }
+
+  __device__ __forceinline__ void load(const DevMatrix* mats, const unsigned char* rec,
+                                       std::uint32_t r0, std::uint32_t lane, std::uint32_t n,
+                                       std::uint32_t ws, std::uint32_t s0, const StepGroups& sg) {
+    const unsigned char* p[M][R];  // the rows' codes at this lane's chunk of step s0
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+      for (int q = 0; q < R; ++q)
+        p[m][q] = lane_codes<F>(mats[m], rec, r0 + q, lane) + std::size_t(s0) * step_bytes<F>();
+#pragma unroll
+    for (int s = 0; s < NS; ++s) {
+      if (s0 + s >= ws) break;
+      if (8 * lane + 256 * (s0 + s) >= n) continue;
+      const std::uint32_t g = sg.g0 + (s0 + s) * sg.gs;
+#pragma unroll
+      for (int q = 0; q < R; ++q)
+#pragma unroll
+        for (int m = 0; m < M; ++m)
+          load_raw<F, S>(p[m][q] + s * step_bytes<F>(), mats[m], rec, r0 + q, sg.groups, g,
+                         raw[s][m][q]);
+    }
+  }
+
+  // acc[m][q] += the batch's chunks against the staged vector v, each chunk in column order.
+  // magic: 0x4B000000, in a register (dequant).
+  __device__ __forceinline__ void fma(const float* v, std::uint32_t lane, std::uint32_t n,
+                                      std::uint32_t ws, std::uint32_t s0, const StepGroups& sg,
+                                      std::uint32_t magic, float (&acc)[M][R]) const {
+#pragma unroll
+    for (int s = 0; s < NS; ++s) {
+      if (s0 + s >= ws) break;
+      const std::uint32_t c = 8 * lane + 256 * (s0 + s);
+      // The step's group words, on every lane (a shuffle needs the whole warp).
+      std::uint32_t word[M][R];
+      if constexpr (kCoop) {
+        const std::uint32_t gb = (s0 + s) * sg.gs;  // the step's first group
+#pragma unroll
+        for (int q = 0; q < R; ++q)
+#pragma unroll
+          for (int m = 0; m < M; ++m)
+            word[m][q] = __shfl_sync(kFullMask, (gb >> 5) == 0 ? coop[m][q][0] : coop[m][q][1],
+                                     (gb & 31u) + sg.g0);
+      }
+      if (c >= n) continue;  // this lane's chunk lies past the row
+      const float4 a = *reinterpret_cast<const float4*>(v + c);
+      const float4 b = *reinterpret_cast<const float4*>(v + c + 4);
+      const float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+      for (int q = 0; q < R; ++q)
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+          float sc = 0.0f, bi = 0.0f;
+          if constexpr (kCoop) {
+            unpack_coop<F, S>(word[m][q], sc, bi);
+          } else if constexpr (F >= 3) {
+            sc = scale_value(raw[s][m][q].s, S);
+            bi = scale_value(raw[s][m][q].b, S);
+          }
+          float w[8];
+          dequant<F, S>(raw[s][m][q].c, sc, bi, magic, w);
+          acc[m][q] = chunk_fma<true>(w, xv, c, 0, acc[m][q]);
+        }
+    }
+  }
+};
+
+// Block (group, tile of kWarps * R output rows). GateUp: h of the group's entries (M = 2: gate
+// and up, x of the entry's token); else y (M = 1: down, the entry's h).
+// Blocks a multiprocessor should hold where a raw chunk is one word (q4, mxfp4 with shared
+// scales): 4 (64 registers a thread) for up to 2 rows a warp (gate_up's 2 matrices of 1, down's
+// 2), 3 for up to 4; else what the compiler needs. (No spills at these, by ptxas -v.)
+template <int F, int S, int P>
+__host__ __device__ constexpr int decode_min_blocks() {
+  return !((F == 3 || F == 5) && coop_scales<F, S>()) ? 1 : P <= 2 ? 4 : P <= 4 ? 3 : 1;
+}
+
+template <int F, int S, int R, bool GateUp>
+__global__ void __launch_bounds__(kThreads, decode_min_blocks<F, S, (GateUp ? 2 : 1) * R>())
+    decode_kernel(DevLayout L, DevBuffers b, ArgGroups ag) {
+  constexpr int M = GateUp ? 2 : 1;
+  constexpr int NS = batch_steps<F, S, M, R, GateUp ? 8 : 4>();
+  extern __shared__ float vs[];  // the entry's vector: n floats
+  const std::uint32_t g = blockIdx.x;
+  std::uint32_t slot, start, count;
+  if (ag.args) {
+    if (g >= ag.n) return;
+    slot = ag.slot[g], start = ag.start[g], count = ag.count[g];
+  } else {
+    pdl_wait();  // the group kernel before this one wrote the table
+    slot = b.group_slot[g], start = b.group_start[g], count = b.group_count[g];
+    if (g >= *b.groups_n) return;
+  }
+  const std::uint32_t H = L.hidden, I = L.inter, k = L.top_k;
+  const std::uint32_t rows = GateUp ? I : H, n = GateUp ? H : I;
+  const DevMatrix* mats = GateUp ? L.m : L.m + 2;
+  const std::uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const std::uint32_t r0 = (blockIdx.y * kWarps + warp) * R;
+  const bool active = r0 < rows;  // whole warps (every row of an active warp is in range)
+  const unsigned char* rec = b.arena + std::uint64_t(slot) * b.slot_bytes;
+  const std::uint32_t ws = (n + 255) / 256;  // the warp's chunk steps
+  const std::uint32_t G = F >= 3 ? L.group_size : 256;
+  const StepGroups sg{n / G, 8 * lane / G, 256 / G};
+  const bool one_batch = ws <= std::uint32_t(NS);
+  // 0x4B000000 as a value the compiler cannot fold into an immediate (dequant's one-instruction
+  // mask): the layout's plant word is 0 in real runs, and so is every bit it could add here.
+  const std::uint32_t magic = 0x4B000000u | (L.plant & 0u);
+  DirectWarp<F, S, R, M, NS> dw;
+  if (active) {
+    if (one_batch) dw.load(mats, rec, r0, lane, n, ws, 0, sg);
+    dw.load_groups(mats, rec, r0, lane, sg);
+  }
+  float bias[M][R];
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int q = 0; q < R; ++q) bias[m][q] = active ? bias_at(L, mats[m], rec, r0 + q) : 0.0f;
+  pdl_trigger();
+  pdl_wait();  // x or h, and the routing weights, come from the kernels before
+  for (std::uint32_t e = 0; e < count; ++e) {
+    const std::uint32_t i = ag.args ? ag.entry[start + e] : b.group_entries[start + e];
+    const float* src = GateUp ? b.x + std::size_t(i / k) * H : b.h + std::size_t(i) * I;
+    if (e > 0) __syncthreads();  // every warp is done with the previous entry's vector
+    for (std::uint32_t c = 4 * threadIdx.x; c < n; c += 4 * kThreads)
+      *reinterpret_cast<float4*>(vs + c) = *reinterpret_cast<const float4*>(src + c);
+    __syncthreads();
+    if (!active) continue;
+    float acc[M][R];
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+      for (int q = 0; q < R; ++q) acc[m][q] = 0.0f;
+    if (one_batch) {
+      dw.fma(vs, lane, n, ws, 0, sg, magic, acc);
+    } else {
+      for (std::uint32_t s0 = 0; s0 < ws; s0 += NS) {
+        dw.load(mats, rec, r0, lane, n, ws, s0, sg);
+        dw.fma(vs, lane, n, ws, s0, sg, magic, acc);
+      }
+    }
+    if constexpr (GateUp) {
+#pragma unroll
+      for (int q = 0; q < R; ++q) {
+        const float gd = warp_sum(acc[0][q]), ud = warp_sum(acc[1][q]);
+        if (lane == 0) store_h(L, b, i, r0 + q, gd + bias[0][q], ud + bias[1][q]);
+      }
+    } else {
+      const float w = b.weights[i];
+#pragma unroll
+      for (int q = 0; q < R; ++q) {
+        const float d = warp_sum(acc[0][q]);
+        if (lane == 0) b.y[std::size_t(i) * H + r0 + q] = w * (d + bias[0][q]);
+      }
+    }
+  }
+}
+
+// Whether the loads-first kernels take this shape (else the kernels above do).
+template <int F, int S>
+bool decode_kernel_fits(const DevLayout& L, bool gate_up, int R) {
+  const std::uint32_t rows = gate_up ? L.inter : L.hidden, n = gate_up ? L.hidden : L.inter;
+  const DevMatrix& m = L.m[gate_up ? 0 : 2];
+  if (n % 8 != 0 || rows % std::uint32_t(R) != 0 || n * 4 > 48 * 1024) return false;
+  if (m.rows != rows || m.cols != n) return false;
+  if (L.format >= 3 && (L.group_size < 8 || 256 % L.group_size != 0 || n % L.group_size != 0))
+    return false;
+  if (coop_scales<F, S>() && n / L.group_size > 32 * kCoopWords) return false;
+  return true;
+}
+
+// The groups as kernel arguments, from the host's copy of the table (laid out as the device
+// one: DevBuffers::host_groups), when they fit; else args = 0.
+ArgGroups arg_groups(const DevLayout& L, const DevBuffers& b) {
+  ArgGroups ag;
+  if (!b.host_groups) return ag;
+  const std::uint32_t E = L.n_experts;
+  const std::uint32_t* t = b.host_groups;
+  const std::uint32_t n = t[0];
+  if (n > kArgGroups) return ag;
+  std::uint32_t entries = 0;
+  for (std::uint32_t g = 0; g < n; ++g) entries = std::max(entries, t[1 + E + g] + t[1 + 2 * E + g]);
+  if (entries > kArgEntries) return ag;
+  ag.args = 1;
+  ag.n = n;
+  for (std::uint32_t g = 0; g < n; ++g) {
+    ag.slot[g] = t[1 + g];
+    ag.start[g] = std::uint16_t(t[1 + E + g]);
+    ag.count[g] = std::uint16_t(t[1 + 2 * E + g]);
+  }
+  for (std::uint32_t i = 0; i < entries; ++i) ag.entry[i] = std::uint16_t(t[1 + 8 * E + i]);
+  return ag;
+}
+
+template <int F, int S, int R, bool GateUp>
+cudaError_t launch_decode(const DevLayout& L, const DevBuffers& b, std::uint32_t groups,
+                          cudaStream_t s) {
+  const ArgGroups ag = arg_groups(L, b);
+  if (ag.args) {
+    if (ag.n == 0) return cudaSuccess;  // nothing to compute (an unpublished expert: reported)
+    groups = ag.n;
+  }
+  const std::uint32_t rows = GateUp ? L.inter : L.hidden, n = GateUp ? L.hidden : L.inter;
+  const std::uint32_t per_block = kWarps * R;
+  static const bool early = pdl_capable(decode_kernel<F, S, R, GateUp>);
+  // Before pdl_wait() the kernel reads the arena (which no kernel writes) and, from the group
+  // table, what gate_up does not write: down may start behind gate_up, and gate_up too when its
+  // groups are arguments (a group kernel before it may be writing the table).
+  return launch(decode_kernel<F, S, R, GateUp>, dim3(groups, (rows + per_block - 1) / per_block),
+                dim3(kThreads), std::size_t(n) * 4, s, early && (!GateUp || ag.args), L, b, ag);
+}
+
 // The decode kernels' instance for the pack's weight and scale formats, launched over (groups,
 // row tiles).
 template <int F, int S>
-void launch_direct_as(const DevLayout& L, const DevBuffers& b, std::uint32_t groups, bool gate_up,
-                      cudaStream_t s) {
+cudaError_t launch_direct_as(const DevLayout& L, const DevBuffers& b, std::uint32_t groups,
+                             bool gate_up, cudaStream_t s) {
+  if (gate_up && decode_kernel_fits<F, S>(L, true, kGateUpDecodeRows))
+    return launch_decode<F, S, kGateUpDecodeRows, true>(L, b, groups, s);
+  if (!gate_up && decode_kernel_fits<F, S>(L, false, kDownDecodeRows))
+    return launch_decode<F, S, kDownDecodeRows, false>(L, b, groups, s);
   if (gate_up) {
     const std::uint32_t per_block = kWarps * kGateUpDirectRows;
     gate_up_direct_kernel<F, S, kGateUpDirectRows>
@@ -431,39 +930,46 @@ void launch_direct_as(const DevLayout& L, const DevBuffers& b, std::uint32_t gro
     down_direct_kernel<F, S, kDownDirectRows>
         <<<dim3(groups, (L.hidden + per_block - 1) / per_block), kThreads, 0, s>>>(L, b);
   }
+  return cudaGetLastError();
 }
 
 template <int F>
 cudaError_t launch_affine(const DevLayout& L, const DevBuffers& b, std::uint32_t groups,
                           bool gate_up, cudaStream_t s) {
   switch (L.scale_format) {
-    case 0: launch_direct_as<F, 0>(L, b, groups, gate_up, s); break;
-    case 1: launch_direct_as<F, 1>(L, b, groups, gate_up, s); break;
-    case 2: launch_direct_as<F, 2>(L, b, groups, gate_up, s); break;
+    case 0: return launch_direct_as<F, 0>(L, b, groups, gate_up, s);
+    case 1: return launch_direct_as<F, 1>(L, b, groups, gate_up, s);
+    case 2: return launch_direct_as<F, 2>(L, b, groups, gate_up, s);
     default: return cudaErrorInvalidValue;
   }
-  return cudaGetLastError();
 }
 
 cudaError_t launch_direct(const DevLayout& L, const DevBuffers& b, std::uint32_t groups,
                           bool gate_up, cudaStream_t s) {
   switch (L.format) {
-    case 0: launch_direct_as<0, -1>(L, b, groups, gate_up, s); break;
-    case 1: launch_direct_as<1, -1>(L, b, groups, gate_up, s); break;
-    case 2: launch_direct_as<2, -1>(L, b, groups, gate_up, s); break;
+    case 0: return launch_direct_as<0, -1>(L, b, groups, gate_up, s);
+    case 1: return launch_direct_as<1, -1>(L, b, groups, gate_up, s);
+    case 2: return launch_direct_as<2, -1>(L, b, groups, gate_up, s);
     case 3: return launch_affine<3>(L, b, groups, gate_up, s);
     case 4: return launch_affine<4>(L, b, groups, gate_up, s);
-    case 5: launch_direct_as<5, -1>(L, b, groups, gate_up, s); break;
+    case 5: return launch_direct_as<5, -1>(L, b, groups, gate_up, s);
     default: return cudaErrorInvalidValue;
   }
-  return cudaGetLastError();
 }
 
 // Rows below this take the direct kernels: every group then has fewer entries than a block has
 // warps (a token routes to an expert once), where the staged kernels would leave warps idle.
 constexpr std::uint32_t kDirectBelowRows = kThreads / 32;
 
+template <int F, int S>
+bool decode_fits_both(const DevLayout& L) {
+  return decode_kernel_fits<F, S>(L, true, kGateUpDecodeRows) &&
+         decode_kernel_fits<F, S>(L, false, kDownDecodeRows);
+}
+
+// Launched early behind down (pdl.cuh): its blocks are resident when down's last ones finish.
 __global__ void combine_kernel(DevLayout L, DevBuffers b, std::uint32_t rows) {
+  pdl_wait();
   const std::uint32_t H = L.hidden, k = L.top_k;
   const std::size_t n = std::size_t(rows) * H;
   const std::size_t idx = std::size_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -531,6 +1037,26 @@ cudaError_t prepare_kernels(const DevLayout& L) {
   }
 }
 
+bool groups_as_arguments(const DevLayout& L, std::uint32_t rows) {
+  if (rows == 0 || rows >= kDirectBelowRows) return false;
+  const std::uint32_t n = rows * L.top_k;
+  if (n > kArgEntries || std::min(n, L.n_experts) > kArgGroups) return false;
+  switch (L.format) {  // bf16 (2) is left to its own kernels' choice: the table stays uploaded
+    case 0: return decode_fits_both<0, -1>(L);
+    case 1: return decode_fits_both<1, -1>(L);
+    case 3:
+    case 4:
+      switch (L.scale_format) {
+        case 0: return L.format == 3 ? decode_fits_both<3, 0>(L) : decode_fits_both<4, 0>(L);
+        case 1: return L.format == 3 ? decode_fits_both<3, 1>(L) : decode_fits_both<4, 1>(L);
+        case 2: return L.format == 3 ? decode_fits_both<3, 2>(L) : decode_fits_both<4, 2>(L);
+        default: return false;
+      }
+    case 5: return decode_fits_both<5, -1>(L);
+    default: return false;
+  }
+}
+
 cudaError_t launch_plan(const DevLayout& L, const DevBuffers& b, std::uint32_t layer,
                         std::uint32_t rows, cudaStream_t s) {
   const std::uint32_t n = rows * L.top_k;
@@ -585,8 +1111,9 @@ cudaError_t launch_combine(const DevLayout& L, const DevBuffers& b, std::uint32_
                            cudaStream_t s) {
   const std::size_t n = std::size_t(rows) * L.hidden;
   if (n == 0) return cudaSuccess;
-  combine_kernel<<<unsigned((n + 255) / 256), 256, 0, s>>>(L, b, rows);
-  return cudaGetLastError();
+  static const bool early = pdl_capable(combine_kernel);
+  return launch(combine_kernel, dim3(unsigned((n + 255) / 256)), dim3(256), 0, s, early, L, b,
+                rows);
 }
 
 }  // namespace strata::cuda

@@ -43,6 +43,10 @@ cudaError_t launch_plan(const DevLayout& L, const DevBuffers& b, std::uint32_t l
 // pass computes nothing.
 cudaError_t launch_group(const DevLayout& L, const DevBuffers& b, std::uint32_t layer,
                          std::uint32_t rows, Select select, cudaStream_t s);
+// Whether launch_gate_up and launch_down over `rows` read the groups from
+// DevBuffers::host_groups alone (as kernel arguments), never from the device table: where the
+// host grouped the pass it then need not upload the table.
+bool groups_as_arguments(const DevLayout& L, std::uint32_t rows);
 // h <- act(gate x + bg, up x + bu) for the grouped entries.
 cudaError_t launch_gate_up(const DevLayout& L, const DevBuffers& b, std::uint32_t rows,
                            cudaStream_t s);

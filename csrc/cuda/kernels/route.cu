@@ -15,14 +15,16 @@
 
 #include "dot.cuh"
 #include "kernels.h"
+#include "pdl.cuh"
 
 namespace strata::cuda {
 namespace {
 
-// Compile-time tuning knobs, set to what was fastest on the H200 (docs/cuda.md: 32, 16 and 8
-// experts per block, copy from 1 or 8 rows, measured by benchmarks/native/cuda_kernel_bench.cu).
+// Compile-time tuning knobs, set to what was fastest on the H200 (docs/cuda.md: 32, 16, 8 and 4
+// experts per block, copy from 1 or 8 rows, measured by benchmarks/native/cuda_kernel_bench.cu;
+// 4 and 8 level within noise since the router rows are loaded first).
 #ifndef STRATA_CUDA_ROUTE_LOGITS  // experts per block, one per warp
-#define STRATA_CUDA_ROUTE_LOGITS 8
+#define STRATA_CUDA_ROUTE_LOGITS 4
 #endif
 #ifndef STRATA_CUDA_ROUTE_COPY_ROWS  // below: kCopyStagedRows
 #define STRATA_CUDA_ROUTE_COPY_ROWS 1
@@ -30,43 +32,62 @@ namespace {
 constexpr std::uint32_t kRouteLogits = STRATA_CUDA_ROUTE_LOGITS;
 constexpr std::uint32_t kMaxTopK = 64;
 
-// One logit: lane_dot's order (8-column chunks l, l + 32, ...; each chunk in column order),
-// with two 16-byte loads per chunk where the row allows them (hidden a multiple of 8: every row
-// then starts 32-byte aligned in the router and in x).
-__device__ __forceinline__ float router_dot(const float* w, const float* x, std::uint32_t n,
-                                            std::uint32_t lane) {
-  if (n % 8 != 0) return warp_sum(lane_dot(w, x, n, lane));
-  float acc = 0.0f;
-#pragma unroll 8
-  for (std::uint32_t c0 = 8 * lane; c0 < n; c0 += 8 * 32) {
-    const float4 w0 = *reinterpret_cast<const float4*>(w + c0);
-    const float4 w1 = *reinterpret_cast<const float4*>(w + c0 + 4);
-    const float4 x0 = *reinterpret_cast<const float4*>(x + c0);
-    const float4 x1 = *reinterpret_cast<const float4*>(x + c0 + 4);
-    acc = __fmaf_rn(w0.x, x0.x, acc);
-    acc = __fmaf_rn(w0.y, x0.y, acc);
-    acc = __fmaf_rn(w0.z, x0.z, acc);
-    acc = __fmaf_rn(w0.w, x0.w, acc);
-    acc = __fmaf_rn(w1.x, x1.x, acc);
-    acc = __fmaf_rn(w1.y, x1.y, acc);
-    acc = __fmaf_rn(w1.z, x1.z, acc);
-    acc = __fmaf_rn(w1.w, x1.w, acc);
+// Router rows are read as 16-byte words, all of a batch's chunks issued before the first product
+// needs them (written as a load loop, then a product loop: the compiler otherwise issues each
+// chunk's loads right before its products, one memory round trip per chunk).
+constexpr std::uint32_t kRouteSteps = 8;  // chunk steps a batch: a hidden of 2048 in one batch
+struct RouterRow {
+  float4 w[kRouteSteps][2];
+};
+
+// Lane `lane`'s chunks s0, s0 + 1, ... (of 8 columns each: 8 lane + 256 s) of router row w.
+__device__ __forceinline__ void load_router(const float* w, std::uint32_t n, std::uint32_t lane,
+                                            std::uint32_t s0, RouterRow& r) {
+#pragma unroll
+  for (std::uint32_t s = 0; s < kRouteSteps; ++s) {
+    const std::uint32_t c = 8 * lane + 256 * (s0 + s);
+    if (c < n) {
+      r.w[s][0] = *reinterpret_cast<const float4*>(w + c);
+      r.w[s][1] = *reinterpret_cast<const float4*>(w + c + 4);
+    }
   }
-  return warp_sum(acc);
 }
 
-// The top-k of logit[0, E) into order[0, k): round j takes the largest logit not yet taken, ties
-// to the lower index. The sequential scan (`logit[e] > logit[best]`, e ascending) finds, when no
-// logit is NaN, the lowest index among the largest: a total order (value down, index up), so a
-// warp may split the scan over its lanes (each scanning its experts in ascending order) and fold
-// the lanes' winners by that order. With a NaN among the logits the scan's result depends on where
-// the NaN sits; one thread then runs the scan itself, as before.
+// acc over the batch's chunks, each in column order: lane_dot's order.
+__device__ __forceinline__ float fma_router(const RouterRow& r, const float* x, std::uint32_t n,
+                                            std::uint32_t lane, std::uint32_t s0, float acc) {
+#pragma unroll
+  for (std::uint32_t s = 0; s < kRouteSteps; ++s) {
+    const std::uint32_t c = 8 * lane + 256 * (s0 + s);
+    if (c < n) {
+      const float4 x0 = *reinterpret_cast<const float4*>(x + c);
+      const float4 x1 = *reinterpret_cast<const float4*>(x + c + 4);
+      const float4 w0 = r.w[s][0], w1 = r.w[s][1];
+      acc = __fmaf_rn(w0.x, x0.x, acc);
+      acc = __fmaf_rn(w0.y, x0.y, acc);
+      acc = __fmaf_rn(w0.z, x0.z, acc);
+      acc = __fmaf_rn(w0.w, x0.w, acc);
+      acc = __fmaf_rn(w1.x, x1.x, acc);
+      acc = __fmaf_rn(w1.y, x1.y, acc);
+      acc = __fmaf_rn(w1.z, x1.z, acc);
+      acc = __fmaf_rn(w1.w, x1.w, acc);
+    }
+  }
+  return acc;
+}
+
+// The top-k of logit[0, E) into order[0, k), by the block's threads: round j of the sequential
+// selection takes the largest logit not yet taken, ties to the lower index, i.e. (no logit NaN:
+// a total order, value down then index up) the expert of rank j, where an expert's rank is the
+// number of experts before it in that order. Each thread ranks its experts against all E. With
+// a NaN among the logits the sequential scan's result depends on where the NaN sits; one
+// thread then runs that scan itself.
 __device__ void select_top_k(const float* logit, std::uint32_t E, std::uint32_t k,
-                             std::uint32_t* order, std::uint32_t lane) {
+                             std::uint32_t* order) {
   bool nan = false;
-  for (std::uint32_t e = lane; e < E; e += 32) nan = nan || isnan(logit[e]);
-  if (__any_sync(kFullMask, nan) || E > 32 * 32) {
-    if (lane == 0)
+  for (std::uint32_t e = threadIdx.x; e < E; e += blockDim.x) nan = nan || isnan(logit[e]);
+  if (__syncthreads_or(nan)) {
+    if (threadIdx.x == 0)
       for (std::uint32_t j = 0; j < k; ++j) {
         std::uint32_t best = kAbsentSlot;
         for (std::uint32_t e = 0; e < E; ++e) {
@@ -77,43 +98,52 @@ __device__ void select_top_k(const float* logit, std::uint32_t E, std::uint32_t 
         }
         order[j] = best;
       }
-    __syncwarp();
+    __syncthreads();
     return;
   }
-  std::uint32_t taken = 0;  // bit m: expert lane + 32 m is chosen
-  for (std::uint32_t j = 0; j < k; ++j) {
-    std::uint32_t best = kAbsentSlot;
-    float bv = 0.0f;
-    for (std::uint32_t e = lane, m = 0; e < E; e += 32, ++m) {
-      if (taken & (1u << m)) continue;
-      const float v = logit[e];
-      if (best == kAbsentSlot || v > bv) best = e, bv = v;
+  // Four logits a 16-byte shared load, four loads in flight (logit is 16-byte aligned where
+  // vec4: the caller's layout), so the scan is not one shared-memory latency a logit.
+  const bool vec4 = E % 4 == 0 && (reinterpret_cast<std::uintptr_t>(logit) & 15u) == 0;
+  for (std::uint32_t e = threadIdx.x; e < E; e += blockDim.x) {
+    const float v = logit[e];
+    std::uint32_t rank = 0;
+    auto before = [&](float u, std::uint32_t f) { return (u > v) | ((u == v) & (f < e)); };
+    std::uint32_t f = 0;
+    if (vec4) {
+      const float4* l4 = reinterpret_cast<const float4*>(logit);
+#pragma unroll 4
+      for (; f < E; f += 4) {
+        const float4 u = l4[f / 4];
+        rank += before(u.x, f) + before(u.y, f + 1) + before(u.z, f + 2) + before(u.w, f + 3);
+      }
     }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      const std::uint32_t ob = __shfl_xor_sync(kFullMask, best, off);
-      const float ov = __shfl_xor_sync(kFullMask, bv, off);
-      if (ob != kAbsentSlot &&
-          (best == kAbsentSlot || ov > bv || (ov == bv && ob < best)))
-        best = ob, bv = ov;
-    }
-    if (best != kAbsentSlot && best % 32 == lane) taken |= 1u << (best / 32);
-    if (lane == 0) order[j] = best;
+    for (; f < E; ++f) rank += before(logit[f], f);
+    if (rank < k) order[rank] = e;
   }
-  __syncwarp();
+  __syncthreads();
 }
 
 // Block (token t, expert block, task z). The block's x row lives in shared memory; x comes from
 // the pinned staging the device thread filled (x_staged, mapped) or from device x. With x_staged
 // the first block of the route task also stores the row into device x, for the passes behind it.
+// Launched early (pdl.cuh): each warp issues its router row's loads (routers are written only at
+// bind) and then waits for the kernels before it, whose outputs (x, the scratch) it reads after.
 __global__ void route_kernel(DevLayout L, DevBuffers b, RouteTasks tasks, const float* x_staged,
                              std::uint32_t rows) {
   extern __shared__ float smem[];
   const std::uint32_t t = blockIdx.x, z = blockIdx.z;
-  const RouteTask task = tasks.t[z];
+  // Constant indices: a dynamic one would copy the tasks to local memory.
+  const RouteTask task = z == 0 ? tasks.t[0] : z == 1 ? tasks.t[1] : tasks.t[2];
   const std::uint32_t E = L.n_experts, H = L.hidden, k = L.top_k;
   const std::uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  float* x = smem;  // [H], then (the last block) logit [E], ex [E], order [k]
+  const float* router = b.routers + std::size_t(task.layer) * E * H;
+  const std::uint32_t e = blockIdx.y * kRouteLogits + warp;
+  const bool vec = H % 8 == 0;
+  RouterRow rw;
+  if (e < E && vec) load_router(router + std::size_t(e) * H, H, lane, 0, rw);
+  pdl_wait();
+  pdl_trigger();
+  float* x = smem;  // [H], then (the last block) logit [E], ex [E], order [k], w [k]
   const float* src = (x_staged ? x_staged : b.x) + std::size_t(t) * H;
   const bool store_x = x_staged && z == 0 && blockIdx.y == 0;
   if (H % 4 == 0) {
@@ -131,10 +161,19 @@ __global__ void route_kernel(DevLayout L, DevBuffers b, RouteTasks tasks, const 
   }
   __syncthreads();
   float* logits = b.logits + (std::size_t(z) * rows + t) * E;  // this (token, task)'s scratch
-  const float* router = b.routers + std::size_t(task.layer) * E * H;
-  const std::uint32_t e = blockIdx.y * kRouteLogits + warp;
   if (e < E) {
-    const float d = router_dot(router + std::size_t(e) * H, x, H, lane);
+    float d;
+    if (vec) {
+      const float* w = router + std::size_t(e) * H;
+      float acc = fma_router(rw, x, H, lane, 0, 0.0f);
+      for (std::uint32_t s0 = kRouteSteps; 8 * lane + 256 * s0 < H; s0 += kRouteSteps) {
+        load_router(w, H, lane, s0, rw);
+        acc = fma_router(rw, x, H, lane, s0, acc);
+      }
+      d = warp_sum(acc);
+    } else {
+      d = warp_sum(lane_dot(router + std::size_t(e) * H, x, H, lane));
+    }
     if (lane == 0) {
       logits[e] = d;
       __threadfence();  // the logit is visible GPU-wide before this block counts itself done
@@ -148,30 +187,43 @@ __global__ void route_kernel(DevLayout L, DevBuffers b, RouteTasks tasks, const 
     if (last) *done = 0;  // every block of this launch has counted: ready for the next one
   }
   __syncthreads();
-  if (!last || warp != 0) return;
+  if (!last) return;
   __threadfence();
   float* logit = x + H;
   float* ex = logit + E;
   std::uint32_t* order = reinterpret_cast<std::uint32_t*>(ex + E);
-  for (std::uint32_t q = lane; q < E; q += 32) logit[q] = __ldcg(logits + q);  // from L2
-  __syncwarp();
-  select_top_k(logit, E, k, order, lane);
-  for (std::uint32_t j = lane; j < k; j += 32) {
+  for (std::uint32_t q = threadIdx.x; q < E; q += blockDim.x)
+    logit[q] = __ldcg(logits + q);  // from L2
+  __syncthreads();
+  select_top_k(logit, E, k, order);
+  for (std::uint32_t j = threadIdx.x; j < k; j += blockDim.x) {
     if (task.ids) task.ids[std::size_t(t) * k + j] = std::int32_t(order[j]);
     if (task.ids_back) task.ids_back[std::size_t(t) * k + j] = std::int32_t(order[j]);
   }
   if (!task.weights) return;
   const float top = logit[order[0]];
-  // Each exp is one correctly placed call whichever lane computes it; the sums run on lane 0 in
-  // the sequential order (experts ascending, then j ascending).
+  // Each exp is one correctly placed call whichever thread computes it; the sums run on thread
+  // 0 in the sequential order (experts ascending, then j ascending).
   if (L.routing == 0)
-    for (std::uint32_t q = lane; q < E; q += 32) ex[q] = expf(logit[q] - top);
-  __syncwarp();
-  if (lane != 0) return;
-  float w[kMaxTopK];
+    for (std::uint32_t q = threadIdx.x; q < E; q += blockDim.x) ex[q] = expf(logit[q] - top);
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  float* w = reinterpret_cast<float*>(order + k);  // [k], in shared memory (not local)
   if (L.routing == 0) {  // softmax over every expert, then the chosen (renormalised if asked)
     float total = 0;
-    for (std::uint32_t q = 0; q < E; ++q) total += ex[q];
+    std::uint32_t q = 0;
+    if (E % 4 == 0 && (reinterpret_cast<std::uintptr_t>(ex) & 15u) == 0) {
+      const float4* e4 = reinterpret_cast<const float4*>(ex);
+#pragma unroll 4
+      for (; q < E; q += 4) {  // the same sum, in expert order: the loads only go ahead
+        const float4 v = e4[q / 4];
+        total += v.x;
+        total += v.y;
+        total += v.z;
+        total += v.w;
+      }
+    }
+    for (; q < E; ++q) total += ex[q];
     float chosen = 0;
     for (std::uint32_t j = 0; j < k; ++j) {
       w[j] = ex[order[j]] / total;
@@ -193,6 +245,7 @@ __global__ void route_kernel(DevLayout L, DevBuffers b, RouteTasks tasks, const 
 
 // x from the staging into device x, for a batch (below).
 __global__ void copy_x_kernel(float* dst, const float* src, std::size_t n) {
+  pdl_trigger();  // the route kernel behind it may start loading its routers
   for (std::size_t i = std::size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += std::size_t(gridDim.x) * blockDim.x)
     dst[i] = src[i];
@@ -205,7 +258,7 @@ __global__ void copy_x_kernel(float* dst, const float* src, std::size_t n) {
 constexpr std::uint32_t kCopyStagedRows = STRATA_CUDA_ROUTE_COPY_ROWS;
 
 std::size_t route_smem(const DevLayout& L) {
-  return (std::size_t(L.hidden) + 2 * std::size_t(L.n_experts) + L.top_k) * 4;
+  return (std::size_t(L.hidden) + 2 * std::size_t(L.n_experts) + 2 * std::size_t(L.top_k)) * 4;
 }
 
 }  // namespace
@@ -242,9 +295,9 @@ cudaError_t launch_route(const DevLayout& L, const DevBuffers& b, std::uint32_t 
   }
   const std::uint32_t blocks = (L.n_experts + kRouteLogits - 1) / kRouteLogits;
   const std::uint32_t warps = L.n_experts < kRouteLogits ? L.n_experts : kRouteLogits;
-  route_kernel<<<dim3(rows, blocks, tasks.n), 32 * warps, route_smem(L), s>>>(L, b, tasks,
-                                                                              x_staged, rows);
-  return cudaGetLastError();
+  static const bool early = pdl_capable(route_kernel);
+  return launch(route_kernel, dim3(rows, blocks, tasks.n), dim3(32 * warps), route_smem(L), s,
+                early, L, b, tasks, x_staged, rows);
 }
 
 }  // namespace strata::cuda
