@@ -459,7 +459,7 @@ cudaError_t launch_mma(const DevLayout& L, const DevBuffers& b, std::uint32_t ro
     return vec ? launch_as<DecodeTiling, GateUp, true, false>(L, b, rows, groups, h_out, s)
                : launch_as<DecodeTiling, GateUp, false, false>(L, b, rows, groups, h_out, s);
   if constexpr (kSmallBelowRows > kDecodeBelowRows) {
-    if (rows < kSmallBelowRows)
+    if (rows < std::max(kSmallBelowRows, kDecodeBelowRows))
       return launch_prompt<SmallTiling<GateUp>, GateUp>(L, b, rows, groups, vec, h_out, s);
   }
   return launch_prompt<PromptTiling<GateUp>, GateUp>(L, b, rows, groups, vec, h_out, s);
