@@ -143,15 +143,13 @@ if wants prompt; then
   # Neighbours of the tensor-core kernels' tuning knobs (mma_experts.cu): timed beside the
   # defaults and checked bitwise against them; the defaults change by hand, from these figures.
   M=-DSTRATA_CUDA_MMA
-  # smem: the prompt kernels splitting float32 rows in every block (no pieces scratch); r4: 8
-  # warps, 128 (gate_up) or 256 (down) output rows a block; r4w1: the same rows, 4 warps, 32
-  # tokens a chunk; mix, mix2: below 1024 rows the r4w1 or the pw1 tiling, the default above.
-  variants=("smem:${M}_PROMPT_PIECES=0" "r4:${M}_PROMPT_ROW_WARPS=4"
-            "mix:${M}_SMALL_BELOW_ROWS=1024"
-            "mix2:${M}_SMALL_BELOW_ROWS=1024 ${M}_SMALL_ROW_WARPS=2 ${M}_SMALL_TOKEN_WARPS=1"
-            "r4w1:${M}_PROMPT_ROW_WARPS=4 ${M}_PROMPT_TOKEN_WARPS=1"
-            "pw1:${M}_PROMPT_TOKEN_WARPS=1" "ps3:${M}_PROMPT_STAGES=3"
-            "pk64:${M}_PROMPT_BK=64 ${M}_PROMPT_STAGES=3" "dw8:${M}_DECODE_WARPS=8")
+  # smem: the prompt kernels splitting float32 rows in every block (no pieces scratch); p2: the
+  # previous prompt tiling (64 or 128 output rows, 4 warps, 64 tokens) at every row count; r4:
+  # the large tiling at every row count; s512: the small one below 512 rows only; ps3: 3
+  # k-stages; dw8: 8 decode warps.
+  variants=("smem:${M}_PROMPT_PIECES=0" "p2:${M}_PROMPT_ROW_WARPS=2 ${M}_SMALL_BELOW_ROWS=0"
+            "r4:${M}_SMALL_BELOW_ROWS=0" "s512:${M}_SMALL_BELOW_ROWS=512"
+            "ps3:${M}_PROMPT_STAGES=3" "dw8:${M}_DECODE_WARPS=8")
   pb_build now csrc/cuda &
   pb_build one_piece csrc/cuda -DSTRATA_CUDA_MMA_ONE_PIECE_BENCH &
   [ -n "${STRATA_KERNELS_BEFORE:-}" ] && pb_build before "$STRATA_KERNELS_BEFORE" &

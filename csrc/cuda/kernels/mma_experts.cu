@@ -24,9 +24,11 @@
 // gate_up, h by gate_up itself as it writes h), so a k-stage is one barrier and no arithmetic
 // beside the MMAs; decode (and a backend without the scratch, or odd widths) stages the float32
 // rows and splits them in shared memory once a stage. Only the chunk's tokens (rounded up to a
-// column block of 8) are staged and split, not the whole chunk's width. Decode (below 8 rows) takes small tiles (by default
-// 64 output rows, one 8-token column block, 4 warps) so that enough blocks stream the weights;
-// prompts take 64 (gate_up) or 128 (down) rows by 64 tokens over 4 warps (the knobs below). The
+// column block of 8) are staged and split, not the whole chunk's width.
+//
+// Decode (below 8 rows) takes small tiles (by default 64 output rows, one 8-token column block,
+// 4 warps) so that enough blocks stream the weights; prompts below 1024 rows take 128 (gate_up: of gate and of up) or 256 (down) rows by 32 tokens
+// over 4 warps, from 1024 rows the same rows by 64 tokens over 8 warps (the knobs below). The
 // tiling changes which thread computes an element, not its order.
 #include <algorithm>
 #include <cstddef>
@@ -64,8 +66,8 @@ struct Tiling {
 // Compile-time tuning knobs (tests/cuda/device_run.sh prompt builds neighbours of these, checks
 // their outputs bitwise against the defaults' and times them): decode's warps a block (each 16
 // output rows of gate and up, or of down), k-stage width and depth; the prompt tiling's warps
-// along the tokens (64 tokens a chunk with 2, 32 with 1), k-stage width and depth. The defaults
-// are what the H200 measured (docs/cuda.md). None changes an output bit.
+// along the tokens (64 tokens a chunk with 2, 32 with 1), k-stage width and depth, and those
+// below. The defaults are what the H200 measured (docs/cuda.md). None changes an output bit.
 #ifndef STRATA_CUDA_MMA_DECODE_WARPS
 #define STRATA_CUDA_MMA_DECODE_WARPS 4
 #endif
@@ -88,7 +90,7 @@ struct Tiling {
 // 4 of down), 8-token tiles a warp, the blocks a multiprocessor its registers are bounded for,
 // and whether it stages the pieces from the scratch (1) or splits float32 rows itself (0).
 #ifndef STRATA_CUDA_MMA_PROMPT_ROW_WARPS
-#define STRATA_CUDA_MMA_PROMPT_ROW_WARPS 2
+#define STRATA_CUDA_MMA_PROMPT_ROW_WARPS 4
 #endif
 #ifndef STRATA_CUDA_MMA_PROMPT_TOKEN_TILES
 #define STRATA_CUDA_MMA_PROMPT_TOKEN_TILES 4
@@ -103,7 +105,7 @@ struct Tiling {
 // rows and along the tokens (the other knobs as the prompt tiling's): few tokens a group want
 // taller tiles and narrower chunks.
 #ifndef STRATA_CUDA_MMA_SMALL_BELOW_ROWS
-#define STRATA_CUDA_MMA_SMALL_BELOW_ROWS 0
+#define STRATA_CUDA_MMA_SMALL_BELOW_ROWS 1024
 #endif
 #ifndef STRATA_CUDA_MMA_SMALL_ROW_WARPS
 #define STRATA_CUDA_MMA_SMALL_ROW_WARPS 4
