@@ -246,8 +246,8 @@ int main(int argc, char** argv) {
   const double route_us = tm.median_us(
       N, [&](int) { CK(launch_route(L, b, 1, tasks, nullptr, s)); }, s);
   // Each timed launch reads experts no launch of the last 7 read (128 slots, 16 a step): HBM.
-  double gu_us = 0, dn_us = 0;
-  {
+  // Medians of gate_up's and down's launch times, each launch on its own groups.
+  auto time_experts = [&](double* gu_us, double* dn_us) {
     std::vector<double> gus, dns;
     for (int i = 0; i < N; ++i) {
       set_groups(1, std::uint32_t(i) * 2 * K);
@@ -257,24 +257,16 @@ int main(int argc, char** argv) {
     }
     std::sort(gus.begin(), gus.end());
     std::sort(dns.begin(), dns.end());
-    gu_us = gus[gus.size() / 2];
-    dn_us = dns[dns.size() / 2];
-  }
+    *gu_us = gus[gus.size() / 2];
+    *dn_us = dns[dns.size() / 2];
+  };
+  double gu_us = 0, dn_us = 0;
+  time_experts(&gu_us, &dn_us);
   // The same with the groups read from the device table (the mapped arena's way), for comparison.
   double gu_tbl_us = 0, dn_tbl_us = 0;
   if (has_host_groups) {
     host_groups_on = false;
-    std::vector<double> gus, dns;
-    for (int i = 0; i < N; ++i) {
-      set_groups(1, std::uint32_t(i) * 2 * K);
-      gus.push_back(tm.once_us([&] { CK(launch_gate_up(L, b, 1, s)); }, s));
-      set_groups(1, std::uint32_t(i) * 2 * K + K);
-      dns.push_back(tm.once_us([&] { CK(launch_down(L, b, 1, s)); }, s));
-    }
-    std::sort(gus.begin(), gus.end());
-    std::sort(dns.begin(), dns.end());
-    gu_tbl_us = gus[gus.size() / 2];
-    dn_tbl_us = dns[dns.size() / 2];
+    time_experts(&gu_tbl_us, &dn_tbl_us);
     host_groups_on = true;
   }
   const double combine_us = tm.median_us(N, [&](int) { CK(launch_combine(L, b, 1, s)); }, s);

@@ -1,6 +1,6 @@
-// The fused activations of gate_up, shared by the expert kernels: the pack's SwiGLU or gpt-oss's
-// clamped SwiGLU of an output row's gate and up dots (biases added), the CPU backend's
-// expressions (exp within 2 ulp of the CPU's).
+// The fused activations of gate_up, one definition for every expert kernel (experts.cu,
+// mma_experts.cu): the pack's SwiGLU or gpt-oss's clamped SwiGLU of an output row's gate and up
+// dots (biases added), the CPU backend's expressions (exp within 2 ulp of the CPU's).
 #pragma once
 
 #include "device_types.h"

@@ -7,6 +7,7 @@
 // split give the same bits.
 #include <algorithm>
 
+#include "activation.cuh"
 #include "dot.cuh"
 #include "kernels.h"
 #include "mma_experts.h"
@@ -24,19 +25,10 @@ __device__ __forceinline__ std::uint32_t load_smap(const std::uint32_t* smap, st
   return *reinterpret_cast<const volatile std::uint32_t*>(smap + key);
 }
 
-__device__ __forceinline__ float activate(const DevLayout& L, float g, float u) {
-  if (L.activation == 0) return (g / (1.0f + expf(-g))) * u;  // silu(g) * u
-  // gpt-oss: the gate clipped from above only, the linear part both ways and shifted by one.
-  const float lim = L.act_limit;
-  const float gc = fminf(g, lim);
-  const float uc = fminf(fmaxf(u, -lim), lim);
-  return (uc + 1.0f) * (gc / (1.0f + expf(-L.act_alpha * gc)));
-}
-
 // h of entry i, output row r: the activation of its gate and up dots (biases added).
 __device__ __forceinline__ void store_h(const DevLayout& L, const DevBuffers& b, std::uint32_t i,
                                         std::uint32_t r, float g, float u) {
-  float h = activate(L, g, u);
+  float h = activate_swiglu(L, g, u);
   if ((L.plant & kPlantGateUp) && r == 0) h += 1.0f / 1024.0f;  // tests only
   b.h[std::size_t(i) * L.inter + r] = h;
 }
