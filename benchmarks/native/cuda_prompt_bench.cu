@@ -7,11 +7,15 @@
 //   nvcc -std=c++20 -O3 -arch=sm_90 -shared -Xcompiler -fPIC -I<dir above kernels> -Icsrc/engine \
 //     -o libprompt.so benchmarks/native/cuda_prompt_bench.cu <kernels>/experts.cu \
 //     [<kernels>/mma_experts.cu [-DSTRATA_CUDA_MMA_ONE_PIECE_BENCH]]
+// (pb_reserve allocates the scratch a tree's kernels take, as the backend's bind does.)
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
 #include "kernels/kernels.h"
+#if __has_include("kernels/mma_experts.h")
+#include "kernels/mma_experts.h"
+#endif
 
 using namespace strata::cuda;
 
@@ -47,6 +51,24 @@ int pb_configure(std::uint32_t n_experts, std::uint32_t hidden, std::uint32_t in
   layout = L;
   buffers = b;
   return int(prepare_kernels(L));
+}
+
+// The kernels' device scratch for up to max_rows tokens, where the tree's kernels have one (the
+// tensor-core kernels' bf16 pieces of x and h: STRATA_CUDA_MMA_PIECES); after pb_configure.
+// Returns the allocation's error.
+int pb_reserve(std::uint32_t max_rows) {
+#ifdef STRATA_CUDA_MMA_PIECES
+  void* x = nullptr;
+  void* h = nullptr;
+  cudaError_t e = cudaMalloc(&x, mma_x_pieces_bytes(layout, max_rows) + 16);
+  if (e == cudaSuccess) e = cudaMalloc(&h, mma_h_pieces_bytes(layout, max_rows) + 16);
+  if (e != cudaSuccess) return int(e);
+  buffers.x_pieces = static_cast<std::uint16_t*>(x);
+  buffers.h_pieces = static_cast<std::uint16_t*>(h);
+#else
+  (void)max_rows;
+#endif
+  return 0;
 }
 
 // One layer's expert work for `rows` tokens over a group table in device memory (uint32:

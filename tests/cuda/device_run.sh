@@ -119,8 +119,17 @@ PY
       /tmp/kbench_tuned
   fi
 fi
+# One build folder per source tree: several trees share a warm machine (CMake refuses a cache
+# made from another source directory).
+build=${STRATA_BUILD_DIR:-/tmp/strata-build-$(printf %s "$PWD" | md5sum | cut -c1-8)}
+build_cmd="cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DSTRATA_BUILD_PYTHON=ON -DSTRATA_CUDA=ON -DPython_EXECUTABLE=\$(command -v $py) \
+  -Dpybind11_DIR=\$($py -m pybind11 --cmakedir) -DCMAKE_CUDA_FLAGS='$tuning' && cmake --build $build -j16 --target _core _cuda _bench strata_cuda_check"
 # The bf16 tensor-core kernels against torch: no Python build either.
 if wants prompt; then
+  # The build (whose flags no prompt step changes) compiles beside the bench's libraries, and
+  # is finished before anything is timed; the build step below then finds it up to date.
+  timeout 240 bash -c "$build_cmd" > "$out/build_early.log" 2>&1 &
   pb_build() {  # pb_build NAME DIR [nvcc flags]: benchmarks/native/cuda_prompt_bench.cu as a library
     local name=$1 dir=$2
     shift 2
@@ -134,9 +143,13 @@ if wants prompt; then
   # Neighbours of the tensor-core kernels' tuning knobs (mma_experts.cu): timed beside the
   # defaults and checked bitwise against them; the defaults change by hand, from these figures.
   M=-DSTRATA_CUDA_MMA
-  variants=("dw2:${M}_DECODE_WARPS=2" "dw8:${M}_DECODE_WARPS=8" "ds8:${M}_DECODE_STAGES=8"
-            "dk128:${M}_DECODE_BK=128 ${M}_DECODE_STAGES=3" "pw1:${M}_PROMPT_TOKEN_WARPS=1"
-            "ps3:${M}_PROMPT_STAGES=3" "pk64:${M}_PROMPT_BK=64 ${M}_PROMPT_STAGES=3")
+  # smem: the prompt kernels splitting float32 rows in every block (no pieces scratch); p2: the
+  # previous prompt tiling (64 or 128 output rows, 4 warps, 64 tokens) at every row count; r4:
+  # the large tiling at every row count; s512: the small one below 512 rows only; ps3: 3
+  # k-stages; dw8: 8 decode warps.
+  variants=("smem:${M}_PROMPT_PIECES=0" "p2:${M}_PROMPT_ROW_WARPS=2 ${M}_SMALL_BELOW_ROWS=0"
+            "r4:${M}_SMALL_BELOW_ROWS=0" "s512:${M}_SMALL_BELOW_ROWS=512"
+            "ps3:${M}_PROMPT_STAGES=3" "dw8:${M}_DECODE_WARPS=8")
   pb_build now csrc/cuda &
   pb_build one_piece csrc/cuda -DSTRATA_CUDA_MMA_ONE_PIECE_BENCH &
   [ -n "${STRATA_KERNELS_BEFORE:-}" ] && pb_build before "$STRATA_KERNELS_BEFORE" &
@@ -152,14 +165,26 @@ if wants prompt; then
   done
   step prompt 240 $py benchmarks/cuda_prompt.py --lib-now /tmp/libprompt_now.so \
     --lib-one-piece /tmp/libprompt_one_piece.so "${extra[@]}" --json "$out/cuda_prompt.json"
+  # Where the tensor-core kernels stall: ncu's full set over the first gate_up and down of a
+  # 128-row and of a 2048-row random wave (STRATA_PROMPT_NCU=0 skips it).
+  if [ "${STRATA_PROMPT_NCU:-1}" != 0 ]; then
+    for r in 128 2048; do
+      step "ncu_prompt_$r" 120 ncu --set full -k regex:mma_kernel --launch-count 2 \
+        --import-source no -o "/tmp/ncu_prompt_$r" -f $py benchmarks/cuda_prompt.py \
+        --lib-now /tmp/libprompt_now.so --rows "$r" --reps 1
+      timeout 60 ncu -i "/tmp/ncu_prompt_$r.ncu-rep" --page details > "$out/ncu_prompt_$r.txt" 2>&1
+      # The stall reasons, cycles a warp waited per issued instruction, by reason.
+      timeout 60 ncu -i "/tmp/ncu_prompt_$r.ncu-rep" --page raw 2>&1 \
+        | grep -E "issue_stalled_[a-z_]+_per_issue_active.ratio|Function Name|^  [a-z_]+mma" \
+        > "$out/ncu_prompt_stalls_$r.txt"
+      awk '$NF + 0 >= 0.2 || /mma/' "$out/ncu_prompt_stalls_$r.txt" | head -40
+      grep -E "^  [a-z_]|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|DRAM Throughput|Compute \(SM\) Throughput|Memory Throughput|Warp Cycles Per Issued|Issued Warp|Stall|Block Limit" \
+        "$out/ncu_prompt_$r.txt" | head -60
+    done
+  fi
 fi
-# One build folder per source tree: several trees share a warm machine (CMake refuses a cache
-# made from another source directory).
-build=${STRATA_BUILD_DIR:-/tmp/strata-build-$(printf %s "$PWD" | md5sum | cut -c1-8)}
-step build 240 bash -c "cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release \
-  -DSTRATA_BUILD_PYTHON=ON -DSTRATA_CUDA=ON -DPython_EXECUTABLE=\$(command -v $py) \
-  -Dpybind11_DIR=\$($py -m pybind11 --cmakedir) -DCMAKE_CUDA_FLAGS='$tuning' && cmake --build $build -j16 --target _core _cuda _bench strata_cuda_check" \
-  || exit 1
+
+step build 240 bash -c "$build_cmd" || exit 1
 cp "$build"/_core*.so "$build"/_cuda*.so "$build"/_bench*.so src/strata_stream/
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
 $py -c "import strata_stream._cuda as c; print('cuda:', c.unavailable() or 'available')"

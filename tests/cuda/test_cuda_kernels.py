@@ -84,16 +84,20 @@ def test_a_token_has_the_same_bits_alone_and_in_a_batch(
 
 
 @cuda
-def test_bf16_groups_of_many_chunks_keep_a_tokens_bits_and_match_the_cpu(tmp_path: Path) -> None:
-    """4 experts, top-3, 1000 rows: about 750 tokens a group, 12 chunks of 64 for the 8 blocks
-    that share a (group, row tile), so each block takes several in turn."""
+@pytest.mark.parametrize("rows", [1000, 1024])
+def test_bf16_groups_of_many_chunks_keep_a_tokens_bits_and_match_the_cpu(
+    tmp_path: Path, rows: int
+) -> None:
+    """4 experts, top-3: about 3/4 of the rows a group, so each of the 8 blocks that share a
+    (group, row tile) takes several chunks in turn (1000 rows: the prompt kernels' small tiling,
+    chunks of 32; 1024, the whole default chunk: the large one, chunks of 64)."""
     g = Geometry(LAYERS, 4, 3, 256, 64, "softmax_topk", True)
     rng = np.random.default_rng(6)
     routers = [rng.standard_normal((4, 256)).astype(np.float32) for _ in range(LAYERS)]
     path = tmp_path / "chunks-bf16.strpk"
     write_pack(path, g, routers, _experts(g, 1, False), weight_format="bf16", progress=False)
-    batch = [rng.standard_normal((1000, 256)).astype(np.float32) for _ in range(LAYERS)]
-    alone, three, many = (run(path, [[x[:t] for x in batch]], "cuda") for t in (1, 3, 1000))
+    batch = [rng.standard_normal((rows, 256)).astype(np.float32) for _ in range(LAYERS)]
+    alone, three, many = (run(path, [[x[:t] for x in batch]], "cuda") for t in (1, 3, rows))
     for a, b, c in zip(alone, three, many, strict=True):
         assert np.array_equal(a[0], c[0]) and np.array_equal(b, c[:3])
     assert max_violation(many, run(path, [batch], "cpu")) <= 1.0

@@ -21,6 +21,7 @@
 #include "arena_mirror.h"
 #include "host_registry.h"
 #include "kernels/kernels.h"
+#include "kernels/mma_experts.h"
 #include "residency/smap.h"
 
 namespace strata::cuda {
@@ -337,6 +338,10 @@ class CudaBackend final : public Backend {
     weights_.ensure(R * k * 4);
     plan_.ensure(R * k * 4);
     h_.ensure(R * k * I * 4);
+    // bf16 only: the bf16 pieces of x and h the tensor-core prompt kernels stage (6 bytes an
+    // element, split once a pass instead of in every block).
+    x_pieces_.ensure(mma_x_pieces_bytes(layout_, std::uint32_t(R)));
+    h_pieces_.ensure(mma_h_pieces_bytes(layout_, std::uint32_t(R)));
     y_.ensure(R * k * H * 4);
     wave_.ensure(E * 4);
     wave_n_.ensure(4);
@@ -370,6 +375,8 @@ class CudaBackend final : public Backend {
     dev_.route_done = route_done_.as<std::uint32_t>();
     dev_.plan = plan_.as<std::uint32_t>();
     dev_.h = h_.as<float>();
+    dev_.x_pieces = layout_.format == 2 ? x_pieces_.as<std::uint16_t>() : nullptr;
+    dev_.h_pieces = layout_.format == 2 ? h_pieces_.as<std::uint16_t>() : nullptr;
     dev_.y = y_.as<float>();
     dev_.out = back_.device<float>(back_out_);
     dev_.wave = wave_.as<std::int32_t>();
@@ -932,6 +939,7 @@ class CudaBackend final : public Backend {
   const float* host_routers_ = nullptr;
   DeviceArray routers_, x_, ids_, weights_, plan_, h_, y_, wave_, wave_n_, groups_;
   DeviceArray logits_, route_done_;  // the route kernel's scratch
+  DeviceArray x_pieces_, h_pieces_;  // the tensor-core kernels' scratch (bf16 packs only)
   // The device thread's (bind() sizes them while it is idle): staging up, and the readback the
   // kernels write what the host reads into (byte offsets of its sections).
   PinnedArray up_, back_;

@@ -60,6 +60,11 @@ struct DevBuffers {
   std::uint32_t* route_done = nullptr;  // [tasks][rows] its blocks-done counters, kept zero
   std::uint32_t* plan = nullptr;
   float* h = nullptr;
+  // The bf16 pieces (hi, mid, lo: mma.cuh's split3) of x's rows and of h's, [rows][3][hidden] and
+  // [rows * top_k][3][inter], which the tensor-core prompt kernels stage instead of splitting
+  // float32 rows in every block (mma_experts.h sizes them). Null: every block splits its own.
+  std::uint16_t* x_pieces = nullptr;
+  std::uint16_t* h_pieces = nullptr;
   float* y = nullptr;
   float* out = nullptr;
   const std::int32_t* wave = nullptr;

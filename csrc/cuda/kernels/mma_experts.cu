@@ -18,11 +18,17 @@
 //
 // A block computes a tile of output rows (for gate_up the same rows of gate and of up, so the
 // activation fuses) over a chunk of up to BN of its group's tokens, looping over the group's
-// chunks; the weight tile and the activations' float32 rows are staged through shared memory
-// by cp.async, STAGES deep, and the activations are split into their pieces once a stage;
-// warps read their fragments with ldmatrix. Decode (below 8 rows) takes small tiles (by default
-// 64 output rows, one 8-token column block, 4 warps) so that enough blocks stream the weights;
-// prompts take 64 (gate_up) or 128 (down) rows by 64 tokens over 4 warps (the knobs below). The
+// chunks; the weight tile and the activations are staged through shared memory by cp.async,
+// STAGES deep, and warps read their fragments with ldmatrix. Prompts (from 8 rows) stage the
+// activations' bf16 pieces, split once a pass into device scratch (x by a small kernel before
+// gate_up, h by gate_up itself as it writes h), so a k-stage is one barrier and no arithmetic
+// beside the MMAs; decode (and a backend without the scratch, or odd widths) stages the float32
+// rows and splits them in shared memory once a stage. Only the chunk's tokens (rounded up to a
+// column block of 8) are staged and split, not the whole chunk's width.
+//
+// Decode (below 8 rows) takes small tiles (by default 64 output rows, one 8-token column block,
+// 4 warps) so that enough blocks stream the weights; prompts below 1024 rows take 128 (gate_up: of gate and of up) or 256 (down) rows by 32 tokens
+// over 4 warps, from 1024 rows the same rows by 64 tokens over 8 warps (the knobs below). The
 // tiling changes which thread computes an element, not its order.
 #include <algorithm>
 #include <cstddef>
@@ -44,11 +50,12 @@ constexpr int kPieces = 1;
 constexpr int kPieces = 3;
 #endif
 
-template <int WM_, int WN_, int MT_, int NT_, int BK_, int STAGES_>
+template <int WM_, int WN_, int MT_, int NT_, int BK_, int STAGES_, int MIN_BLOCKS_ = 1>
 struct Tiling {
   static constexpr int WM = WM_, WN = WN_;  // warps along output rows, along tokens
   static constexpr int MT = MT_, NT = NT_;  // a warp's 16-row tiles (per matrix), 8-token tiles
   static constexpr int BK = BK_, STAGES = STAGES_;
+  static constexpr int kMinBlocks = MIN_BLOCKS_;  // __launch_bounds__' blocks a multiprocessor
   static constexpr int kThreads = 32 * WM * WN;
   static constexpr int BM = WM * MT * 16;  // output rows a block, per matrix
   static constexpr int BN = WN * NT * 8;   // tokens a chunk
@@ -59,8 +66,8 @@ struct Tiling {
 // Compile-time tuning knobs (tests/cuda/device_run.sh prompt builds neighbours of these, checks
 // their outputs bitwise against the defaults' and times them): decode's warps a block (each 16
 // output rows of gate and up, or of down), k-stage width and depth; the prompt tiling's warps
-// along the tokens (64 tokens a chunk with 2, 32 with 1), k-stage width and depth. The defaults
-// are what the H200 measured (docs/cuda.md). None changes an output bit.
+// along the tokens (64 tokens a chunk with 2, 32 with 1), k-stage width and depth, and those
+// below. The defaults are what the H200 measured (docs/cuda.md). None changes an output bit.
 #ifndef STRATA_CUDA_MMA_DECODE_WARPS
 #define STRATA_CUDA_MMA_DECODE_WARPS 4
 #endif
@@ -79,6 +86,33 @@ struct Tiling {
 #ifndef STRATA_CUDA_MMA_PROMPT_STAGES
 #define STRATA_CUDA_MMA_PROMPT_STAGES 4
 #endif
+// The prompt tiling's warps along the output rows (each 2 tiles of 16 rows of gate and of up, or
+// 4 of down), 8-token tiles a warp, the blocks a multiprocessor its registers are bounded for,
+// and whether it stages the pieces from the scratch (1) or splits float32 rows itself (0).
+#ifndef STRATA_CUDA_MMA_PROMPT_ROW_WARPS
+#define STRATA_CUDA_MMA_PROMPT_ROW_WARPS 4
+#endif
+#ifndef STRATA_CUDA_MMA_PROMPT_TOKEN_TILES
+#define STRATA_CUDA_MMA_PROMPT_TOKEN_TILES 4
+#endif
+#ifndef STRATA_CUDA_MMA_PROMPT_MIN_BLOCKS
+#define STRATA_CUDA_MMA_PROMPT_MIN_BLOCKS 1
+#endif
+#ifndef STRATA_CUDA_MMA_PROMPT_PIECES
+#define STRATA_CUDA_MMA_PROMPT_PIECES 1
+#endif
+// Prompts below this many rows (0: none) take a second tiling, with its own warps along the
+// rows and along the tokens (the other knobs as the prompt tiling's): few tokens a group want
+// taller tiles and narrower chunks.
+#ifndef STRATA_CUDA_MMA_SMALL_BELOW_ROWS
+#define STRATA_CUDA_MMA_SMALL_BELOW_ROWS 1024
+#endif
+#ifndef STRATA_CUDA_MMA_SMALL_ROW_WARPS
+#define STRATA_CUDA_MMA_SMALL_ROW_WARPS 4
+#endif
+#ifndef STRATA_CUDA_MMA_SMALL_TOKEN_WARPS
+#define STRATA_CUDA_MMA_SMALL_TOKEN_WARPS 1
+#endif
 static_assert(STRATA_CUDA_MMA_DECODE_BK % 16 == 0 && STRATA_CUDA_MMA_PROMPT_BK % 16 == 0,
               "k-stages hold whole k-blocks of 16");
 static_assert(STRATA_CUDA_MMA_DECODE_STAGES >= 2 && STRATA_CUDA_MMA_PROMPT_STAGES >= 2,
@@ -87,8 +121,17 @@ static_assert(STRATA_CUDA_MMA_DECODE_STAGES >= 2 && STRATA_CUDA_MMA_PROMPT_STAGE
 using DecodeTiling = Tiling<STRATA_CUDA_MMA_DECODE_WARPS, 1, 1, 1, STRATA_CUDA_MMA_DECODE_BK,
                             STRATA_CUDA_MMA_DECODE_STAGES>;
 template <bool GateUp>
-using PromptTiling = Tiling<2, STRATA_CUDA_MMA_PROMPT_TOKEN_WARPS, GateUp ? 2 : 4, 4,
-                            STRATA_CUDA_MMA_PROMPT_BK, STRATA_CUDA_MMA_PROMPT_STAGES>;
+using PromptTiling = Tiling<STRATA_CUDA_MMA_PROMPT_ROW_WARPS, STRATA_CUDA_MMA_PROMPT_TOKEN_WARPS,
+                            GateUp ? 2 : 4, STRATA_CUDA_MMA_PROMPT_TOKEN_TILES,
+                            STRATA_CUDA_MMA_PROMPT_BK, STRATA_CUDA_MMA_PROMPT_STAGES,
+                            STRATA_CUDA_MMA_PROMPT_MIN_BLOCKS>;
+template <bool GateUp>
+using SmallTiling = Tiling<STRATA_CUDA_MMA_SMALL_ROW_WARPS, STRATA_CUDA_MMA_SMALL_TOKEN_WARPS,
+                           GateUp ? 2 : 4, STRATA_CUDA_MMA_PROMPT_TOKEN_TILES,
+                           STRATA_CUDA_MMA_PROMPT_BK, STRATA_CUDA_MMA_PROMPT_STAGES,
+                           STRATA_CUDA_MMA_PROMPT_MIN_BLOCKS>;
+constexpr bool kPromptPieces = STRATA_CUDA_MMA_PROMPT_PIECES != 0;
+constexpr std::uint32_t kSmallBelowRows = STRATA_CUDA_MMA_SMALL_BELOW_ROWS;
 
 // Rows below this take the decode tiling (experts.cu's kDirectBelowRows, the same boundary).
 constexpr std::uint32_t kDecodeBelowRows = 8;
@@ -99,20 +142,51 @@ template <class T, int Mats>
 __host__ __device__ constexpr std::size_t a_bytes() {
   return std::size_t(T::STAGES) * Mats * T::BM * T::kStride * 2;
 }
-template <class T>
+// Pre: the staged pieces ([S][kPieces][BN][KS] bf16), the only activation buffer. Else the
+// float32 rows ([S][BN][BK]) and one split stage ([kPieces][BN][KS]).
+template <class T, bool Pre>
 __host__ __device__ constexpr std::size_t x_bytes() {
-  return std::size_t(T::STAGES) * T::BN * T::BK * 4;
+  return Pre ? std::size_t(T::STAGES) * kPieces * T::BN * T::kStride * 2
+             : std::size_t(T::STAGES) * T::BN * T::BK * 4 +
+                   std::size_t(kPieces) * T::BN * T::kStride * 2;
 }
-template <class T, int Mats>
+template <class T, int Mats, bool Pre>
 __host__ __device__ constexpr std::size_t smem_bytes() {
-  return a_bytes<T, Mats>() + x_bytes<T>() + std::size_t(kPieces) * T::BN * T::kStride * 2;
+  return a_bytes<T, Mats>() + x_bytes<T, Pre>();
+}
+
+// x's rows -> their bf16 pieces, [rows][3][K] (K a multiple of 4, x 16-byte aligned): the same
+// split3 as every block's own split, once a pass.
+__global__ void split_rows_kernel(const float* __restrict__ x, std::uint16_t* __restrict__ out,
+                                  std::uint32_t rows, std::uint32_t K) {
+  const std::uint32_t quads = K / 4;
+  const std::uint64_t n = std::uint64_t(rows) * quads;
+  for (std::uint64_t q = blockIdx.x * std::uint64_t(blockDim.x) + threadIdx.x; q < n;
+       q += std::uint64_t(gridDim.x) * blockDim.x) {
+    const std::uint64_t r = q / quads, c = q % quads * 4;
+    const float4 v = *reinterpret_cast<const float4*>(x + r * K + c);
+    const float xs[4] = {v.x, v.y, v.z, v.w};
+    std::uint16_t p[3][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) split3(xs[j], p[0][j], p[1][j], p[2][j]);
+#pragma unroll
+    for (int piece = 0; piece < 3; ++piece)
+      *reinterpret_cast<uint2*>(out + (r * 3 + piece) * K + c) =
+          uint2{std::uint32_t(p[piece][0]) | std::uint32_t(p[piece][1]) << 16,
+                std::uint32_t(p[piece][2]) | std::uint32_t(p[piece][3]) << 16};
+  }
 }
 
 // GateUp: h <- act(gate x + bg, up x + bu); else y <- w * (down h + bd). Vec: every staged
 // 16-byte piece is aligned and whole (rows a multiple of 8 columns), so cp.async stages them;
-// else plain loads do, element by element (odd widths), with the same arithmetic after.
-template <class T, bool GateUp, bool Vec>
-__global__ void __launch_bounds__(T::kThreads) mma_kernel(DevLayout L, DevBuffers b) {
+// else plain loads do, element by element (odd widths), with the same arithmetic after. Pre
+// (Vec only): the activations' pieces come from b.x_pieces (gate_up) or b.h_pieces (down).
+// h_pieces_out (gate_up): where to write h's pieces beside h, for a down that stages them; null
+// for none.
+template <class T, bool GateUp, bool Vec, bool Pre>
+__global__ void __launch_bounds__(T::kThreads, T::kMinBlocks)
+    mma_kernel(DevLayout L, DevBuffers b, std::uint16_t* h_pieces_out) {
+  static_assert(Vec || !Pre, "the pieces are staged by cp.async");
   constexpr int Mats = GateUp ? 2 : 1;
   constexpr int BM = T::BM, BN = T::BN, BK = T::BK, S = T::STAGES, KS = T::kStride;
   constexpr int MT = T::MT, NT = T::NT;
@@ -129,10 +203,12 @@ __global__ void __launch_bounds__(T::kThreads) mma_kernel(DevLayout L, DevBuffer
   const std::uint32_t* entries = b.group_entries + start;
 
   extern __shared__ __align__(16) unsigned char smem[];
-  auto* As = reinterpret_cast<std::uint16_t*>(smem);                                // [S][Mats*BM][KS]
-  auto* Xs = reinterpret_cast<float*>(smem + a_bytes<T, Mats>());                   // [S][BN][BK]
-  auto* Ps = reinterpret_cast<std::uint16_t*>(smem + a_bytes<T, Mats>() + x_bytes<T>());  // [pieces][BN][KS]
-  __shared__ const float* src_row[BN];
+  auto* As = reinterpret_cast<std::uint16_t*>(smem);  // [S][Mats*BM][KS]
+  // Pre: [S][pieces][BN][KS]. Else Xs [S][BN][BK] float32, then Ps [pieces][BN][KS].
+  auto* Xs = reinterpret_cast<float*>(smem + a_bytes<T, Mats>());
+  auto* Ps = reinterpret_cast<std::uint16_t*>(
+      smem + a_bytes<T, Mats>() + (Pre ? 0 : std::size_t(S) * BN * BK * 4));
+  __shared__ const void* src_row[BN];  // a token's float32 row, or (Pre) its pieces
   __shared__ std::uint32_t entry_of[BN];
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -143,11 +219,18 @@ __global__ void __launch_bounds__(T::kThreads) mma_kernel(DevLayout L, DevBuffer
   for (std::uint32_t chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) {
     const std::uint32_t t0 = chunk * BN;
     const std::uint32_t nvalid = count - t0 < std::uint32_t(BN) ? count - t0 : BN;
+    // Tokens staged: the chunk's, up to whole column blocks of 8 (the rest is never read: a
+    // column block past nvalid is skipped whole).
+    const int nstaged = BN == 8 ? 8 : int((nvalid + 7) & ~7u);  // nvalid <= BN, BN % 8 == 0
     __syncthreads();  // the previous chunk's last reads of the staging and of entry_of
     for (int t = tid; t < BN; t += T::kThreads) {
       const std::uint32_t i = entries[t0 + (std::uint32_t(t) < nvalid ? t : 0)];
       entry_of[t] = i;
-      src_row[t] = GateUp ? b.x + std::size_t(i / L.top_k) * K : b.h + std::size_t(i) * K;
+      const std::size_t row = GateUp ? i / L.top_k : i;
+      if constexpr (Pre)
+        src_row[t] = (GateUp ? b.x_pieces : b.h_pieces) + row * 3 * K;
+      else
+        src_row[t] = (GateUp ? b.x : b.h) + row * K;
     }
     __syncthreads();
 
@@ -166,10 +249,23 @@ __global__ void __launch_bounds__(T::kThreads) mma_kernel(DevLayout L, DevBuffer
           const unsigned char* w = q < BM ? w0 : w1;
           cp_async16(A + q * KS + col, w + (in ? (std::size_t(r) * K + k0 + col) * 2 : 0), in);
         }
-        for (int c = tid; c < BN * BK / 4; c += T::kThreads) {
-          const int t = c / (BK / 4), col = c % (BK / 4) * 4;
-          const bool in = std::uint32_t(t) < nvalid && k0 + col < K;
-          cp_async16(X + t * BK + col, src_row[t] + (in ? k0 + col : 0), in);
+        if constexpr (Pre) {
+          std::uint16_t* P = Ps + (kt % S) * (kPieces * BN * KS);
+          for (int c = tid; c < kPieces * BN * BK / 8; c += T::kThreads) {
+            const int q = c / (BK / 8), col = c % (BK / 8) * 8;
+            const int piece = q / BN, t = q % BN;
+            if (t >= nstaged) continue;
+            const bool in = std::uint32_t(t) < nvalid && k0 + col < K;
+            const auto* src = static_cast<const std::uint16_t*>(src_row[t]);
+            cp_async16(P + q * KS + col, src + (in ? std::size_t(piece) * K + k0 + col : 0), in);
+          }
+        } else {
+          for (int c = tid; c < nstaged * BK / 4; c += T::kThreads) {
+            const int t = c / (BK / 4), col = c % (BK / 4) * 4;
+            const bool in = std::uint32_t(t) < nvalid && k0 + col < K;
+            const auto* src = static_cast<const float*>(src_row[t]);
+            cp_async16(X + t * BK + col, src + (in ? k0 + col : 0), in);
+          }
         }
       } else {
         for (int e = tid; e < Mats * BM * BK; e += T::kThreads) {
@@ -178,10 +274,12 @@ __global__ void __launch_bounds__(T::kThreads) mma_kernel(DevLayout L, DevBuffer
           const unsigned char* w = q < BM ? w0 : w1;
           A[q * KS + col] = r < R && kc < K ? load_u16(w + (std::size_t(r) * K + kc) * 2) : 0;
         }
-        for (int e = tid; e < BN * BK; e += T::kThreads) {
+        for (int e = tid; e < nstaged * BK; e += T::kThreads) {
           const int t = e / BK, col = e % BK;
           const std::uint32_t kc = k0 + col;
-          X[t * BK + col] = std::uint32_t(t) < nvalid && kc < K ? src_row[t][kc] : 0.0f;
+          X[t * BK + col] = std::uint32_t(t) < nvalid && kc < K
+                                ? static_cast<const float*>(src_row[t])[kc]
+                                : 0.0f;
         }
       }
     };
@@ -197,9 +295,13 @@ __global__ void __launch_bounds__(T::kThreads) mma_kernel(DevLayout L, DevBuffer
       __syncthreads();  // stage kt landed for every thread; stage kt - 1's buffers are free
       stage(kt + S - 1);
       cp_async_commit();
+      const std::uint16_t* P = Ps;
+      if constexpr (Pre) {
+        P = Ps + (kt % S) * (kPieces * BN * KS);
+      } else {
       // The stage's activations, split into their bf16 pieces once for every warp.
       const float* X = Xs + (kt % S) * (BN * BK);
-      for (int c = tid; c < BN * BK / 4; c += T::kThreads) {
+      for (int c = tid; c < nstaged * BK / 4; c += T::kThreads) {
         const int t = c / (BK / 4), col = c % (BK / 4) * 4;
         const float4 v = *reinterpret_cast<const float4*>(X + t * BK + col);
         const float xs[4] = {v.x, v.y, v.z, v.w};
@@ -217,6 +319,7 @@ __global__ void __launch_bounds__(T::kThreads) mma_kernel(DevLayout L, DevBuffer
         }
       }
       __syncthreads();
+      }
       const std::uint16_t* A = As + (kt % S) * (Mats * BM * KS);
 #pragma unroll
       for (int kk = 0; kk < BK / 16; ++kk) {
@@ -235,8 +338,8 @@ __global__ void __launch_bounds__(T::kThreads) mma_kernel(DevLayout L, DevBuffer
           const int row = tok + lane % 8, half = lane / 8 % 2 * 8;
           if constexpr (kPieces == 3) {
             std::uint32_t hm[4], lo[2];  // hi's two k-halves, then mid's; lo's
-            ldmatrix_x4(hm, Ps + ((lane / 16) * BN + row) * KS + kk * 16 + half);
-            ldmatrix_x2(lo, Ps + (2 * BN + row) * KS + kk * 16 + half);
+            ldmatrix_x4(hm, P + ((lane / 16) * BN + row) * KS + kk * 16 + half);
+            ldmatrix_x2(lo, P + (2 * BN + row) * KS + kk * 16 + half);
 #pragma unroll
             for (int mat = 0; mat < Mats; ++mat)
 #pragma unroll
@@ -247,7 +350,7 @@ __global__ void __launch_bounds__(T::kThreads) mma_kernel(DevLayout L, DevBuffer
               }
           } else {
             std::uint32_t hi[2];
-            ldmatrix_x2(hi, Ps + row * KS + kk * 16 + half);
+            ldmatrix_x2(hi, P + row * KS + kk * 16 + half);
 #pragma unroll
             for (int mat = 0; mat < Mats; ++mat)
 #pragma unroll
@@ -279,6 +382,13 @@ __global__ void __launch_bounds__(T::kThreads) mma_kernel(DevLayout L, DevBuffer
                                       d1 + bias_at(L, L.m[1], rec, r));
             if ((L.plant & kPlantGateUp) && r == 0) h += 1.0f / 1024.0f;  // tests only
             b.h[std::size_t(i) * R + r] = h;
+            if (h_pieces_out) {
+              std::uint16_t p[3];
+              split3(h, p[0], p[1], p[2]);
+#pragma unroll
+              for (int piece = 0; piece < 3; ++piece)
+                h_pieces_out[(std::size_t(i) * 3 + piece) * R + r] = p[piece];
+            }
           } else {
             b.y[std::size_t(i) * R + r] = b.weights[i] * (d0 + bias_at(L, L.m[2], rec, r));
           }
@@ -298,20 +408,44 @@ bool vectorizable(const DevLayout& L, const DevBuffers& b, bool gate_up) {
          aligned16(b.slot_bytes) && aligned16(w) && aligned16(act);
 }
 
-template <class T, bool GateUp, bool Vec>
+template <class T, bool GateUp, bool Vec, bool Pre>
 cudaError_t launch_as(const DevLayout& L, const DevBuffers& b, std::uint32_t rows,
-                      std::uint32_t groups, cudaStream_t s) {
-  constexpr std::size_t smem = smem_bytes<T, GateUp ? 2 : 1>();
+                      std::uint32_t groups, std::uint16_t* h_pieces_out, cudaStream_t s) {
+  constexpr std::size_t smem = smem_bytes<T, GateUp ? 2 : 1, Pre>();
   static const cudaError_t prepared =
-      cudaFuncSetAttribute(mma_kernel<T, GateUp, Vec>,
+      cudaFuncSetAttribute(mma_kernel<T, GateUp, Vec, Pre>,
                            cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (prepared != cudaSuccess) return prepared;
   const std::uint32_t out_rows = GateUp ? L.inter : L.hidden;
   // A token routes to an expert once, so no group has more than `rows` entries.
   const std::uint32_t slots = std::min<std::uint32_t>((rows + T::BN - 1) / T::BN, kMaxChunkSlots);
   const dim3 grid(slots, (out_rows + T::BM - 1) / T::BM, groups);
-  mma_kernel<T, GateUp, Vec><<<grid, T::kThreads, smem, s>>>(L, b);
+  mma_kernel<T, GateUp, Vec, Pre><<<grid, T::kThreads, smem, s>>>(L, b, h_pieces_out);
   return cudaGetLastError();
+}
+
+// Whether a prompt pass stages its activations' pieces from the scratch: from 8 rows, with the
+// scratch bound and the pass vectorizable. gate_up writes h's pieces exactly when down will
+// stage them (the same rows, the same buffers).
+bool stages_pieces(const DevLayout& L, const DevBuffers& b, std::uint32_t rows, bool gate_up) {
+  return kPromptPieces && rows >= kDecodeBelowRows &&
+         (gate_up ? b.x_pieces : b.h_pieces) != nullptr && vectorizable(L, b, gate_up);
+}
+
+template <class P, bool GateUp>
+cudaError_t launch_prompt(const DevLayout& L, const DevBuffers& b, std::uint32_t rows,
+                          std::uint32_t groups, bool vec, std::uint16_t* h_out, cudaStream_t s) {
+  if (stages_pieces(L, b, rows, GateUp)) {
+    if constexpr (GateUp) {
+      const std::uint64_t quads = std::uint64_t(rows) * L.hidden / 4;
+      const unsigned blocks = unsigned(std::min<std::uint64_t>((quads + 255) / 256, 4096));
+      split_rows_kernel<<<blocks, 256, 0, s>>>(b.x, b.x_pieces, rows, L.hidden);
+      if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+    }
+    return launch_as<P, GateUp, true, true>(L, b, rows, groups, h_out, s);
+  }
+  return vec ? launch_as<P, GateUp, true, false>(L, b, rows, groups, h_out, s)
+             : launch_as<P, GateUp, false, false>(L, b, rows, groups, h_out, s);
 }
 
 template <bool GateUp>
@@ -322,14 +456,25 @@ cudaError_t launch_mma(const DevLayout& L, const DevBuffers& b, std::uint32_t ro
   const std::uint32_t groups = n < L.n_experts ? n : L.n_experts;
   if (groups == 0) return cudaSuccess;
   const bool vec = vectorizable(L, b, GateUp);
+  std::uint16_t* h_out = GateUp && stages_pieces(L, b, rows, false) ? b.h_pieces : nullptr;
   if (rows < kDecodeBelowRows)
-    return vec ? launch_as<DecodeTiling, GateUp, true>(L, b, rows, groups, s)
-               : launch_as<DecodeTiling, GateUp, false>(L, b, rows, groups, s);
-  return vec ? launch_as<PromptTiling<GateUp>, GateUp, true>(L, b, rows, groups, s)
-             : launch_as<PromptTiling<GateUp>, GateUp, false>(L, b, rows, groups, s);
+    return vec ? launch_as<DecodeTiling, GateUp, true, false>(L, b, rows, groups, h_out, s)
+               : launch_as<DecodeTiling, GateUp, false, false>(L, b, rows, groups, h_out, s);
+  if constexpr (kSmallBelowRows > kDecodeBelowRows) {
+    if (rows < std::max(kSmallBelowRows, kDecodeBelowRows))
+      return launch_prompt<SmallTiling<GateUp>, GateUp>(L, b, rows, groups, vec, h_out, s);
+  }
+  return launch_prompt<PromptTiling<GateUp>, GateUp>(L, b, rows, groups, vec, h_out, s);
 }
 
 }  // namespace
+
+std::size_t mma_x_pieces_bytes(const DevLayout& L, std::uint32_t rows) {
+  return L.format == 2 ? std::size_t(rows) * 3 * L.hidden * 2 : 0;
+}
+std::size_t mma_h_pieces_bytes(const DevLayout& L, std::uint32_t rows) {
+  return L.format == 2 ? std::size_t(rows) * L.top_k * 3 * L.inter * 2 : 0;
+}
 
 cudaError_t launch_gate_up_mma(const DevLayout& L, const DevBuffers& b, std::uint32_t rows,
                                cudaStream_t s) {

@@ -5,11 +5,20 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "device_types.h"
 
 namespace strata::cuda {
+
+// The bf16 pieces scratch (DevBuffers::x_pieces, ::h_pieces) for `rows` tokens, in bytes: 0 for
+// a format other than bf16. The backend allocates it at bind; without it the kernels split in
+// shared memory (the same bits).
+std::size_t mma_x_pieces_bytes(const DevLayout& L, std::uint32_t rows);
+std::size_t mma_h_pieces_bytes(const DevLayout& L, std::uint32_t rows);
+// Benchmarks built against trees with and without the scratch test for it.
+#define STRATA_CUDA_MMA_PIECES 1
 
 // h <- act(gate x + bg, up x + bu) for the grouped entries (L.format must be bf16).
 cudaError_t launch_gate_up_mma(const DevLayout& L, const DevBuffers& b, std::uint32_t rows,
