@@ -4,6 +4,7 @@
 #include <random>
 #include <vector>
 
+#include "exec/window.h"
 #include "residency/expert_stream.h"
 #include "pack_builder.h"
 
@@ -32,6 +33,13 @@ inline bool slot_matches(const ExpertStream& s, const TestGeometry& g, std::uint
 struct CallRows {
   std::vector<float> x, w;
   std::vector<std::int32_t> ids;
+  // The routing a Window's routed call takes (views of ids and w).
+  Window::Routed routed() const {
+    Window::Routed r;
+    r.ids = ids.data();
+    r.weights = w.data();
+    return r;
+  }
 };
 
 inline CallRows make_rows(const PackLayout& L, std::uint32_t T, unsigned seed) {

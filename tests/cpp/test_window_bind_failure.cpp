@@ -66,9 +66,7 @@ TEST_CASE("window: a backend whose bind fails is a Device error, and the next ca
   Window host(stream, make_cpu_backend(1), wo);
   Window w(stream, std::make_unique<FailingBindBackend>(2, &submits_unbound), wo);
   auto call = [&](Window& win, std::uint32_t layer, const CallRows& r, std::uint32_t T) {
-    Window::Routed routed;
-    routed.ids = r.ids.data();
-    routed.weights = r.w.data();
+    const Window::Routed routed = r.routed();
     std::vector<float> out(r.x.size(), -1.0f);
     win.moe_routed(layer, r.x.data(), Window::XType::F32, T, routed, out.data());
     return out;

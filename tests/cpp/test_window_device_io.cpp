@@ -94,9 +94,7 @@ TEST_CASE("window: moe_routed_device hands each chunk's rows to the backend, out
       CHECK(host.device_io_unsupported().find("host memory only") != std::string::npos);
       for (std::uint32_t l = 0; l < L.n_layers; ++l) {
         const CallRows r = make_rows(L, T, 7 + l);
-        Window::Routed routed;
-        routed.ids = r.ids.data();
-        routed.weights = r.w.data();
+        const Window::Routed routed = r.routed();
         std::vector<float> want(r.x.size()), got(r.x.size(), -1.0f);
         host.moe_routed(l, r.x.data(), Window::XType::F32, T, routed, want.data());
         seen.clear();
@@ -117,9 +115,7 @@ TEST_CASE("window: moe_routed_device hands each chunk's rows to the backend, out
       REQUIRE(StreamTesting::check_invariants(stream).empty());
       // The host path of the same Window leaves the backend on its scratch.
       const CallRows r = make_rows(L, T, 3);
-      Window::Routed routed;
-      routed.ids = r.ids.data();
-      routed.weights = r.w.data();
+      const Window::Routed routed = r.routed();
       std::vector<float> out(r.x.size());
       seen.clear();
       dev.moe_routed(0, r.x.data(), Window::XType::F32, T, routed, out.data());
@@ -138,9 +134,7 @@ TEST_CASE("window: moe_routed_device refusals name their cause and leave the str
   PackLayout L = read_pack_layout(path);
   ExpertStream stream(path, small_options(L.n_keys(), L, 2));
   const CallRows r = make_rows(L, 3, 1);
-  Window::Routed routed;
-  routed.ids = r.ids.data();
-  routed.weights = r.w.data();
+  const Window::Routed routed = r.routed();
   std::vector<float> out(r.x.size());
   {  // the cpu backend computes from host memory only
     Window w(stream, make_cpu_backend(1), {});
