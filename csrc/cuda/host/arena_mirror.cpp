@@ -39,7 +39,6 @@ void ArenaMirror::release() {
   if (device_) cudaFree(device_);
   device_ = nullptr;
   tags_.reset();
-  parts_copied_.reset();
   n_slots_ = 0;
 }
 
@@ -53,11 +52,7 @@ void ArenaMirror::allocate(std::uint32_t n_slots, std::uint64_t slot_bytes,
   check(cudaMalloc(&p, bytes ? bytes : 4), "cudaMalloc (the arena's device mirror)");
   device_ = static_cast<unsigned char*>(p);
   tags_ = std::make_unique<std::atomic<std::uint32_t>[]>(n_slots);
-  parts_copied_ = std::make_unique<std::atomic<std::uint64_t>[]>(n_slots);
-  for (std::uint32_t s = 0; s < n_slots; ++s) {
-    tags_[s].store(kNoKey, std::memory_order_relaxed);
-    parts_copied_[s].store(0, std::memory_order_relaxed);
-  }
+  for (std::uint32_t s = 0; s < n_slots; ++s) tags_[s].store(kNoKey, std::memory_order_relaxed);
   n_slots_ = n_slots;
   slot_bytes_ = slot_bytes;
   record_bytes_ = record_bytes;
@@ -121,6 +116,15 @@ void ArenaMirror::wait_parts(std::uint32_t slot, std::uint32_t first, std::uint3
     for (const PendingCopy& c : taken) spare_events_.push_back(c.done);
   }
   check(first_error, "part copy to the device mirror");
+}
+
+bool ArenaMirror::all_parts_queued(std::uint32_t slot, std::uint32_t gen, std::uint32_t parts) {
+  std::lock_guard<std::mutex> lk(pending_mu_);
+  auto it = pending_.find(slot);
+  if (it == pending_.end() || it->second.size() < parts) return false;
+  for (std::uint32_t p = 0; p < parts; ++p)
+    if (!it->second[p].done || it->second[p].gen != gen) return false;
+  return true;
 }
 
 void ArenaMirror::wait_all_parts() {
@@ -206,13 +210,6 @@ void ArenaMirror::on_part_read(const ReadPart& p) {
                                         std::chrono::steady_clock::now() - t0)
                                         .count()),
                       std::memory_order_relaxed);
-  // Counted for this read only: another generation's count starts again from this part.
-  std::atomic<std::uint64_t>& done = parts_copied_[p.slot];
-  const std::uint64_t gen = std::uint64_t(p.gen) << 32;
-  std::uint64_t seen = done.load(std::memory_order_relaxed);
-  while (!done.compare_exchange_weak(seen, (seen & ~0xFFFFFFFFull) == gen ? seen + 1 : gen + 1,
-                                     std::memory_order_acq_rel, std::memory_order_relaxed)) {
-  }
   parts_.fetch_add(1, std::memory_order_relaxed);
 }
 
@@ -223,11 +220,8 @@ void ArenaMirror::on_record_complete(const CompletedRecord& r) {
     throw std::runtime_error("cuda: a record of " + std::to_string(r.size) +
                              " bytes does not fit a mirror slot of " +
                              std::to_string(slot_bytes_));
-  // Every part of this read queued already (each counted before its part counted done, and the
-  // stream counts this record's last part after them): wait for their copies, then tag.
-  const bool queued = copy_parts_ && parts_copied_[r.slot].load(std::memory_order_acquire) ==
-                                         ((std::uint64_t(r.gen) << 32) | r.parts);
-  if (queued) {
+  // Every part of this read queued already: wait for their copies, then tag.
+  if (copy_parts_ && all_parts_queued(r.slot, r.gen, r.parts)) {
     const auto t0 = std::chrono::steady_clock::now();
     wait_parts(r.slot, 0, r.parts, r.gen);
     wait_ns_.fetch_add(std::uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(

@@ -23,7 +23,8 @@
 //   at once. Part copies go on the part lanes (part_lane(): one stream per IO thread, by thread
 //   id, created once under lanes_mu_), queued and not waited for.
 // - pending_mu_ guards pending_ (a part copy queued and not yet waited for, per slot and part:
-//   its event and read generation) and the spare events. An entry is written by the IO thread
+//   its event and read generation; a completing record whose parts are all there waits for
+//   them instead of copying itself whole) and the spare events. An entry is written by the IO thread
 //   reading that part and taken by the one completing the record, or by the next read of the
 //   same part (after a failed read), or by the fallback, allocate() and the destructor; whoever
 //   takes it waits for its event outside the lock. So a copy into a part's place in a mirror
@@ -110,6 +111,11 @@ class ArenaMirror final : public RecordObserver {
   void wait_parts(std::uint32_t slot, std::uint32_t first, std::uint32_t last,
                   std::uint32_t gen = ~0u);
   void wait_all_parts();
+  // Whether parts [0, parts) of read `gen` of `slot` all have their copies queued and not yet
+  // waited for (each IO thread records its part's copy in pending_ before the part counts
+  // done, and the record completes after every part counted done: the stream's lock orders
+  // them).
+  bool all_parts_queued(std::uint32_t slot, std::uint32_t gen, std::uint32_t parts);
   void release();
   // Copies `size` host bytes to `offset` in the mirror on a copy lane and waits for it.
   void copy_and_wait(const unsigned char* host, std::uint64_t offset, std::uint64_t size);
@@ -117,10 +123,6 @@ class ArenaMirror final : public RecordObserver {
   std::shared_mutex mu_;
   unsigned char* device_ = nullptr;                      // mu_
   std::unique_ptr<std::atomic<std::uint32_t>[]> tags_;  // mu_ (the array); entries: see above
-  // mu_ (the array); entries: the parts copied of one read of the slot, (gen << 32) | count,
-  // updated by the IO threads reading its parts (compare-exchange), read by the one that
-  // completes the record, after every part counted done (the stream's lock orders them).
-  std::unique_ptr<std::atomic<std::uint64_t>[]> parts_copied_;
   std::uint32_t n_slots_ = 0;                            // mu_
   std::uint64_t slot_bytes_ = 0, record_bytes_ = 0;      // mu_
   std::mutex lanes_mu_;
