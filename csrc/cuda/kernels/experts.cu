@@ -268,8 +268,14 @@ constexpr int kDownDirectRows = STRATA_CUDA_DOWN_DIRECT_ROWS;
 #ifndef STRATA_CUDA_DOWN_DECODE_ROWS
 #define STRATA_CUDA_DOWN_DECODE_ROWS 4
 #endif
+// gate_up's rows a warp on the lean path (decode_lean_gs: q4 with f16 scales): 2, at 80
+// registers without spills; level with 1 on the H200, and what the CUDA suite ran (docs/cuda.md).
+#ifndef STRATA_CUDA_GATE_UP_DECODE_LEAN_ROWS
+#define STRATA_CUDA_GATE_UP_DECODE_LEAN_ROWS 2
+#endif
 constexpr int kGateUpDecodeRows = STRATA_CUDA_GATE_UP_DECODE_ROWS;
 constexpr int kDownDecodeRows = STRATA_CUDA_DOWN_DECODE_ROWS;
+constexpr int kGateUpLeanRows = STRATA_CUDA_GATE_UP_DECODE_LEAN_ROWS;
 
 // x's columns [c0, c0 + 8): two 16-byte loads where the row allows them (n a multiple of 8, so
 // every row starts 32-byte aligned), else one guarded load a column (0 past n).
@@ -999,7 +1005,8 @@ cudaError_t launch_decode_as(const DevLayout& L, const DevBuffers& b, const ArgG
                 std::size_t(n) * 4, s, early && (!GateUp || ag.args), L, b, ag);
 }
 
-template <int F, int S, int R, bool GateUp>
+// LeanOnly: the caller checked that the lean path takes the shape (no general instance at R).
+template <int F, int S, int R, bool GateUp, bool LeanOnly = false>
 cudaError_t launch_decode(const DevLayout& L, const DevBuffers& b, std::uint32_t groups,
                           cudaStream_t s) {
   const ArgGroups ag = arg_groups(L, b);
@@ -1015,7 +1022,8 @@ cudaError_t launch_decode(const DevLayout& L, const DevBuffers& b, std::uint32_t
       default: break;
     }
   }
-  return launch_decode_as<F, S, R, GateUp, 0>(L, b, ag, groups, s);
+  if constexpr (LeanOnly) return cudaErrorInvalidValue;
+  else return launch_decode_as<F, S, R, GateUp, 0>(L, b, ag, groups, s);
 }
 
 // The decode kernels' instance for the pack's weight and scale formats, launched over (groups,
@@ -1023,6 +1031,11 @@ cudaError_t launch_decode(const DevLayout& L, const DevBuffers& b, std::uint32_t
 template <int F, int S>
 cudaError_t launch_direct_as(const DevLayout& L, const DevBuffers& b, std::uint32_t groups,
                              bool gate_up, cudaStream_t s) {
+  if constexpr (lean_format<F, S>() && kGateUpLeanRows != kGateUpDecodeRows) {
+    if (gate_up && decode_kernel_fits<F, S>(L, true, kGateUpLeanRows) &&
+        decode_lean_gs<F, S, kGateUpLeanRows, true>(L) != 0)
+      return launch_decode<F, S, kGateUpLeanRows, true, true>(L, b, groups, s);
+  }
   if (gate_up && decode_kernel_fits<F, S>(L, true, kGateUpDecodeRows))
     return launch_decode<F, S, kGateUpDecodeRows, true>(L, b, groups, s);
   if (!gate_up && decode_kernel_fits<F, S>(L, false, kDownDecodeRows))
