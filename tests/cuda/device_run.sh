@@ -42,13 +42,17 @@ done
 # chosen below (and kept in /tmp/strata-cuda-tuning for a later call of this script).
 tuning=${STRATA_CUDA_TUNING:-}
 if wants kernels; then
-  # Built in parallel: now, before (STRATA_KERNELS_BEFORE), and tunings of the compile-time
-  # knobs: the route kernel's experts per block (r*), the decode kernels' output rows per warp
-  # (down: d*; gate_up's 2 rows spill) and per-chunk scale loads instead of shared scales (dps),
-  # and a build without programmatic dependent launch (nopdl: for comparison, never chosen). Every
-  # build's outputs are compared with before's, bitwise; the fastest route (route_xs) and the
-  # fastest decode expert launches (experts_seq: gate_up, down and combine back to back) then
-  # become the build's flags.
+  # Built in parallel: now, before (STRATA_KERNELS_BEFORE), and variants of the compile-time
+  # knobs: the route kernel as thread-block clusters (rc16, rc8: of up to 16 or 8 blocks,
+  # instead of the last-block counter) and the counter kernel's experts per block (r8), the
+  # decode kernels' lean path off (dl0: the general step loop for q4 with f16 scales), output
+  # rows per warp (down: d*; gate_up on the lean path: dg1) and per-chunk scale loads instead of
+  # shared scales (dps), and a build
+  # without programmatic dependent launch (nopdl: for comparison, never chosen). Every build's
+  # outputs are compared with before's, bitwise; the fastest route (route_xs) and the fastest
+  # decode expert launches (experts_seq: gate_up, down and combine back to back) among the
+  # bitwise-equal builds then become the build's flags. STRATA_KERNELS_VARIANTS (names) narrows
+  # the variants; STRATA_KERNELS_NCU=0 skips ncu.
   kb_build() {  # kb_build NAME DIR [nvcc flags]
     local name=$1 dir=$2
     shift 2
@@ -59,23 +63,28 @@ if wants kernels; then
       benchmarks/native/cuda_kernel_bench.cu "$dir/kernels/route.cu" "$dir/kernels/experts.cu" \
       "${mma[@]}" > "$out/kbench_build_$name.log" 2>&1 || echo "kbench build $name failed"
   }
-  R=-DSTRATA_CUDA_ROUTE_LOGITS D=-DSTRATA_CUDA_DOWN_DECODE_ROWS
-  [ -n "${STRATA_KERNELS_BEFORE:-}" ] && kb_build before "$STRATA_KERNELS_BEFORE" &
+  R=-DSTRATA_CUDA_ROUTE D=-DSTRATA_CUDA_DOWN_DECODE_ROWS
+  kvariants=("rc16:${R}_CLUSTER=16" "rc8:${R}_CLUSTER=8" "r8:${R}_LOGITS=8"
+             "dl0:-DSTRATA_CUDA_DECODE_LEAN=0" "d2:$D=2" "dg1:-DSTRATA_CUDA_GATE_UP_DECODE_LEAN_ROWS=1"
+             "dps:-DSTRATA_CUDA_DECODE_SHARED_SCALES=0" "nopdl:-DSTRATA_CUDA_PDL=0")
+  names=now
+  [ -n "${STRATA_KERNELS_BEFORE:-}" ] && { kb_build before "$STRATA_KERNELS_BEFORE" & names="before now"; }
   kb_build now csrc/cuda &
-  kb_build r8 csrc/cuda $R=8 &
-  kb_build r16 csrc/cuda $R=16 &
-  kb_build d2 csrc/cuda $D=2 &
-  kb_build d1 csrc/cuda $D=1 &
-  kb_build dps csrc/cuda -DSTRATA_CUDA_DECODE_SHARED_SCALES=0 &
-  kb_build nopdl csrc/cuda -DSTRATA_CUDA_PDL=0 &
+  for v in "${kvariants[@]}"; do
+    [ -n "${STRATA_KERNELS_VARIANTS:-}" ] && [[ " $STRATA_KERNELS_VARIANTS " != *" ${v%%:*} "* ]] \
+      && continue
+    # shellcheck disable=SC2086
+    kb_build "${v%%:*}" csrc/cuda ${v#*:} &
+    names="$names ${v%%:*}"
+  done
   wait
-  names="before now r8 r16 d2 d1 dps nopdl"
   for name in $names; do
     [ -x "/tmp/kbench_$name" ] || continue
     step "kbench_$name" 60 "/tmp/kbench_$name" --dump "/tmp/kbench_$name.bin" \
       --json "$out/kbench_$name.json"
     [ "$name" != before ] && [ -f /tmp/kbench_before.bin ] && \
-      { cmp /tmp/kbench_before.bin "/tmp/kbench_$name.bin" && echo "$name: bitwise equal to before"; }
+      { cmp /tmp/kbench_before.bin "/tmp/kbench_$name.bin" && \
+        echo "$name: bitwise equal to before" | tee -a "$out/kbench_$name.log"; }
   done
   tuning=$($py - "$out" $names <<'PY'
 import re
@@ -90,7 +99,8 @@ for name in names:
     except OSError:
         continue
     us = {m[0]: float(m[1]) for m in re.findall(r"^(\w+)\s+([\d.]+) us", log, re.M)}
-    if name != "before" and "route_xs" in us and "bitwise equal" in log:
+    equal = "bitwise equal to before" in log or "before" not in names
+    if name != "before" and "route_xs" in us and "bitwise equal" in log and equal:
         t[name] = (us, flags)
 if "now" in t:
     route = min((n for n in t if n == "now" or n.startswith("r")), key=lambda n: t[n][0]["route_xs"])
@@ -102,7 +112,7 @@ PY
   echo "tuning chosen: '${tuning}'"
   echo "$tuning" > /tmp/strata-cuda-tuning
   for name in before now; do  # ncu: 2 launches of route, then gate_up and down
-    [ -x "/tmp/kbench_$name" ] || continue
+    [ -x "/tmp/kbench_$name" ] && [ "${STRATA_KERNELS_NCU:-1}" != 0 ] || continue
     step "ncu_$name" 120 ncu --clock-control none -k regex:"route_kernel|decode_kernel|direct" \
       --launch-skip 404 --launch-count 4 \
       --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
@@ -113,7 +123,7 @@ PY
     kb_build tuned csrc/cuda $tuning
     step kbench_tuned 60 /tmp/kbench_tuned --dump /tmp/kbench_tuned.bin --json "$out/kbench_tuned.json"
     cmp /tmp/kbench_before.bin /tmp/kbench_tuned.bin && echo "tuned: bitwise equal to before"
-    step ncu_tuned 120 ncu --clock-control none \
+    [ "${STRATA_KERNELS_NCU:-1}" != 0 ] && step ncu_tuned 120 ncu --clock-control none \
       -k regex:"route_kernel|decode_kernel|direct" --launch-skip 404 --launch-count 4 \
       --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
       /tmp/kbench_tuned

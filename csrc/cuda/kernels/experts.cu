@@ -268,8 +268,14 @@ constexpr int kDownDirectRows = STRATA_CUDA_DOWN_DIRECT_ROWS;
 #ifndef STRATA_CUDA_DOWN_DECODE_ROWS
 #define STRATA_CUDA_DOWN_DECODE_ROWS 4
 #endif
+// gate_up's rows a warp on the lean path (decode_lean_gs: q4 with f16 scales): 2, at 80
+// registers without spills; level with 1 on the H200, and what the CUDA suite ran (docs/cuda.md).
+#ifndef STRATA_CUDA_GATE_UP_DECODE_LEAN_ROWS
+#define STRATA_CUDA_GATE_UP_DECODE_LEAN_ROWS 2
+#endif
 constexpr int kGateUpDecodeRows = STRATA_CUDA_GATE_UP_DECODE_ROWS;
 constexpr int kDownDecodeRows = STRATA_CUDA_DOWN_DECODE_ROWS;
+constexpr int kGateUpLeanRows = STRATA_CUDA_GATE_UP_DECODE_LEAN_ROWS;
 
 // x's columns [c0, c0 + 8): two 16-byte loads where the row allows them (n a multiple of 8, so
 // every row starts 32-byte aligned), else one guarded load a column (0 past n).
@@ -580,25 +586,39 @@ __device__ __forceinline__ std::uint32_t load_coop(const DevMatrix& m, const uns
   }
 }
 
-// Code (w & Mask), a code still shifted left by its place in a half word (so below 2^16), as a
-// float: 2^23 + v is exact in a float's mantissa, and so is the subtraction. The mask and the
-// exponent's OR are one instruction (the compiler otherwise emits two): magic is 0x4B000000 in a
-// register.
-template <std::uint32_t Mask>
-__device__ __forceinline__ float code_float(std::uint32_t w, std::uint32_t magic) {
+// The exponents that make a code masked in place a float (code_float): magic.m[j] is the bits
+// of 2^(23 - 4j), in registers (the compiler would otherwise rebuild the constants at every
+// step); built from a value it cannot fold (DevLayout::plant & 0, 0 in every run).
+struct Magic {
+  std::uint32_t m[4];
+};
+__device__ __forceinline__ Magic make_magic(std::uint32_t zero) {
+  Magic g;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) g.m[j] = (std::uint32_t(150 - 4 * j) << 23) | zero;
+  return g;
+}
+
+// Code q = (w >> Shift) & (2^Bits - 1), masked in place, as a float: with the exponent of
+// 2^(23 - Shift) above it the word is the float 2^(23 - Shift) + q (the code sits in the
+// mantissa's bits from Shift up, whose unit is 1), and the subtraction is exact. The mask and
+// the exponent's OR are one instruction (the compiler otherwise emits two).
+template <int Shift, int Bits>
+__device__ __forceinline__ float code_float(std::uint32_t w, const Magic& g) {
+  static_assert(Shift % 4 == 0 && Shift + Bits <= 16);
+  constexpr std::uint32_t mask = ((1u << Bits) - 1u) << Shift;
   std::uint32_t d;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(w), "n"(Mask), "r"(magic));
-  return __fsub_rn(__uint_as_float(d), 8388608.0f);
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(w), "n"(mask), "r"(g.m[Shift / 4]));
+  return __fsub_rn(__uint_as_float(d), float(1u << (23 - Shift)));
 }
 
 // The chunk's 8 weights, the same floats as load8's. s and b: the group's scale and bias
 // (quantized formats). With f16 scales the affine s * q + b is one fused multiply-add: s has 11
 // significant bits and q at most 8, so s * q is exact in float32 (and at least 2^-24, far from
-// underflow), so rounding s * q + b once is rounding it twice. The codes are masked in place
-// (code i of a half word as q * 16^i, or 256^i for q8) and multiplied by s / 16^i, exact too:
-// no shift a code.
+// underflow), so rounding s * q + b once is rounding it twice. The codes are masked in place and
+// read as floats by their place's exponent (code_float): no shift a code, no scaled scale.
 template <int F, int S>
-__device__ __forceinline__ void dequant(const Codes<F>& c, float s, float b, std::uint32_t magic,
+__device__ __forceinline__ void dequant(const Codes<F>& c, float s, float b, const Magic& g,
                                         float v[8]) {
   if constexpr (F == 0) {
     v[0] = __uint_as_float(c.a.x), v[1] = __uint_as_float(c.a.y);
@@ -614,24 +634,21 @@ __device__ __forceinline__ void dequant(const Codes<F>& c, float s, float b, std
       v[2 * i + 1] = F == 1 ? half_bits(hi) : bf16_bits(hi);
     }
   } else if constexpr (F == 3 && S == 1) {
-    const float s1 = __fmul_rn(s, 0.0625f), s2 = __fmul_rn(s, 0.00390625f),
-                s3 = __fmul_rn(s, 0.000244140625f);
-    const std::uint32_t lo = c.w, hi = c.w >> 16, mg = magic;
-    v[0] = __fmaf_rn(s, code_float<0xFu>(lo, mg), b);
-    v[1] = __fmaf_rn(s1, code_float<0xF0u>(lo, mg), b);
-    v[2] = __fmaf_rn(s2, code_float<0xF00u>(lo, mg), b);
-    v[3] = __fmaf_rn(s3, code_float<0xF000u>(lo, mg), b);
-    v[4] = __fmaf_rn(s, code_float<0xFu>(hi, mg), b);
-    v[5] = __fmaf_rn(s1, code_float<0xF0u>(hi, mg), b);
-    v[6] = __fmaf_rn(s2, code_float<0xF00u>(hi, mg), b);
-    v[7] = __fmaf_rn(s3, code_float<0xF000u>(hi, mg), b);
+    const std::uint32_t lo = c.w, hi = c.w >> 16;
+    v[0] = __fmaf_rn(s, code_float<0, 4>(lo, g), b);
+    v[1] = __fmaf_rn(s, code_float<4, 4>(lo, g), b);
+    v[2] = __fmaf_rn(s, code_float<8, 4>(lo, g), b);
+    v[3] = __fmaf_rn(s, code_float<12, 4>(lo, g), b);
+    v[4] = __fmaf_rn(s, code_float<0, 4>(hi, g), b);
+    v[5] = __fmaf_rn(s, code_float<4, 4>(hi, g), b);
+    v[6] = __fmaf_rn(s, code_float<8, 4>(hi, g), b);
+    v[7] = __fmaf_rn(s, code_float<12, 4>(hi, g), b);
   } else if constexpr (F == 4 && S == 1) {
-    const float s1 = __fmul_rn(s, 0.00390625f);
     const std::uint32_t h[4] = {c.w.x, c.w.x >> 16, c.w.y, c.w.y >> 16};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      v[2 * i] = __fmaf_rn(s, code_float<0xFFu>(h[i], magic), b);
-      v[2 * i + 1] = __fmaf_rn(s1, code_float<0xFF00u>(h[i], magic), b);
+      v[2 * i] = __fmaf_rn(s, code_float<0, 8>(h[i], g), b);
+      v[2 * i + 1] = __fmaf_rn(s, code_float<8, 8>(h[i], g), b);
     }
   } else if constexpr (F == 3) {
 #pragma unroll
@@ -717,11 +734,67 @@ struct DirectWarp {
     }
   }
 
+  // The lean path (GS > 0: group size GS, the row a multiple of 256 columns, one batch): the
+  // same loads and products as load() and fma() with s0 = 0, but every lane's chunk is in the
+  // row (no per-lane branch) and each step's group words are at compile-time places (which word
+  // of coop, which lane: g0 plus a constant), so a step issues no index arithmetic or select.
+  template <int GS>
+  __device__ __forceinline__ void load_lean(const DevMatrix* mats, const unsigned char* rec,
+                                            std::uint32_t r0, std::uint32_t lane,
+                                            std::uint32_t ws, std::uint32_t groups) {
+    const unsigned char* p[M][R];
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+      for (int q = 0; q < R; ++q) p[m][q] = lane_codes<F>(mats[m], rec, r0 + q, lane);
+    const std::uint32_t g0 = 8 * lane / GS;
+#pragma unroll
+    for (int s = 0; s < NS; ++s) {
+      if (s >= int(ws)) break;
+#pragma unroll
+      for (int q = 0; q < R; ++q)
+#pragma unroll
+        for (int m = 0; m < M; ++m)
+          load_raw<F, S>(p[m][q] + s * step_bytes<F>(), mats[m], rec, r0 + q, groups,
+                         g0 + std::uint32_t(s) * (256 / GS), raw[s][m][q]);
+    }
+  }
+
+  template <int GS>
+  __device__ __forceinline__ void fma_lean(const float* v, std::uint32_t lane, std::uint32_t ws,
+                                           const Magic& magic, float (&acc)[M][R]) const {
+    const std::uint32_t g0 = 8 * lane / GS;
+#pragma unroll
+    for (int s = 0; s < NS; ++s) {
+      if (s >= int(ws)) break;
+      const float4 a = *reinterpret_cast<const float4*>(v + 8 * lane + 256 * s);
+      const float4 b = *reinterpret_cast<const float4*>(v + 8 * lane + 256 * s + 4);
+      const float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+      constexpr std::uint32_t gs = 256 / GS;
+#pragma unroll
+      for (int q = 0; q < R; ++q)
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+          float sc = 0.0f, bi = 0.0f;
+          if constexpr (kCoop) {
+            const std::uint32_t gb = std::uint32_t(s) * gs;  // a constant once unrolled
+            unpack_coop<F, S>(__shfl_sync(kFullMask, coop[m][q][gb >> 5], (gb & 31u) + g0), sc,
+                              bi);
+          } else if constexpr (F >= 3) {
+            sc = scale_value(raw[s][m][q].s, S);
+            bi = scale_value(raw[s][m][q].b, S);
+          }
+          float w[8];
+          dequant<F, S>(raw[s][m][q].c, sc, bi, magic, w);
+          acc[m][q] = chunk_fma<true>(w, xv, 0, 0, acc[m][q]);
+        }
+    }
+  }
+
   // acc[m][q] += the batch's chunks against the staged vector v, each chunk in column order.
-  // magic: 0x4B000000, in a register (dequant).
   __device__ __forceinline__ void fma(const float* v, std::uint32_t lane, std::uint32_t n,
                                       std::uint32_t ws, std::uint32_t s0, const StepGroups& sg,
-                                      std::uint32_t magic, float (&acc)[M][R]) const {
+                                      const Magic& magic, float (&acc)[M][R]) const {
 #pragma unroll
     for (int s = 0; s < NS; ++s) {
       if (s0 + s >= ws) break;
@@ -765,16 +838,22 @@ struct DirectWarp {
 // Blocks a multiprocessor should hold where a raw chunk is one word (q4, mxfp4 with shared
 // scales): 4 (64 registers a thread) for up to 2 rows a warp (gate_up's 2 matrices of 1, down's
 // 2), 3 for up to 4; else what the compiler needs. (No spills at these, by ptxas -v.)
+template <int F, int S, int R, bool GateUp>
+__host__ __device__ constexpr int decode_steps() {
+  return batch_steps<F, S, GateUp ? 2 : 1, R, GateUp ? 8 : 4>();
+}
 template <int F, int S, int P>
 __host__ __device__ constexpr int decode_min_blocks() {
   return !((F == 3 || F == 5) && coop_scales<F, S>()) ? 1 : P <= 2 ? 4 : P <= 4 ? 3 : 1;
 }
 
-template <int F, int S, int R, bool GateUp>
+// GS > 0: the lean path (DirectWarp::load_lean), for a group size of GS, a row of a multiple of
+// 256 columns and one batch (decode_lean_gs); 0: any shape the kernel takes.
+template <int F, int S, int R, bool GateUp, int GS = 0>
 __global__ void __launch_bounds__(kThreads, decode_min_blocks<F, S, (GateUp ? 2 : 1) * R>())
     decode_kernel(DevLayout L, DevBuffers b, ArgGroups ag) {
   constexpr int M = GateUp ? 2 : 1;
-  constexpr int NS = batch_steps<F, S, M, R, GateUp ? 8 : 4>();
+  constexpr int NS = decode_steps<F, S, R, GateUp>();
   extern __shared__ float vs[];  // the entry's vector: n floats
   const std::uint32_t g = blockIdx.x;
   std::uint32_t slot, start, count;
@@ -797,12 +876,13 @@ __global__ void __launch_bounds__(kThreads, decode_min_blocks<F, S, (GateUp ? 2 
   const std::uint32_t G = F >= 3 ? L.group_size : 256;
   const StepGroups sg{n / G, 8 * lane / G, 256 / G};
   const bool one_batch = ws <= std::uint32_t(NS);
-  // 0x4B000000 as a value the compiler cannot fold into an immediate (dequant's one-instruction
-  // mask): the layout's plant word is 0 in real runs, and so is every bit it could add here.
-  const std::uint32_t magic = 0x4B000000u | (L.plant & 0u);
+  const Magic magic = make_magic(L.plant & 0u);
   DirectWarp<F, S, R, M, NS> dw;
   if (active) {
-    if (one_batch) dw.load(mats, rec, r0, lane, n, ws, 0, sg);
+    if constexpr (GS > 0)
+      dw.template load_lean<GS>(mats, rec, r0, lane, ws, sg.groups);
+    else if (one_batch)
+      dw.load(mats, rec, r0, lane, n, ws, 0, sg);
     dw.load_groups(mats, rec, r0, lane, sg);
   }
   float bias[M][R];
@@ -825,7 +905,9 @@ __global__ void __launch_bounds__(kThreads, decode_min_blocks<F, S, (GateUp ? 2 
     for (int m = 0; m < M; ++m)
 #pragma unroll
       for (int q = 0; q < R; ++q) acc[m][q] = 0.0f;
-    if (one_batch) {
+    if constexpr (GS > 0) {
+      dw.template fma_lean<GS>(vs, lane, ws, magic, acc);
+    } else if (one_batch) {
       dw.fma(vs, lane, n, ws, 0, sg, magic, acc);
     } else {
       for (std::uint32_t s0 = 0; s0 < ws; s0 += NS) {
@@ -886,7 +968,45 @@ ArgGroups arg_groups(const DevLayout& L, const DevBuffers& b) {
   return ag;
 }
 
+// The lean path's group size for this shape (DirectWarp::load_lean), or 0: quantized formats
+// whose lanes share scales, group sizes of 32, 64 or 128, rows of a multiple of 256 columns in
+// one batch. STRATA_CUDA_DECODE_LEAN=0 (compile time) keeps the general path, for comparison.
+#ifndef STRATA_CUDA_DECODE_LEAN
+#define STRATA_CUDA_DECODE_LEAN 1
+#endif
+// q4 with f16 scales shared by lanes: where the lean path was measured. (Other formats' lean
+// instances spilled at the kernels' register bounds, q4 with bf16 scales and mxfp4 1.3 KB a
+// thread and more, or took up to 192 registers, q8.)
+template <int F, int S>
+constexpr bool lean_format() {
+  return F == 3 && S == 1 && coop_scales<F, S>();
+}
 template <int F, int S, int R, bool GateUp>
+std::uint32_t decode_lean_gs(const DevLayout& L) {
+  const std::uint32_t n = GateUp ? L.hidden : L.inter;
+  if (!STRATA_CUDA_DECODE_LEAN || !lean_format<F, S>() || n % 256 != 0 ||
+      n / 256 > std::uint32_t(decode_steps<F, S, R, GateUp>()))
+    return 0;
+  const std::uint32_t G = L.group_size;
+  return G == 32 || G == 64 || G == 128 ? G : 0;
+}
+
+template <int F, int S, int R, bool GateUp, int GS>
+cudaError_t launch_decode_as(const DevLayout& L, const DevBuffers& b, const ArgGroups& ag,
+                             std::uint32_t groups, cudaStream_t s) {
+  const std::uint32_t rows = GateUp ? L.inter : L.hidden, n = GateUp ? L.hidden : L.inter;
+  const std::uint32_t per_block = kWarps * R;
+  static const bool early = pdl_capable(decode_kernel<F, S, R, GateUp, GS>);
+  // Before pdl_wait() the kernel reads the arena (which no kernel writes) and, from the group
+  // table, what gate_up does not write: down may start behind gate_up, and gate_up too when its
+  // groups are arguments (a group kernel before it may be writing the table).
+  return launch(decode_kernel<F, S, R, GateUp, GS>,
+                dim3(groups, (rows + per_block - 1) / per_block), dim3(kThreads),
+                std::size_t(n) * 4, s, early && (!GateUp || ag.args), L, b, ag);
+}
+
+// LeanOnly: the caller checked that the lean path takes the shape (no general instance at R).
+template <int F, int S, int R, bool GateUp, bool LeanOnly = false>
 cudaError_t launch_decode(const DevLayout& L, const DevBuffers& b, std::uint32_t groups,
                           cudaStream_t s) {
   const ArgGroups ag = arg_groups(L, b);
@@ -894,14 +1014,16 @@ cudaError_t launch_decode(const DevLayout& L, const DevBuffers& b, std::uint32_t
     if (ag.n == 0) return cudaSuccess;  // nothing to compute (an unpublished expert: reported)
     groups = ag.n;
   }
-  const std::uint32_t rows = GateUp ? L.inter : L.hidden, n = GateUp ? L.hidden : L.inter;
-  const std::uint32_t per_block = kWarps * R;
-  static const bool early = pdl_capable(decode_kernel<F, S, R, GateUp>);
-  // Before pdl_wait() the kernel reads the arena (which no kernel writes) and, from the group
-  // table, what gate_up does not write: down may start behind gate_up, and gate_up too when its
-  // groups are arguments (a group kernel before it may be writing the table).
-  return launch(decode_kernel<F, S, R, GateUp>, dim3(groups, (rows + per_block - 1) / per_block),
-                dim3(kThreads), std::size_t(n) * 4, s, early && (!GateUp || ag.args), L, b, ag);
+  if constexpr (lean_format<F, S>()) {
+    switch (decode_lean_gs<F, S, R, GateUp>(L)) {
+      case 32: return launch_decode_as<F, S, R, GateUp, 32>(L, b, ag, groups, s);
+      case 64: return launch_decode_as<F, S, R, GateUp, 64>(L, b, ag, groups, s);
+      case 128: return launch_decode_as<F, S, R, GateUp, 128>(L, b, ag, groups, s);
+      default: break;
+    }
+  }
+  if constexpr (LeanOnly) return cudaErrorInvalidValue;
+  else return launch_decode_as<F, S, R, GateUp, 0>(L, b, ag, groups, s);
 }
 
 // The decode kernels' instance for the pack's weight and scale formats, launched over (groups,
@@ -909,6 +1031,11 @@ cudaError_t launch_decode(const DevLayout& L, const DevBuffers& b, std::uint32_t
 template <int F, int S>
 cudaError_t launch_direct_as(const DevLayout& L, const DevBuffers& b, std::uint32_t groups,
                              bool gate_up, cudaStream_t s) {
+  if constexpr (lean_format<F, S>() && kGateUpLeanRows != kGateUpDecodeRows) {
+    if (gate_up && decode_kernel_fits<F, S>(L, true, kGateUpLeanRows) &&
+        decode_lean_gs<F, S, kGateUpLeanRows, true>(L) != 0)
+      return launch_decode<F, S, kGateUpLeanRows, true, true>(L, b, groups, s);
+  }
   if (gate_up && decode_kernel_fits<F, S>(L, true, kGateUpDecodeRows))
     return launch_decode<F, S, kGateUpDecodeRows, true>(L, b, groups, s);
   if (!gate_up && decode_kernel_fits<F, S>(L, false, kDownDecodeRows))

@@ -3,15 +3,20 @@
 // expert order), as cpu_kernels.cpp's route computes it. One launch runs a layer's route and its
 // predictions (blockIdx.z picks the task): the same x, other routers.
 //
-// A token's logits are spread over several blocks (blockIdx.y: kRouteLogits experts each), so a
-// decode token's router (n_experts * hidden floats per task) is read by many multiprocessors at
-// once rather than by one. Each block writes its logits to device scratch; the last block of a
-// (token, task) to finish (an atomic counter per (token, task), reset by that block for the next
-// launch) takes the top-k and the weights. A logit is the same dot in the same order whichever
-// block computes it, and the selection keeps the sequential scan's result exactly (below), so the
-// outputs are the bits one block per token gave.
+// A token's logits are spread over several blocks (blockIdx.y), so a decode token's router
+// (n_experts * hidden floats per task) is read by many multiprocessors at once rather than by
+// one. Where the device runs thread-block clusters (sm_90), a (token, task)'s blocks are one
+// cluster: each keeps its experts' logits in its shared memory and, after a cluster barrier,
+// block 0 gathers them through distributed shared memory and takes the top-k and the weights
+// (route_cluster_kernel). Elsewhere (or STRATA_CUDA_ROUTE_CLUSTER=0) each block of kRouteLogits
+// experts writes its logits to device scratch and the last block of a (token, task) to finish
+// (an atomic counter per (token, task), reset by that block for the next launch) takes them
+// (route_kernel). A logit is the same dot in the same order whichever block computes it, the
+// rule is one function (route_tail), and the selection keeps the sequential scan's result
+// exactly (below), so the outputs are the bits one block per token gave.
 #include <algorithm>
 #include <mutex>
+#include <vector>
 
 #include "dot.cuh"
 #include "kernels.h"
@@ -29,7 +34,15 @@ namespace {
 #ifndef STRATA_CUDA_ROUTE_COPY_ROWS  // below: kCopyStagedRows
 #define STRATA_CUDA_ROUTE_COPY_ROWS 1
 #endif
+// The blocks of a routing as one thread-block cluster (below): at most this many blocks (16 needs
+// the non-portable cluster size, 8 is portable); 0 (the default) keeps the last-block counter for
+// every shape. Clusters of 16 measured level with the counter on the H200 (docs/cuda.md), and
+// the CUDA suite ran the counter, so clusters are for comparison (device_run.sh kernels: rc16).
+#ifndef STRATA_CUDA_ROUTE_CLUSTER
+#define STRATA_CUDA_ROUTE_CLUSTER 0
+#endif
 constexpr std::uint32_t kRouteLogits = STRATA_CUDA_ROUTE_LOGITS;
+constexpr std::uint32_t kRouteCluster = STRATA_CUDA_ROUTE_CLUSTER;
 constexpr std::uint32_t kMaxTopK = 64;
 
 // Router rows are read as 16-byte words, all of a batch's chunks issued before the first product
@@ -123,78 +136,13 @@ __device__ void select_top_k(const float* logit, std::uint32_t E, std::uint32_t 
   __syncthreads();
 }
 
-// Block (token t, expert block, task z). The block's x row lives in shared memory; x comes from
-// the pinned staging the device thread filled (x_staged, mapped) or from device x. With x_staged
-// the first block of the route task also stores the row into device x, for the passes behind it.
-// Launched early (pdl.cuh): each warp issues its router row's loads (routers are written only at
-// bind) and then waits for the kernels before it, whose outputs (x, the scratch) it reads after.
-__global__ void route_kernel(DevLayout L, DevBuffers b, RouteTasks tasks, const float* x_staged,
-                             std::uint32_t rows) {
-  extern __shared__ float smem[];
-  const std::uint32_t t = blockIdx.x, z = blockIdx.z;
-  // Constant indices: a dynamic one would copy the tasks to local memory.
-  const RouteTask task = z == 0 ? tasks.t[0] : z == 1 ? tasks.t[1] : tasks.t[2];
-  const std::uint32_t E = L.n_experts, H = L.hidden, k = L.top_k;
-  const std::uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const float* router = b.routers + std::size_t(task.layer) * E * H;
-  const std::uint32_t e = blockIdx.y * kRouteLogits + warp;
-  const bool vec = H % 8 == 0;
-  RouterRow rw;
-  if (e < E && vec) load_router(router + std::size_t(e) * H, H, lane, 0, rw);
-  pdl_wait();
-  pdl_trigger();
-  float* x = smem;  // [H], then (the last block) logit [E], ex [E], order [k], w [k]
-  const float* src = (x_staged ? x_staged : b.x) + std::size_t(t) * H;
-  const bool store_x = x_staged && z == 0 && blockIdx.y == 0;
-  if (H % 4 == 0) {
-    for (std::uint32_t c = 4 * threadIdx.x; c < H; c += 4 * blockDim.x) {
-      const float4 v = *reinterpret_cast<const float4*>(src + c);
-      *reinterpret_cast<float4*>(x + c) = v;
-      if (store_x) *reinterpret_cast<float4*>(b.x + std::size_t(t) * H + c) = v;
-    }
-  } else {
-    for (std::uint32_t c = threadIdx.x; c < H; c += blockDim.x) {
-      const float v = src[c];
-      x[c] = v;
-      if (store_x) b.x[std::size_t(t) * H + c] = v;
-    }
-  }
-  __syncthreads();
-  float* logits = b.logits + (std::size_t(z) * rows + t) * E;  // this (token, task)'s scratch
-  if (e < E) {
-    float d;
-    if (vec) {
-      const float* w = router + std::size_t(e) * H;
-      float acc = fma_router(rw, x, H, lane, 0, 0.0f);
-      for (std::uint32_t s0 = kRouteSteps; 8 * lane + 256 * s0 < H; s0 += kRouteSteps) {
-        load_router(w, H, lane, s0, rw);
-        acc = fma_router(rw, x, H, lane, s0, acc);
-      }
-      d = warp_sum(acc);
-    } else {
-      d = warp_sum(lane_dot(router + std::size_t(e) * H, x, H, lane));
-    }
-    if (lane == 0) {
-      logits[e] = d;
-      __threadfence();  // the logit is visible GPU-wide before this block counts itself done
-    }
-  }
-  __syncthreads();
-  __shared__ bool last;
-  if (threadIdx.x == 0) {
-    std::uint32_t* done = b.route_done + std::size_t(z) * rows + t;
-    last = atomicAdd(done, 1u) == gridDim.y - 1;
-    if (last) *done = 0;  // every block of this launch has counted: ready for the next one
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  float* logit = x + H;
+// The pack's rule for token t of one task, by the block's threads, from the token's logits in
+// shared memory (logit[E], then room for ex [E], order [k] and w [k]): top-k, ids, weights.
+__device__ void route_tail(const DevLayout& L, const RouteTask& task, std::uint32_t t,
+                           float* logit) {
+  const std::uint32_t E = L.n_experts, k = L.top_k;
   float* ex = logit + E;
   std::uint32_t* order = reinterpret_cast<std::uint32_t*>(ex + E);
-  for (std::uint32_t q = threadIdx.x; q < E; q += blockDim.x)
-    logit[q] = __ldcg(logits + q);  // from L2
-  __syncthreads();
   select_top_k(logit, E, k, order);
   for (std::uint32_t j = threadIdx.x; j < k; j += blockDim.x) {
     if (task.ids) task.ids[std::size_t(t) * k + j] = std::int32_t(order[j]);
@@ -243,6 +191,145 @@ __global__ void route_kernel(DevLayout L, DevBuffers b, RouteTasks tasks, const 
   }
 }
 
+// Constant indices: a dynamic one would copy the tasks to local memory.
+__device__ __forceinline__ RouteTask task_of(const RouteTasks& tasks, std::uint32_t z) {
+  return z == 0 ? tasks.t[0] : z == 1 ? tasks.t[1] : tasks.t[2];
+}
+
+// What every block of a routing does: warp w computes the logit of expert e (that warp's, past
+// E: none) of token t, returned on every lane of the warp. The block's x row lives in shared
+// memory (x, H floats); x comes from the pinned staging the device thread filled (x_staged,
+// mapped) or from device x. With x_staged the first block of the route task (store_x) also
+// stores the row into device x, for the passes behind it. Launched early (pdl.cuh): each warp
+// issues its router row's loads (routers are written only at bind) and then waits for the
+// kernels before it, whose outputs (x, the scratch) it reads after.
+__device__ __forceinline__ float block_logit(const DevLayout& L, const DevBuffers& b,
+                                             const RouteTask& task, std::uint32_t t,
+                                             std::uint32_t e, const float* x_staged, bool store_x,
+                                             float* x) {
+  const std::uint32_t E = L.n_experts, H = L.hidden;
+  const std::uint32_t lane = threadIdx.x % 32;
+  const float* router = b.routers + std::size_t(task.layer) * E * H;
+  const bool vec = H % 8 == 0;
+  RouterRow rw;
+  if (e < E && vec) load_router(router + std::size_t(e) * H, H, lane, 0, rw);
+  pdl_wait();
+  pdl_trigger();
+  const float* src = (x_staged ? x_staged : b.x) + std::size_t(t) * H;
+  if (H % 4 == 0) {
+    for (std::uint32_t c = 4 * threadIdx.x; c < H; c += 4 * blockDim.x) {
+      const float4 v = *reinterpret_cast<const float4*>(src + c);
+      *reinterpret_cast<float4*>(x + c) = v;
+      if (store_x) *reinterpret_cast<float4*>(b.x + std::size_t(t) * H + c) = v;
+    }
+  } else {
+    for (std::uint32_t c = threadIdx.x; c < H; c += blockDim.x) {
+      const float v = src[c];
+      x[c] = v;
+      if (store_x) b.x[std::size_t(t) * H + c] = v;
+    }
+  }
+  __syncthreads();
+  if (e >= E) return 0.0f;
+  if (!vec) return warp_sum(lane_dot(router + std::size_t(e) * H, x, H, lane));
+  const float* w = router + std::size_t(e) * H;
+  float acc = fma_router(rw, x, H, lane, 0, 0.0f);
+  for (std::uint32_t s0 = kRouteSteps; 8 * lane + 256 * s0 < H; s0 += kRouteSteps) {
+    load_router(w, H, lane, s0, rw);
+    acc = fma_router(rw, x, H, lane, s0, acc);
+  }
+  return warp_sum(acc);
+}
+
+// Block (token t, expert block, task z): kRouteLogits experts, a warp each; their logits go to
+// device scratch, and the last block of the (token, task) to finish takes the rule.
+__global__ void route_kernel(DevLayout L, DevBuffers b, RouteTasks tasks, const float* x_staged,
+                             std::uint32_t rows) {
+  extern __shared__ float smem[];
+  const std::uint32_t t = blockIdx.x, z = blockIdx.z;
+  const RouteTask task = task_of(tasks, z);
+  const std::uint32_t E = L.n_experts, H = L.hidden;
+  const std::uint32_t e = blockIdx.y * kRouteLogits + threadIdx.x / 32;
+  float* x = smem;  // [H], then (the last block) logit [E], ex [E], order [k], w [k]
+  const float d = block_logit(L, b, task, t, e, x_staged, x_staged && z == 0 && blockIdx.y == 0, x);
+  float* logits = b.logits + (std::size_t(z) * rows + t) * E;  // this (token, task)'s scratch
+  if (e < E && threadIdx.x % 32 == 0) {
+    logits[e] = d;
+    __threadfence();  // the logit is visible GPU-wide before this block counts itself done
+  }
+  __syncthreads();
+  __shared__ bool last;
+  if (threadIdx.x == 0) {
+    std::uint32_t* done = b.route_done + std::size_t(z) * rows + t;
+    last = atomicAdd(done, 1u) == gridDim.y - 1;
+    if (last) *done = 0;  // every block of this launch has counted: ready for the next one
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  float* logit = x + H;
+  for (std::uint32_t q = threadIdx.x; q < E; q += blockDim.x)
+    logit[q] = __ldcg(logits + q);  // from L2
+  __syncthreads();
+  route_tail(L, task, t, logit);
+}
+
+// Thread-block clusters in PTX (sm_90; cooperative_groups.h would need headers the PyPI nvcc
+// lacks): the block's rank in its cluster, a barrier of the cluster's threads (release, acquire:
+// shared-memory writes before it are visible to every block of the cluster after it), and a
+// load from the shared memory of another block of the cluster at the address p has in this one.
+__device__ __forceinline__ std::uint32_t cluster_rank() {
+  std::uint32_t r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+#endif
+  return r;
+}
+__device__ __forceinline__ void cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
+               ::: "memory");
+#endif
+}
+__device__ __forceinline__ float load_cluster_shared(const float* p, std::uint32_t rank) {
+  float v = 0.0f;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const std::uint32_t local = std::uint32_t(__cvta_generic_to_shared(p));
+  std::uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+#endif
+  return v;
+}
+
+// The same routing with the (token, task)'s blocks as one thread-block cluster (sm_90): block
+// rank r of the cluster computes experts r EB .. r EB + EB - 1 (EB = its warps) into its own
+// shared memory, a cluster barrier (release / acquire) makes them visible to the cluster, and
+// block 0 reads every block's logits through distributed shared memory and takes the rule. No
+// device scratch, no fence, no atomic: the last-block chain becomes two cluster barriers. The
+// logits are the same dots and the rule the same code: the same bits.
+__global__ void route_cluster_kernel(DevLayout L, DevBuffers b, RouteTasks tasks,
+                                     const float* x_staged) {
+  extern __shared__ float smem[];
+  __shared__ float block_logits[32];  // this block's experts' logits, one a warp
+  const std::uint32_t t = blockIdx.x, z = blockIdx.z;
+  const RouteTask task = task_of(tasks, z);
+  const std::uint32_t E = L.n_experts, H = L.hidden;
+  const std::uint32_t eb = blockDim.x / 32, rank = cluster_rank();
+  const std::uint32_t e = rank * eb + threadIdx.x / 32;
+  float* x = smem;  // [H], then (rank 0) logit [E], ex [E], order [k], w [k]
+  const float d = block_logit(L, b, task, t, e, x_staged, x_staged && z == 0 && rank == 0, x);
+  if (threadIdx.x % 32 == 0) block_logits[threadIdx.x / 32] = d;
+  cluster_sync();  // every block's logits written and visible to the cluster
+  float* logit = x + H;
+  if (rank == 0)
+    for (std::uint32_t q = threadIdx.x; q < E; q += blockDim.x)
+      logit[q] = load_cluster_shared(block_logits + q % eb, q / eb);
+  cluster_sync();  // rank 0 has read them: every block may exit
+  if (rank != 0) return;
+  route_tail(L, task, t, logit);
+}
+
 // x from the staging into device x, for a batch (below).
 __global__ void copy_x_kernel(float* dst, const float* src, std::size_t n) {
   pdl_trigger();  // the route kernel behind it may start loading its routers
@@ -261,6 +348,94 @@ std::size_t route_smem(const DevLayout& L) {
   return (std::size_t(L.hidden) + 2 * std::size_t(L.n_experts) + 2 * std::size_t(L.top_k)) * 4;
 }
 
+// The cluster of a routing: blocks (at most kRouteCluster, and E) and experts a block (warps, at
+// most 32); 0 blocks where the shape does not fit (the counter kernel then runs).
+struct RouteCluster {
+  std::uint32_t blocks = 0, experts = 0;
+};
+RouteCluster route_cluster(const DevLayout& L) {
+  RouteCluster c;
+  if (kRouteCluster < 2 || L.n_experts < 2) return c;
+  const std::uint32_t blocks = std::min(kRouteCluster, L.n_experts);
+  const std::uint32_t experts = (L.n_experts + blocks - 1) / blocks;
+  if (experts > 32) return c;
+  c.blocks = (L.n_experts + experts - 1) / experts;  // no block without an expert
+  c.experts = experts;
+  return c;
+}
+
+// The cluster shapes prepare_route found the device to run (it has clusters and fits one):
+// launch_route takes the cluster kernel for those alone.
+struct ClusterShape {
+  std::uint32_t blocks, experts;
+  std::size_t smem;
+  bool fits;
+};
+std::mutex cluster_mu;
+std::vector<ClusterShape> cluster_shapes;  // under cluster_mu
+
+// 1: the shape fits, 0: it does not, -1: not asked yet.
+int cluster_fit_known(const DevLayout& L, const RouteCluster& c) {
+  std::lock_guard<std::mutex> lk(cluster_mu);
+  for (const ClusterShape& k : cluster_shapes)
+    if (k.blocks == c.blocks && k.experts == c.experts && k.smem == route_smem(L)) return k.fits;
+  return -1;
+}
+
+cudaError_t launch_cluster(const DevLayout& L, const DevBuffers& b, std::uint32_t rows,
+                           const RouteTasks& tasks, const float* x_staged, const RouteCluster& c,
+                           cudaStream_t s, bool early) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(rows, c.blocks, tasks.n);
+  cfg.blockDim = dim3(32 * c.experts);
+  cfg.dynamicSmemBytes = route_smem(L);
+  cfg.stream = s;
+  cudaLaunchAttribute attr[2];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 1;
+  attr[0].val.clusterDim.y = c.blocks;
+  attr[0].val.clusterDim.z = 1;
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = early ? 2 : 1;
+  return cudaLaunchKernelEx(&cfg, route_cluster_kernel, L, b, tasks, x_staged);
+}
+
+// Asks the device whether a cluster of this shape can run, raising the kernel's limits first.
+bool cluster_fits(const DevLayout& L, const RouteCluster& c) {
+  int dev = 0, major = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      major < 9)
+    return false;
+  cudaFuncAttributes a{};
+  if (cudaFuncGetAttributes(&a, route_cluster_kernel) != cudaSuccess || a.binaryVersion < 90)
+    return false;
+  if (c.blocks > 8 && cudaFuncSetAttribute(route_cluster_kernel,
+                                           cudaFuncAttributeNonPortableClusterSizeAllowed,
+                                           1) != cudaSuccess)
+    return false;
+  if (route_smem(L) > 48 * 1024 &&
+      cudaFuncSetAttribute(route_cluster_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           int(route_smem(L))) != cudaSuccess)
+    return false;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(1, c.blocks, 1);
+  cfg.blockDim = dim3(32 * c.experts);
+  cfg.dynamicSmemBytes = route_smem(L);
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 1;
+  attr[0].val.clusterDim.y = c.blocks;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int clusters = 0;
+  return cudaOccupancyMaxActiveClusters(&clusters, route_cluster_kernel, &cfg) == cudaSuccess &&
+         clusters > 0;
+}
+
 }  // namespace
 
 std::size_t route_scratch_floats(const DevLayout& L, std::uint32_t rows) {
@@ -275,6 +450,12 @@ cudaError_t prepare_route(const DevLayout& L) {
   static std::mutex mu;
   static std::size_t raised = 48 * 1024;
   std::lock_guard<std::mutex> lk(mu);
+  if (const RouteCluster c = route_cluster(L); c.blocks != 0 && cluster_fit_known(L, c) < 0) {
+    const bool fits = cluster_fits(L, c);
+    if (!fits) cudaGetLastError();  // a refused query is no error: the counter kernel runs
+    std::lock_guard<std::mutex> lk(cluster_mu);
+    cluster_shapes.push_back(ClusterShape{c.blocks, c.experts, route_smem(L), fits});
+  }
   if (route_smem(L) <= raised) return cudaSuccess;
   const cudaError_t e = cudaFuncSetAttribute(
       route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(route_smem(L)));
@@ -292,6 +473,10 @@ cudaError_t launch_route(const DevLayout& L, const DevBuffers& b, std::uint32_t 
     copy_x_kernel<<<unsigned(std::min<std::size_t>((n + 255) / 256, 1024)), 256, 0, s>>>(
         b.x, x_staged, n);
     x_staged = nullptr;
+  }
+  if (const RouteCluster c = route_cluster(L); c.blocks != 0 && cluster_fit_known(L, c) == 1) {
+    static const bool early_cluster = pdl_capable(route_cluster_kernel);
+    return launch_cluster(L, b, rows, tasks, x_staged, c, s, early_cluster);
   }
   const std::uint32_t blocks = (L.n_experts + kRouteLogits - 1) / kRouteLogits;
   const std::uint32_t warps = L.n_experts < kRouteLogits ? L.n_experts : kRouteLogits;
