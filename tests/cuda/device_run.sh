@@ -43,8 +43,7 @@ done
 tuning=${STRATA_CUDA_TUNING:-}
 if wants kernels; then
   # Built in parallel: now, before (STRATA_KERNELS_BEFORE), and variants of the compile-time
-  # knobs: the route kernel as thread-block clusters (rc16, rc8: of up to 16 or 8 blocks,
-  # instead of the last-block counter) and the counter kernel's experts per block (r8), the
+  # knobs: the route kernel's experts per block (r8), the
   # decode kernels' lean path off (dl0: the general step loop for q4 with f16 scales), output
   # rows per warp (down: d*; gate_up on the lean path: dg1) and per-chunk scale loads instead of
   # shared scales (dps), and a build
@@ -64,7 +63,7 @@ if wants kernels; then
       "${mma[@]}" > "$out/kbench_build_$name.log" 2>&1 || echo "kbench build $name failed"
   }
   R=-DSTRATA_CUDA_ROUTE D=-DSTRATA_CUDA_DOWN_DECODE_ROWS
-  kvariants=("rc16:${R}_CLUSTER=16" "rc8:${R}_CLUSTER=8" "r8:${R}_LOGITS=8"
+  kvariants=("r8:${R}_LOGITS=8"
              "dl0:-DSTRATA_CUDA_DECODE_LEAN=0" "d2:$D=2" "dg1:-DSTRATA_CUDA_GATE_UP_DECODE_LEAN_ROWS=1"
              "dps:-DSTRATA_CUDA_DECODE_SHARED_SCALES=0" "nopdl:-DSTRATA_CUDA_PDL=0")
   names=now

@@ -5,18 +5,15 @@
 //
 // A token's logits are spread over several blocks (blockIdx.y), so a decode token's router
 // (n_experts * hidden floats per task) is read by many multiprocessors at once rather than by
-// one. Where the device runs thread-block clusters (sm_90), a (token, task)'s blocks are one
-// cluster: each keeps its experts' logits in its shared memory and, after a cluster barrier,
-// block 0 gathers them through distributed shared memory and takes the top-k and the weights
-// (route_cluster_kernel). Elsewhere (or STRATA_CUDA_ROUTE_CLUSTER=0) each block of kRouteLogits
-// experts writes its logits to device scratch and the last block of a (token, task) to finish
-// (an atomic counter per (token, task), reset by that block for the next launch) takes them
-// (route_kernel). A logit is the same dot in the same order whichever block computes it, the
+// one. Each block of kRouteLogits experts writes its logits to device scratch and the last block
+// of a (token, task) to finish (an atomic counter per (token, task), reset by that block for the
+// next launch) takes them (route_kernel). A thread-block cluster gathering the logits through
+// distributed shared memory instead measured level with this on the H200 (docs/cuda.md), so the
+// counter stays, the one way. A logit is the same dot in the same order whichever block computes it, the
 // rule is one function (route_tail), and the selection keeps the sequential scan's result
 // exactly (below), so the outputs are the bits one block per token gave.
 #include <algorithm>
 #include <mutex>
-#include <vector>
 
 #include "dot.cuh"
 #include "kernels.h"
@@ -34,15 +31,7 @@ namespace {
 #ifndef STRATA_CUDA_ROUTE_COPY_ROWS  // below: kCopyStagedRows
 #define STRATA_CUDA_ROUTE_COPY_ROWS 1
 #endif
-// The blocks of a routing as one thread-block cluster (below): at most this many blocks (16 needs
-// the non-portable cluster size, 8 is portable); 0 (the default) keeps the last-block counter for
-// every shape. Clusters of 16 measured level with the counter on the H200 (docs/cuda.md), and
-// the CUDA suite ran the counter, so clusters are for comparison (device_run.sh kernels: rc16).
-#ifndef STRATA_CUDA_ROUTE_CLUSTER
-#define STRATA_CUDA_ROUTE_CLUSTER 0
-#endif
 constexpr std::uint32_t kRouteLogits = STRATA_CUDA_ROUTE_LOGITS;
-constexpr std::uint32_t kRouteCluster = STRATA_CUDA_ROUTE_CLUSTER;
 constexpr std::uint32_t kMaxTopK = 64;
 
 // Router rows are read as 16-byte words, all of a batch's chunks issued before the first product
@@ -274,62 +263,6 @@ __global__ void route_kernel(DevLayout L, DevBuffers b, RouteTasks tasks, const 
   route_tail(L, task, t, logit);
 }
 
-// Thread-block clusters in PTX (sm_90; cooperative_groups.h would need headers the PyPI nvcc
-// lacks): the block's rank in its cluster, a barrier of the cluster's threads (release, acquire:
-// shared-memory writes before it are visible to every block of the cluster after it), and a
-// load from the shared memory of another block of the cluster at the address p has in this one.
-__device__ __forceinline__ std::uint32_t cluster_rank() {
-  std::uint32_t r = 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-#endif
-  return r;
-}
-__device__ __forceinline__ void cluster_sync() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
-               ::: "memory");
-#endif
-}
-__device__ __forceinline__ float load_cluster_shared(const float* p, std::uint32_t rank) {
-  float v = 0.0f;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const std::uint32_t local = std::uint32_t(__cvta_generic_to_shared(p));
-  std::uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-#endif
-  return v;
-}
-
-// The same routing with the (token, task)'s blocks as one thread-block cluster (sm_90): block
-// rank r of the cluster computes experts r EB .. r EB + EB - 1 (EB = its warps) into its own
-// shared memory, a cluster barrier (release / acquire) makes them visible to the cluster, and
-// block 0 reads every block's logits through distributed shared memory and takes the rule. No
-// device scratch, no fence, no atomic: the last-block chain becomes two cluster barriers. The
-// logits are the same dots and the rule the same code: the same bits.
-__global__ void route_cluster_kernel(DevLayout L, DevBuffers b, RouteTasks tasks,
-                                     const float* x_staged) {
-  extern __shared__ float smem[];
-  __shared__ float block_logits[32];  // this block's experts' logits, one a warp
-  const std::uint32_t t = blockIdx.x, z = blockIdx.z;
-  const RouteTask task = task_of(tasks, z);
-  const std::uint32_t E = L.n_experts, H = L.hidden;
-  const std::uint32_t eb = blockDim.x / 32, rank = cluster_rank();
-  const std::uint32_t e = rank * eb + threadIdx.x / 32;
-  float* x = smem;  // [H], then (rank 0) logit [E], ex [E], order [k], w [k]
-  const float d = block_logit(L, b, task, t, e, x_staged, x_staged && z == 0 && rank == 0, x);
-  if (threadIdx.x % 32 == 0) block_logits[threadIdx.x / 32] = d;
-  cluster_sync();  // every block's logits written and visible to the cluster
-  float* logit = x + H;
-  if (rank == 0)
-    for (std::uint32_t q = threadIdx.x; q < E; q += blockDim.x)
-      logit[q] = load_cluster_shared(block_logits + q % eb, q / eb);
-  cluster_sync();  // rank 0 has read them: every block may exit
-  if (rank != 0) return;
-  route_tail(L, task, t, logit);
-}
-
 // x from the staging into device x, for a batch (below).
 __global__ void copy_x_kernel(float* dst, const float* src, std::size_t n) {
   pdl_trigger();  // the route kernel behind it may start loading its routers
@@ -348,94 +281,6 @@ std::size_t route_smem(const DevLayout& L) {
   return (std::size_t(L.hidden) + 2 * std::size_t(L.n_experts) + 2 * std::size_t(L.top_k)) * 4;
 }
 
-// The cluster of a routing: blocks (at most kRouteCluster, and E) and experts a block (warps, at
-// most 32); 0 blocks where the shape does not fit (the counter kernel then runs).
-struct RouteCluster {
-  std::uint32_t blocks = 0, experts = 0;
-};
-RouteCluster route_cluster(const DevLayout& L) {
-  RouteCluster c;
-  if (kRouteCluster < 2 || L.n_experts < 2) return c;
-  const std::uint32_t blocks = std::min(kRouteCluster, L.n_experts);
-  const std::uint32_t experts = (L.n_experts + blocks - 1) / blocks;
-  if (experts > 32) return c;
-  c.blocks = (L.n_experts + experts - 1) / experts;  // no block without an expert
-  c.experts = experts;
-  return c;
-}
-
-// The cluster shapes prepare_route found the device to run (it has clusters and fits one):
-// launch_route takes the cluster kernel for those alone.
-struct ClusterShape {
-  std::uint32_t blocks, experts;
-  std::size_t smem;
-  bool fits;
-};
-std::mutex cluster_mu;
-std::vector<ClusterShape> cluster_shapes;  // under cluster_mu
-
-// 1: the shape fits, 0: it does not, -1: not asked yet.
-int cluster_fit_known(const DevLayout& L, const RouteCluster& c) {
-  std::lock_guard<std::mutex> lk(cluster_mu);
-  for (const ClusterShape& k : cluster_shapes)
-    if (k.blocks == c.blocks && k.experts == c.experts && k.smem == route_smem(L)) return k.fits;
-  return -1;
-}
-
-cudaError_t launch_cluster(const DevLayout& L, const DevBuffers& b, std::uint32_t rows,
-                           const RouteTasks& tasks, const float* x_staged, const RouteCluster& c,
-                           cudaStream_t s, bool early) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(rows, c.blocks, tasks.n);
-  cfg.blockDim = dim3(32 * c.experts);
-  cfg.dynamicSmemBytes = route_smem(L);
-  cfg.stream = s;
-  cudaLaunchAttribute attr[2];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = 1;
-  attr[0].val.clusterDim.y = c.blocks;
-  attr[0].val.clusterDim.z = 1;
-  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[1].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = early ? 2 : 1;
-  return cudaLaunchKernelEx(&cfg, route_cluster_kernel, L, b, tasks, x_staged);
-}
-
-// Asks the device whether a cluster of this shape can run, raising the kernel's limits first.
-bool cluster_fits(const DevLayout& L, const RouteCluster& c) {
-  int dev = 0, major = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-      major < 9)
-    return false;
-  cudaFuncAttributes a{};
-  if (cudaFuncGetAttributes(&a, route_cluster_kernel) != cudaSuccess || a.binaryVersion < 90)
-    return false;
-  if (c.blocks > 8 && cudaFuncSetAttribute(route_cluster_kernel,
-                                           cudaFuncAttributeNonPortableClusterSizeAllowed,
-                                           1) != cudaSuccess)
-    return false;
-  if (route_smem(L) > 48 * 1024 &&
-      cudaFuncSetAttribute(route_cluster_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           int(route_smem(L))) != cudaSuccess)
-    return false;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(1, c.blocks, 1);
-  cfg.blockDim = dim3(32 * c.experts);
-  cfg.dynamicSmemBytes = route_smem(L);
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = 1;
-  attr[0].val.clusterDim.y = c.blocks;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  int clusters = 0;
-  return cudaOccupancyMaxActiveClusters(&clusters, route_cluster_kernel, &cfg) == cudaSuccess &&
-         clusters > 0;
-}
-
 }  // namespace
 
 std::size_t route_scratch_floats(const DevLayout& L, std::uint32_t rows) {
@@ -450,12 +295,6 @@ cudaError_t prepare_route(const DevLayout& L) {
   static std::mutex mu;
   static std::size_t raised = 48 * 1024;
   std::lock_guard<std::mutex> lk(mu);
-  if (const RouteCluster c = route_cluster(L); c.blocks != 0 && cluster_fit_known(L, c) < 0) {
-    const bool fits = cluster_fits(L, c);
-    if (!fits) cudaGetLastError();  // a refused query is no error: the counter kernel runs
-    std::lock_guard<std::mutex> lk(cluster_mu);
-    cluster_shapes.push_back(ClusterShape{c.blocks, c.experts, route_smem(L), fits});
-  }
   if (route_smem(L) <= raised) return cudaSuccess;
   const cudaError_t e = cudaFuncSetAttribute(
       route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(route_smem(L)));
@@ -473,10 +312,6 @@ cudaError_t launch_route(const DevLayout& L, const DevBuffers& b, std::uint32_t 
     copy_x_kernel<<<unsigned(std::min<std::size_t>((n + 255) / 256, 1024)), 256, 0, s>>>(
         b.x, x_staged, n);
     x_staged = nullptr;
-  }
-  if (const RouteCluster c = route_cluster(L); c.blocks != 0 && cluster_fit_known(L, c) == 1) {
-    static const bool early_cluster = pdl_capable(route_cluster_kernel);
-    return launch_cluster(L, b, rows, tasks, x_staged, c, s, early_cluster);
   }
   const std::uint32_t blocks = (L.n_experts + kRouteLogits - 1) / kRouteLogits;
   const std::uint32_t warps = L.n_experts < kRouteLogits ? L.n_experts : kRouteLogits;
