@@ -3,10 +3,11 @@
 // benchmarks/cuda_prompt.py allocates with torch and hands over by address (ctypes), so that the
 // script times them with the same CUDA events as torch's grouped matmuls on the same data.
 // Built as a shared library against csrc/cuda/kernels (or another commit's copy: the launchers
-// of kernels.h are the interface):
-//   nvcc -std=c++20 -O3 -arch=sm_90 -shared -Xcompiler -fPIC -I<dir above kernels> -Icsrc/engine \
-//     -o libprompt.so benchmarks/native/cuda_prompt_bench.cu <kernels>/experts.cu \
-//     [<kernels>/mma_experts.cu [-DSTRATA_CUDA_MMA_ONE_PIECE_BENCH]]
+// of kernels.h are the interface), for Hopper's own code (the tensor-core kernels use wgmma):
+//   nvcc -std=c++20 -O3 -gencode=arch=compute_90a,code=sm_90a -shared -Xcompiler -fPIC \
+//     -I<dir above kernels> -Icsrc/engine -o libprompt.so benchmarks/native/cuda_prompt_bench.cu \
+//     <kernels>/experts.cu [<kernels>/mma_experts.cu [-DSTRATA_CUDA_MMA_ONE_PIECE_BENCH]]
+// (tests/cuda/device_run.sh prompt compiles the three apart and links them per build.)
 // (pb_reserve allocates the scratch a tree's kernels take, as the backend's bind does.)
 #include <cuda_runtime.h>
 

@@ -23,8 +23,10 @@ if(NOT STRATA_CUDA STREQUAL "OFF")
   check_language(CUDA)
   if(CMAKE_CUDA_COMPILER)
     if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
-      # Hopper machine code plus its PTX, which later GPUs' drivers compile.
-      set(CMAKE_CUDA_ARCHITECTURES 90)
+      # Hopper's own machine code and PTX (sm_90a): the bf16 expert kernels use wgmma, which
+      # no other architecture has (kernels/mma_experts.cu refuses to build for one), so the
+      # backend runs on compute capability 9.0 alone and says so elsewhere (unavailable()).
+      set(CMAKE_CUDA_ARCHITECTURES 90a)
     endif()
     enable_language(CUDA)
     # The static CUDA runtime beside nvcc (a toolkit, or PyPI's nvidia-cuda-* wheels, which have

@@ -41,6 +41,8 @@ done
 # -D flags for the kernels' compile-time tuning knobs, for the build: STRATA_CUDA_TUNING, or
 # chosen below (and kept in /tmp/strata-cuda-tuning for a later call of this script).
 tuning=${STRATA_CUDA_TUNING:-}
+# Hopper's own code (the bf16 kernels use wgmma: csrc/cuda/cuda.cmake builds the same).
+arch="-gencode=arch=compute_90a,code=sm_90a"
 if wants kernels; then
   # Built in parallel: now, before (STRATA_KERNELS_BEFORE), and tunings of the compile-time
   # knobs: the route kernel's experts per block (r*), the decode kernels' output rows per warp
@@ -55,7 +57,7 @@ if wants kernels; then
     echo "$*" > "/tmp/kbench_$name.flags"
     local mma=()  # the tensor-core kernels, in trees that have them
     [ -f "$dir/kernels/mma_experts.cu" ] && mma=("$dir/kernels/mma_experts.cu")
-    nvcc -std=c++20 -O3 -arch=sm_90 "$@" -I"$dir" -Icsrc/engine -o "/tmp/kbench_$name" \
+    nvcc -std=c++20 -O3 $arch "$@" -I"$dir" -Icsrc/engine -o "/tmp/kbench_$name" \
       benchmarks/native/cuda_kernel_bench.cu "$dir/kernels/route.cu" "$dir/kernels/experts.cu" \
       "${mma[@]}" > "$out/kbench_build_$name.log" 2>&1 || echo "kbench build $name failed"
   }
@@ -130,40 +132,71 @@ if wants prompt; then
   # The build (whose flags no prompt step changes) compiles beside the bench's libraries, and
   # is finished before anything is timed; the build step below then finds it up to date.
   timeout 240 bash -c "$build_cmd" > "$out/build_early.log" 2>&1 &
-  pb_build() {  # pb_build NAME DIR [nvcc flags]: benchmarks/native/cuda_prompt_bench.cu as a library
+  # Each tree's experts.cu and the bench compile once; each build of mma_experts.cu (the
+  # knobs' neighbours, one piece) links against them.
+  pb_common() {  # pb_common NAME DIR: the objects every build of DIR's kernels shares
+    local name=$1 dir=$2
+    nvcc -std=c++20 -O3 $arch -Xcompiler -fPIC -I"$dir" -Icsrc/engine -c \
+      -o "/tmp/pb_bench_$name.o" benchmarks/native/cuda_prompt_bench.cu \
+      > "$out/prompt_build_${name}_bench.log" 2>&1 &
+    nvcc -std=c++20 -O3 $arch -Xcompiler -fPIC -I"$dir" -Icsrc/engine -c \
+      -o "/tmp/pb_experts_$name.o" "$dir/kernels/experts.cu" \
+      > "$out/prompt_build_${name}_experts.log" 2>&1 &
+    wait
+  }
+  pb_mma() {  # pb_mma NAME DIR [nvcc flags]: DIR's mma_experts.cu with the flags
     local name=$1 dir=$2
     shift 2
-    local mma=()
-    [ -f "$dir/kernels/mma_experts.cu" ] && mma=("$dir/kernels/mma_experts.cu")
-    nvcc -std=c++20 -O3 -arch=sm_90 -shared -Xcompiler -fPIC "$@" -I"$dir" -Icsrc/engine \
-      -o "/tmp/libprompt_$name.so" benchmarks/native/cuda_prompt_bench.cu \
-      "$dir/kernels/experts.cu" "${mma[@]}" > "$out/prompt_build_$name.log" 2>&1 \
-      || echo "prompt bench build $name failed"
+    nvcc -std=c++20 -O3 $arch -Xcompiler -fPIC "$@" -I"$dir" -Icsrc/engine -c \
+      -o "/tmp/pb_mma_$name.o" "$dir/kernels/mma_experts.cu" \
+      > "$out/prompt_build_$name.log" 2>&1 || echo "prompt bench build $name failed"
+  }
+  pb_link() {  # pb_link NAME TREE: /tmp/libprompt_NAME.so from TREE's shared objects
+    nvcc $arch -shared -o "/tmp/libprompt_$1.so" "/tmp/pb_bench_$2.o" "/tmp/pb_experts_$2.o" \
+      "/tmp/pb_mma_$1.o" >> "$out/prompt_build_$1.log" 2>&1 || echo "prompt bench link $1 failed"
   }
   # Neighbours of the tensor-core kernels' tuning knobs (mma_experts.cu): timed beside the
   # defaults and checked bitwise against them; the defaults change by hand, from these figures.
   M=-DSTRATA_CUDA_MMA
-  # smem: the prompt kernels splitting float32 rows in every block (no pieces scratch); p2: the
-  # previous prompt tiling (64 or 128 output rows, 4 warps, 64 tokens) at every row count; r4:
-  # the large tiling at every row count; s512: the small one below 512 rows only; ps3: 3
-  # k-stages; dw8: 8 decode warps.
-  variants=("smem:${M}_PROMPT_PIECES=0" "p2:${M}_PROMPT_ROW_WARPS=2 ${M}_SMALL_BELOW_ROWS=0"
-            "r4:${M}_SMALL_BELOW_ROWS=0" "s512:${M}_SMALL_BELOW_ROWS=512"
-            "ps3:${M}_PROMPT_STAGES=3" "dw8:${M}_DECODE_WARPS=8")
-  pb_build now csrc/cuda &
-  pb_build one_piece csrc/cuda -DSTRATA_CUDA_MMA_ONE_PIECE_BENCH &
-  [ -n "${STRATA_KERNELS_BEFORE:-}" ] && pb_build before "$STRATA_KERNELS_BEFORE" &
+  # pw1: the large tiling with one warpgroup (64 rows); pt32: its chunks of 32 tokens; pd128:
+  # its down pass with chunks of 128; s64: the small tiling's chunks of 64 tokens;
+  # ss4: its ring 4 deep (two blocks a multiprocessor); sw2: its two warpgroups (128 rows);
+  # sb512: the small tiling below 512 rows only; ds4: decode's ring 4 deep; walk: the work items
+  # found by the walk over the group counts, not the table (checked bitwise); nofence (bench
+  # only): no proxy fence where cp.async alone wrote the stage.
+  variants=("pw1:${M}_PROMPT_WARPGROUPS=1"
+            "pt32:${M}_PROMPT_TOKENS=32" "pd128:${M}_PROMPT_DOWN_TOKENS=128"
+            "s64:${M}_SMALL_TOKENS=64" "ss4:${M}_SMALL_STAGES=4"
+            "sw2:${M}_SMALL_WARPGROUPS=2" "sb512:${M}_SMALL_BELOW_ROWS=512"
+            "ds4:${M}_DECODE_STAGES=4" "walk:${M}_TABLE_GROUPS=4"
+            "nofence:${M}_NO_PROXY_FENCE_BENCH")
+  [ -n "${STRATA_PROMPT_VARIANTS+x}" ] && read -r -a variants <<< "$STRATA_PROMPT_VARIANTS"
+  pb_common now csrc/cuda &
+  [ -n "${STRATA_KERNELS_BEFORE:-}" ] && pb_common before "$STRATA_KERNELS_BEFORE" &
+  pb_mma now csrc/cuda &
+  pb_mma one_piece csrc/cuda -DSTRATA_CUDA_MMA_ONE_PIECE_BENCH &
+  if [ -n "${STRATA_KERNELS_BEFORE:-}" ]; then
+    if [ -f "$STRATA_KERNELS_BEFORE/kernels/mma_experts.cu" ]; then
+      pb_mma before "$STRATA_KERNELS_BEFORE" &
+    else  # a tree without the tensor-core kernels: an empty object
+      echo > /tmp/pb_empty.cu && nvcc $arch -Xcompiler -fPIC -c -o /tmp/pb_mma_before.o /tmp/pb_empty.cu &
+    fi
+  fi
   for v in "${variants[@]}"; do
     # shellcheck disable=SC2086
-    pb_build "${v%%:*}" csrc/cuda ${v#*:} &
+    pb_mma "${v%%:*}" csrc/cuda ${v#*:} &
   done
   wait
+  pb_link now now
+  pb_link one_piece now
+  [ -n "${STRATA_KERNELS_BEFORE:-}" ] && pb_link before before
+  for v in "${variants[@]}"; do pb_link "${v%%:*}" now; done
   extra=()
   [ -f /tmp/libprompt_before.so ] && extra=(--lib-before /tmp/libprompt_before.so)
   for v in "${variants[@]}"; do
     [ -f "/tmp/libprompt_${v%%:*}.so" ] && extra+=(--lib-variant "${v%%:*}=/tmp/libprompt_${v%%:*}.so")
   done
-  step prompt 240 $py benchmarks/cuda_prompt.py --lib-now /tmp/libprompt_now.so \
+  step prompt 300 $py benchmarks/cuda_prompt.py --lib-now /tmp/libprompt_now.so \
     --lib-one-piece /tmp/libprompt_one_piece.so "${extra[@]}" --json "$out/cuda_prompt.json"
   # Where the tensor-core kernels stall: ncu's full set over the first gate_up and down of a
   # 128-row and of a 2048-row random wave (STRATA_PROMPT_NCU=0 skips it).

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <mutex>
 #include <stdexcept>
+#include <string>
 #include <unordered_set>
 #include <thread>
 #include <tuple>
@@ -991,6 +992,17 @@ std::string unavailable() {
            cudaGetErrorString(e) + ")";
   }
   if (n == 0) return "no CUDA GPU on this machine";
+  // The kernels are Hopper machine code (sm_90a, for wgmma: csrc/cuda/cuda.cmake), which no
+  // other architecture loads.
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0) != cudaSuccess) {
+    cudaGetLastError();
+    return "could not read CUDA device 0's compute capability";
+  }
+  if (major != kKernelsMajor || minor != kKernelsMinor)
+    return "the CUDA kernels are built for compute capability 9.0 (Hopper, sm_90a); device 0 "
+           "has " + std::to_string(major) + "." + std::to_string(minor);
   return "";
 }
 

@@ -1,10 +1,12 @@
-// The tensor-core primitives of the bf16 expert kernels (mma_experts.cu), as inline PTX (sm_80
-// and later; no cuda_bf16.h, whose CCCL dependency PyPI's nvcc wheel lacks): the exact split of a
-// float into three bf16 pieces, cp.async staging, ldmatrix and the m16n8k16 bf16 MMA with float32
-// accumulation.
+// The tensor-core primitives of the bf16 expert kernels (mma_experts.cu), as inline PTX (no
+// cuda_bf16.h, whose CCCL dependency PyPI's nvcc wheel lacks): the exact split of a float into
+// three bf16 pieces, cp.async staging, and Hopper's wgmma (sm_90a) descriptors, fences and waits;
+// the instructions themselves are in wgmma_ops.cuh.
 #pragma once
 
 #include <cstdint>
+
+#include "wgmma_ops.cuh"
 
 namespace strata::cuda {
 
@@ -47,28 +49,42 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending) : "memory");
 }
 
-// Four 8x8 b16 matrices; lane l gives the address of row l % 8 of matrix l / 8.
-__device__ __forceinline__ void ldmatrix_x4(std::uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(shared_addr(p)));
+// wgmma (sm_90a). A shared-memory matrix descriptor for a K-major tile of bf16 rows 128 bytes
+// long (64 columns) in the 128-byte swizzle: 16-byte chunk c of row r stored at chunk c ^ (r % 8),
+// the tile 1024-byte aligned, 8-row groups 1024 bytes apart (the stride byte offset); the leading
+// byte offset is unused in this layout (1 by convention). A k-block of 16 columns further along
+// the row starts 32 bytes further: the hardware applies the swizzle to the address it computes.
+__device__ __forceinline__ std::uint64_t wgmma_desc(std::uint32_t smem_addr) {
+  return (std::uint64_t(smem_addr & 0x3FFFF) >> 4) | (std::uint64_t(16 >> 4) << 16) |
+         (std::uint64_t(1024 >> 4) << 32) | (std::uint64_t(1) << 62);
 }
-// Two matrices (lanes 0-15 give the addresses; the others' are ignored but kept valid).
-__device__ __forceinline__ void ldmatrix_x2(std::uint32_t (&r)[2], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
-               : "=r"(r[0]), "=r"(r[1])
-               : "r"(shared_addr(p)));
+// Byte offset of column `col` (a multiple of 8) of row `r` in such a tile.
+__device__ __forceinline__ std::uint32_t swizzled(std::uint32_t r, std::uint32_t col) {
+  return r * 128 + (((col >> 3) ^ (r & 7)) << 4);
 }
-
-// d += a (16 x 16, row-major) * b (16 x 8, column-major): bf16 products, float32 sums. Element
-// (m, n) depends only on row m of a, column n of b and d's (m, n): one hardware order.
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const std::uint32_t (&a)[4],
-                                         std::uint32_t b0, std::uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+// Orders this thread's register accesses before the warpgroup's next wgmma (wgmma.fence).
+__device__ __forceinline__ void wgmma_arrive() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+// Waits until at most `Pending` committed wgmma groups are in flight (their shared-memory reads
+// and accumulator writes done for the others).
+template <int Pending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(Pending) : "memory");
+}
+// Keeps the compiler from moving accesses of accumulators that a wgmma in flight owns.
+template <int N>
+__device__ __forceinline__ void wgmma_hold(float* d) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// Shared memory this thread wrote through the generic proxy (stores, cp.async), made visible to
+// the async proxy that wgmma reads through; a barrier after it publishes it to the warpgroups.
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
 }  // namespace strata::cuda

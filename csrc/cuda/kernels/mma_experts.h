@@ -1,6 +1,6 @@
-// Launches of the tensor-core expert kernels (mma_experts.cu), which take every pass of the bf16
-// weight format at every row count (experts.cu dispatches to them): the same contract as
-// launch_gate_up and launch_down in kernels.h, over the same group table.
+// Launches of the tensor-core expert kernels (mma_experts.cu: Hopper's wgmma), which take every
+// pass of the bf16 weight format at every row count (experts.cu dispatches to them): the same
+// contract as launch_gate_up and launch_down in kernels.h, over the same group table.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -11,6 +11,10 @@
 #include "device_types.h"
 
 namespace strata::cuda {
+
+// The compute capability the kernels run on: they are sm_90a machine code alone (wgmma), which
+// no other architecture loads (csrc/cuda/cuda.cmake).
+constexpr int kKernelsMajor = 9, kKernelsMinor = 0;
 
 // The bf16 pieces scratch (DevBuffers::x_pieces, ::h_pieces) for `rows` tokens, in bytes: 0 for
 // a format other than bf16. The backend allocates it at bind; without it the kernels split in
