@@ -158,18 +158,15 @@ if wants prompt; then
   # Neighbours of the tensor-core kernels' tuning knobs (mma_experts.cu): timed beside the
   # defaults and checked bitwise against them; the defaults change by hand, from these figures.
   M=-DSTRATA_CUDA_MMA
-  # pw1: the large tiling with one warpgroup (64 rows); pt32: its chunks of 32 tokens; pd128:
-  # its down pass with chunks of 128; s64: the small tiling's chunks of 64 tokens;
-  # ss4: its ring 4 deep (two blocks a multiprocessor); sw2: its two warpgroups (128 rows);
-  # sb512: the small tiling below 512 rows only; ds4: decode's ring 4 deep; walk: the work items
-  # found by the walk over the group counts, not the table (checked bitwise); nofence (bench
-  # only): no proxy fence where cp.async alone wrote the stage.
-  variants=("pw1:${M}_PROMPT_WARPGROUPS=1"
-            "pt32:${M}_PROMPT_TOKENS=32" "pd128:${M}_PROMPT_DOWN_TOKENS=128"
-            "s64:${M}_SMALL_TOKENS=64" "ss4:${M}_SMALL_STAGES=4"
-            "sw2:${M}_SMALL_WARPGROUPS=2" "sb512:${M}_SMALL_BELOW_ROWS=512"
-            "ds4:${M}_DECODE_STAGES=4" "walk:${M}_TABLE_GROUPS=4"
-            "nofence:${M}_NO_PROXY_FENCE_BENCH")
+  # sw1: the small tiling with one warpgroup (64 output rows, the first default); sb1024: the
+  # small tiling below 1024 rows (512 too); pt32: the large tiling's gate_up with chunks of 32
+  # tokens; walk: the work items found by the walk over the group counts, not the table
+  # (checked bitwise). (Chunks of 64 tokens in the large gate_up, or of 96 or 128 in its down,
+  # spill registers: not built.)
+  variants=("sw1:${M}_SMALL_WARPGROUPS=1" "sb1024:${M}_SMALL_BELOW_ROWS=1024"
+            "pt32:${M}_PROMPT_TOKENS=32" "walk:${M}_TABLE_GROUPS=4")
+  # Another list: STRATA_PROMPT_VARIANTS="NAME:FLAGS ..." (nofence:-DSTRATA_CUDA_MMA_NO_PROXY_
+  # FENCE_BENCH times the proxy fence's cost; bench only).
   [ -n "${STRATA_PROMPT_VARIANTS+x}" ] && read -r -a variants <<< "$STRATA_PROMPT_VARIANTS"
   pb_common now csrc/cuda &
   [ -n "${STRATA_KERNELS_BEFORE:-}" ] && pb_common before "$STRATA_KERNELS_BEFORE" &

@@ -79,16 +79,17 @@ struct Tiling {
 // ring's depth; for prompts below SMALL_BELOW_ROWS rows the small tiling's warpgroups, tokens a
 // chunk, token step and ring depth, from there the large tiling's (its down pass with tokens of
 // its own); and whether prompts stage the pieces from the scratch (1) or split float32 rows in
-// every block (0). The defaults are what the H200 measured (docs/cuda.md). None changes an
-// output bit.
+// every block (0). The defaults are what the H200 measured (docs/cuda.md), within the registers:
+// a large gate_up chunk of 64 tokens (128 accumulators a thread), or a down chunk of 96, spills.
+// None changes an output bit.
 #ifndef STRATA_CUDA_MMA_DECODE_STAGES
 #define STRATA_CUDA_MMA_DECODE_STAGES 8
 #endif
 #ifndef STRATA_CUDA_MMA_SMALL_BELOW_ROWS
-#define STRATA_CUDA_MMA_SMALL_BELOW_ROWS 1024
+#define STRATA_CUDA_MMA_SMALL_BELOW_ROWS 512
 #endif
 #ifndef STRATA_CUDA_MMA_SMALL_WARPGROUPS
-#define STRATA_CUDA_MMA_SMALL_WARPGROUPS 1
+#define STRATA_CUDA_MMA_SMALL_WARPGROUPS 2
 #endif
 #ifndef STRATA_CUDA_MMA_SMALL_TOKENS
 #define STRATA_CUDA_MMA_SMALL_TOKENS 32
@@ -97,16 +98,16 @@ struct Tiling {
 #define STRATA_CUDA_MMA_SMALL_STEP 8
 #endif
 #ifndef STRATA_CUDA_MMA_SMALL_STAGES
-#define STRATA_CUDA_MMA_SMALL_STAGES 6
+#define STRATA_CUDA_MMA_SMALL_STAGES 5
 #endif
 #ifndef STRATA_CUDA_MMA_PROMPT_WARPGROUPS
 #define STRATA_CUDA_MMA_PROMPT_WARPGROUPS 2
 #endif
 #ifndef STRATA_CUDA_MMA_PROMPT_TOKENS
-#define STRATA_CUDA_MMA_PROMPT_TOKENS 64
+#define STRATA_CUDA_MMA_PROMPT_TOKENS 48
 #endif
 #ifndef STRATA_CUDA_MMA_PROMPT_DOWN_TOKENS
-#define STRATA_CUDA_MMA_PROMPT_DOWN_TOKENS STRATA_CUDA_MMA_PROMPT_TOKENS
+#define STRATA_CUDA_MMA_PROMPT_DOWN_TOKENS 64
 #endif
 #ifndef STRATA_CUDA_MMA_PROMPT_STEP
 #define STRATA_CUDA_MMA_PROMPT_STEP 16
@@ -288,7 +289,7 @@ struct Pass {
     unsigned char* Pc = c.ring + S * M::a + slot * M::p;
     const void* const* rows = c.src_row + it.tbl * BN;
     if constexpr (Vec) {
-#pragma unroll 4
+#pragma unroll 1
       for (int i = tid; i < Mats * T::BM * 8; i += kThreads) {
         const int q = i >> 3, col = (i & 7) * 8;
         const std::uint32_t r = r0 + q % T::BM;
@@ -297,8 +298,9 @@ struct Pass {
         cp_async16(A + swizzled(q, col), w + (in ? (std::size_t(r) * K + k0 + col) * 2 : 0), in);
       }
       if constexpr (Pre) {
-#pragma unroll
+#pragma unroll 1
         for (int piece = 0; piece < kPieces; ++piece)
+#pragma unroll 1
           for (int i = tid; i < int(n) * 8; i += kThreads) {
             const int t = i >> 3, col = (i & 7) * 8;
             const bool in = std::uint32_t(t) < nvalid && k0 + col < K;
@@ -382,15 +384,10 @@ struct Pass {
     const std::uint32_t KT = c.KT, R = c.R, nvalid = cur.nvalid;
     const int tid = threadIdx.x, wg = tid / 128;
     const bool ahead = cross && has_next;
+    // Not zeroed: each chain's first wgmma (k-block 0) writes its accumulators without adding
+    // them (wgmma_ops.cuh says why), which is the MMA of zeroed ones but for the sign of a zero.
     float hi[Mats][NT / 2];
     float rest[Mats][kPieces > 1 ? NT / 2 : 1];
-#pragma unroll
-    for (int mat = 0; mat < Mats; ++mat) {
-#pragma unroll
-      for (int i = 0; i < NT / 2; ++i) hi[mat][i] = 0.0f;
-#pragma unroll
-      for (int i = 0; i < (kPieces > 1 ? NT / 2 : 1); ++i) rest[mat][i] = 0.0f;
-    }
     auto hold = [&] {
 #pragma unroll
       for (int mat = 0; mat < Mats; ++mat) {
@@ -425,13 +422,14 @@ struct Pass {
       wgmma_arrive();
 #pragma unroll
       for (int kk = 0; kk < BK / 16; ++kk) {
+        const std::uint32_t acc = kt != 0 || kk != 0;  // 0: the chains' first k-block
 #pragma unroll
         for (int mat = 0; mat < Mats; ++mat) {
           const std::uint64_t da = wgmma_desc(a_base + mat * T::BM * kRowBytes + kk * 32);
-          wgmma_bf16<NT>(hi[mat], da, wgmma_desc(p_base + kk * 32));
+          wgmma_bf16<NT>(hi[mat], da, wgmma_desc(p_base + kk * 32), acc);
           if constexpr (kPieces == 3) {
-            wgmma_bf16<NT>(rest[mat], da, wgmma_desc(p_base + BN * kRowBytes + kk * 32));
-            wgmma_bf16<NT>(rest[mat], da, wgmma_desc(p_base + 2 * BN * kRowBytes + kk * 32));
+            wgmma_bf16<NT>(rest[mat], da, wgmma_desc(p_base + BN * kRowBytes + kk * 32), acc);
+            wgmma_bf16<NT>(rest[mat], da, wgmma_desc(p_base + 2 * BN * kRowBytes + kk * 32), 1);
           }
         }
       }
