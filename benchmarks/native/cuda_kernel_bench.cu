@@ -3,8 +3,9 @@
 // around each launch (median of N), beside the device-to-device copy bandwidth that gives the
 // HBM roofline. Built against csrc/cuda/kernels (or another commit's copy of it: the launchers
 // of kernels.h are the interface), so a before/after pair is two builds of this one file:
-//   nvcc -std=c++20 -O3 -arch=sm_90 -I<dir above kernels> -Icsrc/engine -o bench \
-//     benchmarks/native/cuda_kernel_bench.cu <kernels>/route.cu <kernels>/experts.cu
+//   nvcc -std=c++20 -O3 -gencode=arch=compute_90a,code=sm_90a -I<dir above kernels> \
+//     -Icsrc/engine -o bench benchmarks/native/cuda_kernel_bench.cu <kernels>/route.cu \
+//     <kernels>/experts.cu [<kernels>/mma_experts.cu, which needs sm_90a]
 //   ./bench [--dump FILE] [--json FILE]
 // One decode token (a route launch with its two predictions: three routers; gate_up, down and
 // combine over 8 groups of one entry, each group a different expert of 128 in a 340 MB arena, the

@@ -89,9 +89,9 @@ def test_a_token_has_the_same_bits_alone_and_in_a_batch(
 def test_bf16_groups_of_many_chunks_keep_a_tokens_bits_and_match_the_cpu(
     tmp_path: Path, rows: int
 ) -> None:
-    """4 experts, top-3: about 3/4 of the rows a group, so each of the 8 blocks that share a
-    (group, row tile) takes several chunks in turn (1000 rows: the prompt kernels' small tiling,
-    chunks of 32; 1024, the whole default chunk: the large one, chunks of 64)."""
+    """4 experts, top-3: about 3/4 of the rows a group, so each group has many chunks (both row
+    counts take the tensor-core kernels' large tiling, from 512 rows: chunks of up to 48 tokens in
+    gate_up and 64 in down; 1000 leaves a partial last chunk, 1024 none)."""
     g = Geometry(LAYERS, 4, 3, 256, 64, "softmax_topk", True)
     rng = np.random.default_rng(6)
     routers = [rng.standard_normal((4, 256)).astype(np.float32) for _ in range(LAYERS)]
@@ -112,7 +112,7 @@ def test_bf16_blocks_of_many_items_keep_a_tokens_bits_and_match_the_cpu(
     """16 experts, top-8, rows of 384 columns: more work items (group, row tile, chunk) than the
     tensor-core kernels' persistent grid has blocks, so each block takes several in turn, and
     gate_up's rows (6 k-stages) are long enough for a block's ring to run on from one item into
-    the next (1000 rows: the small tiling; 1024: the large one)."""
+    the next (both row counts take the large tiling, from 512 rows)."""
     g = Geometry(LAYERS, 16, 8, 384, 256, "softmax_topk", True)
     rng = np.random.default_rng(7)
     routers = [rng.standard_normal((16, 384)).astype(np.float32) for _ in range(LAYERS)]
