@@ -14,7 +14,8 @@ are uneven.
 
 Also checked in the same run: our output against a float64 reference from the same bf16
 weights and float32 x (max |ours - ref| / max |ref|, beside the tolerance the CUDA tests use,
-1e-5 * max|ref| + 1e-6), and a token's output bitwise alone, in 3 rows and in the wave.
+1e-5 * max|ref| + 1e-6: every wave for --lib-now, the 512-row random one for every build and
+torch), and the first token's and first three's outputs bitwise alone as in every wave.
 
     python benchmarks/cuda_prompt.py --lib-now libnow.so --lib-one-piece libone.so \
         [--lib-before libbefore.so] [--lib-variant NAME=lib.so ...] [--rows 128 512 2048] \
@@ -259,9 +260,21 @@ def main() -> int:
             row[f"torch_over_{name}"] = row["torch_us"] / row[f"{name}_us"]
             if name.startswith("v_") or (name == "before" and not slow_before):
                 row[f"{name}_bitwise_now"] = same_bits(o, rows, table)
-        if rows == 512 and not skewed:  # accuracy and the batch-size rule, once
-            ref = reference(x, ids.cuda().long(), w.cuda())
-            scale = float(ref.abs().max())
+        # Every wave's output against the float64 reference (each tiling, each routing).
+        ref = reference(x, ids.cuda().long(), w.cuda())
+        scale = float(ref.abs().max())
+        o = libs["now"]
+        o.launch(rows, table)
+        torch.cuda.synchronize()
+        err = float((o.out[:rows].double() - ref).abs().max())
+        row["now_rel_err"] = err / scale
+        row["now_within_tolerance"] = err <= 1e-5 * scale + 1e-6
+        whole = o.out[:rows].clone()  # the batch-size rule: the first tokens alone, the same bits
+        for t in (1, 3):
+            o.launch(t, group_table(ids[:t])[0])
+            torch.cuda.synchronize()
+            row[f"bitwise_{t}_rows_in_wave"] = bool(torch.equal(o.out[:t], whole[:t]))
+        if rows == 512 and not skewed:  # the other builds and torch, once
             for name, o in libs.items():
                 o.launch(rows, table)
                 torch.cuda.synchronize()
@@ -270,13 +283,6 @@ def main() -> int:
                 row[f"{name}_within_tolerance"] = err <= 1e-5 * scale + 1e-6
             torch_moe(xb, tok, ws, offs, out_t)
             row["torch_rel_err"] = float((out_t.double() - ref).abs().max()) / scale
-            o = libs["now"]
-            o.launch(rows, table)
-            whole = o.out[:rows].clone()
-            for t in (1, 3):
-                o.launch(t, group_table(ids[:t])[0])
-                torch.cuda.synchronize()
-                row[f"bitwise_{t}_rows_in_wave"] = bool(torch.equal(o.out[:t], whole[:t]))
         return row
 
     for skewed in (False, True):
@@ -307,12 +313,15 @@ def main() -> int:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     print(f"{'routing':8} {'rows':>5} {'torch us':>9} {'ours us':>9} {'torch/ours':>10} "
-          f"{'1-piece us':>10} {'torch/1p':>8} {'before us':>9}")  # fmt: skip
+          f"{'1-piece us':>10} {'torch/1p':>8} {'before us':>9} {'rel err':>8}")  # fmt: skip
     for r in results["prompt"]:
+        alone = r["bitwise_1_rows_in_wave"] and r["bitwise_3_rows_in_wave"]
         print(f"{r['routing']:8} {r['rows']:5d} {r['torch_us']:9.1f} {r['now_us']:9.1f} "
               f"{r['torch_over_now']:10.3f} {r.get('one_piece_us', float('nan')):10.1f} "
               f"{r.get('torch_over_one_piece', float('nan')):8.3f} "
-              f"{r.get('before_us', float('nan')):9.1f}")  # fmt: skip
+              f"{r.get('before_us', float('nan')):9.1f} {r['now_rel_err']:8.1e}"
+              f"{'' if r['now_within_tolerance'] else ' OUTSIDE THE BOUND'}"
+              f"{'' if alone else ' BITS DIFFER ALONE'}")  # fmt: skip
     variants = [n for n in libs if n.startswith("v_")]
     if "before" in libs and not slow_before:
         variants.append("before")

@@ -42,6 +42,9 @@ endif()
 if(CMAKE_CUDA_COMPILER AND NOT STRATA_CUDA STREQUAL "OFF")
   # Kernels and host in one static library with hidden symbols: _cuda exports only its module
   # init, and shares with _core nothing but header-only engine types (host/factory.h).
+  # The opt-in bf16 kernels on Hopper's wgmma (STRATA_CUDA_BF16=wgmma) exist in sm_90a machine
+  # code alone, whatever the rest is built for: the backend refuses them by name elsewhere.
+  add_library(strata_cuda_wgmma OBJECT csrc/cuda/kernels/wgmma_experts.cu)
   add_library(strata_cuda STATIC
     csrc/cuda/kernels/route.cu
     csrc/cuda/kernels/experts.cu
@@ -49,11 +52,18 @@ if(CMAKE_CUDA_COMPILER AND NOT STRATA_CUDA STREQUAL "OFF")
     csrc/cuda/host/cuda_backend.cpp
     csrc/cuda/host/arena_mirror.cpp
     csrc/cuda/host/host_registry.cpp
+    $<TARGET_OBJECTS:strata_cuda_wgmma>
   )
-  set_target_properties(strata_cuda PROPERTIES
-    CUDA_STANDARD 20 CUDA_STANDARD_REQUIRED ON
-    CXX_VISIBILITY_PRESET hidden CUDA_VISIBILITY_PRESET hidden VISIBILITY_INLINES_HIDDEN ON
-    CUDA_RUNTIME_LIBRARY Static)
+  foreach(target strata_cuda_wgmma strata_cuda)
+    set_target_properties(${target} PROPERTIES
+      CUDA_STANDARD 20 CUDA_STANDARD_REQUIRED ON
+      CXX_VISIBILITY_PRESET hidden CUDA_VISIBILITY_PRESET hidden VISIBILITY_INLINES_HIDDEN ON
+      CUDA_RUNTIME_LIBRARY Static)
+  endforeach()
+  set_target_properties(strata_cuda_wgmma PROPERTIES CUDA_ARCHITECTURES 90a)
+  target_include_directories(strata_cuda_wgmma PRIVATE csrc/cuda csrc/engine)
+  target_include_directories(strata_cuda_wgmma SYSTEM PRIVATE
+                             ${CMAKE_CUDA_TOOLKIT_INCLUDE_DIRECTORIES})
   target_include_directories(strata_cuda PUBLIC csrc/cuda csrc/engine)
   target_include_directories(strata_cuda SYSTEM PUBLIC ${CMAKE_CUDA_TOOLKIT_INCLUDE_DIRECTORIES})
   target_link_libraries(strata_cuda PUBLIC ${STRATA_CUDART_STATIC} Threads::Threads

@@ -41,6 +41,16 @@ done
 # -D flags for the kernels' compile-time tuning knobs, for the build: STRATA_CUDA_TUNING, or
 # chosen below (and kept in /tmp/strata-cuda-tuning for a later call of this script).
 tuning=${STRATA_CUDA_TUNING:-}
+# wgmma_object NAME DIR [nvcc flags]: DIR's wgmma kernels (trees that have them), which exist in
+# sm_90a code alone, as /tmp/wgmma_NAME.o for a bench build to link; false where DIR has none.
+wgmma_object() {
+  local name=$1 dir=$2
+  shift 2
+  [ -f "$dir/kernels/wgmma_experts.cu" ] || return 1
+  nvcc -std=c++20 -O3 -gencode=arch=compute_90a,code=sm_90a -Xcompiler -fPIC "$@" -I"$dir" \
+    -Icsrc/engine -c -o "/tmp/wgmma_$name.o" "$dir/kernels/wgmma_experts.cu" \
+    > "$out/${name}_wgmma_build.log" 2>&1
+}
 if wants kernels; then
   # Built in parallel: now, before (STRATA_KERNELS_BEFORE), and variants of the compile-time
   # knobs: the route kernel's experts per block (r8), the
@@ -58,9 +68,10 @@ if wants kernels; then
     echo "$*" > "/tmp/kbench_$name.flags"
     local mma=()  # the tensor-core kernels, in trees that have them
     [ -f "$dir/kernels/mma_experts.cu" ] && mma=("$dir/kernels/mma_experts.cu")
+    wgmma_object "kbench_$name" "$dir" "$@" && mma+=("/tmp/wgmma_kbench_$name.o")
     nvcc -std=c++20 -O3 -arch=sm_90 "$@" -I"$dir" -Icsrc/engine -o "/tmp/kbench_$name" \
       benchmarks/native/cuda_kernel_bench.cu "$dir/kernels/route.cu" "$dir/kernels/experts.cu" \
-      "${mma[@]}" > "$out/kbench_build_$name.log" 2>&1 || echo "kbench build $name failed"
+      "${mma[@]}" >> "$out/kbench_build_$name.log" 2>&1 || echo "kbench build $name failed"
   }
   R=-DSTRATA_CUDA_ROUTE D=-DSTRATA_CUDA_DOWN_DECODE_ROWS
   kvariants=("r8:${R}_LOGITS=8"
@@ -144,9 +155,10 @@ if wants prompt; then
     shift 2
     local mma=()
     [ -f "$dir/kernels/mma_experts.cu" ] && mma=("$dir/kernels/mma_experts.cu")
+    wgmma_object "prompt_$name" "$dir" "$@" && mma+=("/tmp/wgmma_prompt_$name.o")
     nvcc -std=c++20 -O3 -arch=sm_90 -shared -Xcompiler -fPIC "$@" -I"$dir" -Icsrc/engine \
       -o "/tmp/libprompt_$name.so" benchmarks/native/cuda_prompt_bench.cu \
-      "$dir/kernels/experts.cu" "${mma[@]}" > "$out/prompt_build_$name.log" 2>&1 \
+      "$dir/kernels/experts.cu" "${mma[@]}" >> "$out/prompt_build_$name.log" 2>&1 \
       || echo "prompt bench build $name failed"
   }
   # Neighbours of the tensor-core kernels' tuning knobs (mma_experts.cu): timed beside the
@@ -156,13 +168,20 @@ if wants prompt; then
   # previous prompt tiling (64 or 128 output rows, 4 warps, 64 tokens) at every row count; r4:
   # the large tiling at every row count; s512: the small one below 512 rows only; ps3: 3
   # k-stages; dw8: 8 decode warps.
-  variants=("smem:${M}_PROMPT_PIECES=0" "p2:${M}_PROMPT_ROW_WARPS=2 ${M}_SMALL_BELOW_ROWS=0"
+  # wgmma: the whole bench on the opt-in wgmma family (STRATA_CUDA_BF16=wgmma in the backend),
+  # whose bits the run compares with the mma.sync family's; wgmma_one_piece: its one-piece build.
+  variants=("wgmma:-DSTRATA_PB_BF16_WGMMA=1"
+            "wgmma_one_piece:-DSTRATA_PB_BF16_WGMMA=1 -DSTRATA_CUDA_MMA_ONE_PIECE_BENCH"
+            "smem:${M}_PROMPT_PIECES=0" "p2:${M}_PROMPT_ROW_WARPS=2 ${M}_SMALL_BELOW_ROWS=0"
             "r4:${M}_SMALL_BELOW_ROWS=0" "s512:${M}_SMALL_BELOW_ROWS=512"
             "ps3:${M}_PROMPT_STAGES=3" "dw8:${M}_DECODE_WARPS=8")
   pb_build now csrc/cuda &
   pb_build one_piece csrc/cuda -DSTRATA_CUDA_MMA_ONE_PIECE_BENCH &
   [ -n "${STRATA_KERNELS_BEFORE:-}" ] && pb_build before "$STRATA_KERNELS_BEFORE" &
   for v in "${variants[@]}"; do
+    # STRATA_PROMPT_VARIANTS (names) narrows them.
+    [ -n "${STRATA_PROMPT_VARIANTS:-}" ] && [[ " $STRATA_PROMPT_VARIANTS " != *" ${v%%:*} "* ]] \
+      && continue
     # shellcheck disable=SC2086
     pb_build "${v%%:*}" csrc/cuda ${v#*:} &
   done
@@ -210,6 +229,11 @@ write_pack("/tmp/check.strpk", g, [rng.standard_normal((8, 256)).astype(np.float
 PY
   step backend_check 60 "$build/strata_cuda_check" /tmp/check.strpk
   step tests 300 $py -m pytest -q -p no:cacheprovider -m cuda tests/cuda
+  # The bf16 tests again on the opt-in wgmma family, where this GPU runs it (Hopper).
+  if $py -c "import sys, strata_stream._cuda as c; sys.exit(bool(c.wgmma_unavailable()))"; then
+    STRATA_CUDA_BF16=wgmma step tests_wgmma 200 $py -m pytest -q -p no:cacheprovider -m cuda \
+      tests/cuda -k bf16
+  fi
   step probe_build 60 nvcc -O2 -arch=sm_90 -o /tmp/probe \
     benchmarks/native/cuda_handshake_probe.cu -lcuda && step probe 30 /tmp/probe
   step window_selection 120 $py -m pytest -q -p no:cacheprovider tests/test_window.py \
@@ -221,6 +245,11 @@ if wants sanitize; then
       --target-processes all $py -m pytest -q -p no:cacheprovider -m cuda \
       tests/cuda/test_cuda_backend.py tests/cuda/test_cuda_kernels.py \
       -k "odd_widths or (routed_calls and mxfp4) or (many_experts and q4) or (same_bits and bf16)"
+    # The wgmma family's bf16 passes under the same tool, where this GPU runs it.
+    $py -c "import sys, strata_stream._cuda as c; sys.exit(bool(c.wgmma_unavailable()))" &&
+      STRATA_CUDA_BF16=wgmma step "sanitize_${tool}_wgmma" 120 compute-sanitizer --tool "$tool" \
+        --error-exitcode 9 --target-processes all $py -m pytest -q -p no:cacheprovider -m cuda \
+        tests/cuda/test_cuda_kernels.py -k "same_bits and bf16"
   done
 fi
 if wants bench; then

@@ -18,6 +18,7 @@ output is bitwise the same at every arena size, split mode, lookahead setting an
 from __future__ import annotations
 
 import contextlib
+import importlib
 import threading
 from pathlib import Path
 
@@ -321,6 +322,40 @@ def test_slots_published_before_the_backend_registered_are_copied_before_their_p
             ),
         ):
             Window(stream, backend="cuda")
+
+
+@cuda
+def test_the_bf16_kernel_family_is_chosen_by_name_and_keeps_the_batch_rule(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """STRATA_CUDA_BF16: mma (the default) or wgmma, Hopper's (refused by name on another GPU);
+    any other value is a ConfigError. Under wgmma every bf16 pass (decode and prompt waves) takes
+    it: the CPU parity, and a token's bits the same alone and in a batch, at a small arena too."""
+    path = make_pack(tmp_path, "bf16", 64, "f16", "softmax_topk")
+    xs = turns(384, [1, 13, 2])
+    want = run(path, config(path), xs, "cpu")
+    monkeypatch.setenv("STRATA_CUDA_BF16", "fast")
+    with (
+        ExpertStream(path, config(path)) as stream,
+        pytest.raises(ConfigError, match="STRATA_CUDA_BF16 must be mma or wgmma, got 'fast'"),
+    ):
+        Window(stream, backend="cuda")
+    monkeypatch.setenv("STRATA_CUDA_BF16", "wgmma")
+    why = importlib.import_module("strata_stream._cuda").wgmma_unavailable()
+    if why:
+        with (
+            ExpertStream(path, config(path)) as stream,
+            pytest.raises(ConfigError, match="STRATA_CUDA_BF16=wgmma: "),
+        ):
+            Window(stream, backend="cuda")
+        return
+    for cfg in (config(path), config(path, 2 * K + 2), config(path, 2 * K, split_turn=True)):
+        assert max_violation(run(path, cfg, xs, "cuda"), want) <= 1.0, cfg
+    rng = np.random.default_rng(5)
+    batch = [rng.standard_normal((40, 384)).astype(np.float32) for _ in range(L)]
+    alone, many = (run(path, config(path), [[x[:t] for x in batch]], "cuda") for t in (1, 40))
+    for a, m in zip(alone, many, strict=True):
+        assert np.array_equal(a[0], m[0])
 
 
 @cuda

@@ -7,7 +7,10 @@ makes the last pick a tie) and match the CPU backend. And issue 19's batch-size 
 output is the same bits alone (rows below 8: the decode kernels, rows read straight from the
 arena; for bf16 the tensor-core kernels' decode tiling) and inside a batch (the staged kernels;
 bf16: the prompt tiling), for a row length the 16-byte loads take whole and for one they do not,
-and for bf16 groups of more tokens than the tensor-core kernels take in one pass of their blocks.
+and for bf16 groups of more tokens than the tensor-core kernels take in one pass of their blocks,
+and passes of more work items (group, row tile, chunk) than the wgmma kernels' grid has blocks.
+Each bf16 test takes the family STRATA_CUDA_BF16 names (tests/cuda/device_run.sh runs them under
+both).
 """
 
 from __future__ import annotations
@@ -97,6 +100,27 @@ def test_bf16_groups_of_many_chunks_keep_a_tokens_bits_and_match_the_cpu(
     path = tmp_path / "chunks-bf16.strpk"
     write_pack(path, g, routers, _experts(g, 1, False), weight_format="bf16", progress=False)
     batch = [rng.standard_normal((rows, 256)).astype(np.float32) for _ in range(LAYERS)]
+    alone, three, many = (run(path, [[x[:t] for x in batch]], "cuda") for t in (1, 3, rows))
+    for a, b, c in zip(alone, three, many, strict=True):
+        assert np.array_equal(a[0], c[0]) and np.array_equal(b, c[:3])
+    assert max_violation(many, run(path, [batch], "cpu")) <= 1.0
+
+
+@cuda
+@pytest.mark.parametrize("rows", [1000, 1024])
+def test_bf16_blocks_of_many_items_keep_a_tokens_bits_and_match_the_cpu(
+    tmp_path: Path, rows: int
+) -> None:
+    """16 experts, top-8, rows of 384 columns: more work items (group, row tile, chunk) than the
+    wgmma kernels' persistent grid has blocks, so each block takes several in turn and gate_up's
+    rows (6 k-stages) are long enough for a block's ring to run on from one item into the next;
+    on the mma.sync family, many chunks a group at both tilings' row counts."""
+    g = Geometry(LAYERS, 16, 8, 384, 256, "softmax_topk", True)
+    rng = np.random.default_rng(7)
+    routers = [rng.standard_normal((16, 384)).astype(np.float32) for _ in range(LAYERS)]
+    path = tmp_path / "items-bf16.strpk"
+    write_pack(path, g, routers, _experts(g, 2, False), weight_format="bf16", progress=False)
+    batch = [rng.standard_normal((rows, 384)).astype(np.float32) for _ in range(LAYERS)]
     alone, three, many = (run(path, [[x[:t] for x in batch]], "cuda") for t in (1, 3, rows))
     for a, b, c in zip(alone, three, many, strict=True):
         assert np.array_equal(a[0], c[0]) and np.array_equal(b, c[:3])

@@ -28,6 +28,10 @@ struct DevLayout {
   std::uint32_t activation = 0;                    // 0 SwiGLU, 1 SwigluOai
   float act_alpha = 0, act_limit = 0;
   DevMatrix m[3];  // gate, up, down
+  // The bf16 kernels' family, one for every pass of a backend: 0 mma.sync (mma_experts.cu, the
+  // default), 1 Hopper's wgmma (wgmma_experts.cu; STRATA_CUDA_BF16=wgmma). The same arithmetic
+  // either way; a backend never mixes them (I11).
+  std::uint32_t bf16_wgmma = 0;
   // Tests only (STRATA_CUDA_TEST_PLANT): a deliberate error in one kernel, which the parity tests
   // must catch. 0 in every real run.
   std::uint32_t plant = 0;

@@ -11,6 +11,7 @@
 #include "dot.cuh"
 #include "kernels.h"
 #include "mma_experts.h"
+#include "wgmma_experts.h"
 #include "pdl.cuh"
 #include "weights.cuh"
 
@@ -1192,7 +1193,8 @@ cudaError_t launch_group(const DevLayout& L, const DevBuffers& b, std::uint32_t 
 
 cudaError_t launch_gate_up(const DevLayout& L, const DevBuffers& b, std::uint32_t rows,
                            cudaStream_t s) {
-  if (L.format == 2) return launch_gate_up_mma(L, b, rows, s);  // bf16: tensor cores, every row count
+  if (L.format == 2)  // bf16: tensor cores, every row count, one family a backend
+    return L.bf16_wgmma ? launch_gate_up_wgmma(L, b, rows, s) : launch_gate_up_mma(L, b, rows, s);
   const std::uint32_t groups = max_groups(L, rows);
   if (groups == 0) return cudaSuccess;
   if (rows < kDirectBelowRows) return launch_direct(L, b, groups, true, s);
@@ -1210,7 +1212,8 @@ cudaError_t launch_gate_up(const DevLayout& L, const DevBuffers& b, std::uint32_
 
 cudaError_t launch_down(const DevLayout& L, const DevBuffers& b, std::uint32_t rows,
                         cudaStream_t s) {
-  if (L.format == 2) return launch_down_mma(L, b, rows, s);  // bf16: tensor cores, every row count
+  if (L.format == 2)  // bf16: tensor cores, every row count, one family a backend
+    return L.bf16_wgmma ? launch_down_wgmma(L, b, rows, s) : launch_down_mma(L, b, rows, s);
   const std::uint32_t groups = max_groups(L, rows);
   if (groups == 0) return cudaSuccess;
   if (rows < kDirectBelowRows) return launch_direct(L, b, groups, false, s);

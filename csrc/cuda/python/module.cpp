@@ -5,6 +5,7 @@
 
 #include "host/cuda_backend.h"
 #include "host/factory.h"
+#include "kernels/wgmma_experts.h"
 
 namespace py = pybind11;
 
@@ -34,4 +35,7 @@ PYBIND11_MODULE(_cuda, m) {
                                   strata::cuda::kFactoryCapsule);
   m.def("unavailable", &strata::cuda::unavailable,
         "Why no CUDA GPU can run the backend here; '' when one can.");
+  m.def("wgmma_unavailable", &strata::cuda::wgmma_unavailable,
+        "Why the bf16 kernels cannot run on Hopper's wgmma here (STRATA_CUDA_BF16=wgmma); '' "
+        "when they can.");
 }

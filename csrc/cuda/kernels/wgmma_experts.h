@@ -1,0 +1,27 @@
+// Launches of the opt-in bf16 expert kernels on Hopper's wgmma (wgmma_experts.cu, built for
+// sm_90a alone): the same contract as mma_experts.h's, over the same group table and the same
+// pieces scratch (mma_x_pieces_bytes, mma_h_pieces_bytes). experts.cu dispatches every bf16 pass
+// of a layout to one family, by DevLayout::bf16_wgmma.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <string>
+
+#include "device_types.h"
+
+namespace strata::cuda {
+
+// Why this process cannot run the wgmma kernels on device 0 (not compute capability 9.0, or no
+// sm_90a code for it), or "" when it can.
+std::string wgmma_unavailable();
+
+// h <- act(gate x + bg, up x + bu) for the grouped entries (L.format must be bf16).
+cudaError_t launch_gate_up_wgmma(const DevLayout& L, const DevBuffers& b, std::uint32_t rows,
+                                 cudaStream_t s);
+// y <- w * (down h + bd) for the grouped entries (L.format must be bf16).
+cudaError_t launch_down_wgmma(const DevLayout& L, const DevBuffers& b, std::uint32_t rows,
+                              cudaStream_t s);
+
+}  // namespace strata::cuda
