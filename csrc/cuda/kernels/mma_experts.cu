@@ -35,6 +35,7 @@
 #include <cstdint>
 
 #include "activation.cuh"
+#include "pieces.cuh"
 #include "mma.cuh"
 #include "mma_experts.h"
 #include "weights.cuh"
@@ -153,28 +154,6 @@ __host__ __device__ constexpr std::size_t x_bytes() {
 template <class T, int Mats, bool Pre>
 __host__ __device__ constexpr std::size_t smem_bytes() {
   return a_bytes<T, Mats>() + x_bytes<T, Pre>();
-}
-
-// x's rows -> their bf16 pieces, [rows][3][K] (K a multiple of 4, x 16-byte aligned): the same
-// split3 as every block's own split, once a pass.
-__global__ void split_rows_kernel(const float* __restrict__ x, std::uint16_t* __restrict__ out,
-                                  std::uint32_t rows, std::uint32_t K) {
-  const std::uint32_t quads = K / 4;
-  const std::uint64_t n = std::uint64_t(rows) * quads;
-  for (std::uint64_t q = blockIdx.x * std::uint64_t(blockDim.x) + threadIdx.x; q < n;
-       q += std::uint64_t(gridDim.x) * blockDim.x) {
-    const std::uint64_t r = q / quads, c = q % quads * 4;
-    const float4 v = *reinterpret_cast<const float4*>(x + r * K + c);
-    const float xs[4] = {v.x, v.y, v.z, v.w};
-    std::uint16_t p[3][4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) split3(xs[j], p[0][j], p[1][j], p[2][j]);
-#pragma unroll
-    for (int piece = 0; piece < 3; ++piece)
-      *reinterpret_cast<uint2*>(out + (r * 3 + piece) * K + c) =
-          uint2{std::uint32_t(p[piece][0]) | std::uint32_t(p[piece][1]) << 16,
-                std::uint32_t(p[piece][2]) | std::uint32_t(p[piece][3]) << 16};
-  }
 }
 
 // GateUp: h <- act(gate x + bg, up x + bu); else y <- w * (down h + bd). Vec: every staged
@@ -396,18 +375,6 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks)
   }
 }
 
-bool aligned16(std::uint64_t v) { return (v & 15u) == 0; }
-
-// Every staged 16-byte piece aligned and whole: the row length a multiple of 8 columns, the
-// arena, slot stride and weight offsets, and the activations' base.
-bool vectorizable(const DevLayout& L, const DevBuffers& b, bool gate_up) {
-  const std::uint32_t cols = gate_up ? L.hidden : L.inter;
-  const auto act = reinterpret_cast<std::uintptr_t>(gate_up ? b.x : b.h);
-  const std::uint64_t w = gate_up ? L.m[0].weight | L.m[1].weight : L.m[2].weight;
-  return cols % 8 == 0 && aligned16(reinterpret_cast<std::uintptr_t>(b.arena)) &&
-         aligned16(b.slot_bytes) && aligned16(w) && aligned16(act);
-}
-
 template <class T, bool GateUp, bool Vec, bool Pre>
 cudaError_t launch_as(const DevLayout& L, const DevBuffers& b, std::uint32_t rows,
                       std::uint32_t groups, std::uint16_t* h_pieces_out, cudaStream_t s) {
@@ -437,10 +404,7 @@ cudaError_t launch_prompt(const DevLayout& L, const DevBuffers& b, std::uint32_t
                           std::uint32_t groups, bool vec, std::uint16_t* h_out, cudaStream_t s) {
   if (stages_pieces(L, b, rows, GateUp)) {
     if constexpr (GateUp) {
-      const std::uint64_t quads = std::uint64_t(rows) * L.hidden / 4;
-      const unsigned blocks = unsigned(std::min<std::uint64_t>((quads + 255) / 256, 4096));
-      split_rows_kernel<<<blocks, 256, 0, s>>>(b.x, b.x_pieces, rows, L.hidden);
-      if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+      if (const cudaError_t e = split_x(L, b, rows, s); e != cudaSuccess) return e;
     }
     return launch_as<P, GateUp, true, true>(L, b, rows, groups, h_out, s);
   }
