@@ -86,6 +86,22 @@ def test_a_token_has_the_same_bits_alone_and_in_a_batch(
         assert np.array_equal(a[0], c[0]) and np.array_equal(b, c[:3])
 
 
+def check_bf16_batch_rule(path: Path, g: Geometry, rows: int, seed: int, expert_seed: int) -> None:
+    """A bf16 pack of geometry g at `path`: a token's bits the same alone, in 3 rows and in
+    `rows`, and the `rows` within the CPU bound."""
+    rng = np.random.default_rng(seed)
+    routers = [
+        rng.standard_normal((g.n_experts, g.hidden)).astype(np.float32) for _ in range(LAYERS)
+    ]
+    write_pack(path, g, routers, _experts(g, expert_seed, False), weight_format="bf16",
+               progress=False)  # fmt: skip
+    batch = [rng.standard_normal((rows, g.hidden)).astype(np.float32) for _ in range(LAYERS)]
+    alone, three, many = (run(path, [[x[:t] for x in batch]], "cuda") for t in (1, 3, rows))
+    for a, b, c in zip(alone, three, many, strict=True):
+        assert np.array_equal(a[0], c[0]) and np.array_equal(b, c[:3])
+    assert max_violation(many, run(path, [batch], "cpu")) <= 1.0
+
+
 @cuda
 @pytest.mark.parametrize("rows", [1000, 1024])
 def test_bf16_groups_of_many_chunks_keep_a_tokens_bits_and_match_the_cpu(
@@ -95,15 +111,7 @@ def test_bf16_groups_of_many_chunks_keep_a_tokens_bits_and_match_the_cpu(
     (group, row tile) takes several chunks in turn (1000 rows: the prompt kernels' small tiling,
     chunks of 32; 1024, the whole default chunk: the large one, chunks of 64)."""
     g = Geometry(LAYERS, 4, 3, 256, 64, "softmax_topk", True)
-    rng = np.random.default_rng(6)
-    routers = [rng.standard_normal((4, 256)).astype(np.float32) for _ in range(LAYERS)]
-    path = tmp_path / "chunks-bf16.strpk"
-    write_pack(path, g, routers, _experts(g, 1, False), weight_format="bf16", progress=False)
-    batch = [rng.standard_normal((rows, 256)).astype(np.float32) for _ in range(LAYERS)]
-    alone, three, many = (run(path, [[x[:t] for x in batch]], "cuda") for t in (1, 3, rows))
-    for a, b, c in zip(alone, three, many, strict=True):
-        assert np.array_equal(a[0], c[0]) and np.array_equal(b, c[:3])
-    assert max_violation(many, run(path, [batch], "cpu")) <= 1.0
+    check_bf16_batch_rule(tmp_path / "chunks-bf16.strpk", g, rows, seed=6, expert_seed=1)
 
 
 @cuda
@@ -116,12 +124,4 @@ def test_bf16_blocks_of_many_items_keep_a_tokens_bits_and_match_the_cpu(
     rows (6 k-stages) are long enough for a block's ring to run on from one item into the next;
     on the mma.sync family, many chunks a group at both tilings' row counts."""
     g = Geometry(LAYERS, 16, 8, 384, 256, "softmax_topk", True)
-    rng = np.random.default_rng(7)
-    routers = [rng.standard_normal((16, 384)).astype(np.float32) for _ in range(LAYERS)]
-    path = tmp_path / "items-bf16.strpk"
-    write_pack(path, g, routers, _experts(g, 2, False), weight_format="bf16", progress=False)
-    batch = [rng.standard_normal((rows, 384)).astype(np.float32) for _ in range(LAYERS)]
-    alone, three, many = (run(path, [[x[:t] for x in batch]], "cuda") for t in (1, 3, rows))
-    for a, b, c in zip(alone, three, many, strict=True):
-        assert np.array_equal(a[0], c[0]) and np.array_equal(b, c[:3])
-    assert max_violation(many, run(path, [batch], "cpu")) <= 1.0
+    check_bf16_batch_rule(tmp_path / "items-bf16.strpk", g, rows, seed=7, expert_seed=2)
