@@ -215,6 +215,8 @@ fi
 step build 240 bash -c "$build_cmd" || exit 1
 cp "$build"/_core*.so "$build"/_cuda*.so "$build"/_bench*.so src/strata_stream/
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
+# Whether this GPU runs the opt-in wgmma family (Hopper): its tests and sanitizer runs need it.
+has_wgmma() { $py -c "import sys, strata_stream._cuda as c; sys.exit(bool(c.wgmma_unavailable()))"; }
 $py -c "import strata_stream._cuda as c; print('cuda:', c.unavailable() or 'available')"
 if wants tests; then
   $py - <<'PY'
@@ -230,7 +232,7 @@ PY
   step backend_check 60 "$build/strata_cuda_check" /tmp/check.strpk
   step tests 300 $py -m pytest -q -p no:cacheprovider -m cuda tests/cuda
   # The bf16 tests again on the opt-in wgmma family, where this GPU runs it (Hopper).
-  if $py -c "import sys, strata_stream._cuda as c; sys.exit(bool(c.wgmma_unavailable()))"; then
+  if has_wgmma; then
     STRATA_CUDA_BF16=wgmma step tests_wgmma 200 $py -m pytest -q -p no:cacheprovider -m cuda \
       tests/cuda -k bf16
   fi
@@ -246,7 +248,7 @@ if wants sanitize; then
       tests/cuda/test_cuda_backend.py tests/cuda/test_cuda_kernels.py \
       -k "odd_widths or (routed_calls and mxfp4) or (many_experts and q4) or (same_bits and bf16)"
     # The wgmma family's bf16 passes under the same tool, where this GPU runs it.
-    $py -c "import sys, strata_stream._cuda as c; sys.exit(bool(c.wgmma_unavailable()))" &&
+    has_wgmma &&
       STRATA_CUDA_BF16=wgmma step "sanitize_${tool}_wgmma" 120 compute-sanitizer --tool "$tool" \
         --error-exitcode 9 --target-processes all $py -m pytest -q -p no:cacheprovider -m cuda \
         tests/cuda/test_cuda_kernels.py -k "same_bits and bf16"
