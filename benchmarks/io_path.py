@@ -1,7 +1,7 @@
 """The IO path's own throughput, beside its references and the prompt-shaped figure, in one run.
 
     python benchmarks/io_path.py [--pack P] [--backend cpu|cuda] [--io-threads 4 8]
-        [--part-mib 1] [--rounds 3] [--prompt-rows 256] [--io-reference BIN] [--json OUT]
+        [--part-kib 256] [--rounds 3] [--prompt-rows 256] [--io-reference BIN] [--json OUT]
 
 Every figure reads the same records of one pack (by default the 4-layer qwen3-30b-a3b-like q4
 pack of benchmarks/cuda.py --decode, written once under --pack-dir) from a warm page cache, with
@@ -97,8 +97,8 @@ def main() -> int:
     ap.add_argument("--pack", type=Path, help="the pack (default: written once under --pack-dir)")
     ap.add_argument("--pack-dir", type=Path, default=Path("packs"))
     ap.add_argument("--backend", default="cpu", help="the Window whose record observer runs")
-    ap.add_argument("--io-threads", type=int, nargs="+", default=[4])
-    ap.add_argument("--part-mib", type=int, default=1)
+    ap.add_argument("--io-threads", type=int, nargs="+", default=[StreamConfig.io_threads])
+    ap.add_argument("--part-kib", type=int, default=StreamConfig.part_bytes >> 10)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompt-rows", type=int, default=256, help="0: no prompt-shaped figure")
     ap.add_argument("--io-reference", type=Path,
@@ -108,14 +108,14 @@ def main() -> int:
     args = ap.parse_args()
     if args.io_reference and not args.io_reference.is_file():
         ap.error(f"--io-reference: no such file: {args.io_reference}")
-    if args.rounds < 1 or args.part_mib < 1 or min(args.io_threads) < 1:
-        ap.error("--rounds, --part-mib and every --io-threads must be at least 1")
+    if args.rounds < 1 or args.part_kib < 4 or args.part_kib % 4 or min(args.io_threads) < 1:
+        ap.error("--rounds and every --io-threads must be at least 1, --part-kib a multiple of 4")
     path = args.pack or args.pack_dir / "io_path_qwen3-30b-a3b-like.strpk"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         make_pack(path, 4, 128, 2048, 768, 8)
     path.read_bytes()  # warm the page cache
-    part = args.part_mib << 20
+    part = args.part_kib << 10
     with ExpertPack.open(path) as pack:
         g, stride, first = pack.geometry, pack.record_stride, pack.records_offset
         record_bytes = pack.record_bytes
@@ -124,7 +124,7 @@ def main() -> int:
     # bytes, as many whole parts as they hold.
     span = n_all * stride // part * part
     print(f"{path}: {n_all} records of {record_bytes / 2**20:.2f} MiB ({n_all * stride / 1e9:.2f}"
-          f" GB), parts of {args.part_mib} MiB, backend {args.backend}, {args.rounds} rounds",
+          f" GB), parts of {args.part_kib} KiB, backend {args.backend}, {args.rounds} rounds",
           flush=True)  # fmt: skip
 
     results: dict[str, Any] = {"pack": str(path), "backend": args.backend,
@@ -144,7 +144,7 @@ def measure(
     """Every figure at `threads` IO threads, interleaved over the rounds; medians."""
     with ExpertPack.open(path) as pack:
         n_all, stride = pack.geometry.n_layers * pack.geometry.n_experts, pack.record_stride
-    part, arena = args.part_mib << 20, n_all * stride
+    part, arena = args.part_kib << 10, n_all * stride
     cfg = StreamConfig(arena_bytes=arena, io_threads=threads, part_bytes=part,
                        direct_io=False, persist_profile=False)  # fmt: skip
     steps: list[tuple[str, Any]] = [

@@ -2,8 +2,11 @@
 cache (a device faster than this machine's disk, as an Apple SSD or the H200's host is), with
 the record's CRC32C check (verify_reads, the default) against without it, side by side.
 
-    python benchmarks/miss_latency.py [--formats q4 bf16] [--io-threads 4] [--part-mib 1]
+    python benchmarks/miss_latency.py [--formats q4 bf16] [--io-threads 4 ...] [--part-kib 1024 ...]
         [--rounds 6] [--backend cpu|cuda] [--json OUT]
+
+Several --io-threads and --part-kib values are measured in turn, each pair a row, so the part
+size and thread count that make a miss shortest can be read side by side.
 
 The packs have Qwen3-30B-A3B's expert shape (hidden 2048, moe_intermediate 768): 2.5 MiB records
 in q4 g64, 9 MiB in bf16; 2 layers x 32 experts, written once under --pack-dir. The arena holds
@@ -65,30 +68,34 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--formats", nargs="+", default=["q4", "bf16"])
     ap.add_argument("--pack-dir", type=Path, default=Path("packs"))
-    ap.add_argument("--io-threads", type=int, default=4)
-    ap.add_argument("--part-mib", type=int, default=1)
+    ap.add_argument("--io-threads", type=int, nargs="+", default=[StreamConfig.io_threads])
+    ap.add_argument("--part-kib", type=int, nargs="+", default=[StreamConfig.part_bytes >> 10],
+                    help="part sizes, KiB (multiples of 4)")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--backend", default="cpu", help="the Window whose record observer runs")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     rows = []
-    print("| format | record MiB | miss p50 ms, verify on | verify off | verify costs | on / off |")
-    print("|---|---|---|---|---|---|")
+    print("| format | record MiB | IO threads | part KiB | miss p50 ms, verify on | verify off "
+          "| verify costs | on / off |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for fmt in args.formats:
         path = ensure(fmt, args.pack_dir)
         path.read_bytes()  # warm the page cache
         with ExpertPack.open(path) as p:
             mib = p.record_stride / 2**20
-        on: list[float] = []
-        off: list[float] = []
-        for _ in range(2):  # interleaved, so drift hits both alike
-            on += miss_ms(path, True, args.io_threads, args.part_mib << 20, args.rounds,
-                          args.backend)  # fmt: skip
-            off += miss_ms(path, False, args.io_threads, args.part_mib << 20, args.rounds,
-                           args.backend)  # fmt: skip
-        a, b = statistics.median(on), statistics.median(off)
-        rows.append({"format": fmt, "record_mib": mib, "verify_ms": a, "no_verify_ms": b})
-        print(f"| {fmt} | {mib:.1f} | {a:.3f} | {b:.3f} | {a - b:.3f} | x{a / b:.2f} |")
+        for threads in args.io_threads:
+            for kib in args.part_kib:
+                on: list[float] = []
+                off: list[float] = []
+                for _ in range(2):  # interleaved, so drift hits both alike
+                    on += miss_ms(path, True, threads, kib << 10, args.rounds, args.backend)
+                    off += miss_ms(path, False, threads, kib << 10, args.rounds, args.backend)
+                a, b = statistics.median(on), statistics.median(off)
+                rows.append({"format": fmt, "record_mib": mib, "io_threads": threads,
+                             "part_kib": kib, "verify_ms": a, "no_verify_ms": b})  # fmt: skip
+                print(f"| {fmt} | {mib:.1f} | {threads} | {kib} | {a:.3f} | {b:.3f} | "
+                      f"{a - b:.3f} | x{a / b:.2f} |", flush=True)  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 
