@@ -57,6 +57,27 @@ def test_urgent_request_reads_the_records(make_pack: PackFactory) -> None:
         assert testing.check_invariants(s) == ""
 
 
+def test_records_are_read_in_parts_balanced_over_the_io_threads(make_pack: PackFactory) -> None:
+    # 768 KiB records with parts of at most 256 KiB over 4 threads: 4 equal parts of 192 KiB
+    # (not 3 of 256 KiB, which leave a thread idle), every record still read whole and verified.
+    path = make_pack(n_layers=2, n_experts=4, hidden=256, moe_intermediate=256)
+    stride = stride_of(path)
+    cfg = config(8, stride, io_threads=4, part_bytes=256 << 10, verify_reads=True)
+    with ExpertStream(path, cfg) as s:
+        assert s.record_bytes == 3 * 256 * 256 * 4
+        assert (s.n_parts, s.part_bytes) == (4, 192 << 10)
+        for layer in range(2):
+            s.request(layer, [0, 1, 2, 3])
+            s.wait(layer, [0, 1, 2, 3])
+            for e in range(4):
+                got = s.expert_bytes(layer, e)
+                assert got is not None
+                assert got.tobytes() == record_bytes_of(path, s._s.layout, s.key(layer, e))
+        assert testing.check_invariants(s) == ""
+    with ExpertStream(path, dataclasses.replace(cfg, io_threads=1)) as s:
+        assert (s.n_parts, s.part_bytes) == (3, 256 << 10)  # one thread: the cap's count
+
+
 def test_smap_is_a_read_only_view(make_pack: PackFactory) -> None:
     path = make_pack()
     with ExpertStream(path, config(8, stride_of(path))) as s:

@@ -148,6 +148,7 @@ void init_stream(py::module_& m) {
                              [](Stream& self) { return self.get().clients_waiting_for_space(); })
       .def_property_readonly("n_slots", [](Stream& self) { return self.get().n_slots(); })
       .def_property_readonly("n_parts", [](Stream& self) { return self.get().n_parts(); })
+      .def_property_readonly("part_bytes", [](Stream& self) { return self.get().part_bytes(); })
       .def_property_readonly("layout", [](Stream& self) { return layout_dict(self.get().layout()); })
       .def_property_readonly("direct_io", [](Stream& self) { return self.get().file().direct(); })
       .def_property_readonly("direct_note",

@@ -144,6 +144,12 @@ class ExpertStream:
         return self._s.n_parts
 
     @property
+    def part_bytes(self) -> int:
+        """The length of each part read but a record's last: config.part_bytes at most, less
+        where equal parts spread a record evenly over the IO threads."""
+        return self._s.part_bytes
+
+    @property
     def direct_io(self) -> bool:
         """Whether reads really bypass the page cache (O_DIRECT / F_NOCACHE)."""
         return self._s.direct_io

@@ -148,3 +148,48 @@ TEST_CASE("verify_reads reports a record that changed on disk, naming layer, exp
   }
   std::remove(path.c_str());
 }
+
+TEST_CASE("a record's parts are balanced over the IO threads, none above part_bytes") {
+  // The function alone: equal parts of whole pages, at most the cap; a count that is a multiple
+  // of the threads where the parts stay at least 64 KiB; one thread, or none, keeps the count.
+  const std::uint64_t q4 = 2654208;  // a Qwen3-30B-A3B q4 g64 record's span (162 pages)
+  struct Case { std::uint64_t span, cap; std::uint32_t threads; std::uint64_t want_parts; };
+  for (const Case c : {Case{q4, 256 << 10, 8, 16}, Case{q4, 1 << 20, 8, 8}, Case{q4, 1 << 20, 4, 4},
+                       Case{q4, 1 << 20, 1, 3}, Case{q4, 1 << 20, 0, 3}, Case{36864, kPage, 4, 3},
+                       Case{49152, 256 << 10, 8, 1}, Case{300 << 10, 256 << 10, 8, 4}}) {
+    CAPTURE(c.span, c.cap, c.threads);
+    const std::uint64_t part = balanced_part_bytes(c.span, c.cap, c.threads);
+    CHECK(part % kPage == 0);
+    CHECK(part <= c.cap);
+    const std::uint64_t parts = (c.span + part - 1) / part;
+    // Page rounding can leave one part fewer than the count aimed at, never more.
+    CHECK(parts <= c.want_parts);
+    CHECK(parts + 1 >= c.want_parts);
+    // What the slowest thread reads is never more than with parts of the cap.
+    auto slowest = [&](std::uint64_t p) {
+      const std::uint64_t n = (c.span + p - 1) / p, t = std::max<std::uint32_t>(c.threads, 1);
+      return std::min(c.span, (n + t - 1) / t * p);
+    };
+    CHECK(slowest(part) <= slowest(c.cap));
+  }
+
+  // A stream's records read whole and verified in balanced parts: 3 MiB records, parts of at
+  // most 1 MiB over 4 threads give 4 parts of 768 KiB (the CRCs combined at that length).
+  TestGeometry g{2, 4, 2, 512, 512};
+  auto path = build_test_pack(g, "balanced_parts");
+  PackLayout L = read_pack_layout(path);
+  StreamOptions o = small_options(8, L, 4);
+  o.part_bytes = 1 << 20;
+  o.verify_reads = true;
+  ExpertStream s(path, o);
+  CHECK(s.n_parts() == 4);
+  CHECK(s.part_bytes() < o.part_bytes);
+  for (std::uint32_t layer = 0; layer < g.n_layers; ++layer) {
+    std::int32_t ex[] = {0, 1, 2, 3};
+    s.request(layer, ex, 4, ReadClass::Urgent);
+    s.wait(layer, ex, 4);
+    for (std::uint32_t e = 0; e < g.n_experts; ++e) CHECK(slot_matches(s, g, layer, e));
+  }
+  CHECK(StreamTesting::check_invariants(s).empty());
+  std::remove(path.c_str());
+}

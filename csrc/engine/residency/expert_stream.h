@@ -176,6 +176,7 @@ class ExpertStream {
   const PackFile& file() const { return *file_; }
   std::uint32_t n_slots() const { return arena_->n_slots(); }
   std::uint32_t n_parts() const { return n_parts_; }  // part reads per expert record
+  std::uint64_t part_bytes() const { return part_bytes_; }  // each but the last part's length
   const Arena& arena() const { return *arena_; }
   const StreamOptions& options() const { return opt_; }
   // One layer's top-k being executed plus the next layer's, whose router may be running.
@@ -378,6 +379,7 @@ class ExpertStream {
   std::unique_ptr<PackFile> file_;
   std::unique_ptr<Arena> arena_;
   std::uint32_t n_parts_ = 0;   // immutable after construction
+  std::uint64_t part_bytes_ = 0;  // balanced_part_bytes of opt_.part_bytes; immutable
   std::uint64_t read_span_ = 0;  // record_bytes rounded up to the O_DIRECT granularity
   // [slot][part]: the CRC32C of the record's bytes in that part (verify_reads). Written by the
   // IO thread that read the part, without mu_, before it takes mu_ to count the part done; read
@@ -449,5 +451,9 @@ class ExpertStream {
 };
 
 const char* to_string(ReadClass c);
+
+// The length of a record's parts (each but the last): equal parts of whole kPages, at most
+// `cap`, their count a multiple of `threads` where that keeps them at least 64 KiB.
+std::uint64_t balanced_part_bytes(std::uint64_t span, std::uint64_t cap, std::uint32_t threads);
 
 }  // namespace strata

@@ -76,8 +76,8 @@ void ExpertStream::execute_job(Lock& lk, const IoJob& job, std::uint32_t wake,
   const bool speculative = job.cls != ReadClass::Urgent;  // as queued: promotion re-queues
   if (speculative) stats_.spec_parts_started.fetch_add(1, std::memory_order_relaxed);
   const std::uint32_t key = sl.key;
-  const std::uint64_t rel = std::uint64_t(job.part) * opt_.part_bytes;
-  const std::uint64_t len = std::min<std::uint64_t>(opt_.part_bytes, read_span_ - rel);
+  const std::uint64_t rel = std::uint64_t(job.part) * part_bytes_;
+  const std::uint64_t len = std::min<std::uint64_t>(part_bytes_, read_span_ - rel);
   const std::uint64_t offset = layout().record_offset(key) + rel;
   unsigned char* dst = arena_->slot(job.slot) + rel;
   lk.unlock();
@@ -159,7 +159,7 @@ void ExpertStream::execute_job(Lock& lk, const IoJob& job, std::uint32_t wake,
     if (!crc_ok) {
       why = kChecksumMismatch;
     } else {
-      const auto parts = std::uint32_t((record_bytes + opt_.part_bytes - 1) / opt_.part_bytes);
+      const auto parts = std::uint32_t((record_bytes + part_bytes_ - 1) / part_bytes_);
       const CompletedRecord done{job.slot, key, record, record_bytes, job.gen, parts};
       if (!notify_observers(&done, ReadPart{}, &cause)) why = kObserverFailed;
       stats_.observer_ns.fetch_add(ns_since(o0), std::memory_order_relaxed);
@@ -199,9 +199,9 @@ std::uint32_t ExpertStream::record_crc(std::uint32_t s) const {
   const std::uint32_t* crc = part_crc_.data() + std::size_t(s) * n_parts_;
   std::uint32_t whole = crc[0];
   for (std::uint32_t p = 1; p < n_parts_; ++p) {
-    const std::uint64_t rel = std::uint64_t(p) * opt_.part_bytes;
+    const std::uint64_t rel = std::uint64_t(p) * part_bytes_;
     if (rel >= record_bytes) break;  // the alignment padding's parts hold no record bytes
-    const std::uint64_t n = std::min<std::uint64_t>(opt_.part_bytes, record_bytes - rel);
+    const std::uint64_t n = std::min<std::uint64_t>(part_bytes_, record_bytes - rel);
     whole = crc32c_combine(whole, crc[p], n);
   }
   return whole;
