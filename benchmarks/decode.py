@@ -149,7 +149,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.10, 0.25, 0.50, 1.00])
-    ap.add_argument("--io-threads", type=int, default=4)
+    ap.add_argument("--io-threads", type=int, default=StreamConfig.io_threads)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--verify-cost", action="store_true", help="verify_reads off vs on")

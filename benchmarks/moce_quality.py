@@ -100,7 +100,7 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=24)
     ap.add_argument("--arena", type=float, default=0.25, help="arena, fraction of all experts")
     ap.add_argument("--keep-top", type=int, default=2)
-    ap.add_argument("--io-threads", type=int, default=4)
+    ap.add_argument("--io-threads", type=int, default=StreamConfig.io_threads)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()

@@ -264,7 +264,7 @@ def main() -> int:
     ap.add_argument("--busy-threads", type=int, default=2)
     ap.add_argument("--busy-tokens", type=int, default=14, help="decode steps, busy/noisy rows")
     ap.add_argument("--noisy", action="store_true", help="add the badly-predicted workload")
-    ap.add_argument("--io-threads", type=int, default=4)
+    ap.add_argument("--io-threads", type=int, default=StreamConfig.io_threads)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path)

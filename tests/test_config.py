@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from strata_stream import StreamConfig
@@ -28,7 +30,7 @@ def test_environment_flags_are_read_by_their_names() -> None:
         "STRATA_METAL_PROMPT_BUF_REUSE": "true",
         "STRATA_METAL_PREFETCH2": "on",
         "STRATA_ARENA_BYTES": "2GiB",
-        "STRATA_IO_THREADS": "8",
+        "STRATA_IO_THREADS": "12",  # above any default (4-8)
         "STRATA_PART_BYTES": "512k",
         "STRATA_DIRECT_IO": "no",
         "STRATA_EVICTION": "lru",
@@ -36,9 +38,17 @@ def test_environment_flags_are_read_by_their_names() -> None:
     c = StreamConfig.from_env(env=env)
     assert (c.publish_prefetch, c.prompt_pred2, c.prompt_pred2_max) == (False, True, 100)
     assert (c.prompt_start_layers, c.prompt_buf_reuse, c.decode_prefetch2) == (4, True, True)
-    assert c.arena_bytes == 2 << 30 and c.io_threads == 8 and c.part_bytes == 512 << 10
+    assert c.arena_bytes == 2 << 30 and c.io_threads == 12 and c.part_bytes == 512 << 10
     assert c.direct_io is False
     assert c.eviction == "lru" and StreamConfig().eviction == "decayed_lfu"
+
+
+def test_default_io_threads_follow_the_cores_from_4_to_8() -> None:
+    from strata_stream import config
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert StreamConfig().io_threads == config.DEFAULT_IO_THREADS == min(8, max(4, cores or 4))
+    assert StreamConfig().part_bytes == 256 << 10
 
 
 def test_moce_flags() -> None:

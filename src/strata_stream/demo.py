@@ -87,7 +87,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--prompt", type=int, default=256, help="prompt tokens (default 256)")
     p.add_argument("--decode", type=int, default=64, help="decode tokens (default 64)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--io-threads", type=int, default=4)
+    p.add_argument("--io-threads", type=int, default=StreamConfig.io_threads)
     p.add_argument("--buffered", action="store_true", help="no O_DIRECT")
     args = p.parse_args(list(argv))
     if not 0 < args.arena_fraction <= 1:

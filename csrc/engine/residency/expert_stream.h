@@ -60,8 +60,10 @@ namespace strata {
 
 struct StreamOptions {
   std::uint64_t arena_bytes = 1ull << 30;
-  std::uint32_t io_threads = 4;  // 0 = manual IO: tests run each part read (StreamTesting)
-  std::uint64_t part_bytes = 1ull << 20;
+  // StreamConfig (strata_stream/config.py) says why these; it takes 4 to 8 IO threads by the
+  // core count.
+  std::uint32_t io_threads = 8;  // 0 = manual IO: tests run each part read (StreamTesting)
+  std::uint64_t part_bytes = 256ull << 10;  // the largest part (balanced_part_bytes)
   bool direct_io = true;
   bool verify_reads = true;  // CRC32C of every record read (skipped with simulate_io)
   double io_timeout_s = 60.0;
