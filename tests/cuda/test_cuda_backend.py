@@ -232,8 +232,8 @@ def test_bitwise_across_arena_sizes_split_lookahead_and_chunking(
     ):
         got = run(path, cfg, xs, "cuda")
         assert all(np.array_equal(a, b) for a, b in zip(ref, got, strict=True)), cfg
-    # Each part copied to the device as it lands, or each whole record at its completion (the
-    # default): the minimum arena recycles every layer's slots. Parts of 16 KiB: several a
+    # Each part copied to the device as it lands (the default), or each whole record at its
+    # completion: the minimum arena recycles every layer's slots. Parts of 16 KiB: several a
     # record.
     for fill in ("parts", "completion"):
         monkeypatch.setenv("STRATA_CUDA_MIRROR_FILL", fill)
@@ -288,7 +288,7 @@ def test_slots_published_before_the_backend_registered_are_copied_before_their_p
     path = make_pack(tmp_path, "q8", 64, "bf16")
     xs = turns(384, [1, 9, 1, 4])
     want = run(path, config(path), xs, "cuda")
-    # At IO completion, the whole record (the default) or each part as it lands (parts, of
+    # At IO completion, the whole record or each part as it lands (the default; parts of
     # 16 KiB: several a record).
     for fill, part_bytes in (("completion", 1 << 20), ("parts", 1 << 14)):
         for n_slots in (L * E, 2 * K + 2):

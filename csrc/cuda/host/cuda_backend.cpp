@@ -185,16 +185,18 @@ std::string device_pointer_problem(const void* p, const char* what) {
 enum class ArenaMode : std::uint8_t { Device, Mapped };
 
 // How the device mirror is filled (STRATA_CUDA_MIRROR_FILL, read when the backend is made):
-//   completion (default): at IO completion, on copy streams, before publication (arena_mirror.h);
-//   parts: the same, each part copied as it lands, beside the record's other parts' reads;
+//   parts (default): at IO completion, on copy streams, before publication (arena_mirror.h),
+//     each part copied as it lands, beside the record's other parts' reads (a q4 miss 0.38 ->
+//     0.30 ms on the H200 with balanced parts: docs/cuda.md, "IO threads and part size");
+//   completion: the same, the whole record copied after its last part;
 //   lazy: only by the device thread before the pass that reads a slot (the fallback alone, as
 //     before the record observer existed: for comparison).
 enum class MirrorFill : std::uint8_t { Completion, Parts, Lazy };
 
 MirrorFill mirror_fill_from_env() {
   const char* v = std::getenv("STRATA_CUDA_MIRROR_FILL");
-  if (!v || !*v || std::strcmp(v, "completion") == 0) return MirrorFill::Completion;
-  if (std::strcmp(v, "parts") == 0) return MirrorFill::Parts;
+  if (!v || !*v || std::strcmp(v, "parts") == 0) return MirrorFill::Parts;
+  if (std::strcmp(v, "completion") == 0) return MirrorFill::Completion;
   if (std::strcmp(v, "lazy") == 0) return MirrorFill::Lazy;
   throw std::runtime_error(
       std::string("STRATA_CUDA_MIRROR_FILL must be completion, parts or lazy, got '") + v + "'");
