@@ -279,7 +279,8 @@ def decode(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                              "qwen3-30b-a3b-like pack (another geometry)")  # fmt: skip
         n_all = g.n_layers * g.n_experts
         base = StreamConfig(io_threads=args.io_threads, part_bytes=args.part_bytes,
-                            direct_io=False, persist_profile=False)  # fmt: skip
+                            io_spin_us=args.io_spin_us, direct_io=False,
+                            persist_profile=False)  # fmt: skip
         size = min(n_all * stride, 1 << 30) // args.part_bytes * args.part_bytes
         python_raw = raw_reference(path, first, size, args.part_bytes, args.io_threads)
         io: dict[str, Any] = {"python_reference_gb_s": python_raw / 1e9,
@@ -420,6 +421,7 @@ def main() -> int:
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.10, 0.25, 0.50, 1.00])
     ap.add_argument("--io-threads", type=int, default=StreamConfig.io_threads)
     ap.add_argument("--part-bytes", type=int, default=StreamConfig.part_bytes)
+    ap.add_argument("--io-spin-us", type=int, default=StreamConfig.io_spin_us)
     ap.add_argument("--io-depth", type=int, default=2, help="pinned buffers a reference thread")
     ap.add_argument(
         "--io-reference",

@@ -5,8 +5,8 @@ the record's CRC32C check (verify_reads, the default) against without it, side b
     python benchmarks/miss_latency.py [--formats q4 bf16] [--io-threads 4 ...] [--part-kib 1024 ...]
         [--rounds 6] [--backend cpu|cuda] [--json OUT]
 
-Several --io-threads and --part-kib values are measured in turn, each pair a row, so the part
-size and thread count that make a miss shortest can be read side by side.
+Several --io-threads, --part-kib and --io-spin-us values are measured in turn, each
+combination a row, so the settings that make a miss shortest can be read side by side.
 
 The packs have Qwen3-30B-A3B's expert shape (hidden 2048, moe_intermediate 768): 2.5 MiB records
 in q4 g64, 9 MiB in bf16; 2 layers x 32 experts, written once under --pack-dir. The arena holds
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import statistics
 import time
@@ -45,12 +46,13 @@ def ensure(fmt: str, pack_dir: Path) -> Path:
 
 
 def miss_ms(
-    path: Path, verify: bool, io_threads: int, part: int, rounds: int, backend: str
+    path: Path, verify: bool, io_threads: int, part: int, rounds: int, backend: str, spin_us: int
 ) -> list[float]:
     with ExpertPack.open(path) as p:
         stride, n_experts = p.record_stride, p.geometry.n_experts
     cfg = StreamConfig(arena_bytes=16 * stride, io_threads=io_threads, part_bytes=part,
-                       direct_io=False, verify_reads=verify, persist_profile=False)  # fmt: skip
+                       io_spin_us=spin_us, direct_io=False, verify_reads=verify,
+                       persist_profile=False)  # fmt: skip
     out: list[float] = []
     with ExpertStream(path, cfg) as s, Window(s, backend=backend):
         for r in range(rounds):
@@ -71,31 +73,34 @@ def main() -> None:
     ap.add_argument("--io-threads", type=int, nargs="+", default=[StreamConfig.io_threads])
     ap.add_argument("--part-kib", type=int, nargs="+", default=[StreamConfig.part_bytes >> 10],
                     help="part sizes, KiB (multiples of 4)")  # fmt: skip
+    ap.add_argument("--io-spin-us", type=int, nargs="+", default=[StreamConfig.io_spin_us],
+                    help="IO threads' and waits' spin before sleeping, us")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--backend", default="cpu", help="the Window whose record observer runs")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     rows = []
-    print("| format | record MiB | IO threads | part KiB | miss p50 ms, verify on | verify off "
-          "| verify costs | on / off |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+    print("| format | record MiB | IO threads | part KiB | spin us | miss p50 ms, verify on "
+          "| verify off | verify costs | on / off |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for fmt in args.formats:
         path = ensure(fmt, args.pack_dir)
         path.read_bytes()  # warm the page cache
         with ExpertPack.open(path) as p:
             mib = p.record_stride / 2**20
-        for threads in args.io_threads:
-            for kib in args.part_kib:
-                on: list[float] = []
-                off: list[float] = []
-                for _ in range(2):  # interleaved, so drift hits both alike
-                    on += miss_ms(path, True, threads, kib << 10, args.rounds, args.backend)
-                    off += miss_ms(path, False, threads, kib << 10, args.rounds, args.backend)
-                a, b = statistics.median(on), statistics.median(off)
-                rows.append({"format": fmt, "record_mib": mib, "io_threads": threads,
-                             "part_kib": kib, "verify_ms": a, "no_verify_ms": b})  # fmt: skip
-                print(f"| {fmt} | {mib:.1f} | {threads} | {kib} | {a:.3f} | {b:.3f} | "
-                      f"{a - b:.3f} | x{a / b:.2f} |", flush=True)  # fmt: skip
+        for threads, kib, spin in itertools.product(args.io_threads, args.part_kib,
+                                                    args.io_spin_us):  # fmt: skip
+            on: list[float] = []
+            off: list[float] = []
+            for _ in range(2):  # interleaved, so drift hits both alike
+                on += miss_ms(path, True, threads, kib << 10, args.rounds, args.backend, spin)
+                off += miss_ms(path, False, threads, kib << 10, args.rounds, args.backend, spin)
+            a, b = statistics.median(on), statistics.median(off)
+            rows.append({"format": fmt, "record_mib": mib, "io_threads": threads,
+                         "part_kib": kib, "io_spin_us": spin, "verify_ms": a,
+                         "no_verify_ms": b})  # fmt: skip
+            print(f"| {fmt} | {mib:.1f} | {threads} | {kib} | {spin} | {a:.3f} | {b:.3f} | "
+                  f"{a - b:.3f} | x{a / b:.2f} |", flush=True)  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

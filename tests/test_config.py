@@ -31,6 +31,7 @@ def test_environment_flags_are_read_by_their_names() -> None:
         "STRATA_METAL_PREFETCH2": "on",
         "STRATA_ARENA_BYTES": "2GiB",
         "STRATA_IO_THREADS": "12",  # above any default (4-8)
+        "STRATA_IO_SPIN_US": "75",
         "STRATA_PART_BYTES": "512k",
         "STRATA_DIRECT_IO": "no",
         "STRATA_EVICTION": "lru",
@@ -39,7 +40,7 @@ def test_environment_flags_are_read_by_their_names() -> None:
     assert (c.publish_prefetch, c.prompt_pred2, c.prompt_pred2_max) == (False, True, 100)
     assert (c.prompt_start_layers, c.prompt_buf_reuse, c.decode_prefetch2) == (4, True, True)
     assert c.arena_bytes == 2 << 30 and c.io_threads == 12 and c.part_bytes == 512 << 10
-    assert c.direct_io is False
+    assert c.direct_io is False and c.io_spin_us == 75
     assert c.eviction == "lru" and StreamConfig().eviction == "decayed_lfu"
 
 
@@ -49,6 +50,7 @@ def test_default_io_threads_follow_the_cores_from_4_to_8() -> None:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     assert StreamConfig().io_threads == config.DEFAULT_IO_THREADS == min(8, max(4, cores or 4))
     assert StreamConfig().part_bytes == 256 << 10
+    assert StreamConfig().io_spin_us == 0  # spinning IO holds cores: opt-in
 
 
 def test_moce_flags() -> None:
@@ -85,6 +87,9 @@ def test_pred2_max_is_clamped_as_the_seed_does(value: str, clamped: int) -> None
         ("STRATA_PART_BYTES", "1000", "part_bytes"),
         ("STRATA_IO_THREADS", "x", "STRATA_IO_THREADS"),
         ("STRATA_IO_THREADS", "1000", "io_threads"),
+        ("STRATA_IO_SPIN_US", "-1", "io_spin_us"),
+        ("STRATA_IO_SPIN_US", "1e9", "STRATA_IO_SPIN_US"),
+        ("STRATA_IO_SPIN_US", "200000", "io_spin_us"),
         ("STRATA_EVICTION", "fifo", "eviction"),
         ("STRATA_MOCE", "sometimes", "StreamConfig.moce"),
         ("STRATA_MOCE_STRENGTH", "strong", "STRATA_MOCE_STRENGTH"),

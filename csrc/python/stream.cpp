@@ -25,13 +25,18 @@ void require_finite_positive(double v, const char* what) {
 
 Stream open_stream(const std::string& path, std::uint64_t arena_bytes, const py::handle& io_threads,
                    std::uint64_t part_bytes, bool direct_io, bool verify_reads, double io_timeout_s,
-                   bool publish_prefetch, bool simulate_io, const std::string& eviction) {
+                   bool publish_prefetch, bool simulate_io, const std::string& eviction,
+                   std::uint32_t io_spin_us) {
   if (arena_bytes == 0) throw EngineError(ErrorKind::Config, "arena_bytes must be positive");
   require_finite_positive(io_timeout_s, "io_timeout_s");
   StreamOptions o;
   o.arena_bytes = arena_bytes;
   o.io_threads = count_arg(io_threads, 256, "io_threads");
   o.part_bytes = part_bytes;
+  if (io_spin_us > 100000)
+    throw EngineError(ErrorKind::Config, "io_spin_us must be 0..100000, got " +
+                                             std::to_string(io_spin_us));
+  o.io_spin_us = io_spin_us;
   o.direct_io = direct_io;
   o.verify_reads = verify_reads;
   o.io_timeout_s = io_timeout_s;
@@ -140,7 +145,8 @@ void init_stream(py::module_& m) {
       .def(py::init(&open_stream), py::arg("path"), py::kw_only(), py::arg("arena_bytes"),
            py::arg("io_threads"), py::arg("part_bytes"), py::arg("direct_io"),
            py::arg("verify_reads"), py::arg("io_timeout_s"), py::arg("publish_prefetch"),
-           py::arg("simulate_io") = false, py::arg("eviction") = "decayed_lfu")
+           py::arg("simulate_io") = false, py::arg("eviction") = "decayed_lfu",
+           py::arg("io_spin_us") = 0)
       .def("close", &close_stream)
       .def_property_readonly("closed", [](Stream& self) { return !self.s || self.s->closed(); })
       .def_property_readonly("n_clients", [](Stream& self) { return self.get().n_clients(); })

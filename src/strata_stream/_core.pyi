@@ -72,6 +72,7 @@ class Stream:
         publish_prefetch: bool,
         simulate_io: bool = False,
         eviction: str = "decayed_lfu",
+        io_spin_us: int = 0,
     ) -> None: ...
     def close(self) -> None: ...
     @property

@@ -36,6 +36,7 @@ ENV_FLAGS: dict[str, str] = {
     "arena_bytes": "STRATA_ARENA_BYTES",
     "io_threads": "STRATA_IO_THREADS",
     "part_bytes": "STRATA_PART_BYTES",
+    "io_spin_us": "STRATA_IO_SPIN_US",
     "direct_io": "STRATA_DIRECT_IO",
     "verify_reads": "STRATA_VERIFY_READS",
     "publish_prefetch": "STRATA_METAL_PUBLISH_PREFETCH",
@@ -116,6 +117,11 @@ class StreamConfig:
     # a multiple of io_threads where the parts stay at least 64 KiB (ExpertStream.part_bytes).
     io_threads: int = DEFAULT_IO_THREADS
     part_bytes: int = 256 << 10
+    # How long an IO thread out of jobs, and an urgent wait whose reads are in flight, spin
+    # before sleeping (0, the default: never). A lone miss then skips its futex wakes (on the
+    # H200 machine 200 us made a q4 miss 0.33 -> 0.29 ms), but each spinner holds a core: decode
+    # was no faster there, and a 2-core VM's miss 35% slower (docs/cuda.md, "Spinning IO").
+    io_spin_us: int = 0
     direct_io: bool = True
     # Check every expert read against the pack's CRC32C: a record that changed on disk is an
     # ExpertReadError, not silently wrong output. Hardware CRC32C, computed outside the stream's
@@ -170,6 +176,7 @@ class StreamConfig:
             "arena_bytes",
             "io_threads",
             "part_bytes",
+            "io_spin_us",
             "prompt_pred2_max",
             "prompt_start_layers",
             "moce_keep_top",
@@ -211,6 +218,10 @@ class StreamConfig:
             raise ConfigError(
                 f"StreamConfig.eviction: expected one of {', '.join(EVICTION_POLICIES)}, "
                 f"got {self.eviction!r}"
+            )
+        if not 0 <= self.io_spin_us <= 100_000:
+            raise ConfigError(
+                f"StreamConfig.io_spin_us: must be 0..100000 (microseconds), got {self.io_spin_us}"
             )
         if self.decode_rows < 0:
             raise ConfigError(f"StreamConfig.decode_rows: must be >= 0, got {self.decode_rows}")

@@ -74,6 +74,7 @@ class ExpertStream:
             arena_bytes=c.arena_bytes,
             io_threads=c.io_threads,
             part_bytes=c.part_bytes,
+            io_spin_us=c.io_spin_us,
             direct_io=c.direct_io,
             verify_reads=c.verify_reads,
             io_timeout_s=c.io_timeout_s,

@@ -122,6 +122,7 @@ TEST_CASE("stress: threads, parts and the handshake order keep every invariant")
     StreamOptions o = small_options(8 + std::uint32_t(rng() % 24), L, 2 + std::uint32_t(rng() % 4));
     o.part_bytes = kPage * (1 + rng() % 3);
     o.verify_reads = round % 2 == 0;
+    o.io_spin_us = round % 3 == 1 ? 50 : 0;  // IO threads and waits spinning without mu_
     ExpertStream s(path, o);
     Device device(s, g);
 

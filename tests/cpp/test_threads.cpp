@@ -96,6 +96,7 @@ TEST_CASE("threads: two windows sharing a small arena stay bitwise exact, split 
     for (std::uint32_t slots : {4 * L.top_k, 6 * L.top_k})
       for (int round = 0; round < 2; ++round) {
         StreamOptions so = small_options(slots, L, 3);
+        so.io_spin_us = round == 1 ? 100 : 0;  // the second round's IO and waits spin first
         ExpertStream stream(path, so);
         WindowOptions wo;
         wo.split_turn = split;

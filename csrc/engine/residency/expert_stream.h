@@ -34,6 +34,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <chrono>
 #include <functional>
 #include <limits>
 #include <list>
@@ -67,6 +68,11 @@ struct StreamOptions {
   bool direct_io = true;
   bool verify_reads = true;  // CRC32C of every record read (skipped with simulate_io)
   double io_timeout_s = 60.0;
+  // How long an IO thread that ran out of jobs, and an urgent wait() whose reads are in flight,
+  // spin before they sleep (0: never). A spin pays when the next request (or the record's last
+  // part) comes within it: the miss skips a futex wake, tens of microseconds on a VM; it holds
+  // a core meanwhile, so it is opt-in (StreamConfig.io_spin_us says what it measured).
+  std::uint32_t io_spin_us = 0;
   bool publish_prefetch = true;  // STRATA_METAL_PUBLISH_PREFETCH
   EvictionPolicy eviction = EvictionPolicy::DecayedLfu;  // STRATA_EVICTION
   // Replay only: part reads complete without touching the file, so routing traces replay
@@ -342,6 +348,13 @@ class ExpertStream {
   void bounded_wait_step(Lock& lk, ReadProgress& p, const InterruptCheck& interrupt,
                          const std::function<EngineError()>& timed_out);
   void io_loop();
+  // io_spin_us: polls the queue's hint with mu_ released until a job may be queued or the spin
+  // is over; the caller re-checks under mu_ (closing_ included: the spin is bounded).
+  void spin_for_jobs() const;
+  // io_spin_us: polls slot s's state with mu_ released until its reads are over (Complete or
+  // Failed) or `budget` has passed; returns the time spun. A hint: the caller re-checks under
+  // mu_, whatever became of the slot meanwhile.
+  std::chrono::nanoseconds spin_for_slot(std::uint32_t s, std::chrono::nanoseconds budget) const;
   // Runs one part read: bookkeeping under mu_, the pread (and, for a record's last part, the
   // checksum) with mu_ released. Entered and left with `lk` held. `wake`: sleeping IO threads to
   // wake once mu_ is released (work remains queued for them). `done_owed` (the IO threads'

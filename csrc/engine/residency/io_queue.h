@@ -1,8 +1,10 @@
 // Pending part reads, one FIFO per ReadClass so that speculative work always yields to urgent
-// work at part granularity. Not thread-safe: guarded by ExpertStream::mu_.
+// work at part granularity. Not thread-safe: guarded by ExpertStream::mu_, but for
+// maybe_nonempty(), a hint an IO thread spinning without the lock polls (io_spin_us).
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -21,7 +23,13 @@ struct IoJob {
 
 class IoQueue {
  public:
-  void push(const IoJob& j) { q_[static_cast<int>(j.cls)].push_back(j); }
+  void push(const IoJob& j) {
+    q_[static_cast<int>(j.cls)].push_back(j);
+    sync_hint();
+  }
+  // Whether jobs may be queued, readable without the owner's lock: stored after every change
+  // made under it, so a reader that sees it set takes the lock and checks the queue itself.
+  bool maybe_nonempty() const { return size_hint_.load(std::memory_order_relaxed) != 0; }
   bool empty() const {
     for (const auto& q : q_)
       if (!q.empty()) return false;
@@ -38,6 +46,7 @@ class IoQueue {
       if (!q.empty()) {
         IoJob j = q.front();
         q.pop_front();
+        sync_hint();
         return j;
       }
     return IoJob{kNoKey, 0, 0, ReadClass::Urgent};
@@ -55,6 +64,7 @@ class IoQueue {
         } else {
           ++it;
         }
+    sync_hint();
     return n;
   }
   // Moves a slot's queued jobs to another class (a speculative read that became urgent).
@@ -72,6 +82,7 @@ class IoQueue {
       j.cls = to;
       push(j);
     }
+    sync_hint();
   }
   // In priority order (the order pop() would return them).
   std::vector<IoJob> snapshot() const {
@@ -85,6 +96,7 @@ class IoQueue {
       if (i < q.size()) {
         IoJob j = q[i];
         q.erase(q.begin() + std::ptrdiff_t(i));
+        sync_hint();
         return j;
       }
       i -= q.size();
@@ -93,7 +105,10 @@ class IoQueue {
   }
 
  private:
+  void sync_hint() { size_hint_.store(size(), std::memory_order_relaxed); }
+
   std::array<std::deque<IoJob>, kReadClasses> q_;
+  std::atomic<std::size_t> size_hint_{0};  // size(), stored under the owner's lock
 };
 
 }  // namespace strata

@@ -30,6 +30,7 @@ void ExpertStream::io_loop() {
   // A record finished by the last job: its waiters are woken at this thread's next release of
   // mu_ (before its next pread, or before it sleeps), not by a release and retake of their own.
   bool done_owed = false;
+  bool may_spin = true;  // one spin an idle spell: a spin that found nothing sleeps next
   for (;;) {
     while (!closing_ && queue_.empty()) {
       if (done_owed) {
@@ -39,6 +40,13 @@ void ExpertStream::io_loop() {
         lk.lock();
         continue;  // the queue may have filled meanwhile
       }
+      if (may_spin && opt_.io_spin_us > 0) {
+        may_spin = false;
+        lk.unlock();
+        spin_for_jobs();
+        lk.lock();
+        continue;
+      }
       ++io_sleeping_;
       io_cv_.wait(lk);
       --io_sleeping_;
@@ -46,6 +54,7 @@ void ExpertStream::io_loop() {
       io_signalled_ = std::min(io_signalled_ - (io_signalled_ > 0 ? 1u : 0u), io_sleeping_);
     }
     if (closing_) break;
+    may_spin = true;
     IoJob job = queue_.pop();
     // Fan out: wake as many sleeping threads as there are jobs left that no thread already
     // woken will take (after mu_ is released), so a record's parts start one wake after the
@@ -60,6 +69,23 @@ void ExpertStream::io_loop() {
     lk.unlock();
     done_cv_.notify_all();
   }
+}
+
+void ExpertStream::spin_for_jobs() const {
+  const auto until = Clock::now() + std::chrono::microseconds(opt_.io_spin_us);
+  while (!queue_.maybe_nonempty() && Clock::now() < until) {
+  }
+}
+
+std::chrono::nanoseconds ExpertStream::spin_for_slot(std::uint32_t s,
+                                                     std::chrono::nanoseconds budget) const {
+  const auto t0 = Clock::now();
+  const Slot& sl = slots_[s];
+  for (auto now = t0; now - t0 < budget; now = Clock::now()) {
+    const SlotState st = sl.load();
+    if (st != SlotState::Queued && st != SlotState::Reading) return now - t0;
+  }
+  return budget;
 }
 
 void ExpertStream::execute_job(Lock& lk, const IoJob& job, std::uint32_t wake,

@@ -235,9 +235,14 @@ void ExpertStream::wait(ClientId who, std::uint32_t layer, const std::int32_t* e
     }
   } stall{stats_};
   ReadProgress progress = read_progress();
+  // io_spin_us of spinning a call, in all: reads that land within it skip the futex wake-up.
+  auto spin_left = std::chrono::nanoseconds(std::chrono::microseconds(opt_.io_spin_us));
+  std::uint32_t pending = 0;  // a slot not yet complete, found by the last scan
+  bool pending_reads = false;  // and its reads still to finish (Queued or Reading)
   for (;;) {
     require_open();
     bool all = true;
+    pending_reads = false;
     for (std::size_t i = 0; i < n; ++i) {
       const std::uint32_t key = layer * E + std::uint32_t(experts[i]);
       std::int32_t s = where_[key];
@@ -253,6 +258,8 @@ void ExpertStream::wait(ClientId who, std::uint32_t layer, const std::int32_t* e
         throw_read_error(std::uint32_t(s));
       if (st != SlotState::Complete) {
         all = false;
+        pending = std::uint32_t(s);
+        pending_reads = st == SlotState::Queued || st == SlotState::Reading;
         if (threads_.empty()) {
           bool ran = false;
           // Manual IO: run this slot's next pending part inline, in queue order.
@@ -275,6 +282,14 @@ void ExpertStream::wait(ClientId who, std::uint32_t layer, const std::int32_t* e
     if (all) break;
     if (threads_.empty()) continue;
     stall.blocked = true;
+    // A spin only on reads still to finish: a slot failing or parked is left to the blocking
+    // step, which a spin on an unchanging state would only delay.
+    if (spin_left.count() > 0 && pending_reads) {
+      lk.unlock();
+      spin_left -= spin_for_slot(pending, spin_left);
+      lk.lock();
+      continue;
+    }
     bounded_wait_step(lk, progress, interrupt, [&] {
       return EngineError(ErrorKind::Timeout,
                          "timed out after " + std::to_string(opt_.io_timeout_s) +
