@@ -75,7 +75,7 @@ if wants kernels; then
   }
   R=-DSTRATA_CUDA_ROUTE D=-DSTRATA_CUDA_DOWN_DECODE_ROWS
   kvariants=("r8:${R}_LOGITS=8"
-             "dl0:-DSTRATA_CUDA_DECODE_LEAN=0" "d2:$D=2" "dg1:-DSTRATA_CUDA_GATE_UP_DECODE_LEAN_ROWS=1"
+             "dl0:-DSTRATA_CUDA_DECODE_LEAN=0" "d2:$D=2" "d8:$D=8" "dg1:-DSTRATA_CUDA_GATE_UP_DECODE_LEAN_ROWS=1"
              "dps:-DSTRATA_CUDA_DECODE_SHARED_SCALES=0" "nopdl:-DSTRATA_CUDA_PDL=0")
   names=now
   [ -n "${STRATA_KERNELS_BEFORE:-}" ] && { kb_build before "$STRATA_KERNELS_BEFORE" & names="before now"; }
