@@ -78,6 +78,28 @@ def test_records_are_read_in_parts_balanced_over_the_io_threads(make_pack: PackF
         assert (s.n_parts, s.part_bytes) == (3, 256 << 10)  # one thread: the cap's count
 
 
+def test_spinning_io_reads_the_same_records_and_closes_promptly(make_pack: PackFactory) -> None:
+    # io_spin_us: idle IO threads and urgent waits poll before they sleep; what they read and
+    # when a stream closes must not change (the spin is bounded and re-checked under the lock).
+    path = make_pack()
+    cfg = config(8, stride_of(path), io_spin_us=2000, verify_reads=True)
+    s = ExpertStream(path, cfg)
+    layout = s._s.layout
+    for layer in range(4):
+        for pair in ([1, 2], [3, 4], [1, 5]):
+            s.request(layer, pair)
+            s.wait(layer, pair)
+            for e in pair:
+                got = s.expert_bytes(layer, e)
+                assert got is not None
+                assert got.tobytes() == record_bytes_of(path, layout, s.key(layer, e))
+    assert testing.check_invariants(s) == ""
+    s.close()  # joins the IO threads: one mid-spin notices the close within io_spin_us
+    assert s.closed
+    with pytest.raises(ConfigError, match="io_spin_us"):
+        config(8, stride_of(path), io_spin_us=-1)
+
+
 def test_smap_is_a_read_only_view(make_pack: PackFactory) -> None:
     path = make_pack()
     with ExpertStream(path, config(8, stride_of(path))) as s:
