@@ -80,9 +80,8 @@ class IoQueue {
         }
     for (auto j : moved) {
       j.cls = to;
-      push(j);
+      push(j);  // the last push stores the hint; with nothing moved the size did not change
     }
-    sync_hint();
   }
   // In priority order (the order pop() would return them).
   std::vector<IoJob> snapshot() const {
