@@ -281,7 +281,10 @@ def decode(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         base = StreamConfig(io_threads=args.io_threads, part_bytes=args.part_bytes,
                             io_spin_us=args.io_spin_us, direct_io=False,
                             persist_profile=False)  # fmt: skip
-        size = min(n_all * stride, 1 << 30) // args.part_bytes * args.part_bytes
+        def region(part: int) -> int:  # the references' bytes: up to 1 GiB, whole parts
+            return int(min(n_all * stride, 1 << 30) // part * part)
+
+        size = region(args.part_bytes)
         python_raw = raw_reference(path, first, size, args.part_bytes, args.io_threads)
         io: dict[str, Any] = {"python_reference_gb_s": python_raw / 1e9,
                               "pinned_h2d_gb_s": pinned_h2d() / 1e9}  # fmt: skip
@@ -299,9 +302,8 @@ def decode(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         if args.io_reference:
             for threads, part in CEILING_IO_CONFIGS:
                 if (threads, part) != (args.io_threads, args.part_bytes):
-                    other = native_reference(args.io_reference, path, first,
-                                             min(n_all * stride, 1 << 30) // part * part, part,
-                                             threads, args.io_depth)  # fmt: skip
+                    other = native_reference(args.io_reference, path, first, region(part),
+                                             part, threads, args.io_depth)  # fmt: skip
                     io.setdefault("other_references", []).append(other)
                     ceiling_io = max(ceiling_io, other["gb_s"] * 1e9)
         io["ceiling_reference_gb_s"] = ceiling_io / 1e9
