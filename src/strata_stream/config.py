@@ -109,10 +109,11 @@ class StreamConfig:
 
     arena_bytes: int = 1 << 30
     # A miss waits for its record's slowest IO thread, so records are split finely enough to
-    # spread over all of them: 8 threads of 256 KiB parts made a 2.5 MiB q4 miss 43% shorter
-    # than 4 of 1 MiB on the H200 machine's 16 cores, and decode 33-60% faster there
-    # (docs/cuda.md, "IO threads and part size"). A pread from the page cache is CPU work, so
-    # threads beyond the cores only queue: DEFAULT_IO_THREADS is 4 to 8 by the core count.
+    # spread over all of them: 8 threads of 256 KiB parts (balanced) made a 2.5 MiB q4 miss
+    # 0.58 -> 0.30 ms against 4 of 1 MiB on the H200 machine's 16 cores, and decode 1.05-1.43x
+    # faster there (docs/cuda.md, "IO threads and part size"). A pread from the page cache is
+    # CPU work, so threads beyond the cores only queue: DEFAULT_IO_THREADS is 4 to 8 by the
+    # core count.
     # part_bytes is the largest part: the stream splits a record into equal parts, their count
     # a multiple of io_threads where the parts stay at least 64 KiB (ExpertStream.part_bytes).
     io_threads: int = DEFAULT_IO_THREADS
