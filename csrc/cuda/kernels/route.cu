@@ -18,6 +18,7 @@
 #include "dot.cuh"
 #include "kernels.h"
 #include "pdl.cuh"
+#include "stage.cuh"
 
 namespace strata::cuda {
 namespace {
@@ -206,11 +207,7 @@ __device__ __forceinline__ float block_logit(const DevLayout& L, const DevBuffer
   pdl_trigger();
   const float* src = (x_staged ? x_staged : b.x) + std::size_t(t) * H;
   if (H % 4 == 0) {
-    for (std::uint32_t c = 4 * threadIdx.x; c < H; c += 4 * blockDim.x) {
-      const float4 v = *reinterpret_cast<const float4*>(src + c);
-      *reinterpret_cast<float4*>(x + c) = v;
-      if (store_x) *reinterpret_cast<float4*>(b.x + std::size_t(t) * H + c) = v;
-    }
+    stage_floats(x, src, H, store_x ? b.x + std::size_t(t) * H : nullptr);
   } else {
     for (std::uint32_t c = threadIdx.x; c < H; c += blockDim.x) {
       const float v = src[c];
