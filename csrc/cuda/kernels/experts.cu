@@ -843,15 +843,26 @@ template <int F, int S, int R, bool GateUp>
 __host__ __device__ constexpr int decode_steps() {
   return batch_steps<F, S, GateUp ? 2 : 1, R, GateUp ? 8 : 4>();
 }
-template <int F, int S, int P>
+// Down on the lean path (GS > 0) asks for STRATA_CUDA_DOWN_DECODE_MIN_BLOCKS (compile-time
+// knob; 0: the rule above), 4 by default: at its 4 rows a warp that puts Qwen3's 512 down blocks
+// (8 experts by 64 row tiles) in one wave of the H200's 132 multiprocessors, where 3 left 116
+// blocks to a second (down 12.0 -> 10.0 us, the same bits: docs/cuda.md). ptxas fits the lean
+// instances in 64 registers without spills; the general ones spill there, so keep the rule.
+#ifndef STRATA_CUDA_DOWN_DECODE_MIN_BLOCKS
+#define STRATA_CUDA_DOWN_DECODE_MIN_BLOCKS 4
+#endif
+template <int F, int S, int P, bool GateUp, int GS>
 __host__ __device__ constexpr int decode_min_blocks() {
-  return !((F == 3 || F == 5) && coop_scales<F, S>()) ? 1 : P <= 2 ? 4 : P <= 4 ? 3 : 1;
+  if (!((F == 3 || F == 5) && coop_scales<F, S>())) return 1;
+  if (!GateUp && GS > 0 && STRATA_CUDA_DOWN_DECODE_MIN_BLOCKS > 0)
+    return STRATA_CUDA_DOWN_DECODE_MIN_BLOCKS;
+  return P <= 2 ? 4 : P <= 4 ? 3 : 1;
 }
 
 // GS > 0: the lean path (DirectWarp::load_lean), for a group size of GS, a row of a multiple of
 // 256 columns and one batch (decode_lean_gs); 0: any shape the kernel takes.
 template <int F, int S, int R, bool GateUp, int GS = 0>
-__global__ void __launch_bounds__(kThreads, decode_min_blocks<F, S, (GateUp ? 2 : 1) * R>())
+__global__ void __launch_bounds__(kThreads, decode_min_blocks<F, S, (GateUp ? 2 : 1) * R, GateUp, GS>())
     decode_kernel(DevLayout L, DevBuffers b, ArgGroups ag) {
   constexpr int M = GateUp ? 2 : 1;
   constexpr int NS = decode_steps<F, S, R, GateUp>();
