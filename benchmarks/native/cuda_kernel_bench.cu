@@ -85,11 +85,42 @@ std::vector<T> download(const T* d, std::size_t n) {
   return h;
 }
 
+// Holds its stream until the host sets *go (or about a second has passed), so that every launch
+// queued behind it is in the GPU's queue before the first one starts: an event pair around those
+// launches then times the GPU's work alone, not the host's launch calls (nvbench's blocking
+// kernel). Without it a sequence of short kernels from an idle GPU is timed at the rate the host
+// issues them.
+__global__ void hold_kernel(const volatile int* go) {
+  const long long t0 = clock64();
+  while (*go == 0 && clock64() - t0 < (1ll << 31)) {
+  }
+}
+
 struct Timer {
   cudaEvent_t a, b;
+  int* go_host = nullptr;  // pinned, mapped: hold_kernel's flag
+  int* go_dev = nullptr;
   Timer() {
     cudaEventCreate(&a);
     cudaEventCreate(&b);
+    CK(cudaHostAlloc(reinterpret_cast<void**>(&go_host), sizeof(int), cudaHostAllocMapped));
+    CK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&go_dev), go_host, 0));
+  }
+  // The GPU's time for launch()'s kernels, queued behind hold_kernel.
+  template <class F>
+  double held_us(F&& launch, cudaStream_t s) {
+    *reinterpret_cast<volatile int*>(go_host) = 0;
+    hold_kernel<<<1, 1, 0, s>>>(go_dev);
+    CK(cudaGetLastError());
+    CK(cudaEventRecord(a, s));
+    launch();
+    CK(cudaEventRecord(b, s));
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    *reinterpret_cast<volatile int*>(go_host) = 1;
+    CK(cudaEventSynchronize(b));
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    return ms * 1e3;
   }
   template <class F>
   double median_us(int n, F&& launch, cudaStream_t s) {
@@ -274,32 +305,45 @@ int main(int argc, char** argv) {
   // (with both predictions), gate_up, down and combine over 8 experts no recent launch read.
   // (The backend has a host crossing between the route and gate_up; this is the kernels alone,
   // launch gaps included.) And the expert launches alone: gate_up, down, combine.
-  double layer_seq_us = 0, experts_seq_us = 0;
+  // The same again queued behind hold_kernel (layer_gpu, experts_gpu): the GPU's time alone,
+  // without the host's launch calls, which the backend issues ahead of the GPU in a decode step.
+  double layer_seq_us = 0, experts_seq_us = 0, layer_gpu_us = 0, experts_gpu_us = 0;
+  double route_gpu_us = 0, gu_gpu_us = 0, dn_gpu_us = 0;
   {
-    std::vector<double> ls, es;
+    std::vector<double> ls, es, lg, eg, rg, gg, dg;
+    auto layer = [&] {
+      CK(launch_route(L, b, 1, tasks, x_staged, s));
+      CK(launch_gate_up(L, b, 1, s));
+      CK(launch_down(L, b, 1, s));
+      CK(launch_combine(L, b, 1, s));
+    };
+    auto experts = [&] {
+      CK(launch_gate_up(L, b, 1, s));
+      CK(launch_down(L, b, 1, s));
+      CK(launch_combine(L, b, 1, s));
+    };
     for (int i = 0; i < N; ++i) {
       set_groups(1, std::uint32_t(i) * K);
-      ls.push_back(tm.once_us(
-          [&] {
-            CK(launch_route(L, b, 1, tasks, x_staged, s));
-            CK(launch_gate_up(L, b, 1, s));
-            CK(launch_down(L, b, 1, s));
-            CK(launch_combine(L, b, 1, s));
-          },
-          s));
+      ls.push_back(tm.once_us(layer, s));
       set_groups(1, std::uint32_t(i) * K + 64);
-      es.push_back(tm.once_us(
-          [&] {
-            CK(launch_gate_up(L, b, 1, s));
-            CK(launch_down(L, b, 1, s));
-            CK(launch_combine(L, b, 1, s));
-          },
-          s));
+      es.push_back(tm.once_us(experts, s));
+      set_groups(1, std::uint32_t(i) * K + 32);
+      lg.push_back(tm.held_us(layer, s));
+      set_groups(1, std::uint32_t(i) * K + 96);
+      eg.push_back(tm.held_us(experts, s));
+      rg.push_back(tm.held_us([&] { CK(launch_route(L, b, 1, tasks, x_staged, s)); }, s));
+      set_groups(1, std::uint32_t(i) * K + 16);
+      gg.push_back(tm.held_us([&] { CK(launch_gate_up(L, b, 1, s)); }, s));
+      set_groups(1, std::uint32_t(i) * K + 80);
+      dg.push_back(tm.held_us([&] { CK(launch_down(L, b, 1, s)); }, s));
     }
-    std::sort(ls.begin(), ls.end());
-    std::sort(es.begin(), es.end());
-    layer_seq_us = ls[ls.size() / 2];
-    experts_seq_us = es[es.size() / 2];
+    auto median = [](std::vector<double>& v) {
+      std::sort(v.begin(), v.end());
+      return v[v.size() / 2];
+    };
+    layer_seq_us = median(ls), experts_seq_us = median(es);
+    layer_gpu_us = median(lg), experts_gpu_us = median(eg);
+    route_gpu_us = median(rg), gu_gpu_us = median(gg), dn_gpu_us = median(dg);
   }
   const double gu_bytes = double(K) * 2 * (L.m[1].weight - L.m[0].weight);
   const double dn_bytes = double(K) * (record - L.m[2].weight);
@@ -316,6 +360,11 @@ int main(int argc, char** argv) {
   line("layer", route_us + gu_us + dn_us + combine_us, route_bytes + gu_bytes + dn_bytes);
   line("layer_seq", layer_seq_us, route_bytes + gu_bytes + dn_bytes);
   line("experts_seq", experts_seq_us, gu_bytes + dn_bytes);
+  line("route_gpu", route_gpu_us, route_bytes);
+  line("gate_up_gpu", gu_gpu_us, gu_bytes);
+  line("down_gpu", dn_gpu_us, dn_bytes);
+  line("layer_gpu", layer_gpu_us, route_bytes + gu_bytes + dn_bytes);
+  line("experts_gpu", experts_gpu_us, gu_bytes + dn_bytes);
   if (has_host_groups) {
     line("gate_up_tbl", gu_tbl_us, gu_bytes);
     line("down_tbl", dn_tbl_us, dn_bytes);
@@ -326,9 +375,12 @@ int main(int argc, char** argv) {
                  "{\"d2d_gb_s\": %.1f, \"route_staged_x_us\": %.2f, \"route_us\": %.2f, "
                  "\"gate_up_us\": %.2f, \"down_us\": %.2f, \"combine_us\": %.2f, "
                  "\"layer_seq_us\": %.2f, \"experts_seq_us\": %.2f, "
+                 "\"route_gpu_us\": %.2f, \"gate_up_gpu_us\": %.2f, \"down_gpu_us\": %.2f, "
+                 "\"layer_gpu_us\": %.2f, \"experts_gpu_us\": %.2f, "
                  "\"route_bytes\": %.0f, \"gate_up_bytes\": %.0f, \"down_bytes\": %.0f}\n",
                  d2d / 1e9, staged_us, route_us, gu_us, dn_us, combine_us, layer_seq_us,
-                 experts_seq_us, route_bytes, gu_bytes, dn_bytes);
+                 experts_seq_us, route_gpu_us, gu_gpu_us, dn_gpu_us, layer_gpu_us,
+                 experts_gpu_us, route_bytes, gu_bytes, dn_bytes);
     std::fclose(f);
   }
 
