@@ -53,16 +53,16 @@ wgmma_object() {
 }
 if wants kernels; then
   # Built in parallel: now, before (STRATA_KERNELS_BEFORE), and variants of the compile-time
-  # knobs: the route kernel's experts per block (r8, r2), the
-  # decode kernels' lean path off (dl0: the general step loop for q4 with f16 scales), output
-  # rows per warp (down: d*; gate_up on the lean path: dg1), per-chunk scale loads instead of
-  # shared scales (dps), the lean down at the general rule's 3 blocks a multiprocessor (db3), and a build
-  # without programmatic dependent launch (nopdl: for comparison, never chosen). Every build's
-  # outputs are compared with before's, bitwise; the fastest route (route_gpu, else route_xs)
-  # and the fastest decode expert launches (experts_gpu, else experts_seq: gate_up, down and
-  # combine back to back; *_gpu: the GPU's time alone) among the bitwise-equal builds then
-  # become the build's flags. STRATA_KERNELS_VARIANTS (names) narrows
-  # the variants; STRATA_KERNELS_NCU=0 skips ncu.
+  # knobs: the route kernel's experts per block (r8, r2), the decode kernels' lean path off
+  # (dl0: the general step loop for q4 with f16 scales), output rows per warp (down: d*;
+  # gate_up on the lean path: dg1), per-chunk scale loads instead of shared scales (dps), the
+  # lean down at the general rule's 3 blocks a multiprocessor (db3), and a build without
+  # programmatic dependent launch (nopdl: for comparison, never chosen). Every build's outputs
+  # are compared with before's, bitwise; the fastest route (route_gpu, else route_xs) and the
+  # fastest decode expert launches (experts_gpu, else experts_seq: gate_up, down and combine
+  # back to back; *_gpu: the GPU's time alone) among the bitwise-equal builds then become the
+  # build's flags. STRATA_KERNELS_VARIANTS (names) narrows the variants; STRATA_KERNELS_NCU=0
+  # skips ncu.
   kb_build() {  # kb_build NAME DIR [nvcc flags]
     local name=$1 dir=$2
     shift 2
