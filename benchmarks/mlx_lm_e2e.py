@@ -138,7 +138,7 @@ def measure_one(
         largest_scratch = _track_scratch(engine.window)
         row["arithmetic"] = arithmetic
         row["arena_bytes"] = engine.stream.n_slots * engine.stream.record_stride
-        row["direct_io"] = bool(engine.config.direct_io)
+        row["direct_io"] = engine.stream.direct_io  # what the stream does (the default decides)
     row["dense_bytes"] = sum(int(v.nbytes) for _, v in tree_flatten(model.parameters()))
     for _ in stream_generate(model, tok, _prompt(8), max_tokens=2):  # warm up
         pass

@@ -44,6 +44,28 @@ def test_environment_flags_are_read_by_their_names() -> None:
     assert c.eviction == "lru" and StreamConfig().eviction == "decayed_lfu"
 
 
+def test_direct_io_auto_reads_a_pack_directly_only_when_it_outgrows_a_quarter_of_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from strata_stream import config
+
+    assert StreamConfig().direct_io is None  # auto by default
+    assert StreamConfig.from_env(env={"STRATA_DIRECT_IO": "auto"}).direct_io is None
+    assert StreamConfig.from_env(env={"STRATA_DIRECT_IO": "1"}).direct_io is True
+    monkeypatch.setattr(config, "physical_memory_bytes", lambda: 16 << 30)
+    auto = StreamConfig()
+    assert auto.direct_io_for(4 << 30) is False  # a quarter of 16 GiB: the page cache holds it
+    assert auto.direct_io_for((4 << 30) + 1) is True
+    assert StreamConfig(direct_io=True).direct_io_for(1) is True  # set: never overridden
+    assert StreamConfig(direct_io=False).direct_io_for(1 << 50) is False
+    monkeypatch.setattr(config, "physical_memory_bytes", lambda: None)
+    assert auto.direct_io_for(1) is True  # memory unknown: the engine's design default
+    assert config.physical_memory_bytes() is None
+    monkeypatch.undo()
+    memory = config.physical_memory_bytes()
+    assert memory is not None and memory > 1 << 28
+
+
 def test_default_io_threads_follow_the_cores_from_4_to_8() -> None:
     from strata_stream import config
 
@@ -91,6 +113,7 @@ def test_pred2_max_is_clamped_as_the_seed_does(value: str, clamped: int) -> None
         ("STRATA_IO_SPIN_US", "1e9", "STRATA_IO_SPIN_US"),
         ("STRATA_IO_SPIN_US", "200000", "io_spin_us"),
         ("STRATA_EVICTION", "fifo", "eviction"),
+        ("STRATA_DIRECT_IO", "sometimes", "STRATA_DIRECT_IO"),
         ("STRATA_MOCE", "sometimes", "StreamConfig.moce"),
         ("STRATA_MOCE_STRENGTH", "strong", "STRATA_MOCE_STRENGTH"),
         ("STRATA_MOCE_STRENGTH", "-0.5", "moce_strength"),

@@ -302,6 +302,16 @@ def test_direct_io_is_reported(make_pack: PackFactory) -> None:
         assert s.stats()["direct_io"] == s.direct_io
 
 
+def test_a_small_pack_is_read_through_the_page_cache_by_default(make_pack: PackFactory) -> None:
+    path = make_pack()
+    with ExpertStream(path, config(8, stride_of(path), direct_io=None)) as s:
+        assert s.config.direct_io is None
+        assert s.direct_io is False
+        assert "direct_io auto" in s.direct_note
+        s.wait(0, [0, 1])
+        assert s.stats()["direct_io"] is False
+
+
 def test_a_stuck_read_times_out_and_the_stream_recovers(make_pack: PackFactory) -> None:
     import time
 

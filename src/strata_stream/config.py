@@ -24,6 +24,10 @@ MOCE_MODES = ("off", "scale", "prune")
 # expert below 5% router probability gives way to a resident one (prune).
 MOCE_DEFAULT_STRENGTH = {"off": 1.0, "scale": 2.0, "prune": 0.05}
 
+# direct_io=None reads a pack through the page cache when it fits this fraction of the
+# machine's memory (StreamConfig.direct_io_for).
+AUTO_BUFFERED_MEMORY_FRACTION = 0.25
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -65,6 +69,15 @@ def parse_size(text: str, what: str) -> int:
         raise ConfigError(f"{what}: cannot read {text!r} as a size (e.g. 4096, 512MiB, 2G)")
     number, unit, _ = match.groups()
     return int(float(number) * _SIZE_UNITS[unit.lower()])
+
+
+def physical_memory_bytes() -> int | None:
+    """The machine's physical memory (Linux and macOS), or None where the OS does not say."""
+    try:
+        pages, page = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+    return pages * page if pages > 0 and page > 0 else None
 
 
 def _parse_bool(text: str, what: str) -> bool:
@@ -123,7 +136,13 @@ class StreamConfig:
     # H200 machine 200 us made a q4 miss 0.33 -> 0.29 ms), but each spinner holds a core: decode
     # was no faster there, and a 2-core VM's miss 35% slower (docs/cuda.md, "Spinning IO").
     io_spin_us: int = 0
-    direct_io: bool = True
+    # Read the pack around the page cache (O_DIRECT; F_NOCACHE on macOS): True, False, or None
+    # (the default), which decides by the pack's size (direct_io_for). Direct reads are what a
+    # pack bigger than memory needs: through the page cache every read would be copied twice
+    # and evict other data, the pack's own records first. A pack that fits a quarter of the
+    # machine's memory is read through the page cache instead, which then holds all of it: a
+    # miss is a memory copy, not a device read (on a VM each direct read is also a VM exit).
+    direct_io: bool | None = None
     # Check every expert read against the pack's CRC32C: a record that changed on disk is an
     # ExpertReadError, not silently wrong output. Hardware CRC32C, computed outside the stream's
     # lock, costs about 1% of decode tokens/s (benchmarks/decode.py --verify-cost).
@@ -185,8 +204,11 @@ class StreamConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(f"StreamConfig.{name}: expected int, got {value!r}")
+        if self.direct_io is not None and not isinstance(self.direct_io, bool):
+            raise ConfigError(
+                f"StreamConfig.direct_io: expected bool or None (auto), got {self.direct_io!r}"
+            )
         for name in (
-            "direct_io",
             "verify_reads",
             "publish_prefetch",
             "prompt_pred2",
@@ -281,12 +303,24 @@ class StreamConfig:
                 values[name] = text.strip().lower()
             elif name == "moce_strength":
                 values[name] = _parse_float(text, var)
+            elif name == "direct_io":
+                auto = text.strip().lower() == "auto"
+                values[name] = None if auto else _parse_bool(text, var + " (or auto)")
             elif kind in ("bool", bool):
                 values[name] = _parse_bool(text, var)
             else:
                 values[name] = _parse_int(text, var)
         values.update(overrides)
         return cls(**values)
+
+    def direct_io_for(self, pack_bytes: int) -> bool:
+        """Whether a pack of pack_bytes is read directly: direct_io where set, else (auto) when
+        the pack is larger than AUTO_BUFFERED_MEMORY_FRACTION of the machine's memory (or the
+        memory is unknown)."""
+        if self.direct_io is not None:
+            return self.direct_io
+        memory = physical_memory_bytes()
+        return memory is None or pack_bytes > memory * AUTO_BUFFERED_MEMORY_FRACTION
 
     @property
     def moce_strength_value(self) -> float:

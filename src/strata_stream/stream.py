@@ -69,13 +69,26 @@ class ExpertStream:
         path = getattr(pack, "path", pack)
         self.path = Path(path)
         c = self.config
+        self._auto_buffered = ""  # direct_note's reason where auto chose buffered reads
+        direct = c.direct_io
+        if direct is None:
+            try:
+                size = self.path.stat().st_size
+            except OSError:
+                size = 0  # the stream's own open names the missing file
+            direct = c.direct_io_for(size)
+            if not direct:
+                self._auto_buffered = (
+                    f"buffered reads (direct_io auto: the {size / 1e9:.2f} GB pack fits a quarter "
+                    f"of the machine's memory)"
+                )
         self._s: _core.Stream = _core.Stream(
             str(self.path),
             arena_bytes=c.arena_bytes,
             io_threads=c.io_threads,
             part_bytes=c.part_bytes,
             io_spin_us=c.io_spin_us,
-            direct_io=c.direct_io,
+            direct_io=direct,
             verify_reads=c.verify_reads,
             io_timeout_s=c.io_timeout_s,
             publish_prefetch=c.publish_prefetch,
@@ -157,7 +170,8 @@ class ExpertStream:
 
     @property
     def direct_note(self) -> str:
-        return self._s.direct_note
+        """How the pack is read, and why where it is not read directly."""
+        return self._auto_buffered or self._s.direct_note
 
     def key(self, layer: int, expert: int) -> int:
         """The smap index of (layer, expert); IndexError when either is out of range."""
