@@ -862,7 +862,8 @@ __host__ __device__ constexpr int decode_min_blocks() {
 // GS > 0: the lean path (DirectWarp::load_lean), for a group size of GS, a row of a multiple of
 // 256 columns and one batch (decode_lean_gs); 0: any shape the kernel takes.
 template <int F, int S, int R, bool GateUp, int GS = 0>
-__global__ void __launch_bounds__(kThreads, decode_min_blocks<F, S, (GateUp ? 2 : 1) * R, GateUp, GS>())
+__global__ void __launch_bounds__(kThreads,
+                                  decode_min_blocks<F, S, (GateUp ? 2 : 1) * R, GateUp, GS>())
     decode_kernel(DevLayout L, DevBuffers b, ArgGroups ag) {
   constexpr int M = GateUp ? 2 : 1;
   constexpr int NS = decode_steps<F, S, R, GateUp>();
@@ -1142,30 +1143,50 @@ int rows_per_tile(std::size_t row_bytes) {
 std::size_t gate_up_row_bytes(const DevLayout& L) { return 2 * padded_bytes(L.hidden); }
 std::size_t down_row_bytes(const DevLayout& L) { return padded_bytes(L.inter); }
 
-template <class Kernel>
-cudaError_t allow_smem(Kernel k, std::size_t bytes) {
-  return cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+// A staged pass's kernel and shared memory for this shape: rows_per_tile's instance of gate_up
+// or down (one signature, so one pointer), staging that many rows.
+struct StagedKernel {
+  void (*kernel)(DevLayout, DevBuffers);
+  int rows_per_tile;
+  std::size_t smem;
+};
+StagedKernel staged_kernel(const DevLayout& L, bool gate_up) {
+  const std::size_t row_bytes = gate_up ? gate_up_row_bytes(L) : down_row_bytes(L);
+  const int rt = rows_per_tile(row_bytes);
+  const auto pick = [gate_up](auto gu, auto dn) -> void (*)(DevLayout, DevBuffers) {
+    return gate_up ? gu : dn;
+  };
+  void (*k)(DevLayout, DevBuffers) = rt == 8   ? pick(gate_up_kernel<8>, down_kernel<8>)
+                                     : rt == 4 ? pick(gate_up_kernel<4>, down_kernel<4>)
+                                     : rt == 2 ? pick(gate_up_kernel<2>, down_kernel<2>)
+                                               : pick(gate_up_kernel<1>, down_kernel<1>);
+  return {k, rt, std::size_t(rt) * row_bytes};
+}
+
+// A pass of the float and affine formats: the decode kernels below kDirectBelowRows rows, else
+// the staged ones over (groups, row tiles).
+cudaError_t launch_pass(const DevLayout& L, const DevBuffers& b, std::uint32_t rows,
+                        bool gate_up, cudaStream_t s) {
+  const std::uint32_t groups = max_groups(L, rows);
+  if (groups == 0) return cudaSuccess;
+  if (rows < kDirectBelowRows) return launch_direct(L, b, groups, gate_up, s);
+  const StagedKernel k = staged_kernel(L, gate_up);
+  const std::uint32_t out_rows = gate_up ? L.inter : L.hidden;
+  const dim3 grid(groups, (out_rows + k.rows_per_tile - 1) / k.rows_per_tile);
+  k.kernel<<<grid, kThreads, k.smem, s>>>(L, b);
+  return cudaGetLastError();
 }
 
 }  // namespace
 
 cudaError_t prepare_kernels(const DevLayout& L) {
-  const int gu = rows_per_tile(gate_up_row_bytes(L)), dn = rows_per_tile(down_row_bytes(L));
-  const std::size_t gu_bytes = gu * gate_up_row_bytes(L), dn_bytes = dn * down_row_bytes(L);
-  cudaError_t e = cudaSuccess;
-  switch (gu) {
-    case 8: e = allow_smem(gate_up_kernel<8>, gu_bytes); break;
-    case 4: e = allow_smem(gate_up_kernel<4>, gu_bytes); break;
-    case 2: e = allow_smem(gate_up_kernel<2>, gu_bytes); break;
-    default: e = allow_smem(gate_up_kernel<1>, gu_bytes); break;
+  for (const bool gate_up : {true, false}) {
+    const StagedKernel k = staged_kernel(L, gate_up);
+    const cudaError_t e = cudaFuncSetAttribute(
+        k.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(k.smem));
+    if (e != cudaSuccess) return e;
   }
-  if (e != cudaSuccess) return e;
-  switch (dn) {
-    case 8: return allow_smem(down_kernel<8>, dn_bytes);
-    case 4: return allow_smem(down_kernel<4>, dn_bytes);
-    case 2: return allow_smem(down_kernel<2>, dn_bytes);
-    default: return allow_smem(down_kernel<1>, dn_bytes);
-  }
+  return cudaSuccess;
 }
 
 bool groups_as_arguments(const DevLayout& L, std::uint32_t rows) {
@@ -1206,38 +1227,14 @@ cudaError_t launch_gate_up(const DevLayout& L, const DevBuffers& b, std::uint32_
                            cudaStream_t s) {
   if (L.format == 2)  // bf16: tensor cores, every row count, one family a backend
     return L.bf16_wgmma ? launch_gate_up_wgmma(L, b, rows, s) : launch_gate_up_mma(L, b, rows, s);
-  const std::uint32_t groups = max_groups(L, rows);
-  if (groups == 0) return cudaSuccess;
-  if (rows < kDirectBelowRows) return launch_direct(L, b, groups, true, s);
-  const int rt = rows_per_tile(gate_up_row_bytes(L));
-  const std::size_t smem = rt * gate_up_row_bytes(L);
-  const dim3 grid(groups, (L.inter + rt - 1) / rt);
-  switch (rt) {
-    case 8: gate_up_kernel<8><<<grid, kThreads, smem, s>>>(L, b); break;
-    case 4: gate_up_kernel<4><<<grid, kThreads, smem, s>>>(L, b); break;
-    case 2: gate_up_kernel<2><<<grid, kThreads, smem, s>>>(L, b); break;
-    default: gate_up_kernel<1><<<grid, kThreads, smem, s>>>(L, b); break;
-  }
-  return cudaGetLastError();
+  return launch_pass(L, b, rows, true, s);
 }
 
 cudaError_t launch_down(const DevLayout& L, const DevBuffers& b, std::uint32_t rows,
                         cudaStream_t s) {
   if (L.format == 2)  // bf16: tensor cores, every row count, one family a backend
     return L.bf16_wgmma ? launch_down_wgmma(L, b, rows, s) : launch_down_mma(L, b, rows, s);
-  const std::uint32_t groups = max_groups(L, rows);
-  if (groups == 0) return cudaSuccess;
-  if (rows < kDirectBelowRows) return launch_direct(L, b, groups, false, s);
-  const int rt = rows_per_tile(down_row_bytes(L));
-  const std::size_t smem = rt * down_row_bytes(L);
-  const dim3 grid(groups, (L.hidden + rt - 1) / rt);
-  switch (rt) {
-    case 8: down_kernel<8><<<grid, kThreads, smem, s>>>(L, b); break;
-    case 4: down_kernel<4><<<grid, kThreads, smem, s>>>(L, b); break;
-    case 2: down_kernel<2><<<grid, kThreads, smem, s>>>(L, b); break;
-    default: down_kernel<1><<<grid, kThreads, smem, s>>>(L, b); break;
-  }
-  return cudaGetLastError();
+  return launch_pass(L, b, rows, false, s);
 }
 
 cudaError_t launch_combine(const DevLayout& L, const DevBuffers& b, std::uint32_t rows,
