@@ -58,5 +58,26 @@ bool vectorizable(const DevLayout& L, const DevBuffers& b, bool gate_up) {
          aligned16(b.slot_bytes) && aligned16(w) && aligned16(act);
 }
 
+// Whether a prompt pass stages its activations' pieces from the scratch: the family's pieces on
+// (`enabled`, its compile-time knob), from `min_rows` rows (below them its decode kernels run),
+// with the scratch bound and the pass vectorizable. gate_up writes h's pieces exactly when down
+// will stage them (the same rows, the same buffers).
+bool stages_pieces(const DevLayout& L, const DevBuffers& b, std::uint32_t rows, bool gate_up,
+                   bool enabled, std::uint32_t min_rows) {
+  return enabled && rows >= min_rows && (gate_up ? b.x_pieces : b.h_pieces) != nullptr &&
+         vectorizable(L, b, gate_up);
+}
+
+// A pass that stages pieces: gate_up splits x first (down's h pieces are gate_up's output),
+// then the family's kernel (launch()).
+template <bool GateUp, class Launch>
+cudaError_t launch_with_pieces(const DevLayout& L, const DevBuffers& b, std::uint32_t rows,
+                               cudaStream_t s, Launch&& launch) {
+  if constexpr (GateUp) {
+    if (const cudaError_t e = split_x(L, b, rows, s); e != cudaSuccess) return e;
+  }
+  return launch();
+}
+
 }  // namespace
 }  // namespace strata::cuda

@@ -634,25 +634,15 @@ cudaError_t launch_as(const DevLayout& L, const DevBuffers& b, std::uint32_t row
   return cudaGetLastError();
 }
 
-// Whether a prompt pass stages its activations' pieces from the scratch: from 8 rows, with the
-// scratch bound and the pass vectorizable. gate_up writes h's pieces exactly when down will
-// stage them (the same rows, the same buffers).
-bool stages_pieces(const DevLayout& L, const DevBuffers& b, std::uint32_t rows, bool gate_up) {
-  return kPromptPieces && rows >= kDecodeBelowRows &&
-         (gate_up ? b.x_pieces : b.h_pieces) != nullptr && vectorizable(L, b, gate_up);
-}
-
 // Without the pieces (no scratch, odd widths) a prompt takes the small tiling at every row
 // count: its float32 staging fits beside the ring where the large tiling's would not.
 template <class P, bool GateUp>
 cudaError_t launch_prompt(const DevLayout& L, const DevBuffers& b, std::uint32_t rows,
                           std::uint32_t groups, bool vec, std::uint16_t* h_out, cudaStream_t s) {
-  if (stages_pieces(L, b, rows, GateUp)) {
-    if constexpr (GateUp) {
-      if (const cudaError_t e = split_x(L, b, rows, s); e != cudaSuccess) return e;
-    }
-    return launch_as<P, GateUp, true, true>(L, b, rows, groups, h_out, s);
-  }
+  if (stages_pieces(L, b, rows, GateUp, kPromptPieces, kDecodeBelowRows))
+    return launch_with_pieces<GateUp>(L, b, rows, s, [&] {
+      return launch_as<P, GateUp, true, true>(L, b, rows, groups, h_out, s);
+    });
   using Q = SmallTiling<GateUp>;
   return vec ? launch_as<Q, GateUp, true, false>(L, b, rows, groups, h_out, s)
              : launch_as<Q, GateUp, false, false>(L, b, rows, groups, h_out, s);
@@ -666,7 +656,8 @@ cudaError_t launch_wgmma(const DevLayout& L, const DevBuffers& b, std::uint32_t 
   const std::uint32_t groups = n < L.n_experts ? n : L.n_experts;
   if (groups == 0) return cudaSuccess;
   const bool vec = vectorizable(L, b, GateUp);
-  std::uint16_t* h_out = GateUp && stages_pieces(L, b, rows, false) ? b.h_pieces : nullptr;
+  const bool down_pieces = stages_pieces(L, b, rows, false, kPromptPieces, kDecodeBelowRows);
+  std::uint16_t* h_out = GateUp && down_pieces ? b.h_pieces : nullptr;
   if (rows < kDecodeBelowRows)
     return vec ? launch_as<DecodeTiling, GateUp, true, false>(L, b, rows, groups, h_out, s)
                : launch_as<DecodeTiling, GateUp, false, false>(L, b, rows, groups, h_out, s);
