@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -52,18 +53,36 @@ def test_direct_io_auto_reads_a_pack_directly_only_when_it_outgrows_a_quarter_of
     assert StreamConfig().direct_io is None  # auto by default
     assert StreamConfig.from_env(env={"STRATA_DIRECT_IO": "auto"}).direct_io is None
     assert StreamConfig.from_env(env={"STRATA_DIRECT_IO": "1"}).direct_io is True
-    monkeypatch.setattr(config, "physical_memory_bytes", lambda: 16 << 30)
+    monkeypatch.setattr(config, "memory_bytes", lambda: 16 << 30)
     auto = StreamConfig()
     assert auto.direct_io_for(4 << 30) is False  # a quarter of 16 GiB: the page cache holds it
     assert auto.direct_io_for((4 << 30) + 1) is True
     assert StreamConfig(direct_io=True).direct_io_for(1) is True  # set: never overridden
     assert StreamConfig(direct_io=False).direct_io_for(1 << 50) is False
-    monkeypatch.setattr(config, "physical_memory_bytes", lambda: None)
+    monkeypatch.setattr(config, "memory_bytes", lambda: None)
     assert auto.direct_io_for(1) is True  # memory unknown: the engine's design default
-    assert config.physical_memory_bytes() is None
     monkeypatch.undo()
-    memory = config.physical_memory_bytes()
+    memory = config.memory_bytes()
     assert memory is not None and memory > 1 << 28
+
+
+def test_memory_bytes_takes_a_smaller_container_limit(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from strata_stream import config
+
+    v2, v1 = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"
+    monkeypatch.setattr(config, "CGROUP_MEMORY_LIMITS", (str(v2), str(v1)))
+    machine = config.memory_bytes()  # neither file exists: the machine's memory
+    assert machine is not None
+    v1.write_text(f"{1 << 30}\n")  # v1 alone: its limit
+    assert config.memory_bytes() == min(machine, 1 << 30)
+    v2.write_text("max\n")  # v2 first, unlimited: the machine's memory, v1 not read
+    assert config.memory_bytes() == machine
+    v2.write_text(f"{2 << 30}\n")
+    assert config.memory_bytes() == min(machine, 2 << 30)
+    v2.write_text(f"{machine * 4}\n")  # a limit above the machine's memory does not raise it
+    assert config.memory_bytes() == machine
 
 
 def test_default_io_threads_follow_the_cores_from_4_to_8() -> None:

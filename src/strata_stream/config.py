@@ -71,13 +71,32 @@ def parse_size(text: str, what: str) -> int:
     return int(float(number) * _SIZE_UNITS[unit.lower()])
 
 
-def physical_memory_bytes() -> int | None:
-    """The machine's physical memory (Linux and macOS), or None where the OS does not say."""
+# A container's memory limit (cgroup v2, then v1): the page cache its processes fill is charged
+# to it, so where it is below the machine's memory it is what "fits in memory" means. "max" (v2)
+# or a huge number (v1) is no limit.
+CGROUP_MEMORY_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def memory_bytes() -> int | None:
+    """The memory this process's page cache may use: the machine's physical memory (Linux and
+    macOS) or a smaller container limit; None where neither is known."""
+    total: int | None = None
     try:
         pages, page = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+        if pages > 0 and page > 0:
+            total = pages * page
     except (AttributeError, ValueError, OSError):
-        return None
-    return pages * page if pages > 0 and page > 0 else None
+        pass
+    for path in CGROUP_MEMORY_LIMITS:
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) > 0:
+            total = int(text) if total is None else min(total, int(text))
+        break  # the first file that exists is this process's cgroup version
+    return total
 
 
 def _parse_bool(text: str, what: str) -> bool:
@@ -140,8 +159,9 @@ class StreamConfig:
     # (the default), which decides by the pack's size (direct_io_for). Direct reads are what a
     # pack bigger than memory needs: through the page cache every read would be copied twice
     # and evict other data, the pack's own records first. A pack that fits a quarter of the
-    # machine's memory is read through the page cache instead, which then holds all of it: a
-    # miss is a memory copy, not a device read (on a VM each direct read is also a VM exit).
+    # memory (the machine's, or a smaller container limit: memory_bytes) is read through the
+    # page cache instead, which then holds all of it: a miss is a memory copy, not a device
+    # read (on a VM each direct read is also a VM exit).
     direct_io: bool | None = None
     # Check every expert read against the pack's CRC32C: a record that changed on disk is an
     # ExpertReadError, not silently wrong output. Hardware CRC32C, computed outside the stream's
@@ -315,11 +335,11 @@ class StreamConfig:
 
     def direct_io_for(self, pack_bytes: int) -> bool:
         """Whether a pack of pack_bytes is read directly: direct_io where set, else (auto) when
-        the pack is larger than AUTO_BUFFERED_MEMORY_FRACTION of the machine's memory (or the
-        memory is unknown)."""
+        the pack is larger than AUTO_BUFFERED_MEMORY_FRACTION of memory_bytes() (or that is
+        unknown)."""
         if self.direct_io is not None:
             return self.direct_io
-        memory = physical_memory_bytes()
+        memory = memory_bytes()
         return memory is None or pack_bytes > memory * AUTO_BUFFERED_MEMORY_FRACTION
 
     @property

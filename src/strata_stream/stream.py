@@ -80,7 +80,7 @@ class ExpertStream:
             if not direct:
                 self._auto_buffered = (
                     f"buffered reads (direct_io auto: the {size / 1e9:.2f} GB pack fits a quarter "
-                    f"of the machine's memory)"
+                    f"of the memory)"
                 )
         self._s: _core.Stream = _core.Stream(
             str(self.path),
