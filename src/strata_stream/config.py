@@ -24,8 +24,8 @@ MOCE_MODES = ("off", "scale", "prune")
 # expert below 5% router probability gives way to a resident one (prune).
 MOCE_DEFAULT_STRENGTH = {"off": 1.0, "scale": 2.0, "prune": 0.05}
 
-# direct_io=None reads a pack through the page cache when it fits this fraction of the
-# machine's memory (StreamConfig.direct_io_for).
+# direct_io=None reads a pack through the page cache when it fits this fraction of the memory
+# (memory_bytes: the machine's, or a smaller container limit; StreamConfig.direct_io_for).
 AUTO_BUFFERED_MEMORY_FRACTION = 0.25
 
 _TRUE = {"1", "true", "yes", "on"}
