@@ -121,6 +121,10 @@ def main() -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path, help="PNG of hit rate against arena size")
     args = ap.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from common import require_matplotlib
+
+    require_matplotlib(ap, args.plot)
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import json
 import mmap
 import os
@@ -14,6 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from strata_stream.pack import pack_preset
+
+
+def require_matplotlib(ap: argparse.ArgumentParser, plot: Path | None) -> None:
+    """--plot needs matplotlib: a one-line error before the run, not a traceback after it."""
+    if plot is not None and importlib.util.find_spec("matplotlib") is None:
+        ap.error("--plot needs matplotlib: pip install '.[plot]'")
 
 
 def ensure_pack(

@@ -435,6 +435,10 @@ def main() -> int:
     ap.add_argument("--load", type=Path, help="plot a JSON an earlier run wrote; measure nothing")
     ap.add_argument("--plot", type=Path, help="a PNG of the figures")
     args = ap.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from common import require_matplotlib
+
+    require_matplotlib(ap, args.plot)
     if args.io_reference and not args.io_reference.is_file():
         ap.error(f"--io-reference: no such file: {args.io_reference}")
     if args.io_depth < 1:

@@ -393,6 +393,10 @@ def main() -> None:
                    "(mlx-lm imports transformers, which imports torch when it can)")  # fmt: skip
     p.add_argument("--one", nargs=2, metavar=("MODE", "FRACTION"), help=argparse.SUPPRESS)
     args = p.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from common import require_matplotlib
+
+    require_matplotlib(p, args.plot)
     if args.without_torch:
         # importlib.util.find_spec("torch") is None from here on, as without torch installed.
         sys.modules["torch"] = None  # type: ignore[assignment]

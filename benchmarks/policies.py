@@ -54,7 +54,7 @@ from typing import Any
 
 import numpy as np
 
-from common import ensure_pack
+from common import ensure_pack, require_matplotlib
 from strata_stream import ExpertPack, ExpertStream, StreamConfig, Window
 from strata_stream.pack import Geometry
 from strata_stream.synthetic import DriverKnobs, SyntheticDriver, route_ids
@@ -269,6 +269,7 @@ def main() -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path)
     args = ap.parse_args()
+    require_matplotlib(ap, args.plot)
     if args.quick:
         path = ensure_pack(args.pack, "tiny", Path(tempfile.gettempdir()) / "strata_policies")
         args.prompt, args.tokens = min(args.prompt, 6), min(args.tokens, 4)

@@ -473,6 +473,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-queue", type=int, default=8, help=argparse.SUPPRESS)
     ap.add_argument("--child-batch", type=int, default=8, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from common import require_matplotlib
+
+    require_matplotlib(ap, args.plot)
     if args.serve_child:
         serve_child(args)
         return 0
