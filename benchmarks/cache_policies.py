@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common import require_matplotlib
 from strata_stream.config import EVICTION_POLICIES
 from strata_stream.trace.format import Trace, read_trace, write_strata_trace
 from strata_stream.trace.replay import (
@@ -121,9 +122,6 @@ def main() -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path, help="PNG of hit rate against arena size")
     args = ap.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from common import require_matplotlib
-
     require_matplotlib(ap, args.plot)
 
     t0 = time.perf_counter()

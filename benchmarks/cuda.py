@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from common import require_matplotlib
 from strata_stream import ExpertPack, ExpertStream, StreamConfig, Window
 from strata_stream.pack import Geometry, write_pack
 from strata_stream.pack.quant import QuantizedMatrix
@@ -435,9 +436,6 @@ def main() -> int:
     ap.add_argument("--load", type=Path, help="plot a JSON an earlier run wrote; measure nothing")
     ap.add_argument("--plot", type=Path, help="a PNG of the figures")
     args = ap.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from common import require_matplotlib
-
     require_matplotlib(ap, args.plot)
     if args.io_reference and not args.io_reference.is_file():
         ap.error(f"--io-reference: no such file: {args.io_reference}")

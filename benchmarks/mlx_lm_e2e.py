@@ -41,6 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from common import require_matplotlib
 from strata_stream.process_memory import (
     MemoryStatus,
     PeakSampler,
@@ -393,9 +394,6 @@ def main() -> None:
                    "(mlx-lm imports transformers, which imports torch when it can)")  # fmt: skip
     p.add_argument("--one", nargs=2, metavar=("MODE", "FRACTION"), help=argparse.SUPPRESS)
     args = p.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from common import require_matplotlib
-
     require_matplotlib(p, args.plot)
     if args.without_torch:
         # importlib.util.find_spec("torch") is None from here on, as without torch installed.

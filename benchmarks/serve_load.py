@@ -60,6 +60,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common import require_matplotlib
+
 PROMPTS = [
     "hello world how are you",
     "the water is hot",
@@ -473,9 +475,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-queue", type=int, default=8, help=argparse.SUPPRESS)
     ap.add_argument("--child-batch", type=int, default=8, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from common import require_matplotlib
-
     require_matplotlib(ap, args.plot)
     if args.serve_child:
         serve_child(args)
