@@ -96,6 +96,11 @@ __global__ void hold_kernel(const volatile int* go) {
   }
 }
 
+double median(std::vector<double>& v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
 struct Timer {
   cudaEvent_t a, b;
   int* go_host = nullptr;  // pinned, mapped: hold_kernel's flag
@@ -106,46 +111,43 @@ struct Timer {
     CK(cudaHostAlloc(reinterpret_cast<void**>(&go_host), sizeof(int), cudaHostAllocMapped));
     CK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&go_dev), go_host, 0));
   }
+  // An event pair around launch()'s kernels; release() runs once both are queued, before the
+  // wait for the second.
+  template <class F, class Release>
+  double pair_us(F&& launch, cudaStream_t s, Release&& release) {
+    CK(cudaEventRecord(a, s));
+    launch();
+    CK(cudaEventRecord(b, s));
+    release();
+    CK(cudaEventSynchronize(b));
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    return ms * 1e3;
+  }
+  template <class F>
+  double once_us(F&& launch, cudaStream_t s) {
+    return pair_us(launch, s, [] {});
+  }
   // The GPU's time for launch()'s kernels, queued behind hold_kernel.
   template <class F>
   double held_us(F&& launch, cudaStream_t s) {
     *reinterpret_cast<volatile int*>(go_host) = 0;
     hold_kernel<<<1, 1, 0, s>>>(go_dev);
     CK(cudaGetLastError());
-    CK(cudaEventRecord(a, s));
-    launch();
-    CK(cudaEventRecord(b, s));
-    __atomic_thread_fence(__ATOMIC_SEQ_CST);
-    *reinterpret_cast<volatile int*>(go_host) = 1;
-    CK(cudaEventSynchronize(b));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    return ms * 1e3;
+    return pair_us(launch, s, [this] {
+      __atomic_thread_fence(__ATOMIC_SEQ_CST);
+      *reinterpret_cast<volatile int*>(go_host) = 1;
+    });
   }
+  // The median of n launches after 3 unmeasured ones; launch(i) gets the launch's index.
   template <class F>
   double median_us(int n, F&& launch, cudaStream_t s) {
     std::vector<double> us;
     for (int i = 0; i < n + 3; ++i) {
-      CK(cudaEventRecord(a, s));
-      launch(i);
-      CK(cudaEventRecord(b, s));
-      CK(cudaEventSynchronize(b));
-      float ms = 0;
-      CK(cudaEventElapsedTime(&ms, a, b));
-      if (i >= 3) us.push_back(ms * 1e3);
+      const double t = once_us([&] { launch(i); }, s);
+      if (i >= 3) us.push_back(t);
     }
-    std::sort(us.begin(), us.end());
-    return us[us.size() / 2];
-  }
-  template <class F>
-  double once_us(F&& launch, cudaStream_t s) {
-    CK(cudaEventRecord(a, s));
-    launch();
-    CK(cudaEventRecord(b, s));
-    CK(cudaEventSynchronize(b));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    return ms * 1e3;
+    return median(us);
   }
 };
 
@@ -286,10 +288,8 @@ int main(int argc, char** argv) {
       set_groups(1, std::uint32_t(i) * 2 * K + K);
       dns.push_back(tm.once_us([&] { CK(launch_down(L, b, 1, s)); }, s));
     }
-    std::sort(gus.begin(), gus.end());
-    std::sort(dns.begin(), dns.end());
-    *gu_us = gus[gus.size() / 2];
-    *dn_us = dns[dns.size() / 2];
+    *gu_us = median(gus);
+    *dn_us = median(dns);
   };
   double gu_us = 0, dn_us = 0;
   time_experts(&gu_us, &dn_us);
@@ -337,10 +337,6 @@ int main(int argc, char** argv) {
       set_groups(1, std::uint32_t(i) * K + 80);
       dg.push_back(tm.held_us([&] { CK(launch_down(L, b, 1, s)); }, s));
     }
-    auto median = [](std::vector<double>& v) {
-      std::sort(v.begin(), v.end());
-      return v[v.size() / 2];
-    };
     layer_seq_us = median(ls), experts_seq_us = median(es);
     layer_gpu_us = median(lg), experts_gpu_us = median(eg);
     route_gpu_us = median(rg), gu_gpu_us = median(gg), dn_gpu_us = median(dg);
