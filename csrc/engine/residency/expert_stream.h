@@ -32,9 +32,9 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
-#include <chrono>
 #include <functional>
 #include <limits>
 #include <list>
