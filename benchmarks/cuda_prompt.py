@@ -283,7 +283,45 @@ def main() -> int:
                 row[f"{name}_within_tolerance"] = err <= 1e-5 * scale + 1e-6
             torch_moe(xb, tok, ws, offs, out_t)
             row["torch_rel_err"] = float((out_t.double() - ref).abs().max()) / scale
+        bf16_x_wave(row, x, ids, w, table, rows)
         return row
+
+    def bf16_x_wave(row: dict[str, Any], x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                    table: torch.Tensor, rows: int) -> None:  # fmt: skip
+        """The same wave on x rounded to bf16 (the values torch multiplies, and a bf16 model's
+        activations), where gate_up takes x's hi pieces alone: timed for every build, checked
+        against the float64 reference, and its bits checked against three pieces' (the same
+        rows beside one row off the bf16 grid, which makes the pass take three)."""
+        xv = x.bfloat16().float()
+        for name, o in libs.items():
+            if name == "before" and slow_before and rows > 512:
+                continue
+            o.load(xv, w.cuda())
+            reps = args.reps if name != "before" or not slow_before else 3
+            for passes, key in ((7, "bf16x_us"), (1, "bf16x_gate_up_us")):
+                row[f"{name}_{key}"] = median_us(
+                    lambda _, o=o, p=passes: o.launch(rows, table, p), reps
+                )
+            row[f"torch_over_{name}_bf16x"] = row["torch_us"] / row[f"{name}_bf16x_us"]
+        o = libs["now"]
+        o.load(xv, w.cuda())
+        o.launch(rows, table)
+        torch.cuda.synchronize()
+        one = o.out[:rows].clone()
+        ref = reference(xv, ids.cuda().long(), w.cuda())
+        scale = float(ref.abs().max())
+        err = float((one.double() - ref).abs().max())
+        row["now_bf16x_rel_err"] = err / scale
+        row["now_bf16x_within_tolerance"] = err <= 1e-5 * scale + 1e-6
+        mixed = xv.clone()
+        mixed[-1] = x[-1]  # random float32: not bf16 values
+        o.load(mixed, w.cuda())
+        o.launch(rows, table)
+        torch.cuda.synchronize()
+        # As int32: the sign of a zero counts too.
+        row["bf16x_bits_of_three_pieces"] = bool(
+            torch.equal(o.out[: rows - 1].view(torch.int32), one[: rows - 1].view(torch.int32))
+        )
 
     for skewed in (False, True):
         for rows in args.rows:
@@ -313,15 +351,19 @@ def main() -> int:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     print(f"{'routing':8} {'rows':>5} {'torch us':>9} {'ours us':>9} {'torch/ours':>10} "
-          f"{'1-piece us':>10} {'torch/1p':>8} {'before us':>9} {'rel err':>8}")  # fmt: skip
+          f"{'bf16 x us':>9} {'torch/bf16x':>11} {'1-piece us':>10} {'torch/1p':>8} "
+          f"{'before us':>9} {'rel err':>8}")  # fmt: skip
     for r in results["prompt"]:
         alone = r["bitwise_1_rows_in_wave"] and r["bitwise_3_rows_in_wave"]
+        within = r["now_within_tolerance"] and r["now_bf16x_within_tolerance"]
         print(f"{r['routing']:8} {r['rows']:5d} {r['torch_us']:9.1f} {r['now_us']:9.1f} "
-              f"{r['torch_over_now']:10.3f} {r.get('one_piece_us', float('nan')):10.1f} "
+              f"{r['torch_over_now']:10.3f} {r['now_bf16x_us']:9.1f} "
+              f"{r['torch_over_now_bf16x']:11.3f} {r.get('one_piece_us', float('nan')):10.1f} "
               f"{r.get('torch_over_one_piece', float('nan')):8.3f} "
               f"{r.get('before_us', float('nan')):9.1f} {r['now_rel_err']:8.1e}"
-              f"{'' if r['now_within_tolerance'] else ' OUTSIDE THE BOUND'}"
-              f"{'' if alone else ' BITS DIFFER ALONE'}")  # fmt: skip
+              f"{'' if within else ' OUTSIDE THE BOUND'}"
+              f"{'' if alone else ' BITS DIFFER ALONE'}"
+              f"{'' if r['bf16x_bits_of_three_pieces'] else ' BF16 X: BITS DIFFER'}")  # fmt: skip
     variants = [n for n in libs if n.startswith("v_")]
     if "before" in libs and not slow_before:
         variants.append("before")
@@ -338,6 +380,11 @@ def main() -> int:
                 f"{r.get(f'torch_over_{n}', float('nan')):9.3f}" for r in results["prompt"]
             )
             print(f"{n:14} {str(same):>7} {dec[f'{n}_us']:9.1f} {ratios}")
+        for n in ["now", *variants]:
+            ratios = " ".join(
+                f"{r.get(f'torch_over_{n}_bf16x', float('nan')):9.3f}" for r in results["prompt"]
+            )
+            print(f"{n + ', bf16 x':14} {'':>7} {'':>9} {ratios}")
     return 0
 
 

@@ -74,6 +74,13 @@ int pb_reserve(std::uint32_t max_rows) {
   if (e != cudaSuccess) return int(e);
   buffers.x_pieces = static_cast<std::uint16_t*>(x);
   buffers.h_pieces = static_cast<std::uint16_t*>(h);
+#ifdef STRATA_CUDA_MMA_X_REST
+  void* rest = nullptr;
+  const std::size_t rest_bytes = (max_rows + 2) * sizeof(std::uint32_t);
+  if (cudaError_t r = cudaMalloc(&rest, rest_bytes); r != cudaSuccess) return int(r);
+  if (cudaError_t r = cudaMemset(rest, 0, rest_bytes); r != cudaSuccess) return int(r);
+  buffers.x_rest = static_cast<std::uint32_t*>(rest);
+#endif
 #else
   (void)max_rows;
 #endif

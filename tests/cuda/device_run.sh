@@ -196,8 +196,11 @@ if wants prompt; then
   for v in "${variants[@]}"; do
     [ -f "/tmp/libprompt_${v%%:*}.so" ] && extra+=(--lib-variant "${v%%:*}=/tmp/libprompt_${v%%:*}.so")
   done
-  step prompt 240 $py benchmarks/cuda_prompt.py --lib-now /tmp/libprompt_now.so \
-    --lib-one-piece /tmp/libprompt_one_piece.so "${extra[@]}" --json "$out/cuda_prompt.json"
+  # STRATA_PROMPT_ROWS: the waves' row counts (the bench's default: 128 512 2048).
+  # shellcheck disable=SC2086
+  step prompt 300 $py benchmarks/cuda_prompt.py --lib-now /tmp/libprompt_now.so \
+    --lib-one-piece /tmp/libprompt_one_piece.so "${extra[@]}" --json "$out/cuda_prompt.json" \
+    --rows ${STRATA_PROMPT_ROWS:-128 512 2048}
   # Where the tensor-core kernels stall: ncu's full set over the first gate_up and down of a
   # 128-row and of a 2048-row random wave (STRATA_PROMPT_NCU=0 skips it).
   if [ "${STRATA_PROMPT_NCU:-1}" != 0 ]; then

@@ -125,3 +125,35 @@ def test_bf16_blocks_of_many_items_keep_a_tokens_bits_and_match_the_cpu(
     on the mma.sync family, many chunks a group at both tilings' row counts."""
     g = Geometry(LAYERS, 16, 8, 384, 256, "softmax_topk", True)
     check_bf16_batch_rule(tmp_path / "items-bf16.strpk", g, rows, seed=7, expert_seed=2)
+
+
+@cuda
+@pytest.mark.parametrize("hidden", [256, 384])
+def test_bf16_x_values_take_one_piece_with_the_bits_of_three(tmp_path: Path, hidden: int) -> None:
+    """x of bf16 values (a bf16 model's activations): gate_up's prompt kernels multiply x's hi
+    pieces alone (pieces.cuh). The bits, the sign of a zero included (a row of +0, a row of -0),
+    must be those of three pieces: the same rows beside one row off the bf16 grid (which makes
+    the pass take three), and the first three alone (the decode tiling, which splits in shared
+    memory); and within the CPU bound."""
+    g = Geometry(LAYERS, 16, 8, hidden, 128, "softmax_topk", True)
+    path = tmp_path / f"bf16-x-{hidden}.strpk"
+    rng = np.random.default_rng(8)
+    routers = [rng.standard_normal((g.n_experts, hidden)).astype(np.float32) for _ in range(LAYERS)]
+    write_pack(path, g, routers, _experts(g, 3, False), weight_format="bf16", progress=False)
+
+    def bf16_values(a: np.ndarray) -> np.ndarray:  # round to nearest even, as float32
+        bits = a.astype(np.float32).view(np.uint32)
+        up = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+        return (up & np.uint32(0xFFFF0000)).view(np.float32)
+
+    batch = [bf16_values(rng.standard_normal((40, hidden))) for _ in range(LAYERS)]
+    for x in batch:
+        x[0], x[1] = 0.0, -0.0
+    off_grid = [rng.standard_normal((1, hidden)).astype(np.float32) for _ in range(LAYERS)]
+    one = run(path, [batch], "cuda")
+    three = run(path, [[np.vstack([x, o]) for x, o in zip(batch, off_grid, strict=True)]], "cuda")
+    alone = run(path, [[x[:3] for x in batch]], "cuda")
+    for a, t, d in zip(one, three, alone, strict=True):
+        assert np.array_equal(a.view(np.uint32), t[:-1].view(np.uint32))
+        assert np.array_equal(a[:3].view(np.uint32), d.view(np.uint32))
+    assert max_violation(one, run(path, [batch], "cpu")) <= 1.0

@@ -362,6 +362,10 @@ class CudaBackend final : public Backend {
     // element, split once a pass instead of in every block).
     x_pieces_.ensure(mma_x_pieces_bytes(layout_, std::uint32_t(R)));
     h_pieces_.ensure(mma_h_pieces_bytes(layout_, std::uint32_t(R)));
+    // Its counter starts at zero and every split leaves it so (pieces.cuh), like the route's.
+    x_rest_.ensure((R + 2) * sizeof(std::uint32_t));
+    check(cudaMemsetAsync(x_rest_.as<void>(), 0, (R + 2) * sizeof(std::uint32_t), stream_),
+          "cudaMemsetAsync (x_rest)");
     y_.ensure(R * k * H * 4);
     wave_.ensure(E * 4);
     wave_n_.ensure(4);
@@ -397,6 +401,7 @@ class CudaBackend final : public Backend {
     dev_.h = h_.as<float>();
     dev_.x_pieces = layout_.format == 2 ? x_pieces_.as<std::uint16_t>() : nullptr;
     dev_.h_pieces = layout_.format == 2 ? h_pieces_.as<std::uint16_t>() : nullptr;
+    dev_.x_rest = layout_.format == 2 ? x_rest_.as<std::uint32_t>() : nullptr;
     dev_.y = y_.as<float>();
     dev_.out = back_.device<float>(back_out_);
     dev_.wave = wave_.as<std::int32_t>();
@@ -960,6 +965,7 @@ class CudaBackend final : public Backend {
   DeviceArray routers_, x_, ids_, weights_, plan_, h_, y_, wave_, wave_n_, groups_;
   DeviceArray logits_, route_done_;  // the route kernel's scratch
   DeviceArray x_pieces_, h_pieces_;  // the tensor-core kernels' scratch (bf16 packs only)
+  DeviceArray x_rest_;               // and whether each row of x is bf16 values (pieces.cuh)
   // The device thread's (bind() sizes them while it is idle): staging up, and the readback the
   // kernels write what the host reads into (byte offsets of its sections).
   PinnedArray up_, back_;

@@ -69,6 +69,12 @@ struct DevBuffers {
   // float32 rows in every block (mma_experts.h sizes them). Null: every block splits its own.
   std::uint16_t* x_pieces = nullptr;
   std::uint16_t* h_pieces = nullptr;
+  // [2 + rows] Written by the split into x_pieces (pieces.cuh), read by gate_up's prompt kernels:
+  // [0] whether some row of the pass's x has a nonzero mid or lo piece (zero: x's values are all
+  // bf16, as a bf16 model's are, and gate_up multiplies by the hi pieces alone, with the same
+  // bits); [1] the split's blocks-done counter, kept zero; [2 + r] row r's own answer. Null:
+  // three pieces always.
+  std::uint32_t* x_rest = nullptr;
   float* y = nullptr;
   float* out = nullptr;
   const std::int32_t* wave = nullptr;

@@ -9,9 +9,11 @@
 // matrix is the MMA's A operand (16 output rows), the tokens its B operand (8 a column block,
 // zero-padded), k in blocks of 16 strictly in order, and in each k-block
 //   hi_acc = mma(W, hi, hi_acc);  rest = mma(W, mid, rest);  rest = mma(W, lo, rest);
-// then out = (hi_acc + rest) + bias. Two accumulators, not one: `rest` is about 2^-8 of hi_acc,
-// so its own rounding is negligible and hi_acc's is that of one bf16 GEMM's float32 sum (the
-// tensor core's, fixed by the hardware). An element's MMA result depends only on its row of W,
+// then out = ((hi_acc + rest) + 0) + bias. Two accumulators, not one: `rest` is about 2^-8 of
+// hi_acc, so its own rounding is negligible and hi_acc's is that of one bf16 GEMM's float32 sum
+// (the tensor core's, fixed by the hardware). Where every value of x is a bf16 value (a bf16
+// model's activations), its mid and lo pieces are zeros and gate_up multiplies hi alone: the
+// same bits (pieces.cuh, x_is_bf16), a third of the MMAs and of the pieces staged. An element's MMA result depends only on its row of W,
 // its token's column and its own accumulator, never on the other columns (padding columns are
 // zeros), the tile, the grid, the chunk or the pass: the same bits at every arena size, split,
 // wave and batch.
@@ -161,18 +163,18 @@ __host__ __device__ constexpr std::size_t smem_bytes() {
 // else plain loads do, element by element (odd widths), with the same arithmetic after. Pre
 // (Vec only): the activations' pieces come from b.x_pieces (gate_up) or b.h_pieces (down).
 // h_pieces_out (gate_up): where to write h's pieces beside h, for a down that stages them; null
-// for none.
-template <class T, bool GateUp, bool Vec, bool Pre>
-__global__ void __launch_bounds__(T::kThreads, T::kMinBlocks)
-    mma_kernel(DevLayout L, DevBuffers b, std::uint16_t* h_pieces_out) {
+// for none. Pieces: the activation pieces multiplied (3; 1 for gate_up over an x of bf16 values,
+// pieces.cuh's x_is_bf16), staged in the three pieces' layout. The block's group (blockIdx.z):
+// its slot, its first entry and its entries.
+template <class T, bool GateUp, bool Vec, bool Pre, int Pieces>
+__device__ __forceinline__ void mma_pass(const DevLayout& L, const DevBuffers& b,
+                                         std::uint16_t* h_pieces_out, std::uint32_t slot,
+                                         std::uint32_t start, std::uint32_t count) {
   static_assert(Vec || !Pre, "the pieces are staged by cp.async");
+  static_assert(Pieces == kPieces || (Pieces == 1 && Pre), "one piece: staged pieces only");
   constexpr int Mats = GateUp ? 2 : 1;
   constexpr int BM = T::BM, BN = T::BN, BK = T::BK, S = T::STAGES, KS = T::kStride;
   constexpr int MT = T::MT, NT = T::NT;
-  const std::uint32_t g = blockIdx.z;
-  // Read before groups_n is known (g < n_experts keeps them in bounds), so the loads overlap.
-  const std::uint32_t slot = b.group_slot[g], start = b.group_start[g], count = b.group_count[g];
-  if (g >= *b.groups_n) return;
   const DevMatrix& m0 = GateUp ? L.m[0] : L.m[2];
   const std::uint32_t K = m0.cols, R = m0.rows;  // gate/up: H columns, I rows; down: I, H
   const std::uint32_t r0 = blockIdx.y * BM;
@@ -230,7 +232,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks)
         }
         if constexpr (Pre) {
           std::uint16_t* P = Ps + (kt % S) * (kPieces * BN * KS);
-          for (int c = tid; c < kPieces * BN * BK / 8; c += T::kThreads) {
+          for (int c = tid; c < Pieces * BN * BK / 8; c += T::kThreads) {
             const int q = c / (BK / 8), col = c % (BK / 8) * 8;
             const int piece = q / BN, t = q % BN;
             if (t >= nstaged) continue;
@@ -264,7 +266,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks)
     };
 
     float hi_acc[Mats][MT][NT][4] = {};
-    float rest[Mats][MT][NT][kPieces > 1 ? 4 : 1] = {};
+    float rest[Mats][MT][NT][Pieces > 1 ? 4 : 1] = {};
     for (int s = 0; s < S - 1; ++s) {
       stage(s);
       cp_async_commit();
@@ -315,7 +317,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks)
           const int tok = wn * NT * 8 + nt * 8;
           if (std::uint32_t(tok) >= nvalid) continue;  // the whole warp: an all-padding tile
           const int row = tok + lane % 8, half = lane / 8 % 2 * 8;
-          if constexpr (kPieces == 3) {
+          if constexpr (Pieces == 3) {
             std::uint32_t hm[4], lo[2];  // hi's two k-halves, then mid's; lo's
             ldmatrix_x4(hm, P + ((lane / 16) * BN + row) * KS + kk * 16 + half);
             ldmatrix_x2(lo, P + (2 * BN + row) * KS + kk * 16 + half);
@@ -352,11 +354,14 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks)
           const std::uint32_t t = wn * NT * 8 + nt * 8 + 2 * (lane % 4) + e % 2;
           if (r >= R || t >= nvalid) continue;
           const std::uint32_t i = entry_of[t];
+          // + 0.0f: a zero sum +0 whatever its pieces' signs (the one piece's bits: pieces.cuh).
           float d0 = hi_acc[0][mt][nt][e];
-          if constexpr (kPieces > 1) d0 = d0 + rest[0][mt][nt][e];
+          if constexpr (Pieces > 1) d0 = d0 + rest[0][mt][nt][e];
+          d0 = __fadd_rn(d0, 0.0f);
           if constexpr (GateUp) {
             float d1 = hi_acc[Mats - 1][mt][nt][e];
-            if constexpr (kPieces > 1) d1 = d1 + rest[Mats - 1][mt][nt][e];
+            if constexpr (Pieces > 1) d1 = d1 + rest[Mats - 1][mt][nt][e];
+            d1 = __fadd_rn(d1, 0.0f);
             float h = activate_swiglu(L, d0 + bias_at(L, L.m[0], rec, r),
                                       d1 + bias_at(L, L.m[1], rec, r));
             if ((L.plant & kPlantGateUp) && r == 0) h += 1.0f / 1024.0f;  // tests only
@@ -373,6 +378,23 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks)
           }
         }
   }
+}
+
+template <class T, bool GateUp, bool Vec, bool Pre>
+__global__ void __launch_bounds__(T::kThreads, T::kMinBlocks)
+    mma_kernel(DevLayout L, DevBuffers b, std::uint16_t* h_pieces_out) {
+  const std::uint32_t g = blockIdx.z;
+  // Read before groups_n is known (g < n_experts keeps them in bounds), and x_rest beside them,
+  // so the loads overlap.
+  const std::uint32_t slot = b.group_slot[g], start = b.group_start[g], count = b.group_count[g];
+  constexpr bool kMayTakeOne = GateUp && Pre && kPieces == 3 && kXOnePiece;
+  bool one = false;
+  if constexpr (kMayTakeOne) one = x_is_bf16(b);
+  if (g >= *b.groups_n) return;
+  if constexpr (kMayTakeOne) {
+    if (one) return mma_pass<T, GateUp, Vec, Pre, 1>(L, b, h_pieces_out, slot, start, count);
+  }
+  mma_pass<T, GateUp, Vec, Pre, kPieces>(L, b, h_pieces_out, slot, start, count);
 }
 
 template <class T, bool GateUp, bool Vec, bool Pre>

@@ -17,8 +17,10 @@ namespace strata::cuda {
 // shared memory (the same bits).
 std::size_t mma_x_pieces_bytes(const DevLayout& L, std::uint32_t rows);
 std::size_t mma_h_pieces_bytes(const DevLayout& L, std::uint32_t rows);
-// Benchmarks built against trees with and without the scratch test for it.
+// Benchmarks built against trees with and without the scratch test for it, and for the word
+// saying whether x's values are all bf16 (DevBuffers::x_rest).
 #define STRATA_CUDA_MMA_PIECES 1
+#define STRATA_CUDA_MMA_X_REST 1
 
 // h <- act(gate x + bg, up x + bu) for the grouped entries (L.format must be bf16).
 cudaError_t launch_gate_up_mma(const DevLayout& L, const DevBuffers& b, std::uint32_t rows,

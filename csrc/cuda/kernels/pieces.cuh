@@ -16,34 +16,79 @@
 namespace strata::cuda {
 namespace {
 
+// Compile-time knob: 0 keeps gate_up on three pieces whatever x holds (and the split writes no
+// x_rest), to time what the one-piece path costs a pass that cannot take it (device_run.sh's
+// prompt variant xr0).
+#ifndef STRATA_CUDA_X_ONE_PIECE
+#define STRATA_CUDA_X_ONE_PIECE 1
+#endif
+constexpr bool kXOnePiece = STRATA_CUDA_X_ONE_PIECE != 0;
+
 // x's rows -> their bf16 pieces, [rows][3][K] (K a multiple of 4, x 16-byte aligned): the same
-// split3 as every block's own split, once a pass.
+// split3 as every block's own split, once a pass; a block a row. rest (may be null; x_rest's
+// layout, device_types.h): rest[2 + r] is whether row r has a nonzero mid or lo piece, i.e. a
+// value that is not a bf16 value, and the last block to finish ORs those into rest[0] (counted
+// by rest[1], which it leaves zero again), so the word is written whole every pass: no memset
+// before, which cost gate_up more than the split itself.
 __global__ void split_rows_kernel(const float* __restrict__ x, std::uint16_t* __restrict__ out,
-                                  std::uint32_t rows, std::uint32_t K) {
+                                  std::uint32_t rows, std::uint32_t K, std::uint32_t* rest) {
   const std::uint32_t quads = K / 4;
-  const std::uint64_t n = std::uint64_t(rows) * quads;
-  for (std::uint64_t q = blockIdx.x * std::uint64_t(blockDim.x) + threadIdx.x; q < n;
-       q += std::uint64_t(gridDim.x) * blockDim.x) {
-    const std::uint64_t r = q / quads, c = q % quads * 4;
-    const float4 v = *reinterpret_cast<const float4*>(x + r * K + c);
-    const float xs[4] = {v.x, v.y, v.z, v.w};
-    std::uint16_t p[3][4];
+  for (std::uint32_t r = blockIdx.x; r < rows; r += gridDim.x) {  // the same r for the block
+    std::uint32_t tail = 0;  // this thread's mid and lo pieces, OR-ed
+    for (std::uint32_t q = threadIdx.x; q < quads; q += blockDim.x) {
+      const std::uint64_t c = std::uint64_t(q) * 4;
+      const float4 v = *reinterpret_cast<const float4*>(x + r * std::uint64_t(K) + c);
+      const float xs[4] = {v.x, v.y, v.z, v.w};
+      std::uint16_t p[3][4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) split3(xs[j], p[0][j], p[1][j], p[2][j]);
+      for (int j = 0; j < 4; ++j) {
+        split3(xs[j], p[0][j], p[1][j], p[2][j]);
+        tail |= std::uint32_t(p[1][j]) | p[2][j];
+      }
 #pragma unroll
-    for (int piece = 0; piece < 3; ++piece)
-      *reinterpret_cast<uint2*>(out + (r * 3 + piece) * K + c) =
-          uint2{std::uint32_t(p[piece][0]) | std::uint32_t(p[piece][1]) << 16,
-                std::uint32_t(p[piece][2]) | std::uint32_t(p[piece][3]) << 16};
+      for (int piece = 0; piece < 3; ++piece)
+        *reinterpret_cast<uint2*>(out + (r * 3ull + piece) * K + c) =
+            uint2{std::uint32_t(p[piece][0]) | std::uint32_t(p[piece][1]) << 16,
+                  std::uint32_t(p[piece][2]) | std::uint32_t(p[piece][3]) << 16};
+    }
+    if (rest) {
+      const bool any = __syncthreads_or(tail != 0);
+      if (threadIdx.x == 0) rest[2 + r] = any;
+    }
+  }
+  if (!rest) return;  // uniform: a kernel argument
+  __shared__ bool last;
+  if (threadIdx.x == 0) {
+    __threadfence();  // this block's row words are visible GPU-wide before it counts itself
+    last = atomicAdd(rest + 1, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  std::uint32_t any = 0;
+  for (std::uint32_t r = threadIdx.x; r < rows; r += blockDim.x) any |= __ldcg(rest + 2 + r);
+  if (__syncthreads_or(any != 0)) any = 1;
+  if (threadIdx.x == 0) {
+    rest[0] = any;
+    rest[1] = 0;  // every block of this launch has counted: ready for the next one
   }
 }
 
-// b.x's first `rows` rows into b.x_pieces, on s (before a prompt's gate_up).
+// b.x's first `rows` rows into b.x_pieces, and b.x_rest, on s (before a prompt's gate_up).
 cudaError_t split_x(const DevLayout& L, const DevBuffers& b, std::uint32_t rows, cudaStream_t s) {
-  const std::uint64_t quads = std::uint64_t(rows) * L.hidden / 4;
-  const unsigned blocks = unsigned(std::min<std::uint64_t>((quads + 255) / 256, 4096));
-  split_rows_kernel<<<blocks, 256, 0, s>>>(b.x, b.x_pieces, rows, L.hidden);
+  split_rows_kernel<<<std::min(rows, 4096u), 256, 0, s>>>(b.x, b.x_pieces, rows, L.hidden,
+                                                          kXOnePiece ? b.x_rest : nullptr);
   return cudaGetLastError();
+}
+
+// Whether gate_up may take x's hi pieces alone (pass-wide, from the split's x_rest[0]): with x's
+// values all bf16 the mid and lo pieces are +0, so their products add zeros, and the kernels'
+// epilogues add +0.0f to every sum (which turns a -0 into +0 and changes nothing else), so the
+// one piece gives the three pieces' bits, and a token its bits alone and in any batch. (A
+// non-finite weight is the exception: inf * 0 makes the three pieces' sum NaN where the one
+// piece's is the infinity, so the output is non-finite either way.)
+__device__ __forceinline__ bool x_is_bf16(const DevBuffers& b) {
+  return b.x_rest && *b.x_rest == 0;
 }
 
 bool aligned16(std::uint64_t v) { return (v & 15u) == 0; }

@@ -223,9 +223,11 @@ struct Ctx {
 // bg, up x + bu); else y <- w * (down h + bd). Vec: every staged 16-byte piece aligned and whole
 // (rows a multiple of 8 columns), so cp.async stages them; else plain loads do, element by
 // element (odd widths), and split x as they go. Pre (Vec only): the pieces come from b.x_pieces
-// (gate_up) or b.h_pieces (down).
-template <class T, bool GateUp, bool Vec, bool Pre>
+// (gate_up) or b.h_pieces (down). Pieces: the activation pieces multiplied (3; 1 for gate_up
+// over an x of bf16 values, pieces.cuh's x_is_bf16), staged in the three pieces' layout.
+template <class T, bool GateUp, bool Vec, bool Pre, int Pieces>
 struct Pass {
+  static_assert(Pieces == kPieces || (Pieces == 1 && Pre), "one piece: staged pieces only");
   static constexpr int Mats = GateUp ? 2 : 1;
   static constexpr bool XRing = Vec && !Pre;
   using M = Smem<T, Mats, XRing>;
@@ -283,7 +285,7 @@ struct Pass {
       }
       if constexpr (Pre) {
 #pragma unroll 1
-        for (int piece = 0; piece < kPieces; ++piece)
+        for (int piece = 0; piece < Pieces; ++piece)
 #pragma unroll 1
           for (int i = tid; i < int(n) * 8; i += kThreads) {
             const int t = i >> 3, col = (i & 7) * 8;
@@ -371,12 +373,12 @@ struct Pass {
     // Not zeroed: each chain's first wgmma (k-block 0) writes its accumulators without adding
     // them (wgmma_ops.cuh says why), which is the MMA of zeroed ones but for the sign of a zero.
     float hi[Mats][NT / 2];
-    float rest[Mats][kPieces > 1 ? NT / 2 : 1];
+    float rest[Mats][Pieces > 1 ? NT / 2 : 1];
     auto hold = [&] {
 #pragma unroll
       for (int mat = 0; mat < Mats; ++mat) {
         wgmma_hold<NT / 2>(hi[mat]);
-        if constexpr (kPieces > 1) wgmma_hold<NT / 2>(rest[mat]);
+        if constexpr (Pieces > 1) wgmma_hold<NT / 2>(rest[mat]);
       }
     };
     std::uint32_t e_next = 0;
@@ -411,7 +413,7 @@ struct Pass {
         for (int mat = 0; mat < Mats; ++mat) {
           const std::uint64_t da = wgmma_desc(a_base + mat * T::BM * kRowBytes + kk * 32);
           wgmma_bf16<NT>(hi[mat], da, wgmma_desc(p_base + kk * 32), acc);
-          if constexpr (kPieces == 3) {
+          if constexpr (Pieces == 3) {
             wgmma_bf16<NT>(rest[mat], da, wgmma_desc(p_base + BN * kRowBytes + kk * 32), acc);
             wgmma_bf16<NT>(rest[mat], da, wgmma_desc(p_base + 2 * BN * kRowBytes + kk * 32), 1);
           }
@@ -434,11 +436,15 @@ struct Pass {
       const std::uint32_t t = i / 4 * 8 + 2 * (lane % 4) + i % 2;
       if (r >= R || t >= nvalid) continue;
       const std::uint32_t e = entry_of[t];
+      // + 0.0f: a zero sum +0 whatever its pieces' signs (the one piece's bits: pieces.cuh;
+      // and mma.sync's, whose chains start from +0 where these start from their first product).
       float d0 = hi[0][i];
-      if constexpr (kPieces > 1) d0 = d0 + rest[0][i];
+      if constexpr (Pieces > 1) d0 = d0 + rest[0][i];
+      d0 = __fadd_rn(d0, 0.0f);
       if constexpr (GateUp) {
         float d1 = hi[Mats - 1][i];
-        if constexpr (kPieces > 1) d1 = d1 + rest[Mats - 1][i];
+        if constexpr (Pieces > 1) d1 = d1 + rest[Mats - 1][i];
+        d1 = __fadd_rn(d1, 0.0f);
         float h = activate_swiglu(L, d0 + bias_at(L, L.m[0], cur.rec, r),
                                   d1 + bias_at(L, L.m[1], cur.rec, r));
         if ((L.plant & kPlantGateUp) && r == 0) h += 1.0f / 1024.0f;  // tests only
@@ -473,11 +479,11 @@ struct Pass {
 // the L2). No block waits on an empty item, however uneven the groups, and a block's ring runs
 // on from one item into the next (where the rows are long enough), so an item's first stages
 // load while the item before computes.
-template <class T, bool GateUp, bool Vec, bool Pre>
-__global__ void __launch_bounds__(T::kThreads, 1)
-    wgmma_kernel(DevLayout L, DevBuffers b, std::uint16_t* h_pieces_out) {
+template <class T, bool GateUp, bool Vec, bool Pre, int Pieces>
+__device__ __forceinline__ void wgmma_pass(const DevLayout& L, const DevBuffers& b,
+                                           std::uint16_t* h_pieces_out, std::uint32_t n_groups) {
   static_assert(Vec || !Pre, "the pieces are staged by cp.async");
-  using X = Pass<T, GateUp, Vec, Pre>;
+  using X = Pass<T, GateUp, Vec, Pre, Pieces>;
   using M = typename X::M;
   constexpr int BN = T::BN, kThreads = T::kThreads, S = X::S, P = X::P;
   extern __shared__ __align__(1024) unsigned char smem[];
@@ -495,7 +501,6 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   c.tiles = (c.R + T::BM - 1) / T::BM;
   c.step = Vec ? T::STEP : BN;
   c.ring = smem, c.src_row = src_row, c.entry_of = entry_of;
-  const std::uint32_t n_groups = *b.groups_n;
   const bool table = n_groups <= std::uint32_t(kTableGroups);
   const int tid = threadIdx.x;
 
@@ -601,6 +606,20 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     w += gridDim.x;
   }
   cp_async_wait<0>();  // the empty groups committed past the last stage
+}
+
+template <class T, bool GateUp, bool Vec, bool Pre>
+__global__ void __launch_bounds__(T::kThreads, 1)
+    wgmma_kernel(DevLayout L, DevBuffers b, std::uint16_t* h_pieces_out) {
+  // x_rest read beside groups_n: one round trip before the block's first stage.
+  const std::uint32_t n_groups = *b.groups_n;
+  constexpr bool kMayTakeOne = GateUp && Pre && kPieces == 3 && kXOnePiece;
+  bool one = false;
+  if constexpr (kMayTakeOne) one = x_is_bf16(b);
+  if constexpr (kMayTakeOne) {
+    if (one) return wgmma_pass<T, GateUp, Vec, Pre, 1>(L, b, h_pieces_out, n_groups);
+  }
+  wgmma_pass<T, GateUp, Vec, Pre, kPieces>(L, b, h_pieces_out, n_groups);
 }
 
 template <class T, bool GateUp, bool Vec, bool Pre>
