@@ -8,7 +8,8 @@
 //     -o libprompt.so benchmarks/native/cuda_prompt_bench.cu <kernels>/experts.cu \
 //     [<kernels>/mma_experts.cu [-DSTRATA_CUDA_MMA_ONE_PIECE_BENCH]] [wgmma.o]
 // where a tree has wgmma_experts.cu, wgmma.o is it built apart for sm_90a (tests/cuda/device_run.sh:
-// wgmma_object); -DSTRATA_PB_BF16_WGMMA=1 runs the bf16 passes on that family instead.
+// wgmma_object); -DSTRATA_PB_BF16_WGMMA=1 runs the bf16 passes on that family instead, =2 as the
+// backend's default does (wgmma for prompt waves, mma.sync for decode).
 // (pb_reserve allocates the scratch a tree's kernels take, as the backend's bind does.)
 #include <cuda_runtime.h>
 
@@ -45,7 +46,7 @@ int pb_configure(std::uint32_t n_experts, std::uint32_t hidden, std::uint32_t in
   L.n_experts = n_experts, L.top_k = top_k, L.hidden = hidden, L.inter = inter;
   L.format = format;
 #if STRATA_PB_BF16_WGMMA
-  L.bf16_wgmma = 1;  // trees with the wgmma family alone
+  L.bf16_wgmma = STRATA_PB_BF16_WGMMA;  // trees with the wgmma family alone; 2: auto's rule
 #endif
   const std::uint64_t offs[3] = {off_gate, off_up, off_down};
   for (int m = 0; m < 3; ++m) {

@@ -51,6 +51,7 @@ if(CMAKE_CUDA_COMPILER AND NOT STRATA_CUDA STREQUAL "OFF")
     csrc/cuda/kernels/mma_experts.cu
     csrc/cuda/host/cuda_backend.cpp
     csrc/cuda/host/arena_mirror.cpp
+    csrc/cuda/host/bf16_families.cpp
     csrc/cuda/host/host_registry.cpp
     $<TARGET_OBJECTS:strata_cuda_wgmma>
   )

@@ -174,8 +174,11 @@ if wants prompt; then
   # the large tiling at every row count; s512: the small one below 512 rows only; ps3: 3
   # k-stages; dw8: 8 decode warps.
   # wgmma: the whole bench on the opt-in wgmma family (STRATA_CUDA_BF16=wgmma in the backend),
-  # whose bits the run compares with the mma.sync family's; wgmma_one_piece: its one-piece build.
-  variants=("wgmma:-DSTRATA_PB_BF16_WGMMA=1"
+  # whose bits the run compares with the mma.sync family's; wgmma_one_piece: its one-piece build;
+  # auto: the backend's default where the families agree (wgmma from 8 rows, mma.sync below);
+  # xr0: gate_up on three pieces whatever x holds (what the one-piece path costs others).
+  variants=("wgmma:-DSTRATA_PB_BF16_WGMMA=1" "auto:-DSTRATA_PB_BF16_WGMMA=2"
+            "xr0:-DSTRATA_CUDA_X_ONE_PIECE=0"
             "wgmma_one_piece:-DSTRATA_PB_BF16_WGMMA=1 -DSTRATA_CUDA_MMA_ONE_PIECE_BENCH"
             "smem:${M}_PROMPT_PIECES=0" "p2:${M}_PROMPT_ROW_WARPS=2 ${M}_SMALL_BELOW_ROWS=0"
             "r4:${M}_SMALL_BELOW_ROWS=0" "s512:${M}_SMALL_BELOW_ROWS=512"
@@ -239,9 +242,12 @@ write_pack("/tmp/check.strpk", g, [rng.standard_normal((8, 256)).astype(np.float
 PY
   step backend_check 60 "$build/strata_cuda_check" /tmp/check.strpk
   step tests 300 $py -m pytest -q -p no:cacheprovider -m cuda tests/cuda
-  # The bf16 tests again on the opt-in wgmma family, where this GPU runs it (Hopper).
+  # The bf16 tests again on each family alone, where this GPU runs wgmma (Hopper; the default
+  # there takes both: wgmma for prompt waves, mma.sync for decode).
   if has_wgmma; then
     STRATA_CUDA_BF16=wgmma step tests_wgmma 200 $py -m pytest -q -p no:cacheprovider -m cuda \
+      tests/cuda -k bf16
+    STRATA_CUDA_BF16=mma step tests_mma 200 $py -m pytest -q -p no:cacheprovider -m cuda \
       tests/cuda -k bf16
   fi
   step probe_build 60 nvcc -O2 -arch=sm_90 -o /tmp/probe \
@@ -255,11 +261,13 @@ if wants sanitize; then
       --target-processes all $py -m pytest -q -p no:cacheprovider -m cuda \
       tests/cuda/test_cuda_backend.py tests/cuda/test_cuda_kernels.py \
       -k "odd_widths or (routed_calls and mxfp4) or (many_experts and q4) or (same_bits and bf16)"
-    # The wgmma family's bf16 passes under the same tool, where this GPU runs it.
-    has_wgmma &&
-      STRATA_CUDA_BF16=wgmma step "sanitize_${tool}_wgmma" 120 compute-sanitizer --tool "$tool" \
-        --error-exitcode 9 --target-processes all $py -m pytest -q -p no:cacheprovider -m cuda \
-        tests/cuda/test_cuda_kernels.py -k "same_bits and bf16"
+    # Each family's bf16 passes alone under the same tool, where this GPU runs wgmma.
+    for family in wgmma mma; do
+      has_wgmma &&
+        STRATA_CUDA_BF16=$family step "sanitize_${tool}_$family" 120 compute-sanitizer \
+          --tool "$tool" --error-exitcode 9 --target-processes all $py -m pytest -q \
+          -p no:cacheprovider -m cuda tests/cuda/test_cuda_kernels.py -k "same_bits and bf16"
+    done
   done
 fi
 if wants bench; then

@@ -19,10 +19,10 @@
 #include <vector>
 
 #include "arena_mirror.h"
+#include "bf16_families.h"
 #include "host_registry.h"
 #include "kernels/kernels.h"
 #include "kernels/mma_experts.h"
-#include "kernels/wgmma_experts.h"
 #include "residency/smap.h"
 
 namespace strata::cuda {
@@ -202,21 +202,6 @@ MirrorFill mirror_fill_from_env() {
       std::string("STRATA_CUDA_MIRROR_FILL must be completion, parts or lazy, got '") + v + "'");
 }
 
-// The bf16 kernels' instruction family (STRATA_CUDA_BF16, read when the backend is made): mma
-// (default: mma.sync, every GPU the build runs on) or wgmma (Hopper alone: faster prompts, slower
-// decode; docs/cuda.md). Every bf16 pass of the backend takes it, so a token's bits never depend
-// on which family a pass took. True for wgmma; a device that cannot run it is refused by name.
-bool bf16_wgmma_from_env() {
-  const char* v = std::getenv("STRATA_CUDA_BF16");
-  if (!v || !*v || std::strcmp(v, "mma") == 0) return false;
-  if (std::strcmp(v, "wgmma") != 0)
-    throw std::runtime_error(std::string("STRATA_CUDA_BF16 must be mma or wgmma, got '") + v +
-                             "'");
-  if (const std::string why = wgmma_unavailable(); !why.empty())
-    throw std::runtime_error("STRATA_CUDA_BF16=wgmma: " + why);
-  return true;
-}
-
 ArenaMode arena_mode_from_env() {
   const char* v = std::getenv("STRATA_CUDA_ARENA");
   if (!v || !*v || std::strcmp(v, "device") == 0) return ArenaMode::Device;
@@ -231,7 +216,7 @@ class CudaBackend final : public Backend {
       : mode_(arena_mode_from_env()), fill_(mirror_fill_from_env()) {
     mirror_.copy_parts(fill_ == MirrorFill::Parts);
     check(cudaSetDevice(0), "cudaSetDevice");
-    bf16_wgmma_ = bf16_wgmma_from_env();
+    bf16_family_ = bf16_family_from_env(nullptr);
     check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
     void* p = nullptr;
     check(cudaHostAlloc(&p, sizeof(DevError), cudaHostAllocMapped | cudaHostAllocPortable),
@@ -307,7 +292,7 @@ class CudaBackend final : public Backend {
     cudaSetDevice(0);
     const PackLayout& L = *b.layout;
     layout_ = device_layout(L);
-    layout_.bf16_wgmma = bf16_wgmma_ ? 1 : 0;
+    layout_.bf16_wgmma = std::uint32_t(bf16_family_);
     if (layout_.top_k > 64)
       throw std::runtime_error("the cuda backend routes at most top-64, the pack has top-" +
                                std::to_string(L.top_k));
@@ -973,7 +958,9 @@ class CudaBackend final : public Backend {
   std::size_t back_ids_ = 0, back_weights_ = 0, back_pred_[2] = {0, 0}, back_out_ = 0;
   const ArenaMode mode_;
   const MirrorFill fill_;  // STRATA_CUDA_MIRROR_FILL
-  bool bf16_wgmma_ = false;  // STRATA_CUDA_BF16=wgmma; set by the constructor, then read only
+  // STRATA_CUDA_BF16 settled for this GPU (bf16_families.h); set by the constructor, then read
+  // only.
+  Bf16Family bf16_family_ = Bf16Family::Mma;
   // Device mode: the arena's device copy and its per-slot tags, written by the IO threads (at
   // IO completion) and the device thread (the fallback): its own locks (arena_mirror.h).
   ArenaMirror mirror_;

@@ -28,9 +28,11 @@ struct DevLayout {
   std::uint32_t activation = 0;                    // 0 SwiGLU, 1 SwigluOai
   float act_alpha = 0, act_limit = 0;
   DevMatrix m[3];  // gate, up, down
-  // The bf16 kernels' family, one for every pass of a backend: 0 mma.sync (mma_experts.cu, the
-  // default), 1 Hopper's wgmma (wgmma_experts.cu; STRATA_CUDA_BF16=wgmma). The same arithmetic
-  // either way; a backend never mixes them (I11).
+  // The bf16 kernels' family (host/bf16_families.h's Bf16Family): 0 mma.sync (mma_experts.cu) for
+  // every pass, 1 Hopper's wgmma (wgmma_experts.cu) for every pass, 2 wgmma for passes of
+  // kWgmmaFromRows rows and more and mma.sync below (the default where the two families gave
+  // the same bits on a known problem). The choice is the rows' alone, so a layer's bits do not
+  // depend on the arena or the split (I11); the same arithmetic either way.
   std::uint32_t bf16_wgmma = 0;
   // Tests only (STRATA_CUDA_TEST_PLANT): a deliberate error in one kernel, which the parity tests
   // must catch. 0 in every real run.

@@ -1223,17 +1223,26 @@ cudaError_t launch_group(const DevLayout& L, const DevBuffers& b, std::uint32_t 
   return cudaGetLastError();
 }
 
+namespace {
+// bf16's family for a pass of `rows` (DevLayout::bf16_wgmma).
+bool takes_wgmma(const DevLayout& L, std::uint32_t rows) {
+  return L.bf16_wgmma == 1 || (L.bf16_wgmma == 2 && rows >= kWgmmaFromRows);
+}
+}  // namespace
+
 cudaError_t launch_gate_up(const DevLayout& L, const DevBuffers& b, std::uint32_t rows,
                            cudaStream_t s) {
-  if (L.format == 2)  // bf16: tensor cores, every row count, one family a backend
-    return L.bf16_wgmma ? launch_gate_up_wgmma(L, b, rows, s) : launch_gate_up_mma(L, b, rows, s);
+  if (L.format == 2)  // bf16: tensor cores, every row count
+    return takes_wgmma(L, rows) ? launch_gate_up_wgmma(L, b, rows, s)
+                                : launch_gate_up_mma(L, b, rows, s);
   return launch_pass(L, b, rows, true, s);
 }
 
 cudaError_t launch_down(const DevLayout& L, const DevBuffers& b, std::uint32_t rows,
                         cudaStream_t s) {
-  if (L.format == 2)  // bf16: tensor cores, every row count, one family a backend
-    return L.bf16_wgmma ? launch_down_wgmma(L, b, rows, s) : launch_down_mma(L, b, rows, s);
+  if (L.format == 2)  // bf16: tensor cores, every row count
+    return takes_wgmma(L, rows) ? launch_down_wgmma(L, b, rows, s)
+                                : launch_down_mma(L, b, rows, s);
   return launch_pass(L, b, rows, false, s);
 }
 

@@ -1,7 +1,7 @@
 // Launches of the opt-in bf16 expert kernels on Hopper's wgmma (wgmma_experts.cu, built for
 // sm_90a alone): the same contract as mma_experts.h's, over the same group table and the same
-// pieces scratch (mma_x_pieces_bytes, mma_h_pieces_bytes). experts.cu dispatches every bf16 pass
-// of a layout to one family, by DevLayout::bf16_wgmma.
+// pieces scratch (mma_x_pieces_bytes, mma_h_pieces_bytes). experts.cu dispatches a layout's bf16
+// passes by DevLayout::bf16_wgmma (host/bf16_families.h) and the pass's rows.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -12,6 +12,13 @@
 #include "device_types.h"
 
 namespace strata::cuda {
+
+// In the default family (STRATA_CUDA_BF16=auto, host/bf16_families.h), bf16 passes of this many
+// rows and more take wgmma, fewer mma.sync (whose decode is the faster). A compile-time knob.
+#ifndef STRATA_CUDA_WGMMA_FROM_ROWS
+#define STRATA_CUDA_WGMMA_FROM_ROWS 8
+#endif
+constexpr std::uint32_t kWgmmaFromRows = STRATA_CUDA_WGMMA_FROM_ROWS;
 
 // Why this process cannot run the wgmma kernels on device 0 (not compute capability 9.0, or no
 // sm_90a code for it), or "" when it can.

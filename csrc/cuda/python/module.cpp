@@ -3,6 +3,7 @@
 // loaded when first used) and exports the backend factory to _core in a capsule (host/factory.h).
 #include <pybind11/pybind11.h>
 
+#include "host/bf16_families.h"
 #include "host/cuda_backend.h"
 #include "host/factory.h"
 #include "kernels/wgmma_experts.h"
@@ -38,4 +39,7 @@ PYBIND11_MODULE(_cuda, m) {
   m.def("wgmma_unavailable", &strata::cuda::wgmma_unavailable,
         "Why the bf16 kernels cannot run on Hopper's wgmma here (STRATA_CUDA_BF16=wgmma); '' "
         "when they can.");
+  m.def("bf16_family", &strata::cuda::bf16_family_description,
+        "Which instruction family the bf16 passes take on this GPU (STRATA_CUDA_BF16: auto, the "
+        "default, mma or wgmma), in words; where auto fell back to mma.sync, why.");
 }

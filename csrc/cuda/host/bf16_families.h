@@ -1,0 +1,32 @@
+// Which instruction family the bf16 passes take (STRATA_CUDA_BF16), and the known-answer check
+// that lets the default mix them: wgmma for prompt waves, mma.sync for decode.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace strata::cuda {
+
+// DevLayout::bf16_wgmma's values.
+enum class Bf16Family : std::uint32_t {
+  Mma = 0,    // mma.sync for every pass (any GPU the build runs on)
+  Wgmma = 1,  // wgmma for every pass (Hopper alone; its decode is the slower)
+  Auto = 2,   // wgmma from kWgmmaFromRows rows, mma.sync below (the default where it passes)
+};
+
+// The family STRATA_CUDA_BF16 asks for (auto, the default; mma; wgmma), settled for this GPU:
+// auto becomes Mma where wgmma cannot run or where the two families gave different bits on a
+// known problem (then `note` says why); wgmma where it cannot run throws, naming why. Checked
+// once a process (the answer is the GPU's).
+Bf16Family bf16_family_from_env(std::string* note);
+
+// What the default (or STRATA_CUDA_BF16) takes on this GPU, in words, with the reason where auto
+// fell back to mma.sync (strata_stream._cuda.bf16_family()).
+std::string bf16_family_description();
+
+// "" when mma.sync and wgmma give the same bits here for a known bf16 problem (prompt waves of
+// float32 and of bf16-valued x on both, and mma.sync's decode tiling for the first token), else
+// what differed. A token's bits alone (decode: mma.sync) and in a wave (wgmma) rest on it.
+std::string bf16_families_disagree();
+
+}  // namespace strata::cuda
