@@ -42,8 +42,9 @@ endif()
 if(CMAKE_CUDA_COMPILER AND NOT STRATA_CUDA STREQUAL "OFF")
   # Kernels and host in one static library with hidden symbols: _cuda exports only its module
   # init, and shares with _core nothing but header-only engine types (host/factory.h).
-  # The opt-in bf16 kernels on Hopper's wgmma (STRATA_CUDA_BF16=wgmma) exist in sm_90a machine
-  # code alone, whatever the rest is built for: the backend refuses them by name elsewhere.
+  # The bf16 kernels on Hopper's wgmma (the default's prompt waves there; STRATA_CUDA_BF16) exist
+  # in sm_90a machine code alone, whatever the rest is built for: elsewhere the default takes
+  # mma.sync and STRATA_CUDA_BF16=wgmma is refused by name.
   add_library(strata_cuda_wgmma OBJECT csrc/cuda/kernels/wgmma_experts.cu)
   add_library(strata_cuda STATIC
     csrc/cuda/kernels/route.cu

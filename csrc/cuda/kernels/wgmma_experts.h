@@ -1,4 +1,4 @@
-// Launches of the opt-in bf16 expert kernels on Hopper's wgmma (wgmma_experts.cu, built for
+// Launches of the bf16 expert kernels on Hopper's wgmma (wgmma_experts.cu, built for
 // sm_90a alone): the same contract as mma_experts.h's, over the same group table and the same
 // pieces scratch (mma_x_pieces_bytes, mma_h_pieces_bytes). experts.cu dispatches a layout's bf16
 // passes by DevLayout::bf16_wgmma (host/bf16_families.h) and the pass's rows.
