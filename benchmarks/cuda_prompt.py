@@ -19,7 +19,13 @@ torch), and the first token's and first three's outputs bitwise alone as in ever
 
     python benchmarks/cuda_prompt.py --lib-now libnow.so --lib-one-piece libone.so \
         [--lib-before libbefore.so] [--lib-variant NAME=lib.so ...] [--rows 128 512 2048] \
-        [--json out.json]
+        [--json out.json] [--plot out.png]
+    python benchmarks/cuda_prompt.py --load out.json --plot out.png [--builds now v_auto ...]
+        # no GPU: plot a run (--builds: which of its builds, by their JSON names)
+
+The plot: torch over ours against the wave's rows, random and skewed routing side by side, for
+every build the run timed, on float32 x (solid) and on bf16 x (dashed), beside issue 17's
+target (0.8).
 """
 
 from __future__ import annotations
@@ -30,11 +36,14 @@ import json
 import statistics
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from common import require_matplotlib
 
 E, HID, INTER, K = 128, 2048, 768, 8  # experts, hidden, moe_intermediate, top-k
 BF16 = 2  # DevLayout::format
@@ -147,9 +156,61 @@ def median_us(fn: Callable[[int], None], reps: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+TARGET = 0.8  # issue 17: prompt waves at 0.8 of torch or better
+
+
+def build_label(name: str) -> str:
+    """A build's key in the JSON as the plot names it."""
+    known = {"now": "mma.sync", "before": "before (--lib-before)",
+             "one_piece": "x rounded to bf16 (bench only)",
+             "v_auto": "auto (wgmma from 8 rows: the default on Hopper)"}  # fmt: skip
+    return known.get(name, name.removeprefix("v_").replace("_", " "))
+
+
+def plot(results: dict[str, Any], out: Path, builds: list[str] | None = None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    waves = results["prompt"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4), sharey=True)
+    for ax, routing in zip(axes, ("random", "skewed"), strict=True):
+        rows = [r for r in waves if r["routing"] == routing]
+        xs = [r["rows"] for r in rows]
+        names = [k.removeprefix("torch_over_") for k in rows[0]
+                 if k.startswith("torch_over_") and not k.endswith("_bf16x")]  # fmt: skip
+        if builds:
+            names = [n for n in builds if n in names]
+        for i, name in enumerate(names):
+            color = f"C{i}"
+            for suffix, style, what in (("", "-", "f32 x"), ("_bf16x", "--", "bf16 x")):
+                ys = [r.get(f"torch_over_{name}{suffix}") for r in rows]
+                if any(y is None for y in ys):
+                    continue
+                ax.plot(xs, ys, style, marker="o", ms=3, color=color,
+                        label=f"{build_label(name)}, {what}")  # fmt: skip
+        ax.axhline(TARGET, color="grey", ls=":", label=f"target ({TARGET})")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.set_xlabel("rows in the wave")
+        ax.set_title(f"{routing} routing")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("torch _grouped_mm time / ours (above 1: ours faster)")
+    axes[1].legend(fontsize=7, loc="upper right")
+    fig.suptitle(f"bf16 prompt waves, Qwen3-30B-A3B experts ({results.get('torch_side', 'torch')})")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--lib-now", required=True)
+    ap.add_argument("--load", type=Path, help="plot a JSON an earlier run wrote; measure nothing")
+    ap.add_argument("--plot", type=Path, help="a PNG of the waves (needs matplotlib)")
+    ap.add_argument("--builds", nargs="+", help="the builds to plot, by their JSON names "
+                    "(now, before, one_piece, v_NAME): default every one")  # fmt: skip
+    ap.add_argument("--lib-now")
     ap.add_argument("--lib-one-piece")
     ap.add_argument("--lib-before")
     ap.add_argument(
@@ -164,6 +225,18 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json")
     args = ap.parse_args()
+    require_matplotlib(ap, args.plot)
+    if args.load is not None:
+        if args.plot is None:
+            ap.error("--load needs --plot")
+        try:
+            loaded = json.loads(args.load.read_text())
+        except (OSError, ValueError) as e:
+            ap.error(f"--load {args.load}: {e}")
+        plot(loaded, args.plot, args.builds)
+        return 0
+    if not args.lib_now:
+        ap.error("--lib-now is required (or --load a JSON to plot)")
 
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1)
@@ -350,6 +423,8 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+    if args.plot:
+        plot(results, args.plot, args.builds)
     print(f"{'routing':8} {'rows':>5} {'torch us':>9} {'ours us':>9} {'torch/ours':>10} "
           f"{'bf16 x us':>9} {'torch/bf16x':>11} {'1-piece us':>10} {'torch/1p':>8} "
           f"{'before us':>9} {'rel err':>8}")  # fmt: skip
