@@ -1,7 +1,10 @@
 """Where a decode token's time goes on CUDA: streamed (every expert resident) against plain
 transformers with grouped_mm experts, piece by piece, on benchmarks/transformers_cuda.py's model.
+And where a prompt's goes: the same host spans over --prefills forwards of the --prompt-tokens
+prompt (a long one, e.g. 2048, is where streamed fell furthest behind: docs/cuda.md).
 
-    python benchmarks/transformers_cuda_breakdown.py [--layers 2] [--tokens 24] [--out DIR]
+    python benchmarks/transformers_cuda_breakdown.py [--layers 2] [--tokens 24]
+        [--prompt-tokens 32] [--prefills 3] [--out DIR]
 
 For each configuration, after a warm-up at the measured lengths (a shape's first call is not the
 model's), a decode loop of --tokens steps (model forward with a DynamicCache, the next token the
@@ -189,6 +192,31 @@ def decode_loop(
     if spans is not None:
         spans.on = False
     return t1 - t0, time.perf_counter() - t1
+
+
+def prefill_spans(model: Any, prompt: torch.Tensor, streamed: bool, n: int) -> dict[str, Any]:
+    """The host spans of n prefills of `prompt` (each on a fresh cache, torch synchronized at
+    its ends), per prefill and per sparse layer."""
+    spans = Spans()
+    restore = instrument(model, spans, streamed, False)
+    walls = []
+    try:
+        for _ in range(n):
+            cache = _cache(model)
+            _sync()
+            spans.on = True
+            t0 = time.perf_counter()
+            model(input_ids=prompt, past_key_values=cache, use_cache=True)
+            _sync()
+            walls.append(time.perf_counter() - t0)
+            spans.on = False
+    finally:
+        restore()
+    layers = len(_sparse_blocks(model))
+    per = spans.per_token_us(n)  # per prefill
+    return {"tokens": int(prompt.shape[1]), "wall_us": [1e6 * w for w in walls],
+            "per_prefill_us": per, "per_sparse_layer_us": {k: v / layers for k, v in per.items()},
+            "calls_per_prefill": {k: c / n for k, c in spans.calls.items()}}  # fmt: skip
 
 
 def gpu_busy_us(prof: Any) -> tuple[float, dict[str, float]]:
@@ -409,6 +437,8 @@ def run_config(name: str, model: Any, prompt: torch.Tensor, args: argparse.Names
                 "per_sparse_layer_us": {k: v / layers for k, v in per_tok.items()},
                 "calls_per_token": {k: c / args.tokens for k, c in spans.calls.items()},
             }
+        if args.prefills > 0:  # every piece's first call at this length is behind us
+            row["prefill_spans"] = prefill_spans(model, prompt, streamed, args.prefills)
     trace = (
         Path(args.out) / f"trace_{'streamed' if streamed else 'plain'}.json.gz"
         if args.out
@@ -447,6 +477,16 @@ def show(row: dict[str, Any]) -> None:
                 f"   {k:<44} {s['per_token_us'][k]:9.1f} {s['per_sparse_layer_us'][k]:9.1f} "
                 f"{s['calls_per_token'][k]:6.1f}"
             )
+    pf = row.get("prefill_spans")
+    if pf:
+        walls = ", ".join(f"{w / 1e3:.1f}" for w in pf["wall_us"])
+        print(f"-- prefill of {pf['tokens']} tokens: wall ms {walls}; us per prefill | per "
+              f"sparse layer | calls/prefill")  # fmt: skip
+        for k in pf["per_prefill_us"]:
+            print(
+                f"   {k:<44} {pf['per_prefill_us'][k]:9.1f} {pf['per_sparse_layer_us'][k]:9.1f} "
+                f"{pf['calls_per_prefill'][k]:6.1f}"
+            )
     p = row.get("profile")
     if p:
         print(
@@ -472,6 +512,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=24)
     parser.add_argument("--profile-tokens", type=int, default=6)
+    parser.add_argument("--prefills", type=int, default=3,
+                        help="prefills of --prompt-tokens timed piece by piece (0: none)")  # fmt: skip
     parser.add_argument("--configs", nargs="*", default=["grouped_mm", "streamed"],
                         choices=["eager", "grouped_mm", "streamed"])  # fmt: skip
     parser.add_argument("--out", default=None, help="folder for the JSON and the traces")
