@@ -513,7 +513,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=24)
     parser.add_argument("--profile-tokens", type=int, default=6)
     parser.add_argument("--prefills", type=int, default=3,
-                        help="prefills of --prompt-tokens timed piece by piece (0: none)")  # fmt: skip
+                        help="prefills timed piece by piece (0: none)")  # fmt: skip
     parser.add_argument("--configs", nargs="*", default=["grouped_mm", "streamed"],
                         choices=["eager", "grouped_mm", "streamed"])  # fmt: skip
     parser.add_argument("--out", default=None, help="folder for the JSON and the traces")
