@@ -13,10 +13,10 @@
 // hi_acc, so its own rounding is negligible and hi_acc's is that of one bf16 GEMM's float32 sum
 // (the tensor core's, fixed by the hardware). Where every value of x is a bf16 value (a bf16
 // model's activations), its mid and lo pieces are zeros and gate_up multiplies hi alone: the
-// same bits (pieces.cuh, x_is_bf16), a third of the MMAs and of the pieces staged. An element's MMA result depends only on its row of W,
-// its token's column and its own accumulator, never on the other columns (padding columns are
-// zeros), the tile, the grid, the chunk or the pass: the same bits at every arena size, split,
-// wave and batch.
+// same bits (pieces.cuh, x_is_bf16), a third of the MMAs and of the pieces staged. An element's
+// MMA result depends only on its row of W, its token's column and its own accumulator, never on
+// the other columns (padding columns are zeros), the tile, the grid, the chunk or the pass: the
+// same bits at every arena size, split, wave and batch.
 //
 // A block computes a tile of output rows (for gate_up the same rows of gate and of up, so the
 // activation fuses) over a chunk of up to BN of its group's tokens, looping over the group's
@@ -387,7 +387,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks)
   // Read before groups_n is known (g < n_experts keeps them in bounds), and x_rest beside them,
   // so the loads overlap.
   const std::uint32_t slot = b.group_slot[g], start = b.group_start[g], count = b.group_count[g];
-  constexpr bool kMayTakeOne = GateUp && Pre && kPieces == 3 && kXOnePiece;
+  constexpr bool kMayTakeOne = kMayTakeOnePiece<GateUp, Pre, kPieces>;
   bool one = false;
   if constexpr (kMayTakeOne) one = x_is_bf16(b);
   if (g >= *b.groups_n) return;

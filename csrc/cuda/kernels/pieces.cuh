@@ -91,6 +91,11 @@ __device__ __forceinline__ bool x_is_bf16(const DevBuffers& b) {
   return b.x_rest && *b.x_rest == 0;
 }
 
+// Whether a family's kernel instance may take that path: gate_up staging the pieces, in the
+// family's three-piece arithmetic (not a bench's one-piece build), with the knob on.
+template <bool GateUp, bool Pre, int FamilyPieces>
+constexpr bool kMayTakeOnePiece = GateUp && Pre && FamilyPieces == 3 && kXOnePiece;
+
 bool aligned16(std::uint64_t v) { return (v & 15u) == 0; }
 
 // Every staged 16-byte piece aligned and whole: the row length a multiple of 8 columns, the

@@ -614,11 +614,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     wgmma_kernel(DevLayout L, DevBuffers b, std::uint16_t* h_pieces_out) {
   // x_rest read beside groups_n: one round trip before the block's first stage.
   const std::uint32_t n_groups = *b.groups_n;
-  constexpr bool kMayTakeOne = GateUp && Pre && kPieces == 3 && kXOnePiece;
-  bool one = false;
-  if constexpr (kMayTakeOne) one = x_is_bf16(b);
-  if constexpr (kMayTakeOne) {
-    if (one) return wgmma_pass<T, GateUp, Vec, Pre, 1>(L, b, h_pieces_out, n_groups);
+  if constexpr (kMayTakeOnePiece<GateUp, Pre, kPieces>) {
+    if (x_is_bf16(b)) return wgmma_pass<T, GateUp, Vec, Pre, 1>(L, b, h_pieces_out, n_groups);
   }
   wgmma_pass<T, GateUp, Vec, Pre, kPieces>(L, b, h_pieces_out, n_groups);
 }
