@@ -5,19 +5,10 @@
 #include <string>
 
 #include "common/check.h"
+#include "cuda_check.h"
 #include "residency/slot.h"
 
 namespace strata::cuda {
-namespace {
-
-void check(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return;
-  cudaGetLastError();
-  throw std::runtime_error(std::string("cuda: ") + what + ": " + cudaGetErrorName(e) + " (" +
-                           cudaGetErrorString(e) + ")");
-}
-
-}  // namespace
 
 ArenaMirror::~ArenaMirror() {
   // No IO thread calls in any more (the backend unregistered); copies may still be queued.
@@ -49,7 +40,7 @@ void ArenaMirror::allocate(std::uint32_t n_slots, std::uint64_t slot_bytes,
   release();
   void* p = nullptr;
   const std::uint64_t bytes = std::uint64_t(n_slots) * slot_bytes;
-  check(cudaMalloc(&p, bytes ? bytes : 4), "cudaMalloc (the arena's device mirror)");
+  cuda_check(cudaMalloc(&p, bytes ? bytes : 4), "cudaMalloc (the arena's device mirror)");
   device_ = static_cast<unsigned char*>(p);
   tags_ = std::make_unique<std::atomic<std::uint32_t>[]>(n_slots);
   for (std::uint32_t s = 0; s < n_slots; ++s) tags_[s].store(kNoKey, std::memory_order_relaxed);
@@ -62,10 +53,11 @@ ArenaMirror::Lane ArenaMirror::take_lane() {
   std::lock_guard<std::mutex> lk(lanes_mu_);
   if (free_lanes_.empty()) {
     Lane l;
-    check(cudaStreamCreateWithFlags(&l.stream, cudaStreamNonBlocking), "cudaStreamCreate (copy)");
+    cuda_check(cudaStreamCreateWithFlags(&l.stream, cudaStreamNonBlocking),
+               "cudaStreamCreate (copy)");
     const cudaError_t e = cudaEventCreateWithFlags(&l.done, cudaEventDisableTiming);
     if (e != cudaSuccess) cudaStreamDestroy(l.stream);
-    check(e, "cudaEventCreate (copy)");
+    cuda_check(e, "cudaEventCreate (copy)");
     all_lanes_.push_back(l);
     return l;
   }
@@ -85,7 +77,7 @@ cudaStream_t ArenaMirror::part_lane() {
   if (fresh) {
     const cudaError_t e = cudaStreamCreateWithFlags(&it->second, cudaStreamNonBlocking);
     if (e != cudaSuccess) part_lanes_.erase(it);
-    check(e, "cudaStreamCreate (part copies)");
+    cuda_check(e, "cudaStreamCreate (part copies)");
   }
   return it->second;
 }
@@ -115,7 +107,7 @@ void ArenaMirror::wait_parts(std::uint32_t slot, std::uint32_t first, std::uint3
     std::lock_guard<std::mutex> lk(pending_mu_);
     for (const PendingCopy& c : taken) spare_events_.push_back(c.done);
   }
-  check(first_error, "part copy to the device mirror");
+  cuda_check(first_error, "part copy to the device mirror");
 }
 
 bool ArenaMirror::all_parts_queued(std::uint32_t slot, std::uint32_t gen, std::uint32_t parts) {
@@ -139,21 +131,21 @@ void ArenaMirror::wait_all_parts() {
 void ArenaMirror::copy_and_wait(const unsigned char* host, std::uint64_t offset,
                                 std::uint64_t size) {
   const auto t0 = std::chrono::steady_clock::now();
-  check(cudaSetDevice(0), "cudaSetDevice (IO thread)");
+  cuda_check(cudaSetDevice(0), "cudaSetDevice (IO thread)");
   const Lane lane = take_lane();
   struct GiveBack {
     ArenaMirror* m;
     Lane l;
     ~GiveBack() { m->give_lane(l); }
   } give_back{this, lane};
-  check(cudaMemcpyAsync(device_ + offset, host, size, cudaMemcpyHostToDevice, lane.stream),
-        "slot copy at IO completion");
-  check(cudaEventRecord(lane.done, lane.stream), "cudaEventRecord (slot copy)");
+  cuda_check(cudaMemcpyAsync(device_ + offset, host, size, cudaMemcpyHostToDevice, lane.stream),
+             "slot copy at IO completion");
+  cuda_check(cudaEventRecord(lane.done, lane.stream), "cudaEventRecord (slot copy)");
   const auto t1 = std::chrono::steady_clock::now();
   // The IO thread waits here (its preads, other threads', overlap the copy): the record is
   // published only once its device bytes are complete, so any kernel launched after that reads
   // them (a completed copy is visible to every later launch, on any stream).
-  check(cudaEventSynchronize(lane.done), "slot copy at IO completion");
+  cuda_check(cudaEventSynchronize(lane.done), "slot copy at IO completion");
   const auto t2 = std::chrono::steady_clock::now();
   using ns = std::chrono::nanoseconds;
   issue_ns_.fetch_add(std::uint64_t(std::chrono::duration_cast<ns>(t1 - t0).count()),
@@ -176,7 +168,7 @@ void ArenaMirror::on_part_read(const ReadPart& p) {
   // lands before this one is queued, so it cannot overwrite this read's bytes.
   wait_parts(p.slot, p.part, p.part + 1);
   const auto t0 = std::chrono::steady_clock::now();
-  check(cudaSetDevice(0), "cudaSetDevice (IO thread)");
+  cuda_check(cudaSetDevice(0), "cudaSetDevice (IO thread)");
   const cudaStream_t lane = part_lane();
   cudaEvent_t copied = nullptr;
   {
@@ -187,8 +179,8 @@ void ArenaMirror::on_part_read(const ReadPart& p) {
     }
   }
   if (!copied) {
-    check(cudaEventCreateWithFlags(&copied, cudaEventDisableTiming),
-          "cudaEventCreate (part copy)");
+    cuda_check(cudaEventCreateWithFlags(&copied, cudaEventDisableTiming),
+               "cudaEventCreate (part copy)");
     std::lock_guard<std::mutex> pl(pending_mu_);
     all_events_.push_back(copied);
   }
@@ -205,7 +197,7 @@ void ArenaMirror::on_part_read(const ReadPart& p) {
       parts[p.part] = PendingCopy{copied, p.gen};
     }
   }
-  check(e, "part copy to the device mirror");
+  cuda_check(e, "part copy to the device mirror");
   issue_ns_.fetch_add(std::uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
                                         std::chrono::steady_clock::now() - t0)
                                         .count()),
@@ -247,9 +239,9 @@ bool ArenaMirror::ensure(std::uint32_t slot, std::uint32_t key, const unsigned c
   // A part copy of a failed read of this slot may still be queued: it lands before this one.
   wait_parts(slot, 0, ~0u);
   const std::uint64_t off = std::uint64_t(slot) * slot_bytes_;
-  check(cudaMemcpyAsync(device_ + off, host_arena + off, record_bytes_, cudaMemcpyHostToDevice,
-                        stream),
-        "slot copy");
+  cuda_check(cudaMemcpyAsync(device_ + off, host_arena + off, record_bytes_,
+                             cudaMemcpyHostToDevice, stream),
+             "slot copy");
   // Queued before the pass's kernels on their stream: they see it. Records never change, so
   // the tag stands until an IO completion for another key retags the slot.
   tags_[slot].store(key, std::memory_order_release);

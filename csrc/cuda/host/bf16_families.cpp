@@ -9,9 +9,11 @@
 #include <string>
 #include <vector>
 
+#include "cuda_check.h"
 #include "kernels/device_types.h"
 #include "kernels/mma_experts.h"
 #include "kernels/wgmma_experts.h"
+#include "pack/weights.h"
 
 namespace strata::cuda {
 namespace {
@@ -31,7 +33,7 @@ class Scratch {
   template <class T>
   T* get(std::size_t bytes) {
     void* p = nullptr;
-    if (cudaMalloc(&p, bytes) != cudaSuccess) throw std::runtime_error("cudaMalloc");
+    cuda_check(cudaMalloc(&p, bytes), "cudaMalloc");
     blocks_.push_back(p);
     return static_cast<T*>(p);
   }
@@ -53,17 +55,6 @@ std::uint16_t bf16_bits(float v) {  // round to nearest even (no NaN here)
   std::uint32_t u;
   std::memcpy(&u, &v, 4);
   return std::uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-float bf16_value(float v) {
-  const std::uint32_t u = std::uint32_t(bf16_bits(v)) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorName(e));
 }
 
 // The group table of the first `rows` tokens, laid out as DevBuffers reads it from groups_n on:
@@ -113,16 +104,17 @@ std::string bf16_families_disagree() {
     b.x_pieces = mem.get<std::uint16_t>(mma_x_pieces_bytes(L, kRows));
     b.h_pieces = mem.get<std::uint16_t>(mma_h_pieces_bytes(L, kRows));
     b.x_rest = mem.get<std::uint32_t>((kRows + 2) * 4);
-    check(cudaMemset(b.x_rest, 0, (kRows + 2) * 4), "memset");
+    cuda_check(cudaMemset(b.x_rest, 0, (kRows + 2) * 4), "memset");
     auto* groups = mem.get<std::uint32_t>((1 + 3 * kE + kRows * kK) * 4);
     b.groups_n = groups, b.group_slot = groups + 1, b.group_start = groups + 1 + kE;
     b.group_count = groups + 1 + 2 * kE, b.group_entries = groups + 1 + 3 * kE;
-    check(cudaMemcpy(arena_d, arena.data(), kE * kSlotBytes, cudaMemcpyHostToDevice), "arena");
-    check(cudaMemcpy(b.weights, weights.data(), weights.size() * 4, cudaMemcpyHostToDevice),
-          "weights");
+    cuda_check(cudaMemcpy(arena_d, arena.data(), kE * kSlotBytes, cudaMemcpyHostToDevice),
+               "arena");
+    cuda_check(cudaMemcpy(b.weights, weights.data(), weights.size() * 4, cudaMemcpyHostToDevice),
+               "weights");
 
     cudaStream_t s = nullptr;
-    check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+    cuda_check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
     struct StreamGuard {
       cudaStream_t s;
       ~StreamGuard() { cudaStreamDestroy(s); }
@@ -130,21 +122,23 @@ std::string bf16_families_disagree() {
     // y of the first `rows` tokens by one family (entries rows * kK).
     auto run = [&](bool wgmma, std::uint32_t rows) {
       const std::vector<std::uint32_t> t = group_table(rows);
-      check(cudaMemcpyAsync(groups, t.data(), t.size() * 4, cudaMemcpyHostToDevice, s), "groups");
-      check(cudaMemsetAsync(b.y, 0, std::size_t(kRows) * kK * kH * 4, s), "memset");
-      check(wgmma ? launch_gate_up_wgmma(L, b, rows, s) : launch_gate_up_mma(L, b, rows, s),
-            "gate_up");
-      check(wgmma ? launch_down_wgmma(L, b, rows, s) : launch_down_mma(L, b, rows, s), "down");
+      cuda_check(cudaMemcpyAsync(groups, t.data(), t.size() * 4, cudaMemcpyHostToDevice, s),
+                 "groups");
+      cuda_check(cudaMemsetAsync(b.y, 0, std::size_t(kRows) * kK * kH * 4, s), "memset");
+      cuda_check(wgmma ? launch_gate_up_wgmma(L, b, rows, s) : launch_gate_up_mma(L, b, rows, s),
+                 "gate_up");
+      cuda_check(wgmma ? launch_down_wgmma(L, b, rows, s) : launch_down_mma(L, b, rows, s),
+                 "down");
       std::vector<std::uint32_t> y(std::size_t(rows) * kK * kH);
-      check(cudaMemcpyAsync(y.data(), b.y, y.size() * 4, cudaMemcpyDeviceToHost, s), "y");
-      check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+      cuda_check(cudaMemcpyAsync(y.data(), b.y, y.size() * 4, cudaMemcpyDeviceToHost, s), "y");
+      cuda_check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
       return y;
     };
     for (const bool bf16_x : {false, true}) {
       std::vector<float> xs = x;
       if (bf16_x)
-        for (float& v : xs) v = bf16_value(v);
-      check(cudaMemcpy(b.x, xs.data(), xs.size() * 4, cudaMemcpyHostToDevice), "x");
+        for (float& v : xs) v = bf16_to_float(bf16_bits(v));
+      cuda_check(cudaMemcpy(b.x, xs.data(), xs.size() * 4, cudaMemcpyHostToDevice), "x");
       const char* which = bf16_x ? "bf16 values" : "float32";
       const std::vector<std::uint32_t> wave = run(true, kRows);
       if (run(false, kRows) != wave)
@@ -155,8 +149,7 @@ std::string bf16_families_disagree() {
                " differs alone (mma.sync) and in a wave (wgmma)";
     }
     return "";
-  } catch (const std::exception& e) {
-    cudaGetLastError();  // a launch error is not left for the backend's first check
+  } catch (const std::exception& e) {  // cuda_check cleared the runtime's error
     return std::string("the check failed: ") + e.what();
   }
 }

@@ -20,6 +20,7 @@
 
 #include "arena_mirror.h"
 #include "bf16_families.h"
+#include "cuda_check.h"
 #include "host_registry.h"
 #include "kernels/kernels.h"
 #include "kernels/mma_experts.h"
@@ -27,11 +28,6 @@
 
 namespace strata::cuda {
 namespace {
-
-std::string cuda_message(const char* what, cudaError_t e) {
-  return std::string("cuda: ") + what + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) +
-         ")";
-}
 
 // Device memory, freed with its owner.
 class DeviceArray {
@@ -215,17 +211,17 @@ class CudaBackend final : public Backend {
   CudaBackend()
       : mode_(arena_mode_from_env()), fill_(mirror_fill_from_env()) {
     mirror_.copy_parts(fill_ == MirrorFill::Parts);
-    check(cudaSetDevice(0), "cudaSetDevice");
+    cuda_check(cudaSetDevice(0), "cudaSetDevice");
     bf16_family_ = bf16_family_from_env(nullptr);
-    check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+    cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
     void* p = nullptr;
-    check(cudaHostAlloc(&p, sizeof(DevError), cudaHostAllocMapped | cudaHostAllocPortable),
-          "cudaHostAlloc");
+    cuda_check(cudaHostAlloc(&p, sizeof(DevError), cudaHostAllocMapped | cudaHostAllocPortable),
+               "cudaHostAlloc");
     err_host_ = static_cast<DevError*>(p);
     std::memset(err_host_, 0, sizeof(DevError));
-    check(cudaHostGetDevicePointer(&p, err_host_, 0), "cudaHostGetDevicePointer");
+    cuda_check(cudaHostGetDevicePointer(&p, err_host_, 0), "cudaHostGetDevicePointer");
     dev_.error = static_cast<DevError*>(p);
-    check(cudaEventCreateWithFlags(&queued_done_, cudaEventDisableTiming), "cudaEventCreate");
+    cuda_check(cudaEventCreateWithFlags(&queued_done_, cudaEventDisableTiming), "cudaEventCreate");
     device_ = std::thread([this] { device_loop(); });
   }
 
@@ -296,8 +292,10 @@ class CudaBackend final : public Backend {
     if (layout_.top_k > 64)
       throw std::runtime_error("the cuda backend routes at most top-64, the pack has top-" +
                                std::to_string(L.top_k));
-    check(prepare_kernels(layout_), "cudaFuncSetAttribute (shared memory for the hidden size)");
-    check(prepare_route(layout_), "cudaFuncSetAttribute (route: shared memory for the hidden size)");
+    cuda_check(prepare_kernels(layout_),
+               "cudaFuncSetAttribute (shared memory for the hidden size)");
+    cuda_check(prepare_route(layout_),
+               "cudaFuncSetAttribute (route: shared memory for the hidden size)");
     // The stream's arena and slot map: mapped once, in place (the IO threads write them).
     if (b.arena != host_arena_) {
       unmap();
@@ -330,8 +328,8 @@ class CudaBackend final : public Backend {
                                          : 0;
     if (router_bytes && b.routers != host_routers_) {
       routers_.ensure(router_bytes);
-      check(cudaMemcpy(routers_.as<void>(), b.routers, router_bytes, cudaMemcpyHostToDevice),
-            "cudaMemcpy (routers)");
+      cuda_check(cudaMemcpy(routers_.as<void>(), b.routers, router_bytes, cudaMemcpyHostToDevice),
+                 "cudaMemcpy (routers)");
       host_routers_ = b.routers;
       dev_.routers = routers_.as<float>();
     }
@@ -349,8 +347,8 @@ class CudaBackend final : public Backend {
     h_pieces_.ensure(mma_h_pieces_bytes(layout_, std::uint32_t(R)));
     // Its counter starts at zero and every split leaves it so (pieces.cuh), like the route's.
     x_rest_.ensure((R + 2) * sizeof(std::uint32_t));
-    check(cudaMemsetAsync(x_rest_.as<void>(), 0, (R + 2) * sizeof(std::uint32_t), stream_),
-          "cudaMemsetAsync (x_rest)");
+    cuda_check(cudaMemsetAsync(x_rest_.as<void>(), 0, (R + 2) * sizeof(std::uint32_t), stream_),
+               "cudaMemsetAsync (x_rest)");
     y_.ensure(R * k * H * 4);
     wave_.ensure(E * 4);
     wave_n_.ensure(4);
@@ -377,9 +375,9 @@ class CudaBackend final : public Backend {
     // which a plain cudaMemset on the default stream would not order before them).
     logits_.ensure(route_scratch_floats(layout_, std::uint32_t(R)) * 4);
     route_done_.ensure(route_counters(std::uint32_t(R)) * 4);
-    check(cudaMemsetAsync(route_done_.as<void>(), 0, route_counters(std::uint32_t(R)) * 4,
-                          stream_),
-          "cudaMemsetAsync (route counters)");
+    cuda_check(cudaMemsetAsync(route_done_.as<void>(), 0, route_counters(std::uint32_t(R)) * 4,
+                               stream_),
+               "cudaMemsetAsync (route counters)");
     dev_.logits = logits_.as<float>();
     dev_.route_done = route_done_.as<std::uint32_t>();
     dev_.plan = plan_.as<std::uint32_t>();
@@ -469,13 +467,6 @@ class CudaBackend final : public Backend {
   }
 
  private:
-  static void check(cudaError_t e, const char* what) {
-    if (e != cudaSuccess) {
-      cudaGetLastError();
-      throw std::runtime_error(cuda_message(what, e));
-    }
-  }
-
   void unmap() {
     if (host_arena_) unmap_host(host_arena_);
     if (host_smap_) unmap_host(host_smap_);
@@ -547,7 +538,7 @@ class CudaBackend final : public Backend {
   // bytes' device address (a kernel may read them there), or null when they do not fit.
   const void* stage(const void* src, std::size_t bytes) {
     if (up_used_ + bytes > up_.bytes()) {  // full: drain, then start over
-      check(cudaStreamSynchronize(stream_), "upload");
+      cuda_check(cudaStreamSynchronize(stream_), "upload");
       up_used_ = 0;
     }
     if (bytes > up_.bytes()) return nullptr;
@@ -559,11 +550,11 @@ class CudaBackend final : public Backend {
   void upload(void* dst, const void* src, std::size_t bytes) {
     if (!bytes) return;
     if (const void* staged = stage(src, bytes)) {
-      check(cudaMemcpyAsync(dst, staged, bytes, cudaMemcpyHostToDevice, stream_), "upload");
+      cuda_check(cudaMemcpyAsync(dst, staged, bytes, cudaMemcpyHostToDevice, stream_), "upload");
       return;
     }
     // Larger than the staging: the driver's own path.
-    check(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), "upload");
+    cuda_check(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), "upload");
   }
 
   // The device thread alone touches what follows (bind() runs only when it is idle).
@@ -603,19 +594,19 @@ class CudaBackend final : public Backend {
                                        back_.device<std::int32_t>(back_ids_),
                                        back_.device<float>(back_weights_)};
         for (std::uint32_t f = 0; f < it.n_fused; ++f) tasks.t[tasks.n++] = predict_task(it.fused[f]);
-        check(launch_route(layout_, dev, c.rows, tasks, x_staged, stream_), "route");
+        cuda_check(launch_route(layout_, dev, c.rows, tasks, x_staged, stream_), "route");
         dirty_.ids_rows = std::max(dirty_.ids_rows, c.rows);
         return "";
       }
       case Op::RoutePredict: {  // one not folded into a Route
         RouteTasks tasks;
         tasks.t[tasks.n++] = predict_task(c);
-        check(launch_route(layout_, dev, c.rows, tasks, nullptr, stream_), "route_predict");
+        cuda_check(launch_route(layout_, dev, c.rows, tasks, nullptr, stream_), "route_predict");
         return "";
       }
       case Op::Plan:
         if (mode_ == ArenaMode::Mapped) {
-          check(launch_plan(layout_, dev, c.layer, c.rows, stream_), "plan");
+          cuda_check(launch_plan(layout_, dev, c.layer, c.rows, stream_), "plan");
         } else {
           // The same snapshot, taken here, at the point of the stream where the plan kernel
           // would run (after release 1): the device thread must know the slots to mirror them.
@@ -636,15 +627,15 @@ class CudaBackend final : public Backend {
           mirror_pass(c.layer, c.rows, c.pass);
           err = group_on_host(c.layer, c.rows, sel);
         } else if (regroup) {
-          check(launch_group(layout_, dev, c.layer, c.rows, sel, stream_), "group");
+          cuda_check(launch_group(layout_, dev, c.layer, c.rows, sel, stream_), "group");
         }
         // Device mode: the pass's groups (this one's, or gate_up's before this down) are known
         // here; the decode kernels take them as arguments.
         if (mode_ == ArenaMode::Device) dev.host_groups = host_groups_.data();
         if (c.op == Op::GateUp)
-          check(launch_gate_up(layout_, dev, c.rows, stream_), "gate_up");
+          cuda_check(launch_gate_up(layout_, dev, c.rows, stream_), "gate_up");
         else
-          check(launch_down(layout_, dev, c.rows, stream_), "down");
+          cuda_check(launch_down(layout_, dev, c.rows, stream_), "down");
         return err;
       }
       case Op::MoeMM: {
@@ -658,14 +649,14 @@ class CudaBackend final : public Backend {
         } else {
           upload(const_cast<std::uint32_t*>(dev_.wave_n), b.wave_n, 4);
           upload(const_cast<std::int32_t*>(dev_.wave), b.wave, std::size_t(n) * 4);
-          check(launch_group(layout_, dev, c.layer, c.rows, Select::Wave, stream_), "group");
+          cuda_check(launch_group(layout_, dev, c.layer, c.rows, Select::Wave, stream_), "group");
         }
-        check(launch_gate_up(layout_, dev, c.rows, stream_), "gate_up");
-        check(launch_down(layout_, dev, c.rows, stream_), "down");
+        cuda_check(launch_gate_up(layout_, dev, c.rows, stream_), "gate_up");
+        cuda_check(launch_down(layout_, dev, c.rows, stream_), "down");
         return err;
       }
       case Op::Combine:
-        check(launch_combine(layout_, dev, c.rows, stream_), "combine");
+        cuda_check(launch_combine(layout_, dev, c.rows, stream_), "combine");
         // Into the caller's device rows: complete at the Signal's drain, nothing to bring back.
         if (!it.io.out) dirty_.out_rows = std::max(dirty_.out_rows, c.rows);
         return "";
@@ -906,7 +897,7 @@ class CudaBackend final : public Backend {
   std::string settle() {
     const DeviceBuffers& b = host_;
     const std::size_t H = layout_.hidden, k = layout_.top_k;
-    check(cudaStreamSynchronize(stream_), "stream");
+    cuda_check(cudaStreamSynchronize(stream_), "stream");
     const unsigned char* back = back_.as<const unsigned char>();
     if (dirty_.ids_rows) {
       std::memcpy(b.ids, back + back_ids_, dirty_.ids_rows * k * 4);
