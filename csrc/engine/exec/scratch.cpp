@@ -16,21 +16,21 @@ bool Scratch::ensure(std::uint32_t rows) {
   if (rows <= rows_) return false;
   const std::size_t T = rows, k = L_.top_k, H = L_.hidden, I = L_.moe_intermediate,
                     E = L_.n_experts;
-  x_.assign(T * H, 0);
-  out_.assign(T * H, 0);
-  ids_.assign(T * k, 0);
-  weights_.assign(T * k, 0);
-  pred_ids_[0].assign(T * k, 0);
-  pred_ids_[1].assign(T * k, 0);
-  logits_.assign(T * E, 0);
-  plan_.assign(T * k, 0);
-  h_.assign(T * k * I, 0);
-  y_.assign(T * k * H, 0);
-  wave_.assign(E, 0);
-  wave_n_.assign(1, 0);
-  moce_moved_.assign(T, 0);
-  moce_changed_.assign(T, 0);
-  route_resident_.assign(E, 0);
+  x_.allocate(T * H);
+  out_.allocate(T * H);
+  ids_.allocate(T * k);
+  weights_.allocate(T * k);
+  pred_ids_[0].allocate(T * k);
+  pred_ids_[1].allocate(T * k);
+  logits_.allocate(T * E);
+  plan_.allocate(T * k);
+  h_.allocate(T * k * I);
+  y_.allocate(T * k * H);
+  wave_.allocate(E);
+  wave_n_.allocate(1);
+  moce_moved_.allocate(T);
+  moce_changed_.allocate(T);
+  route_resident_.allocate(E);
   rows_ = rows;
   bytes_ = 4 * (2 * T * H + 6 * T * k + T * E + T * k * I + T * k * H + E + 1 + 2 * T + E);
   b_.max_rows = rows;
@@ -53,11 +53,9 @@ bool Scratch::ensure(std::uint32_t rows) {
 }
 
 void Scratch::release() {
-  for (auto* v : {&x_, &weights_, &logits_, &h_, &y_, &out_, &moce_moved_})
-    std::vector<float>().swap(*v);
-  for (auto* v : {&ids_, &pred_ids_[0], &pred_ids_[1], &wave_}) std::vector<std::int32_t>().swap(*v);
-  for (auto* v : {&plan_, &wave_n_, &moce_changed_, &route_resident_})
-    std::vector<std::uint32_t>().swap(*v);
+  for (auto* v : {&x_, &weights_, &logits_, &h_, &y_, &out_, &moce_moved_}) v->reset();
+  for (auto* v : {&ids_, &pred_ids_[0], &pred_ids_[1], &wave_}) v->reset();
+  for (auto* v : {&plan_, &wave_n_, &moce_changed_, &route_resident_}) v->reset();
   rows_ = 0;
   bytes_ = 0;
 }
