@@ -27,7 +27,7 @@ ArenaMirror::~ArenaMirror() {
 }
 
 void ArenaMirror::release() {
-  if (device_) cudaFree(device_);
+  memory_.reset();
   device_ = nullptr;
   tags_.reset();
   n_slots_ = 0;
@@ -38,10 +38,8 @@ void ArenaMirror::allocate(std::uint32_t n_slots, std::uint64_t slot_bytes,
   std::unique_lock<std::shared_mutex> lk(mu_);  // waits out the copies being issued
   wait_all_parts();                              // and those queued before: into the old memory
   release();
-  void* p = nullptr;
-  const std::uint64_t bytes = std::uint64_t(n_slots) * slot_bytes;
-  cuda_check(cudaMalloc(&p, bytes ? bytes : 4), "cudaMalloc (the arena's device mirror)");
-  device_ = static_cast<unsigned char*>(p);
+  memory_.ensure(std::uint64_t(n_slots) * slot_bytes, "cudaMalloc (the arena's device mirror)");
+  device_ = memory_.as<unsigned char>();
   tags_ = std::make_unique<std::atomic<std::uint32_t>[]>(n_slots);
   for (std::uint32_t s = 0; s < n_slots; ++s) tags_[s].store(kNoKey, std::memory_order_relaxed);
   n_slots_ = n_slots;

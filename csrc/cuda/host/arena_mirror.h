@@ -43,6 +43,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "device_memory.h"
 #include "residency/record_observer.h"
 
 namespace strata::cuda {
@@ -121,7 +122,8 @@ class ArenaMirror final : public RecordObserver {
   void copy_and_wait(const unsigned char* host, std::uint64_t offset, std::uint64_t size);
 
   std::shared_mutex mu_;
-  unsigned char* device_ = nullptr;                      // mu_
+  DeviceArray memory_;                                   // mu_: the mirror's allocation
+  unsigned char* device_ = nullptr;                      // mu_: memory_'s bytes
   std::unique_ptr<std::atomic<std::uint32_t>[]> tags_;  // mu_ (the array); entries: see above
   std::uint32_t n_slots_ = 0;                            // mu_
   std::uint64_t slot_bytes_ = 0, record_bytes_ = 0;      // mu_

@@ -4,12 +4,14 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <mutex>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "cuda_check.h"
+#include "device_memory.h"
 #include "kernels/device_types.h"
 #include "kernels/mma_experts.h"
 #include "kernels/wgmma_experts.h"
@@ -27,19 +29,13 @@ constexpr std::uint64_t kSlotBytes = 3 * kMatBytes;
 // Device memory for the check's lifetime.
 class Scratch {
  public:
-  ~Scratch() {
-    for (void* p : blocks_) cudaFree(p);
-  }
   template <class T>
   T* get(std::size_t bytes) {
-    void* p = nullptr;
-    cuda_check(cudaMalloc(&p, bytes), "cudaMalloc");
-    blocks_.push_back(p);
-    return static_cast<T*>(p);
+    return blocks_.emplace_back(bytes).template as<T>();
   }
 
  private:
-  std::vector<void*> blocks_;
+  std::deque<DeviceArray> blocks_;  // a deque: adding one moves none of the others
 };
 
 // A fixed pseudo-random float in [-1, 1): the same on every machine.

@@ -21,6 +21,7 @@
 #include "arena_mirror.h"
 #include "bf16_families.h"
 #include "cuda_check.h"
+#include "device_memory.h"
 #include "host_registry.h"
 #include "kernels/kernels.h"
 #include "kernels/mma_experts.h"
@@ -28,80 +29,6 @@
 
 namespace strata::cuda {
 namespace {
-
-// Device memory, freed with its owner.
-class DeviceArray {
- public:
-  DeviceArray() = default;
-  DeviceArray(const DeviceArray&) = delete;
-  DeviceArray& operator=(const DeviceArray&) = delete;
-  ~DeviceArray() { reset(); }
-  void reset() {
-    if (p_) cudaFree(p_);
-    p_ = nullptr;
-    bytes_ = 0;
-  }
-  void ensure(std::size_t bytes) {
-    if (bytes <= bytes_) return;
-    reset();
-    cudaError_t e = cudaMalloc(&p_, bytes ? bytes : 4);
-    if (e != cudaSuccess) {
-      p_ = nullptr;
-      throw std::runtime_error(cuda_message("cudaMalloc", e));
-    }
-    bytes_ = bytes;
-  }
-  template <class T>
-  T* as() const {
-    return static_cast<T*>(p_);
-  }
-
- private:
-  void* p_ = nullptr;
-  std::size_t bytes_ = 0;
-};
-
-// Pinned host memory, mapped into the GPU (staging the kernels read, readback they write),
-// freed with its owner.
-class PinnedArray {
- public:
-  PinnedArray() = default;
-  PinnedArray(const PinnedArray&) = delete;
-  PinnedArray& operator=(const PinnedArray&) = delete;
-  ~PinnedArray() { reset(); }
-  void reset() {
-    if (p_) cudaFreeHost(p_);
-    p_ = nullptr;
-    bytes_ = 0;
-  }
-  void ensure(std::size_t bytes) {
-    if (bytes <= bytes_) return;
-    reset();
-    cudaError_t e = cudaHostAlloc(&p_, bytes, cudaHostAllocPortable | cudaHostAllocMapped);
-    if (e == cudaSuccess) e = cudaHostGetDevicePointer(&d_, p_, 0);
-    if (e != cudaSuccess) {
-      if (p_) cudaFreeHost(p_);
-      p_ = d_ = nullptr;
-      throw std::runtime_error(cuda_message("cudaHostAlloc (mapped)", e));
-    }
-    bytes_ = bytes;
-  }
-  std::size_t bytes() const { return bytes_; }
-  template <class T>
-  T* as() const {
-    return static_cast<T*>(p_);
-  }
-  // The same bytes' device address (what a kernel reads or writes).
-  template <class T>
-  T* device(std::size_t byte_offset = 0) const {
-    return reinterpret_cast<T*>(static_cast<unsigned char*>(d_) + byte_offset);
-  }
-
- private:
-  void* p_ = nullptr;
-  void* d_ = nullptr;
-  std::size_t bytes_ = 0;
-};
 
 DevLayout device_layout(const PackLayout& L) {
   DevLayout d;
