@@ -150,7 +150,7 @@ std::string bf16_families_disagree() {
   }
 }
 
-Bf16Family bf16_family_from_env(std::string* note) {
+Bf16Family bf16_family_asked() {
   const char* v = std::getenv("STRATA_CUDA_BF16");
   const std::string asked = v && *v ? v : "auto";
   if (asked == "mma") return Bf16Family::Mma;
@@ -161,6 +161,11 @@ Bf16Family bf16_family_from_env(std::string* note) {
   }
   if (asked != "auto")
     throw std::runtime_error("STRATA_CUDA_BF16 must be auto, mma or wgmma, got '" + asked + "'");
+  return Bf16Family::Auto;
+}
+
+Bf16Family bf16_family_settled(Bf16Family asked, std::string* note) {
+  if (asked != Bf16Family::Auto) return asked;
   static std::once_flag once;
   static std::string why;  // written once, under `once`
   std::call_once(once, [] {
@@ -170,6 +175,10 @@ Bf16Family bf16_family_from_env(std::string* note) {
   if (why.empty()) return Bf16Family::Auto;
   if (note) *note = "bf16 passes on mma.sync alone: " + why;
   return Bf16Family::Mma;
+}
+
+Bf16Family bf16_family_from_env(std::string* note) {
+  return bf16_family_settled(bf16_family_asked(), note);
 }
 
 std::string bf16_family_description() {

@@ -14,10 +14,18 @@ enum class Bf16Family : std::uint32_t {
   Auto = 2,   // wgmma from kWgmmaFromRows rows, mma.sync below (the default where it passes)
 };
 
-// The family STRATA_CUDA_BF16 asks for (auto, the default; mma; wgmma), settled for this GPU:
-// auto becomes Mma where wgmma cannot run or where the two families gave different bits on a
-// known problem (then `note` says why); wgmma where it cannot run throws, naming why. Checked
-// once a process (the answer is the GPU's).
+// The family STRATA_CUDA_BF16 asks for (auto, the default; mma; wgmma), read when a backend is
+// made: a value it does not know, or wgmma where this GPU cannot run it, throws, naming why.
+// Auto is returned unsettled (no kernel runs here).
+Bf16Family bf16_family_asked();
+
+// `asked` settled for this GPU: auto becomes Mma where wgmma cannot run or where the two
+// families gave different bits on a known problem (then `note` says why). The check runs once
+// a process (the answer is the GPU's), at the first bind of a bf16 pack: a backend that never
+// runs bf16 experts never pays for it.
+Bf16Family bf16_family_settled(Bf16Family asked, std::string* note);
+
+// Both of the above.
 Bf16Family bf16_family_from_env(std::string* note);
 
 // What the default (or STRATA_CUDA_BF16) takes on this GPU, in words, with the reason where auto

@@ -12,6 +12,7 @@
 #include <deque>
 #include <algorithm>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <unordered_set>
 #include <thread>
@@ -139,7 +140,7 @@ class CudaBackend final : public Backend {
       : mode_(arena_mode_from_env()), fill_(mirror_fill_from_env()) {
     mirror_.copy_parts(fill_ == MirrorFill::Parts);
     cuda_check(cudaSetDevice(0), "cudaSetDevice");
-    bf16_family_ = bf16_family_from_env(nullptr);
+    bf16_asked_ = bf16_family_asked();
     cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
     void* p = nullptr;
     cuda_check(cudaHostAlloc(&p, sizeof(DevError), cudaHostAllocMapped | cudaHostAllocPortable),
@@ -215,7 +216,11 @@ class CudaBackend final : public Backend {
     cudaSetDevice(0);
     const PackLayout& L = *b.layout;
     layout_ = device_layout(L);
-    layout_.bf16_wgmma = std::uint32_t(bf16_family_);
+    // Which bf16 family: settled here, at the first bind of a bf16 pack (the known-answer check
+    // launches kernels of its own, on its own stream; the device thread is idle).
+    if (layout_.format == 2 && !bf16_family_)
+      bf16_family_ = bf16_family_settled(bf16_asked_, nullptr);
+    layout_.bf16_wgmma = std::uint32_t(bf16_family_.value_or(Bf16Family::Mma));
     if (layout_.top_k > 64)
       throw std::runtime_error("the cuda backend routes at most top-64, the pack has top-" +
                                std::to_string(L.top_k));
@@ -876,9 +881,10 @@ class CudaBackend final : public Backend {
   std::size_t back_ids_ = 0, back_weights_ = 0, back_pred_[2] = {0, 0}, back_out_ = 0;
   const ArenaMode mode_;
   const MirrorFill fill_;  // STRATA_CUDA_MIRROR_FILL
-  // STRATA_CUDA_BF16 settled for this GPU (bf16_families.h); set by the constructor, then read
-  // only.
-  Bf16Family bf16_family_ = Bf16Family::Mma;
+  // STRATA_CUDA_BF16 as asked (read by the constructor) and settled for this GPU (by the first
+  // bind of a bf16 pack; bind() runs while the device thread is idle, under mu_).
+  Bf16Family bf16_asked_ = Bf16Family::Auto;
+  std::optional<Bf16Family> bf16_family_;
   // Device mode: the arena's device copy and its per-slot tags, written by the IO threads (at
   // IO completion) and the device thread (the fallback): its own locks (arena_mirror.h).
   ArenaMirror mirror_;
