@@ -1,7 +1,7 @@
 """A Window's layer call on the cuda backend against its rows: the engine's whole cost a layer.
 
     python benchmarks/cuda_window_rows.py [--rows 1 64 256 1024 2048] [--reps 5]
-        [--experts 128] [--json OUT]
+        [--experts 128] [--max-rows 1024 2048] [--json OUT]
 
 Every expert resident (an arena that holds the pack), Qwen3-30B-A3B's widths (hidden 2048,
 moe_intermediate 768, top-8) over 2 layers of bf16 experts, random routing, the predictions of
@@ -12,7 +12,9 @@ wall time a layer, torch synchronized around each turn of both layers:
 - host: `moe_routed`, x and out in host memory (uploaded and brought back);
 - external: `moe_routed_external` with a compute function that does nothing, so nothing runs on
   the GPU: the handshake, the waves and the scratch alone.
-Printed side by side with device / external (how much of a call the host's part is not).
+Printed side by side with device / external (how much of a call the host's part is not), for
+each --max-rows (the Window's chunk: a call of more rows runs in chunks, and every chunk but
+the last drains before the next is submitted), each on a stream of its own over the same pack.
 A Window's call of a 2048-row prompt took 29 ms a layer here while its scratch was zeroed at
 each turn, 2.7 ms since (docs/cuda.md, Figures).
 """
@@ -103,10 +105,11 @@ def main() -> int:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 64, 256, 1024, 2048])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--max-rows", type=int, nargs="+", default=[1024])
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    if any(r < 1 for r in args.rows) or args.reps < 1 or args.experts < TOP_K:
-        ap.error(f"--rows and --reps must be positive, --experts at least {TOP_K}")
+    if min(args.rows + args.max_rows + [args.reps]) < 1 or args.experts < TOP_K:
+        ap.error(f"--rows, --max-rows and --reps must be positive, --experts at least {TOP_K}")
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (torch.cuda.is_available() is False)")
     rng = np.random.default_rng(1)
@@ -116,16 +119,18 @@ def main() -> int:
         make_pack(path, args.experts)
         with ExpertPack.open(path) as pack:
             everything = pack.geometry.n_records * pack.record_stride
-        cfg = StreamConfig(arena_bytes=everything)
-        with ExpertStream(path, cfg) as stream, Window(stream, backend="cuda") as window:
-            stream_handle = torch.cuda.current_stream(0).cuda_stream
-            for rows in args.rows:
-                row = time_rows(window, rows, args.experts, args.reps, rng, stream_handle)
-                results.append(row)
-                print(f"{rows:5d} rows, ms a layer: device {row['device_ms']:.3f}, queued "
-                      f"{row['queued_ms']:.3f}, host {row['host_ms']:.3f}, external "
-                      f"{row['external_ms']:.3f}; device / external "
-                      f"{row['device_over_external']:.1f}", flush=True)  # fmt: skip
+        for max_rows in args.max_rows:
+            cfg = StreamConfig(arena_bytes=everything, max_rows=max_rows)
+            with ExpertStream(path, cfg) as stream, Window(stream, backend="cuda") as window:
+                stream_handle = torch.cuda.current_stream(0).cuda_stream
+                for rows in args.rows:
+                    row = time_rows(window, rows, args.experts, args.reps, rng, stream_handle)
+                    row["max_rows"] = max_rows
+                    results.append(row)
+                    print(f"max_rows {max_rows}, {rows:5d} rows, ms a layer: device "
+                          f"{row['device_ms']:.3f}, queued {row['queued_ms']:.3f}, host "
+                          f"{row['host_ms']:.3f}, external {row['external_ms']:.3f}; device / "
+                          f"external {row['device_over_external']:.1f}", flush=True)  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
     return 0
