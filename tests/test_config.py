@@ -69,15 +69,21 @@ def test_direct_io_auto_reads_a_pack_directly_only_when_it_outgrows_a_quarter_of
 def test_memory_bytes_takes_a_smaller_container_limit(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from strata_stream import config
+    from strata_stream import config, container_memory
 
     v2, v1 = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"
-    monkeypatch.setattr(config, "CGROUP_MEMORY_LIMITS", (str(v2), str(v1)))
+    files = [container_memory.CgroupFiles(str(limit), str(tmp_path / "usage"),
+                                          str(tmp_path / "stat"), "inactive_file")
+             for limit in (v2, v1)]  # fmt: skip
+    monkeypatch.setattr(container_memory, "CGROUPS", tuple(files))
     machine = config.memory_bytes()  # neither file exists: the machine's memory
     assert machine is not None
     v1.write_text(f"{1 << 30}\n")  # v1 alone: its limit
     assert config.memory_bytes() == min(machine, 1 << 30)
+    v1.write_text(f"{(1 << 63) - 4096}\n")  # v1's "no limit"
+    assert config.memory_bytes() == machine
     v2.write_text("max\n")  # v2 first, unlimited: the machine's memory, v1 not read
+    v1.write_text(f"{1 << 30}\n")
     assert config.memory_bytes() == machine
     v2.write_text(f"{2 << 30}\n")
     assert config.memory_bytes() == min(machine, 2 << 30)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+from strata_stream import container_memory
 from strata_stream.errors import ConfigError
 from strata_stream.pack.reader import ExpertPack
 
@@ -18,17 +19,27 @@ _HEADROOM_FIXED = _GiB
 _HEADROOM_SHARE = 0.10
 
 
+MEMINFO = "/proc/meminfo"  # module-level: tests point it at a file of their own
+
+
 def available_memory() -> int:
-    """Bytes the system can give this process without swapping (MemAvailable on Linux)."""
+    """Bytes the system can give this process without swapping: MemAvailable on Linux, or what
+    its container's memory limit leaves where that is less (a container's processes are killed
+    at their limit, however much the machine has free)."""
+    avail: int | None = None
     try:
-        with open("/proc/meminfo") as f:
+        with open(MEMINFO) as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    avail = int(line.split()[1]) * 1024
+                    break
     except OSError:
         pass
-    pages = os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
-    return int(pages * os.sysconf("SC_PAGE_SIZE") // 2)  # no better figure: half of RAM
+    if avail is None:
+        pages = os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+        avail = int(pages * os.sysconf("SC_PAGE_SIZE") // 2)  # no better figure: half of RAM
+    container = container_memory.available()
+    return avail if container is None else min(avail, container)
 
 
 def arena_size(

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from strata_stream import container_memory
 from strata_stream.errors import ConfigError
 from strata_stream.pack.header import PAGE
 
@@ -71,12 +72,6 @@ def parse_size(text: str, what: str) -> int:
     return int(float(number) * _SIZE_UNITS[unit.lower()])
 
 
-# A container's memory limit (cgroup v2, then v1): the page cache its processes fill is charged
-# to it, so where it is below the machine's memory it is what "fits in memory" means. "max" (v2)
-# or a huge number (v1) is no limit.
-CGROUP_MEMORY_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
-
-
 def memory_bytes() -> int | None:
     """The memory this process's page cache may use: the machine's physical memory (Linux and
     macOS) or a smaller container limit; None where neither is known."""
@@ -87,15 +82,9 @@ def memory_bytes() -> int | None:
             total = pages * page
     except (AttributeError, ValueError, OSError):
         pass
-    for path in CGROUP_MEMORY_LIMITS:
-        try:
-            with open(path) as f:
-                text = f.read().strip()
-        except OSError:
-            continue
-        if text.isdigit() and int(text) > 0:
-            total = int(text) if total is None else min(total, int(text))
-        break  # the first file that exists is this process's cgroup version
+    container = container_memory.limit()
+    if container is not None:
+        total = container if total is None else min(total, container)
     return total
 
 
