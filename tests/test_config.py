@@ -71,13 +71,13 @@ def test_memory_bytes_takes_a_smaller_container_limit(
 ) -> None:
     from strata_stream import config, container_memory
 
-    v2, v1 = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"
-    files = [container_memory.CgroupFiles(str(limit), str(tmp_path / "usage"),
-                                          str(tmp_path / "stat"), "inactive_file")
-             for limit in (v2, v1)]  # fmt: skip
-    monkeypatch.setattr(container_memory, "CGROUPS", tuple(files))
+    (tmp_path / "proc").write_text("4:memory:/\n0::/\n")
+    monkeypatch.setattr(container_memory, "PROC_CGROUP", str(tmp_path / "proc"))
+    monkeypatch.setattr(container_memory, "CGROUP_ROOT", str(tmp_path))
+    v2, v1 = tmp_path / "memory.max", tmp_path / "memory" / "memory.limit_in_bytes"
     machine = config.memory_bytes()  # neither file exists: the machine's memory
     assert machine is not None
+    v1.parent.mkdir()
     v1.write_text(f"{1 << 30}\n")  # v1 alone: its limit
     assert config.memory_bytes() == min(machine, 1 << 30)
     v1.write_text(f"{(1 << 63) - 4096}\n")  # v1's "no limit"

@@ -1,5 +1,6 @@
 """An arena sized from free memory stays inside a container's memory limit (cgroup v2 and v1),
-whatever the machine has free: a container's processes are killed at their limit."""
+whatever the machine has free: a cgroup's processes are killed at its limit. The cgroup files
+here are fakes under tmp_path, with a /proc/self/cgroup and a /proc/meminfo of their own."""
 
 from __future__ import annotations
 
@@ -8,88 +9,129 @@ from pathlib import Path
 import pytest
 
 from strata_stream import arena_budget, container_memory
+from strata_stream.errors import ConfigError
 
 GiB = 1 << 30
 
 
+class Fake:
+    """A fake /sys/fs/cgroup (root), /proc/self/cgroup and /proc/meminfo (100 GiB free)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, tmp: Path) -> None:
+        self.root, self.proc, meminfo = tmp / "cgroup", tmp / "proc_cgroup", tmp / "meminfo"
+        self.root.mkdir()
+        self.proc.write_text("0::/\n")
+        meminfo.write_text(f"MemTotal: {128 * GiB // 1024} kB\n"
+                           f"MemAvailable: {100 * GiB // 1024} kB\n")  # fmt: skip
+        monkeypatch.setattr(container_memory, "CGROUP_ROOT", str(self.root))
+        monkeypatch.setattr(container_memory, "PROC_CGROUP", str(self.proc))
+        monkeypatch.setattr(arena_budget, "MEMINFO", str(meminfo))
+
+    def v2(self, path: str, limit: str, current: int = 0, inactive: int | None = None) -> None:
+        d = self.root / path.strip("/")
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "memory.max").write_text(limit + "\n")
+        (d / "memory.current").write_text(f"{current}\n")
+        (d / "memory.stat").unlink(missing_ok=True)
+        if inactive is not None:
+            (d / "memory.stat").write_text(f"anon 1\nfile 2\ninactive_file {inactive}\n")
+
+    def v1(self, path: str, limit: int, usage: int = 0, inactive: int | None = None) -> None:
+        d = self.root / "memory" / path.strip("/")
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "memory.limit_in_bytes").write_text(f"{limit}\n")
+        (d / "memory.usage_in_bytes").write_text(f"{usage}\n")
+        (d / "memory.stat").unlink(missing_ok=True)
+        if inactive is not None:
+            (d / "memory.stat").write_text(f"cache 1\ntotal_inactive_file {inactive}\n")
+
+
 @pytest.fixture
-def cgroup(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, Path]:
-    """Fake cgroup v2 and v1 files (none written yet) and a /proc/meminfo of 100 GiB free."""
-    paths = {name: tmp_path / name for name in (
-        "memory.max", "memory.current", "v2.stat",
-        "memory.limit_in_bytes", "memory.usage_in_bytes", "v1.stat", "meminfo")}  # fmt: skip
-    monkeypatch.setattr(container_memory, "CGROUPS", (
-        container_memory.CgroupFiles(str(paths["memory.max"]), str(paths["memory.current"]),
-                                     str(paths["v2.stat"]), "inactive_file"),
-        container_memory.CgroupFiles(str(paths["memory.limit_in_bytes"]),
-                                     str(paths["memory.usage_in_bytes"]), str(paths["v1.stat"]),
-                                     "total_inactive_file"),
-    ))  # fmt: skip
-    paths["meminfo"].write_text(f"MemTotal: {128 * GiB // 1024} kB\n"
-                                f"MemAvailable: {100 * GiB // 1024} kB\n")  # fmt: skip
-    monkeypatch.setattr(arena_budget, "MEMINFO", str(paths["meminfo"]))
-    return paths
+def fake(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Fake:
+    return Fake(monkeypatch, tmp_path)
 
 
-def test_no_cgroup_files_means_no_container_limit(cgroup: dict[str, Path]) -> None:
+def test_no_cgroup_files_means_no_container_limit(fake: Fake) -> None:
     assert container_memory.limit() is None and container_memory.available() is None
     assert arena_budget.available_memory() == 100 * GiB
 
 
-def test_a_v2_limit_leaves_the_limit_less_what_is_used_not_counting_inactive_cache(
-    cgroup: dict[str, Path],
-) -> None:
-    cgroup["memory.max"].write_text(f"{8 * GiB}\n")
-    cgroup["memory.current"].write_text(f"{3 * GiB}\n")
-    cgroup["v2.stat"].write_text(f"anon {2 * GiB}\nfile {GiB}\ninactive_file {GiB}\n")
+def test_v2_limit_less_use_not_counting_inactive_page_cache(fake: Fake) -> None:
+    fake.v2("/", str(8 * GiB), current=3 * GiB, inactive=GiB)  # a namespaced container: "0::/"
     assert container_memory.limit() == 8 * GiB
-    # 3 GiB charged, of which 1 GiB is page cache the kernel drops first: 6 GiB left.
-    assert container_memory.available() == 6 * GiB
-    assert arena_budget.available_memory() == 6 * GiB
-    cgroup["v2.stat"].write_text("anon 0\n")  # no inactive_file line: all of usage counts
+    # 3 GiB charged, 1 GiB of it page cache the kernel drops first: 6 GiB left.
+    assert container_memory.available() == arena_budget.available_memory() == 6 * GiB
+    fake.v2("/", str(8 * GiB), current=3 * GiB)  # no memory.stat: all of usage counts
     assert container_memory.available() == 5 * GiB
-    cgroup["memory.current"].write_text(f"{9 * GiB}\n")  # over the limit: nothing, not < 0
+    fake.v2("/", str(8 * GiB), current=9 * GiB)  # over its limit: nothing left, not < 0
     assert container_memory.available() == 0
-
-
-def test_v2_unlimited_is_no_limit_and_v1_is_not_read(cgroup: dict[str, Path]) -> None:
-    cgroup["memory.max"].write_text("max\n")
-    cgroup["memory.limit_in_bytes"].write_text(f"{GiB}\n")
+    fake.v2("/", "max")
     assert container_memory.limit() is None and container_memory.available() is None
-    assert arena_budget.available_memory() == 100 * GiB
 
 
-def test_a_v1_limit_and_v1s_no_limit(cgroup: dict[str, Path]) -> None:
-    cgroup["memory.limit_in_bytes"].write_text(f"{4 * GiB}\n")
-    cgroup["memory.usage_in_bytes"].write_text(f"{2 * GiB}\n")
-    cgroup["v1.stat"].write_text(f"cache {GiB}\ntotal_inactive_file {GiB // 2}\n")
+def test_the_tightest_cgroup_on_the_process_path_binds(fake: Fake) -> None:
+    """Without a namespace the process's cgroup is a path below the root, and any ancestor's
+    limit applies too: the least left of them."""
+    fake.proc.write_text("0::/system.slice/app.service\n")
+    fake.v2("/", "max")  # the root: no limit
+    fake.v2("/system.slice", str(16 * GiB), current=14 * GiB)  # 2 GiB left
+    fake.v2("/system.slice/app.service", str(8 * GiB), current=GiB)  # 7 GiB left
+    assert container_memory.limit() == 8 * GiB
+    assert container_memory.available() == 2 * GiB
+    fake.v2("/system.slice", "max")
+    assert container_memory.available() == 7 * GiB
+
+
+def test_a_path_this_mount_does_not_show_falls_back_to_its_root(fake: Fake) -> None:
+    """A container without its own cgroup namespace may name a host path its /sys/fs/cgroup
+    does not have: its own cgroup is then the mount's root."""
+    fake.proc.write_text("0::/docker/0123abcd\n")
+    fake.v2("/", str(4 * GiB), current=GiB)
+    assert container_memory.available() == 3 * GiB
+
+
+def test_v1_memory_controller_line_and_v1s_no_limit(fake: Fake) -> None:
+    # A hybrid host (as the 2-core test machine): the unified hierarchy has no memory files.
+    fake.proc.write_text("9:name=systemd:/\n4:memory:/process_api/abc\n1:cpu,cpuacct:/\n0::/\n")
+    fake.v1("/", (1 << 63) - 4096)  # v1's "no limit" at the root
+    fake.v1("/process_api/abc", 4 * GiB, usage=2 * GiB, inactive=GiB // 2)
+    assert container_memory.limit() == 4 * GiB
     assert container_memory.available() == 4 * GiB - (2 * GiB - GiB // 2)
-    cgroup["memory.limit_in_bytes"].write_text(f"{(1 << 63) - 4096}\n")  # v1's "unlimited"
+    fake.v1("/process_api/abc", (1 << 63) - 4096)
     assert container_memory.limit() is None and container_memory.available() is None
 
 
-def test_the_machine_wins_where_it_has_less_free_than_the_container(
-    cgroup: dict[str, Path],
-) -> None:
-    cgroup["memory.max"].write_text(f"{500 * GiB}\n")
-    cgroup["memory.current"].write_text("0\n")
+def test_v2_is_read_first_and_v1_not_at_all_where_v2_has_files(fake: Fake) -> None:
+    fake.proc.write_text("4:memory:/\n0::/\n")
+    fake.v2("/", "max")
+    fake.v1("/", GiB)
+    assert container_memory.limit() is None
+
+
+def test_the_machine_wins_where_it_has_less_free_than_the_container(fake: Fake) -> None:
+    fake.v2("/", str(500 * GiB))
     assert arena_budget.available_memory() == 100 * GiB
 
 
-def test_an_arena_sized_from_free_memory_fits_the_container(cgroup: dict[str, Path]) -> None:
-    """arena_size with no explicit size reads available_memory(): with a 4 GiB container on a
-    machine with 100 GiB free, the ConfigError names the container's figure, not the
-    machine's."""
-    from strata_stream.errors import ConfigError
-
-    cgroup["memory.max"].write_text(f"{GiB}\n")
-    cgroup["memory.current"].write_text(f"{GiB // 2}\n")
+def test_an_arena_sized_from_free_memory_fits_the_container(fake: Fake) -> None:
+    """arena_size with no explicit size reads available_memory(): with a 1 GiB container half
+    used on a machine with 100 GiB free, the ConfigError names the container's figure."""
+    fake.v2("/", str(GiB), current=GiB // 2)
 
     class Geometry:
         top_k, n_records = 8, 1000
 
     class Pack:
-        geometry, record_stride = Geometry(), 64 << 20  # 16 records: 1 GiB, the minimum
+        geometry, record_stride = Geometry(), 64 << 20  # the minimum, 16 records: 1 GiB
 
     with pytest.raises(ConfigError, match=r"only 0\.50 GiB is available"):
         arena_budget.arena_size(Pack(), None)  # type: ignore[arg-type]
+
+
+def test_this_machine_reads_without_error() -> None:
+    """The real files, whatever they say: a limit is positive, what is left within it."""
+    cap, left = container_memory.limit(), container_memory.available()
+    assert cap is None or cap > 0
+    assert (cap is None) == (left is None)
+    assert left is None or cap is None or 0 <= left <= cap
+    assert arena_budget.available_memory() > 0

@@ -1,34 +1,43 @@
 """A Linux container's memory (cgroup v2, then v1): its limit, and what it leaves free.
 
-A container's processes are killed at its limit however much the machine has free, and the
-page cache they fill is charged to it, so where a limit is below the machine's memory it is what
+A cgroup's processes are killed at its limit however much the machine has free, and the page
+cache they fill is charged to it, so where a limit is below the machine's memory it is what
 "fits in memory" means: for the direct-IO choice (`StreamConfig.direct_io_for`, through the
 limit) and for an arena sized from free memory (`arena_budget.available_memory`, through what
-is left). The files are those a container with its own cgroup namespace sees at
-/sys/fs/cgroup; where they are absent (macOS, a Linux without the memory controller, the root
-cgroup) there is no container limit.
+is left).
+
+This process's cgroup is the path /proc/self/cgroup names (v2: the `0::` line; v1: the line of
+the `memory` controller), under /sys/fs/cgroup (v1: /sys/fs/cgroup/memory). Every cgroup from
+there up to the root can hold a limit, and the tightest one binds. A container with its own
+cgroup namespace sees its cgroup as the root; one without may name a path its /sys/fs/cgroup
+does not show, and then the root is read. Where no limit file exists (macOS, a Linux without
+the memory controller) there is no container limit.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+
+PROC_CGROUP = "/proc/self/cgroup"
+CGROUP_ROOT = "/sys/fs/cgroup"
 
 
 @dataclass(frozen=True)
-class CgroupFiles:
-    limit: str  # the limit in bytes; "max" (v2) or about 2**63 (v1) when there is none
+class CgroupVersion:
+    mount: str  # the hierarchy's folder under CGROUP_ROOT ("" for v2)
+    controller: str  # how /proc/self/cgroup names it ("" for v2's line "0::path")
+    limit: str  # bytes; "max" (v2) or about 2**63 (v1) when there is none
     usage: str  # bytes charged now, the page cache included
     stat: str  # "key value" lines
     inactive_file: str  # memory.stat's key for page cache the kernel reclaims first
 
 
-# cgroup v2 first: the first version whose limit file exists is this process's.
-CGROUPS = (
-    CgroupFiles("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current",
-                "/sys/fs/cgroup/memory.stat", "inactive_file"),
-    CgroupFiles("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                "/sys/fs/cgroup/memory/memory.usage_in_bytes",
-                "/sys/fs/cgroup/memory/memory.stat", "total_inactive_file"),
+# v2 first: the first version with a limit file anywhere on the process's path is its own.
+VERSIONS = (
+    CgroupVersion("", "", "memory.max", "memory.current", "memory.stat", "inactive_file"),
+    CgroupVersion("memory", "memory", "memory.limit_in_bytes", "memory.usage_in_bytes",
+                  "memory.stat", "total_inactive_file"),
 )  # fmt: skip
 
 _NO_LIMIT = 1 << 60  # v1 writes "no limit" as 2**63 rounded down to a page
@@ -42,41 +51,71 @@ def _read(path: str) -> str | None:
         return None
 
 
-def _files() -> tuple[CgroupFiles, int | None] | None:
-    """This process's cgroup version and its limit (None: unlimited); None without one."""
-    for files in CGROUPS:
-        text = _read(files.limit)
-        if text is None:
-            continue
-        limit = int(text) if text.isdigit() else None
-        return files, limit if limit is not None and 0 < limit < _NO_LIMIT else None
-    return None
+def _cgroup_path(v: CgroupVersion) -> str:
+    """This process's cgroup in v's hierarchy, as /proc/self/cgroup names it ("/" if unnamed)."""
+    for line in (_read(PROC_CGROUP) or "").splitlines():
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if (v.controller and v.controller in controllers.split(",")) or (
+            not v.controller and hierarchy == "0" and not controllers
+        ):
+            return path or "/"
+    return "/"
 
 
-def limit() -> int | None:
-    """The container's memory limit in bytes; None where there is none."""
-    found = _files()
-    return found[1] if found else None
+def _folders(v: CgroupVersion) -> list[str]:
+    """The folders of this process's cgroup and its ancestors that hold v's limit file,
+    innermost first (the hierarchy's root included)."""
+    root = os.path.join(CGROUP_ROOT, v.mount) if v.mount else CGROUP_ROOT
+    folders = []
+    parts = [p for p in _cgroup_path(v).split("/") if p]
+    for n in range(len(parts), -1, -1):
+        folder = os.path.join(root, *parts[:n])
+        if os.path.exists(os.path.join(folder, v.limit)):
+            folders.append(folder)
+    return folders
 
 
-def available() -> int | None:
-    """Bytes the container can still take: its limit less what it uses, not counting the page
-    cache the kernel would drop first (inactive files); None where there is no limit."""
-    found = _files()
-    if not found:
-        return None
-    files, cap = found
-    if cap is None:
-        return None
-    usage = _read(files.usage)
-    used = int(usage) if usage and usage.isdigit() else 0
-    stat = _read(files.stat) or ""
-    for line in stat.splitlines():
+def _limit(v: CgroupVersion, folder: str) -> int | None:
+    text = _read(os.path.join(folder, v.limit)) or ""
+    value = int(text) if text.isdigit() else 0
+    return value if 0 < value < _NO_LIMIT else None
+
+
+def _left(v: CgroupVersion, folder: str, cap: int) -> int:
+    usage = _read(os.path.join(folder, v.usage)) or ""
+    used = int(usage) if usage.isdigit() else 0
+    for line in (_read(os.path.join(folder, v.stat)) or "").splitlines():
         key, _, value = line.partition(" ")
-        if key == files.inactive_file and value.strip().isdigit():
+        if key == v.inactive_file and value.strip().isdigit():
             used -= int(value)
             break
     return max(0, cap - max(0, used))
 
 
-__all__ = ["CGROUPS", "CgroupFiles", "available", "limit"]
+def _limited() -> list[tuple[CgroupVersion, str, int]]:
+    """(version, folder, limit) of every limited cgroup on this process's path, in the first
+    version that has limit files at all."""
+    for v in VERSIONS:
+        folders = _folders(v)
+        if folders:
+            return [(v, f, cap) for f in folders if (cap := _limit(v, f)) is not None]
+    return []
+
+
+def limit() -> int | None:
+    """The tightest memory limit over this process's cgroup and its ancestors, in bytes; None
+    where there is none."""
+    caps = [cap for _, _, cap in _limited()]
+    return min(caps) if caps else None
+
+
+def available() -> int | None:
+    """Bytes this process's cgroups can still take: for each limited one, its limit less what
+    it uses, not counting the page cache the kernel would drop first (inactive files); the
+    least of them. None where there is no limit."""
+    left = [_left(v, f, cap) for v, f, cap in _limited()]
+    return min(left) if left else None
+
+
+__all__ = ["CGROUP_ROOT", "PROC_CGROUP", "VERSIONS", "CgroupVersion", "available", "limit"]
