@@ -63,21 +63,22 @@ def _cgroup_path(v: CgroupVersion) -> str:
     return "/"
 
 
-def _folders(v: CgroupVersion) -> list[str]:
-    """The folders of this process's cgroup and its ancestors that hold v's limit file,
-    innermost first (the hierarchy's root included)."""
+def _limits(v: CgroupVersion) -> list[tuple[str, str]]:
+    """(folder, limit file's text) of this process's cgroup and each ancestor whose limit file
+    exists in v's hierarchy, innermost first (the hierarchy's root included)."""
     root = os.path.join(CGROUP_ROOT, v.mount) if v.mount else CGROUP_ROOT
-    folders = []
     parts = [p for p in _cgroup_path(v).split("/") if p]
+    found = []
     for n in range(len(parts), -1, -1):
         folder = os.path.join(root, *parts[:n])
-        if os.path.exists(os.path.join(folder, v.limit)):
-            folders.append(folder)
-    return folders
+        text = _read(os.path.join(folder, v.limit))
+        if text is not None:
+            found.append((folder, text))
+    return found
 
 
-def _limit(v: CgroupVersion, folder: str) -> int | None:
-    text = _read(os.path.join(folder, v.limit)) or ""
+def _limit(text: str) -> int | None:
+    """A limit file's bytes; None for no limit ("max", or v1's 2**63 rounded to a page)."""
     value = int(text) if text.isdigit() else 0
     return value if 0 < value < _NO_LIMIT else None
 
@@ -97,9 +98,9 @@ def _limited() -> list[tuple[CgroupVersion, str, int]]:
     """(version, folder, limit) of every limited cgroup on this process's path, in the first
     version that has limit files at all."""
     for v in VERSIONS:
-        folders = _folders(v)
-        if folders:
-            return [(v, f, cap) for f in folders if (cap := _limit(v, f)) is not None]
+        found = _limits(v)
+        if found:
+            return [(v, f, cap) for f, text in found if (cap := _limit(text)) is not None]
     return []
 
 
