@@ -15,7 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from strata_stream.pack import pack_preset
+import numpy as np
+
+from strata_stream.pack import Geometry, pack_preset, write_pack
 
 
 def require_matplotlib(ap: argparse.ArgumentParser, plot: Path | None) -> None:
@@ -34,6 +36,30 @@ def ensure_pack(
         out.parent.mkdir(parents=True, exist_ok=True)
         pack_preset(preset, out)
     return out
+
+
+# Qwen3-30B-A3B's expert widths, which the host-cost benchmarks time.
+QWEN3_HIDDEN, QWEN3_INTER, QWEN3_TOP_K = 2048, 768, 8
+
+
+def write_bf16_pack(path: Path, layers: int, experts: int, *, one_expert: bool = False) -> None:
+    """A bf16 pack of random experts at Qwen3-30B-A3B's widths (softmax top-k routers). With
+    one_expert every record holds the same matrices: quick to write where only the shapes
+    matter."""
+    g = Geometry(layers, experts, QWEN3_TOP_K, QWEN3_HIDDEN, QWEN3_INTER, "softmax_topk", True)
+    rng = np.random.default_rng(0)
+    routers = [rng.standard_normal((experts, QWEN3_HIDDEN)).astype(np.float32)] * layers
+    shapes = ((QWEN3_INTER, QWEN3_HIDDEN), (QWEN3_INTER, QWEN3_HIDDEN), (QWEN3_HIDDEN, QWEN3_INTER))
+
+    def draw() -> tuple[np.ndarray, ...]:
+        return tuple(rng.standard_normal(s).astype(np.float32) / 8 for s in shapes)
+
+    same = draw() if one_expert else None
+
+    def expert(layer: int, e: int) -> tuple[np.ndarray, ...]:
+        return draw() if same is None else same
+
+    write_pack(path, g, routers, expert, weight_format="bf16", progress=False)
 
 
 def fio_read(path: Path, offset: int, size: int, part: int, depth: int) -> float:

@@ -32,22 +32,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common import QWEN3_HIDDEN, QWEN3_TOP_K, write_bf16_pack
 from strata_stream import ExpertPack, ExpertStream, StreamConfig, Window
-from strata_stream.pack import Geometry, write_pack
 
-HIDDEN, INTER, TOP_K, LAYERS = 2048, 768, 8, 2
-
-
-def make_pack(path: Path, experts: int) -> None:
-    g = Geometry(LAYERS, experts, TOP_K, HIDDEN, INTER, "softmax_topk", True)
-    rng = np.random.default_rng(0)
-    routers = [rng.standard_normal((experts, HIDDEN)).astype(np.float32)] * LAYERS
-    shapes = ((INTER, HIDDEN), (INTER, HIDDEN), (HIDDEN, INTER))
-
-    def expert(layer: int, e: int) -> tuple[np.ndarray, ...]:
-        return tuple(rng.standard_normal(s).astype(np.float32) / 8 for s in shapes)
-
-    write_pack(path, g, routers, expert, weight_format="bf16", progress=False)
+HIDDEN, TOP_K, LAYERS = QWEN3_HIDDEN, QWEN3_TOP_K, 2
 
 
 def median_ms(fn: Callable[[], None], reps: int) -> float:
@@ -116,7 +104,7 @@ def main() -> int:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "rows.strpk"
-        make_pack(path, args.experts)
+        write_bf16_pack(path, LAYERS, args.experts)
         with ExpertPack.open(path) as pack:
             everything = pack.geometry.n_records * pack.record_stride
         for max_rows in args.max_rows:

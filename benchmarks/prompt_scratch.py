@@ -27,19 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
+from common import QWEN3_TOP_K, write_bf16_pack
 from strata_stream import ExpertStream, StreamConfig, Window
-from strata_stream.pack import Geometry, write_pack
 
-HIDDEN, INTER, EXPERTS, TOP_K, LAYERS = 2048, 768, 16, 8, 2
-
-
-def make_pack(path: Path) -> None:
-    g = Geometry(LAYERS, EXPERTS, TOP_K, HIDDEN, INTER, "softmax_topk", True)
-    rng = np.random.default_rng(0)
-    routers = [rng.standard_normal((EXPERTS, HIDDEN)).astype(np.float32)] * LAYERS
-    shapes = ((INTER, HIDDEN), (INTER, HIDDEN), (HIDDEN, INTER))
-    expert = tuple(rng.standard_normal(s).astype(np.float32) / 8 for s in shapes)
-    write_pack(path, g, routers, lambda layer, e: expert, weight_format="bf16", progress=False)
+EXPERTS, TOP_K, LAYERS = 16, QWEN3_TOP_K, 2
 
 
 def main() -> int:
@@ -56,7 +47,7 @@ def main() -> int:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "scratch.strpk"
-        make_pack(path)
+        write_bf16_pack(path, LAYERS, EXPERTS, one_expert=True)
         windows = {}
         streams = []
         try:
