@@ -8,11 +8,11 @@
 
 #include "exec/scratch.h"
 
-using strata::kScratchPoisoned;
+using strata::kChecked;
 using strata::ScratchArray;
 
 TEST_CASE("checked builds poison fresh scratch: NaN floats, impossible ids and slots") {
-  if (!kScratchPoisoned) return;  // release builds leave it unset (nothing to check)
+  if (!kChecked) return;  // release builds leave it unset (nothing to check)
   constexpr std::size_t n = 3000;  // past a page, so the fill covers more than one
   ScratchArray<float> f;
   ScratchArray<std::int32_t> ids;

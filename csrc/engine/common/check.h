@@ -6,6 +6,18 @@
 #include <cstdlib>
 
 #if !defined(NDEBUG) || (defined(STRATA_CHECKS) && STRATA_CHECKS)
+#define STRATA_CHECKED 1
+#else
+#define STRATA_CHECKED 0
+#endif
+
+namespace strata {
+// Whether this build checks its invariants (STRATA_ASSERT is live): for checks that are more
+// than an assertion, such as poisoning fresh scratch (exec/scratch.h).
+inline constexpr bool kChecked = STRATA_CHECKED != 0;
+}  // namespace strata
+
+#if STRATA_CHECKED
 #define STRATA_ASSERT(cond, msg)                                                      \
   do {                                                                                \
     if (!(cond)) {                                                                    \
