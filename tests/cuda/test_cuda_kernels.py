@@ -22,6 +22,7 @@ import pytest
 
 from strata_stream import ExpertPack, ExpertStream, StreamConfig, Window
 from strata_stream.pack import Geometry, write_pack
+from strata_stream.pack.quant import bf16_bits_to_f32, f32_to_bf16_bits
 
 from .test_cuda_backend import _experts, max_violation
 
@@ -142,9 +143,7 @@ def test_bf16_x_values_take_one_piece_with_the_bits_of_three(tmp_path: Path, hid
     write_pack(path, g, routers, _experts(g, 3, False), weight_format="bf16", progress=False)
 
     def bf16_values(a: np.ndarray) -> np.ndarray:  # round to nearest even, as float32
-        bits = a.astype(np.float32).view(np.uint32)
-        up = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
-        return (up & np.uint32(0xFFFF0000)).view(np.float32)
+        return bf16_bits_to_f32(f32_to_bf16_bits(a))
 
     batch = [bf16_values(rng.standard_normal((40, hidden))) for _ in range(LAYERS)]
     for x in batch:
