@@ -177,13 +177,9 @@ Bf16Family bf16_family_settled(Bf16Family asked, std::string* note) {
   return Bf16Family::Mma;
 }
 
-Bf16Family bf16_family_from_env(std::string* note) {
-  return bf16_family_settled(bf16_family_asked(), note);
-}
-
 std::string bf16_family_description() {
   std::string note;
-  switch (bf16_family_from_env(&note)) {
+  switch (bf16_family_settled(bf16_family_asked(), &note)) {
     case Bf16Family::Wgmma: return "wgmma (every bf16 pass)";
     case Bf16Family::Auto:
       return "auto: wgmma from " + std::to_string(kWgmmaFromRows) +

@@ -2,17 +2,11 @@
 // that lets the default mix them: wgmma for prompt waves, mma.sync for decode.
 #pragma once
 
-#include <cstdint>
 #include <string>
 
-namespace strata::cuda {
+#include "kernels/device_types.h"
 
-// DevLayout::bf16_wgmma's values.
-enum class Bf16Family : std::uint32_t {
-  Mma = 0,    // mma.sync for every pass (any GPU the build runs on)
-  Wgmma = 1,  // wgmma for every pass (Hopper alone; its decode is the slower)
-  Auto = 2,   // wgmma from kWgmmaFromRows rows, mma.sync below (the default where it passes)
-};
+namespace strata::cuda {
 
 // The family STRATA_CUDA_BF16 asks for (auto, the default; mma; wgmma), read when a backend is
 // made: a value it does not know, or wgmma where this GPU cannot run it, throws, naming why.
@@ -24,9 +18,6 @@ Bf16Family bf16_family_asked();
 // a process (the answer is the GPU's), at the first bind of a bf16 pack: a backend that never
 // runs bf16 experts never pays for it.
 Bf16Family bf16_family_settled(Bf16Family asked, std::string* note);
-
-// Both of the above.
-Bf16Family bf16_family_from_env(std::string* note);
 
 // What the default (or STRATA_CUDA_BF16) takes on this GPU, in words, with the reason where auto
 // fell back to mma.sync (strata_stream._cuda.bf16_family()).

@@ -17,6 +17,14 @@ struct DevMatrix {
   std::uint32_t rows = 0, cols = 0;
 };
 
+// Which instruction family a layout's bf16 passes take (DevLayout::bf16_wgmma's values).
+enum class Bf16Family : std::uint32_t {
+  Mma = 0,    // mma.sync (mma_experts.cu) for every pass (any GPU the build runs on)
+  Wgmma = 1,  // Hopper's wgmma (wgmma_experts.cu) for every pass (its decode is the slower)
+  Auto = 2,   // wgmma for passes of kWgmmaFromRows rows and more, mma.sync below (the default
+              // where the two families gave the same bits on a known problem)
+};
+
 // PackLayout, as the kernels need it. Codes are PackLayout's enums' values.
 struct DevLayout {
   std::uint32_t n_experts = 0, top_k = 0, hidden = 0, inter = 0;
@@ -28,11 +36,9 @@ struct DevLayout {
   std::uint32_t activation = 0;                    // 0 SwiGLU, 1 SwigluOai
   float act_alpha = 0, act_limit = 0;
   DevMatrix m[3];  // gate, up, down
-  // The bf16 kernels' family (host/bf16_families.h's Bf16Family): 0 mma.sync (mma_experts.cu) for
-  // every pass, 1 Hopper's wgmma (wgmma_experts.cu) for every pass, 2 wgmma for passes of
-  // kWgmmaFromRows rows and more and mma.sync below (the default where the two families gave
-  // the same bits on a known problem). The choice is the rows' alone, so a layer's bits do not
-  // depend on the arena or the split (I11); the same arithmetic either way.
+  // The bf16 kernels' family, a Bf16Family (above; host/bf16_families.h settles it). The choice
+  // is the pass's rows' alone, so a layer's bits do not depend on the arena or the split (I11);
+  // the same arithmetic either way.
   std::uint32_t bf16_wgmma = 0;
   // Tests only (STRATA_CUDA_TEST_PLANT): a deliberate error in one kernel, which the parity tests
   // must catch. 0 in every real run.

@@ -1226,7 +1226,8 @@ cudaError_t launch_group(const DevLayout& L, const DevBuffers& b, std::uint32_t 
 namespace {
 // bf16's family for a pass of `rows` (DevLayout::bf16_wgmma).
 bool takes_wgmma(const DevLayout& L, std::uint32_t rows) {
-  return L.bf16_wgmma == 1 || (L.bf16_wgmma == 2 && rows >= kWgmmaFromRows);
+  const auto family = Bf16Family(L.bf16_wgmma);
+  return family == Bf16Family::Wgmma || (family == Bf16Family::Auto && rows >= kWgmmaFromRows);
 }
 }  // namespace
 
