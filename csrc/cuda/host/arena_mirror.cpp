@@ -28,7 +28,6 @@ ArenaMirror::~ArenaMirror() {
 
 void ArenaMirror::release() {
   memory_.reset();
-  device_ = nullptr;
   tags_.reset();
   n_slots_ = 0;
 }
@@ -39,7 +38,6 @@ void ArenaMirror::allocate(std::uint32_t n_slots, std::uint64_t slot_bytes,
   wait_all_parts();                              // and those queued before: into the old memory
   release();
   memory_.ensure(std::uint64_t(n_slots) * slot_bytes, "cudaMalloc (the arena's device mirror)");
-  device_ = memory_.as<unsigned char>();
   tags_ = std::make_unique<std::atomic<std::uint32_t>[]>(n_slots);
   for (std::uint32_t s = 0; s < n_slots; ++s) tags_[s].store(kNoKey, std::memory_order_relaxed);
   n_slots_ = n_slots;
@@ -136,8 +134,9 @@ void ArenaMirror::copy_and_wait(const unsigned char* host, std::uint64_t offset,
     Lane l;
     ~GiveBack() { m->give_lane(l); }
   } give_back{this, lane};
-  cuda_check(cudaMemcpyAsync(device_ + offset, host, size, cudaMemcpyHostToDevice, lane.stream),
-             "slot copy at IO completion");
+  cuda_check(
+      cudaMemcpyAsync(mirror_bytes() + offset, host, size, cudaMemcpyHostToDevice, lane.stream),
+      "slot copy at IO completion");
   cuda_check(cudaEventRecord(lane.done, lane.stream), "cudaEventRecord (slot copy)");
   const auto t1 = std::chrono::steady_clock::now();
   // The IO thread waits here (its preads, other threads', overlap the copy): the record is
@@ -155,7 +154,7 @@ void ArenaMirror::copy_and_wait(const unsigned char* host, std::uint64_t offset,
 void ArenaMirror::on_part_read(const ReadPart& p) {
   if (!copy_parts_) return;
   std::shared_lock<std::shared_mutex> lk(mu_);
-  if (!device_ || p.slot >= n_slots_) return;  // nothing to mirror into: the fallback copies
+  if (!mirror_bytes() || p.slot >= n_slots_) return;  // none to mirror into: the fallback copies
   if (p.offset + p.size > slot_bytes_)
     throw std::runtime_error("cuda: a record part ending at " + std::to_string(p.offset + p.size) +
                              " does not fit a mirror slot of " + std::to_string(slot_bytes_));
@@ -182,7 +181,7 @@ void ArenaMirror::on_part_read(const ReadPart& p) {
     std::lock_guard<std::mutex> pl(pending_mu_);
     all_events_.push_back(copied);
   }
-  cudaError_t e = cudaMemcpyAsync(device_ + std::uint64_t(p.slot) * slot_bytes_ + p.offset,
+  cudaError_t e = cudaMemcpyAsync(mirror_bytes() + std::uint64_t(p.slot) * slot_bytes_ + p.offset,
                                   p.bytes, p.size, cudaMemcpyHostToDevice, lane);
   if (e == cudaSuccess) e = cudaEventRecord(copied, lane);
   {
@@ -205,7 +204,7 @@ void ArenaMirror::on_part_read(const ReadPart& p) {
 
 void ArenaMirror::on_record_complete(const CompletedRecord& r) {
   std::shared_lock<std::shared_mutex> lk(mu_);
-  if (!device_ || r.slot >= n_slots_) return;  // nothing to mirror into: the fallback copies
+  if (!mirror_bytes() || r.slot >= n_slots_) return;  // none to mirror into: the fallback copies
   if (r.size > slot_bytes_)
     throw std::runtime_error("cuda: a record of " + std::to_string(r.size) +
                              " bytes does not fit a mirror slot of " +
@@ -237,7 +236,7 @@ bool ArenaMirror::ensure(std::uint32_t slot, std::uint32_t key, const unsigned c
   // A part copy of a failed read of this slot may still be queued: it lands before this one.
   wait_parts(slot, 0, ~0u);
   const std::uint64_t off = std::uint64_t(slot) * slot_bytes_;
-  cuda_check(cudaMemcpyAsync(device_ + off, host_arena + off, record_bytes_,
+  cuda_check(cudaMemcpyAsync(mirror_bytes() + off, host_arena + off, record_bytes_,
                              cudaMemcpyHostToDevice, stream),
              "slot copy");
   // Queued before the pass's kernels on their stream: they see it. Records never change, so

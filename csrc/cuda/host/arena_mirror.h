@@ -58,7 +58,7 @@ class ArenaMirror final : public RecordObserver {
   // Device memory for n_slots x slot_bytes, every tag cleared (nothing mirrored). Throws
   // std::runtime_error naming the CUDA error. Waits for the copies in flight.
   void allocate(std::uint32_t n_slots, std::uint64_t slot_bytes, std::uint64_t record_bytes);
-  const unsigned char* device() const { return device_; }
+  const unsigned char* device() const { return mirror_bytes(); }
 
   // Copy each part as it lands (STRATA_CUDA_MIRROR_FILL=parts) instead of the whole record
   // after its last part: set before the mirror is registered with a stream.
@@ -118,12 +118,13 @@ class ArenaMirror final : public RecordObserver {
   // them).
   bool all_parts_queued(std::uint32_t slot, std::uint32_t gen, std::uint32_t parts);
   void release();
+  // The mirror's device bytes (null before allocate()).
+  unsigned char* mirror_bytes() const { return memory_.as<unsigned char>(); }
   // Copies `size` host bytes to `offset` in the mirror on a copy lane and waits for it.
   void copy_and_wait(const unsigned char* host, std::uint64_t offset, std::uint64_t size);
 
   std::shared_mutex mu_;
-  DeviceArray memory_;                                   // mu_: the mirror's allocation
-  unsigned char* device_ = nullptr;                      // mu_: memory_'s bytes
+  DeviceArray memory_;                                   // mu_: the mirror's device bytes
   std::unique_ptr<std::atomic<std::uint32_t>[]> tags_;  // mu_ (the array); entries: see above
   std::uint32_t n_slots_ = 0;                            // mu_
   std::uint64_t slot_bytes_ = 0, record_bytes_ = 0;      // mu_
