@@ -304,6 +304,16 @@ def main() -> int:
             out.index_add_(0, t, y * w[t, j].double()[:, None])
         return out
 
+    def check_output(row: dict[str, Any], key: str, o: Any, rows: int, table: torch.Tensor,
+                     ref: torch.Tensor, scale: float) -> None:  # fmt: skip
+        """A build's wave (already loaded) against the float64 reference: row[key + "_rel_err"],
+        and row[key + "_within_tolerance"] for the bound every wave is held to."""
+        o.launch(rows, table)
+        torch.cuda.synchronize()
+        err = float((o.out[:rows].double() - ref).abs().max())
+        row[f"{key}_rel_err"] = err / scale
+        row[f"{key}_within_tolerance"] = err <= 1e-5 * scale + 1e-6
+
     def wave(rows: int, skewed: bool) -> dict[str, Any]:
         ids, w = route(rows, skewed, gen)
         x = torch.randn(rows, HID, generator=gen).cuda()
@@ -337,11 +347,7 @@ def main() -> int:
         ref = reference(x, ids.cuda().long(), w.cuda())
         scale = float(ref.abs().max())
         o = libs["now"]
-        o.launch(rows, table)
-        torch.cuda.synchronize()
-        err = float((o.out[:rows].double() - ref).abs().max())
-        row["now_rel_err"] = err / scale
-        row["now_within_tolerance"] = err <= 1e-5 * scale + 1e-6
+        check_output(row, "now", o, rows, table, ref, scale)
         whole = o.out[:rows].clone()  # the batch-size rule: the first tokens alone, the same bits
         for t in (1, 3):
             o.launch(t, group_table(ids[:t])[0])
@@ -349,11 +355,7 @@ def main() -> int:
             row[f"bitwise_{t}_rows_in_wave"] = bool(torch.equal(o.out[:t], whole[:t]))
         if rows == 512 and not skewed:  # the other builds and torch, once
             for name, o in libs.items():
-                o.launch(rows, table)
-                torch.cuda.synchronize()
-                err = float((o.out[:rows].double() - ref).abs().max())
-                row[f"{name}_rel_err"] = err / scale
-                row[f"{name}_within_tolerance"] = err <= 1e-5 * scale + 1e-6
+                check_output(row, name, o, rows, table, ref, scale)
             torch_moe(xb, tok, ws, offs, out_t)
             row["torch_rel_err"] = float((out_t.double() - ref).abs().max()) / scale
         bf16_x_wave(row, x, ids, w, table, rows)
@@ -378,14 +380,9 @@ def main() -> int:
             row[f"torch_over_{name}_bf16x"] = row["torch_us"] / row[f"{name}_bf16x_us"]
         o = libs["now"]
         o.load(xv, w.cuda())
-        o.launch(rows, table)
-        torch.cuda.synchronize()
-        one = o.out[:rows].clone()
         ref = reference(xv, ids.cuda().long(), w.cuda())
-        scale = float(ref.abs().max())
-        err = float((one.double() - ref).abs().max())
-        row["now_bf16x_rel_err"] = err / scale
-        row["now_bf16x_within_tolerance"] = err <= 1e-5 * scale + 1e-6
+        check_output(row, "now_bf16x", o, rows, table, ref, float(ref.abs().max()))
+        one = o.out[:rows].clone()
         mixed = xv.clone()
         mixed[-1] = x[-1]  # random float32: not bf16 values
         o.load(mixed, w.cuda())
