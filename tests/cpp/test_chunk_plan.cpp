@@ -208,3 +208,44 @@ TEST_CASE("encode: a queued routed chunk signals nothing before the host point, 
     }
   }
 }
+
+TEST_CASE("plan: a routed chunk encodes the waves its experts need; one wave's done is queued") {
+  SharedEvent routed, r1, r2, done, wr, wd;
+  const HandshakeEvents ev{&routed, &r1, &r2, &done, &wr, &wd};
+  std::vector<Command> out;
+  for (bool split : {false, true}) {
+    PlanRules r = rules(false, false);
+    r.split_turn = split;
+    r.decode_batch_rows = 16;  // 40 rows take the waves whatever their experts
+    // 40 rows could choose all 16 experts (3 waves of 6); the caller's ids chose these many.
+    for (std::uint32_t distinct : {0u, 5u, 6u, 7u, 16u}) {
+      CAPTURE(split, distinct);
+      ChunkRequest q = request(CallKind::Routed, 1, 40);
+      q.distinct_experts = distinct;
+      q.queued_done = true;
+      const ChunkPlan p = plan_chunk(r, q, 6, 0);
+      const std::uint32_t waves = distinct == 0 ? 3 : (distinct + 5) / 6;
+      CHECK(p.max_waves == waves);
+      if (distinct > 0) CHECK(p.waves(distinct) == p.max_waves);
+      // After its only wave the host unpins nothing and releases no other wave: that wave's
+      // wave_done is queued with the chunk's done. With more waves the host needs each one
+      // finished before the next host point drops its protections.
+      encode_chunk(p, ev, 4, 2, out);
+      std::vector<Command> all = out;
+      if (split) {  // the first submission has no wave; each wave is a step of its own
+        encode_step(p, Step::Wave, ev, 2, out);
+        all.insert(all.end(), out.begin(), out.end());
+      }
+      std::size_t wave_dones = 0;
+      for (const Command& c : all)
+        if (c.op == Op::Signal && c.event == &wd) {
+          ++wave_dones;
+          CHECK(c.queued == (waves == 1));
+        }
+      CHECK(wave_dones == (split ? 1u : waves));
+      q.queued_done = false;
+      encode_chunk(plan_chunk(r, q, 6, 0), ev, 4, 2, out);
+      for (const Command& c : out) CHECK_FALSE(c.queued);  // never without the chunk's own
+    }
+  }
+}

@@ -110,6 +110,11 @@ class LateKernelBackend final : public Backend {
     std::lock_guard<std::mutex> lk(mu_);
     return late_.size();
   }
+  // The most chunks' kernels that were queued at once (run together at one drain).
+  std::size_t most_late_kernels() const {
+    std::lock_guard<std::mutex> lk(mu_);
+    return most_late_;
+  }
   void fail_next_drain() {
     std::lock_guard<std::mutex> lk(mu_);
     fail_next_drain_ = true;
@@ -122,6 +127,8 @@ class LateKernelBackend final : public Backend {
   };
   struct Read {
     std::uint32_t entry, slot, key;
+    bool done = false;  // read already (its kernel finished at a drain before the chunk's end)
+    double digest = 0;  // a function of the bytes read
   };
   struct Kernel {
     std::vector<Read> reads;
@@ -177,7 +184,7 @@ class LateKernelBackend final : public Backend {
           if (resident != (c.pass == Pass::Resident)) continue;
           const std::uint32_t k = key(c.layer, b_.ids[i]);
           const std::uint32_t slot = resident ? plan_[i] : smap_load(b_.smap, k);
-          chunk_.reads.push_back({std::uint32_t(i), slot, k});
+          chunk_.reads.push_back({std::uint32_t(i), slot, k, false, 0});
         }
         return;
       case Op::MoeMM:
@@ -185,7 +192,7 @@ class LateKernelBackend final : public Backend {
           const bool in_wave =
               std::find(b_.wave, b_.wave + *b_.wave_n, b_.ids[i]) != b_.wave + *b_.wave_n;
           const std::uint32_t k = key(c.layer, b_.ids[i]);
-          if (in_wave) chunk_.reads.push_back({std::uint32_t(i), smap_load(b_.smap, k), k});
+          if (in_wave) chunk_.reads.push_back({std::uint32_t(i), smap_load(b_.smap, k), k, false, 0});
         }
         return;
       case Op::Combine:
@@ -211,22 +218,34 @@ class LateKernelBackend final : public Backend {
     }
   }
 
-  // The queued kernels run: each reads its slots now. mu_ held.
+  // A noted read happens: its slot's bytes now against its key's record. mu_ held.
+  void read_locked(Read& r) {
+    if (r.done) return;
+    r.done = true;
+    const std::uint32_t layer = r.key / g_.n_experts, expert = r.key % g_.n_experts;
+    const auto want = expected_record(g_, layer, expert);
+    const unsigned char* got = b_.arena + std::size_t(r.slot) * b_.slot_bytes;
+    if (r.slot >= b_.n_slots || std::memcmp(got, want.data(), want.size()) != 0) ++stale_;
+    // FNV-1a over the bytes read: the output depends on every one of them.
+    std::uint64_t h = 1469598103934665603ull;
+    for (std::size_t i = 0; r.slot < b_.n_slots && i < want.size(); ++i)
+      h = (h ^ got[i]) * 1099511628211ull;
+    r.digest = double(h >> 40) / double(1u << 24);
+  }
+
+  // The queued kernels run: each reads its slots now, and so do the passes of the chunk being
+  // noted (a wave's kernels finish at a Signal that is not queued, before the chunk's end).
+  // mu_ held.
   void run_late_locked() {
     const std::size_t H = g_.hidden;
-    for (const Kernel& kern : late_) {
+    most_late_ = std::max(most_late_, late_.size());
+    for (Read& r : chunk_.reads) read_locked(r);
+    for (Kernel& kern : late_) {
       if (!kern.out || !kern.x) continue;  // the tests make routed calls on "device" rows only
       std::vector<double> digest(kern.w.size(), 0.0);
-      for (const Read& r : kern.reads) {
-        const std::uint32_t layer = r.key / g_.n_experts, expert = r.key % g_.n_experts;
-        const auto want = expected_record(g_, layer, expert);
-        const unsigned char* got = b_.arena + std::size_t(r.slot) * b_.slot_bytes;
-        if (r.slot >= b_.n_slots || std::memcmp(got, want.data(), want.size()) != 0) ++stale_;
-        // FNV-1a over the bytes read: the output depends on every one of them.
-        std::uint64_t h = 1469598103934665603ull;
-        for (std::size_t i = 0; r.slot < b_.n_slots && i < want.size(); ++i)
-          h = (h ^ got[i]) * 1099511628211ull;
-        digest[r.entry] = double(h >> 40) / double(1u << 24);
+      for (Read& r : kern.reads) {
+        read_locked(r);
+        digest[r.entry] = r.digest;
       }
       for (std::uint32_t t = 0; t < kern.rows; ++t)
         for (std::size_t c = 0; c < H; ++c) {
@@ -258,6 +277,7 @@ class LateKernelBackend final : public Backend {
   Kernel chunk_;                     // mu_: the chunk being noted
   std::vector<Kernel> late_;         // mu_: queued kernels, run at the next drain
   std::uint64_t stale_ = 0, queued_signals_ = 0;  // mu_
+  std::size_t most_late_ = 0;                      // mu_
   std::thread device_;
 };
 
@@ -514,4 +534,142 @@ TEST_CASE("queued completion: every path out of a pending layer drains it") {
     CHECK(be->late_kernels() == 0);
     w.end_turn();
   }
+}
+
+namespace {
+
+// A call of `rows` tokens at each layer in chunks of max_rows, through every layer in two
+// turns, the caller's stream given. Every call's buffers outlive its kernels (until the turn's
+// end retires the last of them).
+// together: the most chunks whose kernels ran at one drain.
+std::vector<float> run_chunked(ExpertStream& stream, bool split, bool decode_path,
+                               std::uint32_t rows, std::uint32_t max_rows, std::size_t& together) {
+  const TestGeometry g = geometry();
+  auto owned = std::make_unique<LateKernelBackend>(g);
+  LateKernelBackend* be = owned.get();
+  WindowOptions wo = options(split);
+  wo.max_rows = max_rows;
+  if (!decode_path) wo.decode_rows = wo.decode_batch_rows = 0;  // every chunk in waves
+  Window w(stream, std::move(owned), wo);
+  const std::uint32_t H = g.hidden;
+  struct Call {
+    std::vector<float> x, w, out;
+    std::vector<std::int32_t> ids;
+  };
+  std::vector<float> out;
+  for (std::uint32_t turn = 0; turn < 2; ++turn) {
+    std::vector<Call> calls(g.n_layers);
+    w.begin_turn();
+    for (std::uint32_t l = 0; l < g.n_layers; ++l) {
+      Call& c = calls[l];
+      for (std::uint32_t n = 0; n < rows; ++n) {
+        const Token t = token(g, n + turn * rows, l);
+        c.x.insert(c.x.end(), t.x.begin(), t.x.end());
+        c.ids.insert(c.ids.end(), t.ids.begin(), t.ids.end());
+        c.w.insert(c.w.end(), t.w.begin(), t.w.end());
+      }
+      c.out.assign(std::size_t(rows) * H, -1.0f);
+      Window::Routed r;
+      r.ids = c.ids.data();
+      r.weights = c.w.data();
+      w.moe_routed_device(l, c.x.data(), rows, r, c.out.data(), {}, kStream);
+      CHECK(w.completion_pending());
+      REQUIRE(StreamTesting::check_invariants(stream).empty());
+    }
+    w.end_turn();  // retires the last call
+    CHECK_FALSE(w.completion_pending());
+    for (const Call& c : calls) out.insert(out.end(), c.out.begin(), c.out.end());
+  }
+  CHECK(be->stale_reads() == 0);
+  together = be->most_late_kernels();
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("queued completion: a long call's chunks stay queued back to back, output bitwise") {
+  // Six tokens a call in chunks of two. Every chunk returns queued; the next chunk keeps the
+  // queued ones' experts protected when they all fit one wave (the arena of 14 slots: a call's
+  // 12 experts and one top-k for prefetches), and drains them first when not (the minimum
+  // arena). A later chunk's misses recycle slots in both, so a kept protection that was
+  // dropped shows as a stale read and as output unlike the all-resident run's.
+  const TestGeometry g = geometry();
+  auto path = build_test_pack(g, "queued_completion_chunks");
+  PackLayout L = read_pack_layout(path);
+  for (bool decode_path : {false, true}) {
+    for (bool split : {false, true}) {
+      CAPTURE(decode_path, split);
+      std::size_t together = 0;
+      std::vector<float> want;
+      {
+        ExpertStream all(path, small_options(L.n_keys(), L, 2));
+        want = run_chunked(all, split, decode_path, 6, 6, together);  // one chunk a call
+      }
+      {
+        ExpertStream fits(path, small_options(14, L, 2));
+        const auto got = run_chunked(fits, split, decode_path, 6, 2, together);
+        CHECK(std::memcmp(got.data(), want.data(), got.size() * 4) == 0);
+        CHECK(fits.stats().snapshot().at("evicted") > 0);
+        CHECK(together == 3);  // a call's three chunks ran at one drain
+      }
+      {
+        ExpertStream tiny(path, small_options(ExpertStream::min_slots(L), L, 2));
+        const auto got = run_chunked(tiny, split, decode_path, 6, 2, together);
+        CHECK(std::memcmp(got.data(), want.data(), got.size() * 4) == 0);
+        CHECK(together == 1);  // each chunk drained before the next
+      }
+    }
+  }
+}
+
+TEST_CASE("queued completion: a host point that keeps the executing layer's protections") {
+  // The stream's half of a chunk that stays queued: at_layer with keep_executing adds the new
+  // chunk's experts to those its layer already protects. Without it (the control) the earlier
+  // chunk's experts lose their protection, and a rival's reads recycle their slots.
+  const TestGeometry g = geometry();
+  auto path = build_test_pack(g, "queued_completion_keep");
+  PackLayout L = read_pack_layout(path);
+  for (bool keep : {true, false}) {
+    CAPTURE(keep);
+    ExpertStream stream(path, small_options(6, L, 2));
+    const ClientId me = stream.open_client({});
+    const std::int32_t first[] = {1, 2}, second[] = {3};
+    HandshakeRequest q;
+    q.layer = 0;
+    q.urgent = first;
+    q.n_urgent = 2;
+    stream.at_layer(me, q);
+    stream.wait(me, 0, first, 2);
+    q.urgent = second;
+    q.n_urgent = 1;
+    q.keep_executing = keep;
+    stream.at_layer(me, q);
+    stream.wait(me, 0, second, 1);
+    // The rest of the arena, and more: the rival's reads need the unprotected slots.
+    const std::int32_t rivals[] = {8, 9, 10, 11, 12};
+    for (std::int32_t e : rivals) {
+      stream.request(2, &e, 1, ReadClass::Urgent);
+      stream.wait(2, &e, 1);
+    }
+    for (std::int32_t e : first) CHECK(slot_matches(stream, g, 0, std::uint32_t(e)) == keep);
+    CHECK(slot_matches(stream, g, 0, 3));
+    REQUIRE(StreamTesting::check_invariants(stream).empty());
+    stream.close_client(me);
+  }
+}
+
+TEST_CASE("queued completion: keep is refused at a layer the client is not executing") {
+  const TestGeometry g = geometry();
+  auto path = build_test_pack(g, "queued_completion_keep_refused");
+  PackLayout L = read_pack_layout(path);
+  ExpertStream stream(path, small_options(6, L, 2));
+  const ClientId me = stream.open_client({});
+  const std::int32_t e[] = {1};
+  HandshakeRequest q;
+  q.layer = 1;
+  q.urgent = e;
+  q.n_urgent = 1;
+  q.keep_executing = true;
+  CHECK_THROWS_WITH(stream.at_layer(me, q), Catch::Contains("not executing"));
+  stream.close_client(me);
 }

@@ -28,6 +28,15 @@ Command done_cmd(const ChunkPlan& p, const HandshakeEvents& ev, std::uint64_t v)
   return c;
 }
 
+// A wave's wave_done Signal. Queued along with the chunk's done when the chunk runs in one
+// wave: after its only wave the host unpins nothing and releases no further wave, so nothing it
+// does next needs the wave's kernels finished (the chunk's protections stand until the retire).
+Command wave_done_cmd(const ChunkPlan& p, const HandshakeEvents& ev, std::uint64_t v) {
+  Command c = event_cmd(Op::Signal, ev.wave_done, v);
+  c.queued = p.queued_done && p.max_waves == 1;
+  return c;
+}
+
 // An expert pass, stamped with the chunk's rounding.
 Command pass_cmd(const ChunkPlan& p, Op op, Pass pass = Pass::Resident) {
   Command c = cmd(op, p.layer, p.rows);
@@ -65,9 +74,13 @@ ChunkPlan plan_chunk(const PlanRules& rules, const ChunkRequest& q, std::uint32_
   // The host computes in waves whatever the size: there is no device pass to overlap.
   p.executor = p.decode_path && q.kind != CallKind::External ? Executor::Decode : Executor::Waves;
   const bool device_experts = q.kind != CallKind::External;
+  // The waves encoded up front: as many as the chunk's distinct experts need where the caller
+  // routed (known exactly), else as many as the most it could choose.
+  const std::uint32_t most_experts = q.distinct_experts > 0
+                                         ? q.distinct_experts
+                                         : std::min(rules.n_experts, q.rows * rules.top_k);
   p.max_waves = p.executor == Executor::Waves && device_experts
-                    ? (std::min(rules.n_experts, q.rows * rules.top_k) + p.wave_capacity - 1) /
-                          p.wave_capacity
+                    ? (most_experts + p.wave_capacity - 1) / p.wave_capacity
                     : 0;
   const bool routed = q.kind != CallKind::Engine;
   p.predict = lookahead(rules, q.layer, p.decode_sized, !routed || q.has_pred1,
@@ -127,7 +140,7 @@ void encode_chunk(const ChunkPlan& p, const HandshakeEvents& ev, std::uint64_t v
     for (std::uint32_t w = 0; w < p.max_waves; ++w) {
       out.push_back(event_cmd(Op::Wait, ev.wave_release, first_wave + w));
       out.push_back(pass_cmd(p, Op::MoeMM));
-      out.push_back(event_cmd(Op::Signal, ev.wave_done, first_wave + w));
+      out.push_back(wave_done_cmd(p, ev, first_wave + w));
     }
   }
   out.push_back(cmd(Op::Combine, p.layer, p.rows));
@@ -151,7 +164,7 @@ void encode_step(const ChunkPlan& p, Step step, const HandshakeEvents& ev, std::
       return;
     case Step::Wave:
       out.push_back(pass_cmd(p, Op::MoeMM));
-      out.push_back(event_cmd(Op::Signal, ev.wave_done, value));
+      out.push_back(wave_done_cmd(p, ev, value));
       return;
     case Step::Finish:
       out.push_back(cmd(Op::Combine, p.layer, p.rows));

@@ -66,8 +66,8 @@ struct ChunkRequest {
   // Routed and External: how many distinct experts the chunk's rows chose (0: not known, the
   // engine routes on the device).
   std::uint32_t distinct_experts = 0;
-  // Routed: the chunk may complete queued (the last chunk of a routed call on device memory
-  // whose caller's stream waits for its output, on a backend that completes_async()).
+  // Routed: the chunk may complete queued (a chunk of a routed call on device memory whose
+  // caller's stream waits for its output, on a backend that completes_async()).
   bool queued_done = false;
 };
 
@@ -93,8 +93,9 @@ struct ChunkPlan {
   // or in one-piece mode the expert steps waiting on their events). When not, the Window
   // neither submits it nor waits for it: an externally routed chunk costs no device round trip.
   bool device_before_host = false;
-  // The chunk's done Signal is raised once its kernels are queued (Command::queued): the
-  // Window's pending completion then holds its protections until the backend drained. Such a
+  // The chunk's done Signal is raised once its kernels are queued (Command::queued), and so is
+  // its wave's wave_done when it has one wave (max_waves 1): the Window's pending completion
+  // then holds its protections until the backend drained. Such a
   // chunk's first submission signals nothing before the host point either (its ids came from
   // the host; nothing runs on the device that the host point needs), so the host does not
   // wait for the device before at_layer.

@@ -183,10 +183,41 @@ bool Window::completion_pending() const {
 
 // ---- the pending completion: a call that returned with its kernels queued (I4) ---------------
 
+void Window::defer_chunk() {
+  std::lock_guard<std::mutex> lk(door_mu_);
+  STRATA_ASSERT(completion_ == Completion::Done || completion_ == Completion::ChunkPending,
+                "only the call in progress has queued chunks");
+  completion_ = Completion::ChunkPending;
+}
+
 void Window::defer_completion() {
   std::lock_guard<std::mutex> lk(door_mu_);
-  STRATA_ASSERT(completion_ == Completion::Done, "a call starts with no completion pending");
+  STRATA_ASSERT(completion_ == Completion::ChunkPending, "a queued call's last chunk is queued");
   completion_ = Completion::LayerPending;
+}
+
+bool Window::keep_queued_chunk(const ChunkPlan& p) {
+  if (completion_ != Completion::ChunkPending) return false;
+  STRATA_ASSERT(p.kind == CallKind::Routed, "only a routed call's chunks return queued");
+  // Routed: the waves encoded are the waves the chunk runs (plan_chunk counts its experts).
+  if (p.executor == Executor::Decode || p.max_waves == 1) {
+    // buf_.seen marks the call's experts so far (the earlier chunks', all still protected);
+    // buf_.batch_marks, kept zero, this chunk's.
+    std::size_t together = buf_.call_chosen.size();
+    const std::size_t n = std::size_t(p.rows) * L_.top_k;
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::uint32_t e = std::uint32_t(ids_[i]);
+      if (!buf_.seen[e] && !buf_.batch_marks[e]) {
+        buf_.batch_marks[e] = 1;
+        ++together;
+      }
+    }
+    for (std::size_t i = 0; i < n; ++i) buf_.batch_marks[std::uint32_t(ids_[i])] = 0;
+    if (together <= p.wave_capacity) return true;
+  }
+  drain();  // the earlier chunks' kernels finished: their protections may go
+  raise_device_error();
+  return false;
 }
 
 void Window::defer_turn_end() {
@@ -581,7 +612,7 @@ ChunkPlan Window::plan(CallKind kind, std::uint32_t layer, std::uint32_t r0, std
     q.has_pred1 = routed->pred1 != nullptr;
     q.has_pred2 = routed->pred2 != nullptr;
     q.rounding = routed->rounding;
-    if (rows <= rules_.decode_batch_rows) {  // the union of the rows' experts (ids checked)
+    {  // the union of the rows' experts (ids checked): the decode path's bound, and the waves
       std::vector<char>& seen = buf_.batch_marks;
       const std::int32_t* ids = routed->ids + std::size_t(r0) * L_.top_k;
       for (std::size_t i = 0; i < std::size_t(rows) * L_.top_k; ++i)
@@ -716,8 +747,10 @@ void Window::moe_routed_device(std::uint32_t layer, const float* x, std::uint32_
   check_routed(routed, rows, true);
   if (rows > 0 && (!x || !out)) throw std::invalid_argument("moe_routed_device needs x and out");
   const std::uint32_t H = L_.hidden;
-  // With the caller's stream on a backend that completes asynchronously, the last chunk returns
-  // with its kernels queued (the caller's stream waits for them); the chunks before it drain.
+  // With the caller's stream on a backend that completes asynchronously, every chunk returns
+  // with its kernels queued (the caller's stream waits for them), so the device runs a long
+  // call's chunks back to back; keep_queued_chunk() decides at each host point whether the
+  // chunks before may stay queued.
   const bool queued = stream.has_value() && completes_async_;
   run_call(
       layer, rows,
@@ -728,8 +761,7 @@ void Window::moe_routed_device(std::uint32_t layer, const float* x, std::uint32_
         ChunkDeviceIo io(*backend_,
                          DeviceIo{x + first, out + first, stream.has_value(), stream.value_or(0)});
         stage_routed(routed, r0, n);
-        const bool last = r0 + n == rows;
-        run_chunk(plan(CallKind::Routed, layer, r0, n, &routed, queued && last), chunk, interrupt);
+        run_chunk(plan(CallKind::Routed, layer, r0, n, &routed, queued), chunk, interrupt);
       },
       interrupt, queued);
 }
@@ -980,6 +1012,8 @@ void Window::run_chunk(const ChunkPlan& p, std::uint32_t chunk, const InterruptC
                 "the caller computes exactly the external path's experts");
   if (!p.decode_path) turn_prompt_ = true;
   const Clock::time_point start = Clock::now();  // the governor's trials compare this
+  // Before anything of this chunk is submitted: a drain waits for an idle device.
+  const bool keep = keep_queued_chunk(p);
   const std::uint64_t v = ++seq_;
   const std::uint64_t first_wave = wave_seq_ + 1;
   if (p.device_before_host) {
@@ -992,12 +1026,13 @@ void Window::run_chunk(const ChunkPlan& p, std::uint32_t chunk, const InterruptC
   }
   settle(p.layer, interrupt);
   if (p.executor == Executor::Decode)
-    run_decode(p, chunk, v, start, interrupt);
+    run_decode(p, chunk, v, keep, start, interrupt);
   else
-    run_waves(p, chunk, v, first_wave, start, interrupt, compute);
+    run_waves(p, chunk, v, first_wave, keep, start, interrupt, compute);
+  if (p.queued_done) defer_chunk();  // its kernels may still be queued: protections stand
 }
 
-void Window::run_decode(const ChunkPlan& p, std::uint32_t chunk, std::uint64_t v,
+void Window::run_decode(const ChunkPlan& p, std::uint32_t chunk, std::uint64_t v, bool keep,
                         Clock::time_point start, const InterruptCheck& interrupt) {
   HostTimer at_layer;
   read_routing(p, chunk);
@@ -1007,9 +1042,12 @@ void Window::run_decode(const ChunkPlan& p, std::uint32_t chunk, std::uint64_t v
   q.urgent = chosen.data();
   q.n_urgent = chosen.size();
   add_speculation(p, chunk, q);
+  q.keep_executing = keep;
   const SpecWatch watch = watch_spec();
-  // at_layer ends the previous layer's protections: none of its kernels may still be queued.
-  STRATA_ASSERT(completion_ == Completion::Done, "the last call's kernels finished (I4)");
+  // at_layer ends the previous protections: none of their kernels may still be queued, unless
+  // it keeps them.
+  STRATA_ASSERT(completion_ == Completion::Done || q.keep_executing,
+                "the last call's kernels finished (I4)");
   const AtLayerResult r = stream_.at_layer(client_, q, interrupt);
   count_urgent(p.layer, r.urgent);
   add_host_time(p.layer, at_layer);
@@ -1033,7 +1071,7 @@ void Window::run_decode(const ChunkPlan& p, std::uint32_t chunk, std::uint64_t v
 }
 
 void Window::run_waves(const ChunkPlan& p, std::uint32_t chunk, std::uint64_t v,
-                       std::uint64_t first_wave, Clock::time_point start,
+                       std::uint64_t first_wave, bool keep, Clock::time_point start,
                        const InterruptCheck& interrupt, const WaveCompute* compute) {
   HostTimer at_layer;
   read_routing(p, chunk);
@@ -1041,6 +1079,7 @@ void Window::run_waves(const ChunkPlan& p, std::uint32_t chunk, std::uint64_t v,
   const std::uint32_t n_waves = p.waves(chosen.size());
   STRATA_ASSERT(compute || n_waves <= p.max_waves, "waves fit the encoded submission");
   const bool multi = n_waves > 1;
+  STRATA_ASSERT(!keep || n_waves == 1, "a chunk that keeps the queued ones runs in one wave");
   add_host_time(p.layer, at_layer);
   // Every expert of a wave is resident before the wave may start.
   bool missed = false, contended = false;
@@ -1055,9 +1094,10 @@ void Window::run_waves(const ChunkPlan& p, std::uint32_t chunk, std::uint64_t v,
     q.urgent = wave;
     q.n_urgent = n;
     q.publish = w == 0;
+    q.keep_executing = keep;
     if (w + 1 == n_waves) add_speculation(p, chunk, q);  // behind the last wave's reads
     const SpecWatch watch = watch_spec();
-    STRATA_ASSERT(completion_ == Completion::Done, "the last call's kernels finished (I4)");
+    STRATA_ASSERT(completion_ == Completion::Done || keep, "the last call's kernels finished (I4)");
     const AtLayerResult r = stream_.at_layer(client_, q, interrupt);
     count_urgent(p.layer, r.urgent);
     add_host_time(p.layer, wave_timer);

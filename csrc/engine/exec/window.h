@@ -220,15 +220,20 @@ class Window {
   // I4; layer l+1's, the next router's) end only at the next at_layer, enter_layer, end_turn or
   // release_client of this client, so a call that returns with its kernels queued (its chunk's
   // done Signal queued: chunk_plan.h) leaves them standing, and nothing of this Window may drop
-  // them until the backend drained. Transitions, each named by its function:
-  //   Done -> LayerPending        defer_completion(): a call returned with its kernels queued;
+  // them until the backend drained. Every chunk of such a call returns queued, so its chunks'
+  // kernels run back to back on the device. Transitions, each named by its function:
+  //   Done -> ChunkPending        defer_chunk(): a chunk returned with its kernels queued; the
+  //                               call's next host point keeps its experts protected beside
+  //                               its own, or drains first (keep_queued_chunk());
+  //   ChunkPending -> LayerPending  defer_completion(): the call returned with its kernels
+  //                               queued;
   //   LayerPending -> TurnEndPending  defer_turn_end(): that call was the implicit turn's last
   //                               layer; the Window's turn is over, the stream's end_turn waits;
   //   * -> Done                   drain(): backend_->synchronize() returned (every kernel done);
   //                               retire_completion() then ends a deferred turn in the stream,
   //                               teardown() and abandon_call() end its protections themselves.
   // Written by the busy_ holder under door_mu_ (completion_pending() reads it from any thread).
-  enum class Completion : std::uint8_t { Done, LayerPending, TurnEndPending };
+  enum class Completion : std::uint8_t { Done, ChunkPending, LayerPending, TurnEndPending };
   enum class TurnKind : std::uint8_t { None, Explicit, Implicit };
   // Admits one driving call: throws Closed after close(), Turn when another thread owns the turn
   // or is inside a call. Releases busy_ when destroyed.
@@ -247,8 +252,15 @@ class Window {
   void retire_completion();
   // Throws the device error the backend holds, if any (EngineError, Device).
   void raise_device_error();
+  void defer_chunk();
   void defer_completion();
   void defer_turn_end();
+  // Before anything of the call's next chunk `p` (its ids staged) is submitted: whether the
+  // earlier chunks still queued (ChunkPending) keep their experts protected beside this one's
+  // (at_layer's keep_executing). Only a one-wave chunk whose experts and the call's so far fit
+  // a wave keeps them; otherwise the backend drains here (Done), so the waves find the room
+  // they would find after any drained chunk.
+  bool keep_queued_chunk(const ChunkPlan& p);
   // Abandons the layer call after an error: the device skips what is queued, the turn ends.
   void abandon_call();
   void teardown();  // close()'s release of everything (busy_ held)
@@ -274,10 +286,11 @@ class Window {
   // compute: the caller's expert pass (CallKind::External).
   void run_chunk(const ChunkPlan& p, std::uint32_t chunk, const InterruptCheck& interrupt,
                  const WaveCompute* compute = nullptr);
-  void run_decode(const ChunkPlan& p, std::uint32_t chunk, std::uint64_t v,
+  // keep: the host point keeps the call's queued chunks' protections (keep_queued_chunk).
+  void run_decode(const ChunkPlan& p, std::uint32_t chunk, std::uint64_t v, bool keep,
                   Clock::time_point start, const InterruptCheck& interrupt);
   void run_waves(const ChunkPlan& p, std::uint32_t chunk, std::uint64_t v,
-                 std::uint64_t first_wave, Clock::time_point start,
+                 std::uint64_t first_wave, bool keep, Clock::time_point start,
                  const InterruptCheck& interrupt, const WaveCompute* compute);
   void submit(const std::vector<Command>& commands) { backend_->submit(commands); }
   // Learns the chunk's routing (profile, recorded routes, precision) and leaves its experts in

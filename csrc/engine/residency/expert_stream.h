@@ -96,6 +96,11 @@ struct HandshakeRequest {
   const std::int32_t* urgent = nullptr;
   std::size_t n_urgent = 0;
   bool publish = true;  // publish completed prefetches of l+1..l+2 (I2): a chunk's first point
+  // An earlier chunk of this client's call at the same layer returned with its kernels queued:
+  // its experts stay protected and these are added to them (I4), instead of replacing them.
+  // Only for the layer the client is executing (a different layer is a new call: nothing of
+  // the last one may still be queued then).
+  bool keep_executing = false;
   // Router l+1's picks (lookahead), router l+2's (two-layer lookahead), and (lookahead off)
   // layer l+1's profile favourites.
   const std::int32_t* next_layer = nullptr;
@@ -321,9 +326,10 @@ class ExpertStream {
   // The client's protection set; throws Closed when it is not registered (closed under a call).
   ProtectionSet& client_locked(ClientId who);
   // whole_layer: protect every slot of `layer`; else exactly experts[0, n) (n may be 0: the
-  // pointer is not the signal, since an empty vector's data() may be null).
+  // pointer is not the signal, since an empty vector's data() may be null), or with keep (the
+  // layer already executing) experts[0, n) as well as those it protects.
   void enter_layer_locked(ProtectionSet& p, std::uint32_t layer, bool whole_layer,
-                          const std::int32_t* experts, std::size_t n);
+                          const std::int32_t* experts, std::size_t n, bool keep = false);
   void after_layer_locked(ProtectionSet& p, std::uint32_t layer);
   void release_plan_locked(ProtectionSet& p);
   // Whether some client other than `who` holds protections and is not itself waiting for space:

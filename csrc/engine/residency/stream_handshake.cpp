@@ -2,6 +2,7 @@
 #include "residency/expert_stream.h"
 
 #include <algorithm>
+#include <string>
 #include <vector>
 
 #include "common/check.h"
@@ -55,11 +56,16 @@ void ExpertStream::enter_layer(ClientId who, std::uint32_t layer, const std::int
 }
 
 void ExpertStream::enter_layer_locked(ProtectionSet& p, std::uint32_t layer, bool whole_layer,
-                                      const std::int32_t* experts, std::size_t n) {
+                                      const std::int32_t* experts, std::size_t n, bool keep) {
   const std::uint32_t E = layout().n_experts;
   STRATA_ASSERT(whole_layer || experts || n == 0, "an expert list of n > 0 needs its pointer");
+  // Only the layer being executed has protections to keep: anything else is a caller's
+  // ordering mistake, refused before it changes anything.
+  if (keep && std::int64_t(layer) != p.executing)
+    throw EngineError(ErrorKind::Turn, "keep_executing at layer " + std::to_string(layer) +
+                                           ", which this client is not executing");
+  if (!keep) p.executing_keep.assign(E, whole_layer ? 1 : 0);
   p.executing = layer;
-  p.executing_keep.assign(E, whole_layer ? 1 : 0);
   for (std::size_t i = 0; !whole_layer && i < n; ++i)
     if (experts[i] >= 0 && std::uint32_t(experts[i]) < E)
       p.executing_keep[std::uint32_t(experts[i])] = 1;
@@ -138,7 +144,8 @@ AtLayerResult ExpertStream::at_layer(ClientId who, const HandshakeRequest& q,
   Lock lk(mu_);
   require_open();
   AtLayerResult r;
-  enter_layer_locked(client_locked(who), q.layer, false, q.urgent, q.n_urgent);  // I4
+  enter_layer_locked(client_locked(who), q.layer, false, q.urgent, q.n_urgent,  // I4
+                     q.keep_executing);
   done_cv_.notify_all();  // the previous layer's protections may have made room for others
   r.urgent = request_locked(lk, who, q.layer, q.urgent, q.n_urgent, ReadClass::Urgent, interrupt);
   if (q.publish) r.published = publish_locked(q.layer);  // I2: before the device is released
