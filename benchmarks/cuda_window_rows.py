@@ -8,13 +8,14 @@ moe_intermediate 768, top-8) over 2 layers of bf16 experts, random routing, the 
 layers l+1 and l+2 given (as the transformers engine gives them). For each row count, the median
 wall time a layer, torch synchronized around each turn of both layers:
 - device: `moe_routed_device` on torch CUDA tensors (x read and out written in place), drained;
-- queued: the same given torch's stream (returns with the last chunk's kernels queued);
+- queued: the same given torch's stream (every chunk returns with its kernels queued, so a
+  call of several chunks runs them back to back on the GPU);
 - host: `moe_routed`, x and out in host memory (uploaded and brought back);
 - external: `moe_routed_external` with a compute function that does nothing, so nothing runs on
   the GPU: the handshake, the waves and the scratch alone.
 Printed side by side with device / external (how much of a call the host's part is not), for
-each --max-rows (the Window's chunk: a call of more rows runs in chunks, and every chunk but
-the last drains before the next is submitted), each on a stream of its own over the same pack.
+each --max-rows (the Window's chunk: a call of more rows runs in chunks, which drain one by
+one without the caller's stream), each on a stream of its own over the same pack.
 A Window's call of a 2048-row prompt took 29 ms a layer here while its scratch was zeroed at
 each turn, 2.7 ms since (docs/cuda.md, Figures).
 """

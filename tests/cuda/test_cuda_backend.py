@@ -486,6 +486,53 @@ def test_a_queued_completion_keeps_its_slots_until_the_backend_drained(
 
 
 @cuda
+@pytest.mark.parametrize("decode_batch_rows", [0, 64])
+def test_a_queued_calls_chunks_run_back_to_back_with_their_slots_kept(
+    tmp_path: Path, decode_batch_rows: int
+) -> None:
+    """A call of 24 rows in chunks of 8 given the caller's stream: every chunk returns queued,
+    and the next keeps the queued chunks' experts protected when they all fit a wave (an
+    arena of one call's experts and a top-k: each layer's reads recycle the layer before's
+    slots and refill their mirror slots at IO completion, under kernels still queued), or
+    drains them first when not (the minimum arena: waves of two experts). The bits are those of
+    the same chunks drained one by one (no stream) with every expert resident, in waves
+    (decode_batch_rows 0) and on the decode path (a chunk's 8 experts in one submission)."""
+    torch = pytest.importorskip("torch")
+    path = make_pack(tmp_path, "q4", 64, "f16")
+    rng = np.random.default_rng(11)
+    rows = 24
+    calls = []
+    for _ in range(3):  # turns, each through every layer
+        for layer in range(L):
+            ids = np.stack([rng.choice(E, K, replace=False) for _ in range(rows)]).astype(np.int32)
+            wt = rng.random((rows, K)).astype(np.float32)
+            calls.append((layer, torch.randn(rows, 384, device="cuda"), ids, wt))
+    torch.cuda.synchronize()
+
+    def drive(n_slots: int | None, queued: bool) -> list[np.ndarray]:
+        cfg = config(path, n_slots, max_rows=8, decode_batch_rows=decode_batch_rows)
+        copies = []
+        with ExpertStream(path, cfg) as stream, Window(stream, backend="cuda") as w:
+            s = torch.cuda.current_stream().cuda_stream
+            for layer, x, ids, wt in calls:
+                out = torch.empty_like(x)
+                w.moe_routed_device(layer, x, ids, wt, out, stream=s if queued else None)
+                assert w.completion_pending == queued
+                copies.append(out.clone())  # on torch's stream: after the experts
+            torch.cuda.synchronize()
+            w.close()
+            assert testing.check_invariants(stream) == ""
+            evicted = stream.stats()["evicted"]
+        assert n_slots is None or evicted > 0, "the layers recycled each other's slots"
+        return [c.cpu().numpy() for c in copies]
+
+    want = drive(None, False)
+    for n_slots in (E + K, 2 * K):
+        got = drive(n_slots, True)
+        assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True)), n_slots
+
+
+@cuda
 def test_close_during_moe_leaves_the_stream_usable(tmp_path: Path) -> None:
     path = make_pack(tmp_path, "f16", 64, "f16")
     xs = turns(384, [1])[0]
