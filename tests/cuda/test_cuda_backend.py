@@ -571,16 +571,36 @@ def test_close_during_moe_leaves_the_stream_usable(tmp_path: Path) -> None:
 
 
 @cuda
-def test_a_bad_arena_mode_is_a_config_error(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("STRATA_CUDA_ARENA", "unified", "STRATA_CUDA_ARENA must be device or mapped"),
+        ("STRATA_CUDA_SPIN_US", "fast", "STRATA_CUDA_SPIN_US must be microseconds"),
+        ("STRATA_CUDA_SPIN_US", "-1", "STRATA_CUDA_SPIN_US must be microseconds"),
+    ],
+)
+def test_a_bad_backend_setting_is_a_config_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, value: str, message: str
 ) -> None:
     path = make_pack(tmp_path, "f32", hidden=64, inter=32)
-    monkeypatch.setenv("STRATA_CUDA_ARENA", "unified")
-    with (
-        ExpertStream(path, config(path)) as stream,
-        pytest.raises(ConfigError, match="STRATA_CUDA_ARENA must be device or mapped"),
-    ):
+    monkeypatch.setenv(name, value)
+    with ExpertStream(path, config(path)) as stream, pytest.raises(ConfigError, match=message):
         Window(stream, backend="cuda")
+
+
+@cuda
+def test_the_device_threads_spin_changes_no_bit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """STRATA_CUDA_SPIN_US only moves when the device thread and the host sleep: 0 (every wait
+    blocks at once) and a long spin give the default's bits, decode and prompt."""
+    path = make_pack(tmp_path, "q4", 64, "f16")
+    xs = turns(384, [1, 3, 20])
+    want = run(path, config(path, 2 * K), xs, "cuda")
+    for us in ("0", "5000"):
+        monkeypatch.setenv("STRATA_CUDA_SPIN_US", us)
+        got = run(path, config(path, 2 * K), xs, "cuda")
+        assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True)), us
 
 
 def test_cuda_without_a_gpu_is_a_clear_config_error(tmp_path: Path) -> None:

@@ -66,7 +66,20 @@ DevLayout device_layout(const PackLayout& L) {
 // How long the device thread spins before it blocks on a condition variable: a thread woken
 // from a futex costs tens of microseconds on a virtual machine (the H200's: docs/cuda.md), more
 // than a whole decode layer's kernels; spinning this long costs one core at most that long.
+// STRATA_CUDA_SPIN_US (0..100000), read when a backend is made, sets it, for measuring what the
+// spin costs the threads beside it.
 constexpr auto kSpin = std::chrono::microseconds(200);
+
+std::chrono::microseconds spin_from_env() {
+  const char* v = std::getenv("STRATA_CUDA_SPIN_US");
+  if (!v || !*v) return kSpin;
+  char* end = nullptr;
+  const long us = std::strtol(v, &end, 10);
+  if (*end != '\0' || us < 0 || us > 100000)
+    throw std::runtime_error(
+        std::string("STRATA_CUDA_SPIN_US must be microseconds in 0..100000, got '") + v + "'");
+  return std::chrono::microseconds(us);
+}
 
 // A queued command and the facts of the submission it came in. A Route carries the
 // RoutePredict commands that follow it in its submission: one launch runs them all.
@@ -137,7 +150,7 @@ ArenaMode arena_mode_from_env() {
 class CudaBackend final : public Backend {
  public:
   CudaBackend()
-      : mode_(arena_mode_from_env()), fill_(mirror_fill_from_env()) {
+      : mode_(arena_mode_from_env()), fill_(mirror_fill_from_env()), spin_(spin_from_env()) {
     mirror_.copy_parts(fill_ == MirrorFill::Parts);
     cuda_check(cudaSetDevice(0), "cudaSetDevice");
     bf16_asked_ = bf16_family_asked();
@@ -177,7 +190,7 @@ class CudaBackend final : public Backend {
   std::string name() const override { return "cuda"; }
   // The device thread answers a handshake in tens of microseconds, about what waking a blocked
   // host thread costs on a virtual machine (docs/cuda.md): the host spins as that thread does.
-  std::chrono::microseconds host_spin() const override { return kSpin; }
+  std::chrono::microseconds host_spin() const override { return spin_; }
 
   // Float32 without moce, as every backend, on host memory or on the caller's device memory.
   std::optional<std::string> unsupported(const Capability& c) const override {
@@ -411,9 +424,9 @@ class CudaBackend final : public Backend {
     std::unique_lock<std::mutex> lk(mu_);
     std::uint64_t taken = 0;  // commands this thread has taken off the queue
     for (;;) {
-      if (queue_.empty() && !stop_) {  // spin a little before sleeping (kSpin)
+      if (queue_.empty() && !stop_) {  // spin a little before sleeping (spin_)
         lk.unlock();
-        const auto until = std::chrono::steady_clock::now() + kSpin;
+        const auto until = std::chrono::steady_clock::now() + spin_;
         while (queued_.load(std::memory_order_acquire) == taken &&
                std::chrono::steady_clock::now() < until) {
         }
@@ -601,7 +614,7 @@ class CudaBackend final : public Backend {
         return err;
       }
       case Op::Wait: {
-        const auto until = std::chrono::steady_clock::now() + kSpin;
+        const auto until = std::chrono::steady_clock::now() + spin_;
         while (c.event->value() < c.value && std::chrono::steady_clock::now() < until) {
         }
         c.event->wait(c.value);  // abort_pending() signals it, so this cannot strand
@@ -881,6 +894,7 @@ class CudaBackend final : public Backend {
   std::size_t back_ids_ = 0, back_weights_ = 0, back_pred_[2] = {0, 0}, back_out_ = 0;
   const ArenaMode mode_;
   const MirrorFill fill_;  // STRATA_CUDA_MIRROR_FILL
+  const std::chrono::microseconds spin_;  // STRATA_CUDA_SPIN_US: the device thread's spin
   // STRATA_CUDA_BF16 as asked (read by the constructor) and settled for this GPU (by the first
   // bind of a bf16 pack; bind() runs while the device thread is idle, under mu_).
   Bf16Family bf16_asked_ = Bf16Family::Auto;
