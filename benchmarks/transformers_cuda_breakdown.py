@@ -22,6 +22,12 @@ argmax, kept on the GPU: no synchronization but the model's own):
 - micro-benchmarks on an idle GPU: a small device-to-host copy (a synchronization), the
   engine's routing copy, the Window call alone on fixed inputs, a torch kernel launch.
 Run with STRATA_CUDA_TRACE=1 for the backend's own trace (printed when the engine closes).
+
+--interleave N: then every configuration's model is loaded at once and N rounds alternate
+between them (plain, streamed, plain, ...), each round a decode loop and a prefill with the
+host spans on: a host whose speed drifts during the run (the H200's did, by more than the gap
+between configurations: docs/cuda.md) then moves every configuration alike, and the per-round
+figures show the drift itself.
 """
 
 from __future__ import annotations
@@ -455,6 +461,68 @@ def run_config(name: str, model: Any, prompt: torch.Tensor, args: argparse.Names
     return row
 
 
+def load_config(cfg: str, path: Path, pack: Path, everything: int) -> tuple[str, Any]:
+    """(name, model) of one configuration, in eval mode."""
+    if cfg == "streamed":
+        model = load(path, pack_path=pack, arena_bytes=int(everything),
+                     dtype=torch.bfloat16, device=str(DEVICE), config=StreamConfig.from_env(),
+                     progress=False)  # fmt: skip
+        name = "streamed, all resident"
+    else:
+        from transformers import AutoModelForCausalLM
+
+        where = {"device_map": {"": DEVICE}} if DEVICE.type == "cuda" else {}
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.bfloat16, experts_implementation=cfg, **where)  # fmt: skip
+        name = f"plain transformers ({cfg})"
+    model.eval()
+    return name, model
+
+
+# The spans the interleaved rounds report, per sparse layer.
+_ROUND_SPANS = ("attention", "router (model's)", "experts call", "decoder layer")
+
+
+def interleaved(models: list[tuple[str, Any, bool]], prompt: torch.Tensor,
+                args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
+    """--interleave rounds over every model in turn: each round a decode loop of --tokens and
+    one prefill of the prompt, host spans on; per configuration the per-round figures."""
+    out: dict[str, Any] = {name: {"loop_ms_per_token": [], "prefill_ms": [],
+                                  **{f"decode {k} us/layer": [] for k in _ROUND_SPANS},
+                                  **{f"prefill {k} us/layer": [] for k in _ROUND_SPANS}}
+                           for name, _, _ in models}  # fmt: skip
+    with torch.no_grad():
+        for _, model, _ in models:  # every length's first call, before any round
+            decode_loop(model, torch.roll(prompt, 1, dims=1), args.tokens)
+        for _ in range(args.interleave):
+            for name, model, streamed in models:
+                row, layers = out[name], len(_sparse_blocks(model))
+                spans = Spans()
+                restore = instrument(model, spans, streamed, False)
+                try:
+                    _, dec = decode_loop(model, prompt, args.tokens, spans)
+                finally:
+                    restore()
+                row["loop_ms_per_token"].append(1e3 * dec / args.tokens)
+                per_tok = spans.per_token_us(args.tokens)
+                for k in _ROUND_SPANS:
+                    row[f"decode {k} us/layer"].append(per_tok.get(k, 0.0) / layers)
+                pf = prefill_spans(model, prompt, streamed, 1)
+                row["prefill_ms"].append(pf["wall_us"][0] / 1e3)
+                for k in _ROUND_SPANS:
+                    row[f"prefill {k} us/layer"].append(pf["per_sparse_layer_us"].get(k, 0.0))
+    return out
+
+
+def show_interleaved(rounds: dict[str, Any]) -> None:
+    print("\n===== interleaved rounds: median [each round, in order]")
+    for name, row in rounds.items():
+        print(f"-- {name}")
+        for k, v in row.items():
+            each = ", ".join(f"{x:.1f}" if x >= 10 else f"{x:.2f}" for x in v)
+            print(f"   {k:<40} {statistics.median(v):9.2f}  [{each}]")
+
+
 def show(row: dict[str, Any]) -> None:
     print(
         f"\n===== {row['config']}: {row['loop_ms_per_token']:.3f} ms/token (decode loop), "
@@ -517,12 +585,13 @@ def main() -> None:
     parser.add_argument("--configs", nargs="*", default=["grouped_mm", "streamed"],
                         choices=["eager", "grouped_mm", "streamed"])  # fmt: skip
     parser.add_argument("--out", default=None, help="folder for the JSON and the traces")
+    parser.add_argument("--interleave", type=int, default=0, metavar="N",
+                        help="N rounds alternating between the configurations' models, loaded "
+                             "together, instead of one configuration after another")  # fmt: skip
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: dry run
     args = parser.parse_args()
     global DEVICE
     DEVICE = torch.device(args.device)
-    from transformers import AutoModelForCausalLM
-
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
     path = _model_dir(args.layers, DIMS if DEVICE.type == "cuda" else TINY)
@@ -537,18 +606,21 @@ def main() -> None:
         print(json.dumps(rows[-1]), flush=True)
     except Exception as e:
         print("micro (no model) failed:", repr(e), flush=True)
+    if args.interleave > 0:
+        models = [(*load_config(cfg, path, pack, everything), cfg == "streamed")
+                  for cfg in args.configs]  # fmt: skip
+        try:
+            rounds = interleaved(models, prompt, args)
+        finally:
+            for _, model, streamed in models:
+                if streamed:
+                    model.strata_engine.close()
+        show_interleaved(rounds)
+        if args.out:
+            (Path(args.out) / "interleaved.json").write_text(json.dumps(rounds, indent=1) + "\n")
+        return
     for cfg in args.configs:
-        if cfg == "streamed":
-            model = load(path, pack_path=pack, arena_bytes=int(everything),
-                         dtype=torch.bfloat16, device=str(DEVICE), config=StreamConfig.from_env(),
-                         progress=False)  # fmt: skip
-            name = "streamed, all resident"
-        else:
-            where = {"device_map": {"": DEVICE}} if DEVICE.type == "cuda" else {}
-            model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=torch.bfloat16, experts_implementation=cfg, **where)  # fmt: skip
-            name = f"plain transformers ({cfg})"
-        model.eval()
+        name, model = load_config(cfg, path, pack, everything)
         row = run_config(name, model, prompt, args, cfg == "streamed")
         if cfg == "streamed":
             row["window_stats_total"] = {k: v for k, v in model.strata_engine.window.stats()[
