@@ -18,6 +18,7 @@
 #include <deque>
 #include <mutex>
 #include <stdexcept>
+#include <string>
 #include <thread>
 
 #include "common/errors.h"
@@ -540,10 +541,17 @@ namespace {
 
 // A call of `rows` tokens at each layer in chunks of max_rows, through every layer in two
 // turns, the caller's stream given. Every call's buffers outlive its kernels (until the turn's
-// end retires the last of them).
-// together: the most chunks whose kernels ran at one drain.
-std::vector<float> run_chunked(ExpertStream& stream, bool split, bool decode_path,
-                               std::uint32_t rows, std::uint32_t max_rows, std::size_t& together) {
+// end retires the last of them). No Catch assertion inside (two threads may run it): what went
+// wrong is counted in the result, for the caller to check.
+struct Chunked {
+  std::vector<float> out;
+  std::size_t together = 0;  // the most chunks whose kernels ran at one drain
+  std::uint64_t stale = 0;   // slots read after they were recycled
+  std::string problems;      // a call not pending after it returned, a broken invariant, ...
+};
+
+Chunked run_chunked(ExpertStream& stream, bool split, bool decode_path, std::uint32_t rows,
+                    std::uint32_t max_rows, std::uint32_t first_token = 0) {
   const TestGeometry g = geometry();
   auto owned = std::make_unique<LateKernelBackend>(g);
   LateKernelBackend* be = owned.get();
@@ -556,33 +564,33 @@ std::vector<float> run_chunked(ExpertStream& stream, bool split, bool decode_pat
     std::vector<float> x, w, out;
     std::vector<std::int32_t> ids;
   };
-  std::vector<float> out;
+  Chunked r;
   for (std::uint32_t turn = 0; turn < 2; ++turn) {
     std::vector<Call> calls(g.n_layers);
     w.begin_turn();
     for (std::uint32_t l = 0; l < g.n_layers; ++l) {
       Call& c = calls[l];
       for (std::uint32_t n = 0; n < rows; ++n) {
-        const Token t = token(g, n + turn * rows, l);
+        const Token t = token(g, first_token + n + turn * rows, l);
         c.x.insert(c.x.end(), t.x.begin(), t.x.end());
         c.ids.insert(c.ids.end(), t.ids.begin(), t.ids.end());
         c.w.insert(c.w.end(), t.w.begin(), t.w.end());
       }
       c.out.assign(std::size_t(rows) * H, -1.0f);
-      Window::Routed r;
-      r.ids = c.ids.data();
-      r.weights = c.w.data();
-      w.moe_routed_device(l, c.x.data(), rows, r, c.out.data(), {}, kStream);
-      CHECK(w.completion_pending());
-      REQUIRE(StreamTesting::check_invariants(stream).empty());
+      Window::Routed routed;
+      routed.ids = c.ids.data();
+      routed.weights = c.w.data();
+      w.moe_routed_device(l, c.x.data(), rows, routed, c.out.data(), {}, kStream);
+      if (!w.completion_pending()) r.problems += "a queued call returned not pending; ";
+      r.problems += StreamTesting::check_invariants(stream);
     }
     w.end_turn();  // retires the last call
-    CHECK_FALSE(w.completion_pending());
-    for (const Call& c : calls) out.insert(out.end(), c.out.begin(), c.out.end());
+    if (w.completion_pending()) r.problems += "end_turn left a completion pending; ";
+    for (const Call& c : calls) r.out.insert(r.out.end(), c.out.begin(), c.out.end());
   }
-  CHECK(be->stale_reads() == 0);
-  together = be->most_late_kernels();
-  return out;
+  r.stale = be->stale_reads();
+  r.together = be->most_late_kernels();
+  return r;
 }
 
 }  // namespace
@@ -599,26 +607,60 @@ TEST_CASE("queued completion: a long call's chunks stay queued back to back, out
   for (bool decode_path : {false, true}) {
     for (bool split : {false, true}) {
       CAPTURE(decode_path, split);
-      std::size_t together = 0;
-      std::vector<float> want;
+      Chunked want;
       {
         ExpertStream all(path, small_options(L.n_keys(), L, 2));
-        want = run_chunked(all, split, decode_path, 6, 6, together);  // one chunk a call
+        want = run_chunked(all, split, decode_path, 6, 6);  // one chunk a call
+        CHECK(want.problems.empty());
       }
       {
         ExpertStream fits(path, small_options(14, L, 2));
-        const auto got = run_chunked(fits, split, decode_path, 6, 2, together);
-        CHECK(std::memcmp(got.data(), want.data(), got.size() * 4) == 0);
+        const Chunked got = run_chunked(fits, split, decode_path, 6, 2);
+        CHECK(got.problems.empty());
+        CHECK(got.stale == 0);
+        CHECK(std::memcmp(got.out.data(), want.out.data(), got.out.size() * 4) == 0);
         CHECK(fits.stats().snapshot().at("evicted") > 0);
-        CHECK(together == 3);  // a call's three chunks ran at one drain
+        CHECK(got.together == 3);  // a call's three chunks ran at one drain
       }
       {
         ExpertStream tiny(path, small_options(ExpertStream::min_slots(L), L, 2));
-        const auto got = run_chunked(tiny, split, decode_path, 6, 2, together);
-        CHECK(std::memcmp(got.data(), want.data(), got.size() * 4) == 0);
-        CHECK(together == 1);  // each chunk drained before the next
+        const Chunked got = run_chunked(tiny, split, decode_path, 6, 2);
+        CHECK(got.problems.empty());
+        CHECK(got.stale == 0);
+        CHECK(std::memcmp(got.out.data(), want.out.data(), got.out.size() * 4) == 0);
+        CHECK(got.together == 1);  // each chunk drained before the next
       }
     }
+  }
+}
+
+TEST_CASE("queued completion: two Windows' queued chunks on one stream, from two threads") {
+  // Each Window keeps its own queued chunks' experts; the other's reads may recycle only what
+  // neither protects. 28 slots give each Window a wave of 12 (a call's experts: kept), 16 give
+  // each 6 (drained before each chunk). Each thread's output is its tokens' alone.
+  const TestGeometry g = geometry();
+  auto path = build_test_pack(g, "queued_completion_two");
+  PackLayout L = read_pack_layout(path);
+  Chunked want[2];
+  {
+    ExpertStream all(path, small_options(L.n_keys(), L, 2));
+    for (std::uint32_t i = 0; i < 2; ++i) want[i] = run_chunked(all, false, false, 6, 6, 100 * i);
+  }
+  for (std::uint32_t slots : {28u, 16u}) {
+    CAPTURE(slots);
+    ExpertStream stream(path, small_options(slots, L, 2));
+    Chunked got[2];
+    std::thread other([&] { got[1] = run_chunked(stream, false, false, 6, 2, 100); });
+    got[0] = run_chunked(stream, false, false, 6, 2, 0);
+    other.join();
+    for (std::uint32_t i = 0; i < 2; ++i) {
+      CHECK(got[i].problems.empty());
+      CHECK(got[i].stale == 0);
+      CHECK(std::memcmp(got[i].out.data(), want[i].out.data(), got[i].out.size() * 4) == 0);
+      if (slots == 28) CHECK(got[i].together == 3);  // kept whatever the other Window does
+    }
+    CHECK(stream.stats().snapshot().at("evicted") > 0);
+    REQUIRE(StreamTesting::check_invariants(stream).empty());
   }
 }
 
