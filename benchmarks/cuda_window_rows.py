@@ -13,7 +13,8 @@ wall time a layer, torch synchronized around each turn of both layers:
 - host: `moe_routed`, x and out in host memory (uploaded and brought back);
 - external: `moe_routed_external` with a compute function that does nothing, so nothing runs on
   the GPU: the handshake, the waves and the scratch alone.
-Printed side by side with device / external (how much of a call the host's part is not), for
+Printed side by side with device / external (how much of a call the host's part is not) and
+device / queued (what returning queued saves: a call's chunks back to back on the GPU), for
 each --max-rows (the Window's chunk: a call of more rows runs in chunks, which drain one by
 one without the caller's stream), each on a stream of its own over the same pack.
 A Window's call of a 2048-row prompt took 29 ms a layer here while its scratch was zeroed at
@@ -115,11 +116,14 @@ def main() -> int:
                 for rows in args.rows:
                     row = time_rows(window, rows, args.experts, args.reps, rng, stream_handle)
                     row["max_rows"] = max_rows
+                    # What returning queued saves (every chunk of a call, back to back).
+                    row["device_over_queued"] = row["device_ms"] / row["queued_ms"]
                     results.append(row)
                     print(f"max_rows {max_rows}, {rows:5d} rows, ms a layer: device "
                           f"{row['device_ms']:.3f}, queued {row['queued_ms']:.3f}, host "
                           f"{row['host_ms']:.3f}, external {row['external_ms']:.3f}; device / "
-                          f"external {row['device_over_external']:.1f}", flush=True)  # fmt: skip
+                          f"external {row['device_over_external']:.1f}, device / queued "
+                          f"{row['device_over_queued']:.2f}", flush=True)  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
     return 0
