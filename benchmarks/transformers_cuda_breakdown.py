@@ -200,6 +200,26 @@ def decode_loop(
     return t1 - t0, time.perf_counter() - t1
 
 
+def decode_spans(model: Any, prompt: torch.Tensor, tokens: int, streamed: bool,
+                 sync: bool) -> dict[str, Any]:  # fmt: skip
+    """The host spans of a decode loop of `tokens` after `prompt` (instrument's, torch's queue
+    drained before the routing's copy with sync), per token and per sparse layer."""
+    spans = Spans()
+    restore = instrument(model, spans, streamed, sync)
+    try:
+        _, dec_s = decode_loop(model, prompt, tokens, spans)
+    finally:
+        restore()
+    layers = len(_sparse_blocks(model))
+    per_tok = spans.per_token_us(tokens)
+    return {
+        "wall_us_per_token": 1e6 * dec_s / tokens,
+        "per_token_us": per_tok,
+        "per_sparse_layer_us": {k: v / layers for k, v in per_tok.items()},
+        "calls_per_token": {k: c / tokens for k, c in spans.calls.items()},
+    }
+
+
 def prefill_spans(model: Any, prompt: torch.Tensor, streamed: bool, n: int) -> dict[str, Any]:
     """The host spans of n prefills of `prompt` (each on a fresh cache, torch synchronized at
     its ends), per prefill and per sparse layer."""
@@ -427,22 +447,9 @@ def run_config(name: str, model: Any, prompt: torch.Tensor, args: argparse.Names
             total = model.strata_engine.window.stats()["total"]
             row["hit_rate"] = total["hit_rate"]
             row["misses"] = total["misses"]
-        layers = len(_sparse_blocks(model))
         for sync in (False, True) if streamed else (False,):
-            spans = Spans()
-            restore = instrument(model, spans, streamed, sync)
-            try:
-                _, dec_s = decode_loop(model, prompt, args.tokens, spans)
-            finally:
-                restore()
-            per_tok = spans.per_token_us(args.tokens)
             key = "host_spans_synced" if sync else "host_spans"
-            row[key] = {
-                "wall_us_per_token": 1e6 * dec_s / args.tokens,
-                "per_token_us": per_tok,
-                "per_sparse_layer_us": {k: v / layers for k, v in per_tok.items()},
-                "calls_per_token": {k: c / args.tokens for k, c in spans.calls.items()},
-            }
+            row[key] = decode_spans(model, prompt, args.tokens, streamed, sync)
         if args.prefills > 0:  # every piece's first call at this length is behind us
             row["prefill_spans"] = prefill_spans(model, prompt, streamed, args.prefills)
     trace = (
@@ -496,17 +503,11 @@ def interleaved(models: list[tuple[str, Any, bool]], prompt: torch.Tensor,
             decode_loop(model, torch.roll(prompt, 1, dims=1), args.tokens)
         for _ in range(args.interleave):
             for name, model, streamed in models:
-                row, layers = out[name], len(_sparse_blocks(model))
-                spans = Spans()
-                restore = instrument(model, spans, streamed, False)
-                try:
-                    _, dec = decode_loop(model, prompt, args.tokens, spans)
-                finally:
-                    restore()
-                row["loop_ms_per_token"].append(1e3 * dec / args.tokens)
-                per_tok = spans.per_token_us(args.tokens)
+                row = out[name]
+                dec = decode_spans(model, prompt, args.tokens, streamed, False)
+                row["loop_ms_per_token"].append(dec["wall_us_per_token"] / 1e3)
                 for k in _ROUND_SPANS:
-                    row[f"decode {k} us/layer"].append(per_tok.get(k, 0.0) / layers)
+                    row[f"decode {k} us/layer"].append(dec["per_sparse_layer_us"].get(k, 0.0))
                 pf = prefill_spans(model, prompt, streamed, 1)
                 row["prefill_ms"].append(pf["wall_us"][0] / 1e3)
                 for k in _ROUND_SPANS:
