@@ -229,6 +229,11 @@ class PartObserver final : public RecordObserver {
         std::memcmp(p.bytes, want.data() + p.offset, p.size) != 0)
       wrong_bytes.fetch_add(1);
     if (s_.smap_at(p.key) != kAbsent) published_early.fetch_add(1);
+    // The split it is told: part k at k * part_bytes, `parts` of them covering the record.
+    if (p.part_bytes != s_.part_bytes() || p.offset != std::uint64_t(p.part) * p.part_bytes ||
+        p.part >= p.parts || std::uint64_t(p.parts - 1) * p.part_bytes >= want.size() ||
+        std::uint64_t(p.parts) * p.part_bytes < want.size())
+      wrong_split.fetch_add(1);
     std::lock_guard<std::mutex> lk(mu_);
     if (p.key == fail_key) throw std::runtime_error("fake part copy failed (cudaErrorFake)");
     parts_[p.slot].push_back(p);
@@ -239,7 +244,7 @@ class PartObserver final : public RecordObserver {
     std::vector<int> seen(r.parts, 0);
     std::uint64_t bytes = 0;
     for (const ReadPart& p : mine) {
-      if (p.gen != r.gen || p.key != r.key || p.part >= r.parts) {
+      if (p.gen != r.gen || p.key != r.key || p.part >= r.parts || p.parts != r.parts) {
         ++stray;
         continue;
       }
@@ -256,7 +261,7 @@ class PartObserver final : public RecordObserver {
     std::lock_guard<std::mutex> lk(mu_);
     fail_key = key;
   }
-  std::atomic<int> wrong_bytes{0}, published_early{0};
+  std::atomic<int> wrong_bytes{0}, published_early{0}, wrong_split{0};
   int records = 0, complete_records = 0, stray = 0;  // mu_ (read once IO settled)
 
  private:
@@ -290,6 +295,7 @@ TEST_CASE("an observer sees each part of a record as it lands, then the record, 
   CHECK(obs.complete_records == records);
   CHECK(obs.stray == 0);
   CHECK(obs.wrong_bytes.load() == 0);
+  CHECK(obs.wrong_split.load() == 0);
   CHECK(obs.published_early.load() == 0);
 
   // A part the observer refuses fails the record with its cause; the stream stays usable.

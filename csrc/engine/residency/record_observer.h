@@ -42,6 +42,11 @@ struct ReadPart {
   std::uint64_t offset = 0;             // of the part within the record
   const unsigned char* bytes = nullptr;  // the part's bytes in the host arena
   std::uint64_t size = 0;               // its record bytes (the last may be short)
+  // The record's split, the same for every part of a stream: part k starts at k * part_bytes,
+  // and `parts` of them hold record bytes (CompletedRecord::parts). An observer that copies
+  // several landed parts at once (the CUDA mirror's copy chunks) finds its ranges from these.
+  std::uint32_t parts = 0;
+  std::uint64_t part_bytes = 0;
 };
 
 class RecordObserver {

@@ -149,8 +149,10 @@ void ExpertStream::execute_job(Lock& lk, const IoJob& job, std::uint32_t wake,
   std::string part_cause;
   if (err == 0 && part_record_bytes > 0) {
     const auto o0 = Clock::now();
+    const auto parts = std::uint32_t((record_bytes + part_bytes_ - 1) / part_bytes_);
     if (!notify_observers(nullptr,
-                          ReadPart{job.slot, key, job.gen, job.part, rel, dst, part_record_bytes},
+                          ReadPart{job.slot, key, job.gen, job.part, rel, dst, part_record_bytes,
+                                   parts, part_bytes_},
                           &part_cause))
       err = kObserverFailed;
     stats_.observer_ns.fetch_add(ns_since(o0), std::memory_order_relaxed);
