@@ -232,34 +232,44 @@ def test_bitwise_across_arena_sizes_split_lookahead_and_chunking(
     ):
         got = run(path, cfg, xs, "cuda")
         assert all(np.array_equal(a, b) for a, b in zip(ref, got, strict=True)), cfg
-    # Each part copied to the device as it lands (the default), or each whole record at its
-    # completion: the minimum arena recycles every layer's slots. Parts of 16 KiB: several a
-    # record.
-    for fill in ("parts", "completion"):
+    # Records copied to the device in chunks of parts as they land (the default: chunks of up
+    # to 1 MiB, so one here; 32 KiB: two parts a chunk and a last of one; 0: a copy a part), or
+    # each whole record at its completion: the minimum arena recycles every layer's slots.
+    # Parts of 16 KiB: several a record.
+    for fill, chunk_kib in (("parts", ""), ("parts", "32"), ("parts", "0"), ("completion", "")):
         monkeypatch.setenv("STRATA_CUDA_MIRROR_FILL", fill)
+        monkeypatch.setenv("STRATA_CUDA_COPY_CHUNK_KIB", chunk_kib)
         for cfg in (
             config(path, 2 * K, part_bytes=1 << 14),
             config(path, 2 * K, part_bytes=1 << 14, split_turn=True),
         ):
             got = run(path, cfg, xs, "cuda")
-            assert all(np.array_equal(a, b) for a, b in zip(ref, got, strict=True)), (fill, cfg)
+            assert all(np.array_equal(a, b) for a, b in zip(ref, got, strict=True)), (
+                fill,
+                chunk_kib,
+                cfg,
+            )
 
 
 @cuda
+@pytest.mark.parametrize("chunk_kib", ["0", "32"])
 def test_part_copies_of_a_failed_read_never_land_over_its_retry(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk_kib: str
 ) -> None:
-    """STRATA_CUDA_MIRROR_FILL=parts queues each part's device copy and goes on without waiting
-    for it; only the record's completion waits for its parts' copies before the slot is tagged
-    and published. A read that fails after some of its parts were queued leaves those copies
-    behind: the slot's next read of each part waits for the old copy before queueing its own,
-    so no stale copy lands over the new bytes. Here every layer-1 record fails at its fourth part
-    of 16 KiB (q4 records of five parts) on its first read, at the minimum arena; the stream
-    stays usable and the turns after it give a cold run's bits."""
+    """STRATA_CUDA_MIRROR_FILL=parts queues each chunk's device copy once its parts landed and
+    goes on without waiting for it; only the record's completion waits for its chunks' copies
+    before the slot is tagged and published. A read that fails after some of its chunks were
+    queued leaves those copies behind: the slot's next read of each chunk waits for the old
+    copy before queueing its own, so no stale copy lands over the new bytes. Here every layer-1
+    record fails at its fourth part of 16 KiB (q4 records of five parts) on its first read, at
+    the minimum arena, with a copy a part (chunk 0) or chunks of two parts (32 KiB: the first
+    chunk copied, the second never complete, the third copied); the stream stays usable and
+    the turns after it give a cold run's bits."""
     path = make_pack(tmp_path, "q4", 64, "f16")
     xs = turns(384, [1, 4, 1, 17])
     want = run(path, config(path), xs, "cuda")
     monkeypatch.setenv("STRATA_CUDA_MIRROR_FILL", "parts")
+    monkeypatch.setenv("STRATA_CUDA_COPY_CHUNK_KIB", chunk_kib)
     cfg = config(path, 2 * K, part_bytes=1 << 14, lookahead=False)
     with ExpertStream(path, cfg) as stream, Window(stream, backend="cuda") as w:
         for e in range(E):
@@ -577,6 +587,9 @@ def test_close_during_moe_leaves_the_stream_usable(tmp_path: Path) -> None:
         ("STRATA_CUDA_ARENA", "unified", "STRATA_CUDA_ARENA must be device or mapped"),
         ("STRATA_CUDA_SPIN_US", "fast", "STRATA_CUDA_SPIN_US must be microseconds"),
         ("STRATA_CUDA_SPIN_US", "-1", "STRATA_CUDA_SPIN_US must be microseconds"),
+        ("STRATA_CUDA_COPY_CHUNK_KIB", "-1", "STRATA_CUDA_COPY_CHUNK_KIB must be KiB"),
+        ("STRATA_CUDA_COPY_CHUNK_KIB", "65537", "STRATA_CUDA_COPY_CHUNK_KIB must be KiB"),
+        ("STRATA_CUDA_COPY_CHUNK_KIB", "1M", "STRATA_CUDA_COPY_CHUNK_KIB must be KiB"),
     ],
 )
 def test_a_bad_backend_setting_is_a_config_error(

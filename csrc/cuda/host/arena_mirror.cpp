@@ -1,5 +1,6 @@
 #include "arena_mirror.h"
 
+#include <algorithm>
 #include <chrono>
 #include <stdexcept>
 #include <string>
@@ -85,13 +86,13 @@ void ArenaMirror::wait_parts(std::uint32_t slot, std::uint32_t first, std::uint3
     std::lock_guard<std::mutex> lk(pending_mu_);
     auto it = pending_.find(slot);
     if (it == pending_.end()) return;
-    std::vector<PendingCopy>& parts = it->second;
-    for (std::uint32_t p = first; p < last && p < parts.size(); ++p) {
-      if (!parts[p].done) continue;
-      STRATA_ASSERT(gen == ~0u || parts[p].gen == gen,
-                    "a completing record's parts were all queued by its own read");
-      taken.push_back(parts[p]);
-      parts[p] = PendingCopy{};
+    std::vector<PendingCopy>& chunks = it->second.chunks;
+    for (std::uint32_t c = first; c < last && c < chunks.size(); ++c) {
+      if (!chunks[c].done) continue;
+      STRATA_ASSERT(gen == ~0u || chunks[c].gen == gen,
+                    "a completing record's chunks were all queued by its own read");
+      taken.push_back(chunks[c]);
+      chunks[c] = PendingCopy{};
     }
   }
   cudaError_t first_error = cudaSuccess;
@@ -106,12 +107,14 @@ void ArenaMirror::wait_parts(std::uint32_t slot, std::uint32_t first, std::uint3
   cuda_check(first_error, "part copy to the device mirror");
 }
 
-bool ArenaMirror::all_parts_queued(std::uint32_t slot, std::uint32_t gen, std::uint32_t parts) {
+bool ArenaMirror::all_chunks_queued(std::uint32_t slot, std::uint32_t gen) {
   std::lock_guard<std::mutex> lk(pending_mu_);
   auto it = pending_.find(slot);
-  if (it == pending_.end() || it->second.size() < parts) return false;
-  for (std::uint32_t p = 0; p < parts; ++p)
-    if (!it->second[p].done || it->second[p].gen != gen) return false;
+  if (it == pending_.end()) return false;
+  const SlotCopies& sc = it->second;
+  if (sc.gen != gen || sc.n_chunks == 0 || sc.chunks.size() < sc.n_chunks) return false;
+  for (std::uint32_t c = 0; c < sc.n_chunks; ++c)
+    if (!sc.chunks[c].done || sc.chunks[c].gen != gen) return false;
   return true;
 }
 
@@ -158,12 +161,34 @@ void ArenaMirror::on_part_read(const ReadPart& p) {
   if (p.offset + p.size > slot_bytes_)
     throw std::runtime_error("cuda: a record part ending at " + std::to_string(p.offset + p.size) +
                              " does not fit a mirror slot of " + std::to_string(slot_bytes_));
-  // The slot's old bytes stop counting before this copy overwrites some of them (no pass reads
+  STRATA_ASSERT(p.part < p.parts && p.offset == std::uint64_t(p.part) * p.part_bytes,
+                "a part is told its record's split");
+  // The slot's old bytes stop counting before a copy overwrites some of them (no pass reads
   // this slot while its read is in flight: see arena_mirror.h); every part clears it alike.
   tags_[p.slot].store(kNoKey, std::memory_order_release);
+  // Count the part as landed; the last of its chunk to land copies the chunk. The parts of one
+  // read all land before the slot's next read begins (a part counts as in flight until then),
+  // so a new generation restarts the counts.
+  const std::uint32_t per = parts_per_chunk(p.part_bytes);
+  const std::uint32_t chunk = p.part / per;
+  const std::uint32_t first = chunk * per, last = std::min(first + per, p.parts);
+  {
+    std::lock_guard<std::mutex> pl(pending_mu_);
+    SlotCopies& sc = pending_[p.slot];
+    if (sc.gen != p.gen) {
+      sc.gen = p.gen;
+      sc.n_chunks = (p.parts + per - 1) / per;
+      sc.landed.assign(sc.n_chunks, 0);
+    }
+    STRATA_ASSERT(sc.landed[chunk] < last - first, "a part lands once a read");
+    if (++sc.landed[chunk] < last - first) return;  // its chunk's other parts are being read
+  }
   // A copy into this place from an earlier read of the slot (one that failed after queueing it)
   // lands before this one is queued, so it cannot overwrite this read's bytes.
-  wait_parts(p.slot, p.part, p.part + 1);
+  wait_parts(p.slot, chunk, chunk + 1);
+  const std::uint64_t begin = std::uint64_t(first) * p.part_bytes;
+  const std::uint64_t end = std::min(std::uint64_t(last) * p.part_bytes, record_bytes_);
+  const unsigned char* host = p.bytes - p.offset + begin;  // the chunk's parts, contiguous
   const auto t0 = std::chrono::steady_clock::now();
   cuda_check(cudaSetDevice(0), "cudaSetDevice (IO thread)");
   const cudaStream_t lane = part_lane();
@@ -181,17 +206,17 @@ void ArenaMirror::on_part_read(const ReadPart& p) {
     std::lock_guard<std::mutex> pl(pending_mu_);
     all_events_.push_back(copied);
   }
-  cudaError_t e = cudaMemcpyAsync(mirror_bytes() + std::uint64_t(p.slot) * slot_bytes_ + p.offset,
-                                  p.bytes, p.size, cudaMemcpyHostToDevice, lane);
+  cudaError_t e = cudaMemcpyAsync(mirror_bytes() + std::uint64_t(p.slot) * slot_bytes_ + begin,
+                                  host, end - begin, cudaMemcpyHostToDevice, lane);
   if (e == cudaSuccess) e = cudaEventRecord(copied, lane);
   {
     std::lock_guard<std::mutex> pl(pending_mu_);
     if (e != cudaSuccess) {
       spare_events_.push_back(copied);
     } else {
-      std::vector<PendingCopy>& parts = pending_[p.slot];
-      if (parts.size() <= p.part) parts.resize(std::size_t(p.part) + 1);
-      parts[p.part] = PendingCopy{copied, p.gen};
+      std::vector<PendingCopy>& chunks = pending_[p.slot].chunks;
+      if (chunks.size() <= chunk) chunks.resize(std::size_t(chunk) + 1);
+      chunks[chunk] = PendingCopy{copied, p.gen};
     }
   }
   cuda_check(e, "part copy to the device mirror");
@@ -199,7 +224,7 @@ void ArenaMirror::on_part_read(const ReadPart& p) {
                                         std::chrono::steady_clock::now() - t0)
                                         .count()),
                       std::memory_order_relaxed);
-  parts_.fetch_add(1, std::memory_order_relaxed);
+  chunks_.fetch_add(1, std::memory_order_relaxed);
 }
 
 void ArenaMirror::on_record_complete(const CompletedRecord& r) {
@@ -209,17 +234,17 @@ void ArenaMirror::on_record_complete(const CompletedRecord& r) {
     throw std::runtime_error("cuda: a record of " + std::to_string(r.size) +
                              " bytes does not fit a mirror slot of " +
                              std::to_string(slot_bytes_));
-  // Every part of this read queued already: wait for their copies, then tag.
-  if (copy_parts_ && all_parts_queued(r.slot, r.gen, r.parts)) {
+  // Every chunk of this read queued already: wait for their copies, then tag.
+  if (copy_parts_ && all_chunks_queued(r.slot, r.gen)) {
     const auto t0 = std::chrono::steady_clock::now();
-    wait_parts(r.slot, 0, r.parts, r.gen);
+    wait_parts(r.slot, 0, ~0u, r.gen);
     wait_ns_.fetch_add(std::uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
                                          std::chrono::steady_clock::now() - t0)
                                          .count()),
                        std::memory_order_relaxed);
   } else {
     // The slot's old bytes stop counting before the copy overwrites them (no pass reads this
-    // slot while its read is in flight: see arena_mirror.h). Part copies of this read or an
+    // slot while its read is in flight: see arena_mirror.h). Chunk copies of this read or an
     // earlier one land first, so none overwrites the whole copy.
     tags_[r.slot].store(kNoKey, std::memory_order_release);
     wait_parts(r.slot, 0, ~0u);

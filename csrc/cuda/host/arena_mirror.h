@@ -20,16 +20,17 @@
 //   never races a queued kernel or the kernels' stream's own copy into it.
 // - lanes_mu_ guards the copy lanes (a stream and its event); an IO thread holds one lane for
 //   the duration of a whole-record copy, so there are at most as many as IO threads ever copied
-//   at once. Part copies go on the part lanes (part_lane(): one stream per IO thread, by thread
+//   at once. Chunk copies go on the part lanes (part_lane(): one stream per IO thread, by thread
 //   id, created once under lanes_mu_), queued and not waited for.
-// - pending_mu_ guards pending_ (a part copy queued and not yet waited for, per slot and part:
-//   its event and read generation; a completing record whose parts are all there waits for
-//   them instead of copying itself whole) and the spare events. An entry is written by the IO thread
-//   reading that part and taken by the one completing the record, or by the next read of the
-//   same part (after a failed read), or by the fallback, allocate() and the destructor; whoever
-//   takes it waits for its event outside the lock. So a copy into a part's place in a mirror
-//   slot is always complete before the next copy into it is queued, and before the slot is
-//   tagged.
+// - pending_mu_ guards pending_ (per slot: a chunk copy queued and not yet waited for, by chunk:
+//   its event and read generation, a completing record whose chunks are all there waiting for
+//   them instead of copying itself whole; and how many parts of each chunk of the slot's
+//   current read have landed) and the spare events. A chunk's entry is written by the IO thread
+//   whose part completed the chunk and taken by the one completing the record, or by the next
+//   read of the same chunk (after a failed read), or by the fallback, allocate() and the
+//   destructor; whoever takes it waits for its event outside the lock. So a copy into a chunk's
+//   place in a mirror slot is always complete before the next copy into it is queued, and
+//   before the slot is tagged.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -60,21 +61,29 @@ class ArenaMirror final : public RecordObserver {
   void allocate(std::uint32_t n_slots, std::uint64_t slot_bytes, std::uint64_t record_bytes);
   const unsigned char* device() const { return mirror_bytes(); }
 
-  // Copy each part as it lands (STRATA_CUDA_MIRROR_FILL=parts) instead of the whole record
-  // after its last part: set before the mirror is registered with a stream.
-  void copy_parts(bool on) { copy_parts_ = on; }
+  // Copy the record in chunks as their parts land (STRATA_CUDA_MIRROR_FILL=parts) instead of
+  // whole after its last part: set before the mirror is registered with a stream. A chunk is
+  // as many consecutive parts as fit `chunk_bytes` (at least one; 0: one part a chunk,
+  // STRATA_CUDA_COPY_CHUNK_KIB). On the H200 the copy engine spends about 3 us on each copy
+  // beside its bytes at 55 GB/s, whatever the streams (docs/cuda.md, "Copy chunks"), so a
+  // 2.5 MiB record copied as 15 parts of 176 KiB holds it for 93 us, as 3 chunks for 58.
+  void copy_parts(bool on, std::uint64_t chunk_bytes) {
+    copy_parts_ = on;
+    chunk_bytes_ = chunk_bytes;
+  }
 
-  // The IO thread's copy of one part (copy_parts): its bytes into their place in the mirror slot,
-  // queued on the thread's part lane and not waited for (the IO thread goes on to its next
-  // pread, as the native reference does), then counted for the read `part.gen` of the slot; the
-  // slot's tag is cleared first. A copy of an earlier read into the same place is waited for
-  // before this one is queued. The host bytes it reads stay put until the record completes: the
-  // part counts as in flight until then, or, after a failed read, until the slot's next read of
-  // the part, which waits for this copy first. Throws std::runtime_error naming the CUDA error.
+  // The IO thread's part (copy_parts): counted as landed for the read `part.gen` of the slot,
+  // and, when it is the last of its chunk to land, the chunk's bytes copied into their place in
+  // the mirror slot, queued on the thread's part lane and not waited for (the IO thread goes on
+  // to its next pread, as the native reference does); the slot's tag is cleared first. A copy of
+  // an earlier read into the same chunk is waited for before this one is queued. The host bytes
+  // it reads stay put until the record completes: its last part counts as in flight until then,
+  // or, after a failed read, until the slot's next read of the chunk, which waits for this copy
+  // first. Throws std::runtime_error naming the CUDA error.
   void on_part_read(const ReadPart& part) override;
   // The IO thread's copy: record.bytes (registered, pinned host memory) into the record's mirror
   // slot on a copy lane, waited for, then the slot tagged with record.key. With copy_parts, when
-  // every part of this read was queued already, it waits for those copies and sets the tag.
+  // every chunk of this read was queued already, it waits for those copies and sets the tag.
   // Either way the record's device bytes are complete when it returns, before the stream may
   // publish it. Throws std::runtime_error naming the CUDA error (the stream makes it the
   // record's read error).
@@ -90,7 +99,7 @@ class ArenaMirror final : public RecordObserver {
     return at_completion_.load(std::memory_order_relaxed);
   }
   std::uint64_t copies_lazy() const { return lazy_.load(std::memory_order_relaxed); }
-  std::uint64_t part_copies() const { return parts_.load(std::memory_order_relaxed); }
+  std::uint64_t chunk_copies() const { return chunks_.load(std::memory_order_relaxed); }
   // The IO threads' time in on_record_complete: queueing the copy, and waiting for it (ns).
   std::uint64_t issue_ns() const { return issue_ns_.load(std::memory_order_relaxed); }
   std::uint64_t wait_ns() const { return wait_ns_.load(std::memory_order_relaxed); }
@@ -104,19 +113,29 @@ class ArenaMirror final : public RecordObserver {
     cudaEvent_t done = nullptr;  // recorded after the copy on its part lane
     std::uint32_t gen = 0;       // the read of the slot it belongs to
   };
+  struct SlotCopies {
+    std::vector<PendingCopy> chunks;     // by chunk: the copy queued and not yet waited for
+    std::uint32_t gen = ~0u;             // the read whose parts `landed` counts
+    std::uint32_t n_chunks = 0;          // that read's chunks
+    std::vector<std::uint32_t> landed;   // by chunk: that read's parts landed so far
+  };
   Lane take_lane();
   void give_lane(const Lane& lane);
   cudaStream_t part_lane();
-  // Waits for the queued copies of `slot`'s parts [first, last) (every part: last = ~0u) and
+  // Waits for the queued copies of `slot`'s chunks [first, last) (every chunk: last = ~0u) and
   // returns their events to the spares. `gen` (when not ~0u): the read they must belong to.
   void wait_parts(std::uint32_t slot, std::uint32_t first, std::uint32_t last,
                   std::uint32_t gen = ~0u);
   void wait_all_parts();
-  // Whether parts [0, parts) of read `gen` of `slot` all have their copies queued and not yet
-  // waited for (each IO thread records its part's copy in pending_ before the part counts
-  // done, and the record completes after every part counted done: the stream's lock orders
-  // them).
-  bool all_parts_queued(std::uint32_t slot, std::uint32_t gen, std::uint32_t parts);
+  // Whether every chunk of read `gen` of `slot` has its copy queued and not yet waited for
+  // (the IO thread whose part completes a chunk records its copy in pending_ before the part
+  // counts done, and the record completes after every part counted done: the stream's lock
+  // orders them).
+  bool all_chunks_queued(std::uint32_t slot, std::uint32_t gen);
+  // Parts a chunk for a record split in parts of `part_bytes`.
+  std::uint32_t parts_per_chunk(std::uint64_t part_bytes) const {
+    return chunk_bytes_ > part_bytes ? std::uint32_t(chunk_bytes_ / part_bytes) : 1u;
+  }
   void release();
   // The mirror's device bytes (null before allocate()).
   unsigned char* mirror_bytes() const { return memory_.as<unsigned char>(); }
@@ -133,12 +152,12 @@ class ArenaMirror final : public RecordObserver {
   // lanes_mu_: each IO thread's part lane, created at its first part copy, kept until the end.
   std::unordered_map<std::thread::id, cudaStream_t> part_lanes_;
   std::mutex pending_mu_;
-  // pending_mu_: per slot, per part index, the copy queued and not yet waited for.
-  std::unordered_map<std::uint32_t, std::vector<PendingCopy>> pending_;
+  std::unordered_map<std::uint32_t, SlotCopies> pending_;  // pending_mu_: by slot
   std::vector<cudaEvent_t> spare_events_, all_events_;  // pending_mu_
   // Counts and times, for STRATA_CUDA_TRACE (relaxed: read when the backend goes).
-  std::atomic<std::uint64_t> at_completion_{0}, lazy_{0}, issue_ns_{0}, wait_ns_{0}, parts_{0};
-  bool copy_parts_ = false;  // set before registration, then read only
+  std::atomic<std::uint64_t> at_completion_{0}, lazy_{0}, issue_ns_{0}, wait_ns_{0}, chunks_{0};
+  bool copy_parts_ = false;         // set before registration, then read only
+  std::uint64_t chunk_bytes_ = 0;   // the same
 };
 
 }  // namespace strata::cuda

@@ -123,8 +123,9 @@ enum class ArenaMode : std::uint8_t { Device, Mapped };
 
 // How the device mirror is filled (STRATA_CUDA_MIRROR_FILL, read when the backend is made):
 //   parts (default): at IO completion, on copy streams, before publication (arena_mirror.h),
-//     each part copied as it lands, beside the record's other parts' reads (a q4 miss 0.38 ->
-//     0.30 ms on the H200 with balanced parts: docs/cuda.md, "IO threads and part size");
+//     the record copied in chunks of parts (STRATA_CUDA_COPY_CHUNK_KIB) as their parts land,
+//     beside the record's other parts' reads (a q4 miss 0.38 -> 0.30 ms on the H200 with
+//     balanced parts, a copy a part: docs/cuda.md, "IO threads and part size");
 //   completion: the same, the whole record copied after its last part;
 //   lazy: only by the device thread before the pass that reads a slot (the fallback alone, as
 //     before the record observer existed: for comparison).
@@ -139,6 +140,23 @@ MirrorFill mirror_fill_from_env() {
       std::string("STRATA_CUDA_MIRROR_FILL must be completion, parts or lazy, got '") + v + "'");
 }
 
+// How much of a record one mirror copy takes with the parts fill (STRATA_CUDA_COPY_CHUNK_KIB,
+// 0..65536, read when a backend is made): as many consecutive parts as fit this, at least one;
+// 0 copies each part alone. 1 MiB by default: the copy engine's ~3 us a copy is then an eighth
+// of the copy's bytes (docs/cuda.md, "Copy chunks").
+constexpr std::uint64_t kCopyChunkKib = 1024;
+
+std::uint64_t copy_chunk_bytes_from_env() {
+  const char* v = std::getenv("STRATA_CUDA_COPY_CHUNK_KIB");
+  if (!v || !*v) return kCopyChunkKib << 10;
+  char* end = nullptr;
+  const long kib = std::strtol(v, &end, 10);
+  if (*end != '\0' || kib < 0 || kib > 65536)
+    throw std::runtime_error(
+        std::string("STRATA_CUDA_COPY_CHUNK_KIB must be KiB in 0..65536, got '") + v + "'");
+  return std::uint64_t(kib) << 10;
+}
+
 ArenaMode arena_mode_from_env() {
   const char* v = std::getenv("STRATA_CUDA_ARENA");
   if (!v || !*v || std::strcmp(v, "device") == 0) return ArenaMode::Device;
@@ -151,7 +169,7 @@ class CudaBackend final : public Backend {
  public:
   CudaBackend()
       : mode_(arena_mode_from_env()), fill_(mirror_fill_from_env()), spin_(spin_from_env()) {
-    mirror_.copy_parts(fill_ == MirrorFill::Parts);
+    mirror_.copy_parts(fill_ == MirrorFill::Parts, copy_chunk_bytes_from_env());
     cuda_check(cudaSetDevice(0), "cudaSetDevice");
     bf16_asked_ = bf16_family_asked();
     cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
@@ -638,11 +656,11 @@ class CudaBackend final : public Backend {
     const std::uint64_t at_io = mirror_.copies_at_completion();
     std::fprintf(stderr,
                  " | slot copies at IO completion %llu (IO thread us a record: %.1f queueing, %.1f"
-                 " waiting; %llu parts copied as each landed), lazy %llu",
+                 " waiting; %llu chunks copied as their parts landed), lazy %llu",
                  static_cast<unsigned long long>(at_io),
                  at_io ? 1e-3 * double(mirror_.issue_ns()) / double(at_io) : 0.0,
                  at_io ? 1e-3 * double(mirror_.wait_ns()) / double(at_io) : 0.0,
-                 static_cast<unsigned long long>(mirror_.part_copies()),
+                 static_cast<unsigned long long>(mirror_.chunk_copies()),
                  static_cast<unsigned long long>(mirror_.copies_lazy()));
     std::fprintf(stderr, " | queued completions %llu",
                  static_cast<unsigned long long>(queued_signals_));
