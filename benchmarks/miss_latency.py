@@ -15,6 +15,9 @@ by the IO thread that read it, and the record's check after the last part combin
 (`crc32c_combine`); what is left of the check on a miss's path is the "verify costs" column.
 --backend: a Window of that backend is open on the stream, so its record observer runs in every
 miss (the CUDA backend's copy of the record to its device slot, before it is published).
+A second table splits a miss (means, verification on) by the stream's miss phases: queued until
+its first part began (the IO threads' wake), the reads, the CRC and the record observers, the
+publication, and the rest of wait() (the waiter's wake).
 """
 
 from __future__ import annotations
@@ -45,9 +48,15 @@ def ensure(fmt: str, pack_dir: Path) -> Path:
     return out
 
 
+PHASES = ("queued", "read", "finish", "publish")
+
+
 def miss_ms(
-    path: Path, verify: bool, io_threads: int, part: int, rounds: int, backend: str, spin_us: int
-) -> list[float]:
+    path: Path, verify: bool, io_threads: int, part: int, rounds: int, backend: str, spin_us: int,
+    phases: dict[str, float] | None = None,
+) -> list[float]:  # fmt: skip
+    """The misses' wait() times, ms. `phases`: the stream's miss phases (stats.h) added to it,
+    seconds summed over the misses, and their count under "timed"."""
     with ExpertPack.open(path) as p:
         stride, n_experts = p.record_stride, p.geometry.n_experts
     cfg = StreamConfig(arena_bytes=16 * stride, io_threads=io_threads, part_bytes=part,
@@ -63,6 +72,13 @@ def miss_ms(
                 dt = time.perf_counter() - t
                 if s.stats()["misses"] > m0:
                     out.append(1e3 * dt)
+        if phases is not None:
+            st = s.stats()
+            phases["timed"] = phases.get("timed", 0.0) + st["miss_timed"]
+            phases["wait"] = phases.get("wait", 0.0) + sum(out) / 1e3
+            phases["misses"] = phases.get("misses", 0.0) + len(out)
+            for ph in PHASES:
+                phases[ph] = phases.get(ph, 0.0) + st[f"miss_{ph}_seconds"]
     return out
 
 
@@ -92,15 +108,34 @@ def main() -> None:
                                                     args.io_spin_us):  # fmt: skip
             on: list[float] = []
             off: list[float] = []
+            phases: dict[str, float] = {}
             for _ in range(2):  # interleaved, so drift hits both alike
-                on += miss_ms(path, True, threads, kib << 10, args.rounds, args.backend, spin)
+                on += miss_ms(path, True, threads, kib << 10, args.rounds, args.backend, spin,
+                              phases)  # fmt: skip
                 off += miss_ms(path, False, threads, kib << 10, args.rounds, args.backend, spin)
             a, b = statistics.median(on), statistics.median(off)
+            # Means, us a miss (verification on): the stream's phases, and the rest of wait()
+            # (the waiter's wake and the call itself) as the mean wait less them.
+            n = max(phases["timed"], 1.0)
+            split = {ph: 1e6 * phases[ph] / n for ph in PHASES}
+            split["wake"] = 1e6 * phases["wait"] / max(phases["misses"], 1.0) - sum(split.values())
             rows.append({"format": fmt, "record_mib": mib, "io_threads": threads,
                          "part_kib": kib, "io_spin_us": spin, "verify_ms": a,
-                         "no_verify_ms": b})  # fmt: skip
+                         "no_verify_ms": b, "phases_us": split})  # fmt: skip
             print(f"| {fmt} | {mib:.1f} | {threads} | {kib} | {spin} | {a:.3f} | {b:.3f} | "
                   f"{a - b:.3f} | x{a / b:.2f} |", flush=True)  # fmt: skip
+    print("\nwhere a miss's time went, verification on (means, us): queued until its first part "
+          "began | first part to the completing part's pread end | then the CRC and the record "
+          "observers (a backend's device copies) | publication | the rest of wait() (the "
+          "waiter's wake)")  # fmt: skip
+    print("| format | IO threads | part KiB | spin us | queued | reads | CRC, observers | publish "
+          "| wake |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        ph = r["phases_us"]
+        print(f"| {r['format']} | {r['io_threads']} | {r['part_kib']} | {r['io_spin_us']} | "
+              f"{ph['queued']:.0f} | {ph['read']:.0f} | {ph['finish']:.0f} | {ph['publish']:.0f} "
+              f"| {ph['wake']:.0f} |")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

@@ -418,3 +418,68 @@ TEST_CASE("a Window registers its backend's record observer and removes it when 
   CHECK(s.n_observers() == 0);
   std::remove(path.c_str());
 }
+
+namespace {
+
+// What a backend's device copy costs a miss, as a sleep in the record's observer call.
+class SleepingObserver final : public RecordObserver {
+ public:
+  explicit SleepingObserver(int ms) : ms_(ms) {}
+  void on_record_complete(const CompletedRecord&) override {
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms_));
+  }
+
+ private:
+  int ms_;
+};
+
+}  // namespace
+
+// The miss phases (stats.h) put a miss's time where it was spent: a stall before every part's
+// pread is the reads' phase, an observer's sleep the finish phase, and the phases are disjoint
+// spans of the wait. Only reads urgent from their start count: a hit, a speculative read and
+// one promoted to urgent add nothing. The bounds are the injected sleeps and the wait's own
+// span, so none depends on how fast the machine is.
+TEST_CASE("a miss's phases say where its time went: the reads, the observers, the rest") {
+  TestGeometry g;
+  auto path = build_test_pack(g, "miss_phases");
+  PackLayout L = read_pack_layout(path);
+  ExpertStream s(path, small_options(8, L, 3));
+  REQUIRE(s.n_parts() == 3);
+  SleepingObserver obs(30);
+  const ObserverId id = s.add_observer(&obs);
+  Fault stall;
+  stall.kind = FaultKind::Delay;
+  stall.delay_ms = 20;
+  stall.remaining = -1;
+  StreamTesting::faults(s).add(2 * g.n_experts + 5, -1, stall);
+
+  std::int32_t miss[] = {5};
+  const auto t0 = Clock::now();
+  s.request(2, miss, 1, ReadClass::Urgent);
+  s.wait(2, miss, 1);
+  const double waited = double(ns_since(t0)) * 1e-9;
+  auto st = s.stats().snapshot();
+  CHECK(st.at("miss_timed") == 1);
+  CHECK(st.at("miss_read_seconds") >= 0.020);
+  CHECK(st.at("miss_finish_seconds") >= 0.030);
+  CHECK(st.at("miss_queued_seconds") + st.at("miss_read_seconds") +
+            st.at("miss_finish_seconds") + st.at("miss_publish_seconds") <=
+        waited);
+
+  s.wait(2, miss, 1);  // a hit
+  std::int32_t predicted[] = {3};
+  s.enter_layer(0);
+  s.request(1, predicted, 1, ReadClass::Pred1);  // speculative, published at the handshake
+  s.settle();
+  CHECK(s.publish(0) == 1);
+  StreamTesting::faults(s).add(1 * g.n_experts + 4, -1, stall);
+  std::int32_t promoted[] = {4};
+  s.request(1, promoted, 1, ReadClass::Pred1);
+  s.request(1, promoted, 1, ReadClass::Urgent);  // taken over by an urgent request mid-read
+  s.wait(1, promoted, 1);
+  st = s.stats().snapshot();
+  CHECK(st.at("miss_timed") == 1);
+  s.remove_observer(id);
+  CHECK(StreamTesting::check_invariants(s).empty());
+}

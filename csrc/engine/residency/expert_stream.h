@@ -369,6 +369,8 @@ class ExpertStream {
   void execute_job(Lock& lk, const IoJob& job, std::uint32_t wake = 0,
                    bool* done_owed = nullptr);
   void on_reads_finished(std::uint32_t s);
+  // Adds a published urgent read's timeline to the miss phases (stats.h).
+  void count_miss_times(const Slot::MissTimes& t);
   // Calls every registered observer (without mu_) on a record whose bytes are complete, or
   // (record null) on one part just read; false, with the first failure's message in `cause`,
   // when one threw (the rest are not called).

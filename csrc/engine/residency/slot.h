@@ -16,6 +16,8 @@
 #include <string>
 #include <vector>
 
+#include "common/timing.h"
+
 namespace strata {
 
 constexpr std::uint32_t kAbsent = 0xFFFFFFFFu;  // smap value for "not published"
@@ -62,6 +64,12 @@ struct Slot {
   // Parts of a reading slot that park() took out of the IO queue before they began (nobody
   // chose the expert, so they are not read); revive() queues them again.
   std::vector<std::uint16_t> unread;
+  // A miss's timeline, for a read urgent from its start (else `queued` stays unset): when assign
+  // queued it, when its first part began, when the part that completed it ended its pread, when
+  // its record observers returned. Its publication adds the spans to StreamStats' miss phases.
+  struct MissTimes {
+    Clock::time_point queued{}, first_part{}, last_pread{}, observed{};
+  } miss;
 
   bool in_flight() const { return parts_started != parts_done; }
   bool reads_finished() const { return parts_done == parts_total; }

@@ -23,6 +23,8 @@ void ExpertStream::assign(std::uint32_t s, std::uint32_t key, ReadClass cls) {
   sl.err_offset = 0;
   sl.cause.clear();
   sl.unread.clear();
+  sl.miss = Slot::MissTimes{};
+  if (cls == ReadClass::Urgent) sl.miss.queued = Clock::now();
   touch(s);
   sl.state.store(SlotState::Queued, std::memory_order_release);
   where_[key] = std::int32_t(s);

@@ -31,6 +31,16 @@ struct StreamStats {
   std::atomic<std::uint64_t> job_ns{0};
   std::atomic<std::uint64_t> job_cpu_ns{0};
   std::atomic<std::uint64_t> stall_ns{0};         // host time blocked in wait()
+  // Where a miss's time goes, summed over the reads urgent from their start that were published
+  // (miss_timed of them): queued to its first part's start (the IO threads' wake), first part's
+  // start to the completing part's pread end (the reads), that to the record observers' return
+  // (the part's CRC and observers, the record's check and observers: a backend's device copies),
+  // that to publication. A lone miss's wait() less these is its waiter's wake.
+  std::atomic<std::uint64_t> miss_timed{0};
+  std::atomic<std::uint64_t> miss_queued_ns{0};
+  std::atomic<std::uint64_t> miss_read_ns{0};
+  std::atomic<std::uint64_t> miss_finish_ns{0};
+  std::atomic<std::uint64_t> miss_publish_ns{0};
   std::atomic<std::uint64_t> cancelled{0};
   std::atomic<std::uint64_t> limbo{0};            // slots parked in limbo
   std::atomic<std::uint64_t> limbo_released{0};
@@ -60,6 +70,11 @@ struct StreamStats {
             {"io_job_seconds", g(job_ns) * 1e-9},
             {"io_job_cpu_seconds", g(job_cpu_ns) * 1e-9},
             {"stall_seconds", g(stall_ns) * 1e-9},
+            {"miss_timed", g(miss_timed)},
+            {"miss_queued_seconds", g(miss_queued_ns) * 1e-9},
+            {"miss_read_seconds", g(miss_read_ns) * 1e-9},
+            {"miss_finish_seconds", g(miss_finish_ns) * 1e-9},
+            {"miss_publish_seconds", g(miss_publish_ns) * 1e-9},
             {"cancelled", g(cancelled)},
             {"limbo", g(limbo)},
             {"limbo_released", g(limbo_released)},

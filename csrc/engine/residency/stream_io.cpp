@@ -97,7 +97,10 @@ void ExpertStream::execute_job(Lock& lk, const IoJob& job, std::uint32_t wake,
   SlotState st = sl.load();
   STRATA_ASSERT(st == SlotState::Queued || st == SlotState::Reading || st == SlotState::Limbo,
                 "a job runs only for a loading slot");
-  if (st == SlotState::Queued) sl.state.store(SlotState::Reading, std::memory_order_release);
+  if (st == SlotState::Queued) {
+    sl.state.store(SlotState::Reading, std::memory_order_release);
+    if (sl.miss.queued != Clock::time_point{}) sl.miss.first_part = job_start;
+  }
   ++sl.parts_started;
   const bool speculative = job.cls != ReadClass::Urgent;  // as queued: promotion re-queues
   if (speculative) stats_.spec_parts_started.fetch_add(1, std::memory_order_relaxed);
@@ -131,7 +134,8 @@ void ExpertStream::execute_job(Lock& lk, const IoJob& job, std::uint32_t wake,
     got = std::size_t(len);
   else
     err = file_->read_fully(offset, dst, std::size_t(len), &got);
-  std::uint64_t dt = ns_since(t0);
+  const auto pread_end = Clock::now();
+  std::uint64_t dt = ns_between(t0, pread_end);
   // This part's share of the record's CRC32C, here, in parallel with the other parts' reads:
   // after the last part only its own CRC and the combines remain (a whole record's CRC was
   // about 0.2 ms of a miss's latency at 2.6 MB).
@@ -176,6 +180,7 @@ void ExpertStream::execute_job(Lock& lk, const IoJob& job, std::uint32_t wake,
   // publishes it (on_reads_finished runs after): I1 holds for the observers' copies too. park
   // and revive may run meanwhile.
   if (!sl.failed_part && sl.parts_done + 1 == sl.parts_total) {
+    sl.miss.last_pread = pread_end;
     const unsigned char* record = arena_->slot(job.slot);
     lk.unlock();
     int why = 0;
@@ -192,7 +197,9 @@ void ExpertStream::execute_job(Lock& lk, const IoJob& job, std::uint32_t wake,
       if (!notify_observers(&done, ReadPart{}, &cause)) why = kObserverFailed;
       stats_.observer_ns.fetch_add(ns_since(o0), std::memory_order_relaxed);
     }
+    const auto observed = Clock::now();
     lk.lock();
+    sl.miss.observed = observed;
     if (why != 0 && !sl.failed_part) {
       sl.failed_part = true;
       sl.err = why;
@@ -235,6 +242,17 @@ std::uint32_t ExpertStream::record_crc(std::uint32_t s) const {
   return whole;
 }
 
+void ExpertStream::count_miss_times(const Slot::MissTimes& t) {
+  const Clock::time_point unset{};
+  if (t.queued == unset || t.first_part == unset || t.last_pread == unset || t.observed == unset)
+    return;  // not urgent from its start (a promoted speculative read), or no part seen whole
+  stats_.miss_timed.fetch_add(1, std::memory_order_relaxed);
+  stats_.miss_queued_ns.fetch_add(ns_between(t.queued, t.first_part), std::memory_order_relaxed);
+  stats_.miss_read_ns.fetch_add(ns_between(t.first_part, t.last_pread), std::memory_order_relaxed);
+  stats_.miss_finish_ns.fetch_add(ns_between(t.last_pread, t.observed), std::memory_order_relaxed);
+  stats_.miss_publish_ns.fetch_add(ns_since(t.observed), std::memory_order_relaxed);
+}
+
 void ExpertStream::on_reads_finished(std::uint32_t s) {
   Slot& sl = slots_[s];
   if (sl.load() == SlotState::Limbo) return;  // release_limbo recycles it
@@ -253,7 +271,10 @@ void ExpertStream::on_reads_finished(std::uint32_t s) {
   sl.state.store(SlotState::Complete, std::memory_order_release);
   stats_.reads_completed.fetch_add(1, std::memory_order_relaxed);
   // I2: only urgent completions publish from the IO side; speculation waits for publish(l).
-  if (sl.cls == ReadClass::Urgent) publish_slot(s);
+  if (sl.cls == ReadClass::Urgent) {
+    publish_slot(s);
+    count_miss_times(sl.miss);
+  }
 }
 
 bool ExpertStream::notify_observers(const CompletedRecord* record, const ReadPart& part,
