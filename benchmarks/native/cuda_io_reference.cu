@@ -11,7 +11,9 @@
 // no buffer is reused and the preads write a destination far larger than the caches.
 //   nvcc -O2 -std=c++17 -o io_ref benchmarks/native/cuda_io_reference.cu
 //   io_ref FILE OFFSET BYTES PART THREADS DEPTH [--direct] [--arena]
-// prints one JSON object: {"bytes", "seconds", "gb_s", "pinned_h2d_gb_s", ...}.
+// prints one JSON object: {"bytes", "seconds", "gb_s", "pinned_h2d_gb_s", ..., "us_a_part"}, the
+// last saying where a part's time went on its thread: waiting for its buffer's previous copy,
+// the pread, queueing the copy.
 #include <cuda_runtime.h>
 #include <fcntl.h>
 #include <unistd.h>
@@ -121,16 +123,21 @@ int main(int argc, char** argv) {
     }
   }
   std::atomic<std::uint64_t> next{0}, moved{0};
+  // Where a part's time goes, summed over the threads (ns): waiting for the buffer's previous
+  // copy, the pread, and queueing the copy and its event.
+  std::atomic<std::uint64_t> wait_ns{0}, pread_ns{0}, issue_ns{0};
   std::atomic<int> error{0};
   auto worker = [&](Lane& l) {
-    std::uint64_t mine = 0;
+    std::uint64_t mine = 0, waited = 0, read = 0, issued = 0;
     unsigned use = 0;
     std::vector<bool> busy(depth, false);
     for (std::uint64_t j; (j = next.fetch_add(1, std::memory_order_relaxed)) < parts;) {
+      const auto t0 = Clock::now();
       if (!arena && busy[use] && cudaEventSynchronize(l.done[use]) != cudaSuccess) {
         error.store(-2);
         return;
       }
+      const auto t1 = Clock::now();
       unsigned char* b = arena ? host_arena + j * part : l.buf[use];
       std::uint64_t got = 0;
       while (got < part) {
@@ -142,6 +149,7 @@ int main(int argc, char** argv) {
         }
         got += std::uint64_t(n);
       }
+      const auto t2 = Clock::now();
       if (cudaMemcpyAsync(dev + j * part, b, part, cudaMemcpyHostToDevice, l.stream) !=
               cudaSuccess ||
           cudaEventRecord(l.done[use], l.stream) != cudaSuccess) {
@@ -151,9 +159,16 @@ int main(int argc, char** argv) {
       busy[use] = true;
       use = (use + 1) % depth;
       mine += got;
+      const auto t3 = Clock::now();
+      waited += std::uint64_t(std::chrono::nanoseconds(t1 - t0).count());
+      read += std::uint64_t(std::chrono::nanoseconds(t2 - t1).count());
+      issued += std::uint64_t(std::chrono::nanoseconds(t3 - t2).count());
     }
     if (cudaStreamSynchronize(l.stream) != cudaSuccess) error.store(-2);
     moved.fetch_add(mine);
+    wait_ns.fetch_add(waited);
+    pread_ns.fetch_add(read);
+    issue_ns.fetch_add(issued);
   };
   const auto t0 = Clock::now();
   std::vector<std::thread> pool;
@@ -165,10 +180,11 @@ int main(int argc, char** argv) {
   std::printf(
       "{\"bytes\": %llu, \"seconds\": %.6f, \"gb_s\": %.3f, \"pinned_h2d_gb_s\": %.3f, "
       "\"part_bytes\": %llu, \"threads\": %u, \"depth\": %u, \"direct\": %s, "
-      "\"arena\": %s}\n",
+      "\"arena\": %s, \"us_a_part\": {\"wait\": %.1f, \"pread\": %.1f, \"issue\": %.1f}}\n",
       (unsigned long long)moved.load(), seconds, moved.load() / seconds / 1e9, h2d / 1e9,
       (unsigned long long)part, threads, depth, direct ? "true" : "false",
-      arena ? "true" : "false");
+      arena ? "true" : "false", 1e-3 * double(wait_ns.load()) / double(parts),
+      1e-3 * double(pread_ns.load()) / double(parts), 1e-3 * double(issue_ns.load()) / double(parts));
   for (Lane& l : lanes) {
     for (auto* b : l.buf) cudaFreeHost(b);
     for (auto e : l.done) cudaEventDestroy(e);
