@@ -7,6 +7,7 @@ import mmap
 import os
 import shutil
 import tempfile
+import time
 import zlib
 from pathlib import Path
 
@@ -55,6 +56,28 @@ def test_urgent_request_reads_the_records(make_pack: PackFactory) -> None:
         assert st["misses"] == 2 and st["hits"] == 1
         assert st["bytes_read"] >= 2 * s.record_bytes
         assert testing.check_invariants(s) == ""
+
+
+def test_stats_split_each_miss_into_its_phases(make_pack: PackFactory) -> None:
+    """Every miss urgent from its start is timed once, its phases (queued, reads, CRC and
+    observers, publication) inside the waits that covered it; a hit and a speculative read,
+    even one an urgent wait then took over, add nothing."""
+    path = make_pack()
+    with ExpertStream(path, config(8, stride_of(path))) as s:
+        t0 = time.perf_counter()
+        s.request(1, [3, 9])
+        s.wait(1, [3, 9])
+        waited = time.perf_counter() - t0
+        s.wait(1, [3])  # a hit
+        s.enter_layer(1)
+        s.request(2, [4], urgent=False)
+        s.wait(2, [4])  # the speculative read, taken over by an urgent wait (promoted)
+        st = s.stats()
+        assert st["misses"] == 2 and st["miss_timed"] == 2
+        phases = [st[f"miss_{p}_seconds"] for p in ("queued", "read", "finish", "publish")]
+        assert all(v >= 0.0 for v in phases)
+        # Two misses read side by side: each phase sum is at most both misses' whole span.
+        assert sum(phases) <= 2 * waited
 
 
 def test_records_are_read_in_parts_balanced_over_the_io_threads(make_pack: PackFactory) -> None:

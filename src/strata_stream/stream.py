@@ -269,6 +269,14 @@ class ExpertStream:
         return None if s == ABSENT else self.slot_bytes(s)
 
     def stats(self) -> dict[str, Any]:
+        """The stream's counters since it opened: hits and misses of urgent requests,
+        speculative reads (requested, hits, dropped, failed), bytes and records read, where the
+        IO threads' time went (read_seconds, crc_seconds, observer_seconds, io_job_seconds,
+        io_job_cpu_seconds), stall_seconds (the host blocked in wait()), and the miss phases:
+        for the miss_timed reads that were urgent from their start, the seconds from queueing
+        to their first part (miss_queued_seconds), of reads (miss_read_seconds), of the CRC and
+        the record observers such as a backend's device copies (miss_finish_seconds) and to
+        publication (miss_publish_seconds), summed. Also n_slots and direct_io."""
         out: dict[str, Any] = dict(self._s.stats())
         out["n_slots"] = self.n_slots
         out["direct_io"] = self.direct_io
