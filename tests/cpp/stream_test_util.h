@@ -1,11 +1,14 @@
 #pragma once
 
 #include <cstring>
+#include <initializer_list>
 #include <random>
 #include <vector>
 
 #include "exec/window.h"
 #include "residency/expert_stream.h"
+#include "residency/fault_injection.h"
+#include "residency/stream_testing.h"
 #include "pack_builder.h"
 
 namespace strata::test {
@@ -18,6 +21,18 @@ inline StreamOptions small_options(std::uint32_t slots, const PackLayout& L, std
   o.direct_io = false;
   o.io_timeout_s = 20;
   return o;
+}
+
+// Every part read of these experts stalls `ms` and then reads.
+inline void slow_down(ExpertStream& s, const PackLayout& L, std::uint32_t layer,
+                      std::initializer_list<std::uint32_t> experts, int ms) {
+  for (std::uint32_t e : experts) {
+    Fault f;
+    f.kind = FaultKind::Delay;
+    f.delay_ms = ms;
+    f.remaining = -1;
+    StreamTesting::faults(s).add(layer * L.n_experts + e, -1, f);
+  }
 }
 
 // Bytes of a published expert equal the file's record.

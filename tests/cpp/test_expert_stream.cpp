@@ -142,18 +142,6 @@ TEST_CASE("a failed urgent read names layer, expert, offset and errno; the strea
 
 namespace {
 
-// Every part read of these experts stalls `ms` and then reads.
-void slow_down(ExpertStream& s, const PackLayout& L, std::uint32_t layer,
-               std::initializer_list<std::uint32_t> experts, int ms) {
-  for (std::uint32_t e : experts) {
-    Fault f;
-    f.kind = FaultKind::Delay;
-    f.delay_ms = ms;
-    f.remaining = -1;
-    StreamTesting::faults(s).add(layer * L.n_experts + e, -1, f);
-  }
-}
-
 ErrorKind kind_of(const std::function<void()>& f) {
   try {
     f();

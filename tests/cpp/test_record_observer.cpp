@@ -448,11 +448,7 @@ TEST_CASE("a miss's phases say where its time went: the reads, the observers, th
   REQUIRE(s.n_parts() == 3);
   SleepingObserver obs(30);
   const ObserverId id = s.add_observer(&obs);
-  Fault stall;
-  stall.kind = FaultKind::Delay;
-  stall.delay_ms = 20;
-  stall.remaining = -1;
-  StreamTesting::faults(s).add(2 * g.n_experts + 5, -1, stall);
+  slow_down(s, L, 2, {5}, 20);
 
   std::int32_t miss[] = {5};
   const auto t0 = Clock::now();
@@ -473,7 +469,7 @@ TEST_CASE("a miss's phases say where its time went: the reads, the observers, th
   s.request(1, predicted, 1, ReadClass::Pred1);  // speculative, published at the handshake
   s.settle();
   CHECK(s.publish(0) == 1);
-  StreamTesting::faults(s).add(1 * g.n_experts + 4, -1, stall);
+  slow_down(s, L, 1, {4}, 20);
   std::int32_t promoted[] = {4};
   s.request(1, promoted, 1, ReadClass::Pred1);
   s.request(1, promoted, 1, ReadClass::Urgent);  // taken over by an urgent request mid-read
