@@ -2,12 +2,13 @@
 # One call on a CUDA machine (the H200 of the device tool): build _core and _cuda, run the CUDA
 # tests, compute-sanitizer over a short parity run, the handshake probe and benchmarks/cuda.py.
 # Logs go to $OUT (or /tmp/strata-cuda-out). Every step is bounded by `timeout`.
-#   tests/cuda/device_run.sh [all | tests sanitize kernels bench prompt ...]
+#   tests/cuda/device_run.sh [all | tests sanitize kernels bench prompt io ...]
 # kernels: benchmarks/native/cuda_kernel_bench.cu (the decode kernels alone, CUDA events) and ncu
 # over it; with STRATA_KERNELS_BEFORE=DIR (a folder holding another commit's kernels/), the same
 # for those kernels, and their outputs compared bitwise.
 # prompt: benchmarks/cuda_prompt.py (the bf16 tensor-core kernels against torch._grouped_mm, and
 # against STRATA_KERNELS_BEFORE's kernels where given).
+# io (not part of all): IO threads swept over the IO path, a miss and decode (the end of the file).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 what=" ${*:-all} "
@@ -281,4 +282,26 @@ if wants bench; then
   # A decode layer with all of Qwen3-30B-A3B's 128 experts (the route kernel's real width).
   step bench128 120 $py benchmarks/cuda.py --layers 1 --experts 128 --prompt-rows \
     --backends cuda-device --json "$out/cuda_bench128.json"
+fi
+# io (only when named; not part of all): the IO path, a lone miss and decode at each of
+# STRATA_IO_SWEEP's IO-thread counts (default 8 16: the default's cap and the H200 host's cores),
+# side by side in one call (docs/cuda.md, "What is left").
+if [[ "$what" == *" io "* ]]; then
+  sweep=${STRATA_IO_SWEEP:-8 16}
+  [ -x /tmp/io_ref ] || step io_ref_build 60 nvcc -O2 -std=c++17 -o /tmp/io_ref \
+    benchmarks/native/cuda_io_reference.cu
+  [ -f /tmp/decode.strpk ] || step decode_pack 120 $py benchmarks/cuda.py --write-decode-pack \
+    --decode-pack /tmp/decode.strpk
+  cat /tmp/decode.strpk > /dev/null  # warm in the page cache, as every figure here assumes
+  # shellcheck disable=SC2086
+  STRATA_CUDA_TRACE=1 step io_path 200 $py benchmarks/io_path.py --pack /tmp/decode.strpk \
+    --backend cuda --io-threads $sweep --rounds 2 --prompt-rows 0 --io-reference /tmp/io_ref \
+    --json "$out/io_path.json"
+  # shellcheck disable=SC2086
+  step miss 150 $py benchmarks/miss_latency.py --formats q4 bf16 --backend cuda \
+    --io-threads $sweep --rounds 3 --pack-dir /tmp/packs --json "$out/miss.json"
+  for t in $sweep; do
+    step "decode_$t" 200 $py benchmarks/cuda.py --backends --decode --decode-pack /tmp/decode.strpk \
+      --io-reference /tmp/io_ref --io-threads "$t" --fractions 0.1 0.25 --json "$out/decode_$t.json"
+  done
 fi
