@@ -109,6 +109,7 @@ def test_generate_mistakes_are_one_line_errors(
         ([*ok, "--arena-gb", "nan"], "--arena-gb must be a number of GiB > 0, got nan"),
         ([*ok, "--arena-gb", "inf"], "--arena-gb must be a number of GiB > 0, got inf"),
         ([*ok, "--arena-gb", "0"], "--arena-gb must be"),
+        (ok, "model: no config.json (not a model directory?)"),
     ):
         assert main(argv) == 2, argv
         _one_line_error(capsys, needle)
@@ -164,6 +165,43 @@ def test_convert_without_out_writes_the_pack_load_uses(
     assert ensure_pack(ckpt, progress=False) == pack and pack.stat().st_mtime_ns == made
     assert main(["convert", str(ckpt), "-o", str(tmp_path / "o.strpk"), "--quiet"]) == 0
     assert f"use it with --pack {tmp_path / 'o.strpk'}" in capsys.readouterr().out
+
+
+def test_convert_takes_the_model_generate_takes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mistyped path or a directory that holds no model is one line naming it, before anything
+    is converted; a repo id is fetched as load() fetches it (the hub here a local snapshot), and
+    its pack lands in the cache entry load() finds for that snapshot."""
+    import huggingface_hub
+
+    from strata_stream.convert.pack_cache import default_pack_path
+    from test_convert import _synthetic
+
+    monkeypatch.setenv("STRATA_CACHE", str(tmp_path / "cache"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for argv, needle in (
+        (["convert", str(tmp_path / "typo")], "typo: no such model directory"),
+        (["convert", "./modle", "-o", "o.pack"], "./modle: no such model directory"),
+        (["convert", str(empty)], "empty: no config.json (not a model directory?)"),
+    ):
+        assert main(argv) == 2, argv
+        _one_line_error(capsys, needle)
+    snapshot = _synthetic(tmp_path / "hub" / "snapshot")
+    fetched: list[tuple[str, list[str] | None]] = []
+
+    def snapshot_download(repo_id: str, revision: str | None = None,
+                          allow_patterns: list[str] | None = None) -> str:  # fmt: skip
+        fetched.append((repo_id, allow_patterns))
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    assert main(["convert", "owner/model", "--quiet"]) == 0
+    assert [repo for repo, _ in fetched] == ["owner/model"]
+    assert fetched[0][1] is not None and "model*.safetensors" in fetched[0][1]
+    pack = default_pack_path(snapshot)
+    assert f"{pack} (" in capsys.readouterr().out and pack.exists()
 
 
 def test_generate_refuses_more_tokens_than_the_context(

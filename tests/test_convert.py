@@ -183,7 +183,12 @@ def test_cli_convert_and_inspect(tmp_path: Path, capsys: pytest.CaptureFixture[s
     text = capsys.readouterr().out
     assert "routing        external" in text and "decoder layers [0, 1]" in text
     assert main(["convert", str(tmp_path / "missing"), "-o", str(out)]) == 2
-    assert "no .safetensors files" in capsys.readouterr().err
+    assert "missing: no such model directory" in capsys.readouterr().err
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text("{}")
+    assert main(["convert", str(bare), "-o", str(out)]) == 2
+    assert "bare: no .safetensors files" in capsys.readouterr().err
 
 
 def test_arena_is_sized_from_available_memory(tmp_path: Path) -> None:

@@ -333,6 +333,38 @@ def test_bad_inputs_name_their_cause(fam: Family, tmp_path: Path) -> None:
         load(other, pack_path=fam.pack, config=BASE, progress=False)
 
 
+@pytest.mark.parametrize("fam", ["qwen3_moe"], indirect=True)
+def test_a_repo_id_is_fetched_with_the_files_convert_fetches(
+    fam: Family, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A repo id goes to the hub (here a stand-in returning the family's checkpoint) with the
+    patterns `convert` and mlx-lm fetch, so all of them share one snapshot and one pack; a
+    directory without config.json is refused by name."""
+    import huggingface_hub
+
+    from strata_stream.paths import MODEL_FILES
+
+    fetched: list[tuple[str, list[str] | None]] = []
+
+    def snapshot_download(repo_id: str, revision: str | None = None,
+                          allow_patterns: list[str] | None = None) -> str:  # fmt: skip
+        fetched.append((repo_id, allow_patterns))
+        return str(fam.path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    model = load("owner/model", pack_path=fam.pack, config=BASE, attn_implementation="eager",
+                 progress=False)  # fmt: skip
+    try:
+        assert model.strata_model_dir == fam.path
+    finally:
+        model.strata_engine.close()
+    assert fetched == [("owner/model", list(MODEL_FILES))]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match="empty: no config.json"):
+        load(empty, config=BASE, progress=False)
+
+
 @pytest.mark.parametrize("fam", ["qwen2_moe"], indirect=True)
 def test_cli_generate_with_the_transformers_engine(
     fam: Family, capsys: pytest.CaptureFixture[str]

@@ -45,7 +45,8 @@ def _build_parser() -> argparse.ArgumentParser:
     conv = sub.add_parser(
         "convert", help="pack the routed experts of an mlx-lm / Hugging Face checkpoint"
     )
-    conv.add_argument("model", metavar="MODEL_DIR", help="checkpoint directory (safetensors)")
+    conv.add_argument("model", metavar="MODEL",
+                      help="checkpoint directory (safetensors) or Hugging Face repo")  # fmt: skip
     conv.add_argument("-o", "--out", metavar="PACK",
                       help="pack file to write (default: the cache, where generate, serve and "
                       "load find it)")  # fmt: skip
@@ -165,19 +166,20 @@ def _pack(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from strata_stream.convert import convert
     from strata_stream.convert.pack_cache import ensure_pack
+    from strata_stream.paths import MODEL_FILES, model_dir
 
+    if args.out is None and args.quantize is not None:
+        raise ConfigError("--quantize needs -o PACK: the cache holds the checkpoint's own "
+                          "experts")  # fmt: skip
+    # A repo id is fetched as load() fetches it, so the pack lands in the entry load() finds.
+    model = model_dir(args.model, allow_patterns=MODEL_FILES)
     if args.out is None:  # into the cache entry load() uses; kept if it is up to date
-        if args.quantize is not None:
-            raise ConfigError("--quantize needs -o PACK: the cache holds the checkpoint's own "
-                              "experts")  # fmt: skip
-        path = ensure_pack(Path(args.model), progress=not args.quiet)
+        path = ensure_pack(model, progress=not args.quiet)
         print(f"{path} ({path.stat().st_size:,} bytes): generate, serve and load use it")
         return 0
-    path = convert(args.model, args.out, progress=not args.quiet, quantize=args.quantize,
+    path = convert(model, args.out, progress=not args.quiet, quantize=args.quantize,
                    group_size=args.group_size)  # fmt: skip
     print(f"wrote {path} ({path.stat().st_size:,} bytes); use it with --pack {path}")
     return 0

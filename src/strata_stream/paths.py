@@ -44,3 +44,52 @@ def model_location(path_or_repo: str | os.PathLike[str]) -> str:
     if pathlike:
         raise ConfigError(f"{text or repr(text)}: no such model directory")
     return text
+
+
+# What `strata-stream convert REPO` and strata_stream.transformers fetch of a repo: mlx-lm's own
+# download patterns (its DEFAULT_ALLOW_PATTERNS), so conversion and every loader find the same
+# files in the snapshot (and so the same cached pack), and a repo's other copies of the weights
+# (a consolidated.safetensors, .bin files) stay behind.
+MODEL_FILES = ("*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.tiktoken",
+               "tiktoken.model", "*.txt", "*.jsonl", "*.jinja")  # fmt: skip
+
+
+def model_dir(
+    path_or_repo: str | os.PathLike[str],
+    revision: str | None = None,
+    allow_patterns: tuple[str, ...] | None = None,
+) -> Path:
+    """The local directory of a model: `path_or_repo` where it is one, else the Hugging Face
+    repo it names (model_location's rule), fetched into the hub's cache (`allow_patterns`: only
+    those files, MODEL_FILES for a model; None: the whole repository), the snapshot mlx-lm's
+    own download finds too.
+    Raises ConfigError naming the cause (a mistyped local path, no huggingface_hub to fetch a
+    repo with) and what checked_model_dir refuses."""
+    from strata_stream.errors import ConfigError
+
+    location = model_location(path_or_repo)
+    local = Path(location)
+    if not local.exists():
+        try:
+            from huggingface_hub import snapshot_download
+        except ImportError:
+            raise ConfigError(
+                f"{location}: not a local directory, and fetching it from the Hugging Face hub "
+                "needs huggingface_hub (pip install huggingface_hub)"
+            ) from None
+        patterns = list(allow_patterns) if allow_patterns is not None else None
+        local = Path(snapshot_download(location, revision=revision, allow_patterns=patterns))
+    return checked_model_dir(local)
+
+
+def checked_model_dir(path: str | os.PathLike[str]) -> Path:
+    """`path`, where it is a directory holding a config.json (every model a loader takes has
+    one); else ConfigError naming what it is instead."""
+    from strata_stream.errors import ConfigError
+
+    path = Path(path)
+    if not path.is_dir():
+        raise ConfigError(f"{path}: a file, not a model directory")
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{path}: no config.json (not a model directory?)")
+    return path

@@ -14,7 +14,6 @@ import os
 import re
 import weakref
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,6 +23,7 @@ from strata_stream.config import StreamConfig
 from strata_stream.convert.pack_cache import ensure_pack
 from strata_stream.errors import ConfigError, PackError
 from strata_stream.pack.reader import ExpertPack
+from strata_stream.paths import MODEL_FILES, model_dir
 from strata_stream.transformers.engine import BlockRef, TorchMoeEngine
 from strata_stream.transformers.experts import EngineSlot, StreamedExperts
 from strata_stream.transformers.families import experts_shape, family_of, is_sparse_block
@@ -33,19 +33,6 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # The checkpoint's expert tensors, as transformers names them once renamed for the model
 # (``...mlp.experts.gate_up_proj``, ``...mlp.experts.down_proj_bias``): no parameter takes them.
 _EXPERT_KEYS = [r"\.experts\.(?:\d+\.)?(?:gate_up_proj|down_proj|gate_proj|up_proj|w[123])"]
-
-
-def _model_dir(path_or_repo: str | os.PathLike[str], revision: str | None) -> Path:
-    local = Path(path_or_repo).expanduser()
-    if local.is_dir():
-        return local
-    text = os.fspath(path_or_repo)
-    if text.count("/") != 1 or text.startswith((".", "/", "~")):
-        raise ConfigError(f"{text}: no such model directory")
-    from huggingface_hub import snapshot_download
-
-    # The whole repository: the experts are converted from its shards on first load.
-    return Path(snapshot_download(text, revision=revision))
 
 
 def _replace_experts(model: torch.nn.Module, slot: EngineSlot) -> None:
@@ -188,7 +175,9 @@ def load(
     kwargs.pop("device_map", None)
     if dev.type == "cuda":
         kwargs["device_map"] = {"": dev}  # the dense weights load straight onto the GPU
-    model_path = _model_dir(path_or_repo, kwargs.get("revision"))
+    # A repo's config, weights and tokenizer (the files `convert` and mlx-lm fetch too: one
+    # snapshot, so one cached pack); its experts are converted from the shards on first load.
+    model_path = model_dir(path_or_repo, kwargs.get("revision"), MODEL_FILES)
     hf_config = AutoConfig.from_pretrained(
         model_path, trust_remote_code=kwargs.get("trust_remote_code", False)
     )
