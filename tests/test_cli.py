@@ -204,6 +204,28 @@ def test_convert_takes_the_model_generate_takes(
     assert f"{pack} (" in capsys.readouterr().out and pack.exists()
 
 
+def test_a_failed_fetch_is_one_line_naming_the_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hub's errors run over several lines; the command's is one, and names the model, for
+    convert (strata-stream's own fetch) and generate (mlx-lm's) alike."""
+    import huggingface_hub
+
+    def offline(repo_id: str, **kwargs: Any) -> str:
+        raise OSError("Got: ConnectError\nPlease check your internet connection and try again.")
+
+    monkeypatch.setenv("STRATA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    needles = ("owner/model: cannot fetch it from the Hugging Face hub: Got: ConnectError Please "
+               "check your internet connection")  # fmt: skip
+    assert main(["convert", "owner/model"]) == 2
+    _one_line_error(capsys, needles)
+    mlx_utils = pytest.importorskip("mlx_lm.utils")
+    monkeypatch.setattr(mlx_utils, "snapshot_download", offline)
+    assert main(["generate", "owner/model", "--prompt", "hi", "--engine", "mlx-lm"]) == 2
+    _one_line_error(capsys, needles)
+
+
 def test_generate_refuses_more_tokens_than_the_context(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -442,7 +442,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _serve(args)
         return _demo(rest)
     except (StrataError, OSError, ImportError) as e:  # ImportError: an extension not built
-        print(f"strata-stream: error: {e}", file=sys.stderr)
+        # One line, whatever the message (a library's may run over several).
+        print(f"strata-stream: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("strata-stream: interrupted", file=sys.stderr)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -78,8 +79,23 @@ def model_dir(
                 "needs huggingface_hub (pip install huggingface_hub)"
             ) from None
         patterns = list(allow_patterns) if allow_patterns is not None else None
-        local = Path(snapshot_download(location, revision=revision, allow_patterns=patterns))
+
+        def fetch() -> str:
+            return str(snapshot_download(location, revision=revision, allow_patterns=patterns))
+
+        local = fetched(location, fetch)
     return checked_model_dir(local)
+
+
+def fetched(location: str, fetch: Callable[[], str | os.PathLike[str]]) -> Path:
+    """The directory `fetch()` returns for `location`; what fetching it from the hub raises (no
+    network, no such repo, a malformed id: the hub's messages run over several lines) as one
+    OSError of one line naming the model."""
+    try:
+        return Path(fetch())
+    except (OSError, ValueError) as e:
+        why = " ".join(str(e).split())
+        raise OSError(f"{location}: cannot fetch it from the Hugging Face hub: {why}") from e
 
 
 def checked_model_dir(path: str | os.PathLike[str]) -> Path:

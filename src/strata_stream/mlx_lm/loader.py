@@ -27,7 +27,7 @@ from strata_stream.mlx_lm.blocks import StreamedExperts, StreamedMoE, strip_expe
 from strata_stream.mlx_lm.engine import EXPERT_MODES, BlockRef, MoeEngine
 from strata_stream.mlx_lm.families import family_of
 from strata_stream.pack.reader import ExpertPack
-from strata_stream.paths import checked_model_dir, model_location
+from strata_stream.paths import checked_model_dir, fetched, model_location
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -263,7 +263,9 @@ def load(
     from mlx_lm.utils import _download, load_adapters, load_tokenizer
 
     # A mistyped local path is refused here, not looked up as a repo on the network.
-    model_path = checked_model_dir(_download(model_location(path_or_repo), revision=revision))
+    location = model_location(path_or_repo)
+    snapshot = fetched(location, lambda: _download(location, revision=revision))
+    model_path = checked_model_dir(snapshot)
     model, model_cfg = load_model(
         model_path,
         arena_bytes=arena_bytes,
