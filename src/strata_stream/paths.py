@@ -89,13 +89,12 @@ def model_dir(
 
 def fetched(location: str, fetch: Callable[[], str | os.PathLike[str]]) -> Path:
     """The directory `fetch()` returns for `location`; what fetching it from the hub raises (no
-    network, no such repo, a malformed id: the hub's messages run over several lines) as one
-    OSError of one line naming the model."""
+    network, no such repo, a malformed id: the hub's messages do not name the repo) as one
+    OSError naming the model."""
     try:
         return Path(fetch())
     except (OSError, ValueError) as e:
-        why = " ".join(str(e).split())
-        raise OSError(f"{location}: cannot fetch it from the Hugging Face hub: {why}") from e
+        raise OSError(f"{location}: cannot fetch it from the Hugging Face hub: {e}") from e
 
 
 def checked_model_dir(path: str | os.PathLike[str]) -> Path:
