@@ -200,6 +200,9 @@ def test_convert_takes_the_model_generate_takes(
     assert main(["convert", "owner/model", "--quiet"]) == 0
     assert [repo for repo, _ in fetched] == ["owner/model"]
     assert fetched[0][1] is not None and "model*.safetensors" in fetched[0][1]
+    # The same files mlx-lm's own download takes, so both find one snapshot and one pack.
+    mlx_utils = pytest.importorskip("mlx_lm.utils")
+    assert fetched[0][1] == list(mlx_utils.DEFAULT_ALLOW_PATTERNS)
     pack = default_pack_path(snapshot)
     assert f"{pack} (" in capsys.readouterr().out and pack.exists()
 

@@ -168,13 +168,13 @@ def _pack(args: argparse.Namespace) -> int:
 def _convert(args: argparse.Namespace) -> int:
     from strata_stream.convert import convert
     from strata_stream.convert.pack_cache import ensure_pack
-    from strata_stream.paths import MODEL_FILES, model_dir
+    from strata_stream.paths import model_dir
 
     if args.out is None and args.quantize is not None:
         raise ConfigError("--quantize needs -o PACK: the cache holds the checkpoint's own "
                           "experts")  # fmt: skip
     # A repo id is fetched as load() fetches it, so the pack lands in the entry load() finds.
-    model = model_dir(args.model, allow_patterns=MODEL_FILES)
+    model = model_dir(args.model)
     if args.out is None:  # into the cache entry load() uses; kept if it is up to date
         path = ensure_pack(model, progress=not args.quiet)
         print(f"{path} ({path.stat().st_size:,} bytes): generate, serve and load use it")

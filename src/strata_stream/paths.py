@@ -55,15 +55,10 @@ MODEL_FILES = ("*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.tik
                "tiktoken.model", "*.txt", "*.jsonl", "*.jinja")  # fmt: skip
 
 
-def model_dir(
-    path_or_repo: str | os.PathLike[str],
-    revision: str | None = None,
-    allow_patterns: tuple[str, ...] | None = None,
-) -> Path:
+def model_dir(path_or_repo: str | os.PathLike[str], revision: str | None = None) -> Path:
     """The local directory of a model: `path_or_repo` where it is one, else the Hugging Face
-    repo it names (model_location's rule), fetched into the hub's cache (`allow_patterns`: only
-    those files, MODEL_FILES for a model; None: the whole repository), the snapshot mlx-lm's
-    own download finds too.
+    repo it names (model_location's rule), its MODEL_FILES fetched into the hub's cache: the
+    snapshot mlx-lm's own download finds too.
     Raises ConfigError naming the cause (a mistyped local path, no huggingface_hub to fetch a
     repo with) and what checked_model_dir refuses."""
     from strata_stream.errors import ConfigError
@@ -78,10 +73,9 @@ def model_dir(
                 f"{location}: not a local directory, and fetching it from the Hugging Face hub "
                 "needs huggingface_hub (pip install huggingface_hub)"
             ) from None
-        patterns = list(allow_patterns) if allow_patterns is not None else None
-
         def fetch() -> str:
-            return str(snapshot_download(location, revision=revision, allow_patterns=patterns))
+            return str(snapshot_download(location, revision=revision,
+                                         allow_patterns=list(MODEL_FILES)))  # fmt: skip
 
         local = fetched(location, fetch)
     return checked_model_dir(local)

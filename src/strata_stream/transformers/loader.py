@@ -23,7 +23,7 @@ from strata_stream.config import StreamConfig
 from strata_stream.convert.pack_cache import ensure_pack
 from strata_stream.errors import ConfigError, PackError
 from strata_stream.pack.reader import ExpertPack
-from strata_stream.paths import MODEL_FILES, model_dir
+from strata_stream.paths import model_dir
 from strata_stream.transformers.engine import BlockRef, TorchMoeEngine
 from strata_stream.transformers.experts import EngineSlot, StreamedExperts
 from strata_stream.transformers.families import experts_shape, family_of, is_sparse_block
@@ -177,7 +177,7 @@ def load(
         kwargs["device_map"] = {"": dev}  # the dense weights load straight onto the GPU
     # A repo's config, weights and tokenizer (the files `convert` and mlx-lm fetch too: one
     # snapshot, so one cached pack); its experts are converted from the shards on first load.
-    model_path = model_dir(path_or_repo, kwargs.get("revision"), MODEL_FILES)
+    model_path = model_dir(path_or_repo, kwargs.get("revision"))
     hf_config = AutoConfig.from_pretrained(
         model_path, trust_remote_code=kwargs.get("trust_remote_code", False)
     )
