@@ -27,6 +27,11 @@ class StreamClosedError(StrataError, RuntimeError):
     """An operation on an ExpertStream (or Window) after close()."""
 
 
+class ForkedError(StrataError, RuntimeError):
+    """An ExpertStream or Window used in a process forked after it was opened: the engine's
+    threads do not survive fork(), so the child must open the pack again itself."""
+
+
 class StreamTimeoutError(StrataError, TimeoutError):
     """A bounded wait inside the engine ran out (a read that never finished)."""
 
@@ -50,6 +55,7 @@ __all__ = [
     "ConfigError",
     "DeviceError",
     "ExpertReadError",
+    "ForkedError",
     "PackError",
     "StrataError",
     "StreamClosedError",

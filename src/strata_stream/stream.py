@@ -13,7 +13,9 @@ invariant scan) are in strata_stream.testing.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 import threading
 import weakref
 from pathlib import Path
@@ -24,7 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from strata_stream.config import StreamConfig
-from strata_stream.errors import StreamClosedError
+from strata_stream.errors import ForkedError, StreamClosedError
 
 if TYPE_CHECKING:
     from strata_stream import _core
@@ -48,10 +50,78 @@ class _Closeable(Protocol):
     def close(self) -> None: ...
 
 
-class ExpertStream:
+# ---- fork() ------------------------------------------------------------------------------------
+# The engine's IO threads (and a Window's device thread) do not survive fork(), and a lock one of
+# them held at the fork stays held in the child: any call there on an inherited native object may
+# wait forever, and destroying one joins threads that do not exist. So in a forked child every
+# wrapper opened before the fork lets go of its native object (kept alive, never destroyed: the
+# parent still owns the resources) and refuses each call with ForkedError.
+
+
+class ProcessBound:
+    """The native object of an ExpertStream or Window, usable only in the process that made it."""
+
+    _native: Any = None
+    _opened_pid: int = 0
+
+    def _bind(self, native: Any) -> None:
+        self._native = native
+        self._opened_pid = os.getpid()
+        with _live_lock:
+            _live.add(self)
+
+    def _bound(self) -> Any:
+        native = self._native
+        if native is None:
+            raise ForkedError(
+                f"this {type(self).__name__} was opened in another process (pid "
+                f"{self._opened_pid}; this is {os.getpid()}, made by fork()); open the pack again "
+                f"in this one"
+            )
+        return native
+
+    @property
+    def inherited(self) -> bool:
+        """Whether this object was opened before a fork() made this process (unusable here)."""
+        return self._native is None and self._opened_pid != 0
+
+    def _disown(self) -> None:
+        native, self._native = self._native, None
+        if native is not None:
+            _leak(native)
+
+
+_live: weakref.WeakSet[ProcessBound] = weakref.WeakSet()
+_live_lock = threading.Lock()
+_leaked: list[Any] = []
+
+
+def _leak(native: Any) -> None:
+    # A strong reference from this module's list is dropped at interpreter exit, which would run
+    # the destructor then; one more reference count keeps it for good.
+    _leaked.append(native)
+    if sys.implementation.name == "cpython":
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(native))
+
+
+def _after_fork_in_child() -> None:
+    global _live_lock
+    _live_lock = threading.Lock()  # the parent may have held it at the fork
+    for obj in list(_live):
+        obj._disown()
+    _live.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class ExpertStream(ProcessBound):
     """Streams a pack's experts into a bounded arena.
 
-    `ExpertStream(pack_or_path, config)`; use as a context manager or call close().
+    `ExpertStream(pack_or_path, config)`; use as a context manager or call close(). Usable in
+    the process that opened it: after fork() a child's calls raise ForkedError (its close() does
+    nothing), and the child opens the pack again.
     """
 
     def __init__(
@@ -82,7 +152,7 @@ class ExpertStream:
                     f"buffered reads (direct_io auto: the {size / 1e9:.2f} GB pack fits a quarter "
                     f"of the memory)"
                 )
-        self._s: _core.Stream = _core.Stream(
+        native = _core.Stream(
             str(self.path),
             arena_bytes=c.arena_bytes,
             io_threads=c.io_threads,
@@ -95,6 +165,7 @@ class ExpertStream:
             simulate_io=simulate_io,
             eviction=c.eviction,
         )
+        self._bind(native)
         # The Python Windows on this stream, closed (trace and profile written) before it.
         self._windows: weakref.WeakSet[_Closeable] = weakref.WeakSet()
         self._windows_lock = threading.Lock()
@@ -105,12 +176,21 @@ class ExpertStream:
         self.record_stride: int = int(layout["record_stride"])
         self.record_bytes: int = int(layout["record_bytes"])
 
+    @property
+    def _s(self) -> _core.Stream:
+        """The native stream; ForkedError in a process forked after it was opened."""
+        native: _core.Stream = self._bound()
+        return native
+
     # ---- lifecycle -------------------------------------------------------------------------
     def close(self) -> None:
         """Closes the Windows on this stream (each waits for its layer in flight, then fails its
         turn with StreamClosedError), then stops the IO threads. A read stuck in the kernel for
         longer than io_timeout_s is left to finish on its own, with a RuntimeWarning naming it:
-        the arena stays allocated until it returns. Idempotent and safe from any thread."""
+        the arena stays allocated until it returns. Idempotent and safe from any thread. In a
+        process forked after the stream opened it does nothing (the parent owns the stream)."""
+        if self.inherited:
+            return
         with self._windows_lock:
             windows = list(self._windows)
         for window in windows:
@@ -283,6 +363,8 @@ class ExpertStream:
         return out
 
     def __repr__(self) -> str:
+        if self.inherited:
+            return f"ExpertStream({str(self.path)!r}, opened in process {self._opened_pid})"
         state = "closed" if self.closed else f"{self.n_slots} slots"
         return f"ExpertStream({str(self.path)!r}, {state})"
 

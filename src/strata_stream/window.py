@@ -32,14 +32,17 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 from strata_stream.errors import ConfigError, StreamClosedError
-from strata_stream.stream import ExpertStream
+from strata_stream.stream import ExpertStream, ProcessBound
 from strata_stream.trace.format import strata_trace_header, strata_trace_rows
+
+if TYPE_CHECKING:
+    from strata_stream import _core
 
 _T = TypeVar("_T")
 
@@ -123,8 +126,9 @@ def profile_path(pack: Path) -> Path:
     return pack.with_name(pack.name + ".profile.npy")
 
 
-class Window:
-    """The MoE layers of one model, computed over an ExpertStream."""
+class Window(ProcessBound):
+    """The MoE layers of one model, computed over an ExpertStream. As the stream, usable in the
+    process that made it: after fork() a child's calls raise ForkedError (close() does nothing)."""
 
     def __init__(self, stream: ExpertStream, backend: str = "cpu", threads: int = 0) -> None:
         """backend: "cpu" (the reference, everywhere); "cuda" (an NVIDIA GPU, through the
@@ -160,7 +164,7 @@ class Window:
         options.moce_keep_top = c.moce_keep_top
         options.profile_prefetch = c.profile_prefetch
         options.prefetch_backoff = c.prefetch_backoff
-        self._w: _core.Window = _core.Window(stream._s, options, backend=backend, threads=threads)
+        self._bind(_core.Window(stream._s, options, backend=backend, threads=threads))
         self.profile_path = profile_path(stream.path)
         self._persist = c.persist_profile
         if self._persist:
@@ -173,6 +177,12 @@ class Window:
         if self._trace is not None:
             self._trace.write(strata_trace_header(self.n_layers, stream.n_experts, stream.top_k))
         stream._attach(self)
+
+    @property
+    def _w(self) -> _core.Window:
+        """The native Window; ForkedError in a process forked after it was made."""
+        native: _core.Window = self._bound()
+        return native
 
     # ---- turns -------------------------------------------------------------------------------
     @contextmanager
@@ -493,7 +503,9 @@ class Window:
         """Waits for a layer call in flight on another thread, fails its turn (the owner's next
         call raises StreamClosedError), frees the device thread, its pool and the scratch, then
         writes the trace and the profile. Idempotent and safe from any thread; stats() and
-        profile() stay readable."""
+        profile() stay readable. In a process forked after the Window was made it does nothing."""
+        if self.inherited:
+            return
         self._w.close()
         with self._files_lock:
             if self._finished:
