@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from strata_stream import arena_budget, container_memory
+from conftest import PackFactory
+from strata_stream import ExpertStream, StreamConfig, arena_budget, container_memory
 from strata_stream.errors import ConfigError
 
 GiB = 1 << 30
@@ -124,8 +125,57 @@ def test_an_arena_sized_from_free_memory_fits_the_container(fake: Fake) -> None:
     class Pack:
         geometry, record_stride = Geometry(), 64 << 20  # the minimum, 16 records: 1 GiB
 
-    with pytest.raises(ConfigError, match=r"only 0\.50 GiB is available"):
+    with pytest.raises(ConfigError, match=r"only 512 MiB is available"):
         arena_budget.arena_size(Pack(), None)  # type: ignore[arg-type]
+
+
+class _Geometry:
+    top_k, n_records = 2, 1000
+
+
+class _Pack:
+    geometry, record_stride = _Geometry(), 16 << 20  # every expert resident: 15.6 GiB
+
+
+def test_an_explicit_arena_beyond_what_the_container_has_left_names_both(fake: Fake) -> None:
+    """An explicit arena is refused before anything is mapped where the container could not
+    hold it (its processes are killed at the limit, with no message): 3 GiB limit, 1 GiB used,
+    4 GiB asked."""
+    fake.v2("/", str(3 * GiB), current=GiB)
+    with pytest.raises(ConfigError) as err:
+        arena_budget.arena_size(_Pack(), 4 * GiB)  # type: ignore[arg-type]
+    msg = str(err.value)
+    assert str(4 * GiB) in msg and str(2 * GiB) in msg and "3.00 GiB" in msg
+    # What fits is granted as asked; with no limit anywhere nothing is checked.
+    assert arena_budget.arena_size(_Pack(), GiB) == GiB  # type: ignore[arg-type]
+    fake.v2("/", "max")
+    assert arena_budget.arena_size(_Pack(), 8 * GiB) == 8 * GiB  # type: ignore[arg-type]
+
+
+def test_a_stream_with_an_arena_beyond_the_container_is_refused(
+    fake: Fake, make_pack: PackFactory
+) -> None:
+    """ExpertStream checks too (its arena is at most the pack's bytes), before mapping."""
+    path = make_pack()
+    size = path.stat().st_size
+    cfg = StreamConfig(arena_bytes=8 * GiB, io_threads=1, direct_io=False, persist_profile=False)
+    fake.v2("/", str(size // 2), current=0)
+    with pytest.raises(ConfigError, match=rf"\({size} bytes\).*\({size // 2} bytes\)"):
+        ExpertStream(path, cfg)
+    fake.v2("/", str(size + (64 << 20)), current=0)
+    with ExpertStream(path, cfg) as s:
+        assert s.n_slots > 0
+
+
+def test_the_minimum_arena_message_reads_in_a_unit_that_shows_it() -> None:
+    """A small pack's minimum is KiB: the message never rounds it to "0.00 GiB"."""
+
+    class Small:
+        geometry, record_stride = _Geometry(), 36 << 10  # 4 records: 144 KiB
+
+    with pytest.raises(ConfigError) as err:
+        arena_budget.arena_size(Small(), 1000)  # type: ignore[arg-type]
+    assert "144 KiB" in str(err.value) and "0.00" not in str(err.value)
 
 
 def test_this_machine_reads_without_error() -> None:

@@ -11,6 +11,7 @@ import os
 from strata_stream import container_memory
 from strata_stream.errors import ConfigError
 from strata_stream.pack.reader import ExpertPack
+from strata_stream.units import human_bytes
 
 _GiB = 1 << 30
 # Memory left to the KV cache, activations and the rest of the process when the arena is sized
@@ -42,6 +43,24 @@ def available_memory() -> int:
     return avail if container is None else min(avail, container)
 
 
+def check_fits(arena: int, name: str = "arena_bytes") -> None:
+    """ConfigError when an arena of `arena` bytes cannot fit the memory this process's container
+    has left (its limit less what it uses now): there the kernel would kill the process while
+    the arena fills, with no message. Called before anything is mapped. Nothing where there is
+    no container limit."""
+    bound = container_memory.binding()
+    if bound is None:
+        return
+    cap, left = bound
+    if arena > left:
+        raise ConfigError(
+            f"{name} {human_bytes(arena)} ({arena} bytes) does not fit this container's memory: "
+            f"{human_bytes(left)} ({left} bytes) is left of its {human_bytes(cap)} limit, and the "
+            "kernel kills a process that goes over it; ask for a smaller arena, or leave it "
+            "unset to size it from the memory left"
+        )
+
+
 def arena_size(
     pack: ExpertPack,
     requested: int | None,
@@ -61,18 +80,20 @@ def arena_size(
         if requested < minimum:
             raise ConfigError(
                 f"arena_bytes {requested} is below the minimum {minimum} bytes "
-                f"({minimum / _GiB:.2f} GiB: {ExpertStream_min_slots(g.top_k)} expert records "
+                f"({human_bytes(minimum)}: {ExpertStream_min_slots(g.top_k)} expert records "
                 f"of {stride} bytes)"
             )
-        return min(requested, everything)
+        arena = min(requested, everything)
+        check_fits(arena)
+        return arena
     avail = available_memory() if available is None else available
     headroom = int(_HEADROOM_FIXED + _HEADROOM_SHARE * avail)
     arena = min(everything, avail - headroom)
     if arena < minimum:
         raise ConfigError(
             f"not enough {memory} for the experts: the arena needs at least {minimum} bytes "
-            f"({minimum / _GiB:.2f} GiB) plus {headroom / _GiB:.2f} GiB of headroom, "
-            f"{(minimum + headroom) / _GiB:.2f} GiB in all, but only {avail / _GiB:.2f} GiB is "
+            f"({human_bytes(minimum)}) plus {human_bytes(headroom)} of headroom, "
+            f"{human_bytes(minimum + headroom)} in all, but only {human_bytes(avail)} is "
             "available after the dense weights"
         )
     return arena
@@ -82,4 +103,4 @@ def ExpertStream_min_slots(top_k: int) -> int:  # noqa: N802 - mirrors ExpertStr
     return 2 * top_k
 
 
-__all__ = ["arena_size", "available_memory"]
+__all__ = ["arena_size", "available_memory", "check_fits"]

@@ -119,4 +119,22 @@ def available() -> int | None:
     return min(left) if left else None
 
 
-__all__ = ["CGROUP_ROOT", "PROC_CGROUP", "VERSIONS", "CgroupVersion", "available", "limit"]
+def binding() -> tuple[int, int] | None:
+    """(limit, bytes left) of the limited cgroup on this process's path with the least left:
+    the one whose limit an allocation meets first. None where there is no limit."""
+    found = [(_left(v, f, cap), cap) for v, f, cap in _limited()]
+    if not found:
+        return None
+    left, cap = min(found)
+    return cap, left
+
+
+__all__ = [
+    "CGROUP_ROOT",
+    "PROC_CGROUP",
+    "VERSIONS",
+    "CgroupVersion",
+    "available",
+    "binding",
+    "limit",
+]

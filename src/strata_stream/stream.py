@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from strata_stream import arena_budget
 from strata_stream.config import StreamConfig
 from strata_stream.errors import ForkedError, StreamClosedError
 
@@ -140,12 +141,15 @@ class ExpertStream(ProcessBound):
         self.path = Path(path)
         c = self.config
         self._auto_buffered = ""  # direct_note's reason where auto chose buffered reads
+        try:
+            size = self.path.stat().st_size
+        except OSError:
+            size = 0  # the stream's own open names the missing file
+        # The engine's arena holds at most every record, so never more than the pack's bytes.
+        if size:
+            arena_budget.check_fits(min(c.arena_bytes, size))
         direct = c.direct_io
         if direct is None:
-            try:
-                size = self.path.stat().st_size
-            except OSError:
-                size = 0  # the stream's own open names the missing file
             direct = c.direct_io_for(size)
             if not direct:
                 self._auto_buffered = (

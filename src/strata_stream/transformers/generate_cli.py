@@ -11,6 +11,7 @@ import time
 from typing import Any, TextIO
 
 from strata_stream.config import StreamConfig
+from strata_stream.units import human_bytes
 
 _COUNTERS = ("hits", "misses", "bytes_read", "stall_seconds")
 
@@ -76,7 +77,7 @@ def generate(
             print(f"{name:<7} {tokens} tokens, {tps:.2f} tok/s, hit rate {hit}, "
                   f"{d['bytes_read'] / 1e9:.3f} GB read", file=sink)  # fmt: skip
             figures[name] = {**d, "tokens": tokens, "tps": tps}
-        print(f"arena   {engine.config.arena_bytes / (1 << 30):.2f} GiB, "
+        print(f"arena   {human_bytes(engine.config.arena_bytes)}, "
               f"{engine.stream.n_slots} expert slots, experts on cpu (transformers)",
               file=sink)  # fmt: skip
         return figures
