@@ -126,6 +126,23 @@ def test_a_repo_id_is_not_taken_for_a_path(tmp_path: Path) -> None:
             model_location(bad)
 
 
+def test_a_path_under_a_local_directory_is_local(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`ck/chta` with a local `ck/` is a mistyped local path, never a repo id to fetch."""
+    from strata_stream.errors import ConfigError
+    from strata_stream.paths import model_location
+
+    (tmp_path / "ck").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="ck/chta: no such model directory"):
+        model_location("ck/chta")
+    assert main(["convert", "ck/chta"]) == 2
+    _one_line_error(capsys, "ck/chta: no such model directory")
+    # A name with no local parent is still a repo id.
+    assert model_location("nobody-here/model") == "nobody-here/model"
+
+
 def test_serve_without_its_extra_names_the_install(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -23,9 +23,10 @@ def model_location(path_or_repo: str | os.PathLike[str]) -> str:
     """A local model directory (``~`` expanded) or a Hugging Face repo id, as given.
 
     What does not exist locally is taken for a repo id only if it can be one (``owner/name``):
-    a path-like argument (a Path, one starting with ``/``, ``.`` or ``~``, or with more than one
-    separator) that does not exist is a mistyped local path, refused here rather than looked
-    up on the network. Raises ConfigError naming it.
+    a path-like argument (a Path, one starting with ``/``, ``.`` or ``~``, with more than one
+    separator, or whose parent directory exists here, as ``ck/`` of ``ck/chta``) that does not
+    exist is a mistyped local path, refused here rather than looked up on the network. Raises
+    ConfigError naming it.
     """
     from strata_stream.errors import ConfigError
 
@@ -41,6 +42,7 @@ def model_location(path_or_repo: str | os.PathLike[str]) -> str:
         or text.startswith(("/", ".", "~"))
         or separators > 1
         or text.endswith("/")
+        or (separators > 0 and local.parent.is_dir())
     )
     if pathlike:
         raise ConfigError(f"{text or repr(text)}: no such model directory")
