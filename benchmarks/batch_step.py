@@ -202,10 +202,10 @@ def main() -> None:
         timers = PieceTimes()
         run_cpu = engine.MoeEngine.run_cpu
 
-        def timed_run_cpu(self: Any, layer: int, x: Any, inds: Any, scores: Any) -> Any:
+        def timed_run_cpu(self: Any, layer: int, x: Any, inds: Any) -> Any:
             # MLX's work up to this layer's routed experts, evaluated on its own, then ours.
-            timers.wrap("mlx_dense", mx.eval)(x, inds, scores)
-            return timers.wrap("engine", run_cpu)(self, layer, x, inds, scores)
+            timers.wrap("mlx_dense", mx.eval)(x, inds)
+            return timers.wrap("engine", run_cpu)(self, layer, x, inds)
 
         engine.MoeEngine.run_cpu = timed_run_cpu  # type: ignore[method-assign]
         batch_mod.ContinuousBatch._token = timers.wrap(  # type: ignore[method-assign]

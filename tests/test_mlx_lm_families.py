@@ -30,8 +30,7 @@ from mlx_models import CONFIGS, make_checkpoint, poison_experts  # noqa: E402
 from strata_stream import ExpertPack, StreamConfig  # noqa: E402
 from strata_stream.convert import convert  # noqa: E402
 from strata_stream.mlx_lm import load  # noqa: E402
-from strata_stream.mlx_lm.families import family_of  # noqa: E402
-from strata_stream.mlx_lm.loader import _find_blocks  # noqa: E402
+from strata_stream.mlx_lm.loader import _find_switches  # noqa: E402
 from strata_stream.stream import ABSENT  # noqa: E402
 from strata_stream.units import human_bytes  # noqa: E402
 
@@ -86,11 +85,20 @@ def greedy(model: Any, tokens: int = GREEDY_TOKENS) -> list[int]:
 
 
 def block_pairs(ref: Any, model: Any) -> Iterator[tuple[str, Any, Any]]:
-    """(path, mlx-lm's MoE block, its streamed stand-in) for every MoE block, in decoder order."""
+    """(path, mlx-lm's MoE block, the same block of the streamed model, its experts module
+    replaced) for every MoE block, in decoder order."""
     ref_modules = dict(ref.named_modules())
     streamed_modules = dict(model.named_modules())
-    for _, path, _, _, attr in _find_blocks(ref):
-        yield path, ref_modules[path], streamed_modules[path.rpartition(".")[0]][attr]
+    for found in _find_switches(ref):
+        path = found.path.rpartition(".")[0]
+        yield path, ref_modules[path], streamed_modules[path]
+
+
+def switch_of(block: Any) -> Any:
+    """The experts module (SwitchGLU) a block calls."""
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    return next(m for _, m in block.children().items() if isinstance(m, SwitchGLU))
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -163,7 +171,7 @@ def test_cpu_float32_arithmetic_is_the_model_equations(fam: Family, closing: lis
     closing.append(model)
     mx.random.seed(7)
     for path, block, streamed in block_pairs(fam.ref, model):
-        switch = block[family_of(block).experts_attr]
+        switch = switch_of(block)
         saved = {}
         for name in ("gate_proj", "up_proj", "down_proj"):
             for key in ("scales", "biases", "bias"):
@@ -559,3 +567,44 @@ def test_each_two_layer_flag_alone_runs_only_the_gates_the_engine_uses(
     assert any(c[2] for c in calls)  # the gates ran while their layers were being read
     assert prompt_reads > 0  # the predictions were read (a fresh arena holds nothing)
     assert window.stats()["total"]["pred_predicted"] > 0
+
+
+@pytest.mark.parametrize("experts", ["cpu", "mlx"])
+@pytest.mark.parametrize("fam", ["qwen3_moe", "deepseek_v3", "olmoe"], indirect=True)
+def test_a_corrupted_predictor_costs_io_never_output(
+    fam: Family, experts: str, closing: list[Any]
+) -> None:
+    """Predictions only decide what is read early: every block's predictor replaced by one
+    that names experts the block did not choose for the input it saw (each id shifted by half
+    the experts) leaves the logits and the greedy tokens bitwise plain mlx-lm's, in an arena
+    one slot short of every expert (so what is read early takes room), while the engine did
+    read what it was told."""
+    model = fam.load(experts, slots=fam.n_records - 1, decode_prefetch2=True)
+    closing.append(model)
+    engine = model.strata_engine
+    n_experts = engine.stream.n_experts
+    told: list[np.ndarray] = []
+
+    class Wrong:
+        method = "router"
+        why = ""
+
+        def __init__(self, real: Any) -> None:
+            self.real = real
+
+        def __call__(self, x: Any) -> Any:
+            right = self.real(x)
+            if right is None:
+                return None
+            ids = np.asarray(right)
+            wrong = (ids + n_experts // 2) % n_experts  # never the block's own choice
+            told.append(wrong)
+            return mx.array(wrong)
+
+    for ref in engine.blocks:
+        ref.predictor = Wrong(ref.predictor)
+    before = engine.stream.stats()["spec_requests"]
+    assert np.array_equal(logits(model), fam.ref_logits)
+    assert greedy(model) == fam.ref_greedy
+    assert told, "the engine asked for no prediction: the test would prove nothing"
+    assert engine.stream.stats()["spec_requests"] > before  # the wrong experts were read

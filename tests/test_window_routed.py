@@ -390,3 +390,41 @@ def test_no_prediction_of_a_layer_resident_for_good(tmp_path: Path, all_fit: boo
             for layer in range(1, L):
                 window.moe_routed(layer, x, ids, w)
     assert np.array_equal(y, y_pred)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])
+@pytest.mark.parametrize("slots", [2 * K, 5, None])
+def test_per_entry_outputs_are_the_entries_of_the_sum(
+    tmp_path: Path, rows: int, slots: int | None
+) -> None:
+    """per_entry=True returns [T, k, hidden], each (row, k) entry's weighted expert output:
+    summed in k order they are the combined output bitwise, weights None gives the unweighted
+    outputs (weight 1), on the decode path and in waves at the minimum arena alike."""
+    path = _pack(tmp_path, "p", "swiglu_oai", "bf16", "q4")
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, H)).astype(np.float32)
+    ids, w = _routing(rng, rows)
+    with ExpertStream(path) as s:
+        stride = s.record_stride
+    n = slots if slots is not None else E * L
+    cfg = StreamConfig(arena_bytes=n * stride, io_threads=2, direct_io=False)
+    with ExpertStream(path, cfg) as stream, Window(stream) as window:
+        assert window.per_entry_unsupported == ""
+        with window.turn():
+            summed = window.moe_routed(0, x, ids, w)
+        with window.turn():
+            entries = window.moe_routed(0, x, ids, w, per_entry=True)
+        with window.turn():
+            bare = window.moe_routed(0, x, ids, None, per_entry=True)
+    assert entries.shape == (rows, K, H) and bare.shape == (rows, K, H)
+    acc = np.zeros((rows, H), np.float32)
+    for j in range(K):
+        acc = acc + entries[:, j]
+    assert np.array_equal(acc, summed)
+    assert np.array_equal(bare * w[:, :, None], entries)  # float32 products, rounded once
+    with ExpertPack.open(path) as pack:
+        want = _oracle(pack, 0, x, ids, np.ones_like(w))
+    assert np.abs(bare.sum(axis=1) - want).max() <= 1e-5 * np.abs(want).max() + 1e-6
+    with ExpertStream(path, cfg) as stream, Window(stream) as window, window.turn():
+        with pytest.raises(TypeError, match="weights"):
+            window.moe_routed(0, x, ids, None)  # weights are needed for the sum

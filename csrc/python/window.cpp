@@ -171,9 +171,18 @@ struct RoutedTables {
 
   RoutedTables(const PackLayout& L, std::uint32_t rows, const py::object& ids_arg,
                const py::object& weights_arg, const py::object& pred1_arg,
-               const py::object& pred2_arg) {
+               const py::object& pred2_arg, bool per_entry = false) {
     const std::uint32_t k = L.top_k, E = L.n_experts;
     ids = id_table_arg(ids_arg, "ids", rows, k, E, true);
+    pred1 = id_table_arg(pred1_arg, "pred1", rows, k, E, false);
+    pred2 = id_table_arg(pred2_arg, "pred2", rows, k, E, false);
+    if (weights_arg.is_none()) {
+      if (!per_entry)
+        throw py::type_error("weights (the mixture weights) are needed unless per_entry=True");
+      // Per-entry outputs without weights: each entry's expert output itself.
+      weights.assign(std::size_t(rows) * k, 1.0f);
+      return;
+    }
     using FloatArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
     FloatArray wts = FloatArray::ensure(weights_arg);
     if (!wts) throw py::type_error("weights must be an array of mixture weights");
@@ -182,8 +191,6 @@ struct RoutedTables {
       throw py::value_error("weights must have shape [" + std::to_string(rows) + ", " +
                             std::to_string(k) + "]");
     weights.assign(wts.data(), wts.data() + std::size_t(rows) * k);
-    pred1 = id_table_arg(pred1_arg, "pred1", rows, k, E, false);
-    pred2 = id_table_arg(pred2_arg, "pred2", rows, k, E, false);
   }
   Window::Routed routed() const {
     Window::Routed r;
@@ -202,7 +209,7 @@ py::array_t<float> moe_routed(Window& w, std::uint32_t layer, const py::buffer& 
                               const std::string& dtype, const py::object& ids,
                               const py::object& weights, const py::object& pred1,
                               const py::object& pred2, const std::string& arithmetic,
-                              const std::string& weights_dtype) {
+                              const std::string& weights_dtype, bool per_entry) {
   const PackLayout& L = w.layout();
   py::buffer_info xb = x.request();
   Window::XType xt;
@@ -225,10 +232,16 @@ py::array_t<float> moe_routed(Window& w, std::uint32_t layer, const py::buffer& 
       xb.strides[0] != py::ssize_t(item) * py::ssize_t(L.hidden))
     throw py::value_error("x must be C-contiguous");
   const std::uint32_t rows = std::uint32_t(xb.shape[0]);
-  const RoutedTables tables(L, rows, ids, weights, pred1, pred2);
+  const RoutedTables tables(L, rows, ids, weights, pred1, pred2, per_entry);
   Window::Routed r = tables.routed();
   r.rounding = routed_rounding(xt, arithmetic, weights_dtype);
-  py::array_t<float> out({py::ssize_t(rows), py::ssize_t(L.hidden)});
+  r.per_entry = per_entry;
+  // Per entry: [rows, top_k, hidden], each entry's output (weighted, unsummed).
+  py::array_t<float> out = per_entry ? py::array_t<float>({py::ssize_t(rows),
+                                                           py::ssize_t(L.top_k),
+                                                           py::ssize_t(L.hidden)})
+                                     : py::array_t<float>({py::ssize_t(rows),
+                                                           py::ssize_t(L.hidden)});
   float* dst = out.mutable_data();
   {
     py::gil_scoped_release nogil;
@@ -386,7 +399,8 @@ void init_window(py::module_& m) {
       .def("moe_routed", &moe_routed, py::arg("layer"), py::arg("x"), py::arg("dtype"),
            py::arg("ids"), py::arg("weights"), py::arg("pred1") = py::none(),
            py::arg("pred2") = py::none(), py::kw_only(), py::arg("arithmetic") = "float32",
-           py::arg("weights_dtype") = "float32")
+           py::arg("weights_dtype") = "float32", py::arg("per_entry") = false)
+      .def_property_readonly("per_entry_unsupported", &Window::per_entry_unsupported)
       .def("moe_routed_device", &moe_routed_device, py::arg("layer"), py::arg("x"),
            py::arg("out"), py::arg("rows"), py::arg("ids"), py::arg("weights"),
            py::arg("pred1") = py::none(), py::arg("pred2") = py::none(),

@@ -189,12 +189,13 @@ class Window:
         x: Buffer,
         dtype: str,
         ids: _Ids,
-        weights: npt.ArrayLike,
+        weights: npt.ArrayLike | None,
         pred1: _Ids | None = None,
         pred2: _Ids | None = None,
         *,
         arithmetic: str = "float32",
         weights_dtype: str = "float32",
+        per_entry: bool = False,
     ) -> npt.NDArray[np.float32]: ...
     def moe_routed_external(
         self,
@@ -218,6 +219,8 @@ class Window:
     ) -> None: ...
     @property
     def device_io_unsupported(self) -> str: ...
+    @property
+    def per_entry_unsupported(self) -> str: ...
     @property
     def completion_pending(self) -> bool: ...
     def arithmetic_unsupported(self, x_dtype: str) -> str: ...

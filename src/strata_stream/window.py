@@ -218,6 +218,12 @@ class Window(ProcessBound):
         return out
 
     # ---- externally routed calls (the model routes with its own gate) -------------------------
+    @property
+    def per_entry_unsupported(self) -> str:
+        """Why `moe_routed(..., per_entry=True)` cannot run on this Window's backend; "" when
+        it can."""
+        return self._w.per_entry_unsupported
+
     def arithmetic_unsupported(self, x_dtype: str) -> str:
         """Why `moe_routed(..., arithmetic="mlx")` cannot run for x of `x_dtype` ("bfloat16" or
         "float32") on this Window's backend and pack; "" when it can."""
@@ -228,13 +234,14 @@ class Window(ProcessBound):
         layer: int,
         x: Any,
         ids: npt.ArrayLike,
-        weights: npt.ArrayLike,
+        weights: npt.ArrayLike | None,
         pred1: npt.ArrayLike | None = None,
         pred2: npt.ArrayLike | None = None,
         *,
         arithmetic: str = "float32",
         weights_dtype: str = "float32",
         x_dtype: str | None = None,
+        per_entry: bool = False,
     ) -> npt.NDArray[np.float32]:
         """MoE output of `layer` for x with the routing given: the model chose the experts.
 
@@ -254,6 +261,10 @@ class Window(ProcessBound):
         weighted expert output to bfloat16 as MLX does.
         x_dtype: the dtype of x's elements when its buffer format cannot name it (a torch
         bfloat16 tensor viewed as int16, say); None reads it from the buffer.
+        per_entry: return [T, top_k, hidden], each entry's weighted expert output, unsummed
+        (what an experts module returns to a block that mixes them itself); weights may then
+        be None (each entry's expert output itself). Needs a backend whose expert outputs the
+        host reads (`per_entry_unsupported`).
         """
         layer = self._layer_arg(layer)
         view, dtype = _x_buffer(x, self.hidden, x_dtype)
@@ -271,6 +282,7 @@ class Window(ProcessBound):
                 pred2,
                 arithmetic=arithmetic,
                 weights_dtype=weights_dtype,
+                per_entry=per_entry,
             ),
         )
 

@@ -45,8 +45,8 @@ class CpuBackend final : public Backend {
   // Window stops spinning (exec/adaptive_spin.h).
   std::chrono::microseconds host_spin() const override { return std::chrono::microseconds(50); }
 
-  // The reference runs everything on host memory: moce, and MLX's arithmetic for the formats
-  // MLX computes so.
+  // The reference runs everything on host memory: moce, per-entry outputs (y is the host's
+  // scratch), and MLX's arithmetic for the formats MLX computes so.
   std::optional<std::string> unsupported(const Capability& c) const override {
     if (c.io != Io::Host)
       return "the cpu backend reads x from and writes out to host memory only (device "

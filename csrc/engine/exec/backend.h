@@ -105,6 +105,10 @@ struct Capability {
   Arithmetic arithmetic = Arithmetic::Float32;  // GateUp, Down, MoeMM
   MoceMode moce = MoceMode::Off;                // Route
   Io io = Io::Host;                             // Combine (out) and the passes (x)
+  // Combine: the host reads each entry's weighted output from the bound y scratch once the
+  // chunk is done, instead of (or besides) the sum over k in out: a routed call that returns
+  // [rows, top_k, hidden] (Window::Routed::per_entry), as an experts module does.
+  bool per_entry = false;
 };
 
 // Io::Device: the caller's device memory for the rows of the chunk being submitted, float32,
@@ -138,6 +142,9 @@ class Backend {
       return "the " + name() + " backend computes in float32 only";
     if (c.moce != MoceMode::Off)
       return "the " + name() + " backend does not implement cache-aware routing (moce)";
+    if (c.per_entry)
+      return "the " + name() + " backend keeps expert outputs where the host cannot read them "
+             "(no per-entry outputs)";
     return std::nullopt;
   }
   virtual void bind(const DeviceBuffers& buffers) = 0;

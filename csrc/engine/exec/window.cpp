@@ -116,6 +116,9 @@ Window::Window(ExpertStream& stream, std::unique_ptr<Backend> backend,
       backend_->unsupported(Capability{Op::Combine, &L_, Arithmetic::Float32, MoceMode::Off,
                                        Io::Device})
           .value_or("");
+  Capability per_entry{Op::Combine, &L_, Arithmetic::Float32, MoceMode::Off};
+  per_entry.per_entry = true;
+  per_entry_why_ = backend_->unsupported(per_entry).value_or("");
   completes_async_ = device_io_why_.empty() && backend_->completes_async();
   if (auto why = backend_->unsupported(route_capability(L_, options.moce)))
     throw EngineError(ErrorKind::Config, "backend '" + backend_name_ + "': " + *why);
@@ -670,6 +673,8 @@ void Window::check_routed(const Routed& routed, std::uint32_t rows, bool need_we
                       "(moe_routed) needs moce off");
   if (const std::string& why = arithmetic_unsupported(routed.rounding.arithmetic); !why.empty())
     throw EngineError(ErrorKind::Config, why);
+  if (routed.per_entry && !per_entry_why_.empty())
+    throw EngineError(ErrorKind::Config, per_entry_why_);
   if (rows == 0) return;
   if (!routed.ids || (need_weights && !routed.weights))
     throw std::invalid_argument("moe_routed needs ids and weights");
@@ -695,14 +700,19 @@ void Window::stage_routed(const Routed& routed, std::uint32_t r0, std::uint32_t 
 void Window::moe_routed(std::uint32_t layer, const void* x, XType xt, std::uint32_t rows,
                         const Routed& routed, float* out, const InterruptCheck& interrupt) {
   check_routed(routed, rows, true);
-  const std::uint32_t H = L_.hidden;
+  const std::size_t H = L_.hidden, k = L_.top_k;
   run_call(
       layer, rows,
       [&](std::uint32_t r0, std::uint32_t n, std::uint32_t chunk) {
-        load_x(x, xt, std::size_t(r0) * H, std::size_t(n) * H, x_);
+        load_x(x, xt, r0 * H, n * H, x_);
         stage_routed(routed, r0, n);
         run_chunk(plan(CallKind::Routed, layer, r0, n, &routed), chunk, interrupt);
-        std::memcpy(out + std::size_t(r0) * H, out_, std::size_t(n) * H * 4);
+        // The chunk is done: the backend wrote y (every entry) and out (their sums) in the
+        // scratch the host reads.
+        if (routed.per_entry)
+          std::memcpy(out + r0 * k * H, scratch_.buffers().y, n * k * H * 4);
+        else
+          std::memcpy(out + r0 * H, out_, n * H * 4);
       },
       interrupt);
 }

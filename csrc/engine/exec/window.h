@@ -131,6 +131,11 @@ class Window {
     // CPU arithmetic; only the CPU backend has it, and only for the formats MLX computes that
     // way (the call throws EngineError(Config) naming why not).
     Rounding rounding;
+    // moe_routed: out is [rows, top_k, hidden], each entry's weighted expert output in k order,
+    // not their sum (an experts module's return, for a block that mixes them itself; weights of
+    // 1 give the expert outputs themselves). Needs a backend whose y the host reads
+    // (per_entry_unsupported()).
+    bool per_entry = false;
   };
   // As moe(), with the routing given: the same handshake (urgent requests, predictions queued,
   // publish, retire) and expert passes on the backend. x: [rows, hidden] of type xt, converted
@@ -158,6 +163,9 @@ class Window {
   bool completion_pending() const;
   // Why this Window's backend cannot run moe_routed_device; "" when it can.
   const std::string& device_io_unsupported() const { return device_io_why_; }
+  // Why this Window's backend cannot return per-entry outputs (Routed::per_entry); "" when it
+  // can.
+  const std::string& per_entry_unsupported() const { return per_entry_why_; }
   // The caller computes the experts (the MLX-kernel path; on a Mac MLX runs them on the GPU):
   // the same handshake, with nothing submitted to this Window's device, then for every
   // wave compute(row0, rows, slots) with slots[rows * top_k] the arena slot of each entry of
@@ -347,6 +355,7 @@ class Window {
   AdaptiveSpin spin_routed_, spin_wave_, spin_done_;
   std::array<std::string, 3> arithmetic_why_;  // written by the constructor only, then read-only
   std::string device_io_why_;  // Capability::io Device: the constructor's, then read-only
+  std::string per_entry_why_;  // Capability::per_entry: the constructor's, then read-only
   bool completes_async_ = false;  // Backend::completes_async(), read once by the constructor
   WindowOptions opt_;
   const PackLayout& L_;

@@ -89,6 +89,7 @@ class MetalBackend final : public Backend {
     if (c.arithmetic != Arithmetic::Float32)
       return "the Metal backend computes in float32 only (MLX's arithmetic is the cpu "
              "backend's)";
+    // per_entry: y is the host's scratch, wrapped without a copy, so the host reads it.
     return std::nullopt;
   }
 

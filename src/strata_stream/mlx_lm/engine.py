@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
@@ -17,11 +17,13 @@ import numpy.typing as npt
 
 from strata_stream.config import StreamConfig
 from strata_stream.errors import ConfigError
-from strata_stream.mlx_lm.families import Family
 from strata_stream.pack.header import TensorEntry
 from strata_stream.pack.reader import ExpertPack
 from strata_stream.stream import ABSENT, ExpertStream
 from strata_stream.window import Window
+
+if TYPE_CHECKING:
+    from strata_stream.mlx_lm.prediction import Predictor
 
 # "cpu": the Window's CPU backend computes the experts; "metal": the same routed calls on a
 # Window with the Metal backend (macOS builds; elsewhere a ConfigError at load); "mlx": MLX's own
@@ -38,7 +40,6 @@ _MX_DTYPES = {
     "f32": mx.float32, "f16": mx.float16, "bf16": mx.bfloat16, "u32": mx.uint32, "e8m0": mx.uint8,
 }  # fmt: skip
 _ROLE_KEYS = {0: "weight", 1: "scales", 2: "biases", 3: "bias"}
-_MATRIX_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclass
@@ -47,8 +48,12 @@ class BlockRef:
 
     layer: int  # pack layer
     decoder_layer: int
-    block: Any  # the model's own block (gate, shared experts, ...)
-    family: Family
+    block: Any  # the module that calls the switch (the model's own block: gate, shared experts)
+    switch: Any  # the block's own SwitchGLU, its expert tensors stripped
+    # "cpu": the Window's backend computes the experts; "mlx": the switch's own modules over
+    # the arena (blocks.py decides, per block, from what the backend computes).
+    kernels: str = "cpu"
+    predictor: Predictor | None = None  # set once the stand-in exists
 
 
 class ArenaTensors:
@@ -125,9 +130,15 @@ class MoeEngine:
         self.top_k = pack.geometry.top_k
         self.hidden = pack.geometry.hidden
         self.stream = ExpertStream(pack.path, config)
+        # A route override (trace/routing.py: a load test routing by a real trace) replaces the
+        # ids a block chose, and the predictions, with its own.
+        self.route_override: Callable[[int, mx.array, mx.array], mx.array] | None = None
         try:
             self.window = Window(self.stream, backend="metal" if experts == "metal" else "cpu")
-            self.arena = ArenaTensors(self.stream, pack.tensors) if experts == "mlx" else None
+            mlx_kernels = any(b.kernels == "mlx" for b in blocks)
+            self.arena = ArenaTensors(self.stream, pack.tensors) if mlx_kernels else None
+            if experts != "mlx" and (why := self.window.per_entry_unsupported):
+                raise ConfigError(f"experts={experts!r}: {why}")
             # The activation dtypes whose MLX arithmetic the Window's backend reproduces for
             # this pack (the engine decides: a q4/q8 pack's scales' dtype; mxfp4, any whose
             # Linear biases, if any, share it); none on the MLX-kernel path.
@@ -164,49 +175,72 @@ class MoeEngine:
 
     # ---- prediction ------------------------------------------------------------------------
     def predictions(self, layer: int, x: mx.array, rows: int) -> list[mx.array | None]:
-        """Router l+1 and l+2 on this layer's input where the engine will use them (it decides:
-        `Window.wants_predictions`): the next blocks' own routing, unevaluated, [rows, k] each,
-        or None."""
+        """Layers l+1 and l+2's choice for this layer's input, where the engine will use them
+        (it decides: `Window.wants_predictions`): [rows, k] ids, unevaluated, or None (the
+        engine then falls back to the layer's profile). The blocks' own routing, reached by
+        structure (prediction.py)."""
         out: list[mx.array | None] = [None, None]
         want = self.window.wants_predictions(layer, rows)
         for d in (1, 2):
             nxt = layer + d
-            if want[d - 1] and nxt < len(self.blocks):
-                ref = self.blocks[nxt]
-                inds, _ = ref.family.route(ref.block, x)
-                out[d - 1] = inds.reshape(-1, self.top_k)
+            if not want[d - 1] or nxt >= len(self.blocks):
+                continue
+            predictor = self.blocks[nxt].predictor
+            ids = predictor(x) if predictor is not None else None
+            if ids is not None and ids.shape[0] != rows:
+                ids = None  # a block that reshapes its input otherwise: no prediction
+            if self.route_override is not None and ids is not None:
+                ids = self.route_override(nxt, x, ids)
+            out[d - 1] = ids
         return out
 
+    def prediction_methods(self) -> list[str]:
+        """Per pack layer, how its experts are predicted (prediction.METHODS; "unused" before
+        the first prediction of it)."""
+        return [
+            (b.predictor.method if b.predictor is not None else None) or "unused"
+            for b in self.blocks
+        ]
+
     # ---- the two expert paths --------------------------------------------------------------
-    def run_cpu(
-        self,
-        layer: int,
-        x: mx.array,
-        inds: mx.array,
-        scores: mx.array,
-    ) -> mx.array:
-        """The Window's backend (CPU, or Metal with experts="metal"): x read in place, ids and
-        weights to the host, output back to MLX."""
+    def _routed_ids(self, layer: int, x: mx.array, indices: mx.array) -> mx.array:
+        if indices.shape[-1] != self.top_k:
+            raise ConfigError(
+                f"MoE block {layer} routes {indices.shape[-1]} experts per token, the pack "
+                f"{self.top_k} (a pack of another configuration?)"
+            )
+        if self.route_override is not None:
+            indices = self.route_override(layer, x, indices)
+        return indices
+
+    def run_cpu(self, layer: int, x: mx.array, indices: mx.array) -> mx.array:
+        """The Window's backend (CPU, or Metal with experts="metal"): x read in place, ids to
+        the host, each (token, k) expert output back to MLX in the switch's shape
+        [..., k, hidden] and x's dtype, as the model's own SwitchGLU returns it."""
         self._begin(layer)
+        indices = self._routed_ids(layer, x, indices)
         # Row-major as the engine reads it (a no-op for the contiguous activations mlx-lm has).
         flat = mx.contiguous(x.reshape(-1, self.hidden))
         rows = flat.shape[0]
+        ids2 = indices.reshape(-1, self.top_k)
+        if ids2.shape[0] != rows:
+            raise ConfigError(
+                f"MoE block {layer}: {rows} rows of input for {ids2.shape[0]} rows of expert ids"
+            )
         preds = self.predictions(layer, x, rows)
-        ids2 = inds.reshape(-1, self.top_k)
-        w2 = scores.reshape(-1, self.top_k).astype(mx.float32)
-        mx.eval(flat, ids2, w2, *[p for p in preds if p is not None])
+        mx.eval(flat, ids2, *[p for p in preds if p is not None])
         out = self.window.moe_routed(
             layer,
             flat,  # read without a copy through the buffer protocol
             _ids(ids2),
-            np.asarray(w2),
+            None,  # per entry, unweighted: the block weights and sums them itself
             pred1=None if preds[0] is None else _ids(preds[0]),
             pred2=None if preds[1] is None else _ids(preds[1]),
             arithmetic=self.arithmetic_for(x.dtype),
-            weights_dtype="bfloat16" if scores.dtype == mx.bfloat16 else "float32",
+            per_entry=True,
         )
-        # The block's sum over k comes back in float32; MLX rounds it to x's dtype the same way.
-        return mx.array(out).reshape(x.shape).astype(x.dtype)
+        # Each entry comes back in float32, already rounded as MLX rounds x's dtype.
+        return mx.array(out).reshape(*indices.shape, self.hidden).astype(x.dtype)
 
     def arithmetic_for(self, dtype: mx.Dtype) -> str:
         """The Window's arithmetic for activations of `dtype` (see ARITHMETICS)."""
@@ -233,6 +267,7 @@ class MoeEngine:
         on its own token and expert, so the result is bitwise the unstreamed one)."""
         assert self.arena is not None
         self._begin(layer)
+        indices = self._routed_ids(layer, x, indices)
         rows = int(np.prod(indices.shape[:-1]))
         preds = self.predictions(layer, x, rows)
         mx.eval(indices, *[p for p in preds if p is not None])
@@ -271,7 +306,3 @@ class MoeEngine:
 
 def _ids(a: mx.array) -> npt.NDArray[np.int32]:
     return np.asarray(a).astype(np.int32, copy=False)
-
-
-def expert_param_keys(matrix: int) -> str:
-    return _MATRIX_NAMES[matrix]

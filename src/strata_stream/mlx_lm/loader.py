@@ -11,11 +11,13 @@ import os
 import re
 import weakref
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from strata_stream.arena_budget import arena_size, available_memory
 from strata_stream.config import StreamConfig
@@ -23,35 +25,82 @@ from strata_stream.convert.pack_cache import default_pack_path, ensure_pack
 from strata_stream.convert.share import WHOLE, Share
 from strata_stream.engine_stats import window_stats_source
 from strata_stream.errors import ConfigError, PackError
-from strata_stream.mlx_lm.blocks import StreamedExperts, StreamedMoE, strip_experts
+from strata_stream.mlx_lm.blocks import (
+    StreamedSwitch,
+    cpu_activation,
+    is_glu,
+    strip_experts,
+    switch_classes,
+)
 from strata_stream.mlx_lm.engine import EXPERT_MODES, BlockRef, MoeEngine
-from strata_stream.mlx_lm.families import family_of
+from strata_stream.mlx_lm.prediction import Predictor
 from strata_stream.pack.reader import ExpertPack
 from strata_stream.paths import checked_model_dir, fetched, model_location
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def _find_blocks(model: Any) -> list[tuple[int, str, Any, Any, str]]:
-    """(decoder layer, block path, parent module, block, attribute) of every MoE block."""
-    found = []
+@dataclass
+class _Found:
+    """One switch of the model: where it sits and who calls it."""
+
+    decoder_layer: int
+    path: str  # the switch's module path
+    parent: Any  # the module holding it as attribute `attr` (the block that calls it)
+    attr: str
+    switch: Any
+    decoder: Any  # the decoder layer module (layers.N), where a router may live
+
+
+def _model_type(model: Any) -> str:
+    args = getattr(model, "args", None)
+    return str(getattr(args, "model_type", None) or type(model).__module__.rpartition(".")[2])
+
+
+def _find_switches(model: Any) -> list[_Found]:
+    """Every experts module (mlx-lm's SwitchGLU/SwitchMLP) under a decoder layer, in layer
+    order: the seam, whatever the block around it."""
+    classes = switch_classes()
     modules = dict(model.named_modules())
+    found: list[_Found] = []
     for name, module in modules.items():
-        if type(module).__name__ != "SwitchGLU":
+        if not isinstance(module, classes):
             continue
-        block_path, _, _ = name.rpartition(".")
-        m = _LAYER.search(block_path + ".")
+        m = _LAYER.search(name + ".")
         if m is None:
             continue
-        parent_path, _, attr = block_path.rpartition(".")
-        found.append((int(m.group(1)), block_path, modules[parent_path], modules[block_path], attr))
-    found.sort(key=lambda t: t[0])
+        parent_path, _, attr = name.rpartition(".")
+        decoder_path = name[: m.end() - 1].lstrip(".")
+        found.append(
+            _Found(
+                int(m.group(1)),
+                name,
+                modules[parent_path],
+                attr,
+                module,
+                modules.get(decoder_path),
+            )
+        )
+    found.sort(key=lambda f: f.decoder_layer)
+    layers = [f.decoder_layer for f in found]
+    if len(set(layers)) != len(layers):
+        dup = sorted({n for n in layers if layers.count(n) > 1})
+        raise ConfigError(
+            f"{_model_type(model)}: decoder layers {dup} hold more than one experts module "
+            "(the pack holds one per layer)"
+        )
+    for f in found:
+        if not is_glu(f.switch):
+            raise ConfigError(
+                f"{_model_type(model)}: its experts are mlx-lm SwitchMLP modules (one input "
+                f"projection and {type(f.switch.activation).__name__}, at {f.path}); the pack "
+                "holds gated experts (gate, up, down) only"
+            )
     return found
 
 
-def _check_pack(
-    pack: ExpertPack, decoder_layers: list[int], blocks: list[Any], share: Share = WHOLE
-) -> None:
+def _check_pack(pack: ExpertPack, found: list[_Found], share: Share = WHOLE) -> None:
+    decoder_layers = [f.decoder_layer for f in found]
     meta = pack.metadata.get("model") or {}
     where = f"pack {pack.path}"
     if pack.geometry.routing != "external":
@@ -68,9 +117,9 @@ def _check_pack(
             f"model's MoE blocks are at {decoder_layers} (a pack of another model?)"
         )
     g = pack.geometry
-    for layer, block in zip(decoder_layers, blocks, strict=True):
-        switch = block[family_of(block).experts_attr]
-        gp = switch.gate_proj
+    for f in found:
+        layer = f.decoder_layer
+        gp = f.switch.gate_proj
         n_experts, rows = gp.weight.shape[0], gp.weight.shape[1]
         if rows != g.moe_intermediate:
             raise PackError(
@@ -92,6 +141,23 @@ def _check_pack(
                 f"{where}: experts stored as {pack.weight_format} group {pack.group_size}, the "
                 f"model's are {model_format} group {gp.group_size}"
             )
+
+
+def _kernels(pack: ExpertPack, switch: Any, experts: str) -> str:
+    """Who computes this switch's experts: the Window's backend ("cpu") when it computes the
+    switch's own activation as the pack records it, else the switch's own modules ("mlx")."""
+    if experts == "mlx":
+        return "mlx"
+    act = cpu_activation(switch)
+    g = pack.geometry
+    if act is None or act[0] != g.activation:
+        return "mlx"
+    f32 = np.float32
+    if act[0] == "swiglu_oai" and (
+        f32(act[1]) != f32(g.act_alpha) or f32(act[2]) != f32(g.act_limit)
+    ):
+        return "mlx"
+    return "cpu"
 
 
 def load_model(
@@ -171,10 +237,13 @@ def stream_experts(
     holds no MoE block (a pipeline rank of dense layers only)."""
     if experts not in EXPERT_MODES:
         raise ConfigError(f"experts must be one of {', '.join(EXPERT_MODES)}, got {experts!r}")
-    found = _find_blocks(model)
+    found = _find_switches(model)
     if not found:
         if share.whole:
-            raise ConfigError(f"{model_path}: the model has no MoE blocks with routed experts")
+            raise ConfigError(
+                f"{model_path}: the model ({_model_type(model)}) has no MoE blocks with routed "
+                "experts (no mlx-lm SwitchGLU/SwitchMLP module)"
+            )
         if not lazy:
             mx.eval(model.parameters())
         return None
@@ -182,43 +251,32 @@ def stream_experts(
     # named, refused if it was made from other weights (convert/pack_cache.py).
     pack_file = ensure_pack(model_path, pack_path, share=share, progress=progress)
 
-    decoder_layers = [t[0] for t in found]
-    blocks = [t[3] for t in found]
     with ExpertPack.open(pack_file) as pack:
-        _check_pack(pack, decoder_layers, blocks, share)
+        _check_pack(pack, found, share)
         refs = [
-            BlockRef(i, layer, block, family_of(block))
-            for i, (layer, block) in enumerate(zip(decoder_layers, blocks, strict=True))
+            BlockRef(i, f.decoder_layer, f.parent, f.switch, _kernels(pack, f.switch, experts))
+            for i, f in enumerate(found)
         ]
-        # Strip the experts first, so evaluating the parameters loads the dense weights only.
-        streamed: list[tuple[Any, str, Any]] = []
-        for ref, (_, _, parent, block, attr) in zip(refs, found, strict=True):
-            switch = block[ref.family.experts_attr]
-            if experts == "mlx":
-                stand_in: Any = _Deferred(ref, switch)
-                block[ref.family.experts_attr] = stand_in
-            else:
-                stand_in = _Deferred(ref, None)
-                parent[attr] = stand_in
-            streamed.append((parent, attr, stand_in))
-            strip_experts(switch)
+        # Strip the experts first, so evaluating the parameters loads the dense weights only;
+        # a placeholder holds each switch's place until the engine exists.
+        for f in found:
+            strip_experts(f.switch)
+            f.parent[f.attr] = _Deferred()
         if not lazy:
             mx.eval(model.parameters())
         base = config if config is not None else StreamConfig.from_env()
         available = available_memory() // memory_share if memory_share > 1 else None
         cfg = base.replace(arena_bytes=arena_size(pack, arena_bytes, available))
         engine = MoeEngine(pack, cfg, experts, refs, arithmetic)
-    for ref, (parent, attr, deferred) in zip(refs, streamed, strict=True):
-        assert isinstance(deferred, _Deferred)
-        if experts == "mlx":
-            ref.block[ref.family.experts_attr] = StreamedExperts(engine, ref, deferred.switch)
-        else:
-            parent[attr] = StreamedMoE(engine, ref)
+    top_k, n_experts = engine.top_k, engine.stream.n_experts
+    for ref, f in zip(refs, found, strict=True):
+        stand_in = StreamedSwitch(engine, ref, f.switch, ref.kernels)
+        f.parent[f.attr] = stand_in
+        ref.predictor = Predictor(f.parent, stand_in, f.decoder, top_k, n_experts)
     if not lazy:
-        # On the CPU path each block was out of the model while the parameters above were
-        # evaluated: its gate and shared experts are evaluated now, on the loading thread. Left
-        # lazy, they would load on whichever thread first runs the model, and MLX refuses to
-        # evaluate there an array made on another thread's stream (a server's worker thread).
+        # Anything of the model still lazy (evaluated now, on the loading thread): left lazy,
+        # it would load on whichever thread first runs the model, and MLX refuses to evaluate
+        # there an array made on another thread's stream (a server's worker thread).
         mx.eval(model.parameters())
     object.__setattr__(model, "strata_engine", engine)
     object.__setattr__(model, "strata_pack_path", pack_file)
@@ -227,13 +285,8 @@ def stream_experts(
 
 
 class _Deferred(nn.Module):  # type: ignore[misc,name-defined]
-    """Placeholder while the engine does not exist yet (the arena is sized after the dense
-    weights are loaded)."""
-
-    def __init__(self, ref: BlockRef, switch: Any | None) -> None:
-        super().__init__()
-        object.__setattr__(self, "ref", ref)
-        object.__setattr__(self, "switch", switch)
+    """Holds a switch's place while the engine does not exist yet (the arena is sized after
+    the dense weights are loaded); no parameters."""
 
 
 def load(
@@ -297,6 +350,17 @@ def describe(model: Any) -> dict[str, Any]:
     stats["arena_bytes"] = engine.config.arena_bytes
     stats["n_slots"] = engine.stream.n_slots
     stats["zero_copy"] = bool(engine.arena and engine.arena.zero_copy)
+    # Per pack layer: who computes its experts ("cpu": the Window's backend; "mlx": the
+    # switch's own modules, for an activation the backend does not compute) and how its
+    # experts are predicted (prediction.METHODS; "profile" where the block's routing could
+    # not be reached, with the reason).
+    stats["kernels"] = [b.kernels for b in engine.blocks]
+    stats["prediction"] = engine.prediction_methods()
+    stats["prediction_why"] = {
+        b.layer: b.predictor.why
+        for b in engine.blocks
+        if b.predictor is not None and b.predictor.method == "profile"
+    }
     return stats
 
 

@@ -14,14 +14,14 @@ engine's next-layer predictions (which are therefore exact: the trace has no hid
 predict from). Rows of a batch hence take independent tokens of the one conversation the trace
 holds: they overlap as tokens of one conversation do, which is more than different
 conversations would (benchmarks/batch_union.py reads the same trace the same way). The weights
-are the block's own gate's softmax at the chosen experts, renormalised as the block does.
+are the block's own, for the experts its gate chose: the trace decides which experts are read
+and computed, which is what a load test measures, not what the mixture weighs.
 
 The model must have the trace's number of experts (and at least its top-k per token).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import zlib
 from pathlib import Path
 from typing import Any
@@ -82,17 +82,14 @@ class TraceRouter:
             self._rows = np.asarray(keys, dtype=np.int64) % self.table.shape[0]
         return self._rows
 
-    def route(self, layer: int, block: Any, x: Any) -> tuple[Any, Any]:
+    def route(self, layer: int, x: Any, indices: Any) -> Any:
+        """The trace's ids in place of `indices` (the block's own choice, [..., k]) for the rows
+        of x, the input of pack layer `layer`'s experts."""
         import mlx.core as mx
 
         rows = self.rows_for(layer, x)
         ids = self.table[rows, self.trace_layer[layer]]  # [rows, k]
-        inds = mx.array(ids).reshape(*x.shape[:-1], self.top_k)
-        gates = mx.softmax(block.gate(x), axis=-1, precise=True)
-        scores = mx.take_along_axis(gates, inds, axis=-1)
-        if getattr(block, "norm_topk_prob", True):
-            scores = scores / mx.sum(scores, axis=-1, keepdims=True)
-        return inds, scores
+        return mx.array(ids).reshape(*indices.shape[:-1], self.top_k)
 
 
 def route_by_trace(model: Any, trace_path: str | Path) -> TraceRouter:
@@ -110,12 +107,7 @@ def route_by_trace(model: Any, trace_path: str | Path) -> TraceRouter:
             f"{trace.top_k} of {trace.n_experts}: build the model with the trace's geometry"
         )
     router = TraceRouter(trace, len(engine.blocks))
-    for ref in engine.blocks:
-
-        def route(block: Any, x: Any, layer: int = ref.layer) -> tuple[Any, Any]:
-            return router.route(layer, block, x)
-
-        ref.family = dataclasses.replace(ref.family, route=route)
+    engine.route_override = router.route
     return router
 
 
