@@ -2,12 +2,13 @@
 
 Two layouts are recognised, by tensor name, whatever the family:
 
-- stacked (mlx-lm): ``...layers.{i}.{block}.{switch_mlp|experts}.{gate,up,down}_proj.{role}``
-  with a leading expert axis ``[E, rows, cols]``; role ``weight`` (uint32 when quantized),
+- stacked (mlx-lm): ``...layers.{i}.{path}.{switch_mlp|switch_glu|experts}.{gate,up,down}_proj.
+  {role}`` (the experts module where the model holds it: ``mlp.switch_mlp``, gemma4's
+  ``experts.switch_glu``, deepseek_v41's ``mlp.experts.switch_mlp``) with a leading expert axis ``[E, rows, cols]``; role ``weight`` (uint32 when quantized),
   ``scales``/``biases`` (affine quantization), ``bias`` (the Linear's own, gpt-oss);
-- per expert (Hugging Face): ``...layers.{i}.{block}.experts.{e}.{gate,up,down}_proj.{role}``
+- per expert (Hugging Face): ``...layers.{i}.{path}.experts.{e}.{gate,up,down}_proj.{role}``
   (Mixtral's ``w1``/``w3``/``w2`` are gate/up/down);
-- fused (transformers 5): ``...layers.{i}.{block}.experts.gate_up_proj`` and ``.down_proj``
+- fused (transformers 5): ``...layers.{i}.{path}.experts.gate_up_proj`` and ``.down_proj``
   (float weights), with ``_bias`` tensors where the experts have Linear biases. Two
   orientations, told apart by which axis is hidden_size: ``gate_up_proj [E, 2I, H]`` (gate rows,
   then up rows) with ``down_proj [E, H, I]``, as transformers 5's experts modules hold them;
@@ -44,21 +45,45 @@ from strata_stream.pack.header import MATRICES, QUANT_FORMAT_BITS, ROLES, record
 from strata_stream.pack.quant import QuantizedMatrix, bf16_bits_to_f32
 
 _STACKED = re.compile(
-    r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>\w+)\.(?P<module>switch_mlp|experts))"
+    r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>(?:\w+\.)*?)"
+    r"(?P<module>switch_mlp|switch_glu|experts))"
     r"\.(?P<mat>gate_proj|up_proj|down_proj)\.(?P<role>weight|scales|biases|bias)$"
 )
 _PER_EXPERT = re.compile(
-    r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>\w+)\.experts)\.(?P<expert>\d+)"
+    r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>(?:\w+\.)*?)experts)\.(?P<expert>\d+)"
     r"\.(?P<mat>gate_proj|up_proj|down_proj|w1|w2|w3)\.(?P<role>weight|scales|biases|bias)$"
 )
 _FUSED = re.compile(
-    r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>\w+)\.experts)"
+    r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>(?:\w+\.)*?)experts)"
     r"\.(?P<mat>gate_up_proj|down_proj)(?P<suffix>_bias|_blocks|_scales)?$"
 )
 _MATRIX = {"gate_proj": 0, "up_proj": 1, "down_proj": 2, "w1": 0, "w3": 1, "w2": 2}
 _FLOAT_FORMATS = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
 # gpt-oss's clamped SwiGLU (mlx_lm.models.activations.SwigluOAI defaults).
 _OAI_ALPHA, _OAI_LIMIT = 1.702, 7.0
+
+
+# The config keys families name the routed experts per token by, in the order they are read.
+_TOP_K_KEYS = (
+    "num_experts_per_tok",
+    "num_experts_per_token",
+    "moe_topk",
+    "moe_top_k",
+    "top_k_experts",
+    "moe_k",
+    "n_activated_experts",
+    "experts_per_token",
+    "top_k",
+    "topk",
+)
+
+
+def _top_k(config: dict[str, Any]) -> int:
+    for key in _TOP_K_KEYS:
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return 0
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:
@@ -295,10 +320,11 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
         if bias_dtype is None:
             raise ConfigError(f"{model_dir}: expert biases of dtype {bdtype} not supported")
 
-    top_k = int(config.get("num_experts_per_tok", 0) or config.get("moe_topk", 0) or 0)
+    top_k = _top_k(config)
     if not 1 <= top_k <= n_experts:
         raise ConfigError(
-            f"{model_dir}: config num_experts_per_tok {top_k} is not in 1..{n_experts}"
+            f"{model_dir}: config.json gives no experts per token in 1..{n_experts} (read "
+            f"{', '.join(_TOP_K_KEYS)}; got {top_k})"
         )
     oai = model_type == "gpt_oss"
     geometry = Geometry(
