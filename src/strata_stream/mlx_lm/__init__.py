@@ -6,11 +6,11 @@
     model, tokenizer = load("path/to/mlx-model", arena_bytes=8 << 30)
     print(generate(model, tokenizer, "Hello", max_tokens=32))
 
-`load` and `load_model` mirror mlx_lm.load and mlx_lm.utils.load_model. The model routes with
-its own gates (every supported family exactly, see families.py); the engine streams the chosen
-experts into a bounded arena and computes them on the CPU backend (experts="cpu") or with MLX's
-own gather_qmm over the arena (experts="mlx"). docs/models.md has the families, the two paths
-and their tolerances.
+`load` and `load_model` mirror mlx_lm.load and mlx_lm.utils.load_model. Only each MoE block's
+experts module (its SwitchGLU) is replaced (blocks.py): the model's own block code routes and
+mixes, whatever the family; the engine streams the chosen experts into a bounded arena and
+computes them on the CPU backend (experts="cpu") or with the module's own gather_qmm over the
+arena (experts="mlx"). docs/models.md has the seam, the two paths and their tolerances.
 
 `sharded_load` mirrors mlx_lm.utils.sharded_load under `mlx.launch`: pipeline and/or tensor
 parallel, each rank streaming only its share of the experts (docs/distributed.md).
