@@ -32,7 +32,7 @@ from strata_stream.config import StreamConfig
 from strata_stream.errors import ConfigError
 from strata_stream.pack.reader import ExpertPack
 from strata_stream.stream import ExpertStream
-from strata_stream.transformers.families import Family, route_ids
+from strata_stream.transformers.families import Family, Router, find_router, route_ids
 from strata_stream.window import Window
 
 _X_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -53,6 +53,10 @@ class BlockRef:
     decoder_layer: int
     block: Any  # the model's own block (router, shared experts, ...)
     family: Family
+    experts_attr: str = "experts"  # the block's attribute the experts module was
+    # The block's router, found by structure (families.find_router); None: this layer is
+    # predicted from the expert profile instead.
+    router: Router | None = None
 
 
 class TorchMoeEngine:
@@ -79,6 +83,14 @@ class TorchMoeEngine:
             raise
         self.routing = _PinnedRouting() if self.on_cuda else None
         self.closed = False
+        for ref in blocks:
+            ref.router = find_router(
+                ref.block, ref.experts_attr, self.top_k, pack.geometry.n_experts, self.hidden
+            )
+        # How each pack layer is predicted when it is the next layer: "router" (its router on
+        # the previous layer's input) or "profile" (no router returns the ids: the Window's
+        # expert profile stands in).
+        self.prediction = ["router" if ref.router is not None else "profile" for ref in blocks]
         try:
             self.filled_at_load = self._fill_when_everything_fits()
         except BaseException:
@@ -107,6 +119,14 @@ class TorchMoeEngine:
             self.window.close()
             self.stream.close()
 
+    def stats(self) -> dict[str, Any]:
+        """Window.stats() and how each layer is predicted (`prediction`: per pack layer
+        "router" or "profile"; `prediction_profile_layers`: how many are "profile")."""
+        stats = self.window.stats()
+        stats["prediction"] = list(self.prediction)
+        stats["prediction_profile_layers"] = self.prediction.count("profile")
+        return stats
+
     def predictions(self, layer: int, x: torch.Tensor) -> list[torch.Tensor | None]:
         """The ids routers l+1 (and l+2) pick on this layer's input, where the engine will use
         them (it decides: `Window.wants_predictions`), on x's device."""
@@ -116,8 +136,18 @@ class TorchMoeEngine:
             nxt = layer + d
             if want[d - 1] and nxt < len(self.blocks):
                 ref = self.blocks[nxt]
-                out[d - 1] = route_ids(ref.block, ref.family, x)
+                if ref.router is not None:
+                    out[d - 1] = self._valid(route_ids(ref.router, x), x.shape[0])
         return out
+
+    def _valid(self, ids: Any, rows: int) -> torch.Tensor | None:
+        """A prediction as the Window takes it ([T, top_k] ids within the pack's experts), or
+        None: a prediction only steers reads, so one out of shape is dropped and an id out of
+        range becomes expert 0, neither of which can change the output."""
+        if not isinstance(ids, torch.Tensor) or tuple(ids.shape) != (rows, self.top_k):
+            return None
+        n = self.stream.n_experts
+        return torch.where((ids >= 0) & (ids < n), ids, torch.zeros_like(ids))
 
     @torch.no_grad()
     def run(

@@ -1,78 +1,267 @@
-"""Which transformers MoE blocks stream, and how each one's router is reached.
+"""Which transformers MoE blocks stream: decided by the experts interface, whatever the family.
 
-In transformers 5 a sparse block routes with its own router module and then calls
-``self.experts(hidden_states, top_k_index, top_k_weights)``: that call is the seam, so only the
-experts module is replaced (loader.py) and routing, mixture weights, shared experts and the
-rest of the block stay the model's own code. The router is also what predicts: layer l+1's
-router applied to layer l's input (engine.py). Every supported router returns
-``(router_logits, top_k_weights, top_k_index)``.
+In transformers 5 every MoE family's routed experts are one module decorated with
+``use_experts_implementation``: the block routes with its own router and then calls
+``self.experts(hidden_states, top_k_index, top_k_weights)``. That call is the seam. Only the
+experts module is replaced (loader.py); routing, mixture weights, shared experts and the rest of
+the block stay the model's own code. Nothing here names a class: a block is taken on by what
+its experts module is.
 
-Supported block classes (by name, so a family is found whatever module defines it):
-Qwen3MoeSparseMoeBlock, MixtralSparseMoeBlock, OlmoeSparseMoeBlock, Qwen2MoeSparseMoeBlock
-(shared expert with a sigmoid gate, kept dense in torch), DeepseekV3MoE (sigmoid scoring,
-correction bias, group-limited top-k, routed scaling, shared experts), GptOssMLP (router bias;
-its experts' biases and clamped SwiGLU are in the pack).
+- The experts module is recognised by the decorator's marker (the flags it sets on every
+  instance: ``has_gate``, ``is_transposed``, ``is_concatenated``, ...; the class's
+  ``_apply_gate``) and a forward that takes ``(hidden_states, top_k_index, top_k_weights)``.
+- Its geometry comes from its parameters: ``gate_up_proj`` is ``[E, 2I, H]`` or, transposed,
+  ``[E, H, 2I]`` (told apart by which axis is the hidden size), ``down_proj`` the other way
+  round, with ``gate_up_proj_bias`` / ``down_proj_bias`` where the experts have biases.
+- Its activation is what its own ``_apply_gate`` (the gate function every experts
+  implementation of transformers applies to the fused gate-up output) computes on a probe,
+  compared with what the pack computes (`check_activation`): SwiGLU with silu, or gpt-oss's
+  clamped SwiGLU, on the gate/up split the converter wrote. Anything else is refused by name,
+  never computed with the wrong function.
+- Experts the pack cannot hold (no gate projection, a norm after each expert, no fused
+  gate_up_proj) are refused with one line naming the model type and the reason.
+
+The router predicts: layer l+1's router on layer l's input (engine.py). It is found by
+structure too (`find_router`): the block's child module whose forward returns the expert ids,
+an integer ``[T, top_k]`` tensor among its outputs. A block whose router returns no ids (its
+block computes them from logits) predicts nothing, and the engine falls back to the expert
+profile for that layer (``prediction`` in the engine's stats).
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from strata_stream.errors import ConfigError
 
+# The flags use_experts_implementation sets on every experts module it decorates.
+_MARKERS = ("has_gate", "has_bias", "is_transposed", "is_concatenated")
+# Probe of the gate function: [rows, 2I] values spanning both signs and beyond gpt-oss's clamp.
+_PROBE_ROWS = 8
+_PROBE_SPAN = 12.0
+
 
 @dataclass(frozen=True)
 class Family:
-    name: str
-    router_attr: str  # the block's router module
-    # The experts module's fused gate_up_proj is [E, H, 2I] (gpt-oss) rather than [E, 2I, H].
-    hidden_first: bool = False
+    """One sparse block's experts, as the experts module's structure describes them."""
+
+    model_type: str
+    experts_class: str  # for messages only
+    n_experts: int
+    moe_intermediate: int
+    hidden: int
+    transposed: bool  # gate_up_proj is [E, H, 2I]
+    has_bias: bool
+    # The experts' own gate function on the probe (`gate_probe`): compared with the pack's
+    # activation once the pack is open (check_activation).
+    gate_out: Any
+    concatenated: bool  # the decorator's marker: gate then up (True) or interleaved columns
 
 
-_BY_CLASS: dict[str, Family] = {
-    "Qwen3MoeSparseMoeBlock": Family("qwen3_moe", "gate"),
-    "MixtralSparseMoeBlock": Family("mixtral", "gate"),
-    "OlmoeSparseMoeBlock": Family("olmoe", "gate"),
-    "Qwen2MoeSparseMoeBlock": Family("qwen2_moe", "gate"),
-    "DeepseekV3MoE": Family("deepseek_v3", "gate"),
-    "GptOssMLP": Family("gpt_oss", "router", hidden_first=True),
-}
-
-
-def family_of(block: Any) -> Family:
-    """The Family of a sparse MoE block; ConfigError for blocks not supported yet."""
-    name = type(block).__name__
-    family = _BY_CLASS.get(name)
-    if family is None:
-        raise ConfigError(
-            f"MoE block {type(block).__module__}.{name} is not supported yet (supported: "
-            f"{', '.join(sorted(_BY_CLASS))})"
-        )
-    return family
-
-
-def is_sparse_block(module: Any) -> bool:
-    """A module that routes with its own router and calls a fused experts module."""
+def is_experts_module(module: Any) -> bool:
+    """An experts module of transformers' experts interface: the decorator's marker and a
+    forward taking (hidden_states, top_k_index, top_k_weights)."""
     import torch
 
-    experts = getattr(module, "experts", None)
-    if not isinstance(experts, torch.nn.Module) or not hasattr(experts, "gate_up_proj"):
+    if not isinstance(module, torch.nn.Module):
         return False
-    return any(isinstance(getattr(module, a, None), torch.nn.Module) for a in ("gate", "router"))
+    if not all(isinstance(getattr(module, m, None), bool) for m in _MARKERS):
+        return False
+    if not callable(getattr(type(module), "_apply_gate", None)):
+        return False
+    try:
+        params = inspect.signature(type(module).forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 4  # self, hidden_states, top_k_index, top_k_weights
 
 
-def experts_shape(block: Any, family: Family) -> tuple[int, int, int]:
-    """(n_experts, moe_intermediate, hidden) of a block's (still unreplaced) experts module."""
-    e, a, b = block.experts.gate_up_proj.shape
-    if family.hidden_first:
-        return int(e), int(b) // 2, int(a)
-    return int(e), int(a) // 2, int(b)
+def find_blocks(model: Any) -> list[tuple[str, Any, Any]]:
+    """(path, block, experts module) of every experts-interface module in `model`, the block
+    being the module that holds it as its ``experts``-like child."""
+    found = []
+    modules = dict(model.named_modules())
+    for name, module in modules.items():
+        if not name or not is_experts_module(module):
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        parent = modules.get(parent_name)
+        if parent is None:
+            continue
+        found.append((parent_name, parent, attr))
+    return found
 
 
-def route_ids(block: Any, family: Family, x: Any) -> Any:
-    """The expert ids block's own router picks for x [T, H] ([T, k]). Called through forward,
-    not __call__: transformers records router outputs with module hooks
-    (output_router_logits), and a prediction is not one of the model's routings."""
-    router = getattr(block, family.router_attr)
-    return type(router).forward(router, x)[2]
+def _param(module: Any, name: str) -> Any:
+    import torch
+
+    p = getattr(module, name, None)
+    return p if isinstance(p, torch.Tensor) else None
+
+
+def family_of(experts: Any, model_type: str, hidden: int | None = None) -> Family:
+    """The Family of an experts-interface module; ConfigError (one line naming the model type
+    and the reason) where the pack cannot hold its experts."""
+    cls = type(experts).__name__
+    where = f"{model_type}: experts module {cls}"
+    if not experts.has_gate or _param(experts, "gate_up_proj") is None:
+        act = type(getattr(experts, "act_fn", None)).__name__
+        raise ConfigError(
+            f"{where} has no gate projection (up_proj and down_proj, activation {act}); the pack "
+            "holds gated experts (gate, up, down with SwiGLU)"
+        )
+    if getattr(experts, "has_post_expert_norm", False):
+        raise ConfigError(
+            f"{where} applies a norm after each expert; the pack's experts end at down_proj"
+        )
+    gate_up = _param(experts, "gate_up_proj")
+    down = _param(experts, "down_proj")
+    if down is None or gate_up.ndim != 3 or down.ndim != 3:
+        raise ConfigError(
+            f"{where}: gate_up_proj {list(gate_up.shape)} and down_proj "
+            f"{None if down is None else list(down.shape)} are not fused [E, rows, cols] tensors"
+        )
+    e, a, b = (int(d) for d in gate_up.shape)
+    _, c, d = (int(v) for v in down.shape)
+    config = getattr(experts, "config", None)
+    h = hidden if hidden is not None else int(getattr(config, "hidden_size", 0) or 0)
+    rows = b == h and c == h and a == 2 * d  # [E, 2I, H] with [E, H, I]
+    cols = a == h and d == h and b == 2 * c  # [E, H, 2I] with [E, I, H]
+    if rows and cols:  # 2I == H: the decorator's marker decides
+        rows, cols = not experts.is_transposed, bool(experts.is_transposed)
+    if not (rows or cols):
+        raise ConfigError(
+            f"{where}: gate_up_proj [{e}, {a}, {b}] and down_proj [{e}, {c}, {d}] fit neither "
+            f"[E, 2I, {h}] / [E, {h}, I] nor [E, {h}, 2I] / [E, I, {h}]"
+        )
+    inter = d if rows else c
+    has_bias = _param(experts, "gate_up_proj_bias") is not None
+    return Family(
+        model_type=model_type,
+        experts_class=cls,
+        n_experts=e,
+        moe_intermediate=inter,
+        hidden=h,
+        transposed=cols,
+        has_bias=has_bias,
+        gate_out=_gate_out(experts, inter, where),
+        concatenated=bool(experts.is_concatenated),
+    )
+
+
+def gate_probe(inter: int) -> Any:
+    """The fixed [rows, 2I] float32 input the gate functions are compared on."""
+    import torch
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    probe = torch.rand(_PROBE_ROWS, 2 * inter, generator=gen, device="cpu")
+    return (probe * 2 - 1) * _PROBE_SPAN
+
+
+def _gate_out(experts: Any, inter: int, where: str) -> Any:
+    import torch
+
+    try:
+        with torch.no_grad():
+            out = type(experts)._apply_gate(experts, gate_probe(inter))
+    except Exception as e:  # noqa: BLE001 - any failure means: not a gate we can compare
+        raise ConfigError(f"{where}: its gate function failed on a probe ({type(e).__name__}: "
+                          f"{e})") from None  # fmt: skip
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (_PROBE_ROWS, inter):
+        raise ConfigError(f"{where}: its gate function does not map [T, 2I] to [T, I]")
+    return out.detach().to(torch.float32)
+
+
+def pack_gate(activation: str, alpha: float, limit: float, interleaved: bool) -> Callable[..., Any]:
+    """What the pack computes from a [T, 2I] gate-up output: its activation on the gate and up
+    halves as the converter split them (interleaved columns, or gate then up)."""
+    import torch
+
+    def apply(h: Any) -> Any:
+        gate, up = (h[..., ::2], h[..., 1::2]) if interleaved else h.chunk(2, dim=-1)
+        if activation == "swiglu_oai":
+            gate = gate.clamp(max=limit)
+            up = up.clamp(min=-limit, max=limit)
+            return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+        return torch.nn.functional.silu(gate) * up
+
+    return apply
+
+
+def check_activation(family: Family, activation: str, alpha: float, limit: float,
+                     layout: str | None) -> None:  # fmt: skip
+    """ConfigError unless the pack's activation, on the converter's gate/up split (`layout`,
+    the pack's model.layout), is the experts' own gate function."""
+    import torch
+
+    if layout == "fused_columns":
+        interleaved = True
+    elif layout == "fused_rows":
+        interleaved = False
+    else:  # per-expert or stacked tensors: transformers fuses them in its own order
+        interleaved = not family.concatenated
+    want = family.gate_out
+    got = pack_gate(activation, alpha, limit, interleaved)(gate_probe(family.moe_intermediate))
+    if torch.allclose(got, want, rtol=1e-5, atol=1e-5, equal_nan=True):
+        return
+    split = "interleaved" if interleaved else "concatenated"
+    raise ConfigError(
+        f"{family.model_type}: experts module {family.experts_class}'s gate function is not the "
+        f"pack's {activation} on {split} gate/up halves (the CPU backend computes SwiGLU with "
+        "silu and gpt-oss's clamped SwiGLU)"
+    )
+
+
+@dataclass(frozen=True)
+class Router:
+    """A block's router as the block calls it: `module.forward(x)` whose output `index` is the
+    [T, top_k] expert ids."""
+
+    module: Any
+    index: int | None  # None: the output is the ids tensor itself
+
+
+def find_router(block: Any, experts_attr: str, top_k: int, n_experts: int,
+                hidden: int) -> Router | None:  # fmt: skip
+    """The block's child module whose forward, on a probe [T, hidden] in the model's dtype,
+    returns integer [T, top_k] ids within [0, n_experts); None where no child does."""
+    import torch
+
+    rows = 3
+    for name, child in block.named_children():
+        if name == experts_attr:
+            continue
+        params = [p for p in child.parameters() if p.is_floating_point()]
+        if not params or params[0].is_meta:
+            continue
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(rows, hidden, generator=gen).to(params[0].dtype).to(params[0].device)
+        try:
+            with torch.no_grad():
+                out = type(child).forward(child, x)
+        except Exception:  # noqa: BLE001 - a module that is not a router
+            continue
+        outs = list(out) if isinstance(out, tuple | list) else [out]
+        for i, t in enumerate(outs):
+            if (
+                isinstance(t, torch.Tensor)
+                and not t.is_floating_point()
+                and t.dtype != torch.bool
+                and tuple(t.shape) == (rows, top_k)
+                and int(t.min()) >= 0
+                and int(t.max()) < n_experts
+            ):
+                return Router(child, i if isinstance(out, tuple | list) else None)
+    return None
+
+
+def route_ids(router: Router, x: Any) -> Any:
+    """The expert ids the router picks for x [T, H] ([T, k]). Called through forward, not
+    __call__: transformers records router outputs with module hooks (output_router_logits),
+    and a prediction is not one of the model's routings."""
+    out = type(router.module).forward(router.module, x)
+    return out if router.index is None else out[router.index]

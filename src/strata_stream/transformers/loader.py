@@ -26,7 +26,7 @@ from strata_stream.pack.reader import ExpertPack
 from strata_stream.paths import model_dir
 from strata_stream.transformers.engine import BlockRef, TorchMoeEngine
 from strata_stream.transformers.experts import EngineSlot, StreamedExperts
-from strata_stream.transformers.families import experts_shape, family_of, is_sparse_block
+from strata_stream.transformers.families import check_activation, family_of, find_blocks
 
 _GiB = 1 << 30
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -36,20 +36,21 @@ _EXPERT_KEYS = [r"\.experts\.(?:\d+\.)?(?:gate_up_proj|down_proj|gate_proj|up_pr
 
 
 def _replace_experts(model: torch.nn.Module, slot: EngineSlot) -> None:
-    found: list[tuple[int, str, Any]] = []
-    for name, module in model.named_modules():
-        if not is_sparse_block(module):
-            continue
+    """Every experts-interface module of `model` (families.py) in decoder order, replaced by a
+    streamed one; ConfigError (one line) for experts the pack cannot hold."""
+    model_type = str(getattr(model.config, "model_type", "unknown"))
+    found: list[tuple[int, str, Any, str]] = []
+    for name, block, attr in find_blocks(model):
         m = _LAYER.search(name + ".")
         if m is not None:
-            found.append((int(m.group(1)), name, module))
+            found.append((int(m.group(1)), name, block, attr))
     found.sort(key=lambda t: t[0])
     slot.blocks = []
-    for layer, (decoder_layer, name, block) in enumerate(found):
-        family = family_of(block)
-        n_experts, inter, hidden = experts_shape(block, family)
-        block.experts = StreamedExperts(slot, layer, n_experts)
-        slot.blocks.append((decoder_layer, name, block, family, (n_experts, inter, hidden)))
+    for layer, (decoder_layer, name, block, attr) in enumerate(found):
+        family = family_of(getattr(block, attr), model_type)
+        setattr(block, attr, StreamedExperts(slot, layer, family.n_experts))
+        shape = (family.n_experts, family.moe_intermediate, family.hidden)
+        slot.blocks.append((decoder_layer, name, block, family, shape, attr))
 
 
 def _streamed_class(base: type[Any], slot: EngineSlot) -> type[Any]:
@@ -66,6 +67,52 @@ def _streamed_class(base: type[Any], slot: EngineSlot) -> type[Any]:
         {"__init__": __init__, "__module__": base.__module__,
          "__qualname__": base.__qualname__, "_keys_to_ignore_on_load_unexpected": ignore},
     )  # fmt: skip
+
+
+def causal_lm_class(config: Any, where: object = "") -> type[Any]:
+    """The causal-LM class transformers builds for `config`, found as the library finds it:
+    AutoModelForCausalLM's table (which picks among several by the config's `architectures`);
+    else a class the config's `architectures` names; else the one ``*ForCausalLM`` class of the
+    model type's own modeling module taking this config class (mistral4: not in the auto table,
+    though Mistral4ForCausalLM exists and loads plainly). ConfigError where there is none."""
+    import importlib
+
+    import transformers
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto import auto_factory
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    mapping: Any = AutoModelForCausalLM._model_mapping  # noqa: SLF001 - its class table
+    if type(config) in mapping:
+        cls: type[Any] = auto_factory._get_model_class(config, mapping)  # type: ignore[no-untyped-call]
+        return cls
+    for arch in getattr(config, "architectures", None) or []:
+        found = (
+            getattr(transformers, str(arch), None) if str(arch).endswith("ForCausalLM") else None
+        )
+        if isinstance(found, type):
+            return found
+    model_type = str(getattr(config, "model_type", ""))
+    try:
+        module = importlib.import_module(
+            f"transformers.models.{model_type_to_module_name(model_type)}.modeling_"
+            f"{model_type_to_module_name(model_type)}"
+        )
+    except ImportError:
+        module = None
+    candidates = [
+        c
+        for n, c in vars(module or object()).items()
+        if isinstance(c, type) and n.endswith("ForCausalLM")
+        and getattr(c, "config_class", None) is type(config)
+    ]  # fmt: skip
+    if len(candidates) == 1:
+        return candidates[0]
+    prefix = f"{where}: " if where else ""
+    raise ConfigError(
+        f"{prefix}transformers has no causal LM class for {type(config).__name__} "
+        f"(model type {model_type or 'unknown'})"
+    )
 
 
 def _device_arg(device: str | torch.device | None) -> torch.device:
@@ -128,13 +175,15 @@ def _check_pack(pack: ExpertPack, blocks: list[tuple[Any, ...]]) -> None:
             f"model's sparse blocks are at {decoder_layers} (a pack of another model?)"
         )
     g = pack.geometry
-    for decoder_layer, _, _, _, (n_experts, inter, hidden) in blocks:
+    for decoder_layer, _, _, family, (n_experts, inter, hidden), _ in blocks:
         if (g.n_experts, g.moe_intermediate, g.hidden) != (n_experts, inter, hidden):
             raise PackError(
                 f"{where}: {g.n_experts} experts of intermediate width {g.moe_intermediate} and "
                 f"hidden size {g.hidden}; the model's layer {decoder_layer} has {n_experts} of "
                 f"{inter} and {hidden}"
             )
+        # The pack's activation on the converter's gate/up split must be the experts' own.
+        check_activation(family, g.activation, g.act_alpha, g.act_limit, meta.get("layout"))
 
 
 def load(
@@ -164,7 +213,7 @@ def load(
     The model works unchanged with generate (greedy and sampling), streamers and caches;
     `model.strata_engine` holds the engine (`.window.stats()`, `.close()`).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     dev = _device_arg(device)
     if from_pretrained_kwargs.get("device_map") not in (None, "cpu"):
@@ -181,13 +230,7 @@ def load(
     hf_config = AutoConfig.from_pretrained(
         model_path, trust_remote_code=kwargs.get("trust_remote_code", False)
     )
-    mapping: Any = AutoModelForCausalLM._model_mapping  # noqa: SLF001 - its class table
-    try:
-        base = mapping[type(hf_config)]
-    except KeyError:
-        raise ConfigError(
-            f"{model_path}: transformers has no causal LM class for {type(hf_config).__name__}"
-        ) from None
+    base = causal_lm_class(hf_config, model_path)
     quant = getattr(hf_config, "quantization_config", None)
     method = (
         quant.get("quant_method")
@@ -210,8 +253,8 @@ def load(
     with ExpertPack.open(pack_file) as pack:
         _check_pack(pack, slot.blocks)
         refs = [
-            BlockRef(i, decoder_layer, block, family)
-            for i, (decoder_layer, _, block, family, _) in enumerate(slot.blocks)
+            BlockRef(i, decoder_layer, block, family, attr)
+            for i, (decoder_layer, _, block, family, _, attr) in enumerate(slot.blocks)
         ]
         base_cfg = config if config is not None else StreamConfig.from_env()
         cfg = base_cfg.replace(arena_bytes=_arena_bytes(pack, arena_bytes, dev))
@@ -227,7 +270,7 @@ def load(
 def describe(model: Any) -> dict[str, Any]:
     """The streaming engine's figures for a model `load` returned (Window.stats() and more)."""
     engine: TorchMoeEngine = model.strata_engine
-    stats = engine.window.stats()
+    stats = engine.stats()
     stats["arena_bytes"] = engine.config.arena_bytes
     stats["n_slots"] = engine.stream.n_slots
     stats["device"] = str(engine.device)
