@@ -40,8 +40,8 @@ class CpuBackend final : public Backend {
 
   std::string name() const override { return "cpu"; }
   // The device thread needs the cores, so the host's spin is short: 50 us covers a small decode
-  // layer's answer (the serving load test's model: the engine's calls 2.39 -> 1.97 ms a 1-row
-  // step, benchmarks/batch_step.py). Where answers take longer (a batch of rows, a prompt) the
+  // layer's answer (the serving load test's model, a 1-row step: benchmarks/batch_step.py
+  // measures what the spin saves). Where answers take longer (a batch of rows, a prompt) the
   // Window stops spinning (exec/adaptive_spin.h).
   std::chrono::microseconds host_spin() const override { return std::chrono::microseconds(50); }
 

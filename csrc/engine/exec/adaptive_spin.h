@@ -5,10 +5,11 @@
 // (tens of microseconds). When the answer comes later, the spin is a core taken from whoever
 // else wants it, and on a small machine that is the device's own threads: the CPU backend's
 // device thread and pool, MLX's, a server's event loop. A decode step of one row answers within
-// 50 us; the same model's step of eight rows takes hundreds, and its spins only slowed it
-// (serving's load test on 2 cores, benchmarks/serve_load.py). So each wait site keeps a running
-// estimate of its answer time and spins only while that estimate is within the budget; a
-// blocked wait still measures the answer time, so the spin comes back when answers get short.
+// a short spin; the same model's step of eight rows takes several times longer, and its spins
+// only slowed it (serving's load test on 2 cores: benchmarks/serve_load.py measures it). So each
+// wait site keeps a running estimate of its answer time and spins only while that estimate is
+// within the budget; a blocked wait still measures the answer time, so the spin comes back when
+// answers get short.
 #pragma once
 
 #include <atomic>

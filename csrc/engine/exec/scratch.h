@@ -18,9 +18,9 @@ namespace strata {
 
 // One scratch buffer, its elements left unset. A prompt's scratch is allocated at each turn's
 // first chunk (and freed at its end, unless BUF_REUSE keeps it), and writing zeros into all of
-// it cost more than the layer's kernels: 22 ms a layer at 1024 rows of hidden 2048 on the H200,
-// where the cuda backend's calls on device memory never touch the host's x, out, h and y at
-// all. Unset, a page nobody writes is never faulted in. Every element is written before it is
+// it cost more than the layer's kernels (benchmarks/prompt_scratch.py and
+// benchmarks/cuda_window_rows.py measure it), where the cuda backend's calls on device memory
+// never touch the host's x, out, h and y at all. Unset, a page nobody writes is never faulted in. Every element is written before it is
 // read; checked builds (kChecked: Debug, STRATA_CHECKS) fill the buffer with a poison instead,
 // NaN floats and out-of-range integers, so that a read before a write shows in the parity tests.
 template <class T>

@@ -138,7 +138,8 @@ constexpr const char* kHwName = "sse4.2";
 // Folding with carry-less multiplication (AVX-512 VPCLMULQDQ), for long buffers: the `crc32`
 // instruction retires 8 bytes a cycle at best (three interleaved streams), while four 512-bit
 // accumulators folded by VPCLMULQDQ take 256 bytes in eight multiplications, so a record part's
-// check costs a fraction of its read (docs/cuda.md, "IO"). The CRC is a remainder modulo the
+// check costs a fraction of its read (benchmarks/io_path.py measures the CRC's share of the IO
+// threads' time). The CRC is a remainder modulo the
 // polynomial P, and for a 16-byte block A followed by d bytes,
 //   A * x^(8d) = L * x^(8d + 64) + H * x^(8d)  (mod P)
 // where L is A's first 8 bytes (in the reflected bit order the higher-degree half) and H its

@@ -128,9 +128,9 @@ class KeyHeat {
 //
 // Settled slots live in a binary min-heap in one flat vector, with lazy deletion: a touch only
 // bumps the slot's stamp, and entries whose stamp is old are dropped when they surface. A tree
-// (std::set) gave the same victims but cost about 8 us more host CPU per decode handshake than
-// LRU: its nodes are cold in the cache by the next handshake, after the device threads have
-// streamed expert weights through it. Not thread-safe: guarded by ExpertStream::mu_.
+// (std::set) gave the same victims but cost measurably more host CPU per decode handshake than
+// LRU (benchmarks/handshake.py measures it): its nodes are cold in the cache by the next
+// handshake, after the device threads have streamed expert weights through it. Not thread-safe: guarded by ExpertStream::mu_.
 class HeatOrder {
  public:
   HeatOrder() = default;

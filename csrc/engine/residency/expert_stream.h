@@ -71,7 +71,7 @@ struct StreamOptions {
   // How long an IO thread that ran out of jobs, and an urgent wait() whose reads are in flight,
   // spin before they sleep (0: never). A spin pays when the next request (or the record's last
   // part) comes within it: the miss skips a futex wake, tens of microseconds on a VM; it holds
-  // a core meanwhile, so it is opt-in (StreamConfig.io_spin_us says what it measured).
+  // a core meanwhile, so it is opt-in (benchmarks/miss_latency.py --io-spin-us measures it).
   std::uint32_t io_spin_us = 0;
   bool publish_prefetch = true;  // STRATA_METAL_PUBLISH_PREFETCH
   EvictionPolicy eviction = EvictionPolicy::DecayedLfu;  // STRATA_EVICTION

@@ -137,8 +137,9 @@ void ExpertStream::execute_job(Lock& lk, const IoJob& job, std::uint32_t wake,
   const auto pread_end = Clock::now();
   std::uint64_t dt = ns_between(t0, pread_end);
   // This part's share of the record's CRC32C, here, in parallel with the other parts' reads:
-  // after the last part only its own CRC and the combines remain (a whole record's CRC was
-  // about 0.2 ms of a miss's latency at 2.6 MB).
+  // after the last part only its own CRC and the combines remain, not a pass over the whole
+  // record on a miss's path (benchmarks/miss_latency.py's "verify costs" column measures what
+  // is left).
   const std::uint64_t record_bytes = layout().record_bytes;
   const bool verify = !part_crc_.empty();
   const std::uint64_t part_record_bytes = rel < record_bytes ? std::min(len, record_bytes - rel) : 0;
@@ -174,8 +175,8 @@ void ExpertStream::execute_job(Lock& lk, const IoJob& job, std::uint32_t wake,
   }
   // The record's last part: check the CRC32C of the whole record, then hand its bytes to the
   // record observers (a backend's device copy: record_observer.h), both before the part counts
-  // as done and with mu_ released (the CRC is ~0.2 ms for 2.6 MB, an observer may block on a
-  // copy, and every IO thread and the handshake need the lock). Until ++parts_done the part is
+  // as done and with mu_ released (the CRC is a pass over the part's bytes, an observer may
+  // block on a copy, and every IO thread and the handshake need the lock). Until ++parts_done the part is
   // in flight, so no recycle, eviction or limbo release touches the slot (I4, I7), and nothing
   // publishes it (on_reads_finished runs after): I1 holds for the observers' copies too. park
   // and revive may run meanwhile.
