@@ -64,9 +64,10 @@ class ArenaMirror final : public RecordObserver {
   // Copy the record in chunks as their parts land (STRATA_CUDA_MIRROR_FILL=parts) instead of
   // whole after its last part: set before the mirror is registered with a stream. A chunk is
   // as many consecutive parts as fit `chunk_bytes` (at least one; 0: one part a chunk,
-  // STRATA_CUDA_COPY_CHUNK_KIB). On the H200 the copy engine spends about 3 us on each copy
-  // beside its bytes at 55 GB/s, whatever the streams (docs/cuda.md, "Copy chunks"), so a
-  // 2.5 MiB record copied as 15 parts of 176 KiB holds it for 93 us, as 3 chunks for 58.
+  // STRATA_CUDA_COPY_CHUNK_KIB). The copy engine serves copies one at a time whatever the
+  // streams and spends a fixed time on each beside its bytes
+  // (benchmarks/native/cuda_copy_engine.cu measures it), so a record copied as many small parts
+  // holds it longer than the same bytes in a few chunks.
   void copy_parts(bool on, std::uint64_t chunk_bytes) {
     copy_parts_ = on;
     chunk_bytes_ = chunk_bytes;

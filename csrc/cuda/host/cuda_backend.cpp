@@ -64,8 +64,8 @@ DevLayout device_layout(const PackLayout& L) {
 }
 
 // How long the device thread spins before it blocks on a condition variable: a thread woken
-// from a futex costs tens of microseconds on a virtual machine (the H200's: docs/cuda.md), more
-// than a whole decode layer's kernels; spinning this long costs one core at most that long.
+// from a futex costs tens of microseconds on a virtual machine, more than a whole decode layer's
+// kernels; spinning this long costs one core at most that long.
 // STRATA_CUDA_SPIN_US (0..100000), read when a backend is made, sets it, for measuring what the
 // spin costs the threads beside it.
 constexpr auto kSpin = std::chrono::microseconds(200);
@@ -124,8 +124,8 @@ enum class ArenaMode : std::uint8_t { Device, Mapped };
 // How the device mirror is filled (STRATA_CUDA_MIRROR_FILL, read when the backend is made):
 //   parts (default): at IO completion, on copy streams, before publication (arena_mirror.h),
 //     the record copied in chunks of parts (STRATA_CUDA_COPY_CHUNK_KIB) as their parts land,
-//     beside the record's other parts' reads (a q4 miss 0.38 -> 0.30 ms on the H200 with
-//     balanced parts, a copy a part: docs/cuda.md, "IO threads and part size");
+//     beside the record's other parts' reads, which shortens a miss (benchmarks/miss_latency.py
+//     --backend cuda measures it);
 //   completion: the same, the whole record copied after its last part;
 //   lazy: only by the device thread before the pass that reads a slot (the fallback alone, as
 //     before the record observer existed: for comparison).
@@ -142,8 +142,8 @@ MirrorFill mirror_fill_from_env() {
 
 // How much of a record one mirror copy takes with the parts fill (STRATA_CUDA_COPY_CHUNK_KIB,
 // 0..65536, read when a backend is made): as many consecutive parts as fit this, at least one;
-// 0 copies each part alone. 1 MiB by default: the copy engine's ~3 us a copy is then an eighth
-// of the copy's bytes (docs/cuda.md, "Copy chunks").
+// 0 copies each part alone. 1 MiB by default: the copy engine's fixed cost a copy is then small
+// beside the copy's bytes (benchmarks/native/cuda_copy_engine.cu measures that cost).
 constexpr std::uint64_t kCopyChunkKib = 1024;
 
 std::uint64_t copy_chunk_bytes_from_env() {
@@ -207,7 +207,7 @@ class CudaBackend final : public Backend {
 
   std::string name() const override { return "cuda"; }
   // The device thread answers a handshake in tens of microseconds, about what waking a blocked
-  // host thread costs on a virtual machine (docs/cuda.md): the host spins as that thread does.
+  // host thread costs on a virtual machine: the host spins as that thread does.
   std::chrono::microseconds host_spin() const override { return spin_; }
 
   // Float32 without moce, as every backend, on host memory or on the caller's device memory.

@@ -249,9 +249,9 @@ __global__ void down_kernel(DevLayout L, DevBuffers b) {
 // need them. The weight format is a template parameter (one instance each), so the dequantizing
 // load has no format switch in the loop.
 constexpr std::uint32_t kWarps = kThreads / 32;
-// Output rows per warp (compile-time tuning knobs): the fastest gate_up + down pair measured on
-// the H200 among 1x2, 2x4, 2x8 and 4x8 (docs/cuda.md; they differ by a few microseconds, 4x8's
-// gate_up by far more: too few warps).
+// Output rows per warp (compile-time tuning knobs): the fastest gate_up + down pair among 1x2,
+// 2x4, 2x8 and 4x8 (benchmarks/native/cuda_kernel_bench.cu measures them; 4 gate_up rows a warp
+// leave too few warps).
 #ifndef STRATA_CUDA_GATE_UP_DIRECT_ROWS
 #define STRATA_CUDA_GATE_UP_DIRECT_ROWS 1
 #endif
@@ -261,8 +261,9 @@ constexpr std::uint32_t kWarps = kThreads / 32;
 constexpr int kGateUpDirectRows = STRATA_CUDA_GATE_UP_DIRECT_ROWS;
 constexpr int kDownDirectRows = STRATA_CUDA_DOWN_DIRECT_ROWS;
 // Output rows per warp of the loads-first decode kernels (below), compile-time knobs too: what
-// tests/cuda/device_run.sh kernels chose on the H200 (down 4 against 2: level within noise;
-// gate_up's 2 rows spill at the registers that keep 3 blocks a multiprocessor).
+// tests/cuda/device_run.sh kernels chose by benchmarks/native/cuda_kernel_bench.cu (down's 4
+// and 2 measure level; gate_up's 2 rows spill at the registers that keep 3 blocks a
+// multiprocessor).
 #ifndef STRATA_CUDA_GATE_UP_DECODE_ROWS
 #define STRATA_CUDA_GATE_UP_DECODE_ROWS 1
 #endif
@@ -270,7 +271,8 @@ constexpr int kDownDirectRows = STRATA_CUDA_DOWN_DIRECT_ROWS;
 #define STRATA_CUDA_DOWN_DECODE_ROWS 4
 #endif
 // gate_up's rows a warp on the lean path (decode_lean_gs: q4 with f16 scales): 2, at 80
-// registers without spills; level with 1 on the H200, and what the CUDA suite ran (docs/cuda.md).
+// registers without spills; level with 1 by benchmarks/native/cuda_kernel_bench.cu, and what the
+// CUDA suite runs.
 #ifndef STRATA_CUDA_GATE_UP_DECODE_LEAN_ROWS
 #define STRATA_CUDA_GATE_UP_DECODE_LEAN_ROWS 2
 #endif
@@ -456,9 +458,9 @@ struct ArgGroups {
 // the scale and bias of groups lane and lane + 32 of its rows once, packed in one word, and a
 // chunk step takes its group's word from the lane that holds it (a shuffle), instead of every
 // lane loading its chunk's two scales at every step (two loads and two registers a chunk).
-// Compile-time knob: 0 keeps every chunk's own scale loads (the first revision: under ncu its
-// gate_up was 13.8 us at 100 registers against 15.8 for shared scales at 64; level by events;
-// not yet measured side by side in one call: tests/cuda/device_run.sh kernels builds both).
+// Compile-time knob: 0 keeps every chunk's own scale loads (100 registers against shared
+// scales' 64; faster under ncu, level by events: tests/cuda/device_run.sh kernels builds both,
+// as `dps`, for benchmarks/native/cuda_kernel_bench.cu to compare side by side).
 #ifndef STRATA_CUDA_DECODE_SHARED_SCALES
 #define STRATA_CUDA_DECODE_SHARED_SCALES 1
 #endif
@@ -845,9 +847,10 @@ __host__ __device__ constexpr int decode_steps() {
 }
 // Down on the lean path (GS > 0) asks for STRATA_CUDA_DOWN_DECODE_MIN_BLOCKS (compile-time
 // knob; 0: the rule above), 4 by default: at its 4 rows a warp that puts Qwen3's 512 down blocks
-// (8 experts by 64 row tiles) in one wave of the H200's 132 multiprocessors, where 3 left 116
-// blocks to a second (down 12.0 -> 10.0 us, the same bits: docs/cuda.md). ptxas fits the lean
-// instances in 64 registers without spills; the general ones spill there, so keep the rule.
+// (8 experts by 64 row tiles) in one wave of Hopper's 132 multiprocessors, where 3 left 116
+// blocks to a second (the same bits, a shorter down: benchmarks/native/cuda_kernel_bench.cu
+// measures it). ptxas fits the lean instances in 64 registers without spills; the general ones
+// spill there, so keep the rule.
 #ifndef STRATA_CUDA_DOWN_DECODE_MIN_BLOCKS
 #define STRATA_CUDA_DOWN_DECODE_MIN_BLOCKS 4
 #endif

@@ -70,7 +70,8 @@ struct Tiling {
 // their outputs bitwise against the defaults' and times them): decode's warps a block (each 16
 // output rows of gate and up, or of down), k-stage width and depth; the prompt tiling's warps
 // along the tokens (64 tokens a chunk with 2, 32 with 1), k-stage width and depth, and those
-// below. The defaults are what the H200 measured (docs/cuda.md). None changes an output bit.
+// below. The defaults are the fastest benchmarks/cuda_prompt.py measured. None changes an
+// output bit.
 #ifndef STRATA_CUDA_MMA_DECODE_WARPS
 #define STRATA_CUDA_MMA_DECODE_WARPS 4
 #endif

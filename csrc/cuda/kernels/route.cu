@@ -8,10 +8,11 @@
 // one. Each block of kRouteLogits experts writes its logits to device scratch and the last block
 // of a (token, task) to finish (an atomic counter per (token, task), reset by that block for the
 // next launch) takes them (route_kernel). A thread-block cluster gathering the logits through
-// distributed shared memory instead measured level with this on the H200 (docs/cuda.md), so the
-// counter stays, the one way. A logit is the same dot in the same order whichever block computes it, the
-// rule is one function (route_tail), and the selection keeps the sequential scan's result
-// exactly (below), so the outputs are the bits one block per token gave.
+// distributed shared memory instead measured level with this
+// (benchmarks/native/cuda_kernel_bench.cu), so the counter stays, the one way. A logit is the same dot in the same
+// order whichever block computes it, the rule is one function (route_tail), and the selection
+// keeps the sequential scan's result exactly (below), so the outputs are the bits one block per
+// token gave.
 #include <algorithm>
 #include <mutex>
 
@@ -23,9 +24,9 @@
 namespace strata::cuda {
 namespace {
 
-// Compile-time tuning knobs, set to what was fastest on the H200 (docs/cuda.md: 32, 16, 8 and 4
-// experts per block, copy from 1 or 8 rows, measured by benchmarks/native/cuda_kernel_bench.cu;
-// 4 and 8 level within noise since the router rows are loaded first).
+// Compile-time tuning knobs, set to what was fastest among 32, 16, 8 and 4 experts per block and
+// a copy from 1 or 8 rows (benchmarks/native/cuda_kernel_bench.cu measures them; 4 and 8 level
+// since the router rows are loaded first).
 #ifndef STRATA_CUDA_ROUTE_LOGITS  // experts per block, one per warp
 #define STRATA_CUDA_ROUTE_LOGITS 4
 #endif
@@ -270,8 +271,8 @@ __global__ void copy_x_kernel(float* dst, const float* src, std::size_t n) {
 
 // From this many rows the staged x is copied into device x first and every block reads it there
 // (from L2); below it every block reads its row from the staging over PCIe, which saves a launch
-// but costs rows * blocks rows of PCIe reads. On the H200 copying first won even for one decode
-// token (16 blocks: 21.7 us against 25.8 with the route and both predictions), hence 1.
+// but costs rows * blocks rows of PCIe reads. Copying first won even for one decode token with
+// the route and both predictions (benchmarks/native/cuda_kernel_bench.cu measures it), hence 1.
 constexpr std::uint32_t kCopyStagedRows = STRATA_CUDA_ROUTE_COPY_ROWS;
 
 std::size_t route_smem(const DevLayout& L) {

@@ -1,7 +1,7 @@
 // gate_up and down for the bf16 weight format on Hopper's tensor cores (wgmma, sm_90a), at every
 // row count (decode's one token too), so that a token's output is the same bits alone and in any
 // batch (I11, issue 19's batch-size rule). Hopper only. Faster prompts, slower decode than
-// mma_experts.cu's mma.sync family (docs/cuda.md), so by default (STRATA_CUDA_BF16=auto) the
+// mma_experts.cu's mma.sync family (benchmarks/cuda_prompt.py measures both), so by default (STRATA_CUDA_BF16=auto) the
 // backend takes it for passes of kWgmmaFromRows rows and more and mma.sync below, once a
 // known-answer check found the two families' bits equal on the GPU (host/bf16_families.cpp), so
 // that a token's bits do not depend on which family its pass took; STRATA_CUDA_BF16=wgmma takes
@@ -86,7 +86,8 @@ struct Tiling {
 // ring's depth; for prompts below SMALL_BELOW_ROWS rows the small tiling's warpgroups, tokens a
 // chunk, token step and ring depth, from there the large tiling's (its down pass with tokens of
 // its own); and whether prompts stage the pieces from the scratch (1) or split float32 rows in
-// every block (0). The defaults are what the H200 measured (docs/cuda.md), within the registers:
+// every block (0). The defaults are the fastest benchmarks/cuda_prompt.py measured, within the
+// registers:
 // a large gate_up chunk of 64 tokens (128 accumulators a thread), or a down chunk of 96, spills.
 // None changes an output bit.
 #ifndef STRATA_CUDA_WGMMA_DECODE_STAGES
