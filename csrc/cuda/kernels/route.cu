@@ -9,10 +9,10 @@
 // of a (token, task) to finish (an atomic counter per (token, task), reset by that block for the
 // next launch) takes them (route_kernel). A thread-block cluster gathering the logits through
 // distributed shared memory instead measured level with this
-// (benchmarks/native/cuda_kernel_bench.cu), so the counter stays, the one way. A logit is the same dot in the same
-// order whichever block computes it, the rule is one function (route_tail), and the selection
-// keeps the sequential scan's result exactly (below), so the outputs are the bits one block per
-// token gave.
+// (benchmarks/native/cuda_kernel_bench.cu), so the counter stays, the one way. A logit is the
+// same dot in the same order whichever block computes it, the rule is one function
+// (route_tail), and the selection keeps the sequential scan's result exactly (below), so the
+// outputs are the bits one block per token gave.
 #include <algorithm>
 #include <mutex>
 

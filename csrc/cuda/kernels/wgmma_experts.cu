@@ -1,11 +1,11 @@
 // gate_up and down for the bf16 weight format on Hopper's tensor cores (wgmma, sm_90a), at every
 // row count (decode's one token too), so that a token's output is the same bits alone and in any
 // batch (I11, issue 19's batch-size rule). Hopper only. Faster prompts, slower decode than
-// mma_experts.cu's mma.sync family (benchmarks/cuda_prompt.py measures both), so by default (STRATA_CUDA_BF16=auto) the
-// backend takes it for passes of kWgmmaFromRows rows and more and mma.sync below, once a
-// known-answer check found the two families' bits equal on the GPU (host/bf16_families.cpp), so
-// that a token's bits do not depend on which family its pass took; STRATA_CUDA_BF16=wgmma takes
-// it for every bf16 pass.
+// mma_experts.cu's mma.sync family (benchmarks/cuda_prompt.py measures both), so by default
+// (STRATA_CUDA_BF16=auto) the backend takes it for passes of kWgmmaFromRows rows and more and
+// mma.sync below, once a known-answer check found the two families' bits equal on the GPU
+// (host/bf16_families.cpp), so that a token's bits do not depend on which family its pass took;
+// STRATA_CUDA_BF16=wgmma takes it for every bf16 pass.
 //
 // Arithmetic. A bf16 weight is an exact bf16 value; each float32 activation (x for gate_up, h
 // for down) is split exactly into three bf16 pieces, x = hi + mid + lo (mma.cuh), so every
