@@ -20,9 +20,10 @@ namespace strata {
 // first chunk (and freed at its end, unless BUF_REUSE keeps it), and writing zeros into all of
 // it cost more than the layer's kernels (benchmarks/prompt_scratch.py and
 // benchmarks/cuda_window_rows.py measure it), where the cuda backend's calls on device memory
-// never touch the host's x, out, h and y at all. Unset, a page nobody writes is never faulted in. Every element is written before it is
-// read; checked builds (kChecked: Debug, STRATA_CHECKS) fill the buffer with a poison instead,
-// NaN floats and out-of-range integers, so that a read before a write shows in the parity tests.
+// never touch the host's x, out, h and y at all. Unset, a page nobody writes is never faulted
+// in. Every element is written before it is read; checked builds (kChecked: Debug,
+// STRATA_CHECKS) fill the buffer with a poison instead, NaN floats and out-of-range integers, so
+// that a read before a write shows in the parity tests.
 template <class T>
 class ScratchArray {
   static_assert(std::is_trivially_copyable_v<T>);

@@ -130,7 +130,8 @@ class KeyHeat {
 // bumps the slot's stamp, and entries whose stamp is old are dropped when they surface. A tree
 // (std::set) gave the same victims but cost measurably more host CPU per decode handshake than
 // LRU (benchmarks/handshake.py measures it): its nodes are cold in the cache by the next
-// handshake, after the device threads have streamed expert weights through it. Not thread-safe: guarded by ExpertStream::mu_.
+// handshake, after the device threads have streamed expert weights through it. Not
+// thread-safe: guarded by ExpertStream::mu_.
 class HeatOrder {
  public:
   HeatOrder() = default;

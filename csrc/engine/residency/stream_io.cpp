@@ -176,10 +176,10 @@ void ExpertStream::execute_job(Lock& lk, const IoJob& job, std::uint32_t wake,
   // The record's last part: check the CRC32C of the whole record, then hand its bytes to the
   // record observers (a backend's device copy: record_observer.h), both before the part counts
   // as done and with mu_ released (the CRC is a pass over the part's bytes, an observer may
-  // block on a copy, and every IO thread and the handshake need the lock). Until ++parts_done the part is
-  // in flight, so no recycle, eviction or limbo release touches the slot (I4, I7), and nothing
-  // publishes it (on_reads_finished runs after): I1 holds for the observers' copies too. park
-  // and revive may run meanwhile.
+  // block on a copy, and every IO thread and the handshake need the lock). Until ++parts_done
+  // the part is in flight, so no recycle, eviction or limbo release touches the slot (I4, I7),
+  // and nothing publishes it (on_reads_finished runs after): I1 holds for the observers' copies
+  // too. park and revive may run meanwhile.
   if (!sl.failed_part && sl.parts_done + 1 == sl.parts_total) {
     sl.miss.last_pread = pread_end;
     const unsigned char* record = arena_->slot(job.slot);
