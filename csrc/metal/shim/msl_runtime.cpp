@@ -2,9 +2,9 @@
 // and control flow) on one OS thread, switching only at simd_sum and threadgroup_barrier. That
 // keeps the semantics that matter here - every lane runs the kernel body independently and
 // meets the others at the synchronisation points - while costing microseconds, not the
-// milliseconds of waking 64 OS threads at every reduction (the first version did that: one
-// harness run took 18.8 s against 2.5 s). Threadgroups are independent, so two OS threads take
-// them from a shared counter.
+// milliseconds of waking 64 OS threads at every reduction (an OS thread per GPU thread made the
+// harness several times slower; `python -m pytest -q tests/metal` times it). Threadgroups are
+// independent, so two OS threads take them from a shared counter.
 #include "msl_runtime.h"
 
 #include <ucontext.h>
