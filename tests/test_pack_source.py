@@ -166,16 +166,17 @@ def test_a_killed_conversion_leaves_nothing_after_the_next_run(
     proc = _converter(ckpt, str(out) if where == "out" else "-", 0.5, env)
     folder = tmp_path if where == "out" else tmp_path / "cache" / "packs"
     deadline = time.monotonic() + 60
-    while not list(folder.glob(".*.tmp")):
+    # The writer's temporary, in the conversion's staging directory (convert/staging.py).
+    while not list(folder.glob(".*.staging/.*.tmp")):
         assert time.monotonic() < deadline and proc.poll() is None
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
-    (left,) = folder.glob(".*.tmp")
-    assert str(proc.pid) in left.name and left.stat().st_size > 0
+    (left,) = folder.glob(".*.staging")
+    assert sum(f.stat().st_size for f in left.iterdir()) > 0
     again = _converter(ckpt, str(out) if where == "out" else "-", 0.0, env)
     assert again.communicate(timeout=120)[0] and again.returncode == 0
-    assert list(folder.glob(".*.tmp")) == []
+    assert list(folder.glob(".*.staging")) == [] and list(folder.glob(".*.tmp")) == []
     made = out if where == "out" else default_pack_path(ckpt)
     assert stale_reason(made, ckpt) is None
     assert np.array_equal(np.fromfile(made, np.uint8, 8), np.frombuffer(b"STRATAPK", np.uint8))

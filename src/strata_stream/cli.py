@@ -49,12 +49,15 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="checkpoint directory (safetensors) or Hugging Face repo")  # fmt: skip
     conv.add_argument("-o", "--out", metavar="PACK",
                       help="pack file to write (default: the cache, where generate, serve and "
-                      "load find it)")  # fmt: skip
+                      "load find it); an existing file is replaced only if it is a "
+                      "pack")  # fmt: skip
+    conv.add_argument("--force", action="store_true",
+                      help="let -o replace a file that is not a pack")  # fmt: skip
     conv.add_argument("--quiet", action="store_true", help="no progress bar")
     conv.add_argument("--quantize", choices=("q4", "q8"), default=None,
                       help="quantize float (f32/f16/bf16) experts to 4 or 8 bits on the way "
                       "(lossy: the pack holds the quantized weights)")  # fmt: skip
-    conv.add_argument("--group-size", type=int, choices=(32, 64, 128), default=64,
+    conv.add_argument("--group-size", type=int, choices=(32, 64, 128), default=None,
                       help="quantization group size with --quantize (default 64)")  # fmt: skip
 
     gen = sub.add_parser(
@@ -166,13 +169,21 @@ def _pack(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from strata_stream.convert import convert
+    from strata_stream.convert import check_output, convert
     from strata_stream.convert.pack_cache import ensure_pack
     from strata_stream.paths import model_dir
 
     if args.out is None and args.quantize is not None:
         raise ConfigError("--quantize needs -o PACK: the cache holds the checkpoint's own "
                           "experts")  # fmt: skip
+    if args.group_size is not None and args.quantize is None:
+        raise ConfigError("--group-size applies to --quantize only: add --quantize q4 or q8, or "
+                          "leave it out (a quantized checkpoint keeps its own groups)")  # fmt: skip
+    if args.out is None and args.force:
+        raise ConfigError("--force applies to -o PACK only: the cache is replaced only when it "
+                          "is out of date")  # fmt: skip
+    if args.out is not None:  # a bad -o fails before anything is fetched or read
+        check_output(args.out, args.force)
     # A repo id is fetched as load() fetches it, so the pack lands in the entry load() finds.
     model = model_dir(args.model)
     if args.out is None:  # into the cache entry load() uses; kept if it is up to date
@@ -180,7 +191,7 @@ def _convert(args: argparse.Namespace) -> int:
         print(f"{path} ({path.stat().st_size:,} bytes): generate, serve and load use it")
         return 0
     path = convert(model, args.out, progress=not args.quiet, quantize=args.quantize,
-                   group_size=args.group_size)  # fmt: skip
+                   group_size=args.group_size or 64, force=args.force)  # fmt: skip
     print(f"wrote {path} ({path.stat().st_size:,} bytes); use it with --pack {path}")
     return 0
 

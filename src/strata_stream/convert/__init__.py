@@ -28,7 +28,9 @@ from strata_stream.convert.source import (
     placeholder_record,
     shard_signatures,
 )
+from strata_stream.convert.staging import remove_leftovers, staged
 from strata_stream.errors import ConfigError
+from strata_stream.pack.header import MAGIC
 from strata_stream.pack.writer import write_pack
 
 QUANTIZE_FORMATS = ("q4", "q8")
@@ -41,6 +43,36 @@ def inspect_checkpoint(model_dir: str | os.PathLike[str]) -> ExpertLayout:
         return find_experts(Path(model_dir), index)
 
 
+def _is_pack(path: Path) -> bool:
+    """Whether `path` begins as a pack does (of any model; a damaged one included)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(MAGIC)) == MAGIC
+    except OSError:
+        return False
+
+
+def check_output(out: str | os.PathLike[str], force: bool = False) -> Path:
+    """`out` as a pack to write, checked before anything is converted; ConfigError naming the
+    path as given when it is a directory, its directory does not exist, or it is a file that is
+    not a pack (replaced only with `force`: nothing but a pack is ever overwritten unasked)."""
+    path = Path(out)
+    typed = os.fspath(out)
+    if path.is_dir():
+        raise ConfigError(
+            f"{typed}: is a directory; name the pack file to write, such as {path / 'model.strpk'}"
+        )
+    parent = path.parent
+    if not parent.is_dir():
+        raise ConfigError(f"{typed}: no such directory {parent}")
+    if (path.exists() or path.is_symlink()) and not force and not _is_pack(path):
+        raise ConfigError(
+            f"{typed}: the file exists and is not a strata-stream pack; refusing to "
+            "overwrite it (name another file, or add --force to replace it)"
+        )
+    return path
+
+
 def convert(
     model_dir: str | os.PathLike[str],
     out: str | os.PathLike[str],
@@ -49,6 +81,7 @@ def convert(
     share: Share = WHOLE,
     quantize: str | None = None,
     group_size: int = 64,
+    force: bool = False,
 ) -> Path:
     """Pack the routed experts of the checkpoint in `model_dir` into `out`; returns the path.
 
@@ -57,10 +90,16 @@ def convert(
     expert's intermediate dimension; recorded in the pack's "model" metadata.
     `quantize`: "q4" or "q8" quantizes float experts on the way, in groups of `group_size` (32,
     64 or 128) with scales in the checkpoint's dtype (lossy, see above).
+    `out` must not be a directory, its directory must exist, and an existing file there is
+    replaced only when it is a pack, or with `force` (check_output, before anything is read).
+    The pack is written in a staging directory beside `out` and appears at `out` only once it
+    is complete (convert/staging.py).
     Raises ConfigError for a checkpoint it cannot convert (naming why: no experts, mxfp4
     experts, mixed formats) and PackError for malformed safetensors files.
     """
     model_dir = Path(model_dir)
+    out_path = check_output(out, force)
+    remove_leftovers(out_path.parent, out_path.name)  # a killed conversion's, into the same file
     if quantize is not None:
         if quantize not in QUANTIZE_FORMATS:
             raise ConfigError(
@@ -91,9 +130,9 @@ def convert(
         # digest of every expert tensor's bytes as they are read.
         shards = shard_signatures(model_dir)
         placeholder = {**layout.model, "source_weights": placeholder_record(shards, layout)}
-        with TensorDigests(layout) as digests:
-            return write_pack(
-                out,
+        with TensorDigests(layout) as digests, staged(out_path) as target:
+            write_pack(
+                target,
                 layout.geometry,
                 None,
                 layout.experts_fn(index, digests.update),
@@ -110,6 +149,7 @@ def convert(
                     "source_weights": final_record(shards, digests),
                 },
             )
+    return out_path
 
 
 __all__ = [
@@ -117,6 +157,7 @@ __all__ = [
     "ExpertLayout",
     "SafetensorsIndex",
     "Share",
+    "check_output",
     "convert",
     "inspect_checkpoint",
     "read_config",

@@ -3,14 +3,16 @@
 - Without a pack path, a model's pack lives in ``cache_dir()/packs`` under a name derived from
   the model's path, config and shard sizes (`default_pack_path`). It is used only if it was
   made from the weights the checkpoint holds now (convert/source.py); otherwise it is converted
-  again. A lock on the entry (``fcntl.flock``) makes a second process that loads the same model
-  wait for the first one's conversion and reuse it, rather than convert it twice.
+  again. Using an up-to-date entry writes nothing, so a read-only cache serves it. A lock on
+  the entry (``fcntl.flock``) makes a second process that loads the same model wait for the
+  first one's conversion and reuse it, rather than convert it twice.
 - A pack the user names (``--pack``, ``pack_path=``) is converted into if it does not exist;
   if it exists and was not made from the checkpoint's weights it is refused, naming the file
-  and the tensor that differs.
+  and the tensor that differs, or the model it was made from where that is another one.
 
-Temporaries that a killed conversion left behind (``.NAME.PID.tmp``, the writer's) are removed
-by the next one, once their process is gone.
+Staging directories that a killed conversion left behind are removed by the next one, once no
+process holds their lock (convert/staging.py): a live conversion's, in another container or on
+another host sharing the cache, is left alone.
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ from pathlib import Path
 from strata_stream.convert import convert
 from strata_stream.convert.share import WHOLE, Share
 from strata_stream.convert.source import source_mismatch
-from strata_stream.errors import PackError
+from strata_stream.convert.staging import remove_leftovers
+from strata_stream.errors import ConfigError, PackError
 from strata_stream.pack.reader import ExpertPack
-from strata_stream.pack.writer import remove_stale_temporaries
 from strata_stream.paths import cache_dir
 
 
@@ -63,14 +65,46 @@ def stale_reason(
     return source_mismatch(pack_path, model, crc, model_path, share, progress)
 
 
+def other_model(pack_path: Path, model_path: Path) -> str | None:
+    """The model a pack was converted from, where that is not `model_path` (by the source path
+    and architecture its metadata records); None where it is this one or the pack says not."""
+    try:
+        with ExpertPack.open(pack_path) as pack:
+            source = pack.metadata.get("source")
+            arch = pack.metadata.get("architecture")
+    except PackError:
+        return None
+    if not isinstance(source, str) or not source:
+        return None
+    with contextlib.suppress(OSError):
+        if Path(source).resolve() == model_path.resolve():
+            return None
+    return f"{source} ({arch})" if isinstance(arch, str) and arch else source
+
+
 @contextlib.contextmanager
 def _locked(lock_path: Path) -> Iterator[None]:
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise ConfigError(
+            f"the pack cache {lock_path.parent} is not writable ({e.strerror or e}): set "
+            "STRATA_CACHE to a writable directory, or convert with -o PACK and pass --pack PACK"
+        ) from e
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # released by close, also when the process dies
         yield
     finally:
         os.close(fd)
+
+
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    """(device, inode, mtime) of a file, None where it does not exist."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_mtime_ns
 
 
 def _say(progress: bool, text: str) -> None:
@@ -95,6 +129,14 @@ def ensure_pack(
             return convert(model_path, named, progress=progress, share=share)
         reason = stale_reason(named, model_path, share, progress)
         if reason is not None:
+            other = other_model(named, model_path)
+            if other is not None:  # never advise overwriting another model's pack
+                raise PackError(
+                    f"pack {named} was not made from the weights in {model_path}: it belongs to "
+                    f"another model, converted from {other}; convert this model into a pack of "
+                    f"its own (strata-stream convert {model_path} -o NEW.strpk) and pass that, or "
+                    "leave out the pack to use the cache"
+                )
             raise PackError(
                 f"pack {named} was not made from the weights in {model_path}: {reason}; convert "
                 f"it again (strata-stream convert {model_path} -o {named}) or leave out the pack "
@@ -103,11 +145,26 @@ def ensure_pack(
         return named
 
     pack = default_pack_path(model_path, share)
-    pack.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(pack.parent)
+    # An up-to-date entry is read without writing anything (no lock file, no directory): a
+    # read-only cache serves it.
+    seen = _identity(pack)
+    reason = None if seen is None else stale_reason(pack, model_path, share, progress)
+    if seen is not None and reason is None:
+        return pack
+    try:
+        pack.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(
+            f"cannot make the pack cache {pack.parent} ({e.strerror or e}): set STRATA_CACHE to "
+            "a writable directory"
+        ) from e
+    remove_leftovers(pack.parent)
     with _locked(pack.with_name(f".{pack.name}.lock")):
-        if pack.exists():
-            reason = stale_reason(pack, model_path, share, progress)
+        now = _identity(pack)
+        if now is not None:
+            # Another process may have converted it while this one waited for the lock.
+            if now != seen:
+                reason = stale_reason(pack, model_path, share, progress)
             if reason is None:
                 return pack
             _say(True, f"the cached pack {pack} is out of date ({reason}): converting again")

@@ -31,8 +31,8 @@ from typing import Any
 from strata_stream.convert.checkpoint import ExpertLayout, find_experts, share_layout
 from strata_stream.convert.safetensors_index import SafetensorsIndex
 from strata_stream.convert.share import Share
+from strata_stream.convert.staging import unique_temporary
 from strata_stream.errors import StrataError
-from strata_stream.pack.writer import temporary_path
 
 DIGEST = "sha256"
 # What a digest is written as before its bytes have all been read: same length as the real one,
@@ -166,7 +166,7 @@ def _confirmed(pack_path: Path, meta_crc: int) -> list[dict[str, Any]] | None:
 
 def _confirm(pack_path: Path, meta_crc: int, now: list[dict[str, Any]]) -> None:
     side = _sidecar(pack_path)
-    tmp = temporary_path(side)
+    tmp = unique_temporary(side)
     try:
         tmp.write_text(json.dumps({"meta_crc": meta_crc, "shards": now}, indent=1))
         os.replace(tmp, side)
@@ -193,7 +193,7 @@ def source_mismatch(
         return None
     # The cheap identity changed: compare the bytes themselves.
     if progress:
-        print(f"strata-stream: the shards of {model_dir} changed since {pack_path} was made: "
+        print(f"strata-stream: the shards of {model_dir} are not those {pack_path} records: "
               "comparing their expert bytes with it", file=sys.stderr)  # fmt: skip
     try:
         digests, files = expert_digests(model_dir, share)
