@@ -235,6 +235,30 @@ def test_metrics_and_health_report_the_engine(fam: Family, server: tuple[str, An
     assert body["status"] == "ok" and body["errors"]["count"] == 0
 
 
+def test_bad_sampling_fields_are_400s_that_never_reach_the_engine(
+    server: tuple[str, Any],
+) -> None:
+    """Each was a 500 from inside the model's sampling (a repetition penalty of 1e-300 makes
+    every logit infinite) and counted against /health; now refused naming the field."""
+    url, model = server
+    vocab = int(model.config.vocab_size)
+    for fields, param in (
+        ({"repetition_penalty": 1e-300}, "repetition_penalty"),
+        ({"repetition_penalty": 1e300}, "repetition_penalty"),
+        ({"seed": -1}, "seed"),
+        ({"top_k": vocab}, "top_k"),
+        ({"top_k": 2**70}, "top_k"),
+    ):
+        status, body = post(url + "/v1/completions", {"model": MODEL_ID, "prompt": PROMPTS[0],
+                                                      "temperature": 1.0, **fields})  # fmt: skip
+        assert status == 400 and body["error"]["param"] == param, body
+    status, body = post(url + "/v1/chat/completions", {
+        "model": MODEL_ID, "messages": [{"role": "user", "content": "w1 \ud800"}]})  # fmt: skip
+    assert status == 400 and body["error"]["param"] == "messages.0.content", body
+    body = health(url)
+    assert body["status"] == "ok" and body["errors"]["count"] == 0
+
+
 def test_a_damaged_pack_fails_requests_naming_it_and_health_degrades(
     fam: Family, tokenizer: Any, tmp_path: Path
 ) -> None:
@@ -263,7 +287,7 @@ def test_a_damaged_pack_fails_requests_naming_it_and_health_degrades(
     finally:
         model.strata_engine.close()
     assert body["status"] == "degraded" and body["errors"]["count"] == 2
-    assert "layer" in body["errors"]["last"]
+    assert body["errors"]["failing"] and "layer" in body["errors"]["last"]
 
 
 def test_the_loader_serves_transformers(fam: Family) -> None:

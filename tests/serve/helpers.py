@@ -86,3 +86,28 @@ class GatedModel:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)
+
+
+def post_json(url: str, body: bytes, timeout: float = TIMEOUT_S) -> tuple[int, dict[str, Any]]:
+    """POSTs raw bytes as JSON; (status, the answer's JSON), errors included."""
+    import json
+    import urllib.error
+
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def health(url: str) -> tuple[int, dict[str, Any]]:
+    """/health's status code and body (503 included: the body says why)."""
+    import json
+    import urllib.error
+
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=TIMEOUT_S) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())

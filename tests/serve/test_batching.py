@@ -6,9 +6,7 @@ batch bound holds, then the queue, then 503."""
 
 from __future__ import annotations
 
-import json
 import threading
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +15,7 @@ import openai
 import pytest
 
 from serve.helpers import MODEL_ID, TIMEOUT_S, GatedModel, client_for, scrape, wait_until
+from serve.helpers import health as health_of
 from strata_stream.config import StreamConfig
 from strata_stream.convert import convert
 from strata_stream.mlx_lm import load, stats_source
@@ -118,9 +117,7 @@ def concurrently(calls: list[Callable[[], Any]]) -> list[Any]:
 
 
 def health(url: str) -> dict[str, Any]:
-    with urllib.request.urlopen(url + "/health", timeout=TIMEOUT_S) as r:
-        body: dict[str, Any] = json.loads(r.read())
-    return body
+    return health_of(url)[1]
 
 
 def waiting_or_in_batch(url: str) -> int:
@@ -324,14 +321,14 @@ def test_max_batch_bounds_every_decode_step(serve: Serve) -> None:
     assert m["strata_serve_batch_size_sum"] > m['strata_serve_batch_size_bucket{le="1.0"}']
 
 
-def test_health_goes_degraded_while_reads_fail(
-    tiny_path: Path, tmp_path: Path
-) -> None:
+def test_health_goes_degraded_while_reads_fail(tiny_path: Path, tmp_path: Path) -> None:
     """A damaged pack: every request fails naming layer, expert and offset (500), and /health
-    reports the errors and says "degraded" (still 200: the server answers)."""
+    reports the errors and says "degraded" (503: a generation would fail) until one succeeds
+    after the pack is repaired."""
     import os
 
     pack = convert(tiny_path, tmp_path / "experts.strpk", progress=False)
+    whole = pack.read_bytes()
     with ExpertPack.open(pack) as p:
         top_k, stride = p.geometry.top_k, p.record_stride
         first, end = p.records_offset, p.file_bytes
@@ -346,18 +343,24 @@ def test_health_goes_degraded_while_reads_fail(
             os.close(fd)
         app = create_app(model, tok, ServeConfig(model_id=MODEL_ID), stats=stats_source(model))
         with BackgroundServer(app, timeout_s=TIMEOUT_S) as server:
-            assert health(server.url)["status"] == "ok"
+            assert health_of(server.url)[0] == 200  # the pack's header and size still read
             client = client_for(server.url)
             for _ in range(2):
                 with pytest.raises(openai.InternalServerError) as e:
                     chat(client, PROMPTS[0], 4)
                 assert "layer" in str(e.value) and "expert" in str(e.value)
-            body = health(server.url)
+            status, body = health_of(server.url)
+            assert status == 503 and body["status"] == "degraded"
+            assert body["errors"]["count"] == 2 and body["errors"]["failing"]
+            assert "layer" in body["errors"]["last"] and body["errors"]["seconds_ago"] >= 0
+            pack.write_bytes(whole)  # repaired: the last error stands until a success
+            assert health_of(server.url)[0] == 503
+            assert chat(client, PROMPTS[0], 4)
+            status, body = health_of(server.url)
+            assert status == 200 and body["status"] == "ok" and not body["errors"]["failing"]
+            assert body["errors"]["count"] == 2  # the history stays
     finally:
         model.strata_engine.close()
-    assert body["status"] == "degraded"
-    assert body["errors"]["count"] == 2
-    assert "layer" in body["errors"]["last"] and body["errors"]["seconds_ago"] >= 0
 
 
 def test_sigterm_drains_the_streams_in_flight_then_ends_each_with_a_finish_reason(
@@ -372,8 +375,11 @@ def test_sigterm_drains_the_streams_in_flight_then_ends_each_with_a_finish_reaso
         want = chat(client, PROMPTS[1], 3)  # short enough to finish within the grace
         streams = [
             client.chat.completions.create(
-                model=MODEL_ID, messages=[{"role": "user", "content": p}], max_tokens=n,
-                temperature=0, stream=True,
+                model=MODEL_ID,
+                messages=[{"role": "user", "content": p}],
+                max_tokens=n,
+                temperature=0,
+                stream=True,
             )  # fmt: skip
             for p, n in ((PROMPTS[0], 4000), (PROMPTS[1], 3))
         ]

@@ -11,7 +11,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -31,6 +31,7 @@ from strata_stream.serve.errors import (
     server_error,
 )
 from strata_stream.serve.generation import GenerationRequest, SamplingParams
+from strata_stream.serve.health import PackProbe, pack_probe
 from strata_stream.serve.jobs import Event, Finished, Job, Logprobs, TextChunk, TokenLogprob
 from strata_stream.serve.lockstep import RequestChannel
 from strata_stream.serve.mailbox import Mailbox
@@ -38,14 +39,18 @@ from strata_stream.serve.metrics import ServerMetrics
 from strata_stream.serve.requests import (
     ChatCompletionRequest,
     CompletionRequest,
-    parse_body,
+    load_body,
+    validate_body,
 )
+from strata_stream.serve.tokenizing import TokenizerPool, max_prompt_chars
 from strata_stream.serve.worker import GenerationWorker, QueueFullError, WorkerStoppedError
 
 log = logging.getLogger("strata_stream.serve")
 
 # Request bodies beyond this are refused (413) before they are held in memory.
 MAX_BODY_BYTES = 16 * 2**20
+# Copies of the tokenizer the request handlers encode and decode with (serve/tokenizing.py).
+HANDLER_TOKENIZERS = 2
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -103,7 +108,7 @@ def create_app(
         lockstep=lockstep,
         engine=engine,
     )
-    routes = _Routes(model, tokenizer, config, worker)
+    routes = _Routes(model, tokenizer, config, worker, pack_probe(model))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -203,34 +208,54 @@ def _vocab_size(model: Any) -> int | None:
 
 class _Routes:
     def __init__(
-        self, model: Any, tokenizer: Any, config: ServeConfig, worker: GenerationWorker
+        self,
+        model: Any,
+        tokenizer: Any,
+        config: ServeConfig,
+        worker: GenerationWorker,
+        probe: PackProbe | None = None,
     ) -> None:
-        self._tokenizer = tokenizer
         self._config = config
         self._worker = worker
+        self._probe = probe
         self._context = _context_length(model, config)
         self._vocab = _vocab_size(model)
+        # The handlers never touch the worker's tokenizer (serve/tokenizing.py): copies for
+        # the threads that encode and decode prompts, and one for the event loop alone (the
+        # text of each log-probability entry), which so never waits for a long encode.
+        self._tokenizers = TokenizerPool(tokenizer, HANDLER_TOKENIZERS)
+        self._loop_tokenizer = TokenizerPool(tokenizer, 1)
+        self._max_chars = max_prompt_chars(self._context, tokenizer)
         self._created = int(time.time())
         self._mailbox: Mailbox[Event] | None = None  # the event loop's; set on it
 
     # ---- plain routes ------------------------------------------------------------------------
     async def health(self) -> JSONResponse:
-        """ok; "degraded" (still 200) while generations keep failing (a damaged pack, say:
-        each failure names layer, expert and offset); unavailable (503) without a worker."""
-        ok = self._worker.alive
+        """Can a generation succeed now? "ok" (200) while the worker runs, the pack reads
+        (serve/health.py: a few bytes, read now) and the engine's last error, if any, was
+        followed by a generation that succeeded; "degraded" (503) when the pack cannot be
+        read or the engine's last generation failed; "unavailable" (503) without a worker.
+        A client's mistake (4xx) is refused before it runs and never counts."""
+        alive = self._worker.alive
         errors = self._worker.errors
-        recent = errors.count > 0 and time.perf_counter() - errors.last_at < self._config.degraded_s
+        pack_error = None if self._probe is None else await run_in_threadpool(self._probe.probe)
+        ok = alive and pack_error is None and not errors.failing
         body = {
-            "status": "unavailable" if not ok else "degraded" if recent else "ok",
+            "status": "ok" if ok else "degraded" if alive else "unavailable",
             "model": self._config.model_id,
             "queue_depth": self._worker.queue_depth,
             "queue_capacity": self._worker.max_queue,
             "batch": self._worker.in_flight,
             "max_batch": self._worker.max_batch,
+            "pack": None
+            if self._probe is None
+            else {"path": str(self._probe.path), "error": pack_error},
             "errors": {
                 "count": errors.count,
+                "failing": errors.failing,
                 "last": errors.last,
-                "seconds_ago": None if not errors.count
+                "seconds_ago": None
+                if not errors.count
                 else round(time.perf_counter() - errors.last_at, 3),
             },
         }
@@ -260,9 +285,8 @@ class _Routes:
 
     # ---- generation routes -------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
-        req = parse_body(CompletionRequest, await _read_body(request))
-        req.check()
-        self._check_model(req.model)
+        raw = await _read_body(request)
+        req = await run_in_threadpool(self._parse, CompletionRequest, raw)
         gens: list[GenerationRequest] = []
         texts: list[str | None] = []  # each prompt as text, for echo (None: decode the ids)
         for prompt in req.prompts():
@@ -276,10 +300,12 @@ class _Routes:
             gens.append(self._generation(req.token_budget(), ids, req, param="prompt",
                                          logprobs=req.logprobs, echo=req.echo))  # fmt: skip
         fmt = _CompletionFormat(self._config.model_id, "cmpl", self._token_text)
+        # The request's prompts take one queue place together, or none (503: none runs).
+        follows = self._submit(request, gens)
         if req.stream:
-            return self._stream(request, gens[0], fmt, req.include_usage)
+            return self._stream(follows[0], fmt, req.include_usage, gens[0].logprobs is not None)
         # Several prompts run as several jobs at once: they batch like separate clients.
-        outs = await asyncio.gather(*(self._collect(request, g) for g in gens))
+        outs = await asyncio.gather(*(self._collect(f) for f in follows))
         if any(o is None for o in outs):
             return Response(status_code=499)  # the client went away; nobody reads this answer
         choices = []
@@ -294,41 +320,95 @@ class _Routes:
         return JSONResponse(fmt.complete(choices, [o.end for o in outs if o is not None]))
 
     async def chat_completions(self, request: Request) -> Response:
-        req = parse_body(ChatCompletionRequest, await _read_body(request))
-        req.check()
-        self._check_model(req.model)
+        raw = await _read_body(request)
+        req = await run_in_threadpool(self._parse, ChatCompletionRequest, raw)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         ids = await run_in_threadpool(self._encode_chat, messages)
         gen = self._generation(req.token_budget(), ids, req, param="messages", logprobs=req.top())
         fmt = _ChatFormat(self._config.model_id, "chatcmpl", self._token_text)
+        (follow,) = self._submit(request, [gen])
         if req.stream:
-            return self._stream(request, gen, fmt, req.include_usage)
-        out = await self._collect(request, gen)
+            return self._stream(follow, fmt, req.include_usage, gen.logprobs is not None)
+        out = await self._collect(follow)
         if out is None:
             return Response(status_code=499)
         _raise_for(out.end)
         return JSONResponse(fmt.complete([fmt.choice(0, out, gen.logprobs is not None)], [out.end]))
 
+    # ---- checks before anything runs (on a handler thread: a large body takes a while) -------
+    def _parse(self, cls: type[_Req], raw: bytes) -> _Req:
+        """The body as `cls`, every field checked against the model: a 400 naming the field
+        (404 for another model). Prompts that cannot fit the context are refused here, before
+        the fields are validated or anything is tokenized."""
+        body = load_body(raw)
+        self._check_lengths(body)
+        req = validate_body(cls, body)
+        req.check()
+        self._check_model(req.model)
+        if self._vocab is not None and req.top_k >= self._vocab:
+            raise bad_request(
+                f"Invalid value for 'top_k': must be below the vocabulary size {self._vocab} "
+                "(0: no top-k)", param="top_k", code="invalid_value",
+            )  # fmt: skip
+        return req
+
+    def _check_lengths(self, body: dict[str, Any]) -> None:
+        """Refuses, from the raw JSON, a token-id prompt of the context's length or more and a
+        text with more characters than the context can hold (serve/tokenizing.py)."""
+        prompt = body.get("prompt")
+        prompts: list[Any] = [prompt]
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            prompts = prompt  # several prompts
+        for p in prompts:
+            if isinstance(p, str):
+                self._check_chars(len(p), "prompt")
+            elif isinstance(p, list) and self._context is not None and len(p) >= self._context:
+                raise context_exceeded(
+                    f"This model's maximum context length is {self._context} tokens. However, "
+                    f"your prompt has {len(p)} tokens. Please reduce the length of the prompt.",
+                    param="prompt",
+                )
+        messages = body.get("messages")
+        if isinstance(messages, list):
+            chars = 0
+            for m in messages:
+                content = m.get("content") if isinstance(m, dict) else None
+                parts = content if isinstance(content, list) else [content]
+                for part in parts:
+                    text = part.get("text") if isinstance(part, dict) else part
+                    chars += len(text) if isinstance(text, str) else 0
+            self._check_chars(chars, "messages")
+
+    def _check_chars(self, chars: int, param: str) -> None:
+        bound = self._max_chars
+        if bound is not None and chars > bound:
+            raise context_exceeded(
+                f"This model's maximum context length is {self._context} tokens. However, "
+                f"your {param} has {chars} characters, more than {bound} (the most that "
+                f"{self._context} tokens can spell). Please reduce the length of the {param}.",
+                param=param,
+            )
+
     def _decode(self, ids: list[int]) -> str:
-        with self._worker.tokenizer_lock:
-            return str(self._tokenizer.decode(ids))
+        with self._tokenizers.borrow() as tokenizer:
+            return str(tokenizer.decode(ids))
 
     def _token_text(self, token: int) -> str:
-        with self._worker.tokenizer_lock:
-            return str(self._tokenizer.decode([token]))
+        with self._loop_tokenizer.borrow() as tokenizer:  # the event loop's own
+            return str(tokenizer.decode([token]))
 
     def _encode(self, text: str) -> list[int]:
-        with self._worker.tokenizer_lock:
-            return list(self._tokenizer.encode(text))
+        with self._tokenizers.borrow() as tokenizer:
+            return list(tokenizer.encode(text))
 
     def _encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        with self._worker.tokenizer_lock:
-            if not self._tokenizer.has_chat_template:
+        with self._tokenizers.borrow() as tokenizer:
+            if not tokenizer.has_chat_template:
                 # Models without a template: the plain "role: content" layout mlx-lm falls back to.
                 text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-                return list(self._tokenizer.encode(text))
+                return list(tokenizer.encode(text))
             try:
-                ids = self._tokenizer.apply_chat_template(
+                ids = tokenizer.apply_chat_template(
                     messages, add_generation_prompt=True, tokenize=True
                 )
             except Exception as e:  # jinja raises for conversations its template rejects
@@ -389,40 +469,49 @@ class _Routes:
         )
         return GenerationRequest(tuple(ids), budget, sampling, req.stops(), logprobs, echo)
 
-    def _submit(self, request: Request, gen: GenerationRequest) -> AsyncGenerator[Event, None]:
-        """Queues the job; its events until Finished (503 at once when the queue is full)."""
+    def _submit(
+        self, request: Request, gens: list[GenerationRequest]
+    ) -> list[AsyncGenerator[Event, None]]:
+        """Queues one request's jobs (one per prompt) as one place; each job's events until
+        Finished. 503 at once when the queue is full, and then none of them runs."""
         loop = asyncio.get_running_loop()
         if self._mailbox is None or self._mailbox.loop is not loop:
             self._mailbox = Mailbox(loop)
         mailbox = self._mailbox
-        events: asyncio.Queue[Event] = asyncio.Queue()
+        jobs: list[tuple[Job, asyncio.Queue[Event]]] = []
+        for gen in gens:
+            events: asyncio.Queue[Event] = asyncio.Queue()
 
-        def deliver(event: Event) -> None:  # runs on the worker thread
-            mailbox.post(events, event)
+            def deliver(event: Event, events: asyncio.Queue[Event] = events) -> None:
+                mailbox.post(events, event)  # runs on the worker thread
 
-        job = Job(gen, deliver)
+            jobs.append((Job(gen, deliver), events))
         try:
-            self._worker.submit(job)
+            self._worker.submit_request([job for job, _ in jobs])
         except QueueFullError:
             raise queue_full(self._worker.max_queue) from None
         except WorkerStoppedError as e:
             raise APIError(503, str(e), type="server_error", code="unavailable") from None
-        return _follow(request, job, events, self._config.disconnect_poll_s)
+        poll_s = self._config.disconnect_poll_s
+        return [_follow(request, job, events, poll_s) for job, events in jobs]
 
     def _stream(
-        self, request: Request, gen: GenerationRequest, fmt: _Format, include_usage: bool
+        self,
+        follow: AsyncGenerator[Event, None],
+        fmt: _Format,
+        include_usage: bool,
+        logprobs: bool,
     ) -> Response:
-        follow = self._submit(request, gen)
         return StreamingResponse(
-            _sse(follow, fmt, include_usage, gen.logprobs is not None),
+            _sse(follow, fmt, include_usage, logprobs),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
-    async def _collect(self, request: Request, gen: GenerationRequest) -> _Output | None:
+    async def _collect(self, follow: AsyncGenerator[Event, None]) -> _Output | None:
         """The whole answer of one job; None when the client went away."""
         out = _Output()
-        async for event in self._submit(request, gen):
+        async for event in follow:
             if isinstance(event, TextChunk):
                 out.text += event.text
             elif isinstance(event, Logprobs):
@@ -431,6 +520,9 @@ class _Routes:
                 out.end = event
                 return out
         return None
+
+
+_Req = TypeVar("_Req", CompletionRequest, ChatCompletionRequest)
 
 
 @dataclass
@@ -643,9 +735,7 @@ class _CompletionFormat(_Format):
             text = self.token_text(e.token)
             tokens.append(text)
             values.append(e.logprob)
-            tops.append(
-                None if e.logprob is None else {self.token_text(t): lp for t, lp in e.top}
-            )
+            tops.append(None if e.logprob is None else {self.token_text(t): lp for t, lp in e.top})
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,

@@ -40,7 +40,7 @@ from strata_stream.serve.lockstep import (
 )
 from strata_stream.serve.logprobs import PromptScorer, as_row, entry
 from strata_stream.serve.metrics import ServerMetrics
-from strata_stream.serve.sampling import make_processors, make_sampler
+from strata_stream.serve.sampling import Fault, make_processors, make_sampler
 from strata_stream.serve.sequence import ServedSequence
 from strata_stream.serve.stop import StopMatcher
 
@@ -59,15 +59,20 @@ def new_generator(model: Any, max_batch: int, prefill_chunk: int) -> Any:
     )
 
 
-def insert_request(gen: Any, request: GenerationRequest, eos: list[int]) -> int:
-    """Inserts one request into the generator (rank 0 and every follower alike); its uid."""
+def insert_request(
+    gen: Any, request: GenerationRequest, eos: list[int], fault: Fault | None = None
+) -> int:
+    """Inserts one request into the generator (rank 0 and every follower alike); its uid.
+    `fault` records a failure of its sampling (serve/sampling.py) instead of failing the
+    step."""
     from mlx_lm.generate import StopSequences
 
+    fault = fault if fault is not None else Fault()
     (uid,) = gen.insert(
         [list(request.prompt)],
         max_tokens=[request.max_tokens],
-        samplers=[make_sampler(request.sampling)],
-        logits_processors=[make_processors(request.sampling)],
+        samplers=[make_sampler(request.sampling, fault)],
+        logits_processors=[make_processors(request.sampling, fault)],
         stop_sequences=[StopSequences([(t,) for t in eos])],
     )
     return int(uid)
@@ -75,9 +80,11 @@ def insert_request(gen: Any, request: GenerationRequest, eos: list[int]) -> int:
 
 @dataclass(kw_only=True)
 class _Sequence(ServedSequence):
-    """One admitted request: its place in the generator and its progress."""
+    """One admitted request: its place in the generator, its progress and what failed in its
+    own sampling."""
 
     uid: int
+    fault: Fault
 
 
 class ContinuousBatch:
@@ -145,11 +152,12 @@ class ContinuousBatch:
         req = job.request
         with self._lock:
             detok = self._tokenizer.detokenizer
-        uid = insert_request(self._gen, req, self._eos)
+        fault = Fault()
+        uid = insert_request(self._gen, req, self._eos, fault)
         if self._lockstep is not None:
             self._changes.append(Insert(req))
         self._seqs[uid] = _Sequence(job=job, uid=uid, detok=detok, stop=StopMatcher(req.stop),
-                                    admitted_at=time.perf_counter())  # fmt: skip
+                                    admitted_at=time.perf_counter(), fault=fault)  # fmt: skip
 
     def drop_cancelled(self, stopping: bool) -> None:
         """Sequences whose client went away (or all, when the server stops) leave now."""
@@ -210,8 +218,9 @@ class ContinuousBatch:
             self._finish_job(job, Finished("error", len(req.prompt), 0, error=str(e)))
 
     def _decode_step(self) -> int:
-        """One step of the generator. An error fails every sequence in it (their caches may be
-        half-written) and starts a fresh generator."""
+        """One step of the generator. An error of the step fails every sequence in it (their
+        caches may be half-written) and starts a fresh generator; a fault in one sequence's
+        sampling ends that sequence alone (its token of this step is a placeholder)."""
         try:
             if self._lockstep is not None:
                 self._lockstep.send(Step(tuple(self._changes)))
@@ -229,6 +238,13 @@ class ContinuousBatch:
         if responses:
             self._metrics.batch_size.observe(len(responses))
             self._metrics.generated_tokens.inc(len(responses))
+        faulted = [s for s in self._seqs.values() if s.fault.error is not None]
+        if faulted:
+            let_go = {r.uid for r in responses if r.finish_reason is not None}
+            if still_in := [s.uid for s in faulted if s.uid not in let_go]:
+                self._remove(still_in)
+            for s in faulted:
+                self._end(s, "error", s.fault.error)
         for r in responses:
             seq = self._seqs.get(r.uid)
             if seq is not None:

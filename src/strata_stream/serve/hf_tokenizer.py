@@ -82,6 +82,10 @@ class HFTokenizer:
         return [int(t) for t in out]
 
     def __getattr__(self, name: str) -> Any:
+        # Private and special names are not delegated: copy.deepcopy (the routes' own copies,
+        # app.py) looks such names up on an instance that has no _tokenizer yet.
+        if name.startswith("_"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(self._tokenizer, name)
 
 

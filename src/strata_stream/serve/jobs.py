@@ -64,9 +64,16 @@ class Job:
         self._cancelled = threading.Event()
         self.enqueued_at = time.perf_counter()
         self.state = JobState.QUEUED  # written only by the worker thread (and submit, before)
+        # Called once by cancel() (from the canceller's thread): the worker sets it on submit,
+        # so a job cancelled while it waits leaves the queue at once.
+        self.on_cancel: Callable[[Job], None] | None = None
 
     def cancel(self) -> None:
+        if self._cancelled.is_set():
+            return
         self._cancelled.set()
+        if self.on_cancel is not None:
+            self.on_cancel(self)
 
     @property
     def cancelled(self) -> bool:

@@ -6,7 +6,7 @@ invalid fields come back as OpenAI-style 400 errors naming the offending paramet
 from __future__ import annotations
 
 import json
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -18,6 +18,12 @@ from pydantic import (
 
 from strata_stream.serve.errors import APIError, bad_request
 
+# Upper bounds of counts no model reaches (a context of 2**31 tokens), so that no value a client
+# sends overflows the integers of a sampler or a cache.
+MAX_TOKENS = 2**31 - 1
+REPETITION_PENALTY_MIN = 0.01
+REPETITION_PENALTY_MAX = 100.0
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -25,25 +31,39 @@ class StreamOptions(BaseModel):
 
 class _Generation(BaseModel):
     # OpenAI clients send fields this server does not use (user, ...): ignore them.
-    # Numbers must be finite (JSON's NaN and Infinity extensions are refused by name), and a
-    # seed must fit the 64 bits a sampler key holds.
+    # Numbers must be finite (JSON's NaN and Infinity extensions are refused by name), a seed
+    # must fit the 64 bits a sampler key holds (unsigned: MLX's key and torch's generator take
+    # 0..2**64-1), and every bound keeps the sampler's arithmetic finite: a field out of range
+    # is a 400 naming it, never a failure inside the batch. top_k is also checked against the
+    # model's vocabulary (app.py), which this model does not know.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
+    seed: int | None = Field(default=None, ge=0, le=2**64 - 1)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
     # mlx-lm server extensions.
-    top_k: int = Field(default=0, ge=0)
+    top_k: int = Field(default=0, ge=0, le=MAX_TOKENS)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(default=0.0, ge=0.0)
+    # 0 is off (as is 1). Logits are divided or multiplied by it: beyond these bounds a
+    # logit overflows to infinity and the row's probabilities become NaN.
+    repetition_penalty: float = Field(default=0.0, ge=0.0, le=REPETITION_PENALTY_MAX)
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _penalty_range(cls, p: float) -> float:
+        if p != 0 and p < REPETITION_PENALTY_MIN:
+            raise ValueError(
+                f"must be 0 (off) or between {REPETITION_PENALTY_MIN} and {REPETITION_PENALTY_MAX}"
+            )
+        return p
 
     @field_validator("n")
     @classmethod
@@ -90,7 +110,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
@@ -113,7 +133,7 @@ class CompletionRequest(_Generation):
     # A string, token ids, or a list of either (one choice per prompt, index in order).
     prompt: str | list[int] | list[str] | list[list[int]]
     # 0 is allowed with echo: the prompt's log-probabilities alone (checked below).
-    max_tokens: int | None = Field(default=None, ge=0)
+    max_tokens: int | None = Field(default=None, ge=0, le=MAX_TOKENS)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
 
@@ -124,7 +144,9 @@ class CompletionRequest(_Generation):
     ) -> str | list[int] | list[str] | list[list[int]]:
         if isinstance(prompt, list) and not prompt:
             raise ValueError("the prompt list is empty")
-        if isinstance(prompt, list) and len(prompt) > 64:
+        # A list of prompts (strings or token-id lists) holds at most 64; a list of ints is
+        # one prompt's token ids, bounded by the context instead (app.py).
+        if isinstance(prompt, list) and not isinstance(prompt[0], int) and len(prompt) > 64:
             raise ValueError("at most 64 prompts per request")
         return prompt
 
@@ -162,17 +184,56 @@ R = TypeVar("R", bound=BaseModel)
 
 
 def parse_body(cls: type[R], raw: bytes) -> R:
+    """The body validated as `cls`; a 400 naming the field for anything else. Blocking (a
+    large body takes a while): the routes call it off the event loop."""
+    return validate_body(cls, load_body(raw))
+
+
+def load_body(raw: bytes) -> dict[str, Any]:
+    """The body's JSON object. Nesting too deep to parse, and strings that are not Unicode
+    text (a lone surrogate escape such as "\\ud800": no tokenizer can encode it), are 400s."""
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad_request(f"The request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise bad_request("The request body is nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object", code="invalid_json")
+    # Only escapes can make a surrogate (raw UTF-8 cannot encode one): look where one may be.
+    if b"\\u" in raw and (at := _surrogate_at(body)) is not None:
+        raise bad_request(
+            f"Invalid value for '{at}': the string holds a lone UTF-16 surrogate, not text",
+            param=at, code="invalid_value",
+        )  # fmt: skip
+    return body
+
+
+def validate_body(cls: type[R], body: dict[str, Any]) -> R:
     try:
         return cls.model_validate(body)
     except ValidationError as e:
         raise _validation_error(e) from None
 
+
+def _surrogate_at(body: Any) -> str | None:
+    """The path (a.0.b) of the first string, key or value, that is not encodable text."""
+    todo: list[tuple[Any, str]] = [(body, "")]
+    while todo:
+        value, path = todo.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or None
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                at = f"{path}.{k}" if path else str(k)
+                todo.append((k, at))
+                todo.append((v, at))
+        elif isinstance(value, list):
+            todo.extend((v, f"{path}.{i}") for i, v in reversed(list(enumerate(value))))
+    return None
 
 
 def _validation_error(e: ValidationError) -> APIError:

@@ -9,7 +9,9 @@ engine under them would take the rows as one call, but that front-end is not bui
 
 Each step runs one forward pass of the model (a transformers PreTrainedModel, streamed or
 plain) on the worker's thread: a chunk of at most `prefill_chunk` prompt tokens while the
-prompt is read (the last chunk also samples the first token), then one token per step. The
+prompt is read (the last chunk also samples the first token), then one token per step. A
+failed forward pass is the engine's error (/health reports it); a failure in the request's
+own sampling ends it alone and is not. The
 cache is transformers' own dynamic cache, made by the first forward (`cache_argument` names
 the keyword this transformers version takes it by); the logits of the last
 position alone are computed (logits_to_keep=1). Sampling, logits processors and
@@ -136,14 +138,19 @@ class SequentialBatch:
             else:
                 logits = self._forward(s, [s.tokens[-1]])
             row = logits.to(torch.float32).cpu()
-            for processor in s.processors:
-                row = processor(s.tokens, row)
-            logprobs = row - torch.logsumexp(row, dim=0)
-            token = s.sampler(logprobs)
         except Exception as e:  # a failed step must not take the server down
             log.exception("a generation step failed")
             self._on_error(str(e))
             self._end(s, "error", str(e))
+            return 0
+        try:
+            for processor in s.processors:
+                row = processor(s.tokens, row)
+            logprobs = row - torch.logsumexp(row, dim=0)
+            token = s.sampler(logprobs)
+        except Exception as e:  # this request's own sampling: not the engine's fault
+            log.exception("sampling failed for one sequence; it ends alone")
+            self._end(s, "error", f"sampling failed: {e}")
             return 0
         self._metrics.batch_size.observe(1)
         self._token(s, token, logprobs)

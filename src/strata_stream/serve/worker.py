@@ -5,9 +5,13 @@ stats source, which reads the engine), so the engine is never entered by two thr
 It serves up to `max_batch` requests at once as one continuous batch (serve/batch.py, on
 mlx-lm's BatchGenerator): requests join and leave between decode steps, in arrival order. A
 transformers model is served one request at a time (serve/transformers_batch.py).
-Requests beyond the batch wait in the queue; beyond `max_queue` waiting jobs, `submit` raises
-QueueFullError at once (the route answers 503). Each job's events go back through the
-`deliver` callable the handler supplies (it hands them to the event loop).
+Requests beyond the batch wait in the queue; beyond `max_queue` waiting requests, `submit`
+raises QueueFullError at once (the route answers 503) and nothing of the request runs. A
+request is one place in the queue whatever its prompt count: its jobs (one per prompt) are
+submitted together and join the batch in order as it has room. A waiting request whose jobs are
+all cancelled (its client hung up) leaves the queue at once, freeing its place. Each job's
+events go back through the `deliver` callable the handler supplies (it hands them to the event
+loop).
 
 Under lockstep (rank 0 of a sharded model, serve/lockstep.py) the batch is the same: before
 each step it sends the followers what changed in it (serve/batch.py), so they run the same.
@@ -19,11 +23,11 @@ worker checks it before each decode step, so a cancelled job leaves at the next 
 
 from __future__ import annotations
 
+import collections
 import logging
-import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,14 +41,20 @@ log = logging.getLogger("strata_stream.serve")
 
 @dataclass(frozen=True)
 class ErrorRecord:
-    """Failed generations since start and the last one's message and time (perf_counter)."""
+    """Generations the engine failed since start, the last one's message and time
+    (perf_counter), and whether it still stands: `failing` until a later generation succeeds.
+    A client's mistake is never one (it is refused before it runs)."""
 
     count: int = 0
     last: str | None = None
     last_at: float = 0.0
+    failing: bool = False
 
     def noted(self, message: str) -> ErrorRecord:
-        return ErrorRecord(self.count + 1, message, time.perf_counter())
+        return ErrorRecord(self.count + 1, message, time.perf_counter(), True)
+
+    def cleared(self) -> ErrorRecord:
+        return ErrorRecord(self.count, self.last, self.last_at, False)
 
 
 class QueueFullError(Exception):
@@ -53,6 +63,42 @@ class QueueFullError(Exception):
 
 class WorkerStoppedError(Exception):
     pass
+
+
+class WaitingRequests:
+    """The queue: requests (each its jobs, one per prompt) waiting for the batch, in arrival
+    order, at most `capacity` of them."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._ready = threading.Condition()
+        self._requests: collections.deque[tuple[Job, ...]] = collections.deque()
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def put(self, jobs: tuple[Job, ...]) -> None:
+        with self._ready:
+            if len(self._requests) >= self.capacity:
+                raise QueueFullError
+            self._requests.append(jobs)
+            self._ready.notify()
+
+    def get(self, timeout: float | None) -> tuple[Job, ...] | None:
+        """The oldest request; None when none came within `timeout` (0: do not wait)."""
+        with self._ready:
+            if not self._requests and timeout:
+                self._ready.wait(timeout)
+            return self._requests.popleft() if self._requests else None
+
+    def withdraw(self, jobs: tuple[Job, ...]) -> bool:
+        """Removes the request if it still waits (not taken by the worker yet)."""
+        with self._ready:
+            for i, waiting in enumerate(self._requests):
+                if waiting is jobs:
+                    del self._requests[i]
+                    return True
+        return False
 
 
 class GenerationWorker:
@@ -95,11 +141,14 @@ class GenerationWorker:
         # Fast tokenizers raise "Already borrowed" when two threads use one at once; handlers
         # encode prompts and the worker decodes tokens, so both take this lock.
         self.tokenizer_lock = threading.Lock()
-        self._queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
+        self._queue = WaitingRequests(max_queue)
+        # Jobs of the request the worker took last that did not fit the batch yet (worker
+        # thread only): they join before anything newer.
+        self._pending: collections.deque[Job] = collections.deque()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="strata-serve-worker", daemon=True)
         metrics.queue_capacity.set(max_queue)
-        metrics.queue_depth.set_function(lambda: self._queue.qsize())
+        metrics.queue_depth.set_function(lambda: len(self._queue))
 
     # ---- any thread --------------------------------------------------------------------------
     def start(self) -> None:
@@ -111,7 +160,8 @@ class GenerationWorker:
 
     @property
     def queue_depth(self) -> int:
-        return self._queue.qsize()
+        """Requests waiting (each one place, whatever its prompt count)."""
+        return len(self._queue)
 
     def drain(self, grace_s: float) -> None:
         """Shutting down: refuse new jobs, cancel the waiting ones, let the batch in flight
@@ -126,14 +176,29 @@ class GenerationWorker:
         return self._drain_deadline is not None
 
     def submit(self, job: Job) -> None:
+        self.submit_request((job,))
+
+    def submit_request(self, jobs: Sequence[Job]) -> None:
+        """Queues one request's jobs (one per prompt) as one place, or none of them:
+        QueueFullError when the queue is full, WorkerStoppedError when the worker is not
+        serving. A waiting request whose jobs are all cancelled leaves the queue at once."""
         if not self.alive:
             raise WorkerStoppedError("the generation worker is not running")
         if self.draining:
             raise WorkerStoppedError("the server is shutting down")
-        try:
-            self._queue.put_nowait(job)
-        except queue.Full:
-            raise QueueFullError from None
+        request = tuple(jobs)
+        for job in request:
+            job.on_cancel = lambda _job: self._withdraw(request)
+        self._queue.put(request)
+
+    def _withdraw(self, request: tuple[Job, ...]) -> None:
+        """A job of `request` was cancelled (its client went away, from the handler's thread):
+        once all of them are, the request leaves the queue now and its place is free (if the
+        worker took it already, the batch drops its jobs at the next step)."""
+        if not all(job.cancelled for job in request) or not self._queue.withdraw(request):
+            return
+        for job in request:
+            self._finish(job, Finished("cancelled", len(job.request.prompt), 0))
 
     def stop(self, timeout: float = 30.0) -> None:
         """Cancels the running and the waiting jobs and joins the thread (the worker checks
@@ -195,14 +260,23 @@ class GenerationWorker:
             self.in_flight = 0
             self._metrics.busy.set(0)
 
+    def _next_job(self, wait: bool) -> Job | None:
+        """The next job to admit: the rest of the last request first, then the queue's oldest
+        request (its wait ends when its first job is taken)."""
+        if not self._pending:
+            request = self._queue.get(timeout=0.1 if wait else 0)
+            if request is None:
+                return None
+            self._metrics.queue_wait.observe(time.perf_counter() - request[0].enqueued_at)
+            self._pending.extend(request)
+        return self._pending.popleft()
+
     def _admit(self, batch: Any) -> None:
         """Moves waiting jobs into the batch while it has room; waits briefly when idle."""
         while len(batch) < self.max_batch:
-            try:
-                job = self._queue.get(timeout=0.1) if not len(batch) else self._queue.get_nowait()
-            except queue.Empty:
+            job = self._next_job(wait=not len(batch))
+            if job is None:
                 return
-            self._metrics.queue_wait.observe(time.perf_counter() - job.enqueued_at)
             if job.cancelled or self._stop.is_set():
                 self._finish(job, Finished("cancelled", len(job.request.prompt), 0))
                 continue
@@ -217,16 +291,22 @@ class GenerationWorker:
         self.errors = self.errors.noted(message)
 
     def _drain(self) -> None:
+        """Cancels every waiting job (the queue's and the rest of the last request's)."""
         while True:
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                return
+            job = self._pending.popleft() if self._pending else None
+            if job is None:
+                request = self._queue.get(timeout=0)
+                if request is None:
+                    return
+                self._pending.extend(request)
+                continue
             self._finish(job, Finished("cancelled", len(job.request.prompt), 0))
 
     def _finish(self, job: Job, result: Finished) -> None:
         job.state = JobState.FINISHED
         self._metrics.generations.labels(result.reason).inc()
+        if result.reason in ("stop", "length") and self.errors.failing:
+            self.errors = self.errors.cleared()  # a generation succeeded: the engine works
         job.emit(result)
 
     def _refresh_stats(self) -> None:
