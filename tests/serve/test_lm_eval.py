@@ -29,12 +29,25 @@ MC = [
 GEN = [{"question": "the water is hot", "answer": "x"}, {"question": "hello world", "answer": "y"}]
 
 
-def task_files(root: Path) -> Path:
+def many_mc(n: int) -> list[dict[str, Any]]:
+    """n multiple-choice rows built from the chat checkpoint's words (ordered, so the same n
+    gives the same rows)."""
+    words = ["the", "water", "is", "hot", "model", "arena", "token", "stream", "read", "write"]
+    return [
+        {"question": f"{words[i % 10]} {words[(3 * i + 1) % 10]} {words[(7 * i + 2) % 10]}",
+         "choices": [words[(i + 4) % 10], f"{words[(i + 5) % 10]} {words[i % 10]}",
+                     words[(i + 6) % 10]],
+         "answer": i % 3}
+        for i in range(n)
+    ]  # fmt: skip
+
+
+def task_files(root: Path, mc: list[dict[str, Any]] = MC, gen: list[dict[str, Any]] = GEN) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     for name, rows, body in (
-        ("mc", MC, 'output_type: multiple_choice\ndoc_to_choice: "{{choices}}"\n'
+        ("mc", mc, 'output_type: multiple_choice\ndoc_to_choice: "{{choices}}"\n'
                    "metric_list:\n  - metric: acc\n"),
-        ("gen", GEN, "output_type: generate_until\ngeneration_kwargs:\n"
+        ("gen", gen, "output_type: generate_until\ngeneration_kwargs:\n"
                      '  until: ["<eos>"]\n  max_gen_toks: 6\n'
                      "metric_list:\n  - metric: exact_match\n"),
     ):  # fmt: skip
@@ -48,30 +61,26 @@ def task_files(root: Path) -> Path:
     return root
 
 
-def test_lm_eval_runs_both_kinds_of_task_unchanged(
-    served: Served,
-    tiny_path: Path,
-    tmp_path: Path,
-    tokenizer: Any,
-    oracle: Callable[[list[int], int], str],
+def run_lm_eval(
+    url: str, tiny_path: Path, tasks_root: Path, model_args: str, mc: list[dict[str, Any]],
+    gen: list[dict[str, Any]], tokenizer: Any, oracle: Callable[[list[int], int], str],
     reference: Callable[[list[int]], np.ndarray],
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+) -> None:  # fmt: skip
+    """lm-eval's local-completions on both tasks against the server at `url`, every answer
+    checked against plain mlx-lm."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    tasks = TaskManager(include_path=str(task_files(tmp_path / "tasks")))
-    args = (f"model={MODEL_ID},base_url={served.url}/v1/completions,tokenizer_backend=huggingface,"
-            f"tokenizer={tiny_path},num_concurrent=2,max_retries=1")  # fmt: skip
+    tasks = TaskManager(include_path=str(task_files(tasks_root, mc, gen)))
+    args = (f"model={MODEL_ID},base_url={url}/v1/completions,tokenizer_backend=huggingface,"
+            f"tokenizer={tiny_path},{model_args}")  # fmt: skip
     out = simple_evaluate(model="local-completions", model_args=args,
                           tasks=["tiny_mc", "tiny_gen"], task_manager=tasks,
                           log_samples=True)  # fmt: skip
     assert out is not None
-    mc = out["samples"]["tiny_mc"]
-    assert len(mc) == len(MC)
-    for sample in mc:
+    samples = out["samples"]["tiny_mc"]
+    assert len(samples) == len(mc)
+    for sample in samples:
         assert len(sample["resps"]) == len(sample["doc"]["choices"])
         for (context, continuation), resp in zip(sample["arguments"], sample["resps"],
                                                  strict=True):  # fmt: skip
@@ -85,13 +94,56 @@ def test_lm_eval_runs_both_kinds_of_task_unchanged(
             assert greedy == all(int(want[t - 1].argmax()) == whole[t]
                                  for t in range(start, len(whole)))  # fmt: skip
     scores = out["results"]["tiny_mc"]["acc,none"]
-    picked = [max(range(len(s["resps"])), key=lambda i, s=s: float(s["resps"][i][0][0]))
-              for s in mc]  # fmt: skip
-    assert scores == pytest.approx(
-        np.mean([p == row["answer"] for p, row in zip(picked, MC, strict=True)])
-    )
-    gen = out["samples"]["tiny_gen"]
-    assert len(gen) == len(GEN)
-    for sample in gen:
+    picked = {s["doc"]["question"]: max(range(len(s["resps"])),
+                                        key=lambda i, s=s: float(s["resps"][i][0][0]))
+              for s in samples}  # fmt: skip
+    assert scores == pytest.approx(np.mean([picked[row["question"]] == row["answer"]
+                                            for row in mc]))  # fmt: skip
+    generated = out["samples"]["tiny_gen"]
+    assert len(generated) == len(gen)
+    for sample in generated:
         ids = [int(t) for t in tokenizer.encode(sample["doc"]["question"])]
         assert sample["resps"][0][0] == oracle(ids, 6)  # greedy, as plain mlx-lm writes it
+
+
+@pytest.fixture
+def offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def test_lm_eval_runs_both_kinds_of_task_unchanged(
+    served: Served,
+    tiny_path: Path,
+    tmp_path: Path,
+    tokenizer: Any,
+    oracle: Callable[[list[int], int], str],
+    reference: Callable[[list[int]], np.ndarray],
+    offline: None,
+) -> None:
+    run_lm_eval(served.url, tiny_path, tmp_path / "tasks", "num_concurrent=2,max_retries=1",
+                MC, GEN, tokenizer, oracle, reference)  # fmt: skip
+
+
+def test_lm_eval_concurrent_and_batched_against_a_default_server(
+    tiny_path: Path,
+    tmp_path: Path,
+    tokenizer: Any,
+    oracle: Callable[[list[int], int], str],
+    reference: Callable[[list[int]], np.ndarray],
+    offline: None,
+) -> None:
+    """The command line docs/serve.md gives (num_concurrent=16, batch_size=4: 16 requests of 4
+    prompts at once) against a server with every default: each request is one queue place, so
+    none is refused (max_retries=1: a 503 would fail the run)."""
+    import mlx_lm
+
+    from strata_stream.serve import BackgroundServer, ServeConfig, create_app
+
+    model, tok = mlx_lm.load(str(tiny_path))
+    app = create_app(model, tok, ServeConfig(model_id=MODEL_ID))
+    gen = [{"question": row["question"], "answer": "x"} for row in many_mc(16)]
+    with BackgroundServer(app) as server:
+        run_lm_eval(server.url, tiny_path, tmp_path / "tasks",
+                    "num_concurrent=16,batch_size=4,max_retries=1", many_mc(40), gen, tokenizer,
+                    oracle, reference)  # fmt: skip

@@ -20,7 +20,7 @@ def serve(
     port: int = 8080,
     arena_gb: float | None = None,
     model_id: str | None = None,
-    max_queue: int = 8,
+    max_queue: int = 64,
     max_batch: int | None = None,
     prefill_chunk: int = 512,
     context_length: int | None = None,

@@ -10,8 +10,9 @@ from strata_stream.errors import ConfigError
 @dataclass(frozen=True)
 class ServeConfig:
     """model_id: the name /v1/models lists and requests must use.
-    max_queue: requests waiting for the generation worker (those in the batch not counted);
-      one more is answered 503 at once.
+    max_queue: requests waiting for the generation worker (those in the batch not counted;
+      a request is one place whatever its prompt count); one more is answered 503 at once.
+      64: an evaluator's concurrent requests (lm-eval's num_concurrent) wait rather than fail.
     max_batch: requests generated together, as one continuous batch.
     prefill_chunk: prompt tokens prefilled per step between decode steps.
     context_length: prompt + completion tokens allowed; None takes the model's
@@ -19,19 +20,17 @@ class ServeConfig:
     default_max_tokens: completion budget when a request gives none (capped by the context).
     stats_interval_s: how often the worker refreshes the engine snapshot while generating.
     disconnect_poll_s: how often a waiting handler checks whether its client went away.
-    degraded_s: /health says "degraded" while the last failed generation is this recent.
     drain_s: on SIGTERM, how long the streams in flight may run on before each is ended
       with finish reason "length"."""
 
     model_id: str
-    max_queue: int = 8
+    max_queue: int = 64
     max_batch: int = 8
     prefill_chunk: int = 512
     context_length: int | None = None
     default_max_tokens: int = 512
     stats_interval_s: float = 0.5
     disconnect_poll_s: float = 0.1
-    degraded_s: float = 60.0
     drain_s: float = 10.0
 
     def __post_init__(self) -> None:
@@ -49,6 +48,6 @@ class ServeConfig:
             raise ConfigError(
                 f"ServeConfig.default_max_tokens must be >= 1, got {self.default_max_tokens}"
             )
-        intervals = (self.stats_interval_s, self.disconnect_poll_s, self.degraded_s, self.drain_s)
+        intervals = (self.stats_interval_s, self.disconnect_poll_s, self.drain_s)
         if not all(t > 0 for t in intervals):
             raise ConfigError("ServeConfig intervals must be > 0 seconds")
