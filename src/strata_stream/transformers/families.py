@@ -50,6 +50,7 @@ class Family:
 
     model_type: str
     experts_class: str  # for messages only
+    act_fn: str  # the experts' act_fn class (config.hidden_act), for messages only
     n_experts: int
     moe_intermediate: int
     hidden: int
@@ -143,6 +144,7 @@ def family_of(experts: Any, model_type: str, hidden: int | None = None) -> Famil
     return Family(
         model_type=model_type,
         experts_class=cls,
+        act_fn=type(getattr(experts, "act_fn", None)).__name__,
         n_experts=e,
         moe_intermediate=inter,
         hidden=h,
@@ -210,9 +212,9 @@ def check_activation(family: Family, activation: str, alpha: float, limit: float
         return
     split = "interleaved" if interleaved else "concatenated"
     raise ConfigError(
-        f"{family.model_type}: experts module {family.experts_class}'s gate function is not the "
-        f"pack's {activation} on {split} gate/up halves (the CPU backend computes SwiGLU with "
-        "silu and gpt-oss's clamped SwiGLU)"
+        f"{family.model_type}: experts module {family.experts_class}'s gate function (act_fn "
+        f"{family.act_fn}) is not the pack's {activation} on {split} gate/up halves (the CPU "
+        "backend computes SwiGLU with silu and gpt-oss's clamped SwiGLU)"
     )
 
 

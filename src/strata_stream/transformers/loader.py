@@ -115,6 +115,19 @@ def causal_lm_class(config: Any, where: object = "") -> type[Any]:
     )
 
 
+def config_for(cls: type[Any], config: Any) -> Any:
+    """The config `cls` takes: a multimodal config's text_config where the causal LM is the
+    text model's (as AutoModelForCausalLM does, the parent's quantization_config kept)."""
+    sub = (getattr(config, "sub_configs", None) or {}).get("text_config")
+    if sub is None or getattr(cls, "config_class", None) is not sub:
+        return config
+    text = config.get_text_config()
+    quant = getattr(config, "quantization_config", None)
+    if quant is not None:
+        text.quantization_config = quant
+    return text
+
+
 def _device_arg(device: str | torch.device | None) -> torch.device:
     """The device load runs the model on: the CPU, or the GPU the cuda backend runs on (device
     0), checked before any weight is read; ConfigError naming why it cannot be used."""
@@ -231,6 +244,7 @@ def load(
         model_path, trust_remote_code=kwargs.get("trust_remote_code", False)
     )
     base = causal_lm_class(hf_config, model_path)
+    hf_config = config_for(base, hf_config)
     quant = getattr(hf_config, "quantization_config", None)
     method = (
         quant.get("quant_method")
