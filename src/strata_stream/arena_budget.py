@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 from strata_stream import container_memory
+from strata_stream.config import parse_size
 from strata_stream.errors import ConfigError
 from strata_stream.pack.reader import ExpertPack
 from strata_stream.units import human_bytes
@@ -61,17 +62,35 @@ def check_fits(arena: int, name: str = "arena_bytes") -> None:
         )
 
 
+def requested_bytes(requested: int | str | None, name: str = "arena_bytes") -> int | None:
+    """An arena size as a caller gives it: bytes (an int), a size with its unit ("8GB",
+    "512MiB", "2G": binary units, as StreamConfig's environment flags read them) or None;
+    anything else is a ConfigError naming `name`."""
+    if requested is None:
+        return None
+    if isinstance(requested, str):
+        return parse_size(requested, name)
+    if isinstance(requested, bool) or not isinstance(requested, int):
+        raise ConfigError(
+            f"{name} must be a number of bytes or a size such as '8GB' or '512MiB', got "
+            f"{requested!r}"
+        )
+    return requested
+
+
 def arena_size(
     pack: ExpertPack,
-    requested: int | None,
+    requested: int | str | None,
     available: int | None = None,
     memory: str = "memory",
 ) -> int:
-    """The arena for a pack: `requested` if given, else what available memory allows after the
-    headroom, capped at every expert resident. ConfigError when it cannot hold the minimum
-    (two layers' top_k experts), saying how much memory is needed. available: bytes free
-    (default: host memory, available_memory()); memory names them in that error ("GPU
-    memory" for an arena sized from a GPU's)."""
+    """The arena for a pack: `requested` if given (bytes, or a size with its unit: "8GB"),
+    else what available memory allows after the headroom, capped at every expert resident.
+    ConfigError when it cannot hold the minimum (two layers' top_k experts), saying how much
+    memory is needed, or when the container cannot hold an explicit one (check_fits).
+    available: bytes free (default: host memory, available_memory()); memory names them in that
+    error ("GPU memory" for an arena sized from a GPU's)."""
+    requested = requested_bytes(requested)
     g = pack.geometry
     stride = pack.record_stride
     minimum = ExpertStream_min_slots(g.top_k) * stride
@@ -103,4 +122,4 @@ def ExpertStream_min_slots(top_k: int) -> int:  # noqa: N802 - mirrors ExpertStr
     return 2 * top_k
 
 
-__all__ = ["arena_size", "available_memory", "check_fits"]
+__all__ = ["arena_size", "available_memory", "check_fits", "requested_bytes"]

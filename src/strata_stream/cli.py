@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from strata_stream.config import EVICTION_POLICIES
-from strata_stream.errors import ConfigError, PackError, StrataError
+from strata_stream.errors import CheckpointError, ConfigError, PackError, StrataError
 from strata_stream.paths import model_location
 
 
@@ -71,8 +71,10 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="tokens to generate, at least 1 (default 100, less if the context "
                      "ends first)")  # fmt: skip
     gen.add_argument(
-        "--arena-gb", type=float, default=None, help="expert memory in GiB (default: from free RAM)"
-    )
+        "--arena-gb", default=None, metavar="SIZE",
+        help="expert memory: GiB, or a size with its unit such as 512MiB or 8GB (default: from "
+        "free RAM)",
+    )  # fmt: skip
     gen.add_argument("--experts", choices=("cpu", "mlx"), default="cpu",
                      help="who computes the experts (default cpu)")  # fmt: skip
     gen.add_argument("--arithmetic", choices=("auto", "mlx", "float32"), default="auto",
@@ -123,7 +125,9 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default=None, help=_DEVICE_HELP)
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
     serve.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 = any)")
-    serve.add_argument("--arena-gb", type=float, metavar="G", help="expert arena size in GiB")
+    serve.add_argument("--arena-gb", metavar="SIZE",
+                       help="expert arena size: GiB, or a size with its unit such as 512MiB or "
+                       "8GB")  # fmt: skip
     spar = serve.add_mutually_exclusive_group()
     spar.add_argument("--pipeline", action="store_true",
                       help="under mlx.launch: ranks split the layers; rank 0 serves")
@@ -196,6 +200,19 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _arena_gib(text: str | None) -> float | None:
+    """--arena-gb as GiB: a bare number is GiB (the flag's unit), else a size with its unit."""
+    if text is None:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    from strata_stream.config import parse_size
+
+    return parse_size(text, "--arena-gb") / (1 << 30)
+
+
 def _check_arena_gb(arena_gb: float | None) -> None:
     if arena_gb is not None and not (math.isfinite(arena_gb) and arena_gb > 0):
         raise ConfigError(f"--arena-gb must be a number of GiB > 0, got {arena_gb}")
@@ -229,10 +246,14 @@ def _check_device(args: argparse.Namespace, engine: str) -> None:
         raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
 
 
-def _default_engine() -> str:
+def _has(module: str) -> bool:
     import importlib.util
 
-    return "mlx-lm" if importlib.util.find_spec("mlx_lm") is not None else "transformers"
+    return importlib.util.find_spec(module) is not None
+
+
+def _default_engine() -> str:
+    return "mlx-lm" if _has("mlx_lm") else "transformers"
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -258,8 +279,16 @@ def _generate(args: argparse.Namespace) -> int:
                              "tensor", max_tokens=args.max_tokens, arena_gb=args.arena_gb,
                              experts=args.experts, arithmetic=args.arithmetic)  # fmt: skip
         return 0
-    generate(args.model, args.prompt, max_tokens=args.max_tokens, arena_gb=args.arena_gb,
-             experts=args.experts, arithmetic=args.arithmetic, pack_path=args.pack)  # fmt: skip
+    try:
+        generate(args.model, args.prompt, max_tokens=args.max_tokens, arena_gb=args.arena_gb,
+                 experts=args.experts, arithmetic=args.arithmetic, pack_path=args.pack)  # fmt: skip
+    except CheckpointError as e:
+        # Without --engine, a checkpoint mlx-lm cannot read runs with the engine that can.
+        if args.engine is not None or e.engine != "transformers" or not _has("transformers"):
+            raise
+        print(f"strata-stream: {' '.join(str(e).split())}; running it with --engine "
+              "transformers", file=sys.stderr)  # fmt: skip
+        return _generate_transformers(args)
     return 0
 
 
@@ -437,6 +466,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command != "demo" and rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
+        if hasattr(args, "arena_gb"):
+            args.arena_gb = _arena_gib(args.arena_gb)
         if args.command == "pack":
             return _pack(args)
         if args.command == "convert":

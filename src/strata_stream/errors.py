@@ -19,6 +19,16 @@ class PackError(StrataError, ValueError):
     """A pack file that is malformed: bad magic, version, metadata, size or checksum."""
 
 
+class CheckpointError(StrataError, ValueError):
+    """A model checkpoint that cannot be read as it is: a damaged or unreadable weights file, or
+    a checkpoint the chosen engine cannot read. `engine` names the engine that can read it,
+    where one can ("" otherwise)."""
+
+    def __init__(self, message: str, engine: str = "") -> None:
+        super().__init__(message)
+        self.engine = engine
+
+
 class ExpertReadError(StrataError, OSError):
     """An urgent expert read failed (EIO, short read, checksum); the stream stays usable."""
 
@@ -52,6 +62,7 @@ class DeviceError(StrataError, RuntimeError):
 
 __all__ = [
     "ArenaFullError",
+    "CheckpointError",
     "ConfigError",
     "DeviceError",
     "ExpertReadError",

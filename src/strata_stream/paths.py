@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -95,12 +96,62 @@ def fetched(location: str, fetch: Callable[[], str | os.PathLike[str]]) -> Path:
 
 def checked_model_dir(path: str | os.PathLike[str]) -> Path:
     """`path`, where it is a directory holding a config.json (every model a loader takes has
-    one); else ConfigError naming what it is instead."""
-    from strata_stream.errors import ConfigError
+    one) and whole safetensors files; else ConfigError naming what it is instead, or
+    CheckpointError naming the weights file that is damaged or unreadable."""
+    from strata_stream.errors import CheckpointError, ConfigError
 
     path = Path(path)
     if not path.is_dir():
         raise ConfigError(f"{path}: a file, not a model directory")
     if not (path / "config.json").is_file():
         raise ConfigError(f"{path}: no config.json (not a model directory?)")
+    for weights in sorted(path.glob("*.safetensors")):
+        problem = safetensors_problem(weights)
+        if problem:
+            raise CheckpointError(
+                f"{weights}: {problem}; download or copy the model again (or convert it again "
+                "from its source)"
+            )
     return path
+
+
+_MAX_HEADER = 100 << 20  # safetensors' own bound on a header
+
+
+def safetensors_problem(path: Path) -> str:
+    """Why `path` is not a whole safetensors file, in a phrase; "" when it is one. Reads its
+    header only: the 8-byte length, the JSON, and whether the file holds every tensor's bytes
+    (a cut-short download or copy does not)."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"cut short: {size} bytes, less than a safetensors header"
+            n = int.from_bytes(head, "little")
+            if n > _MAX_HEADER:
+                return "not a safetensors file (its first 8 bytes are no header length)"
+            if n > size - 8:
+                return f"cut short: its header alone needs {8 + n} bytes, the file has {size}"
+            header = json.loads(f.read(n))
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    except ValueError:  # JSON and UTF-8 errors
+        return "not a safetensors file: its header is not JSON"
+    if not isinstance(header, dict):
+        return "not a safetensors file: its header is not a JSON object"
+    end = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2
+                and all(isinstance(v, int) for v in offsets)):  # fmt: skip
+            return f"not a safetensors file: tensor {name!r} has no data_offsets"
+        end = max(end, offsets[1])
+    if 8 + n + end > size:
+        return (
+            f"cut short: it has {size} bytes, its tensors need {8 + n + end} (an incomplete "
+            "download or copy?)"
+        )
+    return ""

@@ -10,6 +10,7 @@ import sys
 from typing import Any, TextIO
 
 from strata_stream.config import StreamConfig
+from strata_stream.engine_choice import Lines, mlx_lm_cannot_build
 from strata_stream.errors import ConfigError
 from strata_stream.units import human_bytes
 
@@ -102,8 +103,15 @@ def generate(
     from strata_stream.mlx_lm.loader import load
 
     arena = None if arena_gb is None else int(arena_gb * (1 << 30))
-    model, tokenizer = load(model_path, arena_bytes=arena, pack_path=pack_path, experts=experts,
-                            arithmetic=arithmetic, config=StreamConfig.from_env())  # fmt: skip
+    try:
+        model, tokenizer = load(model_path, arena_bytes=arena, pack_path=pack_path,
+                                experts=experts, arithmetic=arithmetic,
+                                config=StreamConfig.from_env())  # fmt: skip
+    except Exception as e:
+        unreadable = mlx_lm_cannot_build(e, model_path)
+        if unreadable is None:
+            raise
+        raise unreadable from e
     engine = model.strata_engine
     try:
         ids = prompt_tokens(tokenizer, prompt)
@@ -112,12 +120,13 @@ def generate(
         start = window.stats()["total"]
         at_first: dict[str, Any] | None = None
         last = None
-        for r in stream_generate(model, tokenizer, ids, max_tokens=budget):
-            if at_first is None:
-                at_first = window.stats()["total"]
-            out.write(r.text)
-            out.flush()
-            last = r
+        with Lines(out) as text:  # an error mid-text starts on a line of its own
+            for r in stream_generate(model, tokenizer, ids, max_tokens=budget):
+                if at_first is None:
+                    at_first = window.stats()["total"]
+                text.write(r.text)
+                text.flush()
+                last = r
         out.write("\n")
         end = window.stats()["total"]
         if last is None or at_first is None:

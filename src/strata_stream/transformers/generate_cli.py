@@ -11,6 +11,8 @@ import time
 from typing import Any, TextIO
 
 from strata_stream.config import StreamConfig
+from strata_stream.engine_choice import Lines, check_transformers_can_read
+from strata_stream.paths import model_dir
 from strata_stream.units import human_bytes
 
 _COUNTERS = ("hits", "misses", "bytes_read", "stall_seconds")
@@ -35,7 +37,9 @@ def generate(
 
     sink: TextIO = sys.stdout if out is None else out
     arena = None if arena_gb is None else int(arena_gb * (1 << 30))
-    model = load(model_path, arena_bytes=arena, pack_path=pack_path, device=device,
+    local = model_dir(model_path)  # fetched as load() would, to look at its config first
+    check_transformers_can_read(local)
+    model = load(str(local), arena_bytes=arena, pack_path=pack_path, device=device,
                  config=StreamConfig.from_env(), progress=True)  # fmt: skip
     engine = model.strata_engine
     tokenizer = AutoTokenizer.from_pretrained(model.strata_model_dir)
@@ -49,14 +53,14 @@ def generate(
             super().put(value)  # type: ignore[no-untyped-call,unused-ignore]
 
         def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
-            sink.write(text)
-            sink.flush()
+            lines.write(text)
+            lines.flush()
 
     try:
         inputs = tokenizer(prompt, return_tensors="pt")
         prompt_tokens = int(inputs["input_ids"].shape[1])
         start, t0 = window.stats()["total"], time.perf_counter()
-        with torch.no_grad():
+        with torch.no_grad(), Lines(sink) as lines:  # an error mid-text gets a line of its own
             ids = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False,
                                  streamer=_Printer(tokenizer, skip_prompt=True))  # fmt: skip
         t1, end = time.perf_counter(), window.stats()["total"]
