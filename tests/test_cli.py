@@ -162,6 +162,9 @@ def test_serve_without_its_extra_names_the_install(
         (["serve", str(tmp_path), "--arena-gb", "inf"], "--arena-gb must be"),
         (["serve", str(tmp_path / "typo")], "no such model directory"),
         (["serve", str(tmp_path), "--pack", "p", "--tensor"], "--pack names one pack"),
+        (["serve", str(tmp_path), "--max-batch", "0"], "--max-batch must be at least 1, got 0"),
+        (["serve", str(tmp_path), "--max-queue", "0"], "--max-queue must be at least 1, got 0"),
+        (["serve", str(tmp_path), "--prefill-chunk", "-1"], "--prefill-chunk must be at least 1"),
     ):
         assert main(argv) == 2, argv
         _one_line_error(capsys, needle)

@@ -328,6 +328,11 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     _check_arena_gb(args.arena_gb)
     _check_device(args, engine)
+    # The server's own checks name its config's fields; a CLI user typed these flags.
+    for flag, value in (("--max-queue", args.max_queue), ("--max-batch", args.max_batch),
+                        ("--prefill-chunk", args.prefill_chunk)):  # fmt: skip
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {value}")
     model_location(args.model)
     distributed = "pipeline" if args.pipeline else "tensor" if args.tensor else None
     if distributed is not None and args.pack is not None:

@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import os
 import threading
+import uuid
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -429,13 +430,17 @@ class Window(ProcessBound):
         return self._w.profile().reshape(self.n_layers, -1)
 
     def save_profile(self) -> None:
-        """Writes the profile beside the pack (atomically); close() does it too."""
-        tmp = self.profile_path.with_name(self.profile_path.name + ".tmp")
+        """Writes the profile beside the pack (atomically); close() does it too. Each writer has
+        a temporary of its own: Windows on one pack (in threads or processes) save side by side,
+        the last rename wins."""
+        tmp = self.profile_path.with_name(f".{self.profile_path.name}.{uuid.uuid4().hex}.tmp")
         try:
             with open(tmp, "wb") as f:
                 np.save(f, self.profile())
             os.replace(tmp, self.profile_path)
         except OSError as err:  # a read-only pack directory costs the profile, nothing else
+            with suppress(OSError):
+                tmp.unlink()
             warnings.warn(f"cannot save expert profile {self.profile_path}: {err}", stacklevel=2)
 
     def _flush_trace(self) -> None:
