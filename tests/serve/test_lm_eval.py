@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from serve.helpers import MODEL_ID, Served
+from serve.helpers import MODEL_ID, Served, scrape
 
 lm_eval = pytest.importorskip("lm_eval")
 
@@ -64,7 +64,7 @@ def task_files(root: Path, mc: list[dict[str, Any]] = MC, gen: list[dict[str, An
 def run_lm_eval(
     url: str, tiny_path: Path, tasks_root: Path, model_args: str, mc: list[dict[str, Any]],
     gen: list[dict[str, Any]], tokenizer: Any, oracle: Callable[[list[int], int], str],
-    reference: Callable[[list[int]], np.ndarray],
+    reference: Callable[[list[int]], np.ndarray], batch_size: int | None = None,
 ) -> None:  # fmt: skip
     """lm-eval's local-completions on both tasks against the server at `url`, every answer
     checked against plain mlx-lm."""
@@ -74,7 +74,7 @@ def run_lm_eval(
     tasks = TaskManager(include_path=str(task_files(tasks_root, mc, gen)))
     args = (f"model={MODEL_ID},base_url={url}/v1/completions,tokenizer_backend=huggingface,"
             f"tokenizer={tiny_path},{model_args}")  # fmt: skip
-    out = simple_evaluate(model="local-completions", model_args=args,
+    out = simple_evaluate(model="local-completions", model_args=args, batch_size=batch_size,
                           tasks=["tiny_mc", "tiny_gen"], task_manager=tasks,
                           log_samples=True)  # fmt: skip
     assert out is not None
@@ -133,9 +133,9 @@ def test_lm_eval_concurrent_and_batched_against_a_default_server(
     reference: Callable[[list[int]], np.ndarray],
     offline: None,
 ) -> None:
-    """The command line docs/serve.md gives (num_concurrent=16, batch_size=4: 16 requests of 4
-    prompts at once) against a server with every default: each request is one queue place, so
-    none is refused (max_retries=1: a 503 would fail the run)."""
+    """The command line docs/serve.md gives (num_concurrent=16, --batch_size 4: 16 requests of
+    4 prompts at once) against a server with every default: each request is one queue place,
+    so none is refused (max_retries=1: a 503 would fail the run)."""
     import mlx_lm
 
     from strata_stream.serve import BackgroundServer, ServeConfig, create_app
@@ -143,7 +143,11 @@ def test_lm_eval_concurrent_and_batched_against_a_default_server(
     model, tok = mlx_lm.load(str(tiny_path))
     app = create_app(model, tok, ServeConfig(model_id=MODEL_ID))
     gen = [{"question": row["question"], "answer": "x"} for row in many_mc(16)]
+    mc = many_mc(40)
     with BackgroundServer(app) as server:
-        run_lm_eval(server.url, tiny_path, tmp_path / "tasks",
-                    "num_concurrent=16,batch_size=4,max_retries=1", many_mc(40), gen, tokenizer,
-                    oracle, reference)  # fmt: skip
+        run_lm_eval(server.url, tiny_path, tmp_path / "tasks", "num_concurrent=16,max_retries=1",
+                    mc, gen, tokenizer, oracle, reference, batch_size=4)  # fmt: skip
+        answered = scrape(server.url)['strata_serve_requests_total{route="/v1/completions",'
+                                      'status="200"}']  # fmt: skip
+    # Batched: each request carried up to 4 of the 3 x 40 log-likelihoods and 16 generations.
+    assert answered < (3 * len(mc) + len(gen)) / 2
