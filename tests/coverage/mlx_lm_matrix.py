@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import inspect
 import json
 import os
 import pkgutil
@@ -88,15 +89,7 @@ TINY: dict[str, Any] = {
     "attention_chunk_size": 8,
     "num_kv_shared_layers": 0,
     "layer_rope_theta": [10000.0] * LAYERS,
-    # flat (most families) and by attention kind (mellum, gemma4) in one value
-    "rope_parameters": {
-        "rope_type": "default",
-        "rope_theta": 10000.0,
-        "llama_4_scaling_beta": 0.1,  # mistral4
-        "original_max_position_embeddings": 512,
-        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-        "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
-    },
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
     "rope_scaling": None,
     "final_logit_softcapping": 30.0,
     "output_multiplier": 1.0,
@@ -110,6 +103,8 @@ TINY: dict[str, Any] = {
     "index_n_heads": 2,
     "index_topk": 4,
     "q_lora_rank": 32,
+    "o_groups": 1,  # grouped output projection (deepseek_v41): 64 wide, so q4 quantizes it
+    "o_lora_rank": 64,
     "qk_rope_head_dim": 16,
     "qk_nope_head_dim": 16,
     "v_head_dim": 32,
@@ -199,8 +194,28 @@ TINY: dict[str, Any] = {
     "zero_expert_num": 2,
 }
 
+# Fields that choose behaviour rather than size (routing and scoring functions, biases, norms,
+# rope): a family's own default wins, TINY fills them only where ModelArgs requires a value.
+BEHAVIOUR = frozenset(
+    {
+        "tie_word_embeddings", "use_bias", "mlp_bias", "attention_bias", "rope_theta",
+        "rope_scaling", "rope_parameters", "partial_rotary_factor", "rms_norm_eps", "norm_eps",
+        "post_norm_eps", "layer_norm_epsilon", "layernorm_epsilon", "use_qk_norm",
+        "final_logit_softcapping", "output_multiplier", "logits_scaling",
+        "attention_multiplier", "embedding_multiplier", "residual_multiplier",
+        "mla_scale_q_lora", "mla_scale_kv_lora", "add_swa_attention_sink_bias",
+        "add_full_attention_sink_bias", "swa_rope_theta", "mamba_proj_bias", "mamba_conv_bias",
+        "use_conv_bias", "conv_bias", "use_cla", "cla_share_factor", "routed_scaling_factor",
+        "norm_topk_prob", "use_expert_bias", "topk_method", "scoring_func", "zero_expert_type",
+        "zero_expert_num", "attention_method", "moe_layer_start_index",
+    }
+)  # fmt: skip
+
 # What one shared value cannot say: a field whose meaning (or type) differs by family, and
 # the text model a multimodal wrapper builds.
+# mistral4's attention scale reads these (its published configs carry them)
+_MISTRAL4_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "llama_4_scaling_beta": 0.1,
+                  "original_max_position_embeddings": 512}  # fmt: skip
 _YARN = {
     "type": "yarn",
     "factor": 1.0,
@@ -232,7 +247,14 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # moe_layer_freq: a stride in some families, a per-layer list in others
     "mimo_v2_flash": {"moe_layer_freq": [0, 1, 1]},
     "glm_moe_dsa": {"moe_layer_freq": 1},
-    "mistral3": {"text_config": {"model_type": "mistral4"}},
+    "mistral3": {"text_config": {"model_type": "mistral4", "rope_parameters": _MISTRAL4_ROPE}},
+    "mistral4": {"rope_parameters": _MISTRAL4_ROPE},
+    "mellum": {  # rope by attention kind
+        "rope_parameters": {
+            kind: {"rope_type": "default", "rope_theta": 10000.0}
+            for kind in ("sliding_attention", "full_attention")
+        }
+    },
 }
 
 
@@ -278,12 +300,15 @@ def _args_fields(args_class: Any) -> dict[str, dataclasses.Field[Any]]:
     return {}
 
 
-def _tiny_for(fields: dict[str, Any], model_type: str) -> dict[str, Any]:
+def _required(field: dataclasses.Field[Any]) -> bool:
+    return field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
+
+
+def _tiny_for(fields: dict[str, dataclasses.Field[Any]], model_type: str) -> dict[str, Any]:
     cfg: dict[str, Any] = {"model_type": model_type}
-    for name in fields:
-        if name in TINY:
-            value = TINY[name]
-            cfg[name] = value(cfg) if callable(value) else value
+    for name, field in fields.items():
+        if name in TINY and (name not in BEHAVIOUR or _required(field)):
+            cfg[name] = TINY[name]
     return cfg
 
 
@@ -295,7 +320,19 @@ def tiny_config(model_type: str) -> dict[str, Any]:
     cfg = _tiny_for(fields, model_type)
     override = dict(OVERRIDES.get(model_type, {}))
     if "text_config" in fields:
-        text = {k: (v({}) if callable(v) else v) for k, v in TINY.items()}
+        # The text model's args class is not known by name: a behaviour field is filled where
+        # any args dataclass of the module, or of a model module it imports, requires it.
+        spaces = [vars(module)]
+        spaces += [vars(m) for m in vars(module).values() if inspect.ismodule(m)]
+        required = {
+            f.name
+            for space in spaces
+            for obj in space.values()
+            if isinstance(obj, type) and dataclasses.is_dataclass(obj)
+            for f in dataclasses.fields(obj)
+            if _required(f)
+        }
+        text = {k: v for k, v in TINY.items() if k not in BEHAVIOUR or k in required}
         cfg["text_config"] = {**text, "model_type": model_type, **override.pop("text_config", {})}
     return {**cfg, **override}
 
