@@ -297,3 +297,23 @@ def test_inspect_needs_no_extension_and_verify_says_it_does(tmp_path: Path) -> N
         assert r.returncode == rc, r.stderr
         assert "Traceback" not in r.stderr
     assert r.stderr.startswith("strata-stream: error: strata_stream._core is not built")
+
+
+def test_demo_keep_leaves_a_model_generate_runs_offline(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`demo --keep DIR` keeps its checkpoint (and converts its pack into the cache): a local
+    model a new user can run every command on without a download."""
+    pytest.importorskip("mlx_lm")
+    monkeypatch.setenv("STRATA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    keep = tmp_path / "models"
+    assert main(["demo", "--keep", str(keep), "--tokens", "2", "--experts", "cpu"]) == 0
+    kept = keep / "qwen3_moe"
+    assert f"kept {kept}" in capsys.readouterr().out
+    assert (kept / "config.json").is_file()
+    assert main(["generate", str(kept), "--prompt", "w0 w7", "--max-tokens", "2"]) == 0
+    got = capsys.readouterr()
+    assert "decode" in got.out and "converting" not in got.err  # the pack the demo made
+    assert main(["demo", "--keep", str(keep), "--tokens", "2"]) == 2  # nothing is replaced
+    _one_line_error(capsys, f"{kept} exists already")

@@ -6,11 +6,17 @@ streaming through an arena a fraction of their size, and prints both side by sid
 engine's figures. Runs in well under a minute on two cores. Both expert paths (MLX's kernels
 over the arena, and the CPU backend reproducing MLX's arithmetic) are bitwise identical to plain
 mlx-lm: the demo exits 1 if either generates a different token.
+
+`--keep DIR` keeps the checkpoint (DIR/FAMILY, a model directory like any other) and converts
+its pack into the cache, where `generate`, `serve` and `load` find it: a local model to try the
+commands on offline.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import shlex
 import tempfile
 import time
 from collections.abc import Sequence
@@ -32,6 +38,8 @@ def _generate(model: Any, tokenizer: Any, prompt: str, n: int) -> tuple[str, lis
 def main(argv: Sequence[str] | None = None) -> int:
     from strata_stream.config import StreamConfig
     from strata_stream.convert import convert
+    from strata_stream.convert.pack_cache import ensure_pack
+    from strata_stream.errors import ConfigError
     from strata_stream.mlx_lm.loader import load
     from strata_stream.mlx_lm.random_model import CONFIGS, VOCAB, make_checkpoint
 
@@ -41,6 +49,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--arena-share", type=float, default=0.25,
                    help="arena size as a share of all experts (0.25)")  # fmt: skip
     p.add_argument("--experts", choices=("both", "cpu", "mlx"), default="both")
+    p.add_argument("--keep", metavar="DIR", default=None,
+                   help="keep the checkpoint in DIR/FAMILY (its pack in the cache) to use "
+                   "offline")  # fmt: skip
     args = p.parse_args(argv)
     dims: dict[str, Any] = {"hidden_size": 128, "num_hidden_layers": 4}
     for key in ("num_experts", "num_local_experts", "n_routed_experts"):
@@ -50,10 +61,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         if key in CONFIGS[args.family]:
             dims[key] = 128
     prompt = " ".join(VOCAB[i * 7 % len(VOCAB)] for i in range(12))
-    with tempfile.TemporaryDirectory(prefix="strata-demo-") as tmp:
+    with contextlib.ExitStack() as scope:
+        if args.keep is None:
+            tmp = Path(scope.enter_context(tempfile.TemporaryDirectory(prefix="strata-demo-")))
+        else:
+            tmp = Path(args.keep).expanduser()
+            if (tmp / args.family).exists():
+                raise ConfigError(f"--keep {args.keep}: {tmp / args.family} exists already; "
+                                  "name another directory (nothing is replaced)")  # fmt: skip
+            tmp.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        model_dir = make_checkpoint(args.family, Path(tmp) / args.family, dims=dims)
-        pack = convert(model_dir, Path(tmp) / "experts.strpk", progress=False)
+        model_dir = make_checkpoint(args.family, tmp / args.family, dims=dims)
+        if args.keep is None:
+            pack = convert(model_dir, tmp / "experts.strpk", progress=False)
+        else:  # where generate, serve and load look for it
+            pack = ensure_pack(model_dir.resolve(), progress=False)
         print(f"random {args.family} checkpoint and its pack ready in "
               f"{time.perf_counter() - t0:.1f} s")  # fmt: skip
 
@@ -98,6 +120,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"read, stall {stats['stall_seconds'] * 1e3:.0f} ms, prediction recall "
                 f"{'n/a' if recall is None else f'{recall:.1%}'}"
             )
+    if args.keep is not None:
+        kept = shlex.quote(str(model_dir))
+        print(f"kept {model_dir} (its pack: {pack}); try: strata-stream generate {kept} "
+              f"--prompt {shlex.quote(prompt)}")  # fmt: skip
     if status:
         print("FAILED: the streamed model must generate exactly mlx-lm's tokens")
     return status
