@@ -66,3 +66,49 @@ def test_streams_bitwise_plain_mlx_lm(model_type: str) -> None:
     assert not failures, f"{model_type}: " + "; ".join(failures)
     if not row.exact:
         pytest.skip(f"{model_type}: " + "; ".join(row.skips))
+
+
+# The matrix's own logic, on made-up results (no model is built).
+
+
+def test_compare_names_the_largest_difference_and_the_first_other_token() -> None:
+    import numpy as np
+
+    logits = np.zeros((3, 4), np.float32)
+    other = logits.copy()
+    other[1, 2] = 0.5
+    assert matrix._compare((logits, [1, 2, 3]), (logits.copy(), [1, 2, 3])) == "exact"
+    assert matrix._compare((logits, [1, 2, 3]), (other, [1, 2, 3])) == (
+        "mismatch (max |diff| 0.5, tokens equal)"
+    )
+    assert matrix._compare((logits, [1, 2, 3]), (logits, [1, 5, 3])) == (
+        "mismatch (max |diff| 0, first differing token 1)"
+    )
+    nan = np.full((3, 4), np.nan, np.float32)
+    assert matrix._compare((nan, [1]), (nan.copy(), [1])) == "exact"
+
+
+def test_a_row_counts_only_when_every_cell_is_exact() -> None:
+    exact = {v: dict.fromkeys(matrix.PATHS, "exact") for v in matrix.VARIANTS}
+    one_off = {v: dict(c) for v, c in exact.items()}
+    one_off["f32"]["cpu"] = "mismatch (max |diff| 1e-06, tokens equal)"
+    skipped = {v: dict.fromkeys(matrix.PATHS, "skip: plain mlx-lm fails") for v in exact}
+    rows = [matrix.Row("a", exact), matrix.Row("b", one_off), matrix.Row("c", skipped)]
+    assert [r.exact for r in rows] == [True, False, False]
+    assert rows[1].failures == ["f32/cpu: mismatch (max |diff| 1e-06, tokens equal)"]
+    assert rows[1].summary == "f32/cpu: mismatch (max |diff| 1e-06, tokens equal)"
+    assert rows[2].failures == [] and len(rows[2].skips) == 4
+    assert matrix.closing_line(rows, "9.9.9") == (
+        "mlx-lm 9.9.9: 1 of 3 MoE model types stream exactly"
+    )
+
+
+def test_write_docs_replaces_only_its_region(tmp_path: Path) -> None:
+    doc = tmp_path / "models.md"
+    other = "<!-- matrix:transformers -->\nkept\n<!-- /matrix:transformers -->\n"
+    doc.write_text(f"# T\n\n{matrix.BEGIN}\nold\n{matrix.END}\n\n{other}")
+    matrix.write_docs(doc, "new table")
+    assert doc.read_text() == f"# T\n\n{matrix.BEGIN}\nnew table\n{matrix.END}\n\n{other}"
+    doc.write_text("# no markers\n")
+    with pytest.raises(SystemExit, match="needs one"):
+        matrix.write_docs(doc, "x")

@@ -423,7 +423,8 @@ def make_checkpoint(model_type: str, path: Path, variant: str, seed: int = 0) ->
 
     config = tiny_config(model_type)
     model = build(config)
-    size = sum(v.size for _, v in tree_flatten(model.parameters()))
+    flat: Any = tree_flatten(model.parameters())
+    size = sum(v.size for _, v in flat)
     if size > MAX_PARAMETERS:
         raise ValueError(
             f"the tiny config builds {size} parameters: a size field of its ModelArgs is "
@@ -497,7 +498,8 @@ def run_type_here(model_type: str, root: Path) -> dict[str, Any]:
             cells[variant] = dict.fromkeys(PATHS, reason)
             continue
         try:
-            ref_model, _ = mlx_lm.load(str(path))
+            loaded: Any = mlx_lm.load(str(path))
+            ref_model = loaded[0]
             ref = _run(ref_model)
             del ref_model
         except Exception as e:
