@@ -265,8 +265,8 @@ def _generate(args: argparse.Namespace) -> int:
     try:
         from strata_stream.mlx_lm.generate_cli import generate
     except ImportError as e:
-        print(f"strata-stream: error: generate needs mlx and mlx-lm ({e}); "
-              "pip install 'strata-stream[mlx]'", file=sys.stderr)  # fmt: skip
+        print(f"strata-stream: error: generate needs mlx and mlx-lm ({e}): "
+              f"{_install('mlx')}", file=sys.stderr)  # fmt: skip
         return 2
     if args.pipeline or args.tensor:
         if args.pack is not None:
@@ -299,22 +299,25 @@ def _generate_transformers(args: argparse.Namespace) -> int:
     try:
         from strata_stream.transformers.generate_cli import generate
     except ImportError as e:
-        print(f"strata-stream: error: --engine transformers needs torch and transformers ({e}); "
-              "pip install 'strata-stream[transformers]'", file=sys.stderr)  # fmt: skip
+        print(f"strata-stream: error: --engine transformers needs torch and transformers ({e}): "
+              f"{_install('transformers')}", file=sys.stderr)  # fmt: skip
         return 2
     generate(args.model, args.prompt, max_tokens=args.max_tokens or 100,
              arena_gb=args.arena_gb, pack_path=args.pack, device=args.device)  # fmt: skip
     return 0
 
 
-# What `serve` imports beyond the base install: the `serve` extra (mlx-lm), or the `serve`
-# server with the `transformers` extra.
+def _install(extra: str) -> str:
+    """How to install an extra: from a clone, since the package is not on PyPI."""
+    return f'pip install ".[{extra}]" in a clone of strata-stream (it is not on PyPI yet)'
+
+
+# What `serve` imports beyond the base install, and the extra (one per engine) that has it.
 _SERVE_MODULES = {
     "mlx-lm": ("fastapi", "uvicorn", "prometheus_client", "mlx", "mlx_lm", "transformers"),
     "transformers": ("fastapi", "uvicorn", "prometheus_client", "torch", "transformers"),
 }
-_SERVE_EXTRAS = {"mlx-lm": "strata-stream[serve]",
-                 "transformers": "strata-stream[serve,transformers]"}  # fmt: skip
+_SERVE_EXTRAS = {"mlx-lm": "mlx", "transformers": "transformers"}
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -324,7 +327,7 @@ def _serve(args: argparse.Namespace) -> int:
     missing = [m for m in _SERVE_MODULES[engine] if importlib.util.find_spec(m) is None]
     if missing:
         print(f"strata-stream: error: serve needs {', '.join(missing)} (engine {engine}): "
-              f'pip install "{_SERVE_EXTRAS[engine]}"', file=sys.stderr)  # fmt: skip
+              f"{_install(_SERVE_EXTRAS[engine])}", file=sys.stderr)  # fmt: skip
         return 2
     _check_arena_gb(args.arena_gb)
     _check_device(args, engine)
