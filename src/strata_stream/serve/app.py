@@ -354,14 +354,14 @@ class _Routes:
 
     def _check_lengths(self, body: dict[str, Any]) -> None:
         """Refuses, from the raw JSON, a token-id prompt of the context's length or more and a
-        text with more characters than the context can hold (serve/tokenizing.py)."""
+        text that cannot fit the context, without tokenizing it whole (`_check_text`)."""
         prompt = body.get("prompt")
         prompts: list[Any] = [prompt]
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             prompts = prompt  # several prompts
         for p in prompts:
             if isinstance(p, str):
-                self._check_chars(len(p), "prompt")
+                self._check_text([p], "prompt")
             elif isinstance(p, list) and self._context is not None and len(p) >= self._context:
                 raise context_exceeded(
                     f"This model's maximum context length is {self._context} tokens. However, "
@@ -370,22 +370,37 @@ class _Routes:
                 )
         messages = body.get("messages")
         if isinstance(messages, list):
-            chars = 0
+            texts: list[str] = []
             for m in messages:
                 content = m.get("content") if isinstance(m, dict) else None
-                parts = content if isinstance(content, list) else [content]
-                for part in parts:
+                for part in content if isinstance(content, list) else [content]:
                     text = part.get("text") if isinstance(part, dict) else part
-                    chars += len(text) if isinstance(text, str) else 0
-            self._check_chars(chars, "messages")
+                    if isinstance(text, str):
+                        texts.append(text)
+            self._check_text(texts, "messages")
 
-    def _check_chars(self, chars: int, param: str) -> None:
-        bound = self._max_chars
-        if bound is not None and chars > bound:
+    def _check_text(self, texts: list[str], param: str) -> None:
+        """Texts of more characters than the context's tokens can spell (serve/tokenizing.py)
+        are refused after tokenizing no more than that many of their first characters: those
+        alone reach the context (a tokenizer that folds unknown text into one token could
+        spell more per token; then the whole is tokenized as usual, off the batch)."""
+        bound, ctx = self._max_chars, self._context
+        chars = sum(len(t) for t in texts)
+        if bound is None or ctx is None or chars <= bound:
+            return
+        parts, left = [], bound
+        for t in texts:
+            parts.append(t[:left])
+            left -= len(parts[-1])
+            if not left:
+                break
+        with self._tokenizers.borrow() as tokenizer:
+            n = len(tokenizer.encode("".join(parts)))
+        if n >= ctx:
             raise context_exceeded(
-                f"This model's maximum context length is {self._context} tokens. However, "
-                f"your {param} has {chars} characters, more than {bound} (the most that "
-                f"{self._context} tokens can spell). Please reduce the length of the {param}.",
+                f"This model's maximum context length is {ctx} tokens. However, your {param} "
+                f"has {chars} characters, and its first {bound} alone are {n} tokens. Please "
+                f"reduce the length of the {param}.",
                 param=param,
             )
 

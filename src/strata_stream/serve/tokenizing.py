@@ -7,11 +7,13 @@ it every running stream, for as long as it takes. The handlers use copies of the
 (`TokenizerPool`, a few borrowed in turn), so tokenizing a prompt never waits for the batch and
 the batch never waits for it (the tokenizers' Rust core releases the GIL while it encodes).
 
-A prompt is refused before it is tokenized when it has more characters than any prompt of the
-context's length can: no token of the vocabulary stands for more than its longest token's
-characters, so a text of more than context x longest-token characters needs more tokens than
-the context holds (`max_prompt_chars`; doubled, for normalizers that fold several characters
-into one, as Unicode composition does).
+A prompt is refused without being tokenized whole when it has more characters than the
+context's tokens can spell (`max_prompt_chars`: context x the vocabulary's longest token in
+characters, doubled for normalizers that fold several characters into one, as Unicode
+composition does): the routes tokenize only that many of its first characters, and refuse it
+when those alone reach the context. For byte-level and byte-fallback tokenizers (the served
+models') they always do; a tokenizer that folds unknown text into one <unk> token can spell
+more per token, and then the prompt is tokenized whole as usual, off the batch.
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ def longest_token_chars(tokenizer: Any) -> int | None:
 
 
 def max_prompt_chars(context: int | None, tokenizer: Any) -> int | None:
-    """Characters beyond which a prompt cannot fit `context` tokens (None: no bound known)."""
+    """Characters beyond which a prompt cannot fit `context` tokens unless its tokenizer
+    folds unknown text into <unk> tokens (None: no bound known)."""
     if context is None:
         return None
     longest = longest_token_chars(tokenizer)
