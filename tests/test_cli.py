@@ -155,7 +155,7 @@ def test_serve_without_its_extra_names_the_install(
 
     monkeypatch.setattr(importlib.util, "find_spec", without_fastapi)
     assert main(["serve", str(tmp_path)]) == 2
-    _one_line_error(capsys, "serve needs fastapi", 'pip install "strata-stream[serve]"')
+    _one_line_error(capsys, "serve needs fastapi", 'pip install ".[mlx]" in a clone')
     monkeypatch.undo()
     pytest.importorskip("fastapi")
     for argv, needle in (

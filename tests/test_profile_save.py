@@ -35,7 +35,7 @@ def test_two_windows_closed_at_once_both_save_the_profile(
         if threading.current_thread() is not threading.main_thread():
             both_written.wait()
 
-    monkeypatch.setattr(window_mod.np, "save", save)
+    monkeypatch.setattr("strata_stream.window.np.save", save)
     x = np.random.default_rng(0).standard_normal((2, 64)).astype(np.float32)
     with ExpertStream(path, cfg) as stream:
         windows = [Window(stream), Window(stream)]
