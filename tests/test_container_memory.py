@@ -185,3 +185,49 @@ def test_this_machine_reads_without_error() -> None:
     assert (cap is None) == (left is None)
     assert left is None or cap is None or 0 <= left <= cap
     assert arena_budget.available_memory() > 0
+
+
+def test_a_real_v1_memory_cgroup_refuses_an_explicit_arena_beyond_it(tmp_path: Path) -> None:
+    """The real files: a child memory cgroup (v1, as root) with a 512 MiB limit; a process in it
+    asking for a 4 GiB arena gets the ConfigError, before anything is mapped."""
+    import os
+    import subprocess
+    import sys
+    import uuid
+
+    v1 = container_memory.VERSIONS[1]
+    own = Path(container_memory.CGROUP_ROOT, v1.mount, container_memory._cgroup_path(v1).strip("/"))
+    if os.geteuid() != 0 or not (own / v1.limit).exists():
+        pytest.skip("needs root and the cgroup v1 memory controller")
+    child = own / f"strata-test-{uuid.uuid4().hex[:12]}"
+    try:
+        child.mkdir()
+        (child / v1.limit).write_text(f"{512 << 20}\n")
+    except OSError as e:
+        if child.exists():
+            child.rmdir()
+        pytest.skip(f"cannot make a memory cgroup here: {e}")
+    script = f"""
+import os, sys
+with open({str(child / "cgroup.procs")!r}, "w") as f:
+    f.write(str(os.getpid()))
+from strata_stream import arena_budget
+from strata_stream.errors import ConfigError
+class G:
+    top_k, n_records = 2, 1000
+class P:
+    geometry, record_stride = G(), 16 << 20
+try:
+    arena_budget.arena_size(P(), 4 << 30)
+except ConfigError as e:
+    print(e)
+    sys.exit(0)
+sys.exit(1)
+"""
+    try:
+        got = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                             timeout=120)  # fmt: skip
+    finally:
+        child.rmdir()  # empty again: its one process has exited
+    assert got.returncode == 0, got.stdout + got.stderr
+    assert f"({4 << 30} bytes) does not fit" in got.stdout and "of its 512 MiB limit" in got.stdout
