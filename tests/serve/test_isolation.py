@@ -1,8 +1,8 @@
 """One client never harms another: a bad request is refused naming its field before anything
 runs; a failure inside one sequence's sampling ends that sequence alone and leaves nothing
 shared broken; a request takes one queue place whatever its prompt count; a waiting client
-that hangs up frees its place; an over-long prompt is refused before it is tokenized and
-tokenizing never holds up the batch; /health says whether a generation can succeed now."""
+that hangs up frees its place; an over-long prompt is refused without being tokenized whole,
+and tokenizing never holds up the batch; /health says whether a generation can succeed now."""
 
 from __future__ import annotations
 

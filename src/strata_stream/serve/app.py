@@ -51,6 +51,8 @@ log = logging.getLogger("strata_stream.serve")
 MAX_BODY_BYTES = 16 * 2**20
 # Copies of the tokenizer the request handlers encode and decode with (serve/tokenizing.py).
 HANDLER_TOKENIZERS = 2
+# /health waits this long for its read of the pack (serve/health.py) before it says "degraded".
+PROBE_TIMEOUT_S = 5.0
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -238,7 +240,7 @@ class _Routes:
         A client's mistake (4xx) is refused before it runs and never counts."""
         alive = self._worker.alive
         errors = self._worker.errors
-        pack_error = None if self._probe is None else await run_in_threadpool(self._probe.probe)
+        pack_error = None if self._probe is None else await _probe(self._probe)
         ok = alive and pack_error is None and not errors.failing
         body = {
             "status": "ok" if ok else "degraded" if alive else "unavailable",
@@ -547,6 +549,15 @@ class _Output:
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     end: Finished = field(default_factory=lambda: Finished("error", 0, 0, "no end"))
+
+
+async def _probe(probe: PackProbe) -> str | None:
+    """The probe's answer, or that the pack did not answer in time (a hung file system: the
+    read is left to finish on its thread)."""
+    try:
+        return await asyncio.wait_for(run_in_threadpool(probe.probe), PROBE_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        return f"the pack {probe.path} did not answer a read within {PROBE_TIMEOUT_S} s"
 
 
 async def _read_body(request: Request) -> bytes:
