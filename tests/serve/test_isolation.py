@@ -90,6 +90,9 @@ def bad_bodies(vocab: int) -> list[tuple[str, bytes, str | None]]:
          f'"hello \\ud800 world"}}]}}'.encode(), "messages.0.content"),
         ("/v1/completions",
          f'{{"model": "{MODEL_ID}", "prompt": "hello \\udfff"}}'.encode(), "prompt"),
+        ("/v1/completions",  # a surrogate's bytes, not escaped (json.loads lets them through)
+         f'{{"model": "{MODEL_ID}", "prompt": "hello '.encode() + b"\xed\xa0\x80" + b'"}',
+         "prompt"),
         ("/v1/completions",
          f'{{"model": "{MODEL_ID}", "prompt": "hello", "stop": ["x", "\\ud83d"]}}'.encode(),
          "stop.1"),

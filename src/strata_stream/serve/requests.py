@@ -191,7 +191,8 @@ def parse_body(cls: type[R], raw: bytes) -> R:
 
 def load_body(raw: bytes) -> dict[str, Any]:
     """The body's JSON object. Nesting too deep to parse, and strings that are not Unicode
-    text (a lone surrogate escape such as "\\ud800": no tokenizer can encode it), are 400s."""
+    text (a lone surrogate, escaped as "\\ud800" or in raw bytes: no tokenizer can encode
+    it), are 400s."""
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -200,8 +201,9 @@ def load_body(raw: bytes) -> dict[str, Any]:
         raise bad_request("The request body is nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object", code="invalid_json")
-    # Only escapes can make a surrogate (raw UTF-8 cannot encode one): look where one may be.
-    if b"\\u" in raw and (at := _surrogate_at(body)) is not None:
+    # A surrogate comes from an escape, or from its UTF-8-like bytes (0xED 0xA0..0xBF), which
+    # json.loads lets through: look only where one may be.
+    if (b"\\u" in raw or b"\xed" in raw) and (at := _surrogate_at(body)) is not None:
         raise bad_request(
             f"Invalid value for '{at}': the string holds a lone UTF-16 surrogate, not text",
             param=at, code="invalid_value",
