@@ -94,12 +94,12 @@ def test_a_corrupted_predictor_costs_io_never_output(
     corrupt = fam.load(2 * k)
     closing.append(corrupt)
     got_logits, got_tokens = logits(corrupt), generate(corrupt, do_sample=False)
+    assert np.array_equal(got_logits, want_logits)
+    assert got_tokens == want_tokens
     stats = corrupt.strata_engine.window.stats()["total"]
     assert stats["pred_predicted"] > 0  # the corrupted predictions were used
     # and were wrong: they hit the experts the model then chose less often than the real ones
     assert stats["pred_correct"] < clean_stats["pred_correct"]
-    assert np.array_equal(got_logits, want_logits)
-    assert got_tokens == want_tokens
 
 
 def test_without_a_router_the_profile_predicts_and_stats_say_so(

@@ -67,18 +67,20 @@ TINY: dict[str, Any] = {
     "sliding_window": 8,
     "index_head_dim": 32,
     "index_n_heads": 2,
-    "index_topk": 8,
+    "index_topk": 16,
     # linear attention / state-space layers
     "linear_num_value_heads": 2,
     "linear_num_key_heads": 1,
     "linear_key_head_dim": 16,
     "linear_value_head_dim": 16,
     "mamba_n_heads": 2,
-    "mamba_d_head": 16,
-    "mamba_head_dim": 16,
+    "mamba_d_head": 64,  # heads x head width = the Mamba mixer's 2 x hidden_size
+    "mamba_head_dim": 64,
     "mamba_d_state": 8,
     "ssm_state_size": 8,
     "n_groups": 1,
+    "attn_layer_period": 2,  # Jamba-style period/offset layouts: attention in a 3-layer model
+    "attn_layer_offset": 1,
     "mamba_n_groups": 1,
     # experts and routing
     "num_experts": EXPERTS,
@@ -103,6 +105,8 @@ TINY: dict[str, Any] = {
     "eos_token_id": 1,
     "pad_token_id": 0,
 }
+# Set where the tiny config fails to build without them (a field with no default).
+FALLBACK: dict[str, Any] = {"layer_types": ["full_attention"] * LAYERS}
 # The float32 tolerance of tests/test_transformers_families.py: the same equations, accumulated
 # in another order.
 TOLERANCE = 1e-5
@@ -157,6 +161,9 @@ def _tiny(config_class: Any, extra: dict[str, Any] | None = None) -> dict[str, A
     defaults cut to LAYERS."""
     defaults = config_class().to_dict()
     kwargs = {k: v for k, v in TINY.items() if k in defaults}
+    for k, v in kwargs.items():  # a per-layer (or per-modality) list of a scalar field: all v
+        if isinstance(defaults[k], list) and not isinstance(v, list) and defaults[k]:
+            kwargs[k] = [v] * len(defaults[k])
     if "qk_rope_head_dim" in defaults:  # latent attention derives head_dim from its split
         kwargs.pop("head_dim", None)
     n = defaults.get("num_hidden_layers")
@@ -166,16 +173,17 @@ def _tiny(config_class: Any, extra: dict[str, Any] | None = None) -> dict[str, A
     return {**kwargs, **(extra or {})}
 
 
-def tiny_config(model_type: str) -> Any:
-    """The tiny config of `model_type`, built by its own config class."""
+def tiny_config(model_type: str, extra: dict[str, Any] | None = None) -> Any:
+    """The tiny config of `model_type`, built by its own config class (`extra`: entries set
+    whatever the defaults hold)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     config_class = CONFIG_MAPPING[model_type]
-    kwargs = _tiny(config_class)
+    kwargs = _tiny(config_class, extra)
     sub = getattr(config_class, "sub_configs", {}) or {}
     for name, sub_class in sub.items():  # text_config, vision_config, ...: tiny alike
         try:
-            kwargs[name] = _tiny(sub_class)
+            kwargs[name] = _tiny(sub_class, extra if name == "text_config" else None)
         except Exception:  # noqa: BLE001, S112 - a sub-config that needs arguments keeps its own
             continue
     return config_class(**kwargs)
@@ -227,7 +235,13 @@ def build_tiny(model_type: str, path: Path) -> tuple[Any, bool]:
     from strata_stream.transformers.families import find_blocks
     from strata_stream.transformers.loader import causal_lm_class, config_for
 
-    config = tiny_config(model_type)
+    try:
+        config = tiny_config(model_type)
+        cls = causal_lm_class(config)
+        with torch.device("meta"):  # does it build? (structure only)
+            cls._from_config(config_for(cls, config))
+    except Exception:  # noqa: BLE001 - once more with the entries no default provides
+        config = tiny_config(model_type, FALLBACK)
     try:
         cls = causal_lm_class(config)
     except ConfigError:
@@ -359,12 +373,18 @@ def run_type(model_type: str, timeout: float) -> Row:
 
 
 def closing_line(rows: list[Row]) -> str:
+    """`transformers X.Y.Z: N of M MoE model types stream exactly` (M: every row, skipped ones
+    included, as the mlx-lm matrix counts), then how many of those that build and run tiny in
+    plain transformers as causal LMs stream exactly."""
     import transformers
 
-    counted = [r for r in rows if not r.result.startswith("skip")]
+    ran = [r for r in rows if not r.result.startswith("skip")]
     exact = sum(r.exact for r in rows)
-    return (f"transformers {transformers.__version__}: {exact} of {len(counted)} MoE model "
-            "types stream exactly")  # fmt: skip
+    return (
+        f"transformers {transformers.__version__}: {exact} of {len(rows)} MoE model types stream "
+        f"exactly ({exact} of the {len(ran)} that build and run tiny as causal LMs in plain "
+        "transformers)"
+    )
 
 
 def table(rows: list[Row]) -> str:
@@ -375,8 +395,7 @@ def table(rows: list[Row]) -> str:
         "tests.coverage.transformers_matrix --write-docs docs/models.md`: every model type whose "
         "model uses transformers' experts interface, a tiny random float32 checkpoint streamed at "
         "an arena of 2 x top-k + 1 expert records against plain transformers (teacher-forced "
-        f"logits within {TOLERANCE:g} of max|logit|, {NEW_TOKENS} greedy tokens). M counts the "
-        "types that build and run in plain transformers; `skip` rows are not counted.",
+        f"logits within {TOLERANCE:g} of max|logit|, {NEW_TOKENS} greedy tokens).",
         "",
         "| model type | result | next-layer prediction |",
         "|---|---|---|",
@@ -398,6 +417,15 @@ def write_docs(path: Path, rows: list[Row]) -> None:
     path.write_text(f"{head}{begin}\n{table(rows)}\n{end}{tail}")
 
 
+def _is_moe_row(row: Row) -> bool:
+    """Rows of MoE model types: not the candidates whose built model holds no experts module,
+    nor the sub-configs (a vision or audio encoder's) that have no model class of their own."""
+    return not row.result.startswith(
+        ("skip: the built causal LM holds no experts-interface module",
+         "skip: not a causal LM (no causal LM or model class for")
+    )  # fmt: skip
+
+
 def shard_of(items: list[str], shard: str) -> list[str]:
     i, n = (int(v) for v in shard.split("/"))
     if not 0 <= i < n:
@@ -417,13 +445,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write-docs", type=Path, help="regenerate the matrix region of this file")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per model type")
     parser.add_argument("--jobs", type=int, default=1, help="model types run at once")
+    parser.add_argument("--rows", type=Path, help="render the rows of an earlier --json run")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
+        import resource
+
+        # A tiny model needs little memory; a config that stays huge must not take the machine.
+        limit = int(float(os.environ.get("STRATA_MATRIX_MEMORY_GB", "8")) * (1 << 30))
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
         row = run_type_here(args.child, args.workdir or Path(tempfile.mkdtemp()))
         if args.json:
             args.json.write_text(json.dumps(asdict(row)))
+        return 0
+    if args.rows:
+        rows = [Row(**r) for r in json.loads(args.rows.read_text())]
+        for r in rows:
+            print(f"{r.model_type}: {r.result} ({r.seconds:.0f} s)")
+        print(closing_line([r for r in rows if _is_moe_row(r)]))
+        if args.write_docs:
+            write_docs(args.write_docs, [r for r in rows if _is_moe_row(r)])
         return 0
     types = args.types.split(",") if args.types else candidates()
     if args.shard:
@@ -442,8 +484,7 @@ def main(argv: list[str] | None = None) -> int:
             r = run_type(t, args.timeout)
             print(f"{r.model_type}: {r.result} ({r.seconds:.0f} s)", flush=True)
             rows.append(r)
-    rows = [r for r in rows if r.result != "skip: the built causal LM holds no experts-interface "
-            "module"]  # fmt: skip
+    rows = [r for r in rows if _is_moe_row(r)]
     print(f"({len(types)} candidate types in {time.monotonic() - start:.0f} s)")
     print(closing_line(rows))
     if args.json:
