@@ -64,6 +64,7 @@ def bad_sampling(vocab: int) -> list[tuple[dict[str, Any], str]]:
         ({"presence_penalty": 3}, "presence_penalty"),
         ({"frequency_penalty": -3}, "frequency_penalty"),
         ({"max_tokens": 2**70}, "max_tokens"),
+        ({"stop": ["x", "a" * 5000]}, "stop"),  # each token is matched against it
     ]
 
 

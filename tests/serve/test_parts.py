@@ -32,6 +32,29 @@ def test_stop_string_split_across_segments_is_never_sent() -> None:
     assert all("E" not in s for s in sent)  # the held-back prefix never left the server
 
 
+def test_streamed_text_is_what_a_whole_text_search_gives() -> None:
+    """Streamed in random segments, the text sent is what plain str.find gives (an independent
+    definition): after the first segment that completes a stop string, the text before the
+    earliest stop string it holds; the whole text when none completes."""
+    import itertools
+    import random
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 5)))
+                 for _ in range(rng.randint(1, 3))]  # fmt: skip
+        whole = "".join(rng.choice("abc") for _ in range(rng.randint(0, 30)))
+        cuts = sorted(rng.sample(range(len(whole) + 1), min(len(whole) + 1, rng.randint(1, 6))))
+        segments = [whole[a:b] for a, b in zip([0, *cuts], [*cuts, len(whole)], strict=True)]
+        want = (whole, False)
+        for end in itertools.accumulate(len(seg) for seg in segments):
+            found = [i for i in (whole[:end].find(s) for s in stops) if i >= 0]
+            if found:
+                want = (whole[: min(found)], True)
+                break
+        assert run_stops(stops, segments)[:2] == want
+
+
 def test_false_stop_prefix_is_released() -> None:
     text, hit, sent = run_stops(["END"], ["abE", "Nx", "y"])
     assert (text, hit) == ("abENxy", False)

@@ -21,6 +21,9 @@ from strata_stream.serve.errors import APIError, bad_request
 # Upper bounds of counts no model reaches (a context of 2**31 tokens), so that no value a client
 # sends overflows the integers of a sampler or a cache.
 MAX_TOKENS = 2**31 - 1
+# Each generated token is matched against the stop sequences (serve/stop.py): their length
+# is what every token of the request costs the worker the batch shares.
+MAX_STOP_CHARS = 4096
 REPETITION_PENALTY_MIN = 0.01
 REPETITION_PENALTY_MAX = 100.0
 
@@ -77,6 +80,9 @@ class _Generation(BaseModel):
     def _few_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
         if isinstance(stop, list) and len(stop) > 4:
             raise ValueError("at most 4 stop sequences")
+        longest = max(map(len, [stop] if isinstance(stop, str) else stop or []), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise ValueError(f"a stop sequence is at most {MAX_STOP_CHARS} characters")
         return stop
 
     def stops(self) -> tuple[str, ...]:

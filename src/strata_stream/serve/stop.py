@@ -48,11 +48,16 @@ class StopMatcher:
         return self._text[: self._sent]
 
     def _held_back(self) -> int:
-        # The longest tail of the text that is a proper prefix of some stop string.
+        # The longest tail of the text that is a proper prefix of some stop string. Only the
+        # places where a stop string's first character occurs can start one, longest first:
+        # per token this costs the stop strings' length, not its square.
         best = 0
         for s in self._stops:
-            for n in range(min(len(s) - 1, len(self._text)), best, -1):
-                if self._text.endswith(s[:n]):
-                    best = n
+            tail = self._text[len(self._text) - min(len(s) - 1, len(self._text)) :]
+            i = tail.find(s[0])
+            while i >= 0 and len(tail) - i > best:
+                if s.startswith(tail[i:]):
+                    best = len(tail) - i
                     break
+                i = tail.find(s[0], i + 1)
         return best
