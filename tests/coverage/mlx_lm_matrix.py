@@ -241,8 +241,13 @@ OVERRIDES: dict[str, dict[str, Any]] = {
             "layer_types": ["chunked_attention"] * 3 + ["full_attention"],
         }
     },
-    # layers named by block kind: mamba, MoE, attention, MoE
-    "nemotron_h": {"layer_types": ["linear_attention", "moe", "full_attention", "moe"]},
+    # layers named by block kind: mamba, MoE, attention, MoE; its routing's optional fields
+    # default to None, which its MoE multiplies by
+    "nemotron_h": {
+        "layer_types": ["linear_attention", "moe", "full_attention", "moe"],
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+    },
     "granitemoehybrid": {"layer_types": ["mamba", "attention", "mamba"]},
     # moe_layer_freq: a stride in some families, a per-layer list in others
     "mimo_v2_flash": {"moe_layer_freq": [0, 1, 1]},
