@@ -30,8 +30,10 @@ from tests.coverage import mlx_lm_matrix as matrix  # noqa: E402
 # (qwen3_moe), top-k-then-softmax (mixtral), a DeepSeek-style grouped sigmoid gate with shared
 # experts and a dense first layer (deepseek_v3), expert biases and the clamped SwiGLU
 # (gpt_oss), a shared expert behind a gate in a linear-attention hybrid (qwen3_next),
-# SwitchMLP with a non-gated activation (phixtral), and a text model inside a multimodal
-# wrapper (qwen3_vl_moe).
+# SwitchMLP with a non-gated activation (phixtral), a text model inside a multimodal
+# wrapper (qwen3_vl_moe), experts in a module of their own with a GELU-gated SwitchGLU
+# (gemma4_text), and formats that differ by projection, from the model's own quant predicate
+# (granitemoe: 8-bit down projections).
 SAMPLE = (
     "qwen3_moe",
     "mixtral",
@@ -40,6 +42,8 @@ SAMPLE = (
     "qwen3_next",
     "phixtral",
     "qwen3_vl_moe",
+    "gemma4_text",
+    "granitemoe",
 )
 MODE = os.environ.get("STRATA_MATRIX", "sample")
 if MODE not in ("sample", "all"):
