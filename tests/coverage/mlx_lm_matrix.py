@@ -401,7 +401,9 @@ def discover(timeout: float = 600.0) -> list[Found]:
     building each tiny must not take the matrix down)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp, "found.json")
-        _child(["--discover", "--out", str(out)], timeout)
+        failure = _child(["--discover", "--out", str(out)], timeout)
+        if failure is not None:
+            raise RuntimeError(f"discovering the MoE model types failed: {failure}")
         return [Found(**d) for d in json.loads(out.read_text())]
 
 
@@ -713,7 +715,10 @@ def write_docs(path: Path, region: str) -> None:
 
 
 def shard_of(items: list[Found], shard: str) -> list[Found]:
-    i, n = (int(x) for x in shard.split("/"))
+    try:
+        i, n = (int(x) for x in shard.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard takes i/n (two integers), got {shard!r}") from None
     if not 0 <= i < n:
         raise ValueError(f"--shard i/n needs 0 <= i < n, got {shard}")
     return items[i::n]
@@ -756,6 +761,8 @@ def main(argv: list[str] | None = None) -> int:
             found = shard_of(found, args.shard)
     except ValueError as e:
         parser.error(str(e))
+    except RuntimeError as e:
+        parser.exit(1, f"{parser.prog}: {e}\n")
     start = time.monotonic()
     rows = []
     for f in found:
