@@ -160,7 +160,8 @@ def gate_probe(inter: int) -> Any:
     import torch
 
     gen = torch.Generator(device="cpu").manual_seed(0)
-    probe = torch.rand(_PROBE_ROWS, 2 * inter, generator=gen, device="cpu")
+    # dtype and device explicit: from_pretrained builds the model under its own defaults
+    probe = torch.rand(_PROBE_ROWS, 2 * inter, generator=gen, device="cpu", dtype=torch.float32)
     return (probe * 2 - 1) * _PROBE_SPAN
 
 
