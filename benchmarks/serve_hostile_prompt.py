@@ -2,10 +2,12 @@
 
 Two clients stream (greedy, the tiny chat checkpoint as plain mlx-lm loads it: the stall is
 the server's, whatever runs the experts); once both decode, a third sends one oversized body: a
-10 MB text prompt (/v1/completions), the same as a chat message, or 3.5 M token ids. The server
-must refuse each (400, context_length_exceeded) without holding up the streams: it refuses a
-text by its length before tokenizing it, parses the body off the event loop, and tokenizes with
-tokenizers of its own, never the one the batch detokenizes with (serve/tokenizing.py).
+10 MB text prompt (/v1/completions), the same as a chat message, 3.5 M token ids, or 350,000
+one-word chat messages. The server must refuse each (400, context_length_exceeded) without
+holding up the streams: it refuses a text by its first characters' tokens without tokenizing
+it whole and too many messages by their count before validating them, parses the body off the
+event loop, and tokenizes with tokenizers of its own, never the one the batch detokenizes with
+(serve/tokenizing.py).
 Reported per body: the answer's status and time, and the streaming clients' longest
 inter-token gap while it was in flight, against their median gap.
 
@@ -107,6 +109,8 @@ def main() -> None:
         ("chat message", "/v1/chat/completions",
          {"model": MODEL_ID, "messages": [{"role": "user", "content": text}]}),
         ("token ids", "/v1/completions", {"model": MODEL_ID, "prompt": [5] * args.ids}),
+        ("one-word messages", "/v1/chat/completions",
+         {"model": MODEL_ID, "messages": [{"role": "user", "content": "a"}] * (args.ids // 10)}),
     ]  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="hostile_") as tmp:
         model, tok = mlx_lm.load(str(make_chat_checkpoint(Path(tmp) / "tiny")))

@@ -37,6 +37,8 @@ from strata_stream.serve.lockstep import RequestChannel
 from strata_stream.serve.mailbox import Mailbox
 from strata_stream.serve.metrics import ServerMetrics
 from strata_stream.serve.requests import (
+    MAX_PROMPTS,
+    MAX_STOPS,
     ChatCompletionRequest,
     CompletionRequest,
     load_body,
@@ -355,30 +357,56 @@ class _Routes:
         return req
 
     def _check_lengths(self, body: dict[str, Any]) -> None:
-        """Refuses, from the raw JSON, a token-id prompt of the context's length or more and a
-        text that cannot fit the context, without tokenizing it whole (`_check_text`)."""
+        """Refuses, from the raw JSON and before its fields are validated (validating a list
+        of a million items holds the interpreter, and with it every stream, for seconds): more
+        prompts or stop sequences than allowed, a token-id prompt of the context's length or
+        more, more messages and content parts than the context has tokens (each spells at
+        least one), and a text that cannot fit the context, without tokenizing it whole
+        (`_check_text`)."""
+        ctx = self._context
         prompt = body.get("prompt")
         prompts: list[Any] = [prompt]
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             prompts = prompt  # several prompts
+            if len(prompts) > MAX_PROMPTS:
+                raise bad_request(
+                    f"Invalid value for 'prompt': at most {MAX_PROMPTS} prompts per request",
+                    param="prompt", code="invalid_value",
+                )  # fmt: skip
         for p in prompts:
             if isinstance(p, str):
                 self._check_text([p], "prompt")
-            elif isinstance(p, list) and self._context is not None and len(p) >= self._context:
+            elif isinstance(p, list) and ctx is not None and len(p) >= ctx:
                 raise context_exceeded(
-                    f"This model's maximum context length is {self._context} tokens. However, "
-                    f"your prompt has {len(p)} tokens. Please reduce the length of the prompt.",
+                    f"This model's maximum context length is {ctx} tokens. However, your "
+                    f"prompt has {len(p)} tokens. Please reduce the length of the prompt.",
                     param="prompt",
                 )
+        stop = body.get("stop")
+        if isinstance(stop, list) and len(stop) > MAX_STOPS:
+            raise bad_request(
+                f"Invalid value for 'stop': at most {MAX_STOPS} stop sequences",
+                param="stop", code="invalid_value",
+            )  # fmt: skip
         messages = body.get("messages")
         if isinstance(messages, list):
             texts: list[str] = []
+            items = len(messages)
             for m in messages:
                 content = m.get("content") if isinstance(m, dict) else None
-                for part in content if isinstance(content, list) else [content]:
+                parts = content if isinstance(content, list) else [content]
+                items += len(parts) if isinstance(content, list) else 0
+                for part in parts:
                     text = part.get("text") if isinstance(part, dict) else part
                     if isinstance(text, str):
                         texts.append(text)
+            if ctx is not None and items > ctx:
+                raise context_exceeded(
+                    f"This model's maximum context length is {ctx} tokens. However, your "
+                    f"messages hold {items} messages and content parts, each at least one "
+                    "token. Please reduce the number of messages.",
+                    param="messages",
+                )
             self._check_text(texts, "messages")
 
     def _check_text(self, texts: list[str], param: str) -> None:

@@ -24,6 +24,8 @@ MAX_TOKENS = 2**31 - 1
 # Each generated token is matched against the stop sequences (serve/stop.py): their length
 # is what every token of the request costs the worker the batch shares.
 MAX_STOP_CHARS = 4096
+MAX_STOPS = 4
+MAX_PROMPTS = 64
 REPETITION_PENALTY_MIN = 0.01
 REPETITION_PENALTY_MAX = 100.0
 
@@ -78,8 +80,8 @@ class _Generation(BaseModel):
     @field_validator("stop")
     @classmethod
     def _few_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(stop, list) and len(stop) > 4:
-            raise ValueError("at most 4 stop sequences")
+        if isinstance(stop, list) and len(stop) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop sequences")
         longest = max(map(len, [stop] if isinstance(stop, str) else stop or []), default=0)
         if longest > MAX_STOP_CHARS:
             raise ValueError(f"a stop sequence is at most {MAX_STOP_CHARS} characters")
@@ -152,8 +154,9 @@ class CompletionRequest(_Generation):
             raise ValueError("the prompt list is empty")
         # A list of prompts (strings or token-id lists) holds at most 64; a list of ints is
         # one prompt's token ids, bounded by the context instead (app.py).
-        if isinstance(prompt, list) and not isinstance(prompt[0], int) and len(prompt) > 64:
-            raise ValueError("at most 64 prompts per request")
+        several = isinstance(prompt, list) and not isinstance(prompt[0], int)
+        if several and len(prompt) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
         return prompt
 
     def check(self) -> None:
