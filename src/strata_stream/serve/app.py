@@ -44,15 +44,13 @@ from strata_stream.serve.requests import (
     load_body,
     validate_body,
 )
-from strata_stream.serve.tokenizing import TokenizerPool, max_prompt_chars
+from strata_stream.serve.tokenizing import OwnTokenizer, max_prompt_chars
 from strata_stream.serve.worker import GenerationWorker, QueueFullError, WorkerStoppedError
 
 log = logging.getLogger("strata_stream.serve")
 
 # Request bodies beyond this are refused (413) before they are held in memory.
 MAX_BODY_BYTES = 16 * 2**20
-# Copies of the tokenizer the request handlers encode and decode with (serve/tokenizing.py).
-HANDLER_TOKENIZERS = 2
 # /health waits this long for its read of the pack (serve/health.py) before it says "degraded".
 PROBE_TIMEOUT_S = 5.0
 
@@ -224,11 +222,12 @@ class _Routes:
         self._probe = probe
         self._context = _context_length(model, config)
         self._vocab = _vocab_size(model)
-        # The handlers never touch the worker's tokenizer (serve/tokenizing.py): copies for
-        # the threads that encode and decode prompts, and one for the event loop alone (the
-        # text of each log-probability entry), which so never waits for a long encode.
-        self._tokenizers = TokenizerPool(tokenizer, HANDLER_TOKENIZERS)
-        self._loop_tokenizer = TokenizerPool(tokenizer, 1)
+        # The handler threads encode and decode prompts with a copy of their own, never the
+        # tokenizer the worker detokenizes with (serve/tokenizing.py); the event loop renders
+        # log-probability entries' tokens with the worker's, under its lock, never waiting for
+        # a long encode.
+        self._tokenizer = tokenizer
+        self._tokenizers = OwnTokenizer(tokenizer)
         self._max_chars = max_prompt_chars(self._context, tokenizer)
         self._created = int(time.time())
         self._mailbox: Mailbox[Event] | None = None  # the event loop's; set on it
@@ -439,8 +438,8 @@ class _Routes:
             return str(tokenizer.decode(ids))
 
     def _token_text(self, token: int) -> str:
-        with self._loop_tokenizer.borrow() as tokenizer:  # the event loop's own
-            return str(tokenizer.decode([token]))
+        with self._worker.tokenizer_lock:  # held by the worker for one token at a time
+            return str(self._tokenizer.decode([token]))
 
     def _encode(self, text: str) -> list[int]:
         with self._tokenizers.borrow() as tokenizer:

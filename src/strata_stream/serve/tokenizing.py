@@ -1,11 +1,13 @@
 """The request handlers' tokenizers, and the longest prompt that can fit the context.
 
 The worker detokenizes every sampled token with the served tokenizer (under its lock: fast
-tokenizers raise "Already borrowed" when two threads use one at once). If the handlers encoded
-prompts with that same tokenizer, one long prompt being tokenized would hold the lock, and with
-it every running stream, for as long as it takes. The handlers use copies of their own instead
-(`TokenizerPool`, a few borrowed in turn), so tokenizing a prompt never waits for the batch and
-the batch never waits for it (the tokenizers' Rust core releases the GIL while it encodes).
+tokenizers raise "Already borrowed" when two threads use one Rust tokenizer at once). If the
+handlers encoded prompts with that same tokenizer, one long prompt being tokenized would hold
+the lock, and with it every running stream, for as long as it takes. The handlers encode with
+a copy of their own instead (`own_copy`: the Python wrapper shared, the Rust tokenizer its own,
+which is what a borrow is of), under a lock of their own, so tokenizing a prompt never waits
+for the batch and the batch never waits for it (the Rust core releases the GIL while it
+encodes). One copy: copying a tokenizer of a 150,000-token vocabulary costs about a second.
 
 A prompt is refused without being tokenized whole when it has more characters than the
 context's tokens can spell (`max_prompt_chars`: context x the vocabulary's longest token in
@@ -20,31 +22,42 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 
-class TokenizerPool:
-    """`size` copies of a tokenizer, made now (before the worker uses the original), each
-    borrowed by one thread at a time."""
+def own_copy(tokenizer: Any) -> Any:
+    """`tokenizer` (a wrapper such as mlx-lm's TokenizerWrapper, a transformers tokenizer, or
+    a tokenizers.Tokenizer) with a Rust tokenizer of its own at the bottom; the Python layers
+    above it are shallow copies (their tables are only read). Anything else is deep-copied."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:  # pragma: no cover - transformers' fast tokenizers need it
+        return copy.deepcopy(tokenizer)
+    if isinstance(tokenizer, Tokenizer):
+        return Tokenizer.from_str(tokenizer.to_str())
+    inner = vars(tokenizer).get("_tokenizer") if hasattr(tokenizer, "__dict__") else None
+    if inner is None:
+        return copy.deepcopy(tokenizer)
+    twin = copy.copy(tokenizer)
+    vars(twin)["_tokenizer"] = own_copy(inner)  # past any __setattr__ the wrapper defines
+    return twin
 
-    def __init__(self, tokenizer: Any, size: int) -> None:
-        self._free = [copy.deepcopy(tokenizer) for _ in range(size)]
-        self._returned = threading.Condition()
+
+class OwnTokenizer:
+    """A copy of a tokenizer (made now, before the worker uses the original), used by one
+    thread at a time."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = own_copy(tokenizer)
+        self._lock = threading.Lock()
 
     @contextlib.contextmanager
     def borrow(self) -> Iterator[Any]:
-        with self._returned:
-            while not self._free:
-                self._returned.wait()
-            tokenizer = self._free.pop()
-        try:
-            yield tokenizer
-        finally:
-            with self._returned:
-                self._free.append(tokenizer)
-                self._returned.notify()
+        with self._lock:
+            yield self._tokenizer
 
 
 def longest_token_chars(tokenizer: Any) -> int | None:
@@ -57,8 +70,7 @@ def longest_token_chars(tokenizer: Any) -> int | None:
         added: dict[str, int] = getattr(inner, "get_added_vocab", dict)()
     except Exception:
         return None
-    lengths = [len(t) for t in (*vocab, *added) if isinstance(t, str)]
-    return max(lengths) if lengths else None
+    return max(map(len, itertools.chain(vocab, added)), default=None)
 
 
 def max_prompt_chars(context: int | None, tokenizer: Any) -> int | None:
@@ -72,4 +84,4 @@ def max_prompt_chars(context: int | None, tokenizer: Any) -> int | None:
     return 2 * context * max(longest, 1)
 
 
-__all__ = ["TokenizerPool", "longest_token_chars", "max_prompt_chars"]
+__all__ = ["OwnTokenizer", "longest_token_chars", "max_prompt_chars", "own_copy"]
