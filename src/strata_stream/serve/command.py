@@ -103,9 +103,7 @@ def _serve_distributed(
     from strata_stream.serve.follower import follow
     from strata_stream.serve.lockstep import RequestChannel
 
-    model, tokenizer, group = load_split(
-        model_path, mode, arena_bytes=arena_bytes, experts=experts
-    )
+    model, tokenizer, group = load_split(model_path, mode, arena_bytes=arena_bytes, experts=experts)
     channel = RequestChannel(group)
     if group.rank() != 0:
         served = follow(model, tokenizer, channel, max_batch=config.max_batch,
