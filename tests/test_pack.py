@@ -388,3 +388,87 @@ def test_record_crc_is_crc32c_and_agrees_with_the_portable_table() -> None:
     assert record_crc(memoryview(data)[3:]) == record_crc(data[3:])
     with pytest.raises((BufferError, ValueError), match="contiguous"):
         record_crc(np.arange(10, dtype=np.uint8)[::2])
+
+
+def _mixed_formats() -> tuple[Any, ...]:
+    from strata_stream.pack.header import MatrixFormat
+
+    q4 = MatrixFormat("q4", 64, "bf16")
+    q8 = MatrixFormat("q8", 128, "f16")
+    bf16 = MatrixFormat("bf16")
+    # granitemoe-like (an 8-bit down projection) then muse_spark-like (an unquantized layer).
+    return ((q4, q4, q8), (bf16, bf16, bf16))
+
+
+def test_mixed_formats_round_trip_as_version_3(tmp_path: Path) -> None:
+    """Formats that differ by matrix and by layer (mlx-lm's quantization predicates) are a
+    version 3 pack: each matrix stored in its own format, read back exactly by the Python
+    reader, parsed by the engine's, every record's checksum over the largest class's payload.
+    The same formats given uniformly write the version 2 pack, byte for byte."""
+    from strata_stream import ExpertStream, _core
+
+    formats = _mixed_formats()
+    path = write(tmp_path, layer_formats=formats)
+    data = path.read_bytes()
+    assert struct.unpack_from("<I", data, 8)[0] == 3
+    ref = float_experts(GEOM)
+    with ExpertPack.open(path) as pack:
+        assert pack.mixed and pack.formats_of(0) == formats[0] and pack.formats_of(1) == formats[1]
+        assert (pack.weight_format, pack.group_size, pack.scale_dtype) == ("q4", 64, "bf16")
+        for layer, lf in enumerate(formats):
+            for e in range(GEOM.n_experts):
+                for got, want, f in zip(pack.stored_weights(layer, e), ref(layer, e), lf,
+                                        strict=True):  # fmt: skip
+                    if f.weight_format == "bf16":
+                        from strata_stream.pack.quant import f32_to_bf16_bits
+
+                        np.testing.assert_array_equal(got, f32_to_bf16_bits(want))
+                        continue
+                    q = quantize(want, f.group_size, int(f.weight_format[1]), f.scale_dtype)
+                    assert isinstance(got, QuantizedMatrix)
+                    assert (got.bits, got.group_size) == (q.bits, q.group_size)
+                    np.testing.assert_array_equal(got.weight, q.weight)
+                    np.testing.assert_array_equal(got.scales, q.scales)
+        assert pack.verify(progress=False) == GEOM.n_records
+        record_bytes = pack.record_bytes
+        meta = pack.metadata
+    assert meta["version"] == 3 and meta["layer_class"] == [0, 1]
+    assert meta["format_classes"][0]["down"] == {
+        "weight_format": "q8", "group_size": 128, "scale_dtype": "f16"
+    }  # fmt: skip
+    assert _core.read_layout(str(path))["record_bytes"] == record_bytes
+    with ExpertStream(path) as stream:
+        assert stream.n_layers == 2
+    one = formats[0][0]
+    uniform = write(tmp_path, "u.strpk", layer_formats=((one, one, one),) * 2)
+    plain = write(tmp_path, "v.strpk", weight_format="q4", group_size=64, scale_dtype="bf16")
+    assert uniform.read_bytes() == plain.read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("offset", "value", "message"),
+    [
+        (1040, 0, "n_classes is 0"),
+        (1632, 0x12, "layer 0 is of format class 2"),
+        (1632, 0x00, "format class 1 is never used"),
+        (1044, 4, "format class 0's gate differs|format class 0 gate"),
+    ],
+)
+def test_a_crafted_version_3_header_is_refused_by_both_readers(
+    tmp_path: Path, offset: int, value: int, message: str
+) -> None:
+    from strata_stream import _core
+    from strata_stream.errors import PackError
+
+    path = write(tmp_path, layer_formats=_mixed_formats())
+    data = bytearray(path.read_bytes())
+    if offset == 1632:
+        data[offset] = value
+    else:
+        struct.pack_into("<I", data, offset, value)
+    struct.pack_into("<I", data, 4092, zlib.crc32(bytes(data[:4092])))
+    path.write_bytes(bytes(data))
+    with pytest.raises(PackError, match=message):
+        ExpertPack.open(path)
+    with pytest.raises(PackError, match=message):
+        _core.read_layout(str(path))

@@ -66,8 +66,10 @@ def test_not_a_pack_at_all(tmp_path: Path) -> None:
 
 
 def test_bad_version(pack: Path) -> None:
-    patch(pack, 8, struct.pack("<I", 3))
-    expect(pack, re.escape("version 3 not supported (this reader knows 2) (written by a newer"))
+    patch(pack, 8, struct.pack("<I", 4))
+    expect(
+        pack, re.escape("version 4 not supported (this reader knows 2 and 3) (written by a newer")
+    )
 
 
 def test_version_1_is_refused_with_a_repack_hint(pack: Path) -> None:

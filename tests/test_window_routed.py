@@ -16,6 +16,7 @@ import pytest
 from strata_stream import ExpertStream, StreamConfig, Window, testing
 from strata_stream.errors import ConfigError, PackError
 from strata_stream.pack import ExpertPack, Geometry, write_pack
+from strata_stream.pack.header import MatrixFormat
 from strata_stream.stream import ABSENT
 
 L, E, K, H, INTER = 4, 16, 2, 64, 64
@@ -51,10 +52,16 @@ def _pack(
         return tuple(mats[:n_mats])
 
     path = tmp_path / f"{name}.strpk"
+    layer_formats: tuple = ()
+    if weight_format == "mixed":  # by matrix and by layer, as mlx-lm's predicates make them
+        q4, q8 = MatrixFormat("q4", 32, "bf16"), MatrixFormat("q8", 64, "f32")
+        mx4, f16 = MatrixFormat("mxfp4", 32, "e8m0"), MatrixFormat("f16")
+        layer_formats = ((q4, q4, q8), (f16, f16, f16), (q8, mx4, q4), (q4, q4, q8))
+        weight_format = "q4"
     write_pack(
         path, g, None, experts, weight_format=weight_format, group_size=32,
         scale_dtype="e8m0" if weight_format == "mxfp4" else "bf16", bias_dtype=bias_dtype,
-        progress=False,
+        progress=False, layer_formats=layer_formats,
     )  # fmt: skip
     return path
 
@@ -94,6 +101,8 @@ def _run(path: Path, config: StreamConfig, xs: list[np.ndarray], routes: list[tu
         ("swiglu_oai", "bf16", "q4"),
         ("swiglu_oai", "f32", "bf16"),
         ("swiglu_oai", "bf16", "mxfp4"),
+        ("swiglu", None, "mixed"),
+        ("swiglu_oai", "f32", "mixed"),
     ],
 )
 @pytest.mark.parametrize("rows", [1, 3, 40])
@@ -425,6 +434,10 @@ def test_per_entry_outputs_are_the_entries_of_the_sum(
     with ExpertPack.open(path) as pack:
         want = _oracle(pack, 0, x, ids, np.ones_like(w))
     assert np.abs(bare.sum(axis=1) - want).max() <= 1e-5 * np.abs(want).max() + 1e-6
-    with ExpertStream(path, cfg) as stream, Window(stream) as window, window.turn():
-        with pytest.raises(TypeError, match="weights"):
-            window.moe_routed(0, x, ids, None)  # weights are needed for the sum
+    with (
+        ExpertStream(path, cfg) as stream,
+        Window(stream) as window,
+        window.turn(),
+        pytest.raises(TypeError, match="weights"),
+    ):
+        window.moe_routed(0, x, ids, None)  # weights are needed for the sum

@@ -411,15 +411,19 @@ void init_window(py::module_& m) {
            py::arg("pred1"), py::arg("pred2"), py::arg("compute"))
       .def(
           "arithmetic_unsupported",
-          [](const Window& w, const std::string& x_dtype) {
-            // Why moe_routed(arithmetic="mlx") cannot run for inputs of x_dtype; "" when it can.
+          [](const Window& w, const std::string& x_dtype, const py::object& layer) {
+            // Why moe_routed(arithmetic="mlx") cannot run for inputs of x_dtype (at `layer`;
+            // at every layer without one); "" when it can.
             if (x_dtype != "bfloat16" && x_dtype != "float32")
               throw EngineError(ErrorKind::Config,
                                 "x_dtype must be 'bfloat16' or 'float32', got '" + x_dtype + "'");
-            return w.arithmetic_unsupported(x_dtype == "bfloat16" ? Arithmetic::MlxBfloat16
-                                                                  : Arithmetic::MlxFloat32);
+            const Arithmetic a =
+                x_dtype == "bfloat16" ? Arithmetic::MlxBfloat16 : Arithmetic::MlxFloat32;
+            if (layer.is_none()) return w.arithmetic_unsupported(a);
+            const std::uint32_t l = index_arg(layer, w.layout().n_layers, "layer");
+            return w.arithmetic_unsupported(a, l);
           },
-          py::arg("x_dtype"))
+          py::arg("x_dtype"), py::arg("layer") = py::none())
       .def(
           "wants_predictions",
           [](const Window& w, std::uint32_t layer, const py::object& rows) {

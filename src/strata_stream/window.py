@@ -225,10 +225,11 @@ class Window(ProcessBound):
         it can."""
         return self._w.per_entry_unsupported
 
-    def arithmetic_unsupported(self, x_dtype: str) -> str:
+    def arithmetic_unsupported(self, x_dtype: str, layer: int | None = None) -> str:
         """Why `moe_routed(..., arithmetic="mlx")` cannot run for x of `x_dtype` ("bfloat16" or
-        "float32") on this Window's backend and pack; "" when it can."""
-        return self._w.arithmetic_unsupported(x_dtype)
+        "float32") on this Window's backend and pack, at `layer` (every layer when None: a
+        pack's formats may differ by layer); "" when it can."""
+        return self._w.arithmetic_unsupported(x_dtype, layer)
 
     def moe_routed(
         self,

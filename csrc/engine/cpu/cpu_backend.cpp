@@ -52,7 +52,7 @@ class CpuBackend final : public Backend {
       return "the cpu backend reads x from and writes out to host memory only (device "
              "pointers need the cuda backend)";
     if (c.arithmetic == Arithmetic::Float32 || !c.layout) return std::nullopt;
-    const char* why = cpu::mlx::unsupported(*c.layout, c.arithmetic);
+    const char* why = cpu::mlx::unsupported(*c.layout, c.arithmetic, c.format_class);
     return *why ? std::optional<std::string>(why) : std::nullopt;
   }
 

@@ -119,14 +119,15 @@ void over_groups(const ParallelFor& pf, const std::vector<Group>& groups, std::u
 
 // Runs a stage over groups (each output element has one writer). Both (prompt waves): every
 // group's gate_up, then every group's down, which reads only its own entries' complete h.
-void run_groups(const DeviceBuffers& b, const std::vector<Group>& groups, Stage stage,
-                const ParallelFor& pf, Rounding rounding) {
+void run_groups(const DeviceBuffers& b, std::uint32_t layer, const std::vector<Group>& groups,
+                Stage stage, const ParallelFor& pf, Rounding rounding) {
   const std::uint32_t H = b.layout->hidden, I = b.layout->moe_intermediate;
   const bool as_mlx = rounding.arithmetic != Arithmetic::Float32;
   std::vector<ExpertView> views;
   views.reserve(groups.size());
   for (const Group& g : groups)
-    views.push_back(expert_view(*b.layout, b.arena + std::uint64_t(g.slot) * b.slot_bytes));
+    views.push_back(
+        expert_view(*b.layout, layer, b.arena + std::uint64_t(g.slot) * b.slot_bytes));
   if (stage != Stage::Down)
     over_groups(pf, groups, I, 2 * std::uint64_t(H),
                 [&](std::uint32_t g, std::uint32_t r0, std::uint32_t r1) {
@@ -267,7 +268,7 @@ bool gate_up(const DeviceBuffers& b, std::uint32_t layer, std::uint32_t rows, Pa
              const ParallelFor& pf, Rounding rounding) {
   std::vector<Group> groups;
   if (!resolve_pass(b, layer, rows, pass, &groups)) return false;
-  run_groups(b, groups, Stage::GateUp, pf, rounding);
+  run_groups(b, layer, groups, Stage::GateUp, pf, rounding);
   return true;
 }
 
@@ -275,7 +276,7 @@ bool down(const DeviceBuffers& b, std::uint32_t layer, std::uint32_t rows, Pass 
           const ParallelFor& pf, Rounding rounding) {
   std::vector<Group> groups;
   if (!resolve_pass(b, layer, rows, pass, &groups)) return false;
-  run_groups(b, groups, Stage::Down, pf, rounding);
+  run_groups(b, layer, groups, Stage::Down, pf, rounding);
   return true;
 }
 
@@ -290,7 +291,7 @@ bool moe_mm(const DeviceBuffers& b, std::uint32_t layer, std::uint32_t rows, con
     g.slot = smap_load(b.smap, layer * E + g.expert);
     if (g.slot == kAbsent || g.slot >= b.n_slots) return false;
   }
-  run_groups(b, groups, Stage::Both, pf, rounding);
+  run_groups(b, layer, groups, Stage::Both, pf, rounding);
   return true;
 }
 

@@ -277,21 +277,31 @@ void down_typed(const DeviceBuffers& b, const ExpertView& ev,
 
 }  // namespace
 
-const char* unsupported(const PackLayout& L, Arithmetic a) {
+const char* unsupported(const PackLayout& L, Arithmetic a, std::int32_t format_class) {
   if (a == Arithmetic::Float32) return "";
   const std::uint32_t want = a == Arithmetic::MlxBfloat16 ? 2 : 0;
-  // MLX computes mxfp4 (u8 scales) in the activations' dtype, q4/q8 in the scales' dtype.
-  const bool mxfp4 = L.weight_format == WeightFormat::Mxfp4;
-  if (!mxfp4 && L.weight_format != WeightFormat::Q4 && L.weight_format != WeightFormat::Q8)
-    return "MLX arithmetic is reproduced for quantized (q4/q8/mxfp4) experts only";
-  if (!mxfp4 && L.scale_format != want)
-    return a == Arithmetic::MlxBfloat16
-               ? "MLX bfloat16 arithmetic needs bfloat16 scales (MLX computes in the scales' "
-                 "dtype)"
-               : "MLX float32 arithmetic needs float32 scales (MLX computes in the scales' dtype)";
-  if (L.bias_format != 0 && L.bias_format != want + 1)
-    return mxfp4 ? "MLX arithmetic needs the expert biases in the activations' dtype"
-                 : "MLX arithmetic needs the expert biases in the scales' dtype";
+  // Every matrix of the class asked about, or of every class (a mixed pack's formats differ
+  // by layer or matrix); a layout made by hand, without classes, is its pack format throughout.
+  const MatrixFormat pack{L.weight_format, L.group_size, L.scale_format};
+  const std::vector<LayerFormat> uniform{LayerFormat{pack, pack, pack}};
+  const std::vector<LayerFormat>& classes = L.classes.empty() ? uniform : L.classes;
+  for (std::size_t c = 0; c < classes.size(); ++c)
+    for (const MatrixFormat& f : classes[c]) {
+      if (format_class >= 0 && c != std::size_t(format_class)) break;
+      // MLX computes mxfp4 (u8 scales) in the activations' dtype, q4/q8 in the scales' dtype.
+      const bool mxfp4 = f.format == WeightFormat::Mxfp4;
+      if (!mxfp4 && f.format != WeightFormat::Q4 && f.format != WeightFormat::Q8)
+        return "MLX arithmetic is reproduced for quantized (q4/q8/mxfp4) experts only";
+      if (!mxfp4 && f.scale_format != want)
+        return a == Arithmetic::MlxBfloat16
+                   ? "MLX bfloat16 arithmetic needs bfloat16 scales (MLX computes in the scales' "
+                     "dtype)"
+                   : "MLX float32 arithmetic needs float32 scales (MLX computes in the scales' "
+                     "dtype)";
+      if (L.bias_format != 0 && L.bias_format != want + 1)
+        return mxfp4 ? "MLX arithmetic needs the expert biases in the activations' dtype"
+                     : "MLX arithmetic needs the expert biases in the scales' dtype";
+    }
   return "";
 }
 

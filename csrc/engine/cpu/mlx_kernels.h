@@ -14,7 +14,9 @@
 namespace strata::cpu::mlx {
 
 // Empty when the layout can run in `a`; else why not (the Window's check names it).
-const char* unsupported(const PackLayout& L, Arithmetic a);
+// Why the CPU backend cannot reproduce MLX's arithmetic `a` for the pack's format class
+// `format_class` (-1: for every class), "" when it can.
+const char* unsupported(const PackLayout& L, Arithmetic a, std::int32_t format_class = -1);
 
 // h[i] for rows [r0, r1) of the intermediate, for every entry i of `entries` (token i / top_k).
 void gate_up_rows(const DeviceBuffers& b, const ExpertView& ev,

@@ -105,6 +105,9 @@ struct Capability {
   Arithmetic arithmetic = Arithmetic::Float32;  // GateUp, Down, MoeMM
   MoceMode moce = MoceMode::Off;                // Route
   Io io = Io::Host;                             // Combine (out) and the passes (x)
+  // GateUp, Down, MoeMM on a pack whose formats differ by layer (PackLayout::mixed()): the
+  // format class of the layers asked about; -1 asks about every class.
+  std::int32_t format_class = -1;
   // Combine: the host reads each entry's weighted output from the bound y scratch once the
   // chunk is done, instead of (or besides) the sum over k in out: a routed call that returns
   // [rows, top_k, hidden] (Window::Routed::per_entry), as an experts module does.
@@ -135,6 +138,9 @@ class Backend {
   // missing. Every backend runs every op in Float32 without moce on host memory; by default
   // nothing more.
   virtual std::optional<std::string> unsupported(const Capability& c) const {
+    if (c.layout && c.layout->mixed())
+      return "the " + name() + " backend computes packs whose experts share one format; this "
+             "pack's differ by layer or matrix (the cpu backend computes it)";
     if (c.io != Io::Host)
       return "the " + name() + " backend reads x from and writes out to host memory only "
              "(device pointers need the cuda backend)";

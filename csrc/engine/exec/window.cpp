@@ -109,9 +109,16 @@ Window::Window(ExpertStream& stream, std::unique_ptr<Backend> backend,
   if (!backend_) throw EngineError(ErrorKind::Config, "Window needs a backend");
   // The capabilities a call may need, asked once: the expert passes' arithmetic (a routed call
   // chooses it) and the route's moce mode (this Window's own).
-  for (Arithmetic a : {Arithmetic::Float32, Arithmetic::MlxBfloat16, Arithmetic::MlxFloat32})
+  class_arithmetic_why_.resize(L_.classes.size());
+  for (Arithmetic a : {Arithmetic::Float32, Arithmetic::MlxBfloat16, Arithmetic::MlxFloat32}) {
     arithmetic_why_[std::size_t(a)] =
         backend_->unsupported(Capability{Op::MoeMM, &L_, a, MoceMode::Off}).value_or("");
+    for (std::size_t c = 0; c < L_.classes.size(); ++c) {
+      Capability one{Op::MoeMM, &L_, a, MoceMode::Off};
+      one.format_class = std::int32_t(c);
+      class_arithmetic_why_[c][std::size_t(a)] = backend_->unsupported(one).value_or("");
+    }
+  }
   device_io_why_ =
       backend_->unsupported(Capability{Op::Combine, &L_, Arithmetic::Float32, MoceMode::Off,
                                        Io::Device})
@@ -666,12 +673,17 @@ void load_x(const void* x, Window::XType xt, std::size_t first, std::size_t n, f
 
 }  // namespace
 
-void Window::check_routed(const Routed& routed, std::uint32_t rows, bool need_weights) const {
+void Window::check_routed(std::uint32_t layer, const Routed& routed, std::uint32_t rows,
+                          bool need_weights) const {
   if (opt_.moce.mode != MoceMode::Off)
     throw EngineError(ErrorKind::Config,
                       "moce steers the engine's own router; an externally routed call "
                       "(moe_routed) needs moce off");
-  if (const std::string& why = arithmetic_unsupported(routed.rounding.arithmetic); !why.empty())
+  // (A layer out of range is run_call's to refuse, naming the range.)
+  const Arithmetic a = routed.rounding.arithmetic;
+  if (const std::string& why =
+          layer < L_.n_layers ? arithmetic_unsupported(a, layer) : arithmetic_unsupported(a);
+      !why.empty())
     throw EngineError(ErrorKind::Config, why);
   if (routed.per_entry && !per_entry_why_.empty())
     throw EngineError(ErrorKind::Config, per_entry_why_);
@@ -699,7 +711,7 @@ void Window::stage_routed(const Routed& routed, std::uint32_t r0, std::uint32_t 
 
 void Window::moe_routed(std::uint32_t layer, const void* x, XType xt, std::uint32_t rows,
                         const Routed& routed, float* out, const InterruptCheck& interrupt) {
-  check_routed(routed, rows, true);
+  check_routed(layer, routed, rows, true);
   const std::size_t H = L_.hidden, k = L_.top_k;
   run_call(
       layer, rows,
@@ -754,7 +766,7 @@ void Window::moe_routed_device(std::uint32_t layer, const float* x, std::uint32_
   if (routed.rounding.arithmetic != Arithmetic::Float32)
     throw EngineError(ErrorKind::Config,
                       "a call on device memory computes in float32 (arithmetic='float32')");
-  check_routed(routed, rows, true);
+  check_routed(layer, routed, rows, true);
   if (rows > 0 && (!x || !out)) throw std::invalid_argument("moe_routed_device needs x and out");
   const std::uint32_t H = L_.hidden;
   // With the caller's stream on a backend that completes asynchronously, every chunk returns
@@ -778,7 +790,7 @@ void Window::moe_routed_device(std::uint32_t layer, const float* x, std::uint32_
 
 void Window::moe_routed_external(std::uint32_t layer, std::uint32_t rows, const Routed& routed,
                                  const WaveCompute& compute, const InterruptCheck& interrupt) {
-  check_routed(routed, rows, false);
+  check_routed(layer, routed, rows, false);
   if (!compute) throw std::invalid_argument("moe_routed_external needs a compute function");
   run_call(
       layer, rows,

@@ -214,10 +214,14 @@ class Window {
   bool settles() const { return settles_; }
   PrefetchGovernor governor() const;  // a snapshot
   std::string backend_name() const { return backend_name_; }
-  // Why this Window's backend cannot compute its pack's expert passes in `a`; "" when it can
-  // (Backend::unsupported, asked once at construction).
+  // Why this Window's backend cannot compute its pack's expert passes in `a` (at `layer`'s
+  // format class; every layer's without one); "" when it can (Backend::unsupported, asked once
+  // at construction).
   const std::string& arithmetic_unsupported(Arithmetic a) const {
     return arithmetic_why_[std::size_t(a)];
+  }
+  const std::string& arithmetic_unsupported(Arithmetic a, std::uint32_t layer) const {
+    return class_arithmetic_why_[L_.class_of(layer)][std::size_t(a)];
   }
   std::uint64_t scratch_bytes() const { return scratch_bytes_.load(std::memory_order_relaxed); }
   ClientId client() const { return client_; }  // this Window's protections in the stream
@@ -282,7 +286,8 @@ class Window {
   // queued: the call's last chunk returns with its kernels queued (its plan's queued_done).
   void run_call(std::uint32_t layer, std::uint32_t rows, const ChunkFn& chunk,
                 const InterruptCheck& interrupt, bool queued = false);
-  void check_routed(const Routed& routed, std::uint32_t rows, bool need_weights) const;
+  void check_routed(std::uint32_t layer, const Routed& routed, std::uint32_t rows,
+                    bool need_weights) const;
   // Copies rows [r0, r0 + n) of the routing into the scratch (ids, weights, predictions).
   void stage_routed(const Routed& routed, std::uint32_t r0, std::uint32_t n);
   // plan_chunk with this Window's rules, its wave capacity now and the governor's cap now (and
@@ -354,6 +359,8 @@ class Window {
   const std::chrono::microseconds host_spin_;
   AdaptiveSpin spin_routed_, spin_wave_, spin_done_;
   std::array<std::string, 3> arithmetic_why_;  // written by the constructor only, then read-only
+  // The same per format class of the pack (one for a uniform pack); the constructor's.
+  std::vector<std::array<std::string, 3>> class_arithmetic_why_;
   std::string device_io_why_;  // Capability::io Device: the constructor's, then read-only
   std::string per_entry_why_;  // Capability::per_entry: the constructor's, then read-only
   bool completes_async_ = false;  // Backend::completes_async(), read once by the constructor

@@ -5,6 +5,7 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
@@ -84,9 +85,81 @@ std::string field_value(const char* name, std::uint64_t value) {
 // Element bytes of a stored float dtype (weight_format 0..2, scale_format 0..2).
 std::uint64_t float_bytes(std::uint32_t fmt) { return fmt == 0 ? 4 : 2; }
 
+// One matrix format, checked against the geometry: the pack's own fields (`where` empty) or a
+// version 3 format class's ("format class C gate: ").
+MatrixFormat checked_format(const std::string& path, const std::string& where, std::uint32_t fmt,
+                            std::uint32_t group, std::uint32_t scale, const PackLayout& L) {
+  if (fmt > 5)
+    bad(path, where + field_value("weight_format", fmt) +
+                  " (known: 0 f32, 1 f16, 2 bf16, 3 q4, 4 q8, 5 mxfp4)");
+  if (scale > kScaleE8m0)
+    bad(path, where + field_value("scale_format", scale) +
+                  " (known: 0 f32, 1 f16, 2 bf16, 3 e8m0)");
+  const bool quant = fmt >= 3, mxfp4 = fmt == std::uint32_t(WeightFormat::Mxfp4);
+  if (!quant && (group != 0 || scale != 0))
+    bad(path, where + "header fields group_size " + std::to_string(group) + " and scale_format " +
+                  std::to_string(scale) + " must be 0 for a float weight_format");
+  if (mxfp4 && (group != 32 || scale != kScaleE8m0))
+    bad(path, where + "header fields group_size " + std::to_string(group) + " and scale_format " +
+                  std::to_string(scale) + " must be 32 and 3 (e8m0) for mxfp4");
+  if (quant && !mxfp4 && scale == kScaleE8m0)
+    bad(path, where + "header field scale_format 3 (e8m0) is for mxfp4 only, not affine q4/q8");
+  if (quant) {
+    if (group != 32 && group != 64 && group != 128)
+      bad(path, where + field_value("group_size", group) + " (expected 32, 64 or 128)");
+    if (L.hidden % group)
+      bad(path, where + field_value("hidden", L.hidden) + ", not a multiple of group_size " +
+                    std::to_string(group));
+    if (L.moe_intermediate % group)
+      bad(path, where + field_value("moe_intermediate", L.moe_intermediate) +
+                    ", not a multiple of group_size " + std::to_string(group));
+  }
+  return MatrixFormat{static_cast<WeightFormat>(fmt), group, scale};
+}
+
+// Version 3's format classes and each layer's class, into L (its geometry already checked).
+// The writer's canonical form: classes in order of first use, all used, class 0's gate the
+// pack format, and not one uniform class (that is a version 2 pack).
+void read_format_classes(const std::string& path, const unsigned char* h,
+                         const MatrixFormat& pack_format, PackLayout* L) {
+  static const char* const kMatrix[] = {"gate", "up", "down"};
+  const std::uint32_t n_classes = load<std::uint32_t>(h + kFormatsOffset);
+  if (n_classes == 0 || n_classes > kMaxFormatClasses)
+    bad(path, field_value("n_classes", n_classes) + " (expected 1..16)");
+  for (std::uint32_t c = 0; c < n_classes; ++c) {
+    LayerFormat formats;
+    for (std::uint32_t mat = 0; mat < 3; ++mat) {
+      const unsigned char* p = h + kFormatsOffset + 4 + (c * 3 + mat) * 12;
+      const std::string where =
+          "format class " + std::to_string(c) + " " + kMatrix[mat] + ": ";
+      formats[mat] = checked_format(path, where, load<std::uint32_t>(p),
+                                    load<std::uint32_t>(p + 4), load<std::uint32_t>(p + 8), *L);
+    }
+    L->classes.push_back(formats);
+  }
+  std::uint32_t next = 0;  // the first class not yet used
+  for (std::uint32_t layer = 0; layer < L->n_layers; ++layer) {
+    const std::uint32_t c = (h[kLayerClassOffset + layer / 2] >> (4 * (layer % 2))) & 15u;
+    if (c > next || c >= n_classes)
+      bad(path, "layer " + std::to_string(layer) + " is of format class " + std::to_string(c) +
+                    " (classes are numbered in order of first use, " + std::to_string(n_classes) +
+                    " of them)");
+    if (c == next) ++next;
+    L->layer_class.push_back(std::uint8_t(c));
+  }
+  const LayerFormat& first = L->classes[0];
+  if (next != n_classes) bad(path, "format class " + std::to_string(next) + " is never used");
+  if (!(first[0] == pack_format))
+    bad(path, "format class 0's gate differs from the header's weight_format/group_size/"
+              "scale_format");
+  if (n_classes == 1 && first[1] == first[0] && first[2] == first[0])
+    bad(path, "version 3 header whose experts share one format (version 2)");
+}
+
 }  // namespace
 
-std::uint64_t canonical_tensors(const PackLayout& L, std::vector<TensorEntry>* out) {
+std::uint64_t canonical_tensors(const PackLayout& L, const LayerFormat& formats,
+                                std::vector<TensorEntry>* out) {
   auto add = [](std::uint64_t a, std::uint64_t b) {
     std::uint64_t r;
     if (__builtin_add_overflow(a, b, &r)) throw std::overflow_error("record_bytes");
@@ -97,8 +170,6 @@ std::uint64_t canonical_tensors(const PackLayout& L, std::vector<TensorEntry>* o
     if (__builtin_mul_overflow(a, b, &r)) throw std::overflow_error("record_bytes");
     return r;
   };
-  const std::uint32_t fmt = static_cast<std::uint32_t>(L.weight_format);
-  const bool quant = fmt >= 3, mxfp4 = L.weight_format == WeightFormat::Mxfp4;
   out->clear();
   std::uint64_t at = 0;
   auto tensor = [&](std::uint32_t matrix, std::uint32_t role, std::uint32_t rows,
@@ -112,16 +183,18 @@ std::uint64_t canonical_tensors(const PackLayout& L, std::vector<TensorEntry>* o
   for (std::uint32_t mat = 0; mat < 3; ++mat) {
     const std::uint32_t rows = mat == 2 ? L.hidden : L.moe_intermediate;
     const std::uint32_t cols = mat == 2 ? L.moe_intermediate : L.hidden;
-    if (!quant) {
+    const MatrixFormat& f = formats[mat];
+    const std::uint32_t fmt = static_cast<std::uint32_t>(f.format);
+    if (fmt < 3) {
       tensor(mat, 0, rows, cols, float_bytes(fmt));
-    } else if (mxfp4) {  // codes, then one u8 exponent per group: no biases
+    } else if (f.format == WeightFormat::Mxfp4) {  // codes, then a u8 exponent a group
       tensor(mat, 0, rows, std::uint64_t(cols) * 4 / 32, 4);
-      tensor(mat, 1, rows, cols / L.group_size, 1);
+      tensor(mat, 1, rows, cols / f.group_size, 1);
     } else {
-      const std::uint64_t bits = L.weight_format == WeightFormat::Q4 ? 4 : 8;
+      const std::uint64_t bits = f.format == WeightFormat::Q4 ? 4 : 8;
       tensor(mat, 0, rows, std::uint64_t(cols) * bits / 32, 4);  // cols % 32 == 0 (group_size)
-      tensor(mat, 1, rows, cols / L.group_size, float_bytes(L.scale_format));
-      tensor(mat, 2, rows, cols / L.group_size, float_bytes(L.scale_format));
+      tensor(mat, 1, rows, cols / f.group_size, float_bytes(f.scale_format));
+      tensor(mat, 2, rows, cols / f.group_size, float_bytes(f.scale_format));
     }
     // The expert's own Linear bias [1, rows] (gpt-oss), after the weight's tensors.
     if (L.bias_format) tensor(mat, kRoleBias, 1, rows, float_bytes(L.bias_format - 1));
@@ -139,9 +212,10 @@ PackLayout parse_pack_header(const unsigned char* h, std::size_t n, const std::s
   if (version == 1)
     bad(path, "format version 1 is no longer read (version 2 checksums records with CRC32C); "
               "repack with strata-stream pack/convert");
-  if (version != kPackVersion)
+  if (version != kPackVersion && version != kMixedPackVersion)
     bad(path, "version " + std::to_string(version) + " not supported (this reader knows " +
-                  std::to_string(kPackVersion) + ")");
+                  std::to_string(kPackVersion) + " and " + std::to_string(kMixedPackVersion) +
+                  ")");
   std::uint32_t stored_crc = load<std::uint32_t>(h + 4092);
   if (header_crc(h) != stored_crc) bad(path, "header_crc mismatch (header corrupt)");
   if (load<std::uint32_t>(h + 12) != kHeaderBytes)
@@ -200,45 +274,28 @@ PackLayout parse_pack_header(const unsigned char* h, std::size_t n, const std::s
         std::isfinite(L.act_limit)))
     bad(path, "header fields act_alpha/act_limit must be finite and positive for swiglu_oai");
   if (norm > 1) bad(path, field_value("norm_topk_prob", norm) + " (expected 0 or 1)");
-  if (fmt > 5)
-    bad(path, field_value("weight_format", fmt) +
-                  " (known: 0 f32, 1 f16, 2 bf16, 3 q4, 4 q8, 5 mxfp4)");
-  if (L.scale_format > kScaleE8m0)
-    bad(path, field_value("scale_format", L.scale_format) +
-                  " (known: 0 f32, 1 f16, 2 bf16, 3 e8m0)");
   L.routing = static_cast<Routing>(routing);
   L.norm_topk_prob = norm == 1;
-  L.weight_format = static_cast<WeightFormat>(fmt);
-  const bool quant = fmt >= 3;
-  if (!quant && (L.group_size != 0 || L.scale_format != 0))
-    bad(path, "header fields group_size " + std::to_string(L.group_size) + " and scale_format " +
-                  std::to_string(L.scale_format) + " must be 0 for a float weight_format");
-  const bool mxfp4 = L.weight_format == WeightFormat::Mxfp4;
-  if (mxfp4 && (L.group_size != 32 || L.scale_format != kScaleE8m0))
-    bad(path, "header fields group_size " + std::to_string(L.group_size) + " and scale_format " +
-                  std::to_string(L.scale_format) + " must be 32 and 3 (e8m0) for mxfp4");
-  if (quant && !mxfp4 && L.scale_format == kScaleE8m0)
-    bad(path, "header field scale_format 3 (e8m0) is for mxfp4 only, not affine q4/q8");
-  if (quant) {
-    if (L.group_size != 32 && L.group_size != 64 && L.group_size != 128)
-      bad(path, field_value("group_size", L.group_size) + " (expected 32, 64 or 128)");
-    if (L.hidden % L.group_size)
-      bad(path, field_value("hidden", L.hidden) + ", not a multiple of group_size " +
-                    std::to_string(L.group_size));
-    if (L.moe_intermediate % L.group_size)
-      bad(path, field_value("moe_intermediate", L.moe_intermediate) +
-                    ", not a multiple of group_size " + std::to_string(L.group_size));
-  }
+  const MatrixFormat pack_format = checked_format(path, "", fmt, L.group_size, L.scale_format, L);
+  L.weight_format = pack_format.format;
+  if (version == kMixedPackVersion)
+    read_format_classes(path, h, pack_format, &L);
+  else
+    L.classes.assign(1, LayerFormat{pack_format, pack_format, pack_format});
 
   const LayoutMath m(path);
-  std::vector<TensorEntry> want;
-  std::uint64_t record_bytes = 0;
-  try {
-    record_bytes = canonical_tensors(L, &want);
-  } catch (const std::overflow_error&) {
-    bad(path, "header field record_bytes: the layout the geometry and format imply overflows 64 "
-              "bits");
+  std::uint64_t record_bytes = 0;  // the largest class's: every record takes its room
+  for (const LayerFormat& formats : L.classes) {
+    std::vector<TensorEntry> table;
+    try {
+      record_bytes = std::max(record_bytes, canonical_tensors(L, formats, &table));
+    } catch (const std::overflow_error&) {
+      bad(path, "header field record_bytes: the layout the geometry and format imply overflows "
+                "64 bits");
+    }
+    L.class_tensors.push_back(std::move(table));
   }
+  const std::vector<TensorEntry>& want = L.class_tensors[0];
   const std::uint64_t keys = std::uint64_t(L.n_layers) * L.n_experts;  // <= 2^28
   const std::uint64_t stride = m.align(record_bytes, kPage, "record_stride");
   const std::uint64_t router_offset =

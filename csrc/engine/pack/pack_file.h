@@ -3,6 +3,7 @@
 // needs only the header, so it carries no JSON parser.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -16,6 +17,13 @@ constexpr std::uint32_t kHeaderBytes = 4096;
 // Version 2: CRC32C record checksums (1 had zlib's CRC-32), the model block, expert biases and
 // external routing.
 constexpr std::uint32_t kPackVersion = 2;
+// Version 3: the experts' formats differ by layer or matrix (mlx-lm's quantization predicates):
+// format classes (a format per matrix) at kFormatsOffset and each layer's class, a nibble per
+// layer, at kLayerClassOffset. Everything else is version 2's.
+constexpr std::uint32_t kMixedPackVersion = 3;
+constexpr std::uint32_t kFormatsOffset = 1040;
+constexpr std::uint32_t kMaxFormatClasses = 16;
+constexpr std::uint32_t kLayerClassOffset = 1632;
 // Version 2's model block: activation u32, act_alpha f32, act_limit f32, bias_format u32.
 constexpr std::uint32_t kModelBlockOffset = 1024;
 // The engine's limits, inside the format's u32 fields: every key fits the u32 smap index.
@@ -45,6 +53,15 @@ struct TensorEntry {
 // Tensor roles: 0 weight, 1 scales, 2 biases (affine quantization), 3 bias (the Linear's own).
 constexpr std::uint32_t kRoleBias = 3;
 
+// How one matrix of a record is stored. group_size and scale_format are 0 for float formats.
+struct MatrixFormat {
+  WeightFormat format = WeightFormat::F32;
+  std::uint32_t group_size = 0, scale_format = 0;
+  bool operator==(const MatrixFormat&) const = default;
+};
+// A layer's formats: gate, up, down.
+using LayerFormat = std::array<MatrixFormat, 3>;
+
 struct PackLayout {
   std::uint32_t n_layers = 0, n_experts = 0, top_k = 0, hidden = 0, moe_intermediate = 0;
   Routing routing = Routing::SoftmaxTopk;
@@ -60,8 +77,19 @@ struct PackLayout {
   std::uint64_t router_offset = 0, router_bytes = 0;
   std::uint64_t checksum_offset = 0, checksum_bytes = 0;
   std::uint64_t records_offset = 0, file_bytes = 0;
-  std::vector<TensorEntry> tensors;
+  std::vector<TensorEntry> tensors;  // class 0's table (every layer's, unless mixed())
+  // Format classes (version 3; one, the pack format in every matrix, for version 2), each
+  // one's tensor table, and each layer's class (empty unless mixed(): every layer is class 0).
+  std::vector<LayerFormat> classes;
+  std::vector<std::vector<TensorEntry>> class_tensors;
+  std::vector<std::uint8_t> layer_class;
 
+  bool mixed() const { return !layer_class.empty(); }
+  std::uint32_t class_of(std::uint32_t layer) const { return mixed() ? layer_class[layer] : 0; }
+  const std::vector<TensorEntry>& tensors_of(std::uint32_t layer) const {
+    return class_tensors[class_of(layer)];
+  }
+  const LayerFormat& formats_of(std::uint32_t layer) const { return classes[class_of(layer)]; }
   std::uint32_t n_keys() const { return n_layers * n_experts; }
   bool has_routers() const { return routing != Routing::External; }
   std::uint64_t record_offset(std::uint32_t key) const {
@@ -72,10 +100,12 @@ struct PackLayout {
 // The weight-format-to-tensor-table rule, the engine's one statement of it (docs/pack-format.md):
 // gate, up, down; each matrix's weight, then its scales (and biases, for affine q4/q8), then its
 // own Linear bias when the pack has them, each at the previous end rounded up to kTensorAlign.
-// Fills `out` for L's geometry and formats (already validated) and returns the record's bytes,
-// the end of its last tensor. Throws std::overflow_error when a size overflows 64 bits.
+// Fills `out` for L's geometry and a layer's formats (already validated) and returns the
+// record's bytes, the end of its last tensor. Throws std::overflow_error when a size overflows
+// 64 bits.
 constexpr std::uint64_t kTensorAlign = 256;
-std::uint64_t canonical_tensors(const PackLayout& L, std::vector<TensorEntry>* out);
+std::uint64_t canonical_tensors(const PackLayout& L, const LayerFormat& formats,
+                                std::vector<TensorEntry>* out);
 
 // Parses and validates the header of `path`. Throws EngineError(Pack) naming the file and the
 // field on bad magic, version, crc, a file size that disagrees, or any field that differs from

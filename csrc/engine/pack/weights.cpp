@@ -116,13 +116,14 @@ float MatrixView::bias_at(std::uint32_t r) const {
   return bias ? scale_value(bias, r, bias_format - 1) : 0.0f;
 }
 
-ExpertView expert_view(const PackLayout& L, const unsigned char* base) {
+ExpertView expert_view(const PackLayout& L, std::uint32_t layer, const unsigned char* base) {
   ExpertView v;
   v.activation = L.activation;
   v.act_alpha = L.act_alpha;
   v.act_limit = L.act_limit;
   MatrixView* m[3] = {&v.gate, &v.up, &v.down};
-  for (const TensorEntry& t : L.tensors) {
+  const LayerFormat& formats = L.formats_of(layer);
+  for (const TensorEntry& t : L.tensors_of(layer)) {
     MatrixView& mv = *m[t.matrix];
     const unsigned char* p = base + t.offset;
     if (t.role == 0) mv.weight = p;
@@ -132,9 +133,9 @@ ExpertView expert_view(const PackLayout& L, const unsigned char* base) {
     mv.bias_format = L.bias_format;
     mv.rows = t.matrix == 2 ? L.hidden : L.moe_intermediate;
     mv.cols = t.matrix == 2 ? L.moe_intermediate : L.hidden;
-    mv.format = L.weight_format;
-    mv.group_size = L.group_size;
-    mv.scale_format = L.scale_format;
+    mv.format = formats[t.matrix].format;
+    mv.group_size = formats[t.matrix].group_size;
+    mv.scale_format = formats[t.matrix].scale_format;
   }
   return v;
 }

@@ -87,6 +87,7 @@ struct ExpertView {
   float act_alpha = 0, act_limit = 0;
 };
 
-ExpertView expert_view(const PackLayout& L, const unsigned char* base);
+// The record of pack layer `layer` at `base` (its format class's tensor table and formats).
+ExpertView expert_view(const PackLayout& L, std::uint32_t layer, const unsigned char* base);
 
 }  // namespace strata

@@ -80,6 +80,9 @@ class MetalBackend final : public Backend {
   std::string name() const override { return "metal"; }
 
   std::optional<std::string> unsupported(const Capability& c) const override {
+    if (c.layout && c.layout->mixed())
+      return "the Metal backend computes packs whose experts share one format; this pack's "
+             "differ by layer or matrix (the cpu backend computes it)";
     if (c.io != Io::Host)
       return "the Metal backend reads x from and writes out to its bound buffers only (device "
              "pointers need the cuda backend)";

@@ -28,6 +28,12 @@ MAGIC = b"STRATAPK"
 # biases (role "bias"), the activation and its constants, "external" routing (no routers) and
 # the model metadata of converted checkpoints (docs/pack-format.md).
 VERSION = 2
+# Version 3: experts whose format differs by layer or by matrix, as mlx-lm's quantization
+# predicates make them (granitemoe's 8-bit down projections, muse_spark's unquantized first and
+# last layers): up to MAX_CLASSES format classes, each a format per matrix, and each layer's
+# class. A pack whose experts share one format is written as version 2, as before.
+MIXED_VERSION = 3
+READ_VERSIONS = (VERSION, MIXED_VERSION)
 HEADER_BYTES = 4096
 META_OFFSET = HEADER_BYTES
 # The page of the pack: Apple's SSD page, and O_DIRECT-safe on Linux. Sections and records start
@@ -82,7 +88,16 @@ _U32 = struct.Struct("<I")
 MODEL_BLOCK_OFFSET = 1024
 _MODEL_BLOCK = struct.Struct("<IffI")
 MAX_TENSORS = (MODEL_BLOCK_OFFSET - 144) // 32
+# Version 3's format block: n_classes (u32), then per class and matrix (gate, up, down) its
+# weight_format, group_size and scale_format (u32 each); then each pack layer's class, a nibble
+# per layer (layer l in byte LAYER_CLASS_OFFSET + l // 2, the low nibble for even l).
+FORMATS_OFFSET = 1040
+MAX_CLASSES = 16
+_CLASS_MATRIX = struct.Struct("<III")
+LAYER_CLASS_OFFSET = 1632
 assert _TABLE_OFFSET == 144 and _TENSOR.size == 32 and len(_FIXED_FIELDS) == 25
+assert FORMATS_OFFSET + 4 + MAX_CLASSES * 3 * _CLASS_MATRIX.size <= LAYER_CLASS_OFFSET
+assert LAYER_CLASS_OFFSET + 4096 // 2 <= ROUTER_CRC_OFFSET  # every layer the engine allows
 
 
 @functools.cache
@@ -181,12 +196,43 @@ def normalize_format(
     return group_size, scale_dtype
 
 
+@dataclass(frozen=True)
+class MatrixFormat:
+    """How one matrix of a record is stored: a weight format, its group size and scale dtype
+    (0 and None for float formats)."""
+
+    weight_format: str
+    group_size: int = 0
+    scale_dtype: str | None = None
+
+    def normalized(self, geometry: Geometry) -> MatrixFormat:
+        gs, sd = normalize_format(geometry, self.weight_format, self.group_size, self.scale_dtype)
+        return MatrixFormat(self.weight_format, gs, sd)
+
+    def describe(self) -> str:
+        if self.weight_format in FLOAT_FORMATS:
+            return self.weight_format
+        return f"{self.weight_format} g{self.group_size} {self.scale_dtype} scales"
+
+
+# A layer's formats, gate, up, down.
+LayerFormat = tuple[MatrixFormat, MatrixFormat, MatrixFormat]
+
+
 def record_layout(
     geometry: Geometry,
     weight_format: str,
     group_size: int,
     scale_dtype: str | None,
     bias_dtype: str | None = None,
+) -> tuple[tuple[TensorEntry, ...], int]:
+    """`layer_record_layout` for a record whose three matrices share one format."""
+    one = MatrixFormat(weight_format, group_size, scale_dtype)
+    return layer_record_layout(geometry, (one, one, one), bias_dtype)
+
+
+def layer_record_layout(
+    geometry: Geometry, formats: LayerFormat, bias_dtype: str | None = None
 ) -> tuple[tuple[TensorEntry, ...], int]:
     """Tensor table and payload size of one record, for an already normalized format.
 
@@ -208,6 +254,11 @@ def record_layout(
         offset += nbytes
 
     for m, (rows, cols) in enumerate(geometry.matrix_shapes()):
+        weight_format, group_size, scale_dtype = (
+            formats[m].weight_format,
+            formats[m].group_size,
+            formats[m].scale_dtype,
+        )
         if weight_format in FLOAT_FORMATS:
             add(m, 0, rows, cols, weight_format)
         else:
@@ -235,7 +286,17 @@ class PackHeader:
     meta_crc: int = 0
     router_crc: int = 0
     bias_dtype: str | None = None  # dtype of the experts' Linear biases; None: no biases
-    tensors: tuple[TensorEntry, ...] = field(init=False)
+    # Each pack layer's formats (gate, up, down) when they are not all the pack format
+    # (version 3); empty: every matrix of every layer in weight_format. Normalized in
+    # __post_init__: empty again when they turn out uniform, and then the pack format is
+    # theirs; otherwise weight_format/group_size/scale_dtype are class 0's gate.
+    layer_formats: tuple[LayerFormat, ...] = ()
+    tensors: tuple[TensorEntry, ...] = field(init=False)  # class 0's (every layer's, uniform)
+    # The distinct layer formats in order of first use, each pack layer's index into them
+    # (empty for a uniform pack: every layer is class 0), and each class's tensor table.
+    classes: tuple[LayerFormat, ...] = field(init=False)
+    layer_class: tuple[int, ...] = field(init=False)
+    class_tensors: tuple[tuple[TensorEntry, ...], ...] = field(init=False)
     record_bytes: int = field(init=False)
     record_stride: int = field(init=False)
     router_offset: int = field(init=False)
@@ -246,16 +307,41 @@ class PackHeader:
     file_bytes: int = field(init=False)
 
     def __post_init__(self) -> None:
-        gs, sd = normalize_format(
-            self.geometry, self.weight_format, self.group_size, self.scale_dtype
+        g = self.geometry
+        per_layer = tuple(
+            (lf[0].normalized(g), lf[1].normalized(g), lf[2].normalized(g))
+            for lf in self.layer_formats
         )
+        if per_layer and len(per_layer) != g.n_layers:
+            raise ConfigError(
+                f"layer_formats has {len(per_layer)} entries for {g.n_layers} pack layers"
+            )
+        classes = tuple(dict.fromkeys(per_layer))
+        if len(classes) > MAX_CLASSES:
+            raise ConfigError(
+                f"the experts come in {len(classes)} formats by layer and matrix; a pack holds "
+                f"at most {MAX_CLASSES}"
+            )
+        if classes:  # the pack format is the first layer's gate's
+            first = classes[0][0]
+            object.__setattr__(self, "weight_format", first.weight_format)
+            object.__setattr__(self, "group_size", first.group_size)
+            object.__setattr__(self, "scale_dtype", first.scale_dtype)
+        gs, sd = normalize_format(g, self.weight_format, self.group_size, self.scale_dtype)
         if self.bias_dtype is not None and self.bias_dtype not in BIAS_FORMATS:
             raise ConfigError(
                 f"bias_dtype must be one of {', '.join(BIAS_FORMATS)} or None, "
                 f"got {self.bias_dtype!r}"
             )
-        g = self.geometry
-        tensors, record_bytes = record_layout(g, self.weight_format, gs, sd, self.bias_dtype)
+        one = MatrixFormat(self.weight_format, gs, sd)
+        if not classes or classes == ((one, one, one),):
+            classes, per_layer = ((one, one, one),), ()
+        layer_class = tuple(classes.index(lf) for lf in per_layer)
+        layouts = [layer_record_layout(g, lf, self.bias_dtype) for lf in classes]
+        class_tensors = tuple(t for t, _ in layouts)
+        # Every record takes the largest class's payload; a smaller one is zero after its end.
+        record_bytes = max(n for _, n in layouts)
+        tensors = class_tensors[0]
         router_offset = align_up(META_OFFSET + self.meta_bytes, PAGE)
         router_bytes = g.n_records * g.hidden * 4 if g.has_routers else 0
         checksum_offset = align_up(router_offset + router_bytes, PAGE)
@@ -265,6 +351,10 @@ class PackHeader:
         derived = {
             "group_size": gs,
             "scale_dtype": sd,
+            "layer_formats": per_layer,
+            "classes": classes,
+            "layer_class": layer_class,
+            "class_tensors": class_tensors,
             "tensors": tensors,
             "record_bytes": record_bytes,
             "record_stride": record_stride,
@@ -283,6 +373,26 @@ class PackHeader:
         return META_OFFSET
 
     @property
+    def mixed(self) -> bool:
+        """Whether the experts' formats differ by layer or matrix (a version 3 pack)."""
+        return bool(self.layer_formats)
+
+    @property
+    def version(self) -> int:
+        return MIXED_VERSION if self.mixed else VERSION
+
+    def class_of(self, layer: int) -> int:
+        """The format class of pack layer `layer`."""
+        return self.layer_class[layer] if self.layer_class else 0
+
+    def tensors_of(self, layer: int) -> tuple[TensorEntry, ...]:
+        """The tensor table of pack layer `layer`'s records."""
+        return self.class_tensors[self.class_of(layer)]
+
+    def formats_of(self, layer: int) -> LayerFormat:
+        return self.classes[self.class_of(layer)]
+
+    @property
     def n_records(self) -> int:
         return self.geometry.n_records
 
@@ -294,7 +404,7 @@ class PackHeader:
         g = self.geometry
         values = {
             "magic": MAGIC,
-            "version": VERSION,
+            "version": self.version,
             "header_bytes": HEADER_BYTES,
             "n_layers": g.n_layers,
             "n_experts": g.n_experts,
@@ -332,6 +442,14 @@ class PackHeader:
             g.act_limit,
             0 if self.bias_dtype is None else 1 + BIAS_FORMATS.index(self.bias_dtype),
         )
+        if self.mixed:
+            _U32.pack_into(buf, FORMATS_OFFSET, len(self.classes))
+            for c, lf in enumerate(self.classes):
+                for m, f in enumerate(lf):
+                    at = FORMATS_OFFSET + 4 + (c * 3 + m) * _CLASS_MATRIX.size
+                    _CLASS_MATRIX.pack_into(buf, at, *_format_codes(f))
+            for layer, c in enumerate(self.layer_class):
+                buf[LAYER_CLASS_OFFSET + layer // 2] |= c << (4 * (layer % 2))
         _U32.pack_into(buf, ROUTER_CRC_OFFSET, self.router_crc)
         _U32.pack_into(buf, HEADER_CRC_OFFSET, zlib.crc32(buf[:HEADER_CRC_OFFSET]))
         return bytes(buf)
@@ -344,9 +462,9 @@ class PackHeader:
         `model` (converted checkpoints): which decoder layer each pack layer is, and how the
         model lays out its MoE blocks; free-form beyond the keys docs/pack-format.md names.
         """
-        return {
+        meta: dict[str, Any] = {
             "format": "strata-pack",
-            "version": VERSION,
+            "version": self.version,
             "architecture": architecture,
             "geometry": self.geometry.to_dict(),
             "weight_format": self.weight_format,
@@ -364,6 +482,25 @@ class PackHeader:
             "source": source,
             "model": model,
         }
+        if self.mixed:
+            meta["format_classes"] = [
+                {MATRICES[m]: _format_json(f) for m, f in enumerate(lf)} for lf in self.classes
+            ]
+            meta["layer_class"] = list(self.layer_class)
+        return meta
+
+
+def _format_codes(f: MatrixFormat) -> tuple[int, int, int]:
+    scale = SCALE_FORMATS.index(f.scale_dtype) if f.scale_dtype else 0
+    return WEIGHT_FORMATS.index(f.weight_format), f.group_size, scale
+
+
+def _format_json(f: MatrixFormat) -> dict[str, Any]:
+    return {
+        "weight_format": f.weight_format,
+        "group_size": f.group_size,
+        "scale_dtype": f.scale_dtype,
+    }
 
 
 def encode_metadata(meta: dict[str, Any]) -> bytes:
@@ -379,14 +516,22 @@ def build_header(
     source: str,
     bias_dtype: str | None = None,
     model: dict[str, Any] | None = None,
+    layer_formats: tuple[LayerFormat, ...] = (),
 ) -> tuple[PackHeader, bytes]:
-    """Header and metadata bytes for a new pack (router_crc still 0)."""
+    """Header and metadata bytes for a new pack (router_crc still 0); `layer_formats` as
+    PackHeader's."""
     # The JSON records the router offset, which depends on the JSON's own length; iterate to
     # the fixed point (one or two rounds: only the digits of a few offsets can change).
     meta_bytes = 0
     for _ in range(8):
         header = PackHeader(
-            geometry, weight_format, group_size, scale_dtype, meta_bytes, bias_dtype=bias_dtype
+            geometry,
+            weight_format,
+            group_size,
+            scale_dtype,
+            meta_bytes,
+            bias_dtype=bias_dtype,
+            layer_formats=layer_formats,
         )
         blob = encode_metadata(header.metadata(architecture, source, model))
         if len(blob) == meta_bytes:
@@ -402,6 +547,7 @@ def build_header(
         meta_bytes,
         zlib.crc32(blob),
         bias_dtype=bias_dtype,
+        layer_formats=layer_formats,
     )
     return header, blob
 
@@ -422,11 +568,12 @@ def parse_header(buf: bytes, where: str) -> PackHeader:
             f"{where}: format version 1 is no longer read (version {VERSION} checksums records "
             "with CRC32C); repack with strata-stream pack/convert"
         )
-    if version != VERSION:
-        newer = version > VERSION
+    if version not in READ_VERSIONS:
+        newer = version > MIXED_VERSION
         hint = " (written by a newer strata-stream: upgrade to read it)" if newer else ""
+        known = " and ".join(str(v) for v in READ_VERSIONS)
         raise PackError(
-            f"{where}: version {version} not supported (this reader knows {VERSION}){hint}"
+            f"{where}: version {version} not supported (this reader knows {known}){hint}"
         )
     (stored_crc,) = _U32.unpack_from(buf, HEADER_CRC_OFFSET)
     actual_crc = zlib.crc32(buf[:HEADER_CRC_OFFSET])
@@ -473,6 +620,7 @@ def parse_header(buf: bytes, where: str) -> PackHeader:
             f"{where}: header fields group_size {f['group_size']} and scale_format "
             f"{f['scale_format']} must be 0 for weight_format {fmt}"
         )
+    layer_formats = _parse_layer_formats(buf, f, where) if version == MIXED_VERSION else ()
     try:
         geometry = Geometry(
             n_layers=f["n_layers"],
@@ -495,6 +643,7 @@ def parse_header(buf: bytes, where: str) -> PackHeader:
             f["meta_crc"],
             _U32.unpack_from(buf, ROUTER_CRC_OFFSET)[0],
             bias_dtype=bias_dtype,
+            layer_formats=layer_formats,
         )
     except ConfigError as e:
         raise PackError(f"{where}: bad header: {e}") from None
@@ -519,6 +668,62 @@ def parse_header(buf: bytes, where: str) -> PackHeader:
                 f"rows {t.rows}, cols {t.cols})"
             )
     return header
+
+
+def _parse_layer_formats(buf: bytes, f: dict[str, Any], where: str) -> tuple[LayerFormat, ...]:
+    """Version 3's format classes and each layer's class, as the layer formats they give."""
+    (n_classes,) = _U32.unpack_from(buf, FORMATS_OFFSET)
+    if not 1 <= n_classes <= MAX_CLASSES:
+        raise PackError(f"{where}: header field n_classes is {n_classes} (expected 1..16)")
+    classes: list[LayerFormat] = []
+    for c in range(n_classes):
+        mats = []
+        for m in range(3):
+            at = FORMATS_OFFSET + 4 + (c * 3 + m) * _CLASS_MATRIX.size
+            fmt, group, scale = _CLASS_MATRIX.unpack_from(buf, at)
+            if fmt >= len(WEIGHT_FORMATS) or scale >= len(SCALE_FORMATS):
+                raise PackError(
+                    f"{where}: format class {c} {MATRICES[m]}: weight_format {fmt}, "
+                    f"scale_format {scale} unknown"
+                )
+            name = WEIGHT_FORMATS[fmt]
+            if name in FLOAT_FORMATS and (group or scale):
+                raise PackError(
+                    f"{where}: format class {c} {MATRICES[m]}: group_size and scale_format must "
+                    f"be 0 for {name}"
+                )
+            mats.append(
+                MatrixFormat(name, group, None if name in FLOAT_FORMATS else SCALE_FORMATS[scale])
+            )
+        classes.append((mats[0], mats[1], mats[2]))
+    n_layers = f["n_layers"]
+    if not 1 <= n_layers <= 4096:
+        raise PackError(f"{where}: header field n_layers is {n_layers} (expected 1..4096)")
+    # The writer's canonical form, as the engine's parser requires it: classes in order of
+    # first use, all used, class 0's gate the pack format, and not one uniform class.
+    out = []
+    next_class = 0
+    for layer in range(n_layers):
+        c = (buf[LAYER_CLASS_OFFSET + layer // 2] >> (4 * (layer % 2))) & 15
+        if c > next_class or c >= n_classes:
+            raise PackError(
+                f"{where}: layer {layer} is of format class {c} (classes are numbered in order "
+                f"of first use, {n_classes} of them)"
+            )
+        next_class += c == next_class
+        out.append(classes[c])
+    if next_class != n_classes:
+        raise PackError(f"{where}: format class {next_class} is never used")
+    gate = classes[0][0]
+    codes = (f["weight_format"], f["group_size"], f["scale_format"])
+    if _format_codes(gate) != codes:
+        raise PackError(
+            f"{where}: format class 0's gate differs from the header's weight_format/group_size/"
+            "scale_format"
+        )
+    if n_classes == 1 and classes[0][1] == gate and classes[0][2] == gate:
+        raise PackError(f"{where}: version 3 header whose experts share one format (version 2)")
+    return tuple(out)
 
 
 def _first_difference(got: Any, expected: Any, path: str) -> str | None:

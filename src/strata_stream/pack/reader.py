@@ -21,6 +21,7 @@ from strata_stream.pack.header import (
     FLOAT_FORMATS,
     NUMPY_DTYPES,
     QUANT_FORMAT_BITS,
+    LayerFormat,
     PackHeader,
     TensorEntry,
     read_header,
@@ -145,7 +146,21 @@ class ExpertPack:
 
     @property
     def tensors(self) -> tuple[TensorEntry, ...]:
+        """Layer 0's tensor table (every layer's, unless the formats differ by layer)."""
         return self.header.tensors
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the experts' formats differ by layer or matrix (a version 3 pack)."""
+        return self.header.mixed
+
+    def tensors_of(self, layer: int) -> tuple[TensorEntry, ...]:
+        """The tensor table of `layer`'s records."""
+        return self.header.tensors_of(self._check(layer)[0])
+
+    def formats_of(self, layer: int) -> LayerFormat:
+        """How `layer`'s gate, up and down are stored."""
+        return self.header.formats_of(self._check(layer)[0])
 
     def _check(self, layer: int, expert: int | None = None) -> tuple[int, int]:
         g = self.geometry
@@ -205,20 +220,21 @@ class ExpertPack:
     ) -> tuple[StoredMatrix, StoredMatrix, StoredMatrix]:
         """(gate, up, down) as stored: float arrays (bf16 as uint16 bits) or QuantizedMatrix."""
         record = self.read_record(layer, expert)
-        # Per matrix, its weight, then scales (quantized) and biases (affine) in role order.
-        by_matrix = [
-            [_tensor(record, t) for t in self.tensors if t.matrix == m and t.role != 3]
-            for m in range(3)
-        ]
-        if self.weight_format in FLOAT_FORMATS:
-            return by_matrix[0][0], by_matrix[1][0], by_matrix[2][0]
-        bits = QUANT_FORMAT_BITS[self.weight_format]
-        mode = "mxfp4" if self.weight_format == "mxfp4" else "affine"
-        q = [
-            QuantizedMatrix(w, s, biases[0] if biases else None, bits, self.group_size, mode)
-            for w, s, *biases in by_matrix
-        ]
-        return q[0], q[1], q[2]
+        tensors = self.tensors_of(layer)
+        out: list[StoredMatrix] = []
+        for m, fmt in enumerate(self.formats_of(layer)):
+            # Its weight, then scales (quantized) and biases (affine) in role order.
+            w, *rest = [_tensor(record, t) for t in tensors if t.matrix == m and t.role != 3]
+            name = fmt.weight_format
+            if name in FLOAT_FORMATS:
+                out.append(w)
+                continue
+            mode = "mxfp4" if name == "mxfp4" else "affine"
+            biases = rest[1] if len(rest) > 1 else None
+            out.append(
+                QuantizedMatrix(w, rest[0], biases, QUANT_FORMAT_BITS[name], fmt.group_size, mode)
+            )
+        return out[0], out[1], out[2]
 
     @property
     def bias_dtype(self) -> str | None:
@@ -233,21 +249,18 @@ class ExpertPack:
             return (np.zeros(inter, np.float32), np.zeros(inter, np.float32),
                     np.zeros(hidden, np.float32))  # fmt: skip
         record = self.read_record(layer, expert)
-        b = [_tensor(record, t)[0] for t in self.tensors if t.role == 3]
+        b = [_tensor(record, t)[0] for t in self.tensors_of(layer) if t.role == 3]
         f = [bf16_bits_to_f32(v) if self.bias_dtype == "bf16" else v.astype(np.float32) for v in b]
         return f[0], f[1], f[2]
 
     def expert_weights(self, layer: int, expert: int) -> tuple[F32Array, F32Array, F32Array]:
         """(gate, up, down) of one expert as float32, dequantized; shapes as in write_pack."""
-        gate, up, down = (self._to_f32(m) for m in self.stored_weights(layer, expert))
+        formats = self.formats_of(layer)
+        gate, up, down = (
+            _to_f32(m, f.weight_format)
+            for m, f in zip(self.stored_weights(layer, expert), formats, strict=True)
+        )
         return gate, up, down
-
-    def _to_f32(self, m: StoredMatrix) -> F32Array:
-        if isinstance(m, QuantizedMatrix):
-            return dequantize(m)
-        if self.weight_format == "bf16":
-            return bf16_bits_to_f32(m)
-        return m.astype(np.float32)
 
     # -- integrity --------------------------------------------------------------------------
 
@@ -300,6 +313,14 @@ class ExpertPack:
                 f"pack {self.path}: routers at offset {h.router_offset} fail their checksum: "
                 f"expected crc32 {h.router_crc:#010x} (header router_crc), actual {crc:#010x}"
             )
+
+
+def _to_f32(m: StoredMatrix, weight_format: str) -> F32Array:
+    if isinstance(m, QuantizedMatrix):
+        return dequantize(m)
+    if weight_format == "bf16":
+        return bf16_bits_to_f32(m)
+    return m.astype(np.float32)
 
 
 def _tensor(record: bytes, t: TensorEntry) -> npt.NDArray[Any]:

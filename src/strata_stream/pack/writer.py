@@ -24,6 +24,8 @@ from strata_stream.pack.header import (
     MATRICES,
     NUMPY_DTYPES,
     QUANT_FORMAT_BITS,
+    LayerFormat,
+    MatrixFormat,
     PackHeader,
     TensorEntry,
     build_header,
@@ -63,6 +65,7 @@ def write_pack(
     bias_dtype: str | None = None,
     model: dict[str, Any] | None = None,
     final_model: Callable[[], dict[str, Any]] | None = None,
+    layer_formats: tuple[LayerFormat, ...] = (),
 ) -> Path:
     """Write a pack to `path` atomically and return the path.
 
@@ -79,21 +82,32 @@ def write_pack(
     ``[moe_intermediate]``, ``[hidden]`` (bf16 as uint16 bit patterns, copied when the dtype
     matches). With ``geometry.routing == "external"`` the pack holds no routers: pass
     ``routers=None``. `model` is the converted checkpoint's layout (JSON metadata "model").
-`final_model()`, called once every record is written, gives the "model" object to store in
-its place: what only reading the experts tells (the digests of their source bytes); it must
-encode to the same length as `model`, since the metadata precedes the records.
+    `final_model()`, called once every record is written, gives the "model" object to store in
+    its place: what only reading the experts tells (the digests of their source bytes); it must
+    encode to the same length as `model`, since the metadata precedes the records.
 
     mxfp4 packs take group_size 32 and scale_dtype "e8m0"; an mxfp4 `QuantizedMatrix` is copied,
     a float array quantized by `quantize_mxfp4` (not byte-identical to MLX's quantizer).
 
-    group_size and scale_dtype apply to quantized formats only. The file appears at `path` only
+    group_size and scale_dtype apply to quantized formats only. `layer_formats` (one
+    (gate, up, down) tuple of `MatrixFormat` per layer) stores each matrix in its own format
+    instead, where they differ by layer or matrix (a version 3 pack, docs/pack-format.md); each
+    matrix `experts` returns is then checked against its own. The file appears at `path` only
     once it is complete (written to a temporary file in the same directory, then renamed).
     """
     if not isinstance(geometry, Geometry):
         raise TypeError(f"geometry must be a Geometry, got {type(geometry).__name__}")
     path = Path(path)
     header, meta_blob = build_header(
-        geometry, weight_format, group_size, scale_dtype, architecture, source, bias_dtype, model
+        geometry,
+        weight_format,
+        group_size,
+        scale_dtype,
+        architecture,
+        source,
+        bias_dtype,
+        model,
+        layer_formats,
     )
     remove_stale_temporaries(path.parent, path.name)
     _check_free_space(path, header.file_bytes)
@@ -245,16 +259,15 @@ def _write_routers(f: BinaryIO, header: PackHeader, routers: RouterSource | None
 
 
 class _RecordFiller:
-    """Puts one expert's matrices into a record buffer in the pack's stored encoding."""
+    """Puts one expert's matrices into a record buffer in the pack's stored encoding (each
+    matrix in its layer's format for that matrix)."""
 
     def __init__(self, header: PackHeader) -> None:
         self.header = header
-        self.fmt = header.weight_format
-        self.bits = QUANT_FORMAT_BITS.get(self.fmt, 0)
         self.shapes = header.geometry.matrix_shapes()
 
-    def views(self, buf: bytearray) -> list[npt.NDArray[Any]]:
-        return [_view(buf, t) for t in self.header.tensors]
+    def views(self, buf: bytearray, layer: int) -> list[npt.NDArray[Any]]:
+        return [_view(buf, t) for t in self.header.tensors_of(layer)]
 
     def fill(self, views: list[npt.NDArray[Any]], layer: int, expert: int, mats: Any) -> None:
         bias_dtype = self.header.bias_dtype
@@ -265,19 +278,26 @@ class _RecordFiller:
             raise TypeError(
                 f"experts({layer}, {expert}) must return {what}, got {type(mats).__name__}{count}"
             )
-        per = len(self.header.tensors) // 3  # each matrix's tensors, in the header's order
+        formats = self.header.formats_of(layer)
+        tensors = self.header.tensors_of(layer)
         for m, mat in enumerate(mats[:3]):
             where = f"layer {layer} expert {expert} {MATRICES[m]}"
-            dst = views[m * per : (m + 1) * per]
-            if self.fmt in FLOAT_FORMATS:
-                self._fill_float(dst[0], mat, self.shapes[m], where)
+            dst = [v for v, t in zip(views, tensors, strict=True) if t.matrix == m]
+            fmt = formats[m]
+            if fmt.weight_format in FLOAT_FORMATS:
+                self._fill_float(dst[0], mat, self.shapes[m], where, fmt)
             else:
-                self._fill_quant(dst, mat, self.shapes[m], where)
+                self._fill_quant(dst, mat, self.shapes[m], where, fmt)
             if bias_dtype is not None:
                 _fill_bias(dst[-1], mats[3 + m], bias_dtype, self.shapes[m][0], f"{where} bias")
 
     def _fill_float(
-        self, dst: npt.NDArray[Any], mat: Any, shape: tuple[int, int], where: str
+        self,
+        dst: npt.NDArray[Any],
+        mat: Any,
+        shape: tuple[int, int],
+        where: str,
+        fmt: MatrixFormat,
     ) -> None:
         if isinstance(mat, QuantizedMatrix):
             _check_shape(mat.shape, shape, where)
@@ -285,17 +305,23 @@ class _RecordFiller:
         else:
             arr = _float_array(mat, where)
             _check_shape(arr.shape, shape, where)
-        if self.fmt == "bf16":
+        if fmt.weight_format == "bf16":
             dst[...] = f32_to_bf16_bits(arr)
         else:
             np.copyto(dst, arr, casting="same_kind")
 
     def _fill_quant(
-        self, dst: list[npt.NDArray[Any]], mat: Any, shape: tuple[int, int], where: str
+        self,
+        dst: list[npt.NDArray[Any]],
+        mat: Any,
+        shape: tuple[int, int],
+        where: str,
+        fmt: MatrixFormat,
     ) -> None:
-        gs, sd = self.header.group_size, self.header.scale_dtype
+        gs, sd, name = fmt.group_size, fmt.scale_dtype, fmt.weight_format
+        bits = QUANT_FORMAT_BITS[name]
         assert sd is not None
-        if self.fmt == "mxfp4":
+        if name == "mxfp4":
             if isinstance(mat, QuantizedMatrix):
                 if mat.mode != "mxfp4":
                     raise TypeError(f"{where}: a {mat.mode} QuantizedMatrix in an mxfp4 pack")
@@ -310,18 +336,18 @@ class _RecordFiller:
             return
         if isinstance(mat, QuantizedMatrix):
             if mat.mode != "affine":
-                raise TypeError(f"{where}: a {mat.mode} QuantizedMatrix in a {self.fmt} pack")
-            if mat.bits != self.bits or mat.group_size != gs:
+                raise TypeError(f"{where}: a {mat.mode} QuantizedMatrix in a {name} pack")
+            if mat.bits != bits or mat.group_size != gs:
                 raise ValueError(
                     f"{where}: QuantizedMatrix has {mat.bits} bits, group {mat.group_size}; "
-                    f"this {self.fmt} pack needs {self.bits} bits, group {gs}"
+                    f"this {name} pack needs {bits} bits, group {gs}"
                 )
             _check_shape(mat.shape, shape, where)
             qm = mat
         else:
             arr = _float_array(mat, where)
             _check_shape(arr.shape, shape, where)
-            qm = quantize(arr, gs, self.bits, sd)
+            qm = quantize(arr, gs, bits, sd)
         dst[0][...] = qm.weight
         assert qm.biases is not None  # affine
         for view, values in ((dst[1], qm.scales), (dst[2], qm.biases)):
@@ -368,9 +394,11 @@ def _write_records(
 ) -> npt.NDArray[np.uint32]:
     g = header.geometry
     filler = _RecordFiller(header)
-    # Tensor gaps and the tail padding are never written into, so they stay zero across reuse.
+    # Tensor gaps and the tail padding are never written into, so they stay zero across reuse
+    # by records of one format class; a buffer is zeroed when it changes class.
     buffers = [bytearray(header.record_stride) for _ in range(_BUFFERS)]
-    views = [filler.views(b) for b in buffers]
+    classes = [header.class_of(0)] * _BUFFERS
+    views = [filler.views(b, 0) for b in buffers]
     checksums = np.zeros(g.n_records, dtype=np.uint32)
     pending: list[Future[None] | None] = [None] * _BUFFERS
 
@@ -388,6 +416,10 @@ def _write_records(
             if previous is not None:
                 previous.result()
             layer, expert = divmod(index, g.n_experts)
+            if header.class_of(layer) != classes[slot]:
+                buffers[slot][:] = bytes(header.record_stride)
+                classes[slot] = header.class_of(layer)
+                views[slot] = filler.views(buffers[slot], layer)
             filler.fill(views[slot], layer, expert, experts(layer, expert))
             pending[slot] = pool.submit(flush, index, buffers[slot])
             bar.update(1)
