@@ -401,7 +401,7 @@ def test_unquantized_checkpoint(tmp_path: Path) -> None:
     # MLX's own arithmetic is reproduced for quantized experts only (gather_mm is another kernel).
     from strata_stream.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="q4/q8 pack"):
+    with pytest.raises(ConfigError, match="q4/q8 experts"):
         load(str(path), pack_path=pack, arena_bytes=5 * stride, config=BASE, arithmetic="mlx",
              progress=False)  # fmt: skip
 
@@ -608,3 +608,50 @@ def test_a_corrupted_predictor_costs_io_never_output(
     assert greedy(model) == fam.ref_greedy
     assert told, "the engine asked for no prediction: the test would prove nothing"
     assert engine.stream.stats()["spec_requests"] > before  # the wrong experts were read
+
+
+def _down_8bit(path: str, module: Any) -> bool | dict[str, Any]:
+    # granitemoe's predicate: the routed experts' down projection at 8 bits, the rest at 4.
+    return {"group_size": 64, "bits": 8} if path.endswith("down_proj") else True
+
+
+def _first_layer_unquantized(path: str, module: Any) -> bool | dict[str, Any]:
+    # muse_spark's: the first layer's routed experts stay unquantized, the rest q4.
+    return ".layers.0." not in f".{path}"
+
+
+@pytest.mark.parametrize(
+    ("predicate", "dtype", "want"),
+    [
+        (_down_8bit, "bfloat16", [("q4", "q4", "q8")] * 3),
+        (_first_layer_unquantized, "float32", [("f32",) * 3] + [("q4",) * 3] * 2),
+    ],
+)
+@pytest.mark.parametrize("experts", ["cpu", "mlx"])
+def test_experts_in_formats_that_differ_by_matrix_or_layer(
+    tmp_path: Path, predicate: Any, dtype: str, want: list[tuple[str, ...]], experts: str,
+    closing: list[Any],
+) -> None:  # fmt: skip
+    """mlx-lm's quantization predicates give some families' experts a format per projection
+    (granitemoe) or per layer (muse_spark): the checkpoint converts into a version 3 pack, each
+    matrix in its stored format, and the model streams bitwise plain mlx-lm on both paths at
+    a small arena (a layer MLX computes with gather_mm runs its own module there)."""
+    path = make_checkpoint("qwen3_moe", tmp_path / "m", dtype=getattr(mx, dtype),
+                           experts_predicate=predicate)  # fmt: skip
+    pack = convert(path, tmp_path / "m.strpk", progress=False)
+    with ExpertPack.open(pack) as p:
+        assert p.mixed
+        got = [tuple(f.weight_format for f in p.formats_of(i)) for i in range(3)]
+        stride, top_k = p.record_stride, p.geometry.top_k
+    assert got == want
+    ref, _ = mlx_lm.load(str(path))
+    model, _ = load(str(path), pack_path=pack, arena_bytes=(2 * top_k + 1) * stride,
+                    config=BASE, experts=experts, progress=False)  # fmt: skip
+    closing.append(model)
+    assert np.array_equal(logits(model), logits(ref))
+    assert greedy(model, LONG_GREEDY_TOKENS) == greedy(ref, LONG_GREEDY_TOKENS)
+    from strata_stream.mlx_lm import describe
+
+    kernels = describe(model)["kernels"]
+    if experts == "cpu":  # the unquantized layer on MLX's own kernels, the rest on the engine's
+        assert kernels == ["mlx" if w[0] == "f32" else "cpu" for w in want]

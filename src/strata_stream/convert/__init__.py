@@ -94,8 +94,8 @@ def convert(
     replaced only when it is a pack, or with `force` (check_output, before anything is read).
     The pack is written in a staging directory beside `out` and appears at `out` only once it
     is complete (convert/staging.py).
-    Raises ConfigError for a checkpoint it cannot convert (naming why: no experts, mxfp4
-    experts, mixed formats) and PackError for malformed safetensors files.
+    Raises ConfigError for a checkpoint it cannot convert (naming why: no experts, a format
+    the pack cannot hold) and PackError for malformed safetensors files.
     """
     model_dir = Path(model_dir)
     out_path = check_output(out, force)
@@ -113,6 +113,12 @@ def convert(
             layout.weight_format, layout.group_size or 64, layout.scale_dtype or "f16"
         )  # fmt: skip
         if quantize is not None:
+            if layout.layer_formats:
+                raise ConfigError(
+                    f"{model_dir}: the experts are stored in formats that differ by layer or "
+                    "matrix (already quantized); --quantize takes float (f32, f16, bf16) "
+                    "checkpoints"
+                )
             if layout.weight_format not in _FLOAT_FORMATS:
                 raise ConfigError(
                     f"{model_dir}: the experts are already {layout.weight_format}; --quantize "
@@ -144,6 +150,7 @@ def convert(
                 progress=progress,
                 bias_dtype=layout.bias_dtype,
                 model=placeholder,
+                layer_formats=layout.layer_formats if quantize is None else (),
                 final_model=lambda: {
                     **layout.model,
                     "source_weights": final_record(shards, digests),

@@ -4,8 +4,9 @@ Two layouts are recognised, by tensor name, whatever the family:
 
 - stacked (mlx-lm): ``...layers.{i}.{path}.{switch_mlp|switch_glu|experts}.{gate,up,down}_proj.
   {role}`` (the experts module where the model holds it: ``mlp.switch_mlp``, gemma4's
-  ``experts.switch_glu``, deepseek_v41's ``mlp.experts.switch_mlp``) with a leading expert axis ``[E, rows, cols]``; role ``weight`` (uint32 when quantized),
-  ``scales``/``biases`` (affine quantization), ``bias`` (the Linear's own, gpt-oss);
+  ``experts.switch_glu``, deepseek_v41's ``mlp.experts.switch_mlp``) with a leading expert
+  axis ``[E, rows, cols]``; role ``weight`` (uint32 when quantized), ``scales``/``biases``
+  (affine quantization), ``bias`` (the Linear's own, gpt-oss);
 - per expert (Hugging Face): ``...layers.{i}.{path}.experts.{e}.{gate,up,down}_proj.{role}``
   (Mixtral's ``w1``/``w3``/``w2`` are gate/up/down);
 - fused (transformers 5): ``...layers.{i}.{path}.experts.gate_up_proj`` and ``.down_proj``
@@ -21,8 +22,9 @@ Two layouts are recognised, by tensor name, whatever the family:
   copied as they are, the rows split.
 
 Quantization is read from the shapes (bits = packed words * 32 / input width, group = input
-width / scale columns), so per-layer overrides in config.json need no special handling; all
-three matrices of every layer must share one format, which the pack stores.
+width / scale columns), per matrix and per layer, so per-layer overrides in config.json need no
+special handling: matrices stored in different formats (mlx-lm's quantization predicates) make
+a version 3 pack, each in its own format.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -41,7 +43,14 @@ from strata_stream.convert.safetensors_index import SafetensorsIndex
 from strata_stream.convert.share import WHOLE, Share
 from strata_stream.errors import ConfigError, PackError
 from strata_stream.pack.geometry import Geometry
-from strata_stream.pack.header import MATRICES, QUANT_FORMAT_BITS, ROLES, record_layout
+from strata_stream.pack.header import (
+    MATRICES,
+    QUANT_FORMAT_BITS,
+    ROLES,
+    LayerFormat,
+    MatrixFormat,
+    layer_record_layout,
+)
 from strata_stream.pack.quant import QuantizedMatrix, bf16_bits_to_f32
 
 _STACKED = re.compile(
@@ -130,6 +139,15 @@ class ExpertLayout:
     # of the checkpoint's intermediate dimension it holds.
     share: Share = WHOLE
     rows: tuple[int, int] | None = None
+    # Each layer's (gate, up, down) formats where they differ by layer or matrix (a version 3
+    # pack); empty when every matrix is in weight_format.
+    layer_formats: tuple[LayerFormat, ...] = ()
+
+    def formats_of(self, pack_layer: int) -> LayerFormat:
+        if self.layer_formats:
+            return self.layer_formats[pack_layer]
+        one = MatrixFormat(self.weight_format, self.group_size, self.scale_dtype)
+        return (one, one, one)
 
     def tensor_names(self) -> list[str]:
         """The checkpoint names of the expert tensors `experts_fn` reads, in record order (a
@@ -146,7 +164,6 @@ class ExpertLayout:
         are read, so calling experts(l, e) for every record in order digests exactly the bytes
         the pack was made from (convert/source.py's TensorDigests).
         """
-        bits = QUANT_FORMAT_BITS.get(self.weight_format, 0)
         rows = self.rows
 
         def fetch(layer: _Layer, key: tuple[int, str], expert: int) -> npt.NDArray[Any]:
@@ -163,8 +180,11 @@ class ExpertLayout:
                 digest(name, np.ascontiguousarray(got).data)
             return got
 
-        def read(layer: _Layer, key: tuple[int, str], expert: int) -> npt.NDArray[Any]:
+        def read(
+            layer: _Layer, key: tuple[int, str], expert: int, fmt: MatrixFormat
+        ) -> npt.NDArray[Any]:
             matrix, role = key
+            bits = QUANT_FORMAT_BITS.get(fmt.weight_format, 0)
             if layer.fused is not None:
                 # The whole fused slice of this expert (gate and up each read it once).
                 name = layer.names[key]
@@ -189,25 +209,27 @@ class ExpertLayout:
             if role == "weight" and bits:
                 c0, c1 = r0 * bits // 32, r1 * bits // 32
             elif role in ("scales", "biases"):
-                c0, c1 = r0 // self.group_size, r1 // self.group_size
+                c0, c1 = r0 // fmt.group_size, r1 // fmt.group_size
             else:
                 c0, c1 = r0, r1
             return np.ascontiguousarray(full[:, c0:c1])
 
         def experts(pack_layer: int, expert: int) -> tuple[Any, ...]:
             layer = self.layers[pack_layer]
+            formats = self.formats_of(pack_layer)
             out: list[Any] = []
-            for m in range(3):
-                w = read(layer, (m, "weight"), expert)
+            for m, fmt in enumerate(formats):
+                w = read(layer, (m, "weight"), expert, fmt)
+                bits = QUANT_FORMAT_BITS.get(fmt.weight_format, 0)
                 if bits:
-                    mxfp4 = self.weight_format == "mxfp4"
+                    mxfp4 = fmt.weight_format == "mxfp4"
                     out.append(
                         QuantizedMatrix(
                             np.ascontiguousarray(w, dtype=np.uint32),
-                            read(layer, (m, "scales"), expert),
-                            None if mxfp4 else read(layer, (m, "biases"), expert),
+                            read(layer, (m, "scales"), expert, fmt),
+                            None if mxfp4 else read(layer, (m, "biases"), expert, fmt),
                             bits,
-                            self.group_size,
+                            fmt.group_size,
                             mode="mxfp4" if mxfp4 else "affine",
                         )
                     )
@@ -215,7 +237,9 @@ class ExpertLayout:
                     # bf16 widens exactly to float32 and the writer rounds it back exactly.
                     out.append(bf16_bits_to_f32(w) if w.dtype == np.uint16 else w)
             if self.bias_dtype is not None:
-                out.extend(read(layer, (m, "bias"), expert).reshape(-1) for m in range(3))
+                out.extend(
+                    read(layer, (m, "bias"), expert, formats[m]).reshape(-1) for m in range(3)
+                )
             return tuple(out)
 
         return experts
@@ -275,44 +299,27 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
         t = index.tensors[name.format(e=0)]
         return t.dtype, (len(experts), *t.shape)
 
-    wdtype, gshape = loc(first, (0, "weight"))
+    _, gshape = loc(first, (0, "weight"))
     n_experts, inter = gshape[0], gshape[1]
-    quantized = "scales" in roles
-    mxfp4 = False
-    if quantized:
-        sdtype, sshape = loc(first, (0, "scales"))
-        if sdtype == "U8" or "biases" not in roles:
-            # MLX's microscaling modes: u8 scales, no biases. mxfp4 is 4 bits in groups of 32
-            # (gpt-oss); nvfp4 (groups of 16, FP8 scales) and mxfp8 are not taken on.
-            group = hidden // sshape[2] if sshape[2] else 0
-            if not (sdtype == "U8" and "biases" not in roles and wdtype == "U32"
-                    and gshape[2] * 8 == hidden and group == 32):  # fmt: skip
-                raise ConfigError(
-                    f"{model_dir}: the experts are quantized without affine biases (scales "
-                    f"{sdtype}, groups of {group}) but are not mxfp4: of MLX's microscaling "
-                    "modes only mxfp4 is supported (nvfp4 and mxfp8 are not)"
-                )
-            mxfp4 = True
-        bits = gshape[2] * 32 // hidden
-        if wdtype != "U32" or bits not in (4, 8) or gshape[2] * 32 != bits * hidden:
-            raise ConfigError(
-                f"{model_dir}: expert gate weight {wdtype} {list(gshape)} is not MLX affine "
-                f"q4/q8 of width {hidden}"
-            )
-        group = hidden // sshape[2]
-        weight_format = "mxfp4" if mxfp4 else f"q{bits}"
-        scale_dtype: str | None = "e8m0" if mxfp4 else _FLOAT_FORMATS.get(sdtype)
-        if scale_dtype is None or group * sshape[2] != hidden:
-            raise ConfigError(f"{model_dir}: expert scales {sdtype} {list(sshape)} not understood")
-    else:
-        if wdtype not in _FLOAT_FORMATS:
-            raise ConfigError(f"{model_dir}: expert weights of dtype {wdtype} not supported")
-        if gshape[2] != hidden:
-            raise ConfigError(
-                f"{model_dir}: expert gate weight {list(gshape)} does not match hidden_size "
-                f"{hidden}"
-            )
-        weight_format, group, scale_dtype = _FLOAT_FORMATS[wdtype], 0, None
+    # Each matrix of each layer in the format its tensors are stored in: mlx-lm's quantization
+    # predicates may give a projection or a layer its own (granitemoe's 8-bit down projection,
+    # muse_spark's unquantized first and last layers). One format throughout is a version 2
+    # pack; several are a version 3 one (docs/pack-format.md).
+    per_layer = tuple(
+        cast(
+            LayerFormat,
+            tuple(
+                _matrix_format(model_dir, layer, m, loc, hidden if m < 2 else inter)
+                for m in range(3)
+            ),
+        )
+        for layer in ordered
+    )
+    uniform = len(set(per_layer)) == 1 and len(set(per_layer[0])) == 1
+    pack_format = per_layer[0][0]
+    weight_format, group = pack_format.weight_format, pack_format.group_size
+    scale_dtype = pack_format.scale_dtype
+    layer_formats = () if uniform else per_layer
     bias_dtype = None
     if "bias" in roles:
         bdtype, _ = loc(first, (0, "bias"))
@@ -339,11 +346,11 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
         act_alpha=_OAI_ALPHA,
         act_limit=float(config.get("swiglu_limit", _OAI_LIMIT)),
     )
-    # Every layer, every tensor: the pack's tensor table for this format (pack/header.py's
-    # record_layout, the one statement of that rule), each entry one [E, rows, cols] checkpoint
-    # tensor ([E, rows] for a Linear bias).
-    table, _ = record_layout(geometry, weight_format, group, scale_dtype, bias_dtype)
-    for layer in ordered:
+    # Every layer, every tensor: the pack's tensor table for its formats (pack/header.py's
+    # layer_record_layout, the one statement of that rule), each entry one [E, rows, cols]
+    # checkpoint tensor ([E, rows] for a Linear bias).
+    for layer, formats in zip(ordered, per_layer, strict=True):
+        table, _ = layer_record_layout(geometry, formats, bias_dtype)
         for t in table:
             role = ROLES[t.role]
             key = (t.matrix, role)
@@ -358,8 +365,8 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
             if got_dt != dt or tuple(got_shape) != shape:
                 raise PackError(
                     f"{model_dir}: {layer.names[key]} is {got_dt} {list(got_shape)}, "
-                    f"expected {dt} {list(shape)} (all expert matrices must share one "
-                    "format and shape)"
+                    f"expected {dt} {list(shape)} (the experts of every layer must have "
+                    "one shape)"
                 )
 
     model = {
@@ -382,7 +389,55 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
         bias_dtype,
         ordered,
         model,
+        layer_formats=layer_formats,
     )
+
+
+def _matrix_format(
+    model_dir: Path,
+    layer: _Layer,
+    matrix: int,
+    loc: Callable[[_Layer, tuple[int, str]], tuple[str, tuple[int, ...]]],
+    width: int,
+) -> MatrixFormat:
+    """How one matrix of one layer's experts is stored, from its tensors' dtypes and shapes
+    (`width`: the matrix's input width, hidden for gate and up, the intermediate for down)."""
+    name = f"decoder layer {layer.decoder_layer} expert {MATRICES[matrix]}"
+    roles = {r for (m, r) in layer.names if m == matrix}
+    if (matrix, "weight") not in layer.names:
+        raise PackError(f"{model_dir}: {name} has no weight")
+    wdtype, wshape = loc(layer, (matrix, "weight"))
+    if "scales" not in roles:
+        if wdtype not in _FLOAT_FORMATS:
+            raise ConfigError(f"{model_dir}: {name} weights of dtype {wdtype} not supported")
+        if wshape[2] != width:
+            raise ConfigError(
+                f"{model_dir}: {name} weight {list(wshape)} does not have {width} columns"
+            )
+        return MatrixFormat(_FLOAT_FORMATS[wdtype])
+    sdtype, sshape = loc(layer, (matrix, "scales"))
+    group = width // sshape[2] if sshape[2] else 0
+    if sdtype == "U8" or "biases" not in roles:
+        # MLX's microscaling modes: u8 scales, no biases. mxfp4 is 4 bits in groups of 32
+        # (gpt-oss); nvfp4 (groups of 16, FP8 scales) and mxfp8 are not taken on.
+        if not (sdtype == "U8" and "biases" not in roles and wdtype == "U32"
+                and wshape[2] * 8 == width and group == 32):  # fmt: skip
+            raise ConfigError(
+                f"{model_dir}: {name} is quantized without affine biases (scales {sdtype}, "
+                f"groups of {group}) but is not mxfp4: of MLX's microscaling modes only mxfp4 "
+                "is supported (nvfp4 and mxfp8 are not)"
+            )
+        return MatrixFormat("mxfp4", 32, "e8m0")
+    bits = wshape[2] * 32 // width
+    if wdtype != "U32" or bits not in (4, 8) or wshape[2] * 32 != bits * width:
+        raise ConfigError(
+            f"{model_dir}: {name} weight {wdtype} {list(wshape)} is not MLX affine q4/q8 of "
+            f"width {width}"
+        )
+    scale_dtype = _FLOAT_FORMATS.get(sdtype)
+    if scale_dtype is None or group * sshape[2] != width:
+        raise ConfigError(f"{model_dir}: {name} scales {sdtype} {list(sshape)} not understood")
+    return MatrixFormat(f"q{bits}", group, scale_dtype)
 
 
 def share_layout(layout: ExpertLayout, share: Share) -> ExpertLayout:
@@ -391,13 +446,20 @@ def share_layout(layout: ExpertLayout, share: Share) -> ExpertLayout:
     no MoE layer or the slice is not whole quantization groups."""
     if share.whole:
         return layout
-    layers = tuple(layer for layer in layout.layers if share.holds_layer(layer.decoder_layer))
+    held = [share.holds_layer(layer.decoder_layer) for layer in layout.layers]
+    layers = tuple(layer for layer, h in zip(layout.layers, held, strict=True) if h)
+    layer_formats = tuple(f for f, h in zip(layout.layer_formats, held, strict=False) if h)
     if not layers:
         raise ConfigError(f"{share.describe()} holds no MoE layer of this {layout.model_type}")
     g = layout.geometry
     rows = None
     inter = g.moe_intermediate
     if share.tp_size > 1:
+        if layout.layer_formats:
+            raise ConfigError(
+                "tensor parallel streaming of experts whose formats differ by layer or matrix "
+                "is not supported"
+            )
         if layout.bias_dtype is not None:
             raise ConfigError(
                 "tensor parallel streaming of experts with Linear biases is not supported "
@@ -413,7 +475,15 @@ def share_layout(layout: ExpertLayout, share: Share) -> ExpertLayout:
         "experts_prefixes": [layer.prefix for layer in layers],
         "share": share.to_json(),
     }
-    return replace(layout, geometry=geometry, layers=layers, model=model, share=share, rows=rows)
+    return replace(
+        layout,
+        geometry=geometry,
+        layers=layers,
+        model=model,
+        share=share,
+        rows=rows,
+        layer_formats=layer_formats,
+    )
 
 
 def _to_st(name: str | None) -> str | None:

@@ -9,8 +9,9 @@ evaluated, so the sharding's slices of them are never computed and their shards 
 
 What crosses the network is what plain sharded mlx-lm sends: the pipeline's send/recv and
 all_gather of the hidden state, the tensor-parallel all_sum of each block's output (the block's
-own code, on both expert paths: only its experts module is streamed). Routing, prediction and the handshake are per rank. `gather_stats` is the one
-addition, a small all_gather the caller makes once at the end of a generation, not per token.
+own code, on both expert paths: only its experts module is streamed). Routing, prediction and
+the handshake are per rank. `gather_stats` is the one addition, a small all_gather the caller
+makes once at the end of a generation, not per token.
 
 Memory: each rank sizes its arena from its own available memory, divided by the number of
 ranks on its host (`local_ranks`).

@@ -17,7 +17,7 @@ import numpy.typing as npt
 
 from strata_stream.config import StreamConfig
 from strata_stream.errors import ConfigError
-from strata_stream.pack.header import TensorEntry
+from strata_stream.pack.header import PackHeader
 from strata_stream.pack.reader import ExpertPack
 from strata_stream.stream import ABSENT, ExpertStream
 from strata_stream.window import Window
@@ -70,9 +70,9 @@ class ArenaTensors:
     either way, which the Linux tests prove bitwise against plain mlx-lm.
     """
 
-    def __init__(self, stream: ExpertStream, tensors: tuple[TensorEntry, ...]) -> None:
+    def __init__(self, stream: ExpertStream, header: PackHeader) -> None:
         self.stream = stream
-        self.tensors = tensors
+        self.header = header  # each layer's tensor table (its format class's)
         self._adopted: mx.array | None = None
         if sys.platform == "darwin" and mx.metal.is_available():  # pragma: no cover - macOS
             try:
@@ -86,11 +86,12 @@ class ArenaTensors:
             return self._adopted
         return mx.array(self.stream.arena_view().reshape(-1))
 
-    def views(self, base: mx.array) -> dict[tuple[int, str], mx.array]:
-        """(matrix, role key) -> [n_slots, ...] view of every slot's tensor."""
+    def views(self, base: mx.array, layer: int) -> dict[tuple[int, str], mx.array]:
+        """(matrix, role key) -> [n_slots, ...] view of every slot's tensor, as `layer`'s
+        records hold it."""
         n_slots, stride = self.stream.n_slots, self.stream.arena_view().shape[1]
         out: dict[tuple[int, str], mx.array] = {}
-        for t in self.tensors:
+        for t in self.header.tensors_of(layer):
             dtype = _MX_DTYPES[t.dtype]
             size = dtype.size
             typed = mx.view(base, dtype)
@@ -135,24 +136,36 @@ class MoeEngine:
         self.route_override: Callable[[int, mx.array, mx.array], mx.array] | None = None
         try:
             self.window = Window(self.stream, backend="metal" if experts == "metal" else "cpu")
-            mlx_kernels = any(b.kernels == "mlx" for b in blocks)
-            self.arena = ArenaTensors(self.stream, pack.tensors) if mlx_kernels else None
             if experts != "mlx" and (why := self.window.per_entry_unsupported):
                 raise ConfigError(f"experts={experts!r}: {why}")
-            # The activation dtypes whose MLX arithmetic the Window's backend reproduces for
-            # this pack (the engine decides: a q4/q8 pack's scales' dtype; mxfp4, any whose
-            # Linear biases, if any, share it); none on the MLX-kernel path.
-            self.mlx_dtypes: tuple[mx.Dtype, ...] = tuple(
-                d
-                for name, d in _MLX_ARITHMETIC_DTYPES.items()
-                if experts != "mlx" and not self.window.arithmetic_unsupported(name)
-            )
-            if arithmetic == "mlx" and not self.mlx_dtypes:
+            # Per pack layer, the activation dtypes whose MLX arithmetic the Window's backend
+            # reproduces for its experts' formats (the engine decides: a q4/q8 layer's scales'
+            # dtype; mxfp4, any whose Linear biases, if any, share it).
+            self.mlx_dtypes: list[tuple[mx.Dtype, ...]] = [
+                tuple(
+                    d
+                    for name, d in _MLX_ARITHMETIC_DTYPES.items()
+                    if not self.window.arithmetic_unsupported(name, b.layer)
+                )
+                for b in blocks
+            ]
+            for b in blocks:
+                # A pack whose formats differ by layer: a layer MLX computes with other kernels
+                # (unquantized: gather_mm) runs them itself, so the model stays bitwise.
+                if (b.kernels == "cpu" and pack.mixed and arithmetic != "float32"
+                        and not self.mlx_dtypes[b.layer]):  # fmt: skip
+                    b.kernels = "mlx"
+            cpu_layers = [b.layer for b in blocks if b.kernels == "cpu"]
+            if arithmetic == "mlx" and (
+                experts == "mlx" or any(not self.mlx_dtypes[i] for i in cpu_layers)
+            ):
                 raise ConfigError(
-                    "arithmetic='mlx' needs experts='cpu' and a q4/q8 pack with bfloat16 or "
-                    "float32 scales, or an mxfp4 pack with bfloat16 or float32 biases (this is "
+                    "arithmetic='mlx' needs experts='cpu' and q4/q8 experts with bfloat16 or "
+                    "float32 scales, or mxfp4 experts with bfloat16 or float32 biases (this is "
                     f"experts={experts!r}, {pack.weight_format} with {pack.scale_dtype} scales)"
                 )
+            mlx_kernels = any(b.kernels == "mlx" for b in blocks)
+            self.arena = ArenaTensors(self.stream, pack.header) if mlx_kernels else None
         except BaseException:
             if hasattr(self, "window"):
                 self.window.close()
@@ -236,22 +249,23 @@ class MoeEngine:
             None,  # per entry, unweighted: the block weights and sums them itself
             pred1=None if preds[0] is None else _ids(preds[0]),
             pred2=None if preds[1] is None else _ids(preds[1]),
-            arithmetic=self.arithmetic_for(x.dtype),
+            arithmetic=self.arithmetic_for(x.dtype, layer),
             per_entry=True,
         )
         # Each entry comes back in float32, already rounded as MLX rounds x's dtype.
         return mx.array(out).reshape(*indices.shape, self.hidden).astype(x.dtype)
 
-    def arithmetic_for(self, dtype: mx.Dtype) -> str:
-        """The Window's arithmetic for activations of `dtype` (see ARITHMETICS)."""
+    def arithmetic_for(self, dtype: mx.Dtype, layer: int) -> str:
+        """The Window's arithmetic at `layer` for activations of `dtype` (see ARITHMETICS)."""
         if self.arithmetic == "float32":
             return "float32"
-        if dtype in self.mlx_dtypes:
+        if dtype in self.mlx_dtypes[layer]:
             return "mlx"
         if self.arithmetic == "mlx":
             raise ConfigError(
                 "arithmetic='mlx' needs activations in "
-                f"{' or '.join(str(d) for d in self.mlx_dtypes)} for this pack, got {dtype}"
+                f"{' or '.join(str(d) for d in self.mlx_dtypes[layer])} for this pack, got "
+                f"{dtype}"
             )
         return "float32"
 
@@ -283,7 +297,7 @@ class MoeEngine:
             mask[row0 : row0 + n] = valid
             assert self.arena is not None
             base = self.arena.base()
-            y = compute(mx.array(full).reshape(indices.shape), self.arena.views(base))
+            y = compute(mx.array(full).reshape(indices.shape), self.arena.views(base, layer))
             prev = result[0]
             if prev is not None or not mask.all():
                 m = mx.array(mask).reshape(*indices.shape, 1)

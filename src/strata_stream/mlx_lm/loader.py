@@ -38,6 +38,7 @@ from strata_stream.pack.reader import ExpertPack
 from strata_stream.paths import checked_model_dir, fetched, model_location
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_MATRICES = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclass
@@ -117,7 +118,7 @@ def _check_pack(pack: ExpertPack, found: list[_Found], share: Share = WHOLE) -> 
             f"model's MoE blocks are at {decoder_layers} (a pack of another model?)"
         )
     g = pack.geometry
-    for f in found:
+    for pack_layer, f in enumerate(found):
         layer = f.decoder_layer
         gp = f.switch.gate_proj
         n_experts, rows = gp.weight.shape[0], gp.weight.shape[1]
@@ -131,16 +132,19 @@ def _check_pack(pack: ExpertPack, found: list[_Found], share: Share = WHOLE) -> 
                 f"{where}: {g.n_experts} experts per layer, the model's layer {layer} has "
                 f"{n_experts}"
             )
-        bits = getattr(gp, "bits", None)
-        if bits is None:
-            continue
-        mode = getattr(gp, "mode", "affine")
-        model_format = "mxfp4" if mode == "mxfp4" else f"q{bits}" if mode == "affine" else mode
-        if pack.weight_format != model_format or getattr(gp, "group_size", 0) != pack.group_size:
-            raise PackError(
-                f"{where}: experts stored as {pack.weight_format} group {pack.group_size}, the "
-                f"model's are {model_format} group {gp.group_size}"
-            )
+        for name, stored in zip(_MATRICES, pack.formats_of(pack_layer), strict=True):
+            linear = f.switch[name]
+            bits = getattr(linear, "bits", None)
+            if bits is None:  # unquantized: a pack may hold it quantized (convert --quantize)
+                continue
+            mode = getattr(linear, "mode", "affine")
+            model_format = "mxfp4" if mode == "mxfp4" else f"q{bits}" if mode == "affine" else mode
+            group = getattr(linear, "group_size", 0)
+            if (stored.weight_format, stored.group_size) != (model_format, group):
+                raise PackError(
+                    f"{where}: layer {layer} {name} stored as {stored.describe()}, the model's "
+                    f"is {model_format} group {group}"
+                )
 
 
 def _kernels(pack: ExpertPack, switch: Any, experts: str) -> str:

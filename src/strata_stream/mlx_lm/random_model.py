@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ __all__ = [
     "make_chat_checkpoint",
     "make_checkpoint",
     "make_large_checkpoint",
+    "randomize",
     "save_tokenizer",
 ]
 
@@ -123,7 +125,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-def _randomize(model: Any, seed: int, dtype: Any = mx.bfloat16) -> None:
+def randomize(model: Any, seed: int, dtype: Any = mx.bfloat16) -> None:
+    """Random weights of `dtype` for every float parameter of an mlx-lm `model`, scaled so a
+    tiny model's activations stay finite (matrices by 1/sqrt(width), norms near 1)."""
     mx.random.seed(seed)
     new: list[tuple[str, Any]] = []
     flat: Any = tree_flatten(model.parameters())
@@ -187,6 +191,7 @@ def make_checkpoint(
     group_size: int = 64,
     experts_mode: str = "affine",
     chat: bool = False,
+    experts_predicate: Callable[[str, Any], bool | dict[str, Any]] | None = None,
 ) -> Path:
     """A random checkpoint of `family` at `path` (q4 g64, 8-bit gates; or unquantized).
 
@@ -198,7 +203,10 @@ def make_checkpoint(
     tokenizer (save_tokenizer), and the lm_head rows of its special tokens and of ids past its
     vocabulary are zero, so their logits are exactly 0 while the largest other logit is
     positive for any realistic hidden state: greedy text is words and never ends early, which
-    keeps generation lengths (and the tests that count tokens) deterministic."""
+    keeps generation lengths (and the tests that count tokens) deterministic.
+    `experts_predicate(path, module)` decides for the routed experts' modules (SwitchLinear)
+    instead, as mlx-lm's quantization predicates of some families do: False keeps one
+    unquantized, a dict gives it its own bits and group size."""
     from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
 
     if family not in CONFIGS:
@@ -211,7 +219,7 @@ def make_checkpoint(
                   "eos_token_id": vocab["<eos>"]}  # fmt: skip
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
-    _randomize(model, seed, dtype)
+    randomize(model, seed, dtype)
     if vocab is not None:
         head = model.lm_head.weight
         words = range(len(_CHAT_SPECIAL), len(vocab))
@@ -220,11 +228,13 @@ def make_checkpoint(
     mx.eval(model.parameters())
     if quantize:
         predicate = _predicate
-        if experts_mode != "affine":
+        if experts_mode != "affine" or experts_predicate is not None:
             from mlx_lm.models.switch_layers import SwitchLinear
 
             def predicate(path: str, module: Any) -> bool | dict[str, Any]:
                 if isinstance(module, SwitchLinear):
+                    if experts_predicate is not None:
+                        return experts_predicate(path, module)
                     return {"group_size": 32, "bits": 4, "mode": experts_mode}
                 return _predicate(path, module)
 
@@ -297,7 +307,7 @@ def make_large_checkpoint(
     config["num_hidden_layers"] = 1
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
-    _randomize(model, seed)
+    randomize(model, seed)
     mx.eval(model.parameters())
     model, config = quantize_model(model, config, 64, 4, quant_predicate=_predicate)
     template: dict[str, Any] = dict(tree_flatten(model.parameters()))
