@@ -92,6 +92,25 @@ def test_compare_names_the_largest_difference_and_the_first_other_token() -> Non
     assert matrix._compare((nan, [1]), (nan.copy(), [1])) == "exact"
 
 
+def test_the_float32_cpu_cell_counts_within_its_tolerance_with_the_same_tokens() -> None:
+    import numpy as np
+
+    ref = np.full((2, 3), 10.0, np.float32)
+    near = ref.copy()
+    near[0, 0] += 5e-5  # 5e-6 of the largest logit
+    far = ref.copy()
+    far[0, 0] += 5e-3
+    rtol = matrix.F32_CPU_RTOL
+    assert matrix._compare((ref, [1]), (near, [1]), rtol).startswith("exact (float32 order")
+    assert matrix._compare((ref, [1]), (near, [1])).startswith("mismatch")  # bitwise elsewhere
+    assert matrix._compare((ref, [1]), (far, [1]), rtol).startswith("mismatch")
+    assert matrix._compare((ref, [1]), (near, [2]), rtol).startswith("mismatch")
+    cells = {v: dict.fromkeys(matrix.PATHS, "exact") for v in matrix.VARIANTS}
+    cells["f32"]["cpu"] = "exact (float32 order, max |diff| 5e-05 of 10)"
+    row = matrix.Row("a", cells)
+    assert row.exact and row.failures == [] and row.summary == "exact"
+
+
 def test_a_row_counts_only_when_every_cell_is_exact() -> None:
     exact = {v: dict.fromkeys(matrix.PATHS, "exact") for v in matrix.VARIANTS}
     one_off = {v: dict(c) for v, c in exact.items()}
