@@ -317,3 +317,14 @@ def test_demo_keep_leaves_a_model_generate_runs_offline(
     assert "decode" in got.out and "converting" not in got.err  # the pack the demo made
     assert main(["demo", "--keep", str(keep), "--tokens", "2"]) == 2  # nothing is replaced
     _one_line_error(capsys, f"{kept} exists already")
+
+
+def test_serve_waits_for_as_many_requests_as_the_server_defaults_to() -> None:
+    # The CLI cannot import ServeConfig (its package needs FastAPI, generate does not), so
+    # --max-queue repeats its default; lm-eval's 16 concurrent requests need most of it.
+    pytest.importorskip("fastapi")
+    from strata_stream.cli import _build_parser
+    from strata_stream.serve import ServeConfig
+
+    args = _build_parser().parse_args(["serve", "some/model"])
+    assert args.max_queue == ServeConfig.max_queue

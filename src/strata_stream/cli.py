@@ -140,7 +140,13 @@ def _build_parser() -> argparse.ArgumentParser:
                        "converted once)")  # fmt: skip
     serve.add_argument("--model-id", help="model name clients use (default: MODEL's basename)")
     serve.add_argument(
-        "--max-queue", type=int, default=8, help="waiting requests before 503 (default 8)"
+        "--max-queue",
+        type=int,
+        # ServeConfig.max_queue's default, not imported: the server's package needs FastAPI,
+        # which generate does not (test_cli checks the two agree).
+        default=64,
+        help="waiting requests before 503 (default 64; a request takes one place, whatever "
+        "its prompt count)",
     )
     serve.add_argument("--max-batch", type=int, default=None,
                        help="requests generated together (default 8; the transformers engine "
