@@ -203,3 +203,23 @@ def test_arena_is_sized_from_available_memory(tmp_path: Path) -> None:
             arena_size(pack, minimum - 1)
         with pytest.raises(ConfigError, match="not enough memory for the experts.*GiB in all"):
             arena_size(pack, None, available=1 << 20)
+
+
+def test_experts_without_a_gate_are_refused_naming_why(tmp_path: Path) -> None:
+    """mlx-lm's SwitchMLP experts (fc1, activation, fc2: phixtral, nemotron_h) have no gate:
+    convert says so in one line instead of failing on the config or finding no experts."""
+    from safetensors.numpy import save_file
+
+    from strata_stream.convert import convert
+    from strata_stream.errors import ConfigError
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "phixtral", "model_dim": 64}')
+    save_file(
+        {"transformer.h.0.moe.switch_mlp.fc1.weight": np.zeros((4, 32, 64), np.float32),
+         "transformer.h.0.moe.switch_mlp.fc2.weight": np.zeros((4, 64, 32), np.float32)},
+        str(model / "model.safetensors"),
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="phixtral's routed experts have one input projection"):
+        convert(model, tmp_path / "m.strpk", progress=False)

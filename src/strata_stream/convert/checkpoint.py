@@ -66,6 +66,8 @@ _FUSED = re.compile(
     r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>(?:\w+\.)*?)experts)"
     r"\.(?P<mat>gate_up_proj|down_proj)(?P<suffix>_bias|_blocks|_scales)?$"
 )
+# Stacked experts of one input projection (mlx-lm's SwitchMLP: fc1, activation, fc2).
+_UNGATED = re.compile(r"(?:^|\.)switch_mlp\.fc1\.weight$")
 _MATRIX = {"gate_proj": 0, "up_proj": 1, "down_proj": 2, "w1": 0, "w3": 1, "w2": 2}
 _FLOAT_FORMATS = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
 # gpt-oss's clamped SwiGLU (mlx_lm.models.activations.SwigluOAI defaults).
@@ -249,6 +251,13 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
     """Locate and check the routed experts; raises ConfigError/PackError naming what is wrong."""
     config = read_config(model_dir)
     model_type = str(config.get("model_type", "unknown"))
+    ungated = next((n for n in index.tensors if _UNGATED.search(n)), None)
+    if ungated is not None:
+        raise ConfigError(
+            f"{model_dir}: {model_type}'s routed experts have one input projection and no gate "
+            f"({ungated}: mlx-lm's SwitchMLP); the pack holds gated experts (gate, up, down) "
+            "only"
+        )
     layers: dict[int, _Layer] = {}
     hidden = int(config.get("hidden_size", 0))
     if not hidden:
