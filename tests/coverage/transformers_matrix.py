@@ -237,11 +237,18 @@ def build_tiny(model_type: str, path: Path) -> tuple[Any, bool]:
 
     try:
         config = tiny_config(model_type)
-        cls = causal_lm_class(config)
-        with torch.device("meta"):  # does it build? (structure only)
-            cls._from_config(config_for(cls, config))
-    except Exception:  # noqa: BLE001 - once more with the entries no default provides
-        config = tiny_config(model_type, FALLBACK)
+        try:
+            built: type[Any] | None = causal_lm_class(config)
+        except ConfigError:
+            built = None
+        if built is not None:
+            with torch.device("meta"):  # does it build? (structure only)
+                built._from_config(config_for(built, config))
+    except Exception as e:  # noqa: BLE001 - once more with the entries no default provides
+        try:
+            config = tiny_config(model_type, FALLBACK)
+        except Exception:  # noqa: BLE001 - the first failure is the one to report
+            raise e from None
     try:
         cls = causal_lm_class(config)
     except ConfigError:
@@ -397,11 +404,11 @@ def table(rows: list[Row]) -> str:
         "an arena of 2 x top-k + 1 expert records against plain transformers (teacher-forced "
         f"logits within {TOLERANCE:g} of max|logit|, {NEW_TOKENS} greedy tokens).",
         "",
-        "| model type | result | next-layer prediction |",
-        "|---|---|---|",
+        "| model type | result |",
+        "|---|---|",
     ]
     for r in rows:
-        lines.append(f"| {r.model_type} | {r.result.replace('|', '/')} | {r.prediction or '-'} |")
+        lines.append(f"| {r.model_type} | {r.result.replace('|', '/')} |")
     lines += ["", closing_line(rows)]
     return "\n".join(lines)
 
@@ -415,6 +422,12 @@ def write_docs(path: Path, rows: list[Row]) -> None:
     head, rest = text.split(begin, 1)
     _, tail = rest.split(end, 1)
     path.write_text(f"{head}{begin}\n{table(rows)}\n{end}{tail}")
+
+
+def _line(row: Row) -> str:
+    """One printed row: the result, the prediction where the streamed model loaded, the time."""
+    pred = f" [prediction: {row.prediction}]" if row.prediction else ""
+    return f"{row.model_type}: {row.result}{pred} ({row.seconds:.0f} s)"
 
 
 def _is_moe_row(row: Row) -> bool:
@@ -462,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rows:
         rows = [Row(**r) for r in json.loads(args.rows.read_text())]
         for r in rows:
-            print(f"{r.model_type}: {r.result} ({r.seconds:.0f} s)")
+            print(_line(r))
         print(closing_line([r for r in rows if _is_moe_row(r)]))
         if args.write_docs:
             write_docs(args.write_docs, [r for r in rows if _is_moe_row(r)])
@@ -477,12 +490,12 @@ def main(argv: list[str] | None = None) -> int:
 
         with ThreadPoolExecutor(args.jobs) as pool:
             for r in pool.map(lambda t: run_type(t, args.timeout), types):
-                print(f"{r.model_type}: {r.result} ({r.seconds:.0f} s)", flush=True)
+                print(_line(r), flush=True)
                 rows.append(r)
     else:
         for t in types:
             r = run_type(t, args.timeout)
-            print(f"{r.model_type}: {r.result} ({r.seconds:.0f} s)", flush=True)
+            print(_line(r), flush=True)
             rows.append(r)
     rows = [r for r in rows if _is_moe_row(r)]
     print(f"({len(types)} candidate types in {time.monotonic() - start:.0f} s)")
