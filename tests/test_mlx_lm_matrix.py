@@ -135,3 +135,12 @@ def test_write_docs_replaces_only_its_region(tmp_path: Path) -> None:
     doc.write_text("# no markers\n")
     with pytest.raises(SystemExit, match="needs one"):
         matrix.write_docs(doc, "x")
+
+
+def test_a_refusal_is_a_skip_only_where_it_names_a_limit_of_the_design() -> None:
+    from strata_stream.errors import ConfigError
+
+    limit = ConfigError("phixtral's routed experts have one input projection and no gate (x)")
+    assert matrix._failure(limit).startswith("skip: the pack cannot hold them: ")
+    assert matrix._failure(ConfigError("no routed expert tensors found")).startswith("refused: ")
+    assert matrix._failure(RuntimeError("boom")) == "crash: RuntimeError: boom"
