@@ -334,8 +334,8 @@ def run_type_here(model_type: str, root: Path) -> Row:
         engine = model.strata_engine
         prediction = f"router {engine.prediction.count('router')}/{len(engine.prediction)}"
         got = run(model)
-    except (ConfigError, PackError) as e:
-        return row(f"refused: {_one_line(e)}")
+    except (ConfigError, PackError) as e:  # the temporary directory's name says nothing
+        return row(f"refused: {_one_line(e).replace(str(path), '<checkpoint>')}")
     except StrataError as e:
         return row(f"crash: {type(e).__name__}: {_one_line(e)}")
     except Exception as e:  # noqa: BLE001
@@ -408,7 +408,8 @@ def table(rows: list[Row]) -> str:
         "|---|---|",
     ]
     for r in rows:
-        lines.append(f"| {r.model_type} | {r.result.replace('|', '/')} |")
+        cell = r.result.replace("|", "/").replace("<", "&lt;").replace(">", "&gt;")
+        lines.append(f"| {r.model_type} | {cell} |")
     lines += ["", closing_line(rows)]
     return "\n".join(lines)
 

@@ -144,7 +144,7 @@ def family_of(experts: Any, model_type: str, hidden: int | None = None) -> Famil
     return Family(
         model_type=model_type,
         experts_class=cls,
-        act_fn=type(getattr(experts, "act_fn", None)).__name__,
+        act_fn=type(experts.act_fn).__name__ if hasattr(experts, "act_fn") else "none",
         n_experts=e,
         moe_intermediate=inter,
         hidden=h,
