@@ -81,6 +81,29 @@ def test_fused_layouts_unfuse_into_the_checkpoints_matrices(
                         assert np.array_equal(gb.reshape(-1), w)
 
 
+def test_granitemoes_input_and_output_linear_are_the_fused_rows_layout(tmp_path: Path) -> None:
+    # granitemoe's checkpoints name the fused pair as Linear-style parameters of the block:
+    # input_linear [E, 2I, H] (gate rows, then up rows) and output_linear [E, H, I].
+    tensors = _fused(tmp_path / "m", "rows", False)
+    renamed = {
+        k.replace("mlp.experts.gate_up_proj", "block_sparse_moe.input_linear.weight")
+        .replace("mlp.experts.down_proj", "block_sparse_moe.output_linear.weight"): v
+        for k, v in tensors.items()
+    }
+    save_file(renamed, str(tmp_path / "m" / "model.safetensors"))
+    out = convert(tmp_path / "m", tmp_path / "m.strpk", progress=False)
+    with ExpertPack.open(out) as pack:
+        assert pack.metadata["model"]["layout"] == "fused_rows"
+        for layer in range(2):
+            p = f"model.layers.{layer}.block_sparse_moe"
+            for e in range(E):
+                gu = renamed[f"{p}.input_linear.weight"][e]
+                down = renamed[f"{p}.output_linear.weight"][e]
+                for w, got in zip((gu[:INTER], gu[INTER:], down), pack.expert_weights(layer, e),
+                                  strict=True):  # fmt: skip
+                    assert np.array_equal(got, w)
+
+
 @pytest.mark.parametrize(("fmt", "group"), [("q4", 64), ("q8", 32)])
 def test_quantize_is_the_affine_quantization_of_each_expert(
     tmp_path: Path, fmt: str, group: int

@@ -66,6 +66,14 @@ _FUSED = re.compile(
     r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>(?:\w+\.)*?)experts)"
     r"\.(?P<mat>gate_up_proj|down_proj)(?P<suffix>_bias|_blocks|_scales)?$"
 )
+# granitemoe's checkpoints (transformers writes them so): the same fused pair as Linear-style
+# parameters of the MoE block, input_linear [E, 2I, H] (gate rows, then up rows) and
+# output_linear [E, H, I].
+_FUSED_LINEAR = re.compile(
+    r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>(?:\w+\.)*?)\w+)"
+    r"\.(?P<mat>input_linear|output_linear)\.weight$"
+)
+_FUSED_NAMES = {"input_linear": "gate_up_proj", "output_linear": "down_proj"}
 # Stacked experts of one input projection (mlx-lm's SwitchMLP: fc1, activation, fc2).
 _UNGATED = re.compile(r"(?:^|\.)switch_mlp\.fc1\.weight$")
 _MATRIX = {"gate_proj": 0, "up_proj": 1, "down_proj": 2, "w1": 0, "w3": 1, "w2": 2}
@@ -263,9 +271,9 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
     if not hidden:
         raise ConfigError(f"{model_dir}: config.json has no hidden_size")
     for name in index.tensors:
-        fm = _FUSED.match(name)
+        fm = _FUSED.match(name) or _FUSED_LINEAR.match(name)
         if fm is not None:
-            _add_fused(model_dir, index, layers, fm, hidden)
+            _add_fused(model_dir, index, layers, fm)
             continue
         m = _STACKED.match(name)
         stacked = m is not None
@@ -506,27 +514,26 @@ def _per_expert_of(name: str, template: str) -> bool:
 
 
 def _add_fused(
-    model_dir: Path,
-    index: SafetensorsIndex,
-    layers: dict[int, _Layer],
-    m: re.Match[str],
-    hidden: int,
+    model_dir: Path, index: SafetensorsIndex, layers: dict[int, _Layer], m: re.Match[str]
 ) -> None:
-    """Records one fused tensor (``experts.gate_up_proj``, ``.down_proj``, their ``_bias``)
-    under the pack's (matrix, role) keys, with the layer's orientation read from its shape."""
+    """Records one fused tensor (``experts.gate_up_proj``, ``.down_proj``, their ``_bias``;
+    granitemoe's ``input_linear``/``output_linear``) under the pack's (matrix, role) keys; the
+    layer's orientation is read from the shapes once all are found (_orient_fused)."""
     i = int(m["layer"])
     name = m.group(0)
     t = index.tensors[name]
     layer = layers.setdefault(i, _Layer(i, m["prefix"], True, fused="unknown"))
     if layer.fused is None:
         raise PackError(f"{model_dir}: layer {i} mixes expert tensor layouts")
-    role = {None: "weight", "_bias": "bias", "_blocks": "weight", "_scales": "scales"}[m["suffix"]]
-    want_dims = {"weight": 4 if m["suffix"] == "_blocks" else 3, "scales": 3, "bias": 2}[role]
+    suffix = m.groupdict().get("suffix")
+    role = {None: "weight", "_bias": "bias", "_blocks": "weight", "_scales": "scales"}[suffix]
+    want_dims = {"weight": 4 if suffix == "_blocks" else 3, "scales": 3, "bias": 2}[role]
     if len(t.shape) != want_dims:
         raise PackError(f"{model_dir}: {name} is {list(t.shape)}, not {want_dims}-D")
-    if m["suffix"] == "_blocks":
+    if suffix == "_blocks":
         layer.fused = "blocks"
-    matrices = (0, 1) if m["mat"] == "gate_up_proj" else (2,)
+    mat = _FUSED_NAMES.get(m["mat"], m["mat"])
+    matrices = (0, 1) if mat == "gate_up_proj" else (2,)
     for matrix in matrices:
         layer.names[(matrix, role)] = name
 
