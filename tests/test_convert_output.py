@@ -185,6 +185,12 @@ def test_a_read_only_cache_serves_an_up_to_date_pack(
     got = _read_only(cache, cli)
     assert got.returncode == 0, got.stderr
     assert str(pack) in got.stdout
+    # A Window on it saves no profile there and says nothing (-W error: a warning would fail).
+    code = ("import sys; from strata_stream import ExpertStream, StreamConfig, Window; "
+            "s = ExpertStream(sys.argv[1], StreamConfig(persist_profile=True)); w = Window(s); "
+            "w.save_profile(); w.close(); s.close()")  # fmt: skip
+    got = _read_only(cache, [sys.executable, "-W", "error", "-c", code, str(pack)])
+    assert got.returncode == 0 and not got.stderr, got.stderr
     # A conversion that is needed there says the cache is not writable, on one line.
     other = _synthetic(tmp_path / "other", seed=2)
     got = _read_only(cache, [*cli[:4], str(other), "--quiet"])

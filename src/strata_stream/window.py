@@ -433,7 +433,12 @@ class Window(ProcessBound):
     def save_profile(self) -> None:
         """Writes the profile beside the pack (atomically); close() does it too. Each writer has
         a temporary of its own: Windows on one pack (in threads or processes) save side by side,
-        the last rename wins."""
+        the last rename wins. Nothing is written (and nothing said) where the pack's directory
+        is read-only; another failure to write is a warning."""
+        if not os.access(self.profile_path.parent, os.W_OK):
+            # A read-only pack directory (a shared or mounted cache): the profile cannot persist
+            # there, by the directory's owner's choice; nothing is lost but the head start.
+            return
         tmp = self.profile_path.with_name(f".{self.profile_path.name}.{uuid.uuid4().hex}.tmp")
         try:
             with open(tmp, "wb") as f:

@@ -123,7 +123,7 @@ def sharded_load(
     *,
     pipeline_group: Any | None = None,
     tensor_group: Any | None = None,
-    arena_bytes: int | None = None,
+    arena_bytes: int | str | None = None,
     config: StreamConfig | None = None,
     experts: str = "cpu",
     arithmetic: str = "auto",

@@ -167,7 +167,7 @@ def _kernels(pack: ExpertPack, switch: Any, experts: str) -> str:
 def load_model(
     path_or_repo: str | os.PathLike[str],
     *,
-    arena_bytes: int | None = None,
+    arena_bytes: int | str | None = None,
     config: StreamConfig | None = None,
     pack_path: str | os.PathLike[str] | None = None,
     experts: str = "cpu",
@@ -223,7 +223,7 @@ def stream_experts(
     model: Any,
     model_path: Path,
     *,
-    arena_bytes: int | None,
+    arena_bytes: int | str | None,
     config: StreamConfig | None,
     pack_path: str | os.PathLike[str] | None,
     experts: str,
@@ -296,7 +296,7 @@ class _Deferred(nn.Module):  # type: ignore[misc,name-defined]
 def load(
     path_or_repo: str | os.PathLike[str],
     *,
-    arena_bytes: int | None = None,
+    arena_bytes: int | str | None = None,
     config: StreamConfig | None = None,
     pack_path: str | os.PathLike[str] | None = None,
     experts: str = "cpu",
