@@ -166,8 +166,8 @@ def test_a_killed_conversion_leaves_nothing_after_the_next_run(
     proc = _converter(ckpt, str(out) if where == "out" else "-", 0.5, env)
     folder = tmp_path if where == "out" else tmp_path / "cache" / "packs"
     deadline = time.monotonic() + 60
-    # The writer's temporary, in the conversion's staging directory (convert/staging.py).
-    while not list(folder.glob(".*.staging/.*.tmp")):
+    # The pack being written, in the writer's staging directory (pack/staging.py).
+    while not list(folder.glob(".*.staging/*")):
         assert time.monotonic() < deadline and proc.poll() is None
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)

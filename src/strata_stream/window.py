@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import os
 import threading
-import uuid
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
@@ -39,6 +38,7 @@ import numpy as np
 import numpy.typing as npt
 
 from strata_stream.errors import ConfigError, StreamClosedError
+from strata_stream.pack.staging import unique_temporary
 from strata_stream.stream import ExpertStream, ProcessBound
 from strata_stream.trace.format import strata_trace_header, strata_trace_rows
 
@@ -439,7 +439,7 @@ class Window(ProcessBound):
             # A read-only pack directory (a shared or mounted cache): the profile cannot persist
             # there, by the directory's owner's choice; nothing is lost but the head start.
             return
-        tmp = self.profile_path.with_name(f".{self.profile_path.name}.{uuid.uuid4().hex}.tmp")
+        tmp = unique_temporary(self.profile_path)
         try:
             with open(tmp, "wb") as f:
                 np.save(f, self.profile())

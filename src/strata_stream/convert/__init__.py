@@ -28,7 +28,6 @@ from strata_stream.convert.source import (
     placeholder_record,
     shard_signatures,
 )
-from strata_stream.convert.staging import remove_leftovers, staged
 from strata_stream.errors import ConfigError
 from strata_stream.pack.header import MAGIC
 from strata_stream.pack.writer import write_pack
@@ -93,13 +92,12 @@ def convert(
     `out` must not be a directory, its directory must exist, and an existing file there is
     replaced only when it is a pack, or with `force` (check_output, before anything is read).
     The pack is written in a staging directory beside `out` and appears at `out` only once it
-    is complete (convert/staging.py).
+    is complete (pack/staging.py).
     Raises ConfigError for a checkpoint it cannot convert (naming why: no experts, a format
     the pack cannot hold) and PackError for malformed safetensors files.
     """
     model_dir = Path(model_dir)
     out_path = check_output(out, force)
-    remove_leftovers(out_path.parent, out_path.name)  # a killed conversion's, into the same file
     if quantize is not None:
         if quantize not in QUANTIZE_FORMATS:
             raise ConfigError(
@@ -136,9 +134,11 @@ def convert(
         # digest of every expert tensor's bytes as they are read.
         shards = shard_signatures(model_dir)
         placeholder = {**layout.model, "source_weights": placeholder_record(shards, layout)}
-        with TensorDigests(layout) as digests, staged(out_path) as target:
+        # write_pack writes in a staging directory of its own and renames the pack onto
+        # out_path once complete (pack/staging.py).
+        with TensorDigests(layout) as digests:
             write_pack(
-                target,
+                out_path,
                 layout.geometry,
                 None,
                 layout.experts_fn(index, digests.update),

@@ -11,7 +11,7 @@
   and the tensor that differs, or the model it was made from where that is another one.
 
 Staging directories that a killed conversion left behind are removed by the next one, once no
-process holds their lock (convert/staging.py): a live conversion's, in another container or on
+process holds their lock (pack/staging.py): a live conversion's, in another container or on
 another host sharing the cache, is left alone.
 """
 
@@ -28,9 +28,9 @@ from pathlib import Path
 from strata_stream.convert import convert
 from strata_stream.convert.share import WHOLE, Share
 from strata_stream.convert.source import source_mismatch
-from strata_stream.convert.staging import remove_leftovers
 from strata_stream.errors import ConfigError, PackError
 from strata_stream.pack.reader import ExpertPack
+from strata_stream.pack.staging import remove_leftovers
 from strata_stream.paths import cache_dir
 
 

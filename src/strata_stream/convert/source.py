@@ -31,8 +31,8 @@ from typing import Any
 from strata_stream.convert.checkpoint import ExpertLayout, find_experts, share_layout
 from strata_stream.convert.safetensors_index import SafetensorsIndex
 from strata_stream.convert.share import Share
-from strata_stream.convert.staging import unique_temporary
 from strata_stream.errors import StrataError
+from strata_stream.pack.staging import unique_temporary
 
 DIGEST = "sha256"
 # What a digest is written as before its bytes have all been read: same length as the real one,

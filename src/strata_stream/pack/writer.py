@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import errno
 import os
-import re
 import shutil
 import zlib
 from collections.abc import Callable, Sequence
@@ -41,6 +39,7 @@ from strata_stream.pack.quant import (
     scale_values_f32,
     to_scale_dtype,
 )
+from strata_stream.pack.staging import remove_leftovers, staged
 
 ExpertMatrix = npt.ArrayLike | QuantizedMatrix
 ExpertFn = Callable[[int, int], Sequence[ExpertMatrix]]
@@ -109,76 +108,27 @@ def write_pack(
         model,
         layer_formats,
     )
-    remove_stale_temporaries(path.parent, path.name)
+    remove_leftovers(path.parent, path.name)  # a killed writer's, of this same file
     _check_free_space(path, header.file_bytes)
-    tmp = temporary_path(path)
-    try:
-        with open(tmp, "wb", buffering=0) as f:
-            # The header goes last: it carries the router checksum, known only after writing.
-            f.write(bytes(header.meta_offset))
-            f.write(meta_blob)
-            _pad_to(f, header.router_offset)
-            router_crc = _write_routers(f, header, routers)
-            _pad_to(f, header.records_offset)
-            checksums = _write_records(f, header, experts, path, progress)
-            if final_model is not None:
-                header = _rewrite_model(f, header, meta_blob, architecture, source, final_model())
-            f.seek(header.checksum_offset)
-            f.write(checksums.astype("<u4").tobytes())
-            f.seek(0)
-            f.write(dataclasses.replace(header, router_crc=router_crc).to_bytes())
-            f.seek(0, os.SEEK_END)
-            if f.tell() != header.file_bytes:  # pragma: no cover - a writer bug, not user error
-                raise AssertionError(f"wrote {f.tell()} bytes, expected {header.file_bytes}")
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with staged(path) as tmp, open(tmp, "wb", buffering=0) as f:
+        # The header goes last: it carries the router checksum, known only after writing.
+        f.write(bytes(header.meta_offset))
+        f.write(meta_blob)
+        _pad_to(f, header.router_offset)
+        router_crc = _write_routers(f, header, routers)
+        _pad_to(f, header.records_offset)
+        checksums = _write_records(f, header, experts, path, progress)
+        if final_model is not None:
+            header = _rewrite_model(f, header, meta_blob, architecture, source, final_model())
+        f.seek(header.checksum_offset)
+        f.write(checksums.astype("<u4").tobytes())
+        f.seek(0)
+        f.write(dataclasses.replace(header, router_crc=router_crc).to_bytes())
+        f.seek(0, os.SEEK_END)
+        if f.tell() != header.file_bytes:  # pragma: no cover - a writer bug, not user error
+            raise AssertionError(f"wrote {f.tell()} bytes, expected {header.file_bytes}")
+        os.fsync(f.fileno())
     return path
-
-
-def temporary_path(path: Path) -> Path:
-    """Where a file is written before it is renamed to `path`: hidden, in the same directory
-    (so the rename is atomic), named with this process's id (so a later run can tell a dead
-    writer's leftovers from a live one's: remove_stale_temporaries)."""
-    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
-
-
-_TEMPORARY = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.tmp$")
-
-
-def remove_stale_temporaries(directory: Path, name: str | None = None) -> list[Path]:
-    """Removes the temporaries (`temporary_path`) in `directory` whose writer process no longer
-    exists: of files named `name`, or of every file when `name` is None (a directory that only
-    strata-stream writes into, the cache). A killed conversion leaves its temporary behind, as
-    large as the part of the pack it wrote. Returns what it removed."""
-    removed: list[Path] = []
-    try:
-        entries = list(directory.iterdir())
-    except OSError:
-        return removed
-    for entry in entries:
-        m = _TEMPORARY.match(entry.name)
-        if m is None or (name is not None and m["name"] != name):
-            continue
-        pid = int(m["pid"])
-        if pid == os.getpid() or _alive(pid):
-            continue
-        with contextlib.suppress(OSError):
-            entry.unlink()
-            removed.append(entry)
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return True  # another user's process (or not a pid we can ask about): leave it
-    return True
 
 
 def _rewrite_model(
