@@ -1,6 +1,6 @@
 """The mlx-lm coverage matrix as tests: every MoE model type of the installed mlx-lm streams
 bitwise like plain mlx-lm on both expert paths, or is skipped with the reason it cannot run
-tiny in plain mlx-lm itself (tests/coverage/mlx_lm_matrix.py builds and compares; each type in
+tiny in plain mlx-lm itself (tests/model_coverage/mlx_lm_matrix.py builds and compares; each type in
 its own subprocess).
 
 STRATA_MATRIX=sample (the default) runs SAMPLE, one type per distinct seam, so every run
@@ -21,10 +21,10 @@ pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 
 _ROOT = str(Path(__file__).resolve().parents[1])
-if _ROOT not in sys.path:  # `tests.coverage` is imported from the repository root
+if _ROOT not in sys.path:  # `tests.model_coverage` is imported from the repository root
     sys.path.insert(0, _ROOT)
 
-from tests.coverage import mlx_lm_matrix as matrix  # noqa: E402
+from tests.model_coverage import mlx_lm_matrix as matrix  # noqa: E402
 
 # One model type per seam the front-end must serve: SwitchGLU behind a softmax gate
 # (qwen3_moe), top-k-then-softmax (mixtral), a DeepSeek-style grouped sigmoid gate with shared

@@ -1,4 +1,4 @@
-"""The transformers coverage matrix (tests/coverage/transformers_matrix.py) as tests, one per
+"""The transformers coverage matrix (tests/model_coverage/transformers_matrix.py) as tests, one per
 model type, each in its own subprocess.
 
 By default a fixed sample: one model type per seam (plain top-k softmax routers, gpt-oss's
@@ -23,10 +23,10 @@ import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
-# The matrix runs as `python -m tests.coverage.transformers_matrix` from the repository root.
+# The matrix runs as `python -m tests.model_coverage.transformers_matrix` from the repository root.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.coverage.transformers_matrix import candidates, run_type  # noqa: E402
+from tests.model_coverage.transformers_matrix import candidates, run_type  # noqa: E402
 
 # The seams the sample must stream exactly, and one the pack cannot hold (refused by name).
 EXACT = ["qwen3_moe", "gpt_oss", "deepseek_v3", "mixtral", "qwen3_next", "qwen3_5_moe", "mistral4"]

@@ -163,7 +163,7 @@ def test_another_activation_is_refused_by_name(tmp_path: Path) -> None:
 
 def test_experts_without_a_gate_projection_are_one_line_naming_the_model_type() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
-    from tests.coverage.transformers_matrix import tiny_config
+    from tests.model_coverage.transformers_matrix import tiny_config
 
     config = tiny_config("nemotron_h")
     model = causal_lm_class(config)._from_config(config)

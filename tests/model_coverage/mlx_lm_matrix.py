@@ -12,7 +12,7 @@ classes and save utilities (q4 group 64 with the model's own quant predicate, as
 `strata_stream.mlx_lm.load(..., experts="cpu" | "mlx")` at an arena well below the experts'
 size: teacher-forced logits (bitwise) and greedy tokens.
 
-    python -m tests.coverage.mlx_lm_matrix [--types a,b] [--shard i/n] [--json OUT]
+    python -m tests.model_coverage.mlx_lm_matrix [--types a,b] [--shard i/n] [--json OUT]
                                            [--write-docs docs/models.md]
 """
 
@@ -669,7 +669,7 @@ def _child(argv: list[str], timeout: float) -> str | None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p
     )}  # fmt: skip
-    cmd = [sys.executable, "-m", "tests.coverage.mlx_lm_matrix", *argv]
+    cmd = [sys.executable, "-m", "tests.model_coverage.mlx_lm_matrix", *argv]
     try:
         proc = subprocess.run(
             cmd, cwd=root, env=env, timeout=timeout, capture_output=True, text=True
@@ -752,7 +752,7 @@ def shard_of(items: list[Found], shard: str) -> list[Found]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m tests.coverage.mlx_lm_matrix",
+        prog="python -m tests.model_coverage.mlx_lm_matrix",
         description="Every MoE model type of the installed mlx-lm: streamed vs plain mlx-lm.",
     )
     parser.add_argument("--types", help="comma-separated model types (default: every MoE type)")
@@ -801,7 +801,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
     if args.write_docs:
-        command = "python -m tests.coverage.mlx_lm_matrix --write-docs docs/models.md"
+        command = "python -m tests.model_coverage.mlx_lm_matrix --write-docs docs/models.md"
         write_docs(args.write_docs, table(rows, command))
     return 0
 
