@@ -104,6 +104,41 @@ def test_granitemoes_input_and_output_linear_are_the_fused_rows_layout(tmp_path:
                     assert np.array_equal(got, w)
 
 
+def test_arias_fc1_is_gate_columns_then_up_columns(tmp_path: Path) -> None:
+    # aria's experts.fc1 [E, H, 2I] holds gate then up as concatenated column halves (not
+    # gpt-oss's interleaving), experts.fc2 [E, I, H] the down projection.
+    tensors = _fused(tmp_path / "m", "columns", False)
+    renamed = {
+        k.replace("experts.gate_up_proj", "experts.fc1.weight")
+        .replace("experts.down_proj", "experts.fc2.weight"): v
+        for k, v in tensors.items()
+    }
+    save_file(renamed, str(tmp_path / "m" / "model.safetensors"))
+    out = convert(tmp_path / "m", tmp_path / "m.strpk", progress=False)
+    with ExpertPack.open(out) as pack:
+        assert pack.metadata["model"]["layout"] == "fused_columns_halves"
+        for layer in range(2):
+            p = f"model.layers.{layer}.mlp.experts"
+            for e in range(E):
+                gu, down = renamed[f"{p}.fc1.weight"][e], renamed[f"{p}.fc2.weight"][e]
+                want = (gu[:, :INTER].T, gu[:, INTER:].T, down.T)
+                for w, got in zip(want, pack.expert_weights(layer, e), strict=True):
+                    assert np.array_equal(got, w)
+
+
+def test_a_config_naming_swiglu_alpha_packs_gpt_osss_activation(tmp_path: Path) -> None:
+    # minimax_m3_vl, openai_privacy_filter: gpt-oss's clamped SwiGLU outside gpt_oss, its
+    # constants from the config (each front-end checks the model's own function against it).
+    _fused(tmp_path / "m", "rows", False)
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config.update(model_type="minimax_m3_vl_text", swiglu_alpha=1.5, swiglu_limit=6.0)
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    out = convert(tmp_path / "m", tmp_path / "m.strpk", progress=False)
+    with ExpertPack.open(out) as pack:
+        g = pack.geometry
+        assert (g.activation, g.act_alpha, g.act_limit) == ("swiglu_oai", 1.5, 6.0)
+
+
 @pytest.mark.parametrize(("fmt", "group"), [("q4", 64), ("q8", 32)])
 def test_quantize_is_the_affine_quantization_of_each_expert(
     tmp_path: Path, fmt: str, group: int

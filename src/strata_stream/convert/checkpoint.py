@@ -73,7 +73,18 @@ _FUSED_LINEAR = re.compile(
     r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>(?:\w+\.)*?)\w+)"
     r"\.(?P<mat>input_linear|output_linear)\.weight$"
 )
-_FUSED_NAMES = {"input_linear": "gate_up_proj", "output_linear": "down_proj"}
+# aria's checkpoints: experts.fc1 [E, H, 2I] (gate columns, then up columns: concatenated, not
+# gpt-oss's interleaving) and experts.fc2 [E, I, H].
+_FUSED_FC = re.compile(
+    r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>(?:\w+\.)*?)experts)"
+    r"\.(?P<mat>fc1|fc2)\.weight$"
+)
+_FUSED_NAMES = {
+    "input_linear": "gate_up_proj",
+    "output_linear": "down_proj",
+    "fc1": "gate_up_proj",
+    "fc2": "down_proj",
+}
 # Stacked experts of one input projection (mlx-lm's SwitchMLP: fc1, activation, fc2).
 _UNGATED = re.compile(r"(?:^|\.)switch_mlp\.fc1\.weight$")
 _MATRIX = {"gate_proj": 0, "up_proj": 1, "down_proj": 2, "w1": 0, "w3": 1, "w2": 2}
@@ -128,7 +139,8 @@ class _Layer:
     # (matrix, role) -> tensor name; per-expert names hold "{e}" for the expert index.
     names: dict[tuple[int, str], str] = field(default_factory=dict)
     # Fused tensors (stacked is then True): "rows" for gate_up_proj [E, 2I, H] (gate rows, then
-    # up rows), "columns" for gpt-oss's [E, H, 2I] (interleaved columns), "blocks" for gpt-oss's
+    # up rows), "columns" for gpt-oss's [E, H, 2I] (interleaved columns), "columns_halves" for
+    # aria's experts.fc1 [E, H, 2I] (gate columns, then up columns), "blocks" for gpt-oss's
     # mxfp4 *_blocks / *_scales (interleaved rows); None otherwise.
     fused: str | None = None
 
@@ -271,7 +283,7 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
     if not hidden:
         raise ConfigError(f"{model_dir}: config.json has no hidden_size")
     for name in index.tensors:
-        fm = _FUSED.match(name) or _FUSED_LINEAR.match(name)
+        fm = _FUSED.match(name) or _FUSED_LINEAR.match(name) or _FUSED_FC.match(name)
         if fm is not None:
             _add_fused(model_dir, index, layers, fm)
             continue
@@ -350,7 +362,11 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
             f"{model_dir}: config.json gives no experts per token in 1..{n_experts} (read "
             f"{', '.join(_TOP_K_KEYS)}; got {top_k})"
         )
-    oai = model_type == "gpt_oss"
+    # gpt-oss's clamped SwiGLU: the families whose config names its alpha (gpt_oss,
+    # minimax_m3_vl, openai_privacy_filter), or gpt_oss's configs that leave it at its default.
+    # Each front-end checks the model's own activation against the pack's before computing
+    # anything (mlx_lm/blocks.py cpu_activation, transformers/families.py check_activation).
+    oai = "swiglu_alpha" in config or model_type == "gpt_oss"
     geometry = Geometry(
         n_layers=len(ordered),
         n_experts=n_experts,
@@ -360,7 +376,7 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
         routing="external",
         norm_topk_prob=bool(config.get("norm_topk_prob", True)),
         activation="swiglu_oai" if oai else "swiglu",
-        act_alpha=_OAI_ALPHA,
+        act_alpha=float(config.get("swiglu_alpha", _OAI_ALPHA)),
         act_limit=float(config.get("swiglu_limit", _OAI_LIMIT)),
     )
     # Every layer, every tensor: the pack's tensor table for its formats (pack/header.py's
@@ -532,6 +548,8 @@ def _add_fused(
         raise PackError(f"{model_dir}: {name} is {list(t.shape)}, not {want_dims}-D")
     if suffix == "_blocks":
         layer.fused = "blocks"
+    elif m["mat"] in ("fc1", "fc2"):
+        layer.fused = "halves"  # gate and up concatenated, whichever axis they are on
     mat = _FUSED_NAMES.get(m["mat"], m["mat"])
     matrices = (0, 1) if mat == "gate_up_proj" else (2,)
     for matrix in matrices:
@@ -564,7 +582,7 @@ def _orient_fused(model_dir: Path, index: SafetensorsIndex, layer: _Layer, hidde
     if b == hidden and c == hidden and a == 2 * d:
         layer.fused = "rows"
     elif a == hidden and d == hidden and b == 2 * c:
-        layer.fused = "columns"
+        layer.fused = "columns_halves" if layer.fused == "halves" else "columns"
     else:
         raise PackError(
             f"{model_dir}: fused experts gate_up_proj [E, {a}, {b}] and down_proj [E, {c}, {d}] "
@@ -598,7 +616,7 @@ def _unfuse(t: npt.NDArray[Any], fused: str, matrix: int, role: str) -> npt.NDAr
     if role == "bias":
         if matrix == 2:
             return t
-        if fused == "rows":
+        if fused in ("rows", "columns_halves"):
             half = t.shape[0] // 2
             return np.ascontiguousarray(t[:half] if matrix == 0 else t[half:])
         return np.ascontiguousarray(t[matrix::2])
@@ -607,4 +625,7 @@ def _unfuse(t: npt.NDArray[Any], fused: str, matrix: int, role: str) -> npt.NDAr
     if fused == "rows":
         half = t.shape[0] // 2
         return np.ascontiguousarray(t[:half] if matrix == 0 else t[half:])
+    if fused == "columns_halves":
+        half = t.shape[1] // 2
+        return np.ascontiguousarray((t[:, :half] if matrix == 0 else t[:, half:]).T)
     return np.ascontiguousarray(t[:, matrix::2].T)

@@ -203,7 +203,7 @@ def check_activation(family: Family, activation: str, alpha: float, limit: float
 
     if layout == "fused_columns":
         interleaved = True
-    elif layout == "fused_rows":
+    elif layout in ("fused_rows", "fused_columns_halves"):
         interleaved = False
     else:  # per-expert or stacked tensors: transformers fuses them in its own order
         interleaved = not family.concatenated
