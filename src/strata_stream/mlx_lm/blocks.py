@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 _PARAM_KEYS = ("weight", "scales", "biases", "bias")
 # The pack's three matrices, by the switch's own module names.
-_GLU_MATRICES = ("gate_proj", "up_proj", "down_proj")
+GLU_MATRICES = ("gate_proj", "up_proj", "down_proj")
 
 
 def switch_classes() -> tuple[type, ...]:
@@ -50,7 +50,7 @@ def is_glu(switch: Any) -> bool:
 def strip_experts(switch: Any) -> None:
     """Drops the expert tensors of a switch so that MLX never reads them (they stay lazy and
     unreferenced: evaluating the model's parameters no longer touches the expert shards)."""
-    for name in _GLU_MATRICES:
+    for name in GLU_MATRICES:
         if name not in switch:
             continue
         linear = switch[name]
@@ -107,7 +107,7 @@ class StreamedSwitch(nn.Module):  # type: ignore[misc,name-defined]
 
         def compute(slot_indices: mx.array, views: dict[tuple[int, str], mx.array]) -> mx.array:
             for (m, key), view in views.items():
-                switch[_GLU_MATRICES[m]][key] = view
+                switch[GLU_MATRICES[m]][key] = view
             try:
                 y: mx.array = switch(x, slot_indices)
             finally:

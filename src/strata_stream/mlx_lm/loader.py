@@ -26,6 +26,7 @@ from strata_stream.convert.share import WHOLE, Share
 from strata_stream.engine_stats import window_stats_source
 from strata_stream.errors import ConfigError, PackError
 from strata_stream.mlx_lm.blocks import (
+    GLU_MATRICES,
     StreamedSwitch,
     cpu_activation,
     is_glu,
@@ -38,7 +39,6 @@ from strata_stream.pack.reader import ExpertPack
 from strata_stream.paths import checked_model_dir, fetched, model_location
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_MATRICES = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclass
@@ -132,7 +132,7 @@ def _check_pack(pack: ExpertPack, found: list[_Found], share: Share = WHOLE) -> 
                 f"{where}: {g.n_experts} experts per layer, the model's layer {layer} has "
                 f"{n_experts}"
             )
-        for name, stored in zip(_MATRICES, pack.formats_of(pack_layer), strict=True):
+        for name, stored in zip(GLU_MATRICES, pack.formats_of(pack_layer), strict=True):
             linear = f.switch[name]
             bits = getattr(linear, "bits", None)
             if bits is None:  # unquantized: a pack may hold it quantized (convert --quantize)
