@@ -1,17 +1,35 @@
 // The host's spin before it blocks on a handshake (exec/adaptive_spin.h): spins while the device
 // answers within the budget, stops when answers take longer, probes one wait in 16 and comes
 // back when answers are short again. A wait that is never ready blocks; no budget, no spin.
+// The spin reads a clock the test moves itself: each look at it passes a microsecond, and a
+// blocked wait passes its answer time, so no descheduling of the test's thread (a loaded
+// machine, a sanitizer) can change what a wait measures.
 #include <catch2/catch.hpp>
 
 #include <chrono>
-#include <thread>
+#include <cstdint>
 
 #include "exec/adaptive_spin.h"
 
-using strata::AdaptiveSpin;
 using namespace std::chrono_literals;
 
 namespace {
+
+struct StepClock {
+  using duration = std::chrono::nanoseconds;
+  using rep = duration::rep;
+  using period = duration::period;
+  using time_point = std::chrono::time_point<StepClock>;
+  static constexpr bool is_steady = true;
+  static inline std::int64_t ns = 0;
+  static time_point now() {
+    ns += 1000;  // each look passes a microsecond
+    return time_point(duration(ns));
+  }
+  static void pass(std::chrono::microseconds d) { ns += std::chrono::nanoseconds(d).count(); }
+};
+
+using AdaptiveSpin = strata::BasicAdaptiveSpin<StepClock>;
 
 struct Counts {
   int spun = 0;     // waits that looked at ready() at all
@@ -30,7 +48,7 @@ Counts run(AdaptiveSpin& spin, int waits, bool instant, std::chrono::microsecond
         },
         [&] {
           ++c.blocked;
-          std::this_thread::sleep_for(answer_after);
+          StepClock::pass(answer_after);
           return true;
         });
     REQUIRE(ok);

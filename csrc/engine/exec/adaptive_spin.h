@@ -18,11 +18,14 @@
 
 namespace strata {
 
-class AdaptiveSpin {
+// ClockT: the time the spin measures answers by (steady_clock; the tests give a clock they move
+// themselves, so that no scheduling delay of theirs can decide what they check).
+template <class ClockT = std::chrono::steady_clock>
+class BasicAdaptiveSpin {
  public:
-  using Clock = std::chrono::steady_clock;
+  using Clock = ClockT;
 
-  explicit AdaptiveSpin(std::chrono::microseconds budget)
+  explicit BasicAdaptiveSpin(std::chrono::microseconds budget)
       : budget_ns_(std::chrono::duration_cast<std::chrono::nanoseconds>(budget).count()) {}
 
   // Waits for `ready()`: spins first when that is worth it, else calls `block()` (which returns
@@ -72,5 +75,7 @@ class AdaptiveSpin {
   std::atomic<std::int64_t> estimate_ns_{0};
   std::atomic<std::uint32_t> probes_{0};
 };
+
+using AdaptiveSpin = BasicAdaptiveSpin<>;
 
 }  // namespace strata
