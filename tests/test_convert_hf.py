@@ -81,49 +81,54 @@ def test_fused_layouts_unfuse_into_the_checkpoints_matrices(
                         assert np.array_equal(gb.reshape(-1), w)
 
 
-def test_granitemoes_input_and_output_linear_are_the_fused_rows_layout(tmp_path: Path) -> None:
-    # granitemoe's checkpoints name the fused pair as Linear-style parameters of the block:
-    # input_linear [E, 2I, H] (gate rows, then up rows) and output_linear [E, H, I].
-    tensors = _fused(tmp_path / "m", "rows", False)
+def _converted_under_other_names(
+    tmp_path: Path, orientation: str, gate_up: str, down: str
+) -> tuple[Any, Path]:
+    """_fused's checkpoint with its fused pair renamed as another family writes it
+    (`gate_up`, `down`: the names replacing ``mlp.experts.gate_up_proj`` / ``.down_proj``),
+    and the pack convert makes of it: (gate_up [layer][e], down [layer][e]), pack."""
+    tensors = _fused(tmp_path / "m", orientation, False)
     renamed = {
-        k.replace("mlp.experts.gate_up_proj", "block_sparse_moe.input_linear.weight")
-        .replace("mlp.experts.down_proj", "block_sparse_moe.output_linear.weight"): v
+        k.replace("mlp.experts.gate_up_proj", gate_up).replace("mlp.experts.down_proj", down): v
         for k, v in tensors.items()
     }
     save_file(renamed, str(tmp_path / "m" / "model.safetensors"))
-    out = convert(tmp_path / "m", tmp_path / "m.strpk", progress=False)
-    with ExpertPack.open(out) as pack:
-        assert pack.metadata["model"]["layout"] == "fused_rows"
-        for layer in range(2):
-            p = f"model.layers.{layer}.block_sparse_moe"
+    fused = [
+        (renamed[f"model.layers.{layer}.{gate_up}"], renamed[f"model.layers.{layer}.{down}"])
+        for layer in range(2)
+    ]
+    return fused, convert(tmp_path / "m", tmp_path / "m.strpk", progress=False)
+
+
+def _check_unfused(pack_path: Path, layout: str, fused: Any, split: Any) -> None:
+    with ExpertPack.open(pack_path) as pack:
+        assert pack.metadata["model"]["layout"] == layout
+        for layer, (gu, down) in enumerate(fused):
             for e in range(E):
-                gu = renamed[f"{p}.input_linear.weight"][e]
-                down = renamed[f"{p}.output_linear.weight"][e]
-                for w, got in zip((gu[:INTER], gu[INTER:], down), pack.expert_weights(layer, e),
+                for w, got in zip(split(gu[e], down[e]), pack.expert_weights(layer, e),
                                   strict=True):  # fmt: skip
                     assert np.array_equal(got, w)
+
+
+def test_granitemoes_input_and_output_linear_are_the_fused_rows_layout(tmp_path: Path) -> None:
+    # granitemoe's checkpoints name the fused pair as Linear-style parameters of the block:
+    # input_linear [E, 2I, H] (gate rows, then up rows) and output_linear [E, H, I].
+    fused, out = _converted_under_other_names(
+        tmp_path, "rows", "block_sparse_moe.input_linear.weight",
+        "block_sparse_moe.output_linear.weight",
+    )  # fmt: skip
+    _check_unfused(out, "fused_rows", fused, lambda gu, d: (gu[:INTER], gu[INTER:], d))
 
 
 def test_arias_fc1_is_gate_columns_then_up_columns(tmp_path: Path) -> None:
     # aria's experts.fc1 [E, H, 2I] holds gate then up as concatenated column halves (not
     # gpt-oss's interleaving), experts.fc2 [E, I, H] the down projection.
-    tensors = _fused(tmp_path / "m", "columns", False)
-    renamed = {
-        k.replace("experts.gate_up_proj", "experts.fc1.weight")
-        .replace("experts.down_proj", "experts.fc2.weight"): v
-        for k, v in tensors.items()
-    }
-    save_file(renamed, str(tmp_path / "m" / "model.safetensors"))
-    out = convert(tmp_path / "m", tmp_path / "m.strpk", progress=False)
-    with ExpertPack.open(out) as pack:
-        assert pack.metadata["model"]["layout"] == "fused_columns_halves"
-        for layer in range(2):
-            p = f"model.layers.{layer}.mlp.experts"
-            for e in range(E):
-                gu, down = renamed[f"{p}.fc1.weight"][e], renamed[f"{p}.fc2.weight"][e]
-                want = (gu[:, :INTER].T, gu[:, INTER:].T, down.T)
-                for w, got in zip(want, pack.expert_weights(layer, e), strict=True):
-                    assert np.array_equal(got, w)
+    fused, out = _converted_under_other_names(
+        tmp_path, "columns", "mlp.experts.fc1.weight", "mlp.experts.fc2.weight"
+    )
+    _check_unfused(
+        out, "fused_columns_halves", fused, lambda gu, d: (gu[:, :INTER].T, gu[:, INTER:].T, d.T)
+    )
 
 
 def test_a_config_naming_swiglu_alpha_packs_gpt_osss_activation(tmp_path: Path) -> None:
