@@ -138,3 +138,33 @@ class PieceTimes:
                 self.calls[name] += 1
 
         return timed
+
+
+def stream_gaps(
+    client: Any,
+    model: str,
+    i: int,
+    max_tokens: int,
+    decoding: Any,
+    gaps: list[tuple[float, float]],
+    stop: Any = None,
+) -> None:
+    """Client `i`'s streamed chat completion, the time of each content token and its gap from
+    the previous chunk appended to `gaps`; from the fourth chunk on it waits for `decoding` (an
+    Event), and ends early when `stop(now)` says so. For the serve benchmarks that measure how
+    long a running stream stalls while another client's request is handled."""
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": f"hello world {i}"}],
+        max_tokens=max_tokens, temperature=0, stream=True,
+    )  # fmt: skip
+    last = None
+    for n, c in enumerate(stream):
+        now = time.perf_counter()
+        if n == 3:
+            decoding.wait()
+        if last is not None and c.choices and c.choices[0].delta.content:
+            gaps.append((now, now - last))
+        last = now
+        if stop is not None and stop(now):
+            break
+    stream.close()

@@ -27,6 +27,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from common import stream_gaps
+
 MODEL_ID = "hostile"
 
 
@@ -55,21 +57,10 @@ def run(model: Any, tok: Any, name: str, route: str, body: bytes) -> dict[str, A
                                timeout=600)  # fmt: skip
 
         def decode(i: int) -> None:
-            stream = client.chat.completions.create(
-                model=MODEL_ID, messages=[{"role": "user", "content": f"hello world {i}"}],
-                max_tokens=2000, temperature=0, stream=True,
-            )  # fmt: skip
-            last = None
-            for n, c in enumerate(stream):
-                now = time.perf_counter()
-                if n == 3:
-                    decoding.wait()
-                if last is not None and c.choices and c.choices[0].delta.content:
-                    gaps[i].append((now, now - last))
-                last = now
-                if answered.is_set() and len(gaps[i]) > 50 and now > gaps[i][-50][0] + 0.2:
-                    break
-            stream.close()
+            def stop(now: float) -> bool:  # well past the hostile body's answer
+                return answered.is_set() and len(gaps[i]) > 50 and now > gaps[i][-50][0] + 0.2
+
+            stream_gaps(client, MODEL_ID, i, 2000, decoding, gaps[i], stop)
 
         threads = [threading.Thread(target=decode, args=(i,)) for i in range(2)]
         for t in threads:

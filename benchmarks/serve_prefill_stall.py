@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common import stream_gaps
+
 MODEL_ID = "stall"
 
 
@@ -36,18 +38,7 @@ def run(model: Any, tok: Any, chunk: int, prompt_tokens: int) -> dict[str, float
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
 
         def decode(i: int) -> None:
-            stream = client.chat.completions.create(
-                model=MODEL_ID, messages=[{"role": "user", "content": f"hello world {i}"}],
-                max_tokens=400, temperature=0, stream=True,
-            )  # fmt: skip
-            last = None
-            for n, c in enumerate(stream):
-                now = time.perf_counter()
-                if n == 3:
-                    decoding.wait()
-                if last is not None and c.choices and c.choices[0].delta.content:
-                    gaps[i].append((now, now - last))
-                last = now
+            stream_gaps(client, MODEL_ID, i, 400, decoding, gaps[i])
 
         threads = [threading.Thread(target=decode, args=(i,)) for i in range(2)]
         for t in threads:
