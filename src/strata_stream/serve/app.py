@@ -8,7 +8,14 @@ import logging
 import sys
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Mapping,
+    MutableMapping,
+)
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -21,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from strata_stream.engine_stats import StatsSource
 from strata_stream.errors import ConfigError
+from strata_stream.serve import anthropic
 from strata_stream.serve.config import ServeConfig
 from strata_stream.serve.errors import (
     APIError,
@@ -39,12 +47,14 @@ from strata_stream.serve.metrics import ServerMetrics
 from strata_stream.serve.requests import (
     MAX_PROMPTS,
     MAX_STOPS,
+    MAX_TOOLS,
     ChatCompletionRequest,
     CompletionRequest,
     load_body,
     validate_body,
 )
 from strata_stream.serve.tokenizing import OwnTokenizer, max_prompt_chars
+from strata_stream.serve.tool_calls import Piece, ToolCall, ToolCallSplitter, tool_syntax
 from strata_stream.serve.worker import GenerationWorker, QueueFullError, WorkerStoppedError
 
 log = logging.getLogger("strata_stream.serve")
@@ -127,19 +137,18 @@ def create_app(
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        return _error_response(request, e)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         code = "not_found" if e.status_code == 404 else None
         err = APIError(e.status_code, str(e.detail), code=code)
-        return JSONResponse(err.body(), status_code=e.status_code, headers=e.headers)
+        return _error_response(request, err, e.headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception) -> JSONResponse:
         log.exception("unexpected error")
-        err = server_error(f"internal error: {type(e).__name__}")
-        return JSONResponse(err.body(), status_code=500)
+        return _error_response(request, server_error(f"internal error: {type(e).__name__}"))
 
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/metrics", routes.metrics, methods=["GET"])
@@ -147,6 +156,8 @@ def create_app(
     app.add_api_route("/v1/models/{model_id:path}", routes.model, methods=["GET"])
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/messages", routes.messages, methods=["POST"])
+    app.add_api_route("/v1/messages/count_tokens", routes.count_tokens, methods=["POST"])
     app.add_middleware(_CountRequests, metrics=metrics)
     return app
 
@@ -181,6 +192,17 @@ class _CountRequests:
         finally:
             route = getattr(scope.get("route"), "path", "unmatched")
             self.metrics.requests.labels(route, str(status)).inc()
+
+
+def _error_response(
+    request: Request, e: APIError, headers: Mapping[str, str] | None = None
+) -> JSONResponse:
+    """`e` in the shape of the API the path belongs to: Anthropic's under /v1/messages, else
+    OpenAI's."""
+    if request.url.path.startswith("/v1/messages"):
+        body, status = anthropic.error_body(e), anthropic.error_status(e)
+        return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
 def _is_torch_module(model: Any) -> bool:
@@ -230,6 +252,9 @@ class _Routes:
         self._tokenizers = OwnTokenizer(tokenizer)
         self._max_chars = max_prompt_chars(self._context, tokenizer)
         self._created = int(time.time())
+        # The served model's tool-call format (serve/tool_calls.py); None: requests with
+        # tools are refused, as the template would not tell the model how to call them.
+        self._tool_syntax = tool_syntax(tokenizer)
         self._mailbox: Mailbox[Event] | None = None  # the event loop's; set on it
 
     # ---- plain routes ------------------------------------------------------------------------
@@ -300,8 +325,9 @@ class _Routes:
                 ids = prompt
                 self._check_ids(ids)
                 texts.append(None)
-            gens.append(self._generation(req.token_budget(), ids, req, param="prompt",
-                                         logprobs=req.logprobs, echo=req.echo))  # fmt: skip
+            gens.append(self._generation(req.token_budget(), ids, _sampling(req), req.stops(),
+                                         param="prompt", logprobs=req.logprobs,
+                                         echo=req.echo))  # fmt: skip
         fmt = _CompletionFormat(self._config.model_id, "cmpl", self._token_text)
         # The request's prompts take one queue place together, or none (503: none runs).
         follows = self._submit(request, gens)
@@ -325,25 +351,80 @@ class _Routes:
     async def chat_completions(self, request: Request) -> Response:
         raw = await _read_body(request)
         req = await run_in_threadpool(self._parse, ChatCompletionRequest, raw)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        ids = await run_in_threadpool(self._encode_chat, messages)
-        gen = self._generation(req.token_budget(), ids, req, param="messages", logprobs=req.top())
+        tools = req.tool_specs()
+        self._check_tools(tools)
+        ids = await run_in_threadpool(self._encode_chat, req.template_messages(), tools)
+        gen = self._generation(req.token_budget(), ids, _sampling(req), req.stops(),
+                               param="messages", logprobs=req.top())  # fmt: skip
         fmt = _ChatFormat(self._config.model_id, "chatcmpl", self._token_text)
         (follow,) = self._submit(request, [gen])
+        events = _split_tools(follow, self._splitter(tools, "call_"))
         if req.stream:
-            return self._stream(follow, fmt, req.include_usage, gen.logprobs is not None)
-        out = await self._collect(follow)
+            return self._stream(events, fmt, req.include_usage, gen.logprobs is not None)
+        out = await self._collect(events)
         if out is None:
             return Response(status_code=499)
         _raise_for(out.end)
         return JSONResponse(fmt.complete([fmt.choice(0, out, gen.logprobs is not None)], [out.end]))
+
+    async def messages(self, request: Request) -> Response:
+        """The Anthropic Messages API (serve/anthropic.py) on the same queue and batch."""
+        raw = await _read_body(request)
+        req = await run_in_threadpool(self._parse, anthropic.MessagesRequest, raw)
+        tools = req.tool_specs()
+        self._check_tools(tools)
+        ids = await run_in_threadpool(self._encode_chat, req.template_messages(), tools)
+        gen = self._generation(req.token_budget(), ids, req.sampling(), req.stops(),
+                               param="messages")  # fmt: skip
+        (follow,) = self._submit(request, [gen])
+        events = _split_tools(follow, self._splitter(tools, "toolu_"))
+        msg_id = anthropic.new_message_id()
+        model = self._config.model_id
+        if req.stream:
+            pieces = _pieces(events)
+            return StreamingResponse(
+                anthropic.message_events(pieces, msg_id, model, len(ids), _raise_for),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        out = await self._collect(events)
+        if out is None:
+            return Response(status_code=499)
+        _raise_for(out.end)
+        return JSONResponse(anthropic.message_body(msg_id, model, out.pieces, out.end))
+
+    async def count_tokens(self, request: Request) -> JSONResponse:
+        """The Messages API's token count: the prompt's tokens as the request would run."""
+        raw = await _read_body(request)
+        body = load_body(raw)
+        body.setdefault("max_tokens", 1)  # not part of a count request
+        req = await run_in_threadpool(self._parse_body, anthropic.MessagesRequest, body)
+        tools = req.tool_specs()
+        self._check_tools(tools)
+        ids = await run_in_threadpool(self._encode_chat, req.template_messages(), tools)
+        return JSONResponse({"input_tokens": len(ids)})
+
+    def _check_tools(self, tools: list[dict[str, Any]] | None) -> None:
+        if tools and self._tool_syntax is None:
+            raise bad_request(
+                "The model's chat template defines no tool-call format this server can parse: "
+                "it cannot be given tools",
+                param="tools", code="invalid_value",
+            )  # fmt: skip
+
+    def _splitter(self, tools: list[dict[str, Any]] | None, prefix: str) -> ToolCallSplitter | None:
+        if not tools or self._tool_syntax is None:
+            return None
+        return ToolCallSplitter(self._tool_syntax, tools, id_prefix=prefix)
 
     # ---- checks before anything runs (on a handler thread: a large body takes a while) -------
     def _parse(self, cls: type[_Req], raw: bytes) -> _Req:
         """The body as `cls`, every field checked against the model: a 400 naming the field
         (404 for another model). Prompts that cannot fit the context are refused here, before
         the fields are validated or anything is tokenized."""
-        body = load_body(raw)
+        return self._parse_body(cls, load_body(raw))
+
+    def _parse_body(self, cls: type[_Req], body: dict[str, Any]) -> _Req:
         self._check_lengths(body)
         req = validate_body(cls, body)
         req.check()
@@ -387,9 +468,16 @@ class _Routes:
                 f"Invalid value for 'stop': at most {MAX_STOPS} stop sequences",
                 param="stop", code="invalid_value",
             )  # fmt: skip
+        tools = body.get("tools")
+        if isinstance(tools, list) and len(tools) > MAX_TOOLS:
+            raise bad_request(
+                f"Invalid value for 'tools': at most {MAX_TOOLS} tools",
+                param="tools", code="invalid_value",
+            )  # fmt: skip
         messages = body.get("messages")
         if isinstance(messages, list):
-            texts: list[str] = []
+            system = body.get("system")  # the Messages API's system prompt
+            texts: list[str] = [system] if isinstance(system, str) else []
             items = len(messages)
             for m in messages:
                 content = m.get("content") if isinstance(m, dict) else None
@@ -445,15 +533,20 @@ class _Routes:
         with self._tokenizers.borrow() as tokenizer:
             return list(tokenizer.encode(text))
 
-    def _encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def _encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """The conversation through the model's chat template; `tools` (OpenAI's function
+        layout) go into the template, which writes them in the model's own format."""
         with self._tokenizers.borrow() as tokenizer:
             if not tokenizer.has_chat_template:
                 # Models without a template: the plain "role: content" layout mlx-lm falls back to.
                 text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
                 return list(tokenizer.encode(text))
+            kwargs: dict[str, Any] = {"tools": tools} if tools else {}
             try:
                 ids = tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=True
+                    messages, add_generation_prompt=True, tokenize=True, **kwargs
                 )
             except Exception as e:  # jinja raises for conversations its template rejects
                 raise bad_request(
@@ -474,7 +567,8 @@ class _Routes:
         self,
         budget: int | None,
         ids: list[int],
-        req: CompletionRequest | ChatCompletionRequest,
+        sampling: SamplingParams,
+        stops: tuple[str, ...],
         *,
         param: str,
         logprobs: int | None = None,
@@ -501,17 +595,7 @@ class _Routes:
                 f"Please reduce the length of the {param} or the completion.",
                 param="max_tokens",
             )
-        sampling = SamplingParams(
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            min_p=req.min_p,
-            presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty,
-            repetition_penalty=req.repetition_penalty,
-            seed=req.seed,
-        )
-        return GenerationRequest(tuple(ids), budget, sampling, req.stops(), logprobs, echo)
+        return GenerationRequest(tuple(ids), budget, sampling, stops, logprobs, echo)
 
     def _submit(
         self, request: Request, gens: list[GenerationRequest]
@@ -541,7 +625,7 @@ class _Routes:
 
     def _stream(
         self,
-        follow: AsyncGenerator[Event, None],
+        follow: AsyncGenerator[_Piece, None],
         fmt: _Format,
         include_usage: bool,
         logprobs: bool,
@@ -552,12 +636,15 @@ class _Routes:
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
-    async def _collect(self, follow: AsyncGenerator[Event, None]) -> _Output | None:
+    async def _collect(self, follow: AsyncGenerator[_Piece, None]) -> _Output | None:
         """The whole answer of one job; None when the client went away."""
         out = _Output()
         async for event in follow:
             if isinstance(event, TextChunk):
                 out.text += event.text
+                out.pieces.append(event.text)
+            elif isinstance(event, ToolCall):
+                out.pieces.append(event)
             elif isinstance(event, Logprobs):
                 out.logprobs.extend(event.entries)
             else:
@@ -566,16 +653,70 @@ class _Routes:
         return None
 
 
-_Req = TypeVar("_Req", CompletionRequest, ChatCompletionRequest)
+_Req = TypeVar("_Req", CompletionRequest, ChatCompletionRequest, anthropic.MessagesRequest)
+# A job's events with its tool calls cut out of its text (_split_tools).
+_Piece = Event | ToolCall
+
+
+def _sampling(req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+    return SamplingParams(
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        min_p=req.min_p,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty,
+        seed=req.seed,
+    )
+
+
+async def _split_tools(
+    events: AsyncGenerator[Event, None], splitter: ToolCallSplitter | None
+) -> AsyncGenerator[_Piece, None]:
+    """The job's events, its text split into text and tool calls (none without a splitter):
+    the streamed and the whole answer both come from here, so they are the same."""
+    try:
+        async for event in events:
+            if splitter is None or isinstance(event, Logprobs):
+                yield event
+                continue
+            pieces = splitter.feed(event.text) if isinstance(event, TextChunk) else []
+            if isinstance(event, Finished):
+                pieces = splitter.finish() if event.reason in ("stop", "length") else []
+            for p in pieces:
+                yield TextChunk(p) if isinstance(p, str) else p
+            if isinstance(event, Finished):
+                yield event
+    finally:
+        await events.aclose()
+
+
+async def _pieces(events: AsyncGenerator[_Piece, None]) -> AsyncIterator[Piece | Finished]:
+    """Text (as str), tool calls and the end: what the Messages API streams."""
+    try:
+        async for event in events:
+            if isinstance(event, TextChunk):
+                yield event.text
+            elif isinstance(event, (ToolCall, Finished)):
+                yield event
+    finally:
+        await events.aclose()
 
 
 @dataclass
 class _Output:
-    """One choice's text, the log-probabilities of its tokens (echoed prompt first) and end."""
+    """One choice's text, its pieces (text and tool calls in order), the log-probabilities of
+    its tokens (echoed prompt first) and end."""
 
     text: str = ""
+    pieces: list[Piece] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     end: Finished = field(default_factory=lambda: Finished("error", 0, 0, "no end"))
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return [p for p in self.pieces if isinstance(p, ToolCall)]
 
 
 async def _probe(probe: PackProbe) -> str | None:
@@ -640,10 +781,11 @@ def _sse_data(obj: Any) -> bytes:
 
 
 async def _sse(
-    events: AsyncGenerator[Event, None], fmt: _Format, include_usage: bool, logprobs: bool
+    events: AsyncGenerator[_Piece, None], fmt: _Format, include_usage: bool, logprobs: bool
 ) -> AsyncIterator[bytes]:
     # Token log-probabilities ride on the next chunk that carries text (or the final one).
     pending: list[TokenLogprob] = []
+    calls = 0
     try:
         first = fmt.first_chunk()
         if first is not None:
@@ -651,6 +793,11 @@ async def _sse(
         async for event in events:
             if isinstance(event, Logprobs):
                 pending.extend(event.entries)
+                continue
+            if isinstance(event, ToolCall):
+                for chunk in fmt.tool_chunks(event, calls):
+                    yield _sse_data(chunk)
+                calls += 1
                 continue
             if isinstance(event, TextChunk):
                 yield _sse_data(fmt.chunk(event.text, None, pending if logprobs else None))
@@ -662,13 +809,19 @@ async def _sse(
                 except APIError as e:
                     yield _sse_data(e.body())
                 return
-            yield _sse_data(fmt.chunk("", event.reason, pending if logprobs else None))
+            reason = _finish_reason(event, calls)
+            yield _sse_data(fmt.chunk("", reason, pending if logprobs else None))
             if include_usage:
                 yield _sse_data(fmt.usage_chunk([event]))
             yield b"data: [DONE]\n\n"
     finally:
         # aclose() runs _follow's finally now (cancelling the job), not at garbage collection.
         await events.aclose()
+
+
+def _finish_reason(end: Finished, calls: int) -> str:
+    """OpenAI's finish_reason: "tool_calls" where the model called tools and then stopped."""
+    return "tool_calls" if calls and end.reason == "stop" else end.reason
 
 
 def _usage(ends: list[Finished]) -> dict[str, int]:
@@ -713,6 +866,9 @@ class _Format:
         raise NotImplementedError
 
     def choice(self, index: int, out: _Output, logprobs: bool) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def tool_chunks(self, call: ToolCall, index: int) -> list[dict[str, Any]]:
         raise NotImplementedError
 
     def logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any]:
@@ -765,12 +921,33 @@ class _ChatFormat(_Format):
         choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
         return self._envelope(self.object_chunk, [choice])
 
+    def tool_chunks(self, call: ToolCall, index: int) -> list[dict[str, Any]]:
+        """One call as OpenAI streams it: its id and name with empty arguments, then the
+        arguments (here in one piece: a call is parsed whole)."""
+        head = {"index": index, "id": call.id, "type": "function",
+                "function": {"name": call.name, "arguments": ""}}  # fmt: skip
+        args = {"index": index, "function": {"arguments": call.arguments}}
+        return [
+            self._envelope(self.object_chunk, [{"index": 0, "delta": {"tool_calls": [d]},
+                                                "logprobs": None, "finish_reason": None}])
+            for d in (head, args)
+        ]  # fmt: skip
+
     def choice(self, index: int, out: _Output, logprobs: bool) -> dict[str, Any]:
+        calls = out.tool_calls
+        message: dict[str, Any] = {"role": "assistant", "content": out.text}
+        if calls:
+            message["content"] = out.text or None
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.name, "arguments": c.arguments}}
+                for c in calls
+            ]  # fmt: skip
         return {
             "index": index,
-            "message": {"role": "assistant", "content": out.text},
+            "message": message,
             "logprobs": self.logprobs(out.logprobs) if logprobs else None,
-            "finish_reason": out.end.reason,
+            "finish_reason": _finish_reason(out.end, len(calls)),
         }
 
 

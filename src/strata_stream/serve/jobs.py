@@ -21,12 +21,14 @@ class TextChunk:
 
 @dataclass(frozen=True)
 class Finished:
-    """The last event of every job. reason: stop, length, cancelled or error."""
+    """The last event of every job. reason: stop, length, cancelled or error. stop_sequence:
+    the request's stop string that ended it (None for EOS and every other reason)."""
 
     reason: str
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None
+    stop_sequence: str | None = None
 
 
 @dataclass(frozen=True)

@@ -102,11 +102,53 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(min_length=1)
+    arguments: str = "{}"  # the JSON text of the arguments object, as the API sends it
+
+
+class ToolCallItem(BaseModel):
+    """One call of an assistant turn the client sends back."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="allow")  # strict, ... go to the template as sent
+
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolSpec(BaseModel):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallItem] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -116,11 +158,17 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
 
+MAX_TOOLS = 512
+
+
 class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[ToolSpec] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def check(self) -> None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -128,6 +176,66 @@ class ChatCompletionRequest(_Generation):
                 "Invalid value for 'top_logprobs': it needs logprobs: true",
                 param="top_logprobs", code="invalid_value",
             )  # fmt: skip
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = {t.function.name for t in self.tools or []}
+            if self.tool_choice.function.name not in names:
+                raise bad_request(
+                    f"Invalid value for 'tool_choice': no tool is named "
+                    f"{self.tool_choice.function.name!r}",
+                    param="tool_choice", code="invalid_value",
+                )  # fmt: skip
+        elif self.tool_choice == "required" and not self.tools:
+            raise bad_request(
+                "Invalid value for 'tool_choice': 'required' needs tools",
+                param="tool_choice", code="invalid_value",
+            )  # fmt: skip
+        for i, m in enumerate(self.messages):
+            for j, call in enumerate(m.tool_calls or []):
+                try:
+                    args = json.loads(call.function.arguments or "{}")
+                except json.JSONDecodeError as e:
+                    args, why = None, f"not JSON ({e})"
+                else:
+                    why = "not a JSON object"
+                if not isinstance(args, dict):
+                    at = f"messages.{i}.tool_calls.{j}.function.arguments"
+                    raise bad_request(
+                        f"Invalid value for '{at}': {why}", param=at, code="invalid_value"
+                    )
+
+    def tool_specs(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template takes them; None without tools or with
+        tool_choice "none" (the model is not told of them)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The conversation as chat templates read it: an assistant turn's calls with their
+        arguments as objects, a tool turn with its call's id (and name, where known)."""
+        names: dict[str, str] = {}
+        out: list[dict[str, Any]] = []
+        for m in self.messages:
+            msg: dict[str, Any] = {"role": m.role, "content": m.text()}
+            if m.tool_calls:
+                msg["tool_calls"] = []
+                for call in m.tool_calls:
+                    names[call.id] = call.function.name
+                    msg["tool_calls"].append({
+                        "id": call.id,
+                        "type": "function",
+                        "function": {
+                            "name": call.function.name,
+                            "arguments": json.loads(call.function.arguments or "{}"),
+                        },
+                    })  # fmt: skip
+            if m.role == "tool":
+                msg["tool_call_id"] = m.tool_call_id or ""
+                name = m.name or names.get(m.tool_call_id or "")
+                if name:
+                    msg["name"] = name
+            out.append(msg)
+        return out
 
     def top(self) -> int | None:
         """How many alternatives each token reports; None when logprobs are not asked."""
@@ -258,4 +366,7 @@ def _validation_error(e: ValidationError) -> APIError:
     return bad_request(f"Invalid value for '{param}': {msg}", param=param, code="invalid_value")
 
 
-_TYPES = {"str", "int", "float", "bool", "list", "function-after", "function-wrap", "TextPart"}
+_TYPES = {
+    "str", "int", "float", "bool", "list", "dict", "function-after", "function-wrap", "TextPart",
+    "NamedToolChoice", "literal['none','auto','required']",
+}  # fmt: skip

@@ -67,4 +67,10 @@ class ServedSequence:
             metrics.decode_tps.set(
                 (self.sampled - 1) / max(time.perf_counter() - self.first_at, 1e-9)
             )
-        return Finished(reason, len(self.job.request.prompt), self.completion, error=error)
+        return Finished(
+            reason,
+            len(self.job.request.prompt),
+            self.completion,
+            error=error,
+            stop_sequence=self.stop.matched_stop if reason == "stop" else None,
+        )

@@ -15,6 +15,7 @@ class StopMatcher:
         self._text = ""
         self._sent = 0
         self.matched = False
+        self.matched_stop: str | None = None  # the stop string that ended the text
 
     def feed(self, segment: str) -> tuple[str, bool]:
         """Adds decoded text; returns (text safe to send now, whether a stop string matched).
@@ -22,11 +23,9 @@ class StopMatcher:
         self._text += segment
         # Search only where a new match can start: it may straddle the previous feed.
         start = max(0, self._sent - max((len(s) for s in self._stops), default=0))
-        cut = min(
-            (i for i in (self._text.find(s, start) for s in self._stops) if i >= 0),
-            default=-1,
-        )
-        if cut >= 0:
+        found = [(i, s) for s in self._stops if (i := self._text.find(s, start)) >= 0]
+        if found:
+            cut, self.matched_stop = min(found)
             out = self._text[self._sent : max(cut, self._sent)]
             self._sent = max(cut, self._sent)
             self._text = self._text[: self._sent]
