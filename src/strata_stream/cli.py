@@ -1,4 +1,5 @@
-"""The `strata-stream` command: pack, convert, inspect and verify packs; demo, generate, serve."""
+"""The `strata-stream` command: pack, convert, inspect and verify packs; demo, generate, serve;
+plan and doctor."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from strata_stream.config import EVICTION_POLICIES
 from strata_stream.errors import CheckpointError, ConfigError, PackError, StrataError
@@ -153,6 +155,41 @@ def _build_parser() -> argparse.ArgumentParser:
                        "serves one at a time: 1)")  # fmt: skip
     serve.add_argument("--prefill-chunk", type=int, default=512, metavar="TOKENS",
                        help="prompt tokens prefilled between decode steps (default 512)")
+
+    plan = sub.add_parser(
+        "plan",
+        help="will a model run here, in how much memory, how fast: from its config and "
+        "checkpoint headers, nothing downloaded",
+    )
+    plan.add_argument("model", metavar="MODEL",
+                      help="model directory or Hugging Face repo (read: config.json and the "
+                      "safetensors headers)")  # fmt: skip
+    plan.add_argument("--memory", metavar="SIZE",
+                      help="memory the process can have, e.g. 24GB (binary units; default: "
+                      "what is available here now)")  # fmt: skip
+    plan.add_argument("--arena-gb", metavar="SIZE",
+                      help="plan this arena instead of the one the memory gives: GiB, or a "
+                      "size with its unit")  # fmt: skip
+    plan.add_argument("--disk-gbps", type=float, metavar="X",
+                      help="the pack disk's read rate in GB/s (default: doctor's last "
+                      "measurement, else an assumed figure, and plan says so)")  # fmt: skip
+    plan.add_argument("--compute-tps", type=float, metavar="X",
+                      help="the model's decode tokens/s with every expert resident, if known "
+                      "(default: estimated from the bytes a token reads)")  # fmt: skip
+    plan.add_argument("--trace", metavar="FILE",
+                      help="a routing trace to replay (route_trace or strata_trace v1; default: "
+                      "one recorded beside the model's cached pack, else the shipped Qwen3 "
+                      "trace)")  # fmt: skip
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+    doctor = sub.add_parser(
+        "doctor", help="measure this machine: memory the process can have, the disk's read rate"
+    )
+    doctor.add_argument("--path", metavar="DIR",
+                        help="a folder on the disk packs are read from (default: the cache, "
+                        "where converted packs live)")  # fmt: skip
+    doctor.add_argument("--json", action="store_true", help="print the results as JSON")
+    doctor.add_argument("--quiet", action="store_true", help="no progress bar")
 
     # add_help=False: `demo --help` and every other option belong to the demo's own parser.
     sub.add_parser(
@@ -442,6 +479,47 @@ def _demo(rest: list[str]) -> int:
     return int(demo_main(rest))
 
 
+def _positive(flag: str, value: float | None) -> None:
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{flag} must be a number > 0, got {value}")
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    from strata_stream.config import parse_size
+    from strata_stream.plan import format_plan, make_plan
+
+    _check_arena_gb(args.arena_gb)
+    _positive("--disk-gbps", args.disk_gbps)
+    _positive("--compute-tps", args.compute_tps)
+    memory = None if args.memory is None else parse_size(args.memory, "--memory")
+    if memory is not None and memory <= 0:
+        raise ConfigError(f"--memory must be a size > 0, got {args.memory!r}")
+    if memory is not None and args.arena_gb is not None:
+        raise ConfigError("--memory and --arena-gb both size the arena: give one")
+    if args.trace is not None and not Path(args.trace).is_file():
+        raise ConfigError(f"--trace {args.trace}: no such file")
+    arena = None if args.arena_gb is None else int(args.arena_gb * (1 << 30))
+    p = make_plan(args.model, memory=memory, arena=arena, disk_gbps=args.disk_gbps,
+                  compute_tps=args.compute_tps, trace=args.trace)  # fmt: skip
+    print(json.dumps(p.to_json(), indent=1) if args.json else format_plan(p))
+    return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    import json
+
+    from strata_stream.doctor.report import format_doctor, run_doctor
+
+    result, saved = run_doctor(args.path, progress=not args.quiet and not args.json)
+    if args.json:
+        print(json.dumps({**result.to_json(), "saved": str(saved)}, indent=1))
+    else:
+        print(format_doctor(result, saved))
+    return 0
+
+
 def _replay(args: argparse.Namespace) -> int:
     import dataclasses
     import json
@@ -496,6 +574,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _replay(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "plan":
+            return _plan(args)
+        if args.command == "doctor":
+            return _doctor(args)
         return _demo(rest)
     except (StrataError, OSError, ImportError) as e:  # ImportError: an extension not built
         # One line, whatever the message (a library's may run over several).

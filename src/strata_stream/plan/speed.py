@@ -1,0 +1,141 @@
+"""Decode tokens/s: the ceiling the expert reads set, the ceiling the computation sets, and the
+range between overlapping them perfectly and not at all.
+
+Per decoded token, every MoE layer routes top-k experts; a share (1 - hit rate) of them is
+missing from the arena and read, a record stride each. So a token reads
+    misses = (1 - hit) x layers x top_k records,  bytes = misses x stride,
+which takes t_io = bytes / read rate. The computation reads every weight the token uses once:
+the dense weights and layers x top_k expert records, which takes t_compute = those bytes / the
+memory read rate (unless the caller knows the model's all-resident decode rate, compute_tps).
+    IO ceiling      1 / t_io          (every read overlapped with computation, none waited for)
+    compute ceiling 1 / t_compute     (every expert resident)
+    range           1 / (t_io + t_compute)  ..  1 / max(t_io, t_compute)
+The low end is a decode that waits for each miss with nothing else to do; the high end one
+whose reads all overlap with computation (prefetch, or the IO threads ahead of the device).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from strata_stream.config import AUTO_BUFFERED_MEMORY_FRACTION, DEFAULT_IO_THREADS
+from strata_stream.doctor.saved import DoctorResult
+from strata_stream.units import human_bytes
+
+# Where nothing was measured or given: a laptop NVMe SSD reading scattered MiB records, and one
+# core reading memory. plan says when it uses them.
+ASSUMED_DISK_GBPS = 2.0
+ASSUMED_MEMORY_GBPS = 10.0
+
+
+@dataclass(frozen=True)
+class Rate:
+    bytes_per_s: float
+    source: str  # how it was obtained, for the report
+    assumed: bool = False
+
+
+def read_rate(
+    pack_bytes: int,
+    memory: int,
+    record_stride: int,
+    disk_gbps: float | None,
+    doctor: DoctorResult | None,
+) -> Rate:
+    """How fast the engine's misses read: --disk-gbps where given; else, for a pack larger than
+    a quarter of the memory (read direct, the engine's choice), doctor's direct reading nearest
+    the record size at the default IO threads; for a smaller one (read through the page cache,
+    which keeps it after its first read) the memory's read rate."""
+    if disk_gbps is not None:
+        return Rate(disk_gbps * 1e9, "given (--disk-gbps)")
+    direct = pack_bytes > memory * AUTO_BUFFERED_MEMORY_FRACTION
+    if not direct:
+        mem = memory_rate(doctor)
+        return Rate(
+            mem.bytes_per_s,
+            "page cache: the pack fits a quarter of the memory, so the "
+            f"engine reads it buffered and it stays cached ({mem.source})",
+            mem.assumed,
+        )
+    if doctor is not None:
+        r = doctor.disk_gbps("direct", record_stride, DEFAULT_IO_THREADS) or doctor.disk_gbps(
+            "buffered", record_stride, DEFAULT_IO_THREADS
+        )
+        if r is not None:
+            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(doctor.measured_at))
+            return Rate(
+                r.gbps * 1e9,
+                f"doctor, {when}, {doctor.path}: {r.mode} reads of "
+                f"{human_bytes(r.record_bytes)} records, {r.threads} threads",
+            )
+    return Rate(
+        ASSUMED_DISK_GBPS * 1e9,
+        f"assumed {ASSUMED_DISK_GBPS:g} GB/s (run `strata-stream "
+        "doctor` on the pack's disk, or give --disk-gbps)",
+        True,
+    )
+
+
+def memory_rate(doctor: DoctorResult | None) -> Rate:
+    if doctor is not None and doctor.memory_read_gbps > 0:
+        return Rate(doctor.memory_read_gbps * 1e9, "memory read rate measured by doctor")
+    return Rate(
+        ASSUMED_MEMORY_GBPS * 1e9,
+        f"memory read rate assumed {ASSUMED_MEMORY_GBPS:g} GB/s (run `strata-stream doctor`)",
+        True,
+    )
+
+
+@dataclass(frozen=True)
+class DecodeSpeed:
+    misses_per_token: float
+    read_bytes_per_token: float
+    compute_bytes_per_token: int  # 0 where compute_tps was given
+    io_ceiling: float  # tokens/s; inf when nothing is read
+    compute_ceiling: float
+    low: float
+    high: float
+
+
+def decode_speed(
+    hit_rate: float,
+    moe_layers: int,
+    top_k: int,
+    record_bytes: int,
+    record_stride: int,
+    dense_bytes: int,
+    read: Rate,
+    memory: Rate,
+    compute_tps: float | None = None,
+) -> DecodeSpeed:
+    misses = (1.0 - hit_rate) * moe_layers * top_k
+    read_bytes = misses * record_stride
+    t_io = read_bytes / read.bytes_per_s
+    compute_bytes = 0
+    if compute_tps is not None:
+        t_compute = 1.0 / compute_tps
+    else:
+        compute_bytes = dense_bytes + moe_layers * top_k * record_bytes
+        t_compute = compute_bytes / memory.bytes_per_s
+    return DecodeSpeed(
+        misses,
+        read_bytes,
+        compute_bytes,
+        1.0 / t_io if t_io > 0 else math.inf,
+        1.0 / t_compute,
+        1.0 / (t_io + t_compute),
+        1.0 / max(t_io, t_compute),
+    )
+
+
+__all__ = [
+    "ASSUMED_DISK_GBPS",
+    "ASSUMED_MEMORY_GBPS",
+    "DecodeSpeed",
+    "Rate",
+    "decode_speed",
+    "memory_rate",
+    "read_rate",
+]
