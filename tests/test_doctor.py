@@ -37,7 +37,7 @@ def test_parts_cover_the_record_in_whole_pages(record: int) -> None:
     assert all(n % PAGE == 0 and n <= 256 << 10 for _, n in parts)
 
 
-@pytest.mark.parametrize("mode", ["direct", "buffered"])
+@pytest.mark.parametrize("mode", ["direct", "buffered", "cached"])
 def test_a_pass_reads_every_record_once(small: Path, mode: str) -> None:
     path = small / "f"
     disk._write_file(path, 1 << 20)
@@ -64,9 +64,9 @@ def test_doctor_measures_saves_and_plan_reads_it(
     out = json.loads(capsys.readouterr().out)
     rows = {(r["mode"], r["record_bytes"], r["threads"]) for r in out["disk"]}
     threads = disk.io_thread_counts()
-    want = {(m, s, t) for m in ("direct", "buffered") for s in (PAGE, 256 << 10) for t in threads}
+    want = {(m, s, t) for m in disk.MODES for s in (PAGE, 256 << 10) for t in threads}
     refused = any("direct reads refused" in n for n in out["notes"])
-    assert rows == ({w for w in want if w[0] == "buffered"} if refused else want)
+    assert rows == ({w for w in want if w[0] != "direct"} if refused else want)
     for r in out["disk"]:
         assert r["bytes_read"] == (2 << 20) // r["record_bytes"] * r["record_bytes"]
     assert not list(small.glob(".strata-doctor-*"))  # its file is gone
@@ -87,7 +87,7 @@ def test_direct_reads_refused_are_a_note_not_an_error(
 
     monkeypatch.setattr(disk, "_open", no_direct)
     readings, notes = disk.measure_disk(small, progress=False)
-    assert {r.mode for r in readings} == {"buffered"}
+    assert {r.mode for r in readings} == {"buffered", "cached"}
     assert len(notes) == 1 and "direct reads refused" in notes[0]
 
 

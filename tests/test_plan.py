@@ -189,9 +189,12 @@ def test_the_read_rate_is_the_mode_the_engine_would_read_in() -> None:
     # A pack over a quarter of the memory is read direct: doctor's figure at its record size.
     assert read_rate(5 * gib, 16 * gib, 3 << 20, None, doctor).bytes_per_s == 2.5e9
     assert read_rate(5 * gib, 16 * gib, 16384, None, doctor).bytes_per_s == 2.5e8
-    # One that fits stays in the page cache: memory speed.
+    # One that fits stays in the page cache: doctor's cached reading, else memory speed.
     fits = read_rate(gib, 16 * gib, 3 << 20, None, doctor)
     assert fits.bytes_per_s == 7e9 and "page cache" in fits.source
+    cached = DiskReading("cached", 3 << 20, 4, int(3e9), 1.0)
+    doctor = DoctorResult("/x", doctor.memory, 7.0, (*doctor.disk, cached))
+    assert read_rate(gib, 16 * gib, 3 << 20, None, doctor).bytes_per_s == 3e9
     assert read_rate(5 * gib, 16 * gib, 3 << 20, 1.5, doctor).bytes_per_s == 1.5e9
     nothing = read_rate(5 * gib, 16 * gib, 3 << 20, None, None)
     assert nothing.assumed and "assumed" in nothing.source

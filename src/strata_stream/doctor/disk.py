@@ -4,12 +4,15 @@ A temporary file in the chosen folder stands in for a pack: records of one size,
 pack's 16 KiB boundary, read in a shuffled order (a decode step's misses are scattered over the
 pack), each split into parts of at most the engine's part size, `threads` threads taking the
 next part from a shared counter, every part one positional read into that thread's own
-page-aligned buffer. Direct reads open the file with O_DIRECT (the engine's choice for a pack
-larger than a quarter of the memory); buffered ones go through the page cache, which is emptied
-of the file before each pass (posix_fadvise DONTNEED) with read-ahead off, so they measure the
-disk, not memory. Python threads release the interpreter lock while they read, so the figure is
-the disk's, less what Python's per-part overhead costs a fast device: a floor for the engine's
-C++ pool.
+page-aligned buffer. Three modes:
+- direct: O_DIRECT, the engine's choice for a pack larger than a quarter of the memory;
+- buffered: through the page cache, emptied of the file before each pass (posix_fadvise
+  DONTNEED) with read-ahead off, so it measures the disk, not memory;
+- cached: from the page cache, warmed by reading the whole file first. A pack smaller than a
+  quarter of the memory is read buffered and stays cached: its misses cost a copy and the IO
+  threads' hand-offs, not a device read.
+Python threads release the interpreter lock while they read, so the figure is the disk's, less
+what Python's per-part overhead costs a fast device: a floor for the engine's C++ pool.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from strata_stream.errors import ConfigError
 from strata_stream.pack.header import PAGE, align_up
 from strata_stream.units import human_bytes
 
-MODES = ("direct", "buffered")
+MODES = ("direct", "buffered", "cached")
 # Expert records from one pack page (a tiny model's: latency, not bandwidth, decides) through a
 # small model's, Qwen3-30B-A3B's at q4 (about 3 MiB) to a large model's (DeepSeek-V3's at q4:
 # about 24 MiB).
@@ -46,7 +49,7 @@ def io_thread_counts() -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class DiskReading:
-    mode: str  # "direct" or "buffered"
+    mode: str  # "direct", "buffered" (page cache emptied first) or "cached" (page cache warm)
     record_bytes: int
     threads: int
     bytes_read: int
@@ -90,10 +93,19 @@ def _open(path: Path, mode: str) -> int:
             raise OSError("O_DIRECT is not available on this system")
         return os.open(path, os.O_RDONLY | flag)
     fd = os.open(path, os.O_RDONLY)
-    if hasattr(os, "posix_fadvise"):
+    if mode == "cached":
+        _warm(fd)
+    elif hasattr(os, "posix_fadvise"):
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # nothing of it cached
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead: records are scattered
     return fd
+
+
+def _warm(fd: int) -> None:
+    """Reads the whole file once, so the page cache holds it."""
+    offset = 0
+    while chunk := os.pread(fd, _CHUNK, offset):
+        offset += len(chunk)
 
 
 def read_pass(

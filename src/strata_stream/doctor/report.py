@@ -39,7 +39,7 @@ def format_doctor(r: DoctorResult, saved: Path) -> str:
         f"memory available  {_size(m.available)}: what an arena sized from free memory starts from",
         f"container limit   {_size(m.container_limit)}"
         + ("" if m.container_left is None else f", {human_bytes(m.container_left)} left"),
-        f"memory read       {r.memory_read_gbps:.1f} GB/s (one thread)",
+        f"memory read       {r.memory_read_gbps:.1f} GB/s (every core)",
         f"disk              {r.path}",
         "  mode      record     threads   GB/s",
     ]

@@ -21,7 +21,7 @@ FORMAT = "strata-doctor v1"
 class DoctorResult:
     path: str  # the folder whose disk was measured
     memory: MemoryReport
-    memory_read_gbps: float  # one thread reading memory (decimal GB/s)
+    memory_read_gbps: float  # every core reading memory together (decimal GB/s)
     disk: tuple[DiskReading, ...]
     notes: tuple[str, ...] = ()
     measured_at: float = field(default_factory=time.time)  # seconds since the epoch

@@ -44,13 +44,28 @@ def read_rate(
     disk_gbps: float | None,
     doctor: DoctorResult | None,
 ) -> Rate:
-    """How fast the engine's misses read: --disk-gbps where given; else, for a pack larger than
-    a quarter of the memory (read direct, the engine's choice), doctor's direct reading nearest
-    the record size at the default IO threads; for a smaller one (read through the page cache,
-    which keeps it after its first read) the memory's read rate."""
+    """How fast the engine's misses read: --disk-gbps where given; else doctor's reading nearest
+    the record size at the default IO threads, in the mode the engine would read the pack in:
+    direct for a pack larger than a quarter of the memory, else buffered through the page cache,
+    which keeps the pack after its first read (doctor's cached reading). Nothing measured: an
+    assumed disk rate, or the memory's for a pack that stays cached."""
     if disk_gbps is not None:
         return Rate(disk_gbps * 1e9, "given (--disk-gbps)")
     direct = pack_bytes > memory * AUTO_BUFFERED_MEMORY_FRACTION
+    modes = ("direct", "buffered") if direct else ("cached",)
+    if doctor is not None:
+        for mode in modes:
+            r = doctor.disk_gbps(mode, record_stride, DEFAULT_IO_THREADS)
+            if r is not None:
+                when = time.strftime("%Y-%m-%d %H:%M", time.localtime(doctor.measured_at))
+                why = (
+                    "" if direct else "the pack fits a quarter of the memory, so it stays cached; "
+                )
+                return Rate(
+                    r.gbps * 1e9,
+                    f"{why}doctor, {when}, {doctor.path}: {r.mode} reads "
+                    f"of {human_bytes(r.record_bytes)} records, {r.threads} threads",
+                )
     if not direct:
         mem = memory_rate(doctor)
         return Rate(
@@ -59,17 +74,6 @@ def read_rate(
             f"engine reads it buffered and it stays cached ({mem.source})",
             mem.assumed,
         )
-    if doctor is not None:
-        r = doctor.disk_gbps("direct", record_stride, DEFAULT_IO_THREADS) or doctor.disk_gbps(
-            "buffered", record_stride, DEFAULT_IO_THREADS
-        )
-        if r is not None:
-            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(doctor.measured_at))
-            return Rate(
-                r.gbps * 1e9,
-                f"doctor, {when}, {doctor.path}: {r.mode} reads of "
-                f"{human_bytes(r.record_bytes)} records, {r.threads} threads",
-            )
     return Rate(
         ASSUMED_DISK_GBPS * 1e9,
         f"assumed {ASSUMED_DISK_GBPS:g} GB/s (run `strata-stream "
