@@ -32,8 +32,8 @@ from strata_stream.serve import BackgroundServer, ServeConfig, create_app  # noq
 GREEDY = {"temperature": 0}
 ANTHROPIC_TOOL = {
     "name": CALL_NAME,
-    "description": WEATHER_TOOL["function"]["description"],  # type: ignore[index]
-    "input_schema": WEATHER_TOOL["function"]["parameters"],  # type: ignore[index]
+    "description": WEATHER_TOOL["function"]["description"],
+    "input_schema": WEATHER_TOOL["function"]["parameters"],
 }
 
 
@@ -104,7 +104,9 @@ def openai_call(s: ToolServer, stream: bool) -> tuple[str | None, list[Any], str
                 entry[0] = d.function.name
             if d.function and d.function.arguments:
                 entry[1] += d.function.arguments
-    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finals = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     return text or None, [tuple(parts[i]) for i in sorted(parts)], finals[-1]
 
 
@@ -120,9 +122,12 @@ def test_openai_tool_call_whole_and_streamed(tool_server: ToolServer) -> None:
 def test_without_forcing_the_reply_is_text(tool_server: ToolServer) -> None:
     """The same request unforced: the random model writes words, which come back as text."""
     r = tool_server.openai.chat.completions.create(
-        model=MODEL_ID, messages=[{"role": "user", "content": "the water is hot"}],
-        tools=[WEATHER_TOOL], max_tokens=12, temperature=0,  # type: ignore[list-item]
-    )  # fmt: skip
+        model=MODEL_ID,
+        messages=[{"role": "user", "content": "the water is hot"}],
+        tools=[WEATHER_TOOL],
+        max_tokens=12,
+        temperature=0,
+    )
     assert r.choices[0].message.tool_calls is None
     assert len((r.choices[0].message.content or "").split()) > 3
     assert r.choices[0].finish_reason == "length"
@@ -162,43 +167,60 @@ def test_tool_result_goes_back_through_the_template(
     assert len(want.split()) > 5
     r = tool_server.openai.chat.completions.create(
         model=MODEL_ID,
-        tools=[WEATHER_TOOL],  # type: ignore[list-item]
+        tools=[WEATHER_TOOL],
         max_tokens=16,
         temperature=0,
         messages=[
             {"role": "user", "content": "the water is hot"},
-            {"role": "assistant", "content": None, "tool_calls": [{
-                "id": "call_1", "type": "function",
-                "function": {"name": CALL_NAME, "arguments": json.dumps(CALL_ARGS)},
-            }]},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": CALL_NAME, "arguments": json.dumps(CALL_ARGS)},
+                    }
+                ],
+            },
             {"role": "tool", "tool_call_id": "call_1", "content": "w3 hot"},
-        ],  # type: ignore[list-item]
-    )  # fmt: skip
+        ],
+    )
     assert r.choices[0].message.content == want
     assert r.choices[0].message.tool_calls is None
     m = tool_server.anthropic.messages.create(
         model=MODEL_ID,
         max_tokens=16,
         extra_body=GREEDY,
-        tools=[ANTHROPIC_TOOL],  # type: ignore[list-item]
+        tools=[ANTHROPIC_TOOL],
         messages=[
             {"role": "user", "content": "the water is hot"},
-            {"role": "assistant", "content": [
-                {"type": "tool_use", "id": "call_1", "name": CALL_NAME, "input": CALL_ARGS}]},
-            {"role": "user", "content": [
-                {"type": "tool_result", "tool_use_id": "call_1", "content": "w3 hot"}]},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "tool_use", "id": "call_1", "name": CALL_NAME, "input": CALL_ARGS}
+                ],
+            },
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": "call_1", "content": "w3 hot"}],
+            },
         ],
-    )  # fmt: skip
+    )
     assert [b.type for b in m.content] == ["text"]
-    assert m.content[0].text == want  # type: ignore[union-attr]
+    assert m.content[0].text == want
     assert m.stop_reason == "max_tokens"
 
 
 def test_tools_refused_where_the_template_has_no_tool_format(served: Any) -> None:
     """The plain chat checkpoint's template knows no tools: a request with tools is a 400
     naming them, in each API's error shape."""
-    body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hello"}],
-            "tools": [WEATHER_TOOL], "max_tokens": 4}  # fmt: skip
+    body = {
+        "model": MODEL_ID,
+        "messages": [{"role": "user", "content": "hello"}],
+        "tools": [WEATHER_TOOL],
+        "max_tokens": 4,
+    }
     status, err = post_json(served.url + "/v1/chat/completions", json.dumps(body).encode())
     assert status == 400 and err["error"]["param"] == "tools"
     body["tools"] = [ANTHROPIC_TOOL]

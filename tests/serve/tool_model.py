@@ -29,8 +29,15 @@ CALL_ARGS = {"city": "Paris"}
 CALL_NAME = "get_weather"
 # The call as whitespace-free pieces: the WordLevel tokenizer splits on whitespace and joins
 # decoded tokens with one space.
-CALL_TOKENS = ["<tool_call>", '{"name":', f'"{CALL_NAME}",', '"arguments":', '{"city":',
-               '"Paris"}}', "</tool_call>"]  # fmt: skip
+CALL_TOKENS = [
+    "<tool_call>",
+    '{"name":',
+    f'"{CALL_NAME}",',
+    '"arguments":',
+    '{"city":',
+    '"Paris"}}',
+    "</tool_call>",
+]
 ADDED = ["<think>", "</think>", *CALL_TOKENS]
 
 WEATHER_TOOL = {
@@ -55,6 +62,38 @@ def add_tool_tokens(path: Path, template: str = QWEN3_TEMPLATE) -> None:
     tok.add_tokens(ADDED)
     tok.chat_template = template
     tok.save_pretrained(path)
+
+
+def save_word_tool_tokenizer(path: Path, words: int = 40) -> None:
+    """A WordLevel tokenizer of at most 64 entries (a tiny transformers checkpoint's
+    vocabulary): "<unk>" 0, "<eos>" 1, "w0".."w{words-1}", the chat markers and roles of the
+    Qwen3 template, and the tool tokens; with the Qwen3 template."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    names = [
+        "<unk>",
+        "<eos>",
+        *(f"w{i}" for i in range(words)),
+        "<|im_start|>",
+        "<|im_end|>",
+        "system",
+        "user",
+        "assistant",
+        *ADDED,
+    ]
+    assert len(names) <= 64
+    tok = Tokenizer(WordLevel({n: i for i, n in enumerate(names)}, unk_token="<unk>"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok.add_tokens(ADDED)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>", pad_token="<unk>"
+    )
+    fast.chat_template = QWEN3_TEMPLATE
+    fast.save_pretrained(str(path))
 
 
 def make_tool_checkpoint(chat_checkpoint: Path, dest: Path) -> Path:

@@ -76,9 +76,25 @@ Block = Annotated[
 ]
 
 
+_BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
+
+
 class Message(_Block):
     role: Literal["user", "assistant"]
     content: str | list[Block]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _known_blocks(cls, content: Any) -> Any:
+        # Named here: the union's own error would only say the content is not a string.
+        for block in content if isinstance(content, list) else []:
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind not in _BLOCK_TYPES:
+                raise ValueError(
+                    f"content blocks of type {kind!r} are not supported (only text, tool_use "
+                    "and tool_result)"
+                )
+        return content
 
 
 class Tool(_Block):

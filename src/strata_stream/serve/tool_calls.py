@@ -88,7 +88,7 @@ def tool_syntax(tokenizer: Any) -> ToolSyntax | None:
     if found is not None:
         return found
     if DEEPSEEK_CALL_BEGIN in template:
-        return ToolSyntax(DEEPSEEK_CALL_BEGIN, DEEPSEEK_CALL_END, parse_deepseek, "strata-stream")
+        return ToolSyntax(DEEPSEEK_CALLS_BEGIN, DEEPSEEK_CALLS_END, parse_deepseek, "strata-stream")
     if HARMONY_START in template and HARMONY_END in template:
         return ToolSyntax(HARMONY_START, HARMONY_END, parse_harmony, "strata-stream")
     if QWEN_START in template and "tool_call.name" in template:
@@ -130,11 +130,12 @@ def _mlx_lm_syntax(hf: Any) -> ToolSyntax | None:
 # ---- the formats mlx-lm does not read ------------------------------------------------------
 QWEN_START, QWEN_END = "<tool_call>", "</tool_call>"
 # DeepSeek V3 / R1 (its chat template): <｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME
-# ```json {args} ```<｜tool▁call▁end｜>, several inside
+# ```json {args} ```<｜tool▁call▁end｜>, one or more inside
 # <｜tool▁calls▁begin｜>...<｜tool▁calls▁end｜>.
+DEEPSEEK_CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
+DEEPSEEK_CALLS_END = "<｜tool▁calls▁end｜>"
 DEEPSEEK_CALL_BEGIN = "<｜tool▁call▁begin｜>"
 DEEPSEEK_CALL_END = "<｜tool▁call▁end｜>"
-_DEEPSEEK_WRAPPERS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
 _DEEPSEEK_SEP = "<｜tool▁sep｜>"
 # gpt-oss harmony: <|start|>assistant<|channel|>commentary to=functions.NAME <|constrain|>json
 # <|message|>{args}<|call|>; the recipient may also stand before the channel.
@@ -154,9 +155,22 @@ def parse_json_call(body: str, tools: list[dict[str, Any]] | None = None) -> dic
     return {"name": call["name"], "arguments": args}
 
 
-def parse_deepseek(body: str, tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """One DeepSeek call: `function<｜tool▁sep｜>NAME\\n```json\\n{args}\\n```` (the type
-    before the separator is optional in later releases)."""
+def parse_deepseek(body: str, tools: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """The calls of one DeepSeek block: each `<｜tool▁call▁begin｜>...<｜tool▁call▁end｜>`."""
+    calls = []
+    for part in body.split(DEEPSEEK_CALL_BEGIN)[1:]:
+        call, closed, rest = part.partition(DEEPSEEK_CALL_END)
+        if not closed or rest.strip():
+            raise ValueError("a DeepSeek call block holds only whole calls")
+        calls.append(_deepseek_call(call))
+    if not calls or body.split(DEEPSEEK_CALL_BEGIN)[0].strip():
+        raise ValueError("not a DeepSeek call block")
+    return calls
+
+
+def _deepseek_call(body: str) -> dict[str, Any]:
+    """One call: `function<｜tool▁sep｜>NAME\\n```json\\n{args}\\n```` (the type before the
+    separator is absent in later releases)."""
     head, sep, rest = body.partition(_DEEPSEEK_SEP)
     if not sep:
         rest = head
@@ -181,12 +195,6 @@ def parse_harmony(body: str, tools: list[dict[str, Any]] | None = None) -> dict[
     if not name or not isinstance(value, dict):
         raise ValueError("not a harmony tool call")
     return {"name": name, "arguments": value}
-
-
-def _strip_deepseek_wrappers(text: str) -> str:
-    for w in _DEEPSEEK_WRAPPERS:
-        text = text.replace(w, "")
-    return text
 
 
 # ---- splitting a stream ----------------------------------------------------------------------
@@ -258,7 +266,7 @@ class ToolCallSplitter:
         """The calls in one marked span; the span as text when it does not parse."""
         raw = self.syntax.start + body + (self.syntax.end if closed else "")
         try:
-            parsed = self.syntax.parse(_strip_deepseek_wrappers(body), self.tools)
+            parsed = self.syntax.parse(body, self.tools)
             calls = _as_calls(parsed, self.id_prefix)
         except Exception as e:
             log.info(
@@ -300,7 +308,7 @@ def _partial_suffix(text: str, marker: str) -> int:
 def split_all(syntax: ToolSyntax, tools: list[dict[str, Any]] | None, text: str) -> list[Piece]:
     """A whole answer split at once (tests and tools)."""
     s = ToolCallSplitter(syntax, tools)
-    return s.feed(text) + s.finish()
+    return merge_pieces(s.feed(text) + s.finish())
 
 
 def merge_pieces(pieces: Sequence[Piece]) -> list[Piece]:
