@@ -223,6 +223,27 @@ def test_concurrent_clients_get_their_lone_answers(client: Any) -> None:
             "tool_use",
         ),
         (
+            {
+                "model": MODEL_ID,
+                "max_tokens": 4,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "tool_result",
+                                "tool_use_id": "x",
+                                "content": [{"type": "image", "source": {}}],
+                            }
+                        ],
+                    }
+                ],
+            },
+            400,
+            "invalid_request_error",
+            "tool result",
+        ),
+        (
             {"model": MODEL_ID, "max_tokens": 4, "top_k": 10**6},
             400,
             "invalid_request_error",

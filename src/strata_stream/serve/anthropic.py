@@ -57,6 +57,15 @@ class ToolResultBlock(_Block):
     content: str | list[TextBlock] | None = None
     is_error: bool = False
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content: Any) -> Any:
+        for block in content if isinstance(content, list) else []:
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind != "text":
+                raise ValueError(f"a tool result's blocks must be text, not {kind!r}")
+        return content
+
     def text(self) -> str:
         if self.content is None:
             return ""

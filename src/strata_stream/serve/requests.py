@@ -356,7 +356,11 @@ def _surrogate_at(body: Any) -> str | None:
 
 
 def _validation_error(e: ValidationError) -> APIError:
-    err = e.errors()[0]
+    errors = e.errors()
+    # A union's members each report an error (a content that is neither a string nor valid
+    # blocks): the one that got furthest into the value names the actual mistake.
+    first = errors[0]["loc"][:1]
+    err = max((x for x in errors if x["loc"][:1] == first), key=lambda x: len(x["loc"]))
     # Union members add their type name to the location; keep only the field path.
     loc = [str(p) for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p in _TYPES))]
     param = ".".join(loc) or None
