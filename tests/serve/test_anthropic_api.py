@@ -6,14 +6,26 @@ from __future__ import annotations
 import json
 import threading
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 anthropic_sdk = pytest.importorskip("anthropic")
 
-from serve.helpers import MODEL_ID, TIMEOUT_S, Served, post_json  # noqa: E402
+import mlx_lm  # noqa: E402
+
+from serve.helpers import (  # noqa: E402
+    MODEL_ID,
+    TIMEOUT_S,
+    GatedModel,
+    Served,
+    post_json,
+    scrape,
+    wait_until,
+)
+from strata_stream.serve import BackgroundServer, ServeConfig, create_app  # noqa: E402
 
 Oracle = Callable[[list[int], int], str]
 # The client no longer names sampling fields; the server takes them from the body.
@@ -282,3 +294,75 @@ def test_malformed_json_is_an_anthropic_error(served: Served) -> None:
 def test_count_tokens(client: Any, tokenizer: Any) -> None:
     n = client.messages.count_tokens(model=MODEL_ID, system=SYSTEM, messages=TURNS)
     assert n.input_tokens == len(template_ids(tokenizer, TEMPLATE_TURNS))
+
+
+def test_disconnect_mid_stream_stops_the_generation(client: Any, served: Served) -> None:
+    """A streamed client that goes away cancels its job (the batch does not run it to its
+    budget), and the next request gets its usual answer."""
+    lone = say(client, "hello world", 16).content[0].text
+    cancelled = 'strata_serve_generations_total{reason="cancelled"}'
+    before = scrape(served.url)
+    max_tokens = 6000
+    stream = client.messages.create(
+        model=MODEL_ID,
+        max_tokens=max_tokens,
+        messages=[{"role": "user", "content": "hello world"}],
+        extra_body=GREEDY,
+        stream=True,
+    )
+    deltas = 0
+    for event in stream:
+        deltas += event.type == "content_block_delta"
+        if deltas == 3:
+            break
+    stream.close()  # drops the connection with the generation still running
+    wait_until(
+        lambda: scrape(served.url).get(cancelled, 0.0) == before.get(cancelled, 0.0) + 1,
+        "the server to cancel the disconnected generation",
+    )
+    wait_until(lambda: scrape(served.url)["strata_serve_worker_busy"] == 0, "the worker to idle")
+    spent = (
+        scrape(served.url)["strata_serve_generated_tokens_total"]
+        - before["strata_serve_generated_tokens_total"]
+    )
+    assert 3 <= spent < max_tokens
+    assert say(client, "hello world", 16).content[0].text == lone
+
+
+@pytest.fixture
+def gated(tiny_path: Path) -> Iterator[tuple[GatedModel, str]]:
+    model, tokenizer = mlx_lm.load(str(tiny_path))
+    g = GatedModel(model)
+    app = create_app(g, tokenizer, ServeConfig(model_id=MODEL_ID, max_queue=1))
+    with BackgroundServer(app, timeout_s=TIMEOUT_S) as server:
+        try:
+            yield g, server.url
+        finally:
+            g.gate.set()
+
+
+def test_full_queue_is_overloaded_529(gated: tuple[GatedModel, str]) -> None:
+    g, url = gated
+    c = anthropic_sdk.Anthropic(base_url=url, api_key="unused", timeout=TIMEOUT_S, max_retries=0)
+    results: dict[str, Any] = {}
+
+    def call(name: str) -> None:
+        try:
+            results[name] = say(c, "hello world", 4).content[0].text
+        except BaseException as e:
+            results[name] = e
+
+    threads = [threading.Thread(target=call, args=("running",))]
+    threads[0].start()
+    assert g.entered.wait(TIMEOUT_S)  # the worker is inside the model, held by the gate
+    threads.append(threading.Thread(target=call, args=("waiting",)))
+    threads[1].start()
+    wait_until(lambda: scrape(url)["strata_serve_queue_depth"] == 1, "the second to queue")
+    with pytest.raises(anthropic_sdk.APIStatusError) as e:  # answered now, not left waiting
+        say(c, "hello world", 4)
+    assert e.value.status_code == 529
+    assert e.value.body["error"]["type"] == "overloaded_error"
+    g.gate.set()
+    for t in threads:
+        t.join(TIMEOUT_S)
+    assert isinstance(results["running"], str) and results["waiting"] == results["running"]

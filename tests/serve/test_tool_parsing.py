@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from types import SimpleNamespace
 from typing import Any
 
@@ -143,7 +143,7 @@ def test_harmony_calls() -> None:
 
 
 async def _events(pieces: list[Piece | Finished]) -> list[tuple[str, dict[str, Any]]]:
-    async def source() -> AsyncIterator[Piece | Finished]:
+    async def source() -> AsyncGenerator[Piece | Finished, None]:
         for p in pieces:
             yield p
 

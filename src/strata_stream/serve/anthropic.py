@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -303,14 +303,29 @@ def _block_stop(index: int) -> bytes:
 
 
 async def message_events(
-    pieces: AsyncIterator[Piece | Finished],
+    pieces: AsyncGenerator[Piece | Finished, None],
     msg_id: str,
     model: str,
     prompt_tokens: int,
     raise_for: Any,
 ) -> AsyncIterator[bytes]:
     """The streamed answer's events from the answer's pieces (text and tool calls) and its end.
-    `raise_for(end)` raises the APIError of a failed or cancelled end."""
+    `raise_for(end)` raises the APIError of a failed or cancelled end. A client gone mid-stream
+    closes this, and it closes `pieces` at once: the job is cancelled now, not when collected."""
+    try:
+        async for frame in _message_events(pieces, msg_id, model, prompt_tokens, raise_for):
+            yield frame
+    finally:
+        await pieces.aclose()
+
+
+async def _message_events(
+    pieces: AsyncIterator[Piece | Finished],
+    msg_id: str,
+    model: str,
+    prompt_tokens: int,
+    raise_for: Any,
+) -> AsyncIterator[bytes]:
     start: dict[str, Any] = {
         "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [],
         "stop_reason": None, "stop_sequence": None,

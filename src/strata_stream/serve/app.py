@@ -692,7 +692,7 @@ async def _split_tools(
         await events.aclose()
 
 
-async def _pieces(events: AsyncGenerator[_Piece, None]) -> AsyncIterator[Piece | Finished]:
+async def _pieces(events: AsyncGenerator[_Piece, None]) -> AsyncGenerator[Piece | Finished, None]:
     """Text (as str), tool calls and the end: what the Messages API streams."""
     try:
         async for event in events:
