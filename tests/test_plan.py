@@ -46,7 +46,10 @@ def _checkpoint(path: Path, dtype: Any = np.float16) -> tuple[int, int]:
             }
         )
     )
-    dense: dict[str, np.ndarray] = {"model.embed_tokens.weight": rng.random((32, HIDDEN))}
+    dense: dict[str, np.ndarray] = {
+        "model.embed_tokens.weight": rng.random((32, HIDDEN)),
+        "lm_head.weight": rng.random((32, HIDDEN)),
+    }
     experts: dict[str, np.ndarray] = {}
     for i in range(LAYERS):
         p = f"model.layers.{i}."
@@ -79,6 +82,8 @@ def test_dense_and_expert_bytes_are_the_checkpoints(model: tuple[Path, int, int]
     path, dense, experts = model
     m = model_bytes(str(path))
     assert (m.dense_bytes, m.expert_bytes) == (dense, experts)
+    # A separate lm_head: a token reads one row of the input embedding, not the whole table.
+    assert m.embedding_bytes == 32 * HIDDEN * 2
     g = m.geometry
     assert (g.n_layers, g.n_experts, g.top_k, g.hidden, g.moe_intermediate) == (
         LAYERS,

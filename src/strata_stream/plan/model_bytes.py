@@ -9,6 +9,7 @@ large a record, its stride and the file are. No weight is read or downloaded.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,10 @@ from strata_stream.errors import ConfigError, PackError
 from strata_stream.pack.geometry import Geometry
 from strata_stream.pack.header import FLOAT_FORMATS, PackHeader, build_header
 from strata_stream.paths import model_location
+
+# The input embedding and a separate output head, by the names the families give them.
+_EMBEDDING = re.compile(r"(^|\.)(embed_tokens|wte|word_embeddings|tok_embeddings)\.")
+_HEAD = re.compile(r"(^|\.)(lm_head|output)\.weight$")
 
 # The quantizations `strata-stream convert --quantize` offers a float checkpoint, at its
 # default group size.
@@ -43,6 +48,9 @@ class ModelBytes:
     geometry: Geometry
     dense_bytes: int  # every tensor that is not a routed expert, as stored
     expert_bytes: int  # the routed experts' tensors as stored
+    # The input embedding, where the model has a separate output head (lm_head): a token reads
+    # one row of it, not all of it. 0 where the head is the embedding (tied), read whole.
+    embedding_bytes: int
     formats: tuple[PackFormat, ...]  # the first is what `convert` writes
 
     @property
@@ -170,12 +178,16 @@ def model_bytes(model: str) -> ModelBytes:
         raise PackError(f"{location}: expert tensor {missing[0]} is missing")
     expert_bytes = sum(tensors[n].nbytes for n in experts)
     dense_bytes = sum(t.nbytes for n, t in tensors.items() if n not in experts)
+    embedding = 0
+    if any(_HEAD.search(n) for n in tensors):
+        embedding = sum(t.nbytes for n, t in tensors.items() if _EMBEDDING.search(n))
     return ModelBytes(
         location,
         layout.model_type,
         layout.geometry,
         dense_bytes,
         expert_bytes,
+        embedding,
         pack_formats(layout, location),
     )
 

@@ -37,6 +37,7 @@ class Plan:
             "geometry": m.geometry.to_dict(),
             "dense_bytes": m.dense_bytes,
             "expert_bytes": m.expert_bytes,
+            "embedding_bytes": m.embedding_bytes,
             "pack_formats": [asdict(f) for f in m.formats],
             "arena": asdict(self.arena),
             "hit": None
@@ -94,7 +95,7 @@ def make_plan(
         m.geometry.top_k,
         pack.record_bytes,
         pack.record_stride,
-        m.dense_bytes,
+        m.dense_bytes - m.embedding_bytes,
         rd,
         mem,
         compute_tps,

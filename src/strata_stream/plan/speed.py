@@ -5,7 +5,8 @@ Per decoded token, every MoE layer routes top-k experts; a share (1 - hit rate) 
 missing from the arena and read, a record stride each. So a token reads
     misses = (1 - hit) x layers x top_k records,  bytes = misses x stride,
 which takes t_io = bytes / read rate. The computation reads every weight the token uses once:
-the dense weights and layers x top_k expert records, which takes t_compute = those bytes / the
+the dense weights (of an input embedding that is not also the output head, one row) and
+layers x top_k expert records, which takes t_compute = those bytes / the
 memory read rate (unless the caller knows the model's all-resident decode rate, compute_tps).
     IO ceiling      1 / t_io          (every read overlapped with computation, none waited for)
     compute ceiling 1 / t_compute     (every expert resident)
