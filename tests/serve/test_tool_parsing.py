@@ -13,8 +13,10 @@ from typing import Any
 import pytest
 
 from serve.tool_model import QWEN3_TEMPLATE
-from strata_stream.serve.anthropic import message_events
+from strata_stream.serve.anthropic import MessagesRequest, message_events
+from strata_stream.serve.errors import APIError
 from strata_stream.serve.jobs import Finished
+from strata_stream.serve.requests import ChatCompletionRequest
 from strata_stream.serve.tool_calls import (
     Piece,
     ToolCall,
@@ -184,3 +186,71 @@ def test_messages_stream_framing_of_text_and_tool_use() -> None:
     assert events[8][1]["delta"]["stop_reason"] == "tool_use"
     assert events[8][1]["usage"] == {"output_tokens": 12}
     assert events[0][1]["message"]["usage"] == {"input_tokens": 7, "output_tokens": 0}
+
+
+def test_messages_conversation_as_the_template_reads_it() -> None:
+    req = MessagesRequest.model_validate({
+        "model": "m",
+        "max_tokens": 4,
+        "system": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}],
+        "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "hmm", "signature": "s"},
+                {"type": "text", "text": "calling"},
+                {"type": "tool_use", "id": "t1", "name": "f", "input": {"a": 1}},
+            ]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "t1",
+                 "content": [{"type": "text", "text": "42"}]},
+                {"type": "text", "text": "thanks"},
+            ]},
+        ],
+    })  # fmt: skip
+    assert req.template_messages() == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "calling", "tool_calls": [
+            {"id": "t1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]},
+        {"role": "tool", "tool_call_id": "t1", "name": "f", "content": "42"},
+        {"role": "user", "content": "thanks"},
+    ]  # fmt: skip
+    assert req.tool_specs() == [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    ]
+    none = MessagesRequest.model_validate({**req.model_dump(), "tool_choice": {"type": "none"}})
+    assert none.tool_specs() is None
+
+
+def test_chat_conversation_as_the_template_reads_it() -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    body: dict[str, Any] = {
+        "model": "m",
+        "tools": [tool],
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function",
+                 "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "42"},
+        ],
+    }  # fmt: skip
+    req = ChatCompletionRequest.model_validate(body)
+    req.check()
+    assert req.template_messages()[1:] == [
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]},
+        {"role": "tool", "content": "42", "tool_call_id": "c1", "name": "f"},
+    ]  # fmt: skip
+    assert req.tool_specs() == [tool]
+    assert (
+        ChatCompletionRequest.model_validate({**body, "tool_choice": "none"}).tool_specs() is None
+    )
+    bad = ChatCompletionRequest.model_validate({**body, "tool_choice": {
+        "type": "function", "function": {"name": "g"}}})  # fmt: skip
+    with pytest.raises(APIError, match="no tool is named 'g'"):
+        bad.check()
+    body["messages"][1]["tool_calls"][0]["function"]["arguments"] = "{not json"
+    with pytest.raises(APIError, match=r"messages\.1\.tool_calls\.0\.function\.arguments"):
+        ChatCompletionRequest.model_validate(body).check()
