@@ -47,6 +47,14 @@ def test_a_pass_reads_every_record_once(small: Path, mode: str) -> None:
     assert r.gbps > 0
 
 
+@pytest.mark.parametrize("mode", ["direct", "cached"])
+def test_a_lone_record_latency_is_a_positive_median(small: Path, mode: str) -> None:
+    path = small / "f"
+    disk._write_file(path, 1 << 20)
+    lat = disk.lone_latency(path, mode, 5 * PAGE, 2, 1 << 20, 2 * PAGE, 30.0)
+    assert 0 < lat < 30.0
+
+
 def test_memory_is_what_the_arena_rule_and_the_container_say() -> None:
     from strata_stream import arena_budget
 

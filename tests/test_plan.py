@@ -173,6 +173,13 @@ def test_decode_speed_arithmetic() -> None:
     assert (s.misses_per_token, s.read_bytes_per_token) == (2.0, 2000.0)
     assert (s.io_ceiling, s.compute_ceiling) == (0.5, 1.0)
     assert (s.low, s.high) == pytest.approx((1 / 3, 0.5))
+    # With a lone record's latency: a layer missing m records waits one latency and m - 1
+    # records streamed; a layer missing m < 1 misses at all in a share m of the tokens.
+    slow = Rate(1000.0, "", latency_s=3.0)
+    s = decode_speed(0.25, 2, 4, 900, 1000, 0, slow, Rate(1.0, ""), compute_tps=1.0)
+    assert s.io_ceiling == pytest.approx(1 / (2 * (3.0 + 2 * 1.0)))  # m = 3 a layer
+    s = decode_speed(0.75, 2, 2, 900, 1000, 0, slow, Rate(1.0, ""), compute_tps=1.0)
+    assert s.io_ceiling == pytest.approx(1 / (2 * 0.5 * 3.0))  # m = 0.5 a layer
     # Estimated compute: dense bytes + every routed record, at the memory rate.
     s = decode_speed(1.0, 2, 2, 900, 1000, 400, Rate(1.0, ""), Rate(4000.0, ""))
     assert s.compute_bytes_per_token == 400 + 4 * 900 and s.compute_ceiling == 1.0
@@ -203,6 +210,20 @@ def test_the_read_rate_is_the_mode_the_engine_would_read_in() -> None:
     assert read_rate(5 * gib, 16 * gib, 3 << 20, 1.5, doctor).bytes_per_s == 1.5e9
     nothing = read_rate(5 * gib, 16 * gib, 3 << 20, None, None)
     assert nothing.assumed and "assumed" in nothing.source
+
+
+def test_an_arena_holding_every_expert_the_trace_uses_is_flagged(tmp_path: Path) -> None:
+    from strata_stream.pack.geometry import Geometry
+
+    g = Geometry(2, 8, 2, 8, 8)
+    few = [(t, layer, e) for t in range(4) for layer in range(2) for e in (0, 1)]
+    many = [(t, layer, e) for t in range(4) for layer in range(2) for e in (t, t + 4)]
+    few_trace = write_strata_trace(tmp_path / "few.csv", 2, 8, 2, few)  # 4 experts used
+    many_trace = write_strata_trace(tmp_path / "many.csv", 2, 8, 2, many)  # 16 used
+    held = expected_hit_rate(g, 4, few_trace, cache_dir=tmp_path)
+    assert (held.trace_experts_used, held.saturated, held.hit_rate) == (4, True, 1.0)
+    evicting = expected_hit_rate(g, 4, many_trace, cache_dir=tmp_path)
+    assert (evicting.trace_experts_used, evicting.saturated) == (16, False)
 
 
 def test_plan_uses_a_trace_recorded_beside_the_cached_pack(

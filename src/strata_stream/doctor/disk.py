@@ -17,9 +17,12 @@ what Python's per-part overhead costs a fast device: a floor for the engine's C+
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
+import queue
 import random
+import statistics
 import tempfile
 import threading
 import time
@@ -54,6 +57,9 @@ class DiskReading:
     threads: int
     bytes_read: int
     seconds: float
+    # A lone record's read, from asking the sleeping IO threads to its last part landing
+    # (median): what a decode step that misses one expert waits, hand-offs included.
+    latency_s: float = 0.0
 
     @property
     def gbps(self) -> float:
@@ -173,6 +179,76 @@ def read_pass(
     return DiskReading(mode, record_bytes, threads, state["bytes"], wall)
 
 
+def lone_latency(
+    path: Path,
+    mode: str,
+    record_bytes: int,
+    threads: int,
+    file_bytes: int,
+    part_bytes: int,
+    seconds: float,
+    seed: int = 1,
+) -> float:
+    """The median time one record takes, read alone by a pool of `threads` threads that sleep
+    on a queue between reads (as the engine's IO threads do), from the request to its last
+    part: records in a shuffled order, one at a time, for at most `seconds` or 64 records."""
+    stride = align_up(record_bytes, PAGE)
+    records = list(range(file_bytes // stride))
+    random.Random(seed).shuffle(records)
+    parts = parts_of(record_bytes, part_bytes)
+    largest = max(n for _, n in parts)
+    fd = _open(path, mode)
+    jobs: queue.Queue[tuple[int, int, list[int], threading.Event] | None] = queue.Queue()
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def reader() -> None:
+        buf = mmap.mmap(-1, largest)
+        view = memoryview(buf)
+        try:
+            while (job := jobs.get()) is not None:
+                offset, n, left, done = job
+                try:
+                    if os.preadv(fd, [view[:n]], offset) != n:
+                        raise OSError(f"short read at offset {offset}")
+                except BaseException as e:  # noqa: BLE001 - handed to the measuring thread
+                    errors.append(e)
+                with lock:
+                    left[0] -= 1
+                    last = left[0] == 0
+                if last:
+                    done.set()
+        finally:
+            view.release()
+            buf.close()
+
+    pool = [threading.Thread(target=reader, daemon=True) for _ in range(threads)]
+    for t in pool:
+        t.start()
+    times: list[float] = []
+    try:
+        end = time.perf_counter() + seconds
+        for r in records[:64]:
+            done = threading.Event()
+            left = [len(parts)]
+            t0 = time.perf_counter()
+            for o, n in parts:
+                jobs.put((r * stride + o, n, left, done))
+            done.wait()
+            times.append(time.perf_counter() - t0)
+            if errors:
+                raise errors[0]
+            if time.perf_counter() > end:
+                break
+    finally:
+        for _ in pool:
+            jobs.put(None)
+        for t in pool:
+            t.join()
+        os.close(fd)
+    return statistics.median(times)
+
+
 def measure_disk(
     folder: str | os.PathLike[str],
     record_sizes: Sequence[int] | None = None,
@@ -220,7 +296,9 @@ def measure_disk(
             bar.set_postfix_str(f"{mode} {human_bytes(size)} x {n} threads")
             if mode not in refused:
                 try:
-                    readings.append(read_pass(path, mode, size, n, file_bytes, part_bytes, seconds))
+                    r = read_pass(path, mode, size, n, file_bytes, part_bytes, seconds)
+                    lat = lone_latency(path, mode, size, n, file_bytes, part_bytes, seconds / 2)
+                    readings.append(dataclasses.replace(r, latency_s=lat))
                 except OSError as e:
                     if mode != "direct":
                         raise
@@ -242,6 +320,7 @@ __all__ = [
     "RECORD_SIZES",
     "DiskReading",
     "io_thread_counts",
+    "lone_latency",
     "measure_disk",
     "parts_of",
     "read_pass",

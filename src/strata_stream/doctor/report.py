@@ -41,10 +41,13 @@ def format_doctor(r: DoctorResult, saved: Path) -> str:
         + ("" if m.container_left is None else f", {human_bytes(m.container_left)} left"),
         f"memory read       {r.memory_read_gbps:.1f} GB/s (every core)",
         f"disk              {r.path}",
-        "  mode      record     threads   GB/s",
+        "  mode      record     threads   GB/s    lone record",
     ]
     for d in r.disk:
-        lines.append(f"  {d.mode:<9} {human_bytes(d.record_bytes):<10} {d.threads:<9} {d.gbps:.2f}")
+        lines.append(
+            f"  {d.mode:<9} {human_bytes(d.record_bytes):<10} {d.threads:<9} {d.gbps:<7.2f} "
+            f"{d.latency_s * 1e3:.3f} ms"
+        )
     lines += [f"note              {n}" for n in r.notes]
     lines.append(f"saved             {saved} (strata-stream plan reads it)")
     return "\n".join(lines)

@@ -48,6 +48,7 @@ class DoctorResult:
                 int(r["threads"]),
                 int(r["bytes_read"]),
                 float(r["seconds"]),
+                float(r.get("latency_s", 0.0)),
             )
             for r in d["disk"]
         )

@@ -42,6 +42,13 @@ class HitEstimate:
     trace_slots: int  # the arena replayed, in the trace's slots
     scaled: bool  # the trace's geometry is not the model's: replayed at the same share
     policy: str
+    # Distinct experts the trace uses: an arena of as many slots never evicts while replaying
+    # it, so it hits 1.0 there whatever a longer conversation would do.
+    trace_experts_used: int = 0
+
+    @property
+    def saturated(self) -> bool:
+        return self.trace_slots >= self.trace_experts_used
 
     def describe(self) -> str:
         what = {
@@ -92,7 +99,7 @@ def expected_hit_rate(
     hits = result.hit_rate * len(keys)
     warm = len(keys) - len(set(keys))  # uses after each expert's first
     hit = min(1.0, hits / warm) if warm else 1.0
-    return HitEstimate(hit, result.hit_rate, str(path), kind, n, scaled, policy)
+    return HitEstimate(hit, result.hit_rate, str(path), kind, n, scaled, policy, len(set(keys)))
 
 
 __all__ = [

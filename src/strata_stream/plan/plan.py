@@ -141,6 +141,14 @@ def format_plan(p: Plan) -> str:
     s = p.speed
     lines += [
         f"hit rate        {p.hit.hit_rate:.3f}, replaying {p.hit.describe()}",
+        *(
+            [
+                f"                the trace uses {p.hit.trace_experts_used:,} experts, no more "
+                "than the arena holds: it never evicts, a longer conversation would"
+            ]
+            if p.hit.saturated and a.slots < a.all_slots
+            else []
+        ),
         f"reads           {s.misses_per_token:.1f} records a token "
         f"({human_bytes(s.read_bytes_per_token)}) at {p.read.bytes_per_s / 1e9:.2f} GB/s: "
         f"{p.read.source}",

@@ -2,12 +2,15 @@
 range between overlapping them perfectly and not at all.
 
 Per decoded token, every MoE layer routes top-k experts; a share (1 - hit rate) of them is
-missing from the arena and read, a record stride each. So a token reads
-    misses = (1 - hit) x layers x top_k records,  bytes = misses x stride,
-which takes t_io = bytes / read rate. The computation reads every weight the token uses once:
-the dense weights (of an input embedding that is not also the output head, one row) and
-layers x top_k expert records, which takes t_compute = those bytes / the
-memory read rate (unless the caller knows the model's all-resident decode rate, compute_tps).
+missing from the arena and read, a record stride each. So a layer misses m = (1 - hit) x top_k
+records and a token layers x m, bytes = layers x m x stride. A layer waits for its misses: the
+first one's whole read, a lone record's latency (doctor measures it, the IO threads' hand-offs
+included), the others streaming behind it at the read rate, so
+    t_io = layers x (min(1, m) x latency + max(0, m - 1) x stride / read rate)
+(bytes / read rate where the latency is not known: --disk-gbps). The computation reads every
+weight the token uses once: the dense weights (of an input embedding that is not also the
+output head, one row) and layers x top_k expert records, which takes t_compute = those bytes /
+the memory read rate (unless the caller knows the model's all-resident decode rate, compute_tps).
     IO ceiling      1 / t_io          (every read overlapped with computation, none waited for)
     compute ceiling 1 / t_compute     (every expert resident)
     range           1 / (t_io + t_compute)  ..  1 / max(t_io, t_compute)
@@ -36,6 +39,7 @@ class Rate:
     bytes_per_s: float
     source: str  # how it was obtained, for the report
     assumed: bool = False
+    latency_s: float = 0.0  # a lone record's read, hand-offs included; 0: not known
 
 
 def read_rate(
@@ -65,7 +69,9 @@ def read_rate(
                 return Rate(
                     r.gbps * 1e9,
                     f"{why}doctor, {when}, {doctor.path}: {r.mode} reads "
-                    f"of {human_bytes(r.record_bytes)} records, {r.threads} threads",
+                    f"of {human_bytes(r.record_bytes)} records, {r.threads} threads, "
+                    f"{r.latency_s * 1e3:.3f} ms a lone record",
+                    latency_s=r.latency_s,
                 )
     if not direct:
         mem = memory_rate(doctor)
@@ -115,9 +121,17 @@ def decode_speed(
     memory: Rate,
     compute_tps: float | None = None,
 ) -> DecodeSpeed:
-    misses = (1.0 - hit_rate) * moe_layers * top_k
+    per_layer = (1.0 - hit_rate) * top_k
+    misses = per_layer * moe_layers
     read_bytes = misses * record_stride
-    t_io = read_bytes / read.bytes_per_s
+    if read.latency_s > 0:
+        # A layer with misses waits for its first record's whole read (hand-offs included),
+        # the others stream behind it; a share per_layer < 1 of the layers misses at all.
+        per = min(1.0, per_layer) * read.latency_s
+        per += max(0.0, per_layer - 1.0) * record_stride / read.bytes_per_s
+        t_io = moe_layers * per
+    else:
+        t_io = read_bytes / read.bytes_per_s
     compute_bytes = 0
     if compute_tps is not None:
         t_compute = 1.0 / compute_tps
