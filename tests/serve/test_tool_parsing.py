@@ -12,16 +12,18 @@ from typing import Any
 
 import pytest
 
-from serve.tool_model import QWEN3_TEMPLATE
+from serve.tool_model import QWEN3_TEMPLATE, RESPONSE_TEMPLATE
 from strata_stream.serve.anthropic import MessagesRequest, message_events
 from strata_stream.serve.errors import APIError
 from strata_stream.serve.jobs import Finished
 from strata_stream.serve.requests import ChatCompletionRequest
 from strata_stream.serve.tool_calls import (
     Piece,
+    TemplateSplitter,
     ToolCall,
     ToolCallSplitter,
     ToolSyntax,
+    merge_pieces,
     split_all,
     tool_syntax,
 )
@@ -254,3 +256,48 @@ def test_chat_conversation_as_the_template_reads_it() -> None:
     body["messages"][1]["tool_calls"][0]["function"]["arguments"] = "{not json"
     with pytest.raises(APIError, match=r"messages\.1\.tool_calls\.0\.function\.arguments"):
         ChatCompletionRequest.model_validate(body).check()
+
+
+def template_splitter() -> TemplateSplitter:
+    pytest.importorskip("transformers.utils.chat_parsing.response_parser")
+    return TemplateSplitter(RESPONSE_TEMPLATE, None, "call_", "w1 <|im_start|> assistant")
+
+
+WORD_TEXT = (
+    'w1 w2 <tool_call> {"name": "get_weather", "arguments": {"city": "Paris"}} </tool_call> '
+    '<tool_call> {"name": "get_time", "arguments": {}} </tool_call> w3 <|im_end|>'
+)
+
+
+@pytest.mark.parametrize("size", [1, 4, 9, 1000])
+def test_response_template_splits_alike_in_any_chunking(size: int) -> None:
+    s = template_splitter()
+    pieces: list[Piece] = []
+    for i in range(0, len(WORD_TEXT), size):
+        pieces += s.feed(WORD_TEXT[i : i + size])
+    pieces += s.finish()
+    assert shape(merge_pieces(pieces)) == [
+        "w1 w2",
+        ("get_weather", {"city": "Paris"}),
+        ("get_time", {}),
+        " w3",
+    ]
+    assert s.calls == 2
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_response_template_failure_is_the_text(size: int) -> None:
+    text = (
+        'w1 <tool_call> {"name": "f", "arguments": {}} </tool_call> w2 <tool_call> {"name": '
+        "broken </tool_call> w3"
+    )
+    s = template_splitter()
+    pieces: list[Piece] = []
+    for i in range(0, len(text), size):
+        pieces += s.feed(text[i : i + size])
+    pieces += s.finish()
+    assert shape(merge_pieces(pieces)) == [
+        "w1",
+        ("f", {}),
+        ' w2 <tool_call> {"name": broken </tool_call> w3',
+    ]

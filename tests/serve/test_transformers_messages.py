@@ -29,6 +29,7 @@ from serve.helpers import TIMEOUT_S, client_for  # noqa: E402
 from serve.tool_model import (  # noqa: E402
     CALL_ARGS,
     CALL_NAME,
+    RESPONSE_TEMPLATE,
     WEATHER_TOOL,
     ForcedReply,
     chain,
@@ -37,6 +38,7 @@ from serve.tool_model import (  # noqa: E402
     save_word_tool_tokenizer,
 )
 from strata_stream.serve import BackgroundServer, ServeConfig, create_app  # noqa: E402
+from strata_stream.serve.tool_calls import tool_syntax  # noqa: E402
 from strata_stream.transformers import stats_source  # noqa: E402
 from test_transformers_families import Family  # noqa: E402
 
@@ -53,7 +55,7 @@ EOS = 1
 @pytest.fixture(scope="module")
 def fam(tmp_path_factory: pytest.TempPathFactory) -> Family:
     f = Family("qwen3_moe", tmp_path_factory.mktemp("serve_hf_tools"), "float32")
-    save_word_tool_tokenizer(f.path)
+    save_word_tool_tokenizer(f.path, response_template=RESPONSE_TEMPLATE)
     return f
 
 
@@ -177,7 +179,10 @@ def test_concurrent_clients_get_their_lone_answers(server: HFServer) -> None:
         assert text == lone[p]
 
 
-def test_tool_calls_whole_and_streamed(server: HFServer) -> None:
+def test_tool_calls_whole_and_streamed(server: HFServer, tokenizer: Any) -> None:
+    """Parsed by transformers' own parser: the tokenizer declares a response_template."""
+    syntax = tool_syntax(tokenizer)
+    assert syntax is not None and syntax.source == "transformers response_template"
     msgs = [{"role": "user", "content": "w3 w9"}]
     with server.forced.armed():
         r = server.openai.chat.completions.create(

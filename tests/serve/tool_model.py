@@ -40,6 +40,23 @@ CALL_TOKENS = [
 ]
 ADDED = ["<think>", "</think>", *CALL_TOKENS]
 
+# A transformers response_template (its declarative response parser) for what the WordLevel
+# tokenizer decodes Qwen3's output to: words and markers joined by single spaces.
+RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor_pattern": r"<\|im_start\|>\s*assistant\s*",
+    "fields": {
+        "tool_calls": {
+            "open_pattern": r"\s*<tool_call>",
+            "close": "</tool_call>",
+            "repeats": True,
+            "content": "json",
+            "transform": {"type": "function", "function": "{content}"},
+        },
+        "content": {"close_pattern": r"\s*<\|im_end\|>", "content": "text"},
+    },
+}
+
 WEATHER_TOOL = {
     "type": "function",
     "function": {
@@ -64,10 +81,13 @@ def add_tool_tokens(path: Path, template: str = QWEN3_TEMPLATE) -> None:
     tok.save_pretrained(path)
 
 
-def save_word_tool_tokenizer(path: Path, words: int = 40) -> None:
+def save_word_tool_tokenizer(
+    path: Path, words: int = 40, response_template: dict[str, Any] | None = None
+) -> None:
     """A WordLevel tokenizer of at most 64 entries (a tiny transformers checkpoint's
     vocabulary): "<unk>" 0, "<eos>" 1, "w0".."w{words-1}", the chat markers and roles of the
-    Qwen3 template, and the tool tokens; with the Qwen3 template."""
+    Qwen3 template, and the tool tokens; with the Qwen3 template and, if given, a
+    response_template (transformers' own parser of the answers)."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import WhitespaceSplit
@@ -93,6 +113,8 @@ def save_word_tool_tokenizer(path: Path, words: int = 40) -> None:
         tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>", pad_token="<unk>"
     )
     fast.chat_template = QWEN3_TEMPLATE
+    if response_template is not None:
+        fast.response_template = response_template
     fast.save_pretrained(str(path))
 
 

@@ -54,7 +54,14 @@ from strata_stream.serve.requests import (
     validate_body,
 )
 from strata_stream.serve.tokenizing import OwnTokenizer, max_prompt_chars
-from strata_stream.serve.tool_calls import Piece, ToolCall, ToolCallSplitter, tool_syntax
+from strata_stream.serve.tool_calls import (
+    Piece,
+    TemplateSplitter,
+    ToolCall,
+    ToolCallSplitter,
+    splitter,
+    tool_syntax,
+)
 from strata_stream.serve.worker import GenerationWorker, QueueFullError, WorkerStoppedError
 
 log = logging.getLogger("strata_stream.serve")
@@ -357,8 +364,9 @@ class _Routes:
         gen = self._generation(req.token_budget(), ids, _sampling(req), req.stops(),
                                param="messages", logprobs=req.top())  # fmt: skip
         fmt = _ChatFormat(self._config.model_id, "chatcmpl", self._token_text)
+        split = await run_in_threadpool(self._splitter, tools, "call_", ids)
         (follow,) = self._submit(request, [gen])
-        events = _split_tools(follow, self._splitter(tools, "call_"))
+        events = _split_tools(follow, split)
         if req.stream:
             return self._stream(events, fmt, req.include_usage, gen.logprobs is not None)
         out = await self._collect(events)
@@ -376,8 +384,9 @@ class _Routes:
         ids = await run_in_threadpool(self._encode_chat, req.template_messages(), tools)
         gen = self._generation(req.token_budget(), ids, req.sampling(), req.stops(),
                                param="messages")  # fmt: skip
+        split = await run_in_threadpool(self._splitter, tools, "toolu_", ids)
         (follow,) = self._submit(request, [gen])
-        events = _split_tools(follow, self._splitter(tools, "toolu_"))
+        events = _split_tools(follow, split)
         msg_id = anthropic.new_message_id()
         model = self._config.model_id
         if req.stream:
@@ -412,10 +421,14 @@ class _Routes:
                 param="tools", code="invalid_value",
             )  # fmt: skip
 
-    def _splitter(self, tools: list[dict[str, Any]] | None, prefix: str) -> ToolCallSplitter | None:
+    def _splitter(
+        self, tools: list[dict[str, Any]] | None, id_prefix: str, ids: list[int]
+    ) -> ToolCallSplitter | TemplateSplitter | None:
+        """The answer's tool-call splitter (on a handler thread: a response_template's parser
+        reads the prompt, decoded here); None without tools."""
         if not tools or self._tool_syntax is None:
             return None
-        return ToolCallSplitter(self._tool_syntax, tools, id_prefix=prefix)
+        return splitter(self._tool_syntax, tools, id_prefix, lambda: self._decode(ids))
 
     # ---- checks before anything runs (on a handler thread: a large body takes a while) -------
     def _parse(self, cls: type[_Req], raw: bytes) -> _Req:
@@ -672,7 +685,7 @@ def _sampling(req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
 
 
 async def _split_tools(
-    events: AsyncGenerator[Event, None], splitter: ToolCallSplitter | None
+    events: AsyncGenerator[Event, None], splitter: ToolCallSplitter | TemplateSplitter | None
 ) -> AsyncGenerator[_Piece, None]:
     """The job's events, its text split into text and tool calls (none without a splitter):
     the streamed and the whole answer both come from here, so they are the same."""

@@ -7,8 +7,10 @@ between its family's markers, e.g. Qwen3's `<tool_call>{"name": ..., "arguments"
 
 - mlx-lm's tool parsers first (`mlx_lm.tool_parsers`: Qwen3's JSON, Qwen3-Coder, GLM 4.7,
   Kimi K2, MiniMax M2, Mistral, Gemma, LFM's pythonic calls ...), chosen as mlx-lm chooses them:
-  the parser `mlx_lm.load` attached to the tokenizer wrapper, else mlx-lm's inference from the
-  chat template and vocabulary;
+  the parser `mlx_lm.load` attached to the tokenizer wrapper, else (after the next) mlx-lm's
+  inference from the chat template and vocabulary;
+- transformers' own response parser where the tokenizer declares a `response_template` (its
+  regions: content, tool calls, reasoning), run by `TemplateSplitter`;
 - then the formats none of them reads: DeepSeek V3/R1's `<｜tool▁call▁begin｜>` blocks and
   gpt-oss's harmony `to=functions.NAME ... <|message|>{args}<|call|>`;
 - Qwen3's JSON-in-tags, read here, only where mlx-lm is not installed (a transformers-only
@@ -43,12 +45,15 @@ Parse = Callable[[str, "list[dict[str, Any]] | None"], Any]
 @dataclass(frozen=True)
 class ToolSyntax:
     """One family's tool-call format: a call is the text between `start` and `end`.
-    source: where the parser comes from (for logs and errors)."""
+    source: where the parser comes from (for logs and errors). response_template: instead of
+    markers, the tokenizer's own declarative parser (transformers' `response_template`), which
+    `splitter` runs."""
 
     start: str
     end: str
     parse: Parse
     source: str
+    response_template: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -75,13 +80,18 @@ def new_call_id(prefix: str) -> str:
 # ---- which format ----------------------------------------------------------------------------
 def tool_syntax(tokenizer: Any) -> ToolSyntax | None:
     """The tool-call format of `tokenizer` (an mlx-lm TokenizerWrapper, the server's HFTokenizer
-    or a transformers tokenizer); None when no parser knows its template."""
+    or a transformers tokenizer); None when no parser knows its template. In order: the parser
+    mlx_lm.load attached, the tokenizer's own response_template (transformers' parser), mlx-lm's
+    inference from the template, then this module's own formats."""
     start = getattr(tokenizer, "tool_call_start", None)
     parser = getattr(tokenizer, "tool_parser", None)
     if isinstance(start, str) and callable(parser):  # mlx_lm.load attached one
         end = getattr(tokenizer, "tool_call_end", None) or ""
         return ToolSyntax(start, end, parser, "mlx-lm")
     hf = _hf_tokenizer(tokenizer)
+    declared = vars(hf).get("response_template") if hasattr(hf, "__dict__") else None
+    if isinstance(declared, dict) and _response_parser() is not None:
+        return ToolSyntax("", "", parse_json_call, "transformers response_template", declared)
     template = getattr(hf, "chat_template", None)
     template = template if isinstance(template, str) else ""
     found = _mlx_lm_syntax(hf)
@@ -125,6 +135,15 @@ def _mlx_lm_syntax(hf: Any) -> ToolSyntax | None:
         module.parse_tool_call,
         f"mlx-lm {name}",
     )
+
+
+def _response_parser() -> Any:
+    """transformers' streaming response parser class; None where this transformers lacks it."""
+    try:
+        from transformers.utils.chat_parsing.response_parser import ResponseParser
+    except Exception:
+        return None
+    return ResponseParser
 
 
 # ---- the formats mlx-lm does not read ------------------------------------------------------
@@ -282,6 +301,103 @@ class ToolCallSplitter:
         return list(calls)
 
 
+class TemplateSplitter:
+    """The same as ToolCallSplitter, by transformers' own streaming parser of the tokenizer's
+    response_template: its regions' text (the answer's content, and any other region such as
+    reasoning) is text, each closed tool_calls region a call. It needs the prompt as text (the
+    template may have written part of the answer). Should a region not parse, the answer's text
+    from the end of what was handed out (the region's markers included) and all that follows
+    are handed out as text, however the text was split into feeds."""
+
+    def __init__(
+        self, template: dict[str, Any], tools: list[dict[str, Any]] | None, id_prefix: str,
+        prompt: str,
+    ) -> None:  # fmt: skip
+        self._parser = _response_parser()(template, prefix=prompt, tools=tools)
+        self._id_prefix = id_prefix
+        self._region = ""  # the open tool region's text so far
+        self._raw = ""  # all text fed
+        self._at = 0  # where in it what was handed out ends (region texts are slices of it)
+        self._failed = False
+        self.calls = 0
+
+    def feed(self, text: str) -> list[Piece]:
+        """The parser is fed one character at a time, so that what it answers (a failure
+        included) never depends on how the text was split into feeds."""
+        if self._failed:
+            return [text] if text else []
+        out: list[Piece] = []
+        for i, ch in enumerate(text):
+            self._raw += ch
+            try:
+                events = self._parser.feed(ch)
+            except Exception as e:
+                rest = [p for p in [*self._fail(e), text[i + 1 :]] if p != ""]
+                return merge_pieces(out + rest)
+            out += self._pieces(events)
+        return merge_pieces([p for p in out if p != ""])
+
+    def finish(self) -> list[Piece]:
+        if self._failed:
+            return []
+        try:
+            return self._pieces(self._parser.finalize()[1])
+        except Exception as e:
+            return self._fail(e)
+
+    def _handed_out(self, text: str) -> None:
+        at = self._raw.find(text, self._at)
+        if at >= 0:
+            self._at = at + len(text)
+
+    def _pieces(self, events: list[dict[str, Any]]) -> list[Piece]:
+        out: list[Piece] = []
+        for e in events:
+            calls_region = e.get("field") == "tool_calls"
+            if e["type"] == "region_chunk" and calls_region:
+                self._region += e["text"]
+            elif e["type"] == "region_chunk" and e["text"]:
+                out.append(e["text"])
+                self._handed_out(e["text"])
+            elif e["type"] == "region_close" and calls_region:
+                calls = _template_calls(e["value"], self._id_prefix)
+                out.extend(calls if calls else [self._region])
+                self._handed_out(self._region)
+                self.calls += len(calls or [])
+                self._region = ""
+        return merge_pieces([p for p in out if p != ""])
+
+    def _fail(self, e: Exception) -> list[Piece]:
+        log.info("the response parser failed (%s); the rest is answered as text", e)
+        self._failed = True
+        rest = self._raw[self._at :]
+        return [rest] if rest else []
+
+
+def _template_calls(value: Any, id_prefix: str) -> list[ToolCall] | None:
+    """transformers' parsed calls ({"type": "function", "function": {name, arguments}}, or a
+    list of them) as ToolCalls."""
+    items = value if isinstance(value, list) else [value]
+    flat = [i.get("function", i) if isinstance(i, dict) else i for i in items]
+    try:
+        return _as_calls(flat, id_prefix)
+    except Exception:
+        return None
+
+
+def splitter(
+    syntax: ToolSyntax,
+    tools: list[dict[str, Any]] | None,
+    id_prefix: str,
+    prompt: Callable[[], str],
+) -> ToolCallSplitter | TemplateSplitter:
+    """The splitter of one answer. `prompt()`: the prompt as text (asked only by a
+    response_template's parser)."""
+    if syntax.response_template is not None:
+        return TemplateSplitter(syntax.response_template, tools, id_prefix, prompt())
+    return ToolCallSplitter(syntax, tools, id_prefix=id_prefix)
+
+
 def _as_calls(parsed: Any, id_prefix: str) -> list[ToolCall] | None:
     items = parsed if isinstance(parsed, list) else [parsed]
     calls = []
@@ -327,11 +443,13 @@ __all__ = [
     "ToolCall",
     "ToolCallSplitter",
     "ToolSyntax",
+    "TemplateSplitter",
     "merge_pieces",
     "new_call_id",
     "parse_deepseek",
     "parse_harmony",
     "parse_json_call",
     "split_all",
+    "splitter",
     "tool_syntax",
 ]
