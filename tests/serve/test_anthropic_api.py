@@ -173,7 +173,9 @@ def test_sampling_fields_are_taken(client: Any) -> None:
     assert m.content[0].text == greedy
 
 
-def test_concurrent_clients_get_their_lone_answers(client: Any) -> None:
+def test_concurrent_clients_get_their_lone_answers(client: Any, served: Served) -> None:
+    """Messages clients, streamed and not, batched with OpenAI chat clients: the same
+    conversation renders the same prompt on both routes, so every one gets the lone answer."""
     prompts = ["hello world", "the water is hot", "a model of the arena", "you can write"]
     lone = {p: say(client, p, 24).content[0].text for p in prompts}
     assert len(set(lone.values())) > 1
@@ -182,18 +184,28 @@ def test_concurrent_clients_get_their_lone_answers(client: Any) -> None:
 
     def run(p: str, i: int) -> None:
         try:
-            got[p, i] = (
-                streamed_text(client, p, 24)[0] if i % 2 else say(client, p, 24).content[0].text
-            )
+            if i % 3 == 0:
+                got[p, i] = say(client, p, 24).content[0].text
+            elif i % 3 == 1:
+                got[p, i] = streamed_text(client, p, 24)[0]
+            else:
+                chunks = served.client.chat.completions.create(
+                    model=MODEL_ID,
+                    messages=[{"role": "user", "content": p}],
+                    max_tokens=24,
+                    temperature=0,
+                    stream=True,
+                )
+                got[p, i] = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         except BaseException as e:
             errors.append(e)
 
-    threads = [threading.Thread(target=run, args=(p, i)) for i, p in enumerate(prompts * 2)]
+    threads = [threading.Thread(target=run, args=(p, i)) for i, p in enumerate(prompts * 3)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
-    assert not errors and len(got) == 8
+    assert not errors and len(got) == 12
     for (p, _), text in got.items():
         assert text == lone[p]
 
