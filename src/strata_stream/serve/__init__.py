@@ -1,4 +1,5 @@
-"""`strata-stream serve`: an OpenAI-compatible HTTP server with Prometheus metrics.
+"""`strata-stream serve`: an OpenAI-compatible HTTP server, with the Anthropic Messages API and
+tool calls on both, and Prometheus metrics.
 
 create_app(model, tokenizer, ServeConfig(model_id=...), stats=...) builds the FastAPI app;
 serve(path, ...) loads a model and runs it (the CLI). See docs/serve.md."""

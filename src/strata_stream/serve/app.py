@@ -1,4 +1,5 @@
-"""The FastAPI application: OpenAI routes, /health and /metrics over one GenerationWorker."""
+"""The FastAPI application: the OpenAI routes, the Anthropic Messages route (serve/anthropic.py),
+/health and /metrics over one GenerationWorker."""
 
 from __future__ import annotations
 
