@@ -173,6 +173,12 @@ def test_decode_speed_arithmetic() -> None:
     assert (s.misses_per_token, s.read_bytes_per_token) == (2.0, 2000.0)
     assert (s.io_ceiling, s.compute_ceiling) == (0.5, 1.0)
     assert (s.low, s.high) == pytest.approx((1 / 3, 0.5))
+    # The low end at the cold hit rate: 2 layers x top-2 x 0.75 = 3 records, 3 s.
+    s = decode_speed(
+        0.5, 2, 2, 900, 1000, 0, Rate(1000.0, ""), Rate(1.0, ""), 1.0, cold_hit_rate=0.25
+    )
+    assert (s.low, s.high, s.misses_per_token_cold) == pytest.approx((1 / 4, 0.5, 3.0))
+    assert s.io_ceiling_cold == pytest.approx(1 / 3)
     # With a lone record's latency: a layer missing m records waits one latency and m - 1
     # records streamed; a layer missing m < 1 misses at all in a share m of the tokens.
     slow = Rate(1000.0, "", latency_s=3.0)

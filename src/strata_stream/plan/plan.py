@@ -54,6 +54,8 @@ class Plan:
                 "read_bytes_per_token": s.read_bytes_per_token,
                 "compute_bytes_per_token": s.compute_bytes_per_token,
                 "io_ceiling_tps": finite(s.io_ceiling),
+                "misses_per_token_cold": s.misses_per_token_cold,
+                "io_ceiling_cold_tps": finite(s.io_ceiling_cold),
                 "compute_ceiling_tps": s.compute_ceiling,
                 "predicted_tps": [s.low, s.high],
             }
@@ -99,6 +101,7 @@ def make_plan(
         rd,
         mem,
         compute_tps,
+        hit.cold_hit_rate,
     )
     return Plan(m, a, hit, rd, mem, speed, compute_tps is not None)
 
@@ -140,7 +143,8 @@ def format_plan(p: Plan) -> str:
     assert p.memory_read is not None
     s = p.speed
     lines += [
-        f"hit rate        {p.hit.hit_rate:.3f}, replaying {p.hit.describe()}",
+        f"hit rate        {p.hit.hit_rate:.3f} ({p.hit.cold_hit_rate:.3f} counting each expert's "
+        f"first use), replaying {p.hit.describe()}",
         *(
             [
                 f"                the trace uses {p.hit.trace_experts_used:,} experts, no more "
@@ -152,7 +156,7 @@ def format_plan(p: Plan) -> str:
         f"reads           {s.misses_per_token:.1f} records a token "
         f"({human_bytes(s.read_bytes_per_token)}) at {p.read.bytes_per_s / 1e9:.2f} GB/s: "
         f"{p.read.source}",
-        f"IO ceiling      {_tps(s.io_ceiling)}",
+        f"IO ceiling      {_tps(s.io_ceiling)} ({_tps(s.io_ceiling_cold)} counting first uses)",
     ]
     if p.compute_given:
         lines.append(f"compute ceiling {_tps(s.compute_ceiling)} (given: --compute-tps)")
@@ -163,8 +167,8 @@ def format_plan(p: Plan) -> str:
             f"{p.memory_read.bytes_per_s / 1e9:.1f} GB/s ({p.memory_read.source})"
         )
     lines.append(
-        f"decode          {s.low:,.1f} .. {s.high:,.1f} tok/s predicted (reads waited "
-        "for .. reads overlapped with computation)"
+        f"decode          {s.low:,.1f} .. {s.high:,.1f} tok/s predicted (every read waited "
+        "for, first uses counted .. every read overlapped with computation)"
     )
     if p.read.assumed or (p.memory_read.assumed and not p.compute_given):
         lines.append(

@@ -13,9 +13,11 @@ output head, one row) and layers x top_k expert records, which takes t_compute =
 the memory read rate (unless the caller knows the model's all-resident decode rate, compute_tps).
     IO ceiling      1 / t_io          (every read overlapped with computation, none waited for)
     compute ceiling 1 / t_compute     (every expert resident)
-    range           1 / (t_io + t_compute)  ..  1 / max(t_io, t_compute)
-The low end is a decode that waits for each miss with nothing else to do; the high end one
-whose reads all overlap with computation (prefetch, or the IO threads ahead of the device).
+    range           1 / (t_io_cold + t_compute)  ..  1 / max(t_io, t_compute)
+The low end is a decode that waits for each miss with nothing else to do, at the trace's hit
+rate with every use counted (t_io_cold: its first uses missing too, as in a short
+conversation); the high end one whose reads all overlap with computation (prefetch, or the IO
+threads ahead of the device), at the hit rate with first uses left out (a long one).
 """
 
 from __future__ import annotations
@@ -101,13 +103,27 @@ def memory_rate(doctor: DoctorResult | None) -> Rate:
 
 @dataclass(frozen=True)
 class DecodeSpeed:
-    misses_per_token: float
+    misses_per_token: float  # at the hit rate (first uses left out)
     read_bytes_per_token: float
     compute_bytes_per_token: int  # 0 where compute_tps was given
     io_ceiling: float  # tokens/s; inf when nothing is read
     compute_ceiling: float
     low: float
     high: float
+    # The same at the cold hit rate (every use counted), which the low end uses.
+    misses_per_token_cold: float
+    io_ceiling_cold: float
+
+
+def _t_io(hit_rate: float, moe_layers: int, top_k: int, stride: int, read: Rate) -> float:
+    per_layer = (1.0 - hit_rate) * top_k
+    if read.latency_s <= 0:
+        return moe_layers * per_layer * stride / read.bytes_per_s
+    # A layer with misses waits for its first record's whole read (hand-offs included), the
+    # others stream behind it; a share per_layer < 1 of the layers misses at all.
+    per = min(1.0, per_layer) * read.latency_s
+    per += max(0.0, per_layer - 1.0) * stride / read.bytes_per_s
+    return moe_layers * per
 
 
 def decode_speed(
@@ -120,32 +136,30 @@ def decode_speed(
     read: Rate,
     memory: Rate,
     compute_tps: float | None = None,
+    cold_hit_rate: float | None = None,
 ) -> DecodeSpeed:
-    per_layer = (1.0 - hit_rate) * top_k
-    misses = per_layer * moe_layers
-    read_bytes = misses * record_stride
-    if read.latency_s > 0:
-        # A layer with misses waits for its first record's whole read (hand-offs included),
-        # the others stream behind it; a share per_layer < 1 of the layers misses at all.
-        per = min(1.0, per_layer) * read.latency_s
-        per += max(0.0, per_layer - 1.0) * record_stride / read.bytes_per_s
-        t_io = moe_layers * per
-    else:
-        t_io = read_bytes / read.bytes_per_s
+    """The ceilings and range at `hit_rate`; with `cold_hit_rate` (a lower one: the trace's
+    every use counted) the low end is taken at it, so the range spans both."""
+    cold = hit_rate if cold_hit_rate is None else min(hit_rate, cold_hit_rate)
+    t_io = _t_io(hit_rate, moe_layers, top_k, record_stride, read)
+    t_io_cold = _t_io(cold, moe_layers, top_k, record_stride, read)
     compute_bytes = 0
     if compute_tps is not None:
         t_compute = 1.0 / compute_tps
     else:
         compute_bytes = dense_bytes + moe_layers * top_k * record_bytes
         t_compute = compute_bytes / memory.bytes_per_s
+    misses = (1.0 - hit_rate) * top_k * moe_layers
     return DecodeSpeed(
         misses,
-        read_bytes,
+        misses * record_stride,
         compute_bytes,
         1.0 / t_io if t_io > 0 else math.inf,
         1.0 / t_compute,
-        1.0 / (t_io + t_compute),
+        1.0 / (t_io_cold + t_compute),
         1.0 / max(t_io, t_compute),
+        (1.0 - cold) * top_k * moe_layers,
+        1.0 / t_io_cold if t_io_cold > 0 else math.inf,
     )
 
 
