@@ -30,6 +30,12 @@ DATA = Path(__file__).parent / "data"
 LAYERS, EXPERTS, TOP_K, HIDDEN, INTER = 2, 4, 2, 64, 128
 
 
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No test reads the user's saved doctor result or writes in the user's cache."""
+    monkeypatch.setenv("STRATA_CACHE", str(tmp_path / "cache"))
+
+
 def _checkpoint(path: Path, dtype: Any = np.float16) -> tuple[int, int]:
     """A Mixtral-style per-expert checkpoint in two shards; returns (dense, expert) bytes as
     written."""
@@ -304,6 +310,7 @@ def test_plan_prints_every_figure_and_json(
     ):
         assert label in text
     assert "shipped Qwen3-30B-A3B trace" in text
+    assert "assumed" in text  # no doctor result saved in this test's cache
     assert main(["plan", str(path), "--memory", "8GB", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["dense_bytes"], out["expert_bytes"]) == (dense, experts)
