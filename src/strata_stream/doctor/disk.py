@@ -43,6 +43,7 @@ RECORD_SIZES = (PAGE, 256 << 10, 3 << 20, 24 << 20)
 FILE_BYTES = 256 << 20
 PASS_SECONDS = 0.5  # a pass stops taking new parts after this long (it has read enough)
 _CHUNK = 16 << 20
+_READ_TIMEOUT_S = 60.0  # a lone record's read that takes longer fails the pass
 
 
 def io_thread_counts() -> tuple[int, ...]:
@@ -234,7 +235,8 @@ def lone_latency(
             t0 = time.perf_counter()
             for o, n in parts:
                 jobs.put((r * stride + o, n, left, done))
-            done.wait()
+            if not done.wait(_READ_TIMEOUT_S):  # a reader that could not start: no hang
+                raise OSError(f"a {human_bytes(record_bytes)} read took over {_READ_TIMEOUT_S} s")
             times.append(time.perf_counter() - t0)
             if errors:
                 raise errors[0]
