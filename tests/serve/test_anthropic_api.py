@@ -200,12 +200,14 @@ def test_concurrent_clients_get_their_lone_answers(client: Any, served: Served) 
         except BaseException as e:
             errors.append(e)
 
-    threads = [threading.Thread(target=run, args=(p, i)) for i, p in enumerate(prompts * 3)]
+    # Eight at once: the fixture's queue holds eight, so none is refused however they arrive.
+    # Each kind of client meets each other kind (i % 3 against i % 4).
+    threads = [threading.Thread(target=run, args=(p, i)) for i, p in enumerate(prompts * 2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
-    assert not errors and len(got) == 12
+    assert not errors and len(got) == 8
     for (p, _), text in got.items():
         assert text == lone[p]
 
