@@ -5,7 +5,8 @@ structure and can only ever cost IO.
 - a block whose experts compute another activation than the pack's is refused by name, never
   computed with the wrong one;
 - experts the pack cannot hold (no gate projection) are one line naming the model type;
-- the causal-LM class is found as transformers finds it, beyond AutoModelForCausalLM's table;
+- the causal-LM class is found as transformers finds it, beyond AutoModelForCausalLM's table,
+  and a vision model's generation class likewise (AutoModelForImageTextToText's);
 - a corrupted predictor (wrong ids) and no predictor at all (the profile stands in, as the
   engine's stats say) give bitwise the output of the real one.
 """
@@ -185,3 +186,22 @@ def test_the_causal_lm_class_is_found_as_transformers_finds_it() -> None:
     assert causal_lm_class(transformers.Qwen3MoeConfig()) is transformers.Qwen3MoeForCausalLM
     with pytest.raises(ConfigError, match="no causal LM class for ViTConfig"):
         causal_lm_class(transformers.ViTConfig())
+
+
+def test_a_vision_model_generates_with_its_image_text_to_text_class() -> None:
+    """A vision model with no causal LM of its own loads as the class transformers builds for
+    image-text-to-text; a model with neither is one line naming the heads it has."""
+    from strata_stream.transformers.loader import generation_class
+
+    vl = getattr(transformers, "Qwen3VLMoeConfig", None)
+    if vl is None:
+        pytest.skip("this transformers has no qwen3_vl_moe")
+    with pytest.raises(ConfigError, match="no causal LM class for Qwen3VLMoeConfig"):
+        causal_lm_class(vl())
+    assert generation_class(vl()) is transformers.Qwen3VLMoeForConditionalGeneration
+    # A causal LM stays the causal LM, even where the type has an image-text-to-text class too.
+    assert generation_class(transformers.Qwen3MoeConfig()) is transformers.Qwen3MoeForCausalLM
+    with pytest.raises(ConfigError, match=r"no text-generation class .* for ViTConfig .*"
+                       r"ViTForImageClassification") as e:  # fmt: skip
+        generation_class(transformers.ViTConfig())
+    assert len(str(e.value).splitlines()) == 1

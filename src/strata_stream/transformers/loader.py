@@ -69,49 +69,88 @@ def _streamed_class(base: type[Any], slot: EngineSlot) -> type[Any]:
     )  # fmt: skip
 
 
-def causal_lm_class(config: Any, where: object = "") -> type[Any]:
-    """The causal-LM class transformers builds for `config`, found as the library finds it:
-    AutoModelForCausalLM's table (which picks among several by the config's `architectures`);
-    else a class the config's `architectures` names; else the one ``*ForCausalLM`` class of the
-    model type's own modeling module taking this config class (mistral4: not in the auto table,
-    though Mistral4ForCausalLM exists and loads plainly). ConfigError where there is none."""
+def _own_classes(config: Any) -> dict[str, type[Any]]:
+    """The classes of the model type's own modeling module that take this config class."""
     import importlib
 
-    import transformers
-    from transformers import AutoModelForCausalLM
-    from transformers.models.auto import auto_factory
     from transformers.models.auto.configuration_auto import model_type_to_module_name
 
-    mapping: Any = AutoModelForCausalLM._model_mapping  # noqa: SLF001 - its class table
+    package = model_type_to_module_name(str(getattr(config, "model_type", "")))
+    try:
+        module = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
+    except ImportError:
+        return {}
+    return {
+        n: c
+        for n, c in vars(module).items()
+        if isinstance(c, type) and getattr(c, "config_class", None) is type(config)
+    }
+
+
+def _own_class(config: Any, suffix: str) -> type[Any] | None:
+    """The one class of the model type's own modeling module whose name ends in `suffix` and
+    that takes this config class; None where there is not exactly one."""
+    found = [c for n, c in _own_classes(config).items() if n.endswith(suffix)]
+    return found[0] if len(found) == 1 else None
+
+
+def _class_of(config: Any, auto: Any, suffix: str) -> type[Any] | None:
+    """The class `auto` (an AutoModelFor* class) builds for `config`, found as the library
+    finds it: the auto class's table (which picks among several by the config's
+    `architectures`); else a class the config's `architectures` names ending in `suffix`; else
+    the one such class of the model type's own modeling module taking this config class."""
+    import transformers
+    from transformers.models.auto import auto_factory
+
+    mapping: Any = auto._model_mapping  # noqa: SLF001 - its class table
     if type(config) in mapping:
         cls: type[Any] = auto_factory._get_model_class(config, mapping)  # type: ignore[no-untyped-call]
         return cls
     for arch in getattr(config, "architectures", None) or []:
-        found = (
-            getattr(transformers, str(arch), None) if str(arch).endswith("ForCausalLM") else None
-        )
+        found = getattr(transformers, str(arch), None) if str(arch).endswith(suffix) else None
         if isinstance(found, type):
             return found
-    model_type = str(getattr(config, "model_type", ""))
-    try:
-        module = importlib.import_module(
-            f"transformers.models.{model_type_to_module_name(model_type)}.modeling_"
-            f"{model_type_to_module_name(model_type)}"
-        )
-    except ImportError:
-        module = None
-    candidates = [
-        c
-        for n, c in vars(module or object()).items()
-        if isinstance(c, type) and n.endswith("ForCausalLM")
-        and getattr(c, "config_class", None) is type(config)
-    ]  # fmt: skip
-    if len(candidates) == 1:
-        return candidates[0]
+    return _own_class(config, suffix)
+
+
+def causal_lm_class(config: Any, where: object = "") -> type[Any]:
+    """The causal-LM class transformers builds for `config`, found as the library finds it
+    (`_class_of` with AutoModelForCausalLM; mistral4: not in the auto table, though
+    Mistral4ForCausalLM exists and loads plainly). ConfigError where there is none."""
+    from transformers import AutoModelForCausalLM
+
+    cls = _class_of(config, AutoModelForCausalLM, "ForCausalLM")
+    if cls is not None:
+        return cls
     prefix = f"{where}: " if where else ""
     raise ConfigError(
         f"{prefix}transformers has no causal LM class for {type(config).__name__} "
-        f"(model type {model_type or 'unknown'})"
+        f"(model type {getattr(config, 'model_type', None) or 'unknown'})"
+    )
+
+
+def generation_class(config: Any, where: object = "") -> type[Any]:
+    """The class transformers generates text with for `config`: its causal LM
+    (`causal_lm_class`), else the class it builds for image-text-to-text generation (a vision
+    or omni model whose generation class is ``*ForConditionalGeneration``: given no image it
+    generates from the text alone), found the same way with AutoModelForImageTextToText.
+    ConfigError naming the model's own heads where it has neither."""
+    from transformers import AutoModelForImageTextToText
+
+    try:
+        return causal_lm_class(config)
+    except ConfigError:
+        pass
+    cls = _class_of(config, AutoModelForImageTextToText, "ForConditionalGeneration")
+    if cls is not None:
+        return cls
+    prefix = f"{where}: " if where else ""
+    model_type = getattr(config, "model_type", None) or "unknown"
+    heads = sorted(n for n in _own_classes(config) if not n.endswith("PreTrainedModel"))
+    raise ConfigError(
+        f"{prefix}transformers has no text-generation class (causal LM or image-text-to-text) "
+        f"for {type(config).__name__} (model type {model_type}; its model classes: "
+        f"{', '.join(heads) or 'none'})"
     )
 
 
@@ -212,6 +251,9 @@ def load(
 ) -> Any:
     """As ``AutoModelForCausalLM.from_pretrained(path_or_repo, dtype=dtype, **kwargs)``, with
     the routed experts streamed; returns the PreTrainedModel (the tokenizer stays AutoTokenizer's).
+    A vision or omni model with no causal LM of its own loads as the class transformers builds
+    for image-text-to-text (`generation_class`): its text decoder's experts stream, and it
+    generates from text alone (no images).
 
     arena_bytes: expert memory (None: sized from the host memory available once the dense
     weights are loaded, leaving headroom for the KV cache and activations; too little is a
@@ -243,7 +285,7 @@ def load(
     hf_config = AutoConfig.from_pretrained(
         model_path, trust_remote_code=kwargs.get("trust_remote_code", False)
     )
-    base = causal_lm_class(hf_config, model_path)
+    base = generation_class(hf_config, model_path)
     hf_config = config_for(base, hf_config)
     quant = getattr(hf_config, "quantization_config", None)
     method = (
