@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CONFIGS", "VOCAB", "make_checkpoint", "save_tokenizer"]
+__all__ = ["CONFIGS", "VOCAB", "make_checkpoint", "randomize", "save_tokenizer"]
 
 VOCAB = [f"w{i}" for i in range(60)]
 HIDDEN, INTER, EXPERTS, TOP_K = 64, 64, 8, 2
@@ -83,9 +83,19 @@ def save_tokenizer(path: Path) -> None:
     fast.save_pretrained(str(path))  # type: ignore[no-untyped-call,unused-ignore]
 
 
-def _randomize(model: Any, seed: int) -> None:
+def randomize(model: Any, seed: int) -> None:
+    """Random weights of order one in place of transformers' own initialisation (std 0.02,
+    which leaves a tiny model's logits nearly flat): embedding tables N(0, 1), matrices and
+    fused experts N(0, 1 / fan_in), norms near one, biases small but not zero (so their paths
+    count). Rotary frequencies are left as computed. Any model: the coverage matrix uses it too.
+    """
     import torch
 
+    embeddings = {
+        f"{name}.weight" if name else "weight"
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Embedding)
+    }
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in [*model.named_parameters(), *model.named_buffers()]:
@@ -96,7 +106,7 @@ def _randomize(model: Any, seed: int) -> None:
             if p.ndim >= 2:
                 # [.., out, in] for Linear weights and fused experts; gpt-oss's fused experts
                 # are [E, in, out], the same scale either way for these square-ish sizes.
-                v = v if name.endswith("embed_tokens.weight") else v / math.sqrt(p.shape[-1])
+                v = v if name in embeddings else v / math.sqrt(p.shape[-1])
             elif "norm" in name:
                 v = 1.0 + 0.1 * v
             elif leaf == "sinks":
@@ -126,7 +136,7 @@ def make_checkpoint(
     model = transformers.AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call,unused-ignore]
         config, dtype=torch.float32
     )
-    _randomize(model, seed)
+    randomize(model, seed)
     model = model.to(getattr(torch, dtype))
     model.config.dtype = dtype
     path.mkdir(parents=True, exist_ok=True)
