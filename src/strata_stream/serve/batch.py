@@ -17,6 +17,11 @@ length, cancellation or an error of the step.
 Under lockstep (rank 0 of a sharded model, serve/lockstep.py) it records every change it makes
 to the generator (insert, remove, a fresh generator) and sends them as one `Step` before each
 step, so the followers (serve/follower.py) run the same batch; requests get a seed first.
+
+With a prompt cache (serve/prompt_cache.py; never under lockstep, whose followers hold no
+such cache), a request starts from the kept cache of the longest prefix of its prompt and
+prefills only the rest; a sequence that ends with "stop" or "length" leaves its cache (prompt
+and answer, as the generator hands it back) to the store.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from strata_stream.serve.lockstep import (
 )
 from strata_stream.serve.logprobs import PromptScorer, as_row, entry
 from strata_stream.serve.metrics import ServerMetrics
+from strata_stream.serve.prompt_cache import PromptCacheStore
 from strata_stream.serve.sampling import Fault, make_processors, make_sampler
 from strata_stream.serve.sequence import ServedSequence
 from strata_stream.serve.stop import StopMatcher
@@ -60,16 +66,25 @@ def new_generator(model: Any, max_batch: int, prefill_chunk: int) -> Any:
 
 
 def insert_request(
-    gen: Any, request: GenerationRequest, eos: list[int], fault: Fault | None = None
+    gen: Any,
+    request: GenerationRequest,
+    eos: list[int],
+    fault: Fault | None = None,
+    cache: Any = None,
+    cached: int = 0,
 ) -> int:
     """Inserts one request into the generator (rank 0 and every follower alike); its uid.
     `fault` records a failure of its sampling (serve/sampling.py) instead of failing the
-    step."""
+    step. `cache`: a prompt cache of the prompt's first `cached` tokens (fewer than all), so
+    only the rest is prefilled."""
     from mlx_lm.generate import StopSequences
 
     fault = fault if fault is not None else Fault()
+    prompt = list(request.prompt)
     (uid,) = gen.insert(
-        [list(request.prompt)],
+        [prompt[cached:]],
+        caches=None if cache is None else [cache],
+        all_tokens=None if cache is None else [prompt[:cached]],
         max_tokens=[request.max_tokens],
         samplers=[make_sampler(request.sampling, fault)],
         logits_processors=[make_processors(request.sampling, fault)],
@@ -100,6 +115,7 @@ class ContinuousBatch:
         finish: Callable[[Job, Finished], None],
         on_error: Callable[[str], None] = lambda message: None,
         lockstep: RequestChannel | None = None,
+        prompt_cache: PromptCacheStore | None = None,
     ) -> None:
         self._model = model
         self._tokenizer = tokenizer
@@ -114,6 +130,7 @@ class ContinuousBatch:
         # Echo requests whose prompts are being scored, one chunk per step, in arrival order.
         self._scoring: list[tuple[Job, PromptScorer]] = []
         self._lockstep = lockstep
+        self._prompt_cache = prompt_cache if lockstep is None else None
         # Under lockstep: the changes made to the generator since the last step, in order.
         self._changes: list[Change] = []
         self._gen = new_generator(model, max_batch, prefill_chunk)
@@ -153,7 +170,10 @@ class ContinuousBatch:
         with self._lock:
             detok = self._tokenizer.detokenizer
         fault = Fault()
-        uid = insert_request(self._gen, req, self._eos, fault)
+        cache, cached = None, 0
+        if self._prompt_cache is not None:
+            cache, cached = self._prompt_cache.fetch(req.prompt)
+        uid = insert_request(self._gen, req, self._eos, fault, cache, cached)
         if self._lockstep is not None:
             self._changes.append(Insert(req))
         self._seqs[uid] = _Sequence(job=job, uid=uid, detok=detok, stop=StopMatcher(req.stop),
@@ -248,8 +268,20 @@ class ContinuousBatch:
         for r in responses:
             seq = self._seqs.get(r.uid)
             if seq is not None:
+                if r.finish_reason is not None:
+                    self._keep(r.all_tokens, r.prompt_cache)
                 self._token(seq, int(r.token), r.finish_reason, r.logprobs)
         return len(responses)
+
+    def _keep(self, tokens: Any, cache: Any) -> None:
+        """Leaves a finished sequence's cache to the prompt cache; a failure there costs the
+        next request its head start, never this one its answer."""
+        if self._prompt_cache is None or cache is None or not tokens:
+            return
+        try:
+            self._prompt_cache.store(tokens, cache)
+        except Exception:
+            log.exception("keeping a prompt cache failed")
 
     def _token(self, s: _Sequence, token: int, finish: str | None, logprobs: Any) -> None:
         s.note_sampled(self._metrics)
@@ -261,7 +293,13 @@ class ContinuousBatch:
         if top is not None:
             s.job.emit(Logprobs((entry(as_row(logprobs), token, top),)))
         if s.feed(token, self._lock):
-            self._remove([s.uid])
+            if self._prompt_cache is not None:
+                kept = self._gen.remove([s.uid], return_prompt_caches=True)
+                if s.uid in kept:
+                    cache, tokens = kept[s.uid]
+                    self._keep(tokens, cache)
+            else:
+                self._remove([s.uid])
             self._end(s, "stop")
         elif finish is not None:  # the length: the generator has let it go
             self._end(s, "length")

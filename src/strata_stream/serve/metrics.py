@@ -165,6 +165,36 @@ class ServerMetrics:
         self.busy = Gauge(
             "strata_serve_worker_busy", "1 while the worker has sequences in its batch.", registry=r
         )
+        self.prompt_cache_hits = Counter(
+            "strata_serve_prompt_cache_hits",
+            "Requests whose prompt started from a kept prompt cache.",
+            registry=r,
+        )
+        self.prompt_cache_misses = Counter(
+            "strata_serve_prompt_cache_misses",
+            "Requests no kept prompt cache served (the whole prompt was read).",
+            registry=r,
+        )
+        self.prompt_cache_tokens = Counter(
+            "strata_serve_prompt_cache_tokens",
+            "Prompt tokens served from kept prompt caches instead of being read.",
+            registry=r,
+        )
+        self.prompt_cache_refused = Counter(
+            "strata_serve_prompt_cache_refused",
+            "Prompt cache files refused at use (corrupted, truncated or not this model's).",
+            registry=r,
+        )
+        self.prompt_cache_bytes = Gauge(
+            "strata_serve_prompt_cache_bytes",
+            "Bytes of prompt caches kept in memory.",
+            registry=r,
+        )
+        self.prompt_cache_disk_bytes = Gauge(
+            "strata_serve_prompt_cache_disk_bytes",
+            "Bytes of this model's prompt cache files in the prompt cache directory.",
+            registry=r,
+        )
         self.stats_errors = Counter(
             "strata_serve_stats_errors", "Stats-source calls that raised.", registry=r
         )

@@ -16,6 +16,10 @@ cache is transformers' own dynamic cache, made by the first forward (`cache_argu
 the keyword this transformers version takes it by); the logits of the last
 position alone are computed (logits_to_keep=1). Sampling, logits processors and
 log-probabilities follow mlx-lm's definitions (serve/torch_sampling.py, serve/logprobs.py).
+
+With a prompt cache (serve/prompt_cache.py), a request starts from the kept cache of the
+longest prefix of its prompt (its prefill begins after it), and a sequence that ends with
+"stop" or "length" leaves its cache (its tokens but the last sampled one) to the store.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from strata_stream.serve.jobs import Finished, Job, JobState, Logprobs, TokenLog
 from strata_stream.serve.lockstep import RequestChannel
 from strata_stream.serve.logprobs import entry
 from strata_stream.serve.metrics import ServerMetrics
+from strata_stream.serve.prompt_cache import PromptCacheStore
 from strata_stream.serve.sequence import ServedSequence
 from strata_stream.serve.stop import StopMatcher
 from strata_stream.serve.torch_sampling import Processor, TorchSampler, make_processors
@@ -63,6 +68,7 @@ class SequentialBatch:
         finish: Callable[[Job, Finished], None],
         on_error: Callable[[str], None] = lambda message: None,
         lockstep: RequestChannel | None = None,
+        prompt_cache: PromptCacheStore | None = None,
     ) -> None:
         if lockstep is not None:  # serve() refuses --pipeline/--tensor with this engine first
             raise ValueError("the transformers engine does not serve across ranks")
@@ -79,6 +85,7 @@ class SequentialBatch:
         self._eos = set(tokenizer.eos_token_ids)
         self._cache_arg = cache_argument(model)
         self._seq: _Sequence | None = None
+        self._prompt_cache = prompt_cache
 
     def __len__(self) -> int:
         return 0 if self._seq is None else 1
@@ -110,6 +117,8 @@ class SequentialBatch:
                               sampler=TorchSampler(req.sampling),
                               processors=make_processors(req.sampling),
                               admitted_at=time.perf_counter(), tokens=list(req.prompt))  # fmt: skip
+        if self._prompt_cache is not None:
+            self._seq.cache, self._seq.prefilled = self._prompt_cache.fetch(req.prompt)
 
     def drop_cancelled(self, stopping: bool) -> None:
         s = self._seq
@@ -185,6 +194,11 @@ class SequentialBatch:
 
     def _end(self, s: _Sequence, reason: str, error: str | None = None) -> None:
         self._seq = None
+        if self._prompt_cache is not None and reason in ("stop", "length") and s.cache is not None:
+            try:  # the cache holds every token but the last sampled one
+                self._prompt_cache.store(s.tokens[:-1], s.cache)
+            except Exception:  # the next request loses its head start, never this its answer
+                log.exception("keeping a prompt cache failed")
         self._finish_job(s.job, s.finished(reason, self._lock, self._metrics, error))
 
 

@@ -19,6 +19,9 @@ each step it sends the followers what changed in it (serve/batch.py), so they ru
 Job lifecycle (JobState): QUEUED -> RUNNING -> FINISHED, or QUEUED -> FINISHED when cancelled
 before the worker reached it. `Job.cancel()` may be called from any thread at any time; the
 worker checks it before each decode step, so a cancelled job leaves at the next step.
+
+The worker's prompt cache (serve/prompt_cache.py: memory, and files when configured) is made on
+its thread when it starts (the files' key hashes the model's weights) and handed to the batch.
 """
 
 from __future__ import annotations
@@ -35,8 +38,12 @@ from strata_stream.engine_stats import StatsSource
 from strata_stream.serve.jobs import Finished, Job, JobState
 from strata_stream.serve.lockstep import STOP, RequestChannel
 from strata_stream.serve.metrics import ServerMetrics
+from strata_stream.serve.prompt_cache import PromptCacheConfig, PromptCacheStore
 
 log = logging.getLogger("strata_stream.serve")
+
+# Kept in memory only, unless configured otherwise (`configure_prompt_cache`).
+DEFAULT_PROMPT_CACHE = PromptCacheConfig()
 
 
 @dataclass(frozen=True)
@@ -115,6 +122,7 @@ class GenerationWorker:
         stats_interval_s: float = 0.5,
         lockstep: RequestChannel | None = None,
         engine: str = "mlx-lm",
+        prompt_cache: PromptCacheConfig | None = DEFAULT_PROMPT_CACHE,
     ) -> None:
         self._model = model
         # "mlx-lm": mlx-lm's BatchGenerator (serve/batch.py); "transformers": one request at a
@@ -130,6 +138,8 @@ class GenerationWorker:
         self.max_queue = max_queue
         self.max_batch = max_batch
         self._prefill_chunk = prefill_chunk
+        # None: no prompt cache. Set before start() (configure_prompt_cache).
+        self._prompt_cache_config = prompt_cache
         # Sequences in the batch now (written by the worker thread; /health reads it).
         self.in_flight = 0
         # Written by the worker thread only, replaced whole (one reference store), so /health
@@ -151,6 +161,12 @@ class GenerationWorker:
         metrics.queue_depth.set_function(lambda: len(self._queue))
 
     # ---- any thread --------------------------------------------------------------------------
+    def configure_prompt_cache(self, config: PromptCacheConfig | None) -> None:
+        """The prompt cache to keep (None: none); before start()."""
+        if self._thread.is_alive():
+            raise RuntimeError("the prompt cache is configured before the worker starts")
+        self._prompt_cache_config = config
+
     def start(self) -> None:
         self._thread.start()
 
@@ -234,6 +250,7 @@ class GenerationWorker:
             finish=self._finish,
             on_error=self._note_error,
             lockstep=self._lockstep,
+            prompt_cache=self._open_prompt_cache(),
         )
         last_stats = time.perf_counter()
         try:
@@ -259,6 +276,31 @@ class GenerationWorker:
             batch.drop_cancelled(stopping=True)
             self.in_flight = 0
             self._metrics.busy.set(0)
+
+    def _open_prompt_cache(self) -> PromptCacheStore | None:
+        """The batch's prompt cache; None when there is none or it cannot open (the server
+        serves without it, every prompt read whole)."""
+        config = self._prompt_cache_config
+        if config is None or self._lockstep is not None:
+            return None
+        if config.memory_bytes == 0 and config.directory is None:
+            return None
+        model = self._model
+        try:
+            if self._engine == "transformers":
+                from strata_stream.serve.prompt_cache_torch import TorchCacheOps, torch_fingerprints
+
+                ops: Any = TorchCacheOps(model)
+                prints = lambda: torch_fingerprints(model)  # noqa: E731
+            else:
+                from strata_stream.serve.prompt_cache_mlx import MlxCacheOps, mlx_fingerprints
+
+                ops = MlxCacheOps(model)
+                prints = lambda: mlx_fingerprints(model)  # noqa: E731
+            return PromptCacheStore(ops, config, self._metrics, prints)
+        except Exception as e:
+            log.error("the prompt cache could not open (%s); serving without it", e)
+            return None
 
     def _next_job(self, wait: bool) -> Job | None:
         """The next job to admit: the rest of the last request first, then the queue's oldest

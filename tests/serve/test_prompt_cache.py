@@ -1,0 +1,156 @@
+"""Prompt caches kept across requests and restarts (serve/prompt_cache.py) on the mlx-lm
+engine: a prompt that starts with a kept prefix reads only the rest, and its tokens and
+log-probabilities are bitwise those of a server that keeps no cache; files of another model, a
+corrupted or truncated file are refused (never loaded, never a crash); the size bound holds;
+a user's own files are never touched."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import mlx_lm
+import numpy as np
+import pytest
+
+from serve.helpers import MODEL_ID, TIMEOUT_S, scrape
+from serve.test_errors import post
+from strata_stream.mlx_lm.random_model import make_chat_checkpoint
+from strata_stream.serve import BackgroundServer, ServeConfig, create_app
+from strata_stream.serve.prompt_cache import MARK, PromptCacheConfig, read_metadata
+
+# Several prefill chunks (64 tokens each), so a kept prefix ends inside a chunk of a cold read.
+CHUNK = 64
+rng = np.random.default_rng(37)
+PREFIX = [int(t) for t in rng.integers(3, 120, 300)]
+FIRST = PREFIX + [int(t) for t in rng.integers(3, 120, 11)]
+SECOND = PREFIX + [int(t) for t in rng.integers(3, 120, 7)]
+
+
+@contextmanager
+def serving(path: Path, cache: PromptCacheConfig | None) -> Iterator[str]:
+    model, tokenizer = mlx_lm.load(str(path))[:2]
+    app = create_app(model, tokenizer, ServeConfig(model_id=MODEL_ID, prefill_chunk=CHUNK))
+    app.state.worker.configure_prompt_cache(cache)
+    with BackgroundServer(app, timeout_s=TIMEOUT_S) as server:
+        yield server.url
+
+
+def complete(url: str, prompt: list[int]) -> tuple[str, list[Any], list[Any]]:
+    """Greedy text, the sampled tokens' log-probabilities and the top 3 at each, as served."""
+    body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+            "logprobs": 3}  # fmt: skip
+    status, answer = post(url + "/v1/completions", json.dumps(body).encode())
+    assert status == 200, answer
+    c = answer["choices"][0]
+    return c["text"], c["logprobs"]["token_logprobs"], c["logprobs"]["top_logprobs"]
+
+
+def counter(url: str, name: str) -> float:
+    samples = scrape(url)
+    return samples.get(name + "_total", samples.get(name, -1.0))
+
+
+def ours(d: Path) -> list[Path]:
+    return sorted(p for p in d.iterdir() if p.name.startswith("strata-prompt-"))
+
+
+@pytest.fixture(scope="module")
+def cold(tiny_path: Path) -> dict[int, tuple[str, list[Any], list[Any]]]:
+    """Every prompt's answer from a server that keeps no prompt cache."""
+    with serving(tiny_path, None) as url:
+        return {i: complete(url, p) for i, p in enumerate((FIRST, SECOND))}
+
+
+def test_a_kept_prefix_answers_bitwise_as_cold_in_memory_and_after_a_restart(
+    tiny_path: Path, cold: dict[int, Any], tmp_path: Path
+) -> None:
+    config = PromptCacheConfig(directory=tmp_path)
+    with serving(tiny_path, config) as url:
+        assert complete(url, FIRST) == cold[0]
+        assert counter(url, "strata_serve_prompt_cache_misses") == 1
+        assert complete(url, SECOND) == cold[1]  # warm in memory
+        assert counter(url, "strata_serve_prompt_cache_hits") == 1
+        assert counter(url, "strata_serve_prompt_cache_tokens") == len(PREFIX)
+        assert counter(url, "strata_serve_prompt_cache_bytes") > 0
+    assert ours(tmp_path)
+    with serving(tiny_path, config) as url:  # a new server on the same directory
+        assert complete(url, SECOND) == cold[1]
+        assert counter(url, "strata_serve_prompt_cache_hits") == 1  # from the file
+        assert counter(url, "strata_serve_prompt_cache_tokens") >= len(PREFIX)
+        assert counter(url, "strata_serve_prompt_cache_disk_bytes") > 0
+
+
+def test_a_file_of_another_model_is_refused_and_left_alone(
+    tiny_path: Path, cold: dict[int, Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    other = make_chat_checkpoint(tmp_path / "other", seed=5)
+    d = tmp_path / "caches"
+    with serving(other, PromptCacheConfig(directory=d)) as url:
+        complete(url, FIRST)
+    (theirs,) = ours(d)
+    before = (theirs.read_bytes(), theirs.stat().st_mtime_ns)
+    caplog.set_level(logging.INFO, logger="strata_stream.serve")
+    with serving(tiny_path, PromptCacheConfig(directory=d, memory_bytes=0)) as url:
+        assert complete(url, SECOND) == cold[1]
+        assert counter(url, "strata_serve_prompt_cache_hits") == 0
+    assert "belong to another model" in caplog.text
+    assert (theirs.read_bytes(), theirs.stat().st_mtime_ns) == before
+
+
+@pytest.mark.parametrize("damage", ["corrupted", "truncated"])
+def test_a_damaged_file_is_refused_never_loaded(
+    tiny_path: Path, cold: dict[int, Any], tmp_path: Path, damage: str
+) -> None:
+    config = PromptCacheConfig(directory=tmp_path, memory_bytes=0)
+    with serving(tiny_path, config) as url:
+        complete(url, FIRST)
+    (f,) = ours(tmp_path)
+    data = bytearray(f.read_bytes())
+    if damage == "corrupted":  # the header stays readable; a tensor's bytes change
+        data[-64] ^= 0x5A
+        f.write_bytes(bytes(data))
+    else:
+        f.write_bytes(bytes(data[: len(data) * 2 // 3]))
+    with serving(tiny_path, config) as url:
+        assert complete(url, SECOND) == cold[1]
+        assert counter(url, "strata_serve_prompt_cache_hits") == 0
+        assert counter(url, "strata_serve_prompt_cache_refused") == 1
+
+
+def test_the_size_bound_holds_and_a_users_files_are_never_touched(
+    tiny_path: Path, tmp_path: Path
+) -> None:
+    mine = tmp_path / "notes.safetensors"
+    mine.write_bytes(b"a user's own file")
+    named_like_ours = tmp_path / ("strata-prompt-" + "0" * 16 + "-" + "1" * 16 + "-" + "2" * 16
+                                  + ".safetensors")  # fmt: skip
+    named_like_ours.write_bytes(b"no header of ours")
+    # A staging directory a killed writer left, and a user's directory shaped like one.
+    left = tmp_path / f".{named_like_ours.name}.{'a' * 32}.staging"
+    left.mkdir()
+    (left / named_like_ours.name).write_bytes(b"half a cache")
+    users = tmp_path / f".notes.{'b' * 32}.staging"
+    users.mkdir()
+    with serving(tiny_path, PromptCacheConfig(directory=tmp_path)) as url:
+        complete(url, FIRST)
+    (first,) = [p for p in ours(tmp_path) if p != named_like_ours]
+    assert not left.exists() and users.exists()
+    bound = int(first.stat().st_size * 1.5)
+    with serving(tiny_path, PromptCacheConfig(directory=tmp_path, disk_bytes=bound)) as url:
+        for i in range(5):
+            complete(url, [int(t) for t in rng.integers(3, 120, 120 + 10 * i)])
+            written = [p for p in ours(tmp_path) if p != named_like_ours]
+            assert sum(p.stat().st_size for p in written) <= bound
+        assert first not in written and 0 < len(written) < 5  # the least recently used went
+    assert mine.read_bytes() == b"a user's own file"
+    assert named_like_ours.read_bytes() == b"no header of ours"
+    for p in written:
+        meta = read_metadata(p)
+        assert meta is not None and meta["mark"] == MARK
+    assert os.listdir(tmp_path)  # nothing else was emptied
