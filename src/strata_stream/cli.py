@@ -155,6 +155,15 @@ def _build_parser() -> argparse.ArgumentParser:
                        "serves one at a time: 1)")  # fmt: skip
     serve.add_argument("--prefill-chunk", type=int, default=512, metavar="TOKENS",
                        help="prompt tokens prefilled between decode steps (default 512)")
+    serve.add_argument("--prompt-cache-dir", metavar="DIR", default=None,
+                       help="keep prompt caches in DIR across restarts (default: memory "
+                       "only)")  # fmt: skip
+    serve.add_argument("--prompt-cache-gb", metavar="SIZE", default="8",
+                       help="prompt cache files kept in --prompt-cache-dir: GiB, or a size with "
+                       "its unit (default 8; least recently used removed first)")  # fmt: skip
+    serve.add_argument("--prompt-cache-memory-gb", metavar="SIZE", default="1",
+                       help="prompt caches kept in memory across requests: GiB, or a size with "
+                       "its unit (default 1; 0: none)")  # fmt: skip
 
     plan = sub.add_parser(
         "plan",
@@ -241,6 +250,19 @@ def _convert(args: argparse.Namespace) -> int:
                    group_size=args.group_size or 64, force=args.force)  # fmt: skip
     print(f"wrote {path} ({path.stat().st_size:,} bytes); use it with --pack {path}")
     return 0
+
+
+def _cache_gib(text: str, flag: str) -> float:
+    """A prompt cache size as GiB >= 0: a bare number is GiB, else a size with its unit."""
+    try:
+        gib = float(text)
+    except ValueError:
+        from strata_stream.config import parse_size
+
+        gib = parse_size(text, flag) / (1 << 30)
+    if not (math.isfinite(gib) and gib >= 0):
+        raise ConfigError(f"{flag} must be a size >= 0, got {text}")
+    return gib
 
 
 def _arena_gib(text: str | None) -> float | None:
@@ -379,6 +401,8 @@ def _serve(args: argparse.Namespace) -> int:
                         ("--prefill-chunk", args.prefill_chunk)):  # fmt: skip
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be at least 1, got {value}")
+    cache_gib = _cache_gib(args.prompt_cache_gb, "--prompt-cache-gb")
+    memory_gib = _cache_gib(args.prompt_cache_memory_gb, "--prompt-cache-memory-gb")
     model_location(args.model)
     distributed = "pipeline" if args.pipeline else "tensor" if args.tensor else None
     if distributed is not None and args.pack is not None:
@@ -400,6 +424,9 @@ def _serve(args: argparse.Namespace) -> int:
         pack_path=args.pack,
         engine=engine,
         device=args.device,
+        prompt_cache_dir=args.prompt_cache_dir,
+        prompt_cache_gb=cache_gib,
+        prompt_cache_memory_gb=memory_gib,
     )
     return 0
 

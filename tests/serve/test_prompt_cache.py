@@ -154,3 +154,21 @@ def test_the_size_bound_holds_and_a_users_files_are_never_touched(
         meta = read_metadata(p)
         assert meta is not None and meta["mark"] == MARK
     assert os.listdir(tmp_path)  # nothing else was emptied
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--prompt-cache-gb", "-1"], "--prompt-cache-gb must be a size >= 0, got -1"),
+        (["--prompt-cache-memory-gb", "lots"], "--prompt-cache-memory-gb: cannot read 'lots'"),
+        (["--prompt-cache-dir", "/proc/no/such"], "--prompt-cache-dir /proc/no/such:"),
+    ],
+)
+def test_a_prompt_cache_option_mistake_is_one_line(
+    tiny_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], says: str
+) -> None:
+    from strata_stream.cli import main
+
+    assert main(["serve", str(tiny_path), "--port", "0", *flags]) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1

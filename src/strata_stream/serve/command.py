@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from pathlib import Path
 
 from strata_stream.errors import ConfigError
@@ -31,13 +32,18 @@ def serve(
     pack_path: str | None = None,
     engine: str = "mlx-lm",
     device: str | None = None,
+    prompt_cache_dir: str | None = None,
+    prompt_cache_gb: float = 8.0,
+    prompt_cache_memory_gb: float = 1.0,
 ) -> None:
     """Serves MODEL until interrupted. `distributed` ("pipeline" or "tensor", under
     mlx.launch): every rank loads its share with strata_stream.mlx_lm.sharded_load; rank 0
     serves HTTP, the others follow it (serve/lockstep.py) and return when it stops.
     `pack_path`: the model's pack (default: the cache's, converted on first use).
     `engine`: "mlx-lm" or "transformers" (strata_stream.transformers.load on `device`, one
-    request at a time: max_batch must be 1). max_batch None: 8 for mlx-lm, 1 for transformers."""
+    request at a time: max_batch must be 1). max_batch None: 8 for mlx-lm, 1 for transformers.
+    `prompt_cache_dir`: where prompt caches persist across restarts, at most `prompt_cache_gb`
+    GiB of files; `prompt_cache_memory_gb`: those kept in memory (serve/prompt_cache.py)."""
     from strata_stream.serve.app import create_app
     from strata_stream.serve.loader import load_for_serving
 
@@ -53,6 +59,10 @@ def serve(
                           "at a time (--max-batch 1)")  # fmt: skip
     if engine == "transformers" and (distributed is not None or experts != "cpu"):
         raise ConfigError("--pipeline, --tensor and --experts are for --engine mlx-lm")
+    if distributed is not None and prompt_cache_dir is not None:
+        raise ConfigError("--prompt-cache-dir is not served across ranks (--pipeline/--tensor)")
+    if prompt_cache_dir is not None:
+        _check_directory(Path(prompt_cache_dir))
     if host not in LOOPBACK:
         log.warning("binding to %s: the server is reachable from other machines", host)
     config = ServeConfig(
@@ -62,6 +72,9 @@ def serve(
         prefill_chunk=prefill_chunk,
         context_length=context_length,
         default_max_tokens=default_max_tokens,
+        prompt_cache_memory_gb=prompt_cache_memory_gb,
+        prompt_cache_dir=prompt_cache_dir,
+        prompt_cache_gb=prompt_cache_gb,
     )
     arena_bytes = None if arena_gb is None else int(arena_gb * 2**30)
     if distributed is not None:
@@ -76,6 +89,7 @@ def serve(
         try:
             app = create_app(loaded.model, loaded.tokenizer, config, stats=loaded.stats,
                              engine=loaded.engine)  # fmt: skip
+            app.state.worker.configure_prompt_cache(config.prompt_cache)
             log.info("serving %s as model id '%s' (%s)", model_path, config.model_id, engine)
             run_foreground(app, host, port, log_level=log_level, sock=sock)
         finally:
@@ -84,6 +98,18 @@ def serve(
                 engine_handle.close()
     finally:
         sock.close()
+
+
+def _check_directory(d: Path) -> None:
+    """The prompt cache directory exists (made if not) and takes files: found before the
+    model loads, in one line."""
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        probe = d / f".strata-write-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"--prompt-cache-dir {d}: {e.strerror or e}") from None
 
 
 def _serve_distributed(

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from strata_stream.errors import ConfigError
+from strata_stream.serve.prompt_cache import PromptCacheConfig
 
 
 @dataclass(frozen=True)
@@ -21,7 +24,10 @@ class ServeConfig:
     stats_interval_s: how often the worker refreshes the engine snapshot while generating.
     disconnect_poll_s: how often a waiting handler checks whether its client went away.
     drain_s: on SIGTERM, how long the streams in flight may run on before each is ended
-      with finish reason "length"."""
+      with finish reason "length".
+    prompt_cache_memory_gb: GiB of prompt caches kept in memory across requests (0: none).
+    prompt_cache_dir: where prompt caches persist across restarts (None: memory only).
+    prompt_cache_gb: GiB of prompt cache files kept there (least recently used out first)."""
 
     model_id: str
     max_queue: int = 64
@@ -32,6 +38,9 @@ class ServeConfig:
     stats_interval_s: float = 0.5
     disconnect_poll_s: float = 0.1
     drain_s: float = 10.0
+    prompt_cache_memory_gb: float = 1.0
+    prompt_cache_dir: str | None = None
+    prompt_cache_gb: float = 8.0
 
     def __post_init__(self) -> None:
         if not self.model_id:
@@ -51,3 +60,18 @@ class ServeConfig:
         intervals = (self.stats_interval_s, self.disconnect_poll_s, self.drain_s)
         if not all(t > 0 for t in intervals):
             raise ConfigError("ServeConfig intervals must be > 0 seconds")
+        for name in ("prompt_cache_memory_gb", "prompt_cache_gb"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ConfigError(f"ServeConfig.{name} must be a number of GiB >= 0, got {v}")
+
+    @property
+    def prompt_cache(self) -> PromptCacheConfig | None:
+        """The worker's prompt cache (GenerationWorker.configure_prompt_cache); None: none."""
+        if self.prompt_cache_memory_gb == 0 and self.prompt_cache_dir is None:
+            return None
+        return PromptCacheConfig(
+            memory_bytes=int(self.prompt_cache_memory_gb * 2**30),
+            directory=None if self.prompt_cache_dir is None else Path(self.prompt_cache_dir),
+            disk_bytes=int(self.prompt_cache_gb * 2**30),
+        )
