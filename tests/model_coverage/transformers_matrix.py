@@ -3,10 +3,19 @@ streamed through `strata_stream.transformers.load` vs plain transformers.
 
 Discovery (no hand list): every model type of transformers' config table whose model package
 uses ``use_experts_implementation`` (in its own modeling file, or a model package it imports
-from) is a candidate; each candidate's causal LM is built tiny from its own config class (the
-class `strata_stream.transformers.loader.causal_lm_class` resolves, as the library does), and
-the types whose built model holds an experts-interface module (`families.is_experts_module`) are
-the rows. A candidate that fails to build tiny, or has no causal LM, stays a row saying why.
+from) is a candidate, unless transformers builds no model for it by itself (a vision or audio
+tower's sub-config: `has_a_model`); each candidate's generation class is built tiny from its
+own config class (the class `strata_stream.transformers.loader.generation_class` resolves, as
+the library does: the causal LM, else a vision model's image-text-to-text class), and the types
+whose built model holds an experts-interface module (`families.is_experts_module`) are the rows.
+A candidate that fails to build tiny, or has no generation class, stays a row saying why; a
+text sub-config with none says its parent row covers it (`settle`: only where that row streams).
+
+The tiny config (`tiny_config`) shrinks the config class's own defaults: `TINY` by field name,
+never growing a default, keeping the relations the library's validators check (widths that
+equal the hidden size, the query : key-value head ratio, rotary sections that sum to half the
+rotary width), and meeting a validator's demand that names its value (`_demand`). Per-type
+entries (`PATCHES`, `MODELING_SECTIONS`) are the last resort, each saying why.
 
 Per type, in a subprocess with a timeout: a tiny random float32 checkpoint (`TINY`, keyed by
 config field name; transformers' own classes and save_pretrained), then plain transformers
@@ -18,13 +27,15 @@ tokens. Results: ``exact``, ``mismatch (...)``, ``refused: <one line>``, ``crash
 
     python -m tests.model_coverage.transformers_matrix [--types a,b] [--shard i/n] [--json OUT]
                                                  [--write-docs docs/models.md]
+    python -m tests.model_coverage.transformers_matrix --rows shard0.json shard1.json ...
+                                                 [--write-docs docs/models.md]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
-import math
 import os
 import re
 import subprocess
@@ -68,6 +79,12 @@ TINY: dict[str, Any] = {
     "index_head_dim": 32,
     "index_n_heads": 2,
     "index_topk": 16,
+    # a sparse-attention indexer whose fields have no defaults (all or none are set)
+    "indexer_n_heads": 2,
+    "indexer_kv_heads": 1,
+    "indexer_head_dim": 32,
+    "indexer_budget": 16,
+    "indexer_compress_ratio": 4,
     # linear attention / state-space layers
     "linear_num_value_heads": 2,
     "linear_num_key_heads": 1,
@@ -105,14 +122,42 @@ TINY: dict[str, Any] = {
     "eos_token_id": 1,
     "pad_token_id": 0,
 }
+# TINY sizes set whatever the default (a relation, not a size: heads x head width of a Mamba
+# mixer is 2 x hidden_size; the ids are the tiny vocabulary's).
+KEEP_TINY = {"mamba_d_head", "mamba_head_dim", "bos_token_id", "eos_token_id", "pad_token_id"}
+# Rotary sections (time, height, width) the modeling code holds as its defaults, where the
+# config's defaults have none (read from modeling_<type>.py): scaled, as the config's own are,
+# to the tiny rotary width (`_sections`). Keyed by the config class's model type.
+MODELING_SECTIONS: dict[str, list[int]] = {
+    "glm4v_moe_text": [8, 12, 12],
+    "ernie4_5_vl_moe_text": [22, 22, 20],
+}
+# The last resort, per model type: entries its own default config lacks for plain transformers
+# to run at all. granitemoehybrid: the default layer_types are all linear attention (real
+# Granite 4 checkpoints interleave attention), and generate's mask needs one attention layer.
+# qwen3_omni_moe_thinker: its model reads vision_start_token_id, which its config class does
+# not declare (the talker's does; the released thinker configs carry it).
+PATCHES: dict[str, dict[str, Any]] = {
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention", "linear_attention"]},
+    "qwen3_omni_moe_thinker": {"vision_start_token_id": 151652},
+}
 # Set where the tiny config fails to build without them (a field with no default).
-FALLBACK: dict[str, Any] = {"layer_types": ["full_attention"] * LAYERS}
+FALLBACK: dict[str, Any] = {
+    "layer_types": ["full_attention"] * LAYERS,
+    "mlp_layer_types": ["dense", "sparse", "sparse"],
+}
 # The float32 tolerance of tests/test_transformers_families.py: the same equations, accumulated
 # in another order.
 TOLERANCE = 1e-5
 PROMPT = [5, 9, 12, 3, 40, 22, 7, 8, 9, 10, 33, 2, 17, 61, 4, 4, 30, 12, 50, 6]
 NEW_TOKENS = 8
 REGION = "matrix:transformers"
+NO_EXPERTS = "the built model holds no experts-interface module"
+SUB_CONFIG = "a text sub-config: its parent row ({parent}) covers it"
+SUB_NOT_COVERED = (
+    "a text sub-config with no generation class of its own, and its parent row ({parent}) does "
+    "not stream exactly"
+)
 
 
 def _transformers_dir() -> Path:
@@ -149,6 +194,28 @@ def candidates() -> list[str]:
     return out
 
 
+def has_a_model(model_type: str) -> bool:
+    """Whether transformers builds a model for `model_type` by itself: a generation class or
+    an AutoModel class. A candidate with neither (a vision or audio tower's sub-config) is no
+    row, and this says so without building it."""
+    from transformers import AutoModel
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from strata_stream.errors import ConfigError
+    from strata_stream.transformers.loader import generation_class
+
+    config_class = CONFIG_MAPPING[model_type]
+    if config_class in AutoModel._model_mapping:  # noqa: SLF001 - its class table
+        return True
+    try:
+        generation_class(config_class())
+    except ConfigError:
+        return False
+    except Exception:  # noqa: BLE001 - a config that needs arguments: let the row say
+        return True
+    return True
+
+
 def _window(values: list[Any]) -> list[Any]:
     """LAYERS consecutive entries of a per-layer list, the first window with the most distinct
     values (so a pattern such as three linear-attention layers then a full one keeps both)."""
@@ -156,57 +223,266 @@ def _window(values: list[Any]) -> list[Any]:
     return max(windows, key=lambda w: len({json.dumps(v) for v in w}))
 
 
-def _tiny(config_class: Any, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """TINY's entries for the fields `config_class` has, and the per-layer lists of its
-    defaults cut to LAYERS."""
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _scaled(values: list[int], total: int) -> list[int]:
+    """`values` scaled to sum to `total`, entries that were equal kept equal (sections a model
+    stacks, as height and width, must be), every entry at least 1 where `total` allows."""
+    whole = sum(values)
+    exact = [v * total / whole for v in values]
+    out = [int(x) for x in exact]
+    groups: dict[int, list[int]] = {}
+    for i, v in enumerate(values):
+        groups.setdefault(v, []).append(i)
+    # the remainder goes to whole groups of equal entries, the largest fractions first
+    for v in sorted(groups, key=lambda v: int(exact[groups[v][0]]) - exact[groups[v][0]]):
+        if sum(out) + len(groups[v]) <= total:
+            for i in groups[v]:
+                out[i] += 1
+    for i in range(len(out)):  # what no whole group could take, one entry at a time
+        if sum(out) < total:
+            out[i] += 1
+    while 0 in out and max(out) > 1:  # an empty section would drop an axis
+        out[out.index(0)] += 1
+        out[out.index(max(out))] -= 1
+    return out
+
+
+def _sections(defaults: dict[str, Any], kwargs: dict[str, Any], model_type: str) -> None:
+    """Rotary sections (``mrope_section``: time, height and width) sum to a fixed fraction of a
+    head dimension: the defaults' fraction kept for the tiny dimension, in place. Sections the
+    modeling code holds (MODELING_SECTIONS) are scaled to half the tiny rotary width."""
+    rope = copy.deepcopy(defaults.get("rope_parameters"))  # the defaults stay as they were
+    if not isinstance(rope, dict):
+        return
+    if model_type in MODELING_SECTIONS and not any("section" in k for k in rope):
+        width = kwargs.get("head_dim") or kwargs["hidden_size"] // kwargs["num_attention_heads"]
+        rotary = int(width * float(rope.get("partial_rotary_factor", 1.0)))
+        kwargs["rope_parameters"] = {
+            **rope, "mrope_section": _scaled(MODELING_SECTIONS[model_type], rotary // 2)
+        }  # fmt: skip
+        return
+    nested = [v for v in rope.values() if isinstance(v, dict)]
+    holders = nested or [rope]
+    dims = [f for f in ("qk_rope_head_dim", "head_dim") if _is_int(defaults.get(f))]
+    changed = False
+    for holder in holders:
+        for key, value in list(holder.items()):
+            if "section" not in key or not isinstance(value, list) or not value:
+                continue
+            if not all(_is_int(v) and v > 0 for v in value):
+                continue
+            for f in dims:
+                ratio = defaults[f] / sum(value)
+                tiny = kwargs.get(f, defaults[f])
+                if ratio in (1, 2, 4) and _is_int(tiny) and tiny % ratio == 0:
+                    holder[key] = _scaled(value, int(tiny // ratio))
+                    changed = True
+                    break
+    if changed:
+        kwargs["rope_parameters"] = rope
+
+
+def _head_relations(defaults: dict[str, Any], kwargs: dict[str, Any]) -> None:
+    """Head shapes as the defaults relate them, in place: the query : key-value head ratio (a
+    sliding layer may double its key-value heads), and under latent attention a head width
+    that equals the rotary part, the query's nope + rope or the value's stays so (else it is
+    derived from the split and left out)."""
+    heads, kv = defaults.get("num_attention_heads"), defaults.get("num_key_value_heads")
+    if _is_int(heads) and _is_int(kv) and heads > 0 and "num_key_value_heads" in kwargs:
+        tiny_heads = kwargs.get("num_attention_heads", heads)
+        kwargs["num_key_value_heads"] = max(1, tiny_heads * kv // heads)
+    if "qk_rope_head_dim" not in defaults:
+        return
+    parts = ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+    tiny = {f: kwargs.get(f, defaults.get(f)) for f in parts}
+    if not all(_is_int(defaults.get(f)) and _is_int(tiny[f]) for f in parts):
+        return
+    same = {
+        defaults["qk_rope_head_dim"] + defaults["qk_nope_head_dim"]:
+            tiny["qk_rope_head_dim"] + tiny["qk_nope_head_dim"],
+        defaults["v_head_dim"]: tiny["v_head_dim"],
+        defaults["qk_rope_head_dim"]: tiny["qk_rope_head_dim"],
+    }  # fmt: skip
+    for f in ("head_dim", "qk_head_dim"):
+        d = defaults.get(f)
+        if _is_int(d) and d in same and d != 0:
+            kwargs[f] = same[d]
+        else:
+            kwargs.pop(f, None)
+
+
+def _tiny(config_class: Any, extra: dict[str, Any] | None = None,
+          related: dict[int, int] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Tiny entries for the fields `config_class` has, shrunk from its own defaults so the
+    relations its validators check keep holding:
+
+    - TINY's entries by name, or by the name the config's attribute_map gives it;
+    - TINY's sizes replace a default only where smaller (a type that demands top-1 keeps it),
+      and a size whose default is 0 stays 0 (0 means "none": NoPE, no shared experts);
+    - a width whose default equals a default hidden size (`related`: this config's and, for a
+      vision or audio tower, the text model's) is the tiny hidden size (an adapter's input, a
+      projector's output);
+    - other head counts at most the tiny attention's, other vocabulary sizes the tiny
+      vocabulary (an unpadded vocabulary is at most the padded one);
+    - per-layer lists are cut to LAYERS, rotary sections scaled with their head dimension.
+    """
     defaults = config_class().to_dict()
-    kwargs = {k: v for k, v in TINY.items() if k in defaults}
+    related = {**(related or {})}
+    if _is_int(defaults.get("hidden_size")) and defaults["hidden_size"] >= 256:
+        related[defaults["hidden_size"]] = HIDDEN
+    kwargs: dict[str, Any] = {}
+    # TINY's names, or the config's own for them (attribute_map: n_group -> num_expert_group)
+    aliases = getattr(config_class, "attribute_map", None) or {}
+    for name, v in TINY.items():
+        k = name if name in defaults else aliases.get(name, name)
+        if k not in defaults or k in kwargs:
+            continue
+        d = defaults[k]
+        if _is_int(v) and _is_int(d) and name not in KEEP_TINY:
+            if d == 0:
+                continue
+            v = min(v, d)
+        kwargs[k] = v
     for k, v in kwargs.items():  # a per-layer (or per-modality) list of a scalar field: all v
         if isinstance(defaults[k], list) and not isinstance(v, list) and defaults[k]:
             kwargs[k] = [v] * len(defaults[k])
-    if "qk_rope_head_dim" in defaults:  # latent attention derives head_dim from its split
-        kwargs.pop("head_dim", None)
+    _head_relations(defaults, kwargs)
+    for k, d in defaults.items():
+        if k in kwargs or not _is_int(d):
+            continue
+        if d in related and any(w in k for w in ("dim", "size", "hidden")):
+            kwargs[k] = related[d]
+        elif k.endswith("heads") and d > TINY["num_attention_heads"]:
+            kwargs[k] = TINY["num_attention_heads"]
+        elif k.endswith("vocab_size") and d > TINY["vocab_size"]:
+            kwargs[k] = TINY["vocab_size"]
     n = defaults.get("num_hidden_layers")
     for k, v in defaults.items():
         if k not in kwargs and isinstance(v, list) and n and len(v) == n and n > LAYERS:
             kwargs[k] = _window(v)
-    return {**kwargs, **(extra or {})}
+    _sections(defaults, kwargs, str(getattr(config_class, "model_type", "")))
+    return {**kwargs, **{k: v for k, v in (extra or {}).items() if k in defaults}}
+
+
+# A validator's demand, where it names what it wants: "`a.b` (2304) must match `c.d` (64)",
+# "adapter_in_dim must match hidden_size", "`x` must be between 1 and ..." (its lower bound).
+_MUST_MATCH = re.compile(
+    r"`?(?P<a>[\w.]+)`? (?:\((?P<x>-?\d+)\) )?must (?:match|equal) `?(?P<b>[\w.]+)`?"
+    r"(?: \((?P<y>-?\d+)\))?"
+    r"|`?(?P<a2>[\w.]+)`? must be between (?P<low>-?\d+) and"
+)
+
+
+def _demand(message: str, kwargs: dict[str, Any], config_class: Any) -> bool:
+    """Set in `kwargs` what a validator's `message` demands, where it says so generically (one
+    field must match another); whether anything was set."""
+    m = _MUST_MATCH.search(message)
+    if m is None:
+        return False
+    target = (m.group("a") or m.group("a2")).split(".")
+    value: Any = next((int(m.group(g)) for g in ("y", "low") if m.group(g) is not None), None)
+    subs = _sub_configs(config_class)
+    # where the field lives: the named sub-config, else this config or the first sub-config
+    # whose defaults hold it
+    if len(target) == 1:
+        holders = [None, *subs]
+        for h in holders:
+            fields = config_class().to_dict() if h is None else _defaults(subs[h])
+            if target[0] in fields:
+                target = [target[0]] if h is None else [h, target[0]]
+                if value is None:
+                    other = m.group("b").split(".")[-1]
+                    level = kwargs if h is None else kwargs.get(h, {})
+                    value = level.get(other, fields.get(other))
+                break
+    if value is None or len(target) > 2:
+        return False
+    if len(target) == 2:
+        level = kwargs.setdefault(target[0], {})
+        if not isinstance(level, dict) or level.get(target[1]) == value:
+            return False
+        level[target[1]] = value
+    else:
+        if kwargs.get(target[0]) == value:
+            return False
+        kwargs[target[0]] = value
+    return True
+
+
+def _defaults(config_class: Any) -> dict[str, Any]:
+    try:
+        return dict(config_class().to_dict())
+    except Exception:  # noqa: BLE001 - a config that needs arguments has no defaults to read
+        return {}
+
+
+def _sub_configs(config_class: Any) -> dict[str, Any]:
+    """A config class's sub-config classes (``sub_configs``, or ``sub_configs_defaults``); one
+    given as AutoConfig (the tower is whatever model type the default names) is the class of
+    the default's."""
+    from transformers import AutoConfig
+
+    subs = dict(
+        getattr(config_class, "sub_configs", None)
+        or getattr(config_class, "sub_configs_defaults", None)
+        or {}
+    )
+    for name, sub in subs.items():
+        if sub is AutoConfig:
+            try:
+                subs[name] = type(getattr(config_class(), name))
+            except Exception:  # noqa: BLE001, S112 - no default to read: it keeps its own
+                continue
+    return subs
+
+
+def _sub_kwargs(sub_class: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A sub-config's entries as its parent takes them (with its model_type, which an
+    AutoConfig-typed sub-config is resolved by)."""
+    model_type = getattr(sub_class, "model_type", "")
+    return {"model_type": model_type, **kwargs} if model_type else kwargs
+
+
+def _tiny_tree(config_class: Any, extra: dict[str, Any] | None,
+               related: dict[int, int]) -> dict[str, Any]:  # fmt: skip
+    """`_tiny` of a sub-config, its own sub-configs (a vision tower's encoders) tiny alike."""
+    kwargs = _tiny(config_class, extra, related)
+    for name, sub_class in _sub_configs(config_class).items():
+        try:
+            kwargs[name] = _sub_kwargs(sub_class, _tiny_tree(sub_class, None, related))
+        except Exception:  # noqa: BLE001, S112 - a sub-config that needs arguments keeps its own
+            continue
+    return kwargs
 
 
 def tiny_config(model_type: str, extra: dict[str, Any] | None = None) -> Any:
     """The tiny config of `model_type`, built by its own config class (`extra`: entries set
-    whatever the defaults hold)."""
+    whatever the defaults hold); a validator's error that names the value it demands is met
+    (`_demand`) and the build tried again."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     config_class = CONFIG_MAPPING[model_type]
-    kwargs = _tiny(config_class, extra)
-    sub = getattr(config_class, "sub_configs", {}) or {}
+    kwargs = {**_tiny(config_class, extra), **PATCHES.get(model_type, {})}
+    sub = _sub_configs(config_class)
+    text = sub.get("text_config")
+    text_hidden = _defaults(text).get("hidden_size") if text is not None else None
+    related = {text_hidden: HIDDEN} if _is_int(text_hidden) and text_hidden >= 256 else {}
     for name, sub_class in sub.items():  # text_config, vision_config, ...: tiny alike
         try:
-            kwargs[name] = _tiny(sub_class, extra if name == "text_config" else None)
+            tiny = _tiny_tree(sub_class, extra if name == "text_config" else None, related)
+            kwargs[name] = _sub_kwargs(sub_class, tiny)
         except Exception:  # noqa: BLE001, S112 - a sub-config that needs arguments keeps its own
             continue
+    for _ in range(4):
+        try:
+            return config_class(**kwargs)
+        except Exception as e:
+            if not _demand(str(e), kwargs, config_class):
+                raise
     return config_class(**kwargs)
-
-
-def _randomize(model: Any, seed: int) -> None:
-    """Random weights of order one (transformers' own init leaves a tiny model's logits flat);
-    the same scaling as strata_stream.transformers.random_model."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in [*model.named_parameters(), *model.named_buffers()]:
-            if not p.is_floating_point() or "rotary" in name or "inv_freq" in name:
-                continue
-            v = torch.randn(p.shape, generator=gen, dtype=torch.float32)
-            if p.ndim >= 2:
-                v = v if "embed" in name else v / math.sqrt(p.shape[-1])
-            elif "norm" in name:
-                v = 1.0 + 0.1 * v
-            else:
-                v = 0.2 * v
-            p.copy_(v.to(p.dtype))
 
 
 def _one_line(e: BaseException) -> str:
@@ -226,19 +502,40 @@ class Row:
         return self.result == "exact"
 
 
+class TextSubConfig(Exception):
+    """A text sub-config with no generation class of its own: `parent`'s row streams it."""
+
+    def __init__(self, parent: str) -> None:
+        super().__init__(parent)
+        self.parent = parent
+
+
+def _parent_of(config_class: Any) -> str | None:
+    """The model type whose config holds `config_class` as its text_config."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    for model_type, cls in CONFIG_MAPPING.items():
+        if _sub_configs(cls).get("text_config") is config_class:
+            return str(model_type)
+    return None
+
+
 def build_tiny(model_type: str, path: Path) -> tuple[Any, bool]:
-    """A tiny random float32 checkpoint of `model_type` at `path`; returns (causal LM class,
-    whether it holds experts-interface modules). Raises on a failed build."""
+    """A tiny random float32 checkpoint of `model_type` at `path`; returns (its generation
+    class, as `strata_stream.transformers.loader.generation_class` finds it, whether it holds
+    experts-interface modules). Raises on a failed build: ConfigError where the model has no
+    generation class, TextSubConfig where it is a text sub-config."""
     import torch
 
     from strata_stream.errors import ConfigError
     from strata_stream.transformers.families import find_blocks
-    from strata_stream.transformers.loader import causal_lm_class, config_for
+    from strata_stream.transformers.loader import config_for, generation_class
+    from strata_stream.transformers.random_model import randomize
 
     try:
         config = tiny_config(model_type)
         try:
-            built: type[Any] | None = causal_lm_class(config)
+            built: type[Any] | None = generation_class(config)
         except ConfigError:
             built = None
         if built is not None:
@@ -250,24 +547,27 @@ def build_tiny(model_type: str, path: Path) -> tuple[Any, bool]:
         except Exception:  # noqa: BLE001 - the first failure is the one to report
             raise e from None
     try:
-        cls = causal_lm_class(config)
+        cls = generation_class(config)
     except ConfigError:
-        # Not a causal LM: a row only where its model holds experts-interface modules.
+        # No generation class: a row only where its model holds experts-interface modules.
         from transformers import AutoModel
 
         try:
             with torch.device("meta"):  # structure only: no weights are made
                 base = AutoModel.from_config(config)
         except ValueError:  # no model class of its own either (a sub-config)
-            raise ConfigError(f"no causal LM or model class for {type(config).__name__}") from None
-        if find_blocks(base):
-            raise
-        return type(base), False
+            raise ConfigError(f"no generation or model class for {type(config).__name__}") from None
+        if not find_blocks(base):
+            return type(base), False
+        parent = _parent_of(type(config))
+        if parent is not None:
+            raise TextSubConfig(parent) from None
+        raise
     torch.manual_seed(0)
     model = cls._from_config(config_for(cls, config), dtype=torch.float32)
     if not find_blocks(model):
         return cls, False
-    _randomize(model, 0)
+    randomize(model, 0)
     model.config.dtype = "float32"
     model.save_pretrained(str(path))
     return cls, True
@@ -291,13 +591,15 @@ def run_type_here(model_type: str, root: Path) -> Row:
 
     try:
         cls, moe = build_tiny(model_type, path)
+    except TextSubConfig as e:
+        return row(f"skip: {SUB_CONFIG.format(parent=e.parent)}")
     except ConfigError as e:
-        return row(f"skip: not a causal LM ({_one_line(e)})")
+        return row(f"skip: no text generation ({_one_line(e)})")
     except Exception as e:  # noqa: BLE001 - plain transformers itself fails
         return row(f"skip: plain transformers fails to build tiny ({type(e).__name__}: "
                    f"{_one_line(e)})")  # fmt: skip
     if not moe:
-        return row("skip: the built causal LM holds no experts-interface module")
+        return row(f"skip: {NO_EXPERTS}")
 
     def run(model: Any) -> tuple[Any, list[int]]:
         with torch.no_grad():
@@ -382,15 +684,18 @@ def run_type(model_type: str, timeout: float) -> Row:
 def closing_line(rows: list[Row]) -> str:
     """`transformers X.Y.Z: N of M MoE model types stream exactly` (M: every row, skipped ones
     included, as the mlx-lm matrix counts), then how many of those that build and run tiny in
-    plain transformers as causal LMs stream exactly."""
+    plain transformers as text generators stream exactly, and how many rows are text
+    sub-configs whose parent row streams them."""
     import transformers
 
     ran = [r for r in rows if not r.result.startswith("skip")]
     exact = sum(r.exact for r in rows)
+    covered = SUB_CONFIG.split("{", 1)[0]
+    sub = sum(r.result.startswith(f"skip: {covered}") and "covers it" in r.result for r in rows)
     return (
         f"transformers {transformers.__version__}: {exact} of {len(rows)} MoE model types stream "
-        f"exactly ({exact} of the {len(ran)} that build and run tiny as causal LMs in plain "
-        "transformers)"
+        f"exactly ({exact} of the {len(ran)} that build and run tiny in plain transformers; "
+        f"{sub} of the skipped are text sub-configs their parent's row streams)"
     )
 
 
@@ -436,9 +741,24 @@ def _is_moe_row(row: Row) -> bool:
     """Rows of MoE model types: not the candidates whose built model holds no experts module,
     nor the sub-configs (a vision or audio encoder's) that have no model class of their own."""
     return not row.result.startswith(
-        ("skip: the built causal LM holds no experts-interface module",
-         "skip: not a causal LM (no causal LM or model class for")
-    )  # fmt: skip
+        (f"skip: {NO_EXPERTS}", "skip: no text generation (no generation or model class for")
+    )
+
+
+def settle(rows: list[Row]) -> list[Row]:
+    """A text sub-config's row says its parent covers it only where the parent's row, run
+    with it, streams exactly; otherwise it says the parent does not."""
+    by_type = {r.model_type: r for r in rows}
+    pattern = re.compile("skip: " + re.escape(SUB_CONFIG).replace(r"\{parent\}", r"(\w+)"))
+    out = []
+    for r in rows:
+        m = pattern.fullmatch(r.result)
+        parent = by_type.get(m.group(1)) if m else None
+        if m and parent is not None and not parent.exact:
+            why = f"skip: {SUB_NOT_COVERED.format(parent=m.group(1))}"
+            r = Row(r.model_type, why, r.seconds, r.prediction)
+        out.append(r)
+    return out
 
 
 def shard_of(items: list[str], shard: str) -> list[str]:
@@ -460,7 +780,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write-docs", type=Path, help="regenerate the matrix region of this file")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per model type")
     parser.add_argument("--jobs", type=int, default=1, help="model types run at once")
-    parser.add_argument("--rows", type=Path, help="render the rows of an earlier --json run")
+    parser.add_argument(
+        "--rows",
+        type=Path,
+        nargs="+",
+        help="render the rows of earlier --json runs (shards: one file each)",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -475,7 +800,7 @@ def main(argv: list[str] | None = None) -> int:
             args.json.write_text(json.dumps(asdict(row)))
         return 0
     if args.rows:
-        rows = [Row(**r) for r in json.loads(args.rows.read_text())]
+        rows = settle([Row(**r) for f in args.rows for r in json.loads(f.read_text())])
         for r in rows:
             print(_line(r))
         print(closing_line([r for r in rows if _is_moe_row(r)]))
@@ -483,6 +808,10 @@ def main(argv: list[str] | None = None) -> int:
             write_docs(args.write_docs, [r for r in rows if _is_moe_row(r)])
         return 0
     types = args.types.split(",") if args.types else candidates()
+    towers = [t for t in types if not has_a_model(t)]
+    if towers:
+        print(f"(no model of their own, so no rows: {', '.join(towers)})", flush=True)
+    types = [t for t in types if t not in towers]
     if args.shard:
         types = shard_of(types, args.shard)
     start = time.monotonic()
@@ -499,7 +828,7 @@ def main(argv: list[str] | None = None) -> int:
             r = run_type(t, args.timeout)
             print(_line(r), flush=True)
             rows.append(r)
-    rows = [r for r in rows if _is_moe_row(r)]
+    rows = settle([r for r in rows if _is_moe_row(r)])
     print(f"({len(types)} candidate types in {time.monotonic() - start:.0f} s)")
     print(closing_line(rows))
     if args.json:
