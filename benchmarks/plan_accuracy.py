@@ -54,17 +54,26 @@ QWEN3_TRACE = ROOT / "tests" / "data" / "qwen3-30b-a3b.route.csv"
 MODELS: dict[str, tuple[dict[str, Any], bool, bool]] = {
     "tests": ({}, False, False),
     "demo": (
-        {"hidden_size": 128, "num_hidden_layers": 4, "num_experts": 16,
-         "moe_intermediate_size": 128},
+        {
+            "hidden_size": 128,
+            "num_hidden_layers": 4,
+            "num_experts": 16,
+            "moe_intermediate_size": 128,
+        },
         False,
         False,
-    ),  # fmt: skip
+    ),
     "traced": (
-        {"hidden_size": 128, "num_hidden_layers": 4, "num_experts": 128,
-         "num_experts_per_tok": 6, "moe_intermediate_size": 128},
+        {
+            "hidden_size": 128,
+            "num_hidden_layers": 4,
+            "num_experts": 128,
+            "num_experts_per_tok": 6,
+            "moe_intermediate_size": 128,
+        },
         True,
         False,
-    ),  # fmt: skip
+    ),
 }
 MODELS["traced-direct"] = (MODELS["traced"][0], True, True)
 _PROMPT = " ".join(f"w{i * 7 % 60}" for i in range(16))
@@ -85,8 +94,14 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
     if args.record is not None:
         changes["trace_path"] = args.record
     config = StreamConfig.from_env(**changes)
-    model, tok = load(args.model, pack_path=args.pack, arena_bytes=args.arena, config=config,
-                      experts="cpu", progress=False)  # fmt: skip
+    model, tok = load(
+        args.model,
+        pack_path=args.pack,
+        arena_bytes=args.arena,
+        config=config,
+        experts="cpu",
+        progress=False,
+    )
     engine = model.strata_engine
     if args.route_trace:
         from strata_stream.trace.routing import route_by_trace
@@ -98,8 +113,9 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
     sampler = make_sampler(temp=1.0)
     first: dict[str, Any] | None = None
     last: Any = None
-    for i, r in enumerate(stream_generate(model, tok, _PROMPT, max_tokens=args.tokens,
-                                          sampler=sampler)):  # fmt: skip
+    for i, r in enumerate(
+        stream_generate(model, tok, _PROMPT, max_tokens=args.tokens, sampler=sampler)
+    ):
         if i == 0:
             first = dict(engine.window.stats()["total"])
         last = r
@@ -117,10 +133,22 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
     return row
 
 
-def _child(model: Path, pack: Path, arena: int, route: bool, direct: bool, tokens: int,
-           record: Path | None) -> dict[str, Any]:  # fmt: skip
-    cmd = [sys.executable, __file__, "--one", "--model", str(model), "--pack", str(pack),
-           "--arena", str(arena), "--tokens", str(tokens)]  # fmt: skip
+def _child(
+    model: Path, pack: Path, arena: int, route: bool, direct: bool, tokens: int, record: Path | None
+) -> dict[str, Any]:
+    cmd = [
+        sys.executable,
+        __file__,
+        "--one",
+        "--model",
+        str(model),
+        "--pack",
+        str(pack),
+        "--arena",
+        str(arena),
+        "--tokens",
+        str(tokens),
+    ]
     if route:
         cmd.append("--route-trace")
     if direct:
@@ -155,9 +183,12 @@ def main() -> int:
     ap.add_argument("--route-trace", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--direct", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--record", help=argparse.SUPPRESS)
-    ap.add_argument("--summarize", type=Path, metavar="JSON",
-                    help="print the table again from a --json of an earlier run (its models "
-                    "still in place)")  # fmt: skip
+    ap.add_argument(
+        "--summarize",
+        type=Path,
+        metavar="JSON",
+        help="print the table again from a --json of an earlier run (its models still in place)",
+    )
     args = ap.parse_args()
     if args.one:
         print(json.dumps(one(args)))
@@ -181,8 +212,9 @@ def main() -> int:
     if doctor is None:
         print("no doctor measurement saved: run `strata-stream doctor` first", file=sys.stderr)
         return 2
-    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; doctor of "
-          f"{doctor.path}")  # fmt: skip
+    print(
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; doctor of {doctor.path}"
+    )
     work = Path(tempfile.mkdtemp(prefix="plan-accuracy-"))
     built: dict[str, tuple[Path, Path]] = {}
     for name in args.models:
@@ -203,14 +235,22 @@ def main() -> int:
     for name in args.models:  # the recorded traces: one unmeasured run each (recording costs)
         model_dir, pack = built[name.removesuffix("-direct")]
         _, route, direct = MODELS[name]
-        _child(model_dir, pack, arenas[(name, 1.0)], route, direct, args.tokens,
-               work / f"{name}.trace.csv")  # fmt: skip
+        _child(
+            model_dir,
+            pack,
+            arenas[(name, 1.0)],
+            route,
+            direct,
+            args.tokens,
+            work / f"{name}.trace.csv",
+        )
     for rep in range(args.repeats):
         for name, share in configs:
             model_dir, pack = built[name.removesuffix("-direct")]
             _, route, direct = MODELS[name]
-            runs[(name, share)].append(_child(model_dir, pack, arenas[(name, share)], route,
-                                              direct, args.tokens, None))  # fmt: skip
+            runs[(name, share)].append(
+                _child(model_dir, pack, arenas[(name, share)], route, direct, args.tokens, None)
+            )
             tps = runs[(name, share)][-1]["decode_tps"]
             print(f"  repeat {rep + 1}: {name} share {share}: {tps:.1f} tok/s", file=sys.stderr)
 
@@ -264,15 +304,24 @@ def summarize(state: dict[str, Any], doctor: Any) -> list[dict[str, Any]]:
             "measured_tps": {"median": statistics.median(tps), "best": max(tps)},
         }
         for how, trace in (("default", None), ("trace", own_trace)):
-            p = make_plan(str(model_dir), arena=arena, doctor=doctor, disk_gbps=disk,
-                          trace=trace)  # fmt: skip
+            p = make_plan(str(model_dir), arena=arena, doctor=doctor, disk_gbps=disk, trace=trace)
             assert p.hit is not None and p.speed is not None
-            row[how] = {"hit": p.hit.hit_rate, "low": p.speed.low, "high": p.speed.high,
-                        "read_source": p.read.source if p.read else None}  # fmt: skip
+            row[how] = {
+                "hit": p.hit.hit_rate,
+                "low": p.speed.low,
+                "high": p.speed.high,
+                "read_source": p.read.source if p.read else None,
+            }
         for stat in ("median", "best"):
             compute = statistics.median(resident) if stat == "median" else max(resident)
-            p = make_plan(str(model_dir), arena=arena, doctor=doctor, disk_gbps=disk,
-                          trace=own_trace, compute_tps=compute)  # fmt: skip
+            p = make_plan(
+                str(model_dir),
+                arena=arena,
+                doctor=doctor,
+                disk_gbps=disk,
+                trace=own_trace,
+                compute_tps=compute,
+            )
             assert p.speed is not None
             row[f"measured compute ({stat})"] = {"low": p.speed.low, "high": p.speed.high}
         for how in ("default", "trace"):
@@ -285,17 +334,21 @@ def summarize(state: dict[str, Any], doctor: Any) -> list[dict[str, Any]]:
             m["error"] = _error(row["measured_tps"][stat], m["low"], m["high"])
         rows.append(row)
 
-    print(f"\n{'model':<14} {'share':>5} {'slots':>5} | {'hit':>6} {'plan':>6} {'trace':>6} | "
-          f"{'tok/s med':>9} {'best':>7} | {'default range':>18} {'err':>5} | "
-          f"{'measured-compute range (best)':>29} {'err':>5} | {'(median)':>8}")  # fmt: skip
+    print(
+        f"\n{'model':<14} {'share':>5} {'slots':>5} | {'hit':>6} {'plan':>6} {'trace':>6} | "
+        f"{'tok/s med':>9} {'best':>7} | {'default range':>18} {'err':>5} | "
+        f"{'measured-compute range (best)':>29} {'err':>5} | {'(median)':>8}"
+    )
     for r in rows:
         d, t, b = r["default"], r["trace"], r["measured compute (best)"]
         med = r["measured compute (median)"]
-        print(f"{r['model']:<14} {r['share']:>5.2f} {r['slots']:>5} | {r['measured_hit']:>6.3f} "
-              f"{d['hit']:>6.3f} {t['hit']:>6.3f} | {r['measured_tps']['median']:>9.1f} "
-              f"{r['measured_tps']['best']:>7.1f} | {d['low']:>8.0f}..{d['high']:<8.0f} "
-              f"{d['error']['best']:>5.2f} | {b['low']:>13.1f}..{b['high']:<14.1f} "
-              f"{b['error']:>5.2f} | {med['error']:>8.2f}")  # fmt: skip
+        print(
+            f"{r['model']:<14} {r['share']:>5.2f} {r['slots']:>5} | {r['measured_hit']:>6.3f} "
+            f"{d['hit']:>6.3f} {t['hit']:>6.3f} | {r['measured_tps']['median']:>9.1f} "
+            f"{r['measured_tps']['best']:>7.1f} | {d['low']:>8.0f}..{d['high']:<8.0f} "
+            f"{d['error']['best']:>5.2f} | {b['low']:>13.1f}..{b['high']:<14.1f} "
+            f"{b['error']:>5.2f} | {med['error']:>8.2f}"
+        )
     streamed = [r for r in rows if r["share"] < 1.0]
     for how in ("default", "trace"):
         hit = [r[how]["hit"] - r["measured_hit"] for r in streamed]
@@ -303,9 +356,11 @@ def summarize(state: dict[str, Any], doctor: Any) -> list[dict[str, Any]]:
     for stat in ("best", "median"):
         d = [r["default"]["error"][stat] for r in streamed]
         m = [r[f"measured compute ({stat})"]["error"] for r in streamed]
-        print(f"tok/s ({stat} run), measured / nearest end of the range: default "
-              f"{min(d):.3f}..{max(d):.3f}; with the measured compute ceiling "
-              f"{min(m):.2f}..{max(m):.2f}")  # fmt: skip
+        print(
+            f"tok/s ({stat} run), measured / nearest end of the range: default "
+            f"{min(d):.3f}..{max(d):.3f}; with the measured compute ceiling "
+            f"{min(m):.2f}..{max(m):.2f}"
+        )
     return rows
 
 
