@@ -172,3 +172,42 @@ def test_a_prompt_cache_option_mistake_is_one_line(
     assert main(["serve", str(tiny_path), "--port", "0", *flags]) == 2
     err = capsys.readouterr().err
     assert says in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_streamed_model_answers_bitwise_from_a_kept_prefix(
+    tiny_path: Path, tmp_path: Path
+) -> None:
+    """The experts computed by the engine's own CPU kernels over a quarter arena: a kept
+    prefix gives the cold answer to the bit, in memory and from the file after a restart."""
+    from strata_stream.config import StreamConfig
+    from strata_stream.convert import convert
+    from strata_stream.mlx_lm import load
+    from strata_stream.pack.reader import ExpertPack
+
+    pack = convert(tiny_path, tmp_path / "experts.strpk", progress=False)
+    with ExpertPack.open(pack) as p:
+        records, stride, top_k = p.geometry.n_records, p.record_stride, p.geometry.top_k
+    arena = max(records * stride // 4, 2 * top_k * stride)
+
+    @contextmanager
+    def streamed(cache: PromptCacheConfig | None) -> Iterator[str]:
+        model, tok = load(str(tiny_path), pack_path=pack, arena_bytes=arena, progress=False,
+                          config=StreamConfig(direct_io=False, persist_profile=False))  # fmt: skip
+        try:
+            app = create_app(model, tok, ServeConfig(model_id=MODEL_ID, prefill_chunk=CHUNK))
+            app.state.worker.configure_prompt_cache(cache)
+            with BackgroundServer(app, timeout_s=TIMEOUT_S) as server:
+                yield server.url
+        finally:
+            model.strata_engine.close()
+
+    with streamed(None) as url:
+        cold = complete(url, SECOND)
+    config = PromptCacheConfig(directory=tmp_path / "caches")
+    with streamed(config) as url:
+        complete(url, FIRST)
+        assert complete(url, SECOND) == cold
+        assert counter(url, "strata_serve_prompt_cache_hits") == 1
+    with streamed(config) as url:
+        assert complete(url, SECOND) == cold
+        assert counter(url, "strata_serve_prompt_cache_hits") == 1

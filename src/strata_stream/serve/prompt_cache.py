@@ -9,6 +9,13 @@ tokens takes a copy and reads only the rest. The store keeps:
 - with a directory, one file per cache, up to `disk_bytes` over every file of ours there
   (least recently used first out: a file's mtime is its last use).
 
+Where the engine's arithmetic depends on how many rows a call has (torch's CPU kernels do:
+a prefill chunk of 32 rows and one of 7 give the same rows' values to the last bit or not),
+the store is made with `align` (the server's prefill chunk): it keeps only the part of a
+prompt's cache that full chunks wrote, and serves a multiple of `align` tokens, so every
+position is computed in the same chunk, of the same rows, cold or warm. A file records its
+`align` and serves only a store of the same one.
+
 A cache can serve a prompt that shares only part of its tokens when it can be trimmed (plain
 KV caches: mlx-lm's `can_trim_prompt_cache`, transformers' DynamicCache of full-attention
 layers); one that cannot (rotating or hybrid caches) serves only a prompt that starts with all
@@ -150,8 +157,10 @@ class PromptCacheStore:
         config: PromptCacheConfig,
         metrics: ServerMetrics,
         fingerprints: Callable[[], tuple[str, str]] | None = None,
+        align: int = 0,
     ) -> None:
         self._ops = ops
+        self._align = align
         self._config = config
         self._metrics = metrics
         self._memory: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()
@@ -176,11 +185,11 @@ class PromptCacheStore:
         prompt = tuple(prompt)
         best_n, best_mem, best_file = 0, None, None
         for entry in self._memory.values():
-            n = self._usable(entry.tokens, prompt, self._ops.trimmable(entry.cache))
+            n = self._usable(entry.tokens, prompt, self._ops.trimmable(entry.cache), self._align)
             if n > best_n:
                 best_n, best_mem = n, entry
         for f in self._files.values():
-            n = self._usable(f.tokens, prompt, self._trimmable_file)
+            n = self._usable(f.tokens, prompt, self._trimmable_file, self._align)
             if n > best_n:
                 best_n, best_mem, best_file = n, None, f
         cache = None
@@ -205,20 +214,34 @@ class PromptCacheStore:
     _trimmable_file = True
 
     @staticmethod
-    def _usable(tokens: tuple[int, ...], prompt: tuple[int, ...], trimmable: bool) -> int:
-        """How many of the prompt's tokens a cache of `tokens` serves: never the last one."""
+    def _usable(
+        tokens: tuple[int, ...], prompt: tuple[int, ...], trimmable: bool, align: int
+    ) -> int:
+        """How many of the prompt's tokens a cache of `tokens` serves: never the last one,
+        and a multiple of `align` when given."""
         n = min(_common(tokens, prompt), len(prompt) - 1)
+        if align:
+            n -= n % align
         if n == len(tokens) or (trimmable and n > 0):
             return n
         return 0
 
     # ---- keeping -----------------------------------------------------------------------------
-    def store(self, tokens: Sequence[int], cache: Any) -> None:
-        """Keeps the cache of `tokens` (the store owns it from now on)."""
+    def store(self, tokens: Sequence[int], cache: Any, prompt_length: int | None = None) -> None:
+        """Keeps the cache of `tokens` (the store owns it from now on); with `align`, only
+        its first full chunks of the prompt (`prompt_length` tokens)."""
         tokens = tuple(tokens)
         if not tokens or not self._ops.fits(cache) or self._ops.length(cache) != len(tokens):
             return
         trimmable = self._ops.trimmable(cache)
+        if self._align:
+            keep = min(len(tokens), prompt_length if prompt_length is not None else len(tokens))
+            keep -= keep % self._align
+            if keep == 0 or (keep < len(tokens) and not trimmable):
+                return
+            if keep < len(tokens):
+                self._ops.trim_to(cache, keep)
+                tokens = tokens[:keep]
         nbytes = self._ops.nbytes(cache)
         if self._config.memory_bytes > 0 and nbytes <= self._config.memory_bytes:
             old = self._memory.pop(tokens, None)
@@ -240,7 +263,7 @@ class PromptCacheStore:
 
     # ---- files -------------------------------------------------------------------------------
     def _name(self, tokens: Sequence[int]) -> str:
-        prefix = prefix_hash(tokens)[:16]
+        prefix = prefix_hash([self._align, *tokens])[:16]
         return f"strata-prompt-{self._model[:16]}-{self._pack[:16]}-{prefix}.safetensors"
 
     def _open_directory(self, d: Path) -> None:
@@ -262,10 +285,11 @@ class PromptCacheStore:
             if meta is None or meta.get("mark") != MARK:
                 continue  # not ours (or unreadable): never touched
             size = entry.stat().st_size
-            if (meta.get("model"), meta.get("pack"), meta.get("format")) != (
+            if (meta.get("model"), meta.get("pack"), meta.get("format"), meta.get("align")) != (
                 self._model,
                 self._pack,
                 self._ops.format,
+                str(self._align),
             ):
                 refused += 1
                 self._files_other[entry] = size
@@ -322,6 +346,7 @@ class PromptCacheStore:
             "mark": MARK,
             "version": _VERSION,
             "format": self._ops.format,
+            "align": str(self._align),
             "model": self._model,
             "pack": self._pack,
             "prefix": prefix_hash(tokens),

@@ -196,7 +196,7 @@ class SequentialBatch:
         self._seq = None
         if self._prompt_cache is not None and reason in ("stop", "length") and s.cache is not None:
             try:  # the cache holds every token but the last sampled one
-                self._prompt_cache.store(s.tokens[:-1], s.cache)
+                self._prompt_cache.store(s.tokens[:-1], s.cache, len(s.job.request.prompt))
             except Exception:  # the next request loses its head start, never this its answer
                 log.exception("keeping a prompt cache failed")
         self._finish_job(s.job, s.finished(reason, self._lock, self._metrics, error))

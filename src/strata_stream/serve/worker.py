@@ -297,7 +297,10 @@ class GenerationWorker:
 
                 ops = MlxCacheOps(model)
                 prints = lambda: mlx_fingerprints(model)  # noqa: E731
-            return PromptCacheStore(ops, config, self._metrics, prints)
+            # torch's CPU kernels give a row values that depend on the call's row count: the
+            # transformers engine reuses only whole prefill chunks (prompt_cache.py, `align`).
+            align = self._prefill_chunk if self._engine == "transformers" else 0
+            return PromptCacheStore(ops, config, self._metrics, prints, align)
         except Exception as e:
             log.error("the prompt cache could not open (%s); serving without it", e)
             return None
