@@ -205,3 +205,25 @@ def test_a_vision_model_generates_with_its_image_text_to_text_class() -> None:
                        r"ViTForImageClassification") as e:  # fmt: skip
         generation_class(transformers.ViTConfig())
     assert len(str(e.value).splitlines()) == 1
+
+
+def test_two_experts_modules_in_one_layer_are_one_line() -> None:
+    """Experts per modality (ernie4_5_vl_moe's text and vision sets in one decoder layer): the
+    pack holds one set per layer, so load says so instead of pairing a pack with the wrong set."""
+    import copy
+
+    from strata_stream.transformers.experts import EngineSlot
+    from strata_stream.transformers.loader import _replace_experts
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=96, moe_intermediate_size=24,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        num_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    model = transformers.Qwen3MoeForCausalLM(config)
+    block = model.model.layers[1].mlp
+    block.vision_experts = copy.deepcopy(block.experts)
+    with pytest.raises(ConfigError, match=r"^qwen3_moe: decoder layer 1 holds two experts "
+                       r"modules \(.*mlp.experts and .*mlp.vision_experts\)") as e:  # fmt: skip
+        _replace_experts(model, EngineSlot())
+    assert len(str(e.value).splitlines()) == 1

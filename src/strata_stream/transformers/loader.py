@@ -45,6 +45,13 @@ def _replace_experts(model: torch.nn.Module, slot: EngineSlot) -> None:
         if m is not None:
             found.append((int(m.group(1)), name, block, attr))
     found.sort(key=lambda t: t[0])
+    pairs = zip(found, found[1:], strict=False)
+    for (layer, name, _, attr), (other, name2, _, attr2) in pairs:
+        if layer == other:  # experts per modality (text and vision sets in one layer)
+            raise ConfigError(
+                f"{model_type}: decoder layer {layer} holds two experts modules ({name}.{attr} "
+                f"and {name2}.{attr2}); the pack holds one set of routed experts per layer"
+            )
     slot.blocks = []
     for layer, (decoder_layer, name, block, attr) in enumerate(found):
         family = family_of(getattr(block, attr), model_type)
