@@ -78,8 +78,8 @@ def main() -> None:
     args = ap.parse_args()
 
     import numpy as np
-    from mlx_lm_e2e import default_model, pack_for
 
+    from mlx_lm_e2e import default_model, pack_for
     from strata_stream.config import StreamConfig
     from strata_stream.mlx_lm import load
     from strata_stream.pack.reader import ExpertPack
@@ -122,9 +122,7 @@ def main() -> None:
                 system = ids(args.prefix_tokens)
                 with server() as s:
                     times["cold"].append(ttft(s.url, system + ids(args.question_tokens)))
-                    times["warm in memory"].append(
-                        ttft(s.url, system + ids(args.question_tokens))
-                    )
+                    times["warm in memory"].append(ttft(s.url, system + ids(args.question_tokens)))
                 with server() as s:
                     times["after restart"].append(ttft(s.url, system + ids(args.question_tokens)))
                     seen = counters(s.url)
