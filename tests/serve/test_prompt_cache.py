@@ -211,3 +211,19 @@ def test_a_streamed_model_answers_bitwise_from_a_kept_prefix(
     with streamed(config) as url:
         assert complete(url, SECOND) == cold
         assert counter(url, "strata_serve_prompt_cache_hits") == 1
+
+
+def test_a_prefix_kept_from_a_batch_answers_bitwise_as_cold(
+    tiny_path: Path, cold: dict[int, Any], tmp_path: Path
+) -> None:
+    """A cache the generator hands back from a batch of several sequences (of other lengths,
+    so padded) serves the next request as a lone one's would."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    others = [[int(t) for t in rng.integers(3, 120, n)] for n in (40, 350, 90)]
+    with serving(tiny_path, PromptCacheConfig(directory=tmp_path)) as url:
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda p: complete(url, p), [FIRST, *others]))
+        assert answers[0] == cold[0]
+        assert complete(url, SECOND) == cold[1]
+        assert counter(url, "strata_serve_prompt_cache_tokens") >= len(PREFIX)

@@ -42,7 +42,6 @@ import logging
 import os
 import re
 import struct
-import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -168,7 +167,6 @@ class PromptCacheStore:
         self._files: dict[Path, _File] = {}
         # Our files of another model or pack: counted in the bound, evicted in turn.
         self._files_other: dict[Path, int] = {}
-        self._lock = threading.Lock()
         self._model = self._pack = ""
         self._dir = config.directory
         if self._dir is not None:
