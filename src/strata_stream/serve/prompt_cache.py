@@ -282,7 +282,10 @@ class PromptCacheStore:
             meta = read_metadata(entry)
             if meta is None or meta.get("mark") != MARK:
                 continue  # not ours (or unreadable): never touched
-            size = entry.stat().st_size
+            try:
+                size = entry.stat().st_size
+            except OSError:  # gone meanwhile (another server's bound)
+                continue
             if (meta.get("model"), meta.get("pack"), meta.get("format"), meta.get("align")) != (
                 self._model,
                 self._pack,
