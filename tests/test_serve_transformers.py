@@ -196,7 +196,7 @@ def test_seeded_sampling_repeats_and_differs_from_greedy(server: tuple[str, Any]
     assert any(text != greedy for text in runs.values())
 
 
-def test_one_request_at_a_time_each_answered_as_alone(server: tuple[str, Any]) -> None:
+def test_clients_at_once_each_answered_as_alone(server: tuple[str, Any]) -> None:
     url = server[0]
     client = client_for(url)
 
@@ -212,11 +212,8 @@ def test_one_request_at_a_time_each_answered_as_alone(server: tuple[str, Any]) -
         t.start()
     for t in threads:
         t.join(TIMEOUT_S)
-    assert results == alone
-    m = scrape(url)
-    assert m["strata_serve_batch_size_count"] > 0
-    assert m['strata_serve_batch_size_bucket{le="1.0"}'] == m["strata_serve_batch_size_count"]
-    assert health(url)["max_batch"] == 1
+    assert results == alone  # batched (tests/serve/test_transformers_batch.py), bitwise alone
+    assert health(url)["max_batch"] == 8
 
 
 def test_metrics_and_health_report_the_engine(fam: Family, server: tuple[str, Any]) -> None:
@@ -328,7 +325,7 @@ def test_cli_serves_with_the_transformers_engine(
         r = client_for(url).completions.create(model=MODEL_ID, prompt=PROMPTS[0], max_tokens=8,
                                                temperature=0)  # fmt: skip
         assert r.choices[0].text == tokenizer.decode(greedy_ids(fam, ids, 8))
-        assert health(url)["max_batch"] == 1
+        assert health(url)["max_batch"] == 8
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -343,7 +340,7 @@ def test_cli_serves_with_the_transformers_engine(
 
 
 @pytest.mark.parametrize("extra", [
-    ["--engine", "transformers", "--max-batch", "4"],
+    ["--engine", "transformers", "--max-batch", "0"],
     ["--engine", "transformers", "--device", "tpu"],
     ["--engine", "transformers", "--tensor"],
     ["--engine", "mlx-lm", "--device", "cuda"],

@@ -151,8 +151,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "its prompt count)",
     )
     serve.add_argument("--max-batch", type=int, default=None,
-                       help="requests generated together (default 8; the transformers engine "
-                       "serves one at a time: 1)")  # fmt: skip
+                       help="requests generated together (default 8)")
     serve.add_argument("--prefill-chunk", type=int, default=512, metavar="TOKENS",
                        help="prompt tokens prefilled between decode steps (default 512)")
     serve.add_argument("--prompt-cache-dir", metavar="DIR", default=None,

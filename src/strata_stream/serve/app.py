@@ -92,8 +92,8 @@ def create_app(
     TokenizerWrapper or a Hugging Face tokenizer). `stats` feeds the engine metrics (schema in
     engine_stats.py). The worker starts and stops with the app's lifespan.
     `engine`: "mlx-lm" (an mlx-lm model, batched) or "transformers" (a transformers
-    PreTrainedModel, streamed or plain, served one request at a time whatever
-    config.max_batch says); None takes "transformers" for a torch module, else "mlx-lm".
+    PreTrainedModel, streamed or plain, batched on serve/transformers_continuous.py); None
+    takes "transformers" for a torch module, else "mlx-lm".
     `lockstep`: rank 0 of a sharded model, whose followers run every request too
     (serve/lockstep.py; mlx-lm only)."""
     engine = engine or ("transformers" if _is_torch_module(model) else "mlx-lm")
@@ -105,9 +105,6 @@ def create_app(
             raise ConfigError("lockstep serving (--pipeline/--tensor) is for mlx-lm models")
         if not isinstance(tokenizer, HFTokenizer):
             tokenizer = HFTokenizer(tokenizer, model_eos_ids(model))
-        if max_batch > 1:
-            log.info("the transformers engine serves one request at a time (max_batch 1)")
-        max_batch = 1
     elif engine == "mlx-lm":
         from mlx_lm.tokenizer_utils import TokenizerWrapper
 

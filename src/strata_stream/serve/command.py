@@ -40,8 +40,8 @@ def serve(
     mlx.launch): every rank loads its share with strata_stream.mlx_lm.sharded_load; rank 0
     serves HTTP, the others follow it (serve/lockstep.py) and return when it stops.
     `pack_path`: the model's pack (default: the cache's, converted on first use).
-    `engine`: "mlx-lm" or "transformers" (strata_stream.transformers.load on `device`, one
-    request at a time: max_batch must be 1). max_batch None: 8 for mlx-lm, 1 for transformers.
+    `engine`: "mlx-lm" or "transformers" (strata_stream.transformers.load on `device`).
+    max_batch None: 8.
     `prompt_cache_dir`: where prompt caches persist across restarts, at most `prompt_cache_gb`
     GiB of files; `prompt_cache_memory_gb`: those kept in memory (serve/prompt_cache.py)."""
     from strata_stream.serve.app import create_app
@@ -53,10 +53,7 @@ def serve(
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port must be 0..65535, got {port}")
     if max_batch is None:
-        max_batch = 1 if engine == "transformers" else 8
-    if engine == "transformers" and max_batch != 1:
-        raise ConfigError(f"--max-batch {max_batch}: the transformers engine serves one request "
-                          "at a time (--max-batch 1)")  # fmt: skip
+        max_batch = 8
     if engine == "transformers" and (distributed is not None or experts != "cpu"):
         raise ConfigError("--pipeline, --tensor and --experts are for --engine mlx-lm")
     if distributed is not None and prompt_cache_dir is not None:

@@ -3,8 +3,8 @@
 The worker owns the model: it is the only thread that runs it (and the only caller of the
 stats source, which reads the engine), so the engine is never entered by two threads at once.
 It serves up to `max_batch` requests at once as one continuous batch (serve/batch.py, on
-mlx-lm's BatchGenerator): requests join and leave between decode steps, in arrival order. A
-transformers model is served one request at a time (serve/transformers_batch.py).
+mlx-lm's BatchGenerator; a transformers model's on serve/transformers_continuous.py): requests
+join and leave between steps, in arrival order.
 Requests beyond the batch wait in the queue; beyond `max_queue` waiting requests, `submit`
 raises QueueFullError at once (the route answers 503) and nothing of the request runs. A
 request is one place in the queue whatever its prompt count: its jobs (one per prompt) are
@@ -125,8 +125,8 @@ class GenerationWorker:
         prompt_cache: PromptCacheConfig | None = DEFAULT_PROMPT_CACHE,
     ) -> None:
         self._model = model
-        # "mlx-lm": mlx-lm's BatchGenerator (serve/batch.py); "transformers": one request at a
-        # time on the model's own forward (serve/transformers_batch.py, max_batch 1).
+        # "mlx-lm": mlx-lm's BatchGenerator (serve/batch.py); "transformers": the model's own
+        # forward, one pass per sequence, experts read together (serve/transformers_continuous.py).
         self._engine = engine
         # Rank 0 of a sharded model (serve/lockstep.py): the batch's changes go to the
         # followers before each step.
@@ -237,7 +237,7 @@ class GenerationWorker:
     def _run_batched(self) -> None:
         batch_class: type[Any]
         if self._engine == "transformers":
-            from strata_stream.serve.transformers_batch import SequentialBatch as batch_class
+            from strata_stream.serve.transformers_continuous import TransformersBatch as batch_class
         else:
             from strata_stream.serve.batch import ContinuousBatch as batch_class
         batch = batch_class(

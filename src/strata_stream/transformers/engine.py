@@ -21,6 +21,7 @@ value.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,6 +83,11 @@ class TorchMoeEngine:
             self.stream.close()
             raise
         self.routing = _PinnedRouting() if self.on_cuda else None
+        # Set while several forward passes run at once (serve/transformers_continuous.py): every
+        # experts call goes through it, which joins the passes' calls of one layer into one
+        # `run_rows` (one union read) and hands each pass its own rows back.
+        self.gather: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None
+        self.gather = None
         self.closed = False
         for ref in blocks:
             ref.router = find_router(
@@ -149,12 +155,24 @@ class TorchMoeEngine:
         n = self.stream.n_experts
         return torch.where((ids >= 0) & (ids < n), ids, torch.zeros_like(ids))
 
-    @torch.no_grad()
     def run(
         self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         """sum_k weights[:, k] * expert_{ids[:, k]}(x) for x [T, H], in x's dtype, on x's
-        device (the engine's: the CPU, or the GPU the cuda backend runs on)."""
+        device (the engine's: the CPU, or the GPU the cuda backend runs on); through `gather`
+        when it is set."""
+        gather = self.gather
+        if gather is not None:
+            return gather(layer, x, ids, weights)
+        return self.run_rows(layer, x, ids, weights)
+
+    @torch.no_grad()
+    def run_rows(
+        self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """`run` itself: one engine call of every row of x. Each row's output is computed as
+        it would be alone (the backends' kernels are per row), so rows of several sequences
+        share one call, and one read of their experts' union."""
         if x.device != self.device:
             raise ConfigError(
                 f"the streamed experts run on {self.device} ({self.window.backend} backend); "
