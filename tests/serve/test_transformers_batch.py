@@ -164,6 +164,37 @@ def test_a_bad_request_among_clients_harms_none(
     assert "top_k" in got[0] and got[1:] == alone
 
 
+def test_a_pass_that_fails_in_the_batch_fails_alone(
+    fam: Family, prompts: list[list[int]], server: str
+) -> None:
+    """A request whose own forward pass fails (its token id passes the server's check against
+    a vocabulary the config claims wider than the embedding) ends with an error while the
+    clients batched with it get their answers alone: its pass leaves the layers' meeting."""
+    alone = [answer(server, p, temperature=0) for p in prompts[:4]]
+    model = fam.load(slots=fam.n_records // 4)
+    real = int(model.config.vocab_size)
+    model.config.vocab_size = real + 8
+    tokenizer = transformers.AutoTokenizer.from_pretrained(fam.path)
+    try:
+        config = ServeConfig(model_id=MODEL_ID, prefill_chunk=CHUNK, max_batch=8)
+        app = create_app(model, tokenizer, config, engine="transformers")
+        with BackgroundServer(app, timeout_s=TIMEOUT_S) as s:
+
+            def bad() -> str:
+                with pytest.raises(openai.InternalServerError) as e:
+                    answer(s.url, [*prompts[2], real + 3], temperature=0)
+                return str(e.value)
+
+            good = [lambda p=p: answer(s.url, p, temperature=0) for p in prompts[:4]]
+            got = together([*good[:2], bad, *good[2:]])
+            assert got[:2] + got[3:] == alone
+            assert "index" in got[2].lower()
+            # The engine still serves a whole batch afterwards.
+            assert together(good) == alone
+    finally:
+        model.strata_engine.close()
+
+
 # ---- the meeting of a step's passes -----------------------------------------------------------
 
 
