@@ -8,13 +8,250 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX512F__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#endif
+
 #include "cpu/mlx_kernels.h"
 #include "residency/slot.h"
 #include "residency/smap.h"
 #include "pack/weights.h"
 
+
+
 namespace strata::cpu {
 namespace {
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v16 __attribute__((vector_size(64)));
+
+// acc + a * b, fused wherever the target has FMA. This is the reference order itself, not an
+// optimisation: the compilers contract `acc += a * b` into an FMA whenever the target has one,
+// so the kernels state it rather than leave each expression to the contraction rules.
+inline v8 madd8(v8 acc, v8 a, v8 b) {
+#if defined(__FMA__)
+  return v8(_mm256_fmadd_ps(__m256(a), __m256(b), __m256(acc)));
+#elif defined(__aarch64__)
+  float f[3][8];
+  std::memcpy(f[0], &acc, 32);
+  std::memcpy(f[1], &a, 32);
+  std::memcpy(f[2], &b, 32);
+  vst1q_f32(f[0], vfmaq_f32(vld1q_f32(f[0]), vld1q_f32(f[1]), vld1q_f32(f[2])));
+  vst1q_f32(f[0] + 4, vfmaq_f32(vld1q_f32(f[0] + 4), vld1q_f32(f[1] + 4), vld1q_f32(f[2] + 4)));
+  v8 r;
+  std::memcpy(&r, f[0], 32);
+  return r;
+#else
+  return acc + a * b;
+#endif
+}
+
+inline v16 madd16(v16 acc, v16 a, v16 b) {
+#if defined(__AVX512F__)
+  return v16(_mm512_fmadd_ps(__m512(a), __m512(b), __m512(acc)));
+#else
+  v8 a0, a1, b0, b1, c0, c1;
+  std::memcpy(&a0, &a, 32);
+  std::memcpy(&a1, reinterpret_cast<const char*>(&a) + 32, 32);
+  std::memcpy(&b0, &b, 32);
+  std::memcpy(&b1, reinterpret_cast<const char*>(&b) + 32, 32);
+  std::memcpy(&c0, &acc, 32);
+  std::memcpy(&c1, reinterpret_cast<const char*>(&acc) + 32, 32);
+  c0 = madd8(c0, a0, b0);
+  c1 = madd8(c1, a1, b1);
+  v16 r;
+  std::memcpy(&r, &c0, 32);
+  std::memcpy(reinterpret_cast<char*>(&r) + 32, &c1, 32);
+  return r;
+#endif
+}
+
+// Output rows dequantized together: each tile row is read by every entry while it is in L1.
+constexpr std::uint32_t kBlockRows = 4;
+// Entries dotted together with a row block: kBlockRows x kBlockEntries accumulators stay in
+// registers (32 vector registers with AVX-512, 16 with AVX2 or NEON's halves).
+#if defined(__AVX512F__)
+constexpr std::uint32_t kBlockEntries = 4;
+#else
+constexpr std::uint32_t kBlockEntries = 2;
+#endif
+
+// dot's value from its 16 lanes when n is a multiple of 16: lanes 0-7 are its acc0, 8-15 its
+// acc1, folded in its order; its tail is +0 and is still added (it turns a -0 into +0).
+inline float fold16(v16 acc) {
+  float s[8];
+  for (int l = 0; l < 8; ++l) s[l] = acc[l] + acc[l + 8];
+  return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7])) + 0.0f;
+}
+
+// out[q * n_x + e] = dot(tile row q, xs[e], cols) for NR tile rows and NE entries starting at e0:
+// each (row, entry) is one accumulator with dot's lanes, so blocking changes no bit.
+template <std::uint32_t NR, std::uint32_t NE>
+inline void dots_rows_entries(const float* tile, const float* const* xs, std::uint32_t e0,
+                              std::uint32_t n_x, std::uint32_t cols, float* out) {
+#if defined(__AVX512F__)
+  // The same as below in intrinsics: GCC keeps __m512 arrays in registers, not vector-extension
+  // arrays filled by memcpy.
+  __m512 acc[NR][NE];
+#pragma GCC unroll 16
+  for (std::uint32_t q = 0; q < NR; ++q)
+#pragma GCC unroll 16
+    for (std::uint32_t e = 0; e < NE; ++e) acc[q][e] = _mm512_setzero_ps();
+  const float* x[NE];
+#pragma GCC unroll 16
+  for (std::uint32_t e = 0; e < NE; ++e) x[e] = xs[e0 + e];
+  for (std::uint32_t c = 0; c + 16 <= cols; c += 16) {
+    __m512 w[NR], xv[NE];
+#pragma GCC unroll 16
+    for (std::uint32_t q = 0; q < NR; ++q) w[q] = _mm512_loadu_ps(tile + std::size_t(q) * cols + c);
+#pragma GCC unroll 16
+    for (std::uint32_t e = 0; e < NE; ++e) xv[e] = _mm512_loadu_ps(x[e] + c);
+#pragma GCC unroll 16
+    for (std::uint32_t q = 0; q < NR; ++q)
+#pragma GCC unroll 16
+      for (std::uint32_t e = 0; e < NE; ++e) acc[q][e] = _mm512_fmadd_ps(w[q], xv[e], acc[q][e]);
+  }
+  for (std::uint32_t q = 0; q < NR; ++q)
+    for (std::uint32_t e = 0; e < NE; ++e) {
+      v16 a;
+      std::memcpy(&a, &acc[q][e], 64);
+      out[std::size_t(q) * n_x + e0 + e] = fold16(a);
+    }
+#else
+  v16 acc[NR][NE] = {};
+  for (std::uint32_t c = 0; c + 16 <= cols; c += 16) {
+    v16 w[NR], x[NE];
+    for (std::uint32_t q = 0; q < NR; ++q) std::memcpy(&w[q], tile + std::size_t(q) * cols + c, 64);
+    for (std::uint32_t e = 0; e < NE; ++e) std::memcpy(&x[e], xs[e0 + e] + c, 64);
+    for (std::uint32_t q = 0; q < NR; ++q)
+      for (std::uint32_t e = 0; e < NE; ++e) acc[q][e] = madd16(acc[q][e], w[q], x[e]);
+  }
+  for (std::uint32_t q = 0; q < NR; ++q)
+    for (std::uint32_t e = 0; e < NE; ++e) out[std::size_t(q) * n_x + e0 + e] = fold16(acc[q][e]);
+#endif
+}
+
+template <std::uint32_t NR>
+void block_dots(const float* tile, const float* const* xs, std::uint32_t n_x, std::uint32_t cols,
+                float* out) {
+  std::uint32_t e = 0;
+  for (; e + kBlockEntries <= n_x; e += kBlockEntries)
+    dots_rows_entries<NR, kBlockEntries>(tile, xs, e, n_x, cols, out);
+  for (; e < n_x; ++e) dots_rows_entries<NR, 1>(tile, xs, e, n_x, cols, out);
+}
+
+// Row r of m into out[cols]: MatrixView::row's values bit for bit (tests/cpp/test_cpu_kernels).
+// With AVX-512 the 4-bit formats look their values up in a 16-entry table per group (the
+// table's entries are computed exactly as row computes each element), the 8- and 16-bit ones
+// widen 16 at a time; other targets and formats use row itself.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+// GCC 12's AVX-512 widening intrinsics start from _mm512_undefined_*, which -Wmaybe-uninitialized
+// reports at every inlined use (a false positive).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#if defined(__AVX512F__)
+// How far ahead of the row being dequantized its weights are asked for: a block's rows are
+// contiguous, and the hardware prefetcher alone left the unpacking waiting on memory.
+constexpr std::size_t kPrefetchBytes = 2048;
+
+// Elements [i0, i0 + n) of a scale-format array (0 f32, 1 f16, 2 bf16) as float32 into out,
+// scale_value's values: 16 at a time, and an f16 block holding an infinity or NaN (whose payload
+// the hardware conversion could change) element by element through scale_value itself.
+inline void widen_scales(const unsigned char* p, std::uint32_t fmt, std::size_t i0,
+                         std::uint32_t n, float* out) {
+  std::uint32_t i = 0;
+  if (fmt == 0) {
+    std::memcpy(out, p + 4 * i0, std::size_t(n) * 4);
+    return;
+  }
+  for (; i + 16 <= n; i += 16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2 * (i0 + i)));
+    if (fmt == 2) {
+      _mm512_storeu_si512(out + i, _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      continue;
+    }
+    const __m256i e = _mm256_and_si256(h, _mm256_set1_epi16(0x7C00));
+    if (_mm256_movemask_epi8(_mm256_cmpeq_epi16(e, _mm256_set1_epi16(0x7C00))) != 0) break;
+    _mm512_storeu_ps(out + i, _mm512_cvtph_ps(h));  // exact for finite values, subnormals too
+  }
+  for (; i < n; ++i) out[i] = scale_value(p, std::uint32_t(i0 + i), fmt);
+}
+#endif
+
+inline void dequant_row(const MatrixView& m, std::uint32_t r, float* out) {
+#if defined(__AVX512F__)
+  const std::uint32_t cols = m.cols, gs = m.group_size;
+  const std::uint32_t groups = gs ? cols / gs : 0;
+  constexpr std::uint32_t kMaxGroups = 1024;  // the row's scales on the stack
+  const bool nibbles = m.format == WeightFormat::Q4 || m.format == WeightFormat::Mxfp4;
+  if (nibbles && gs % 32 == 0 && groups <= kMaxGroups) {
+    const unsigned char* p = m.weight + std::size_t(r) * (cols / 2);
+    alignas(64) float sc[kMaxGroups], bi[kMaxGroups];
+    if (m.format == WeightFormat::Q4) {
+      widen_scales(m.scales, m.scale_format, std::size_t(r) * groups, groups, sc);
+      widen_scales(m.biases, m.scale_format, std::size_t(r) * groups, groups, bi);
+    } else {
+      for (std::uint32_t g = 0; g < groups; ++g)
+        sc[g] = e8m0_to_float(m.scales[std::size_t(r) * groups + g]);
+    }
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 fp4 = _mm512_loadu_ps(kFp4Values);
+    for (std::uint32_t g = 0; g < groups; ++g) {
+      // Q4: row's s * q + b, which the compiler contracts to one FMA on this target.
+      // Mxfp4: FP4(q) * 2^(e - 127), exact, as in row.
+      const __m512 lut = m.format == WeightFormat::Q4
+                             ? _mm512_fmadd_ps(_mm512_set1_ps(sc[g]), iota, _mm512_set1_ps(bi[g]))
+                             : _mm512_mul_ps(fp4, _mm512_set1_ps(sc[g]));
+      for (std::uint32_t i = 0; i < gs / 32; ++i, p += 16, out += 32) {
+        // 16 bytes hold columns 2j (low nibble) and 2j + 1 (high); the permute reads only an
+        // index's low 4 bits, so neither half needs a mask.
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+        const __m128i high = _mm_srli_epi16(bytes, 4);
+        const __m128i c0 = _mm_unpacklo_epi8(bytes, high), c1 = _mm_unpackhi_epi8(bytes, high);
+        _mm512_storeu_ps(out, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(c0), lut));
+        _mm512_storeu_ps(out + 16, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(c1), lut));
+      }
+    }
+    return;
+  }
+  if (m.format == WeightFormat::Q8 && gs % 16 == 0 && groups <= kMaxGroups) {
+    const unsigned char* p = m.weight + std::size_t(r) * cols;
+    alignas(64) float sc[kMaxGroups], bi[kMaxGroups];
+    widen_scales(m.scales, m.scale_format, std::size_t(r) * groups, groups, sc);
+    widen_scales(m.biases, m.scale_format, std::size_t(r) * groups, groups, bi);
+    for (std::uint32_t g = 0; g < groups; ++g) {
+      const __m512 s = _mm512_set1_ps(sc[g]), bias = _mm512_set1_ps(bi[g]);
+      for (std::uint32_t i = 0; i < gs / 16; ++i, p += 16, out += 16) {
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
+        const __m512i q =
+            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+        _mm512_storeu_ps(out, _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(q), bias));
+      }
+    }
+    return;
+  }
+  if (m.format == WeightFormat::BF16) {
+    const unsigned char* p = m.weight + std::size_t(r) * cols * 2;
+    for (std::uint32_t c = 0; c < cols; c += 16) {
+      _mm_prefetch(reinterpret_cast<const char*>(p + 2 * std::size_t(c)) + kPrefetchBytes,
+                   _MM_HINT_T0);
+      const __m512i h = _mm512_cvtepu16_epi32(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2 * std::size_t(c))));
+      _mm512_storeu_si512(out + c, _mm512_slli_epi32(h, 16));
+    }
+    return;
+  }
+#endif
+  m.row(r, out);
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 
 inline float silu(float z) { return z / (1.0f + std::exp(-z)); }
 
@@ -55,30 +292,54 @@ std::vector<Group> group_entries(const DeviceBuffers& b, std::uint32_t rows, Acc
   return groups;
 }
 
-// h[i] = silu(gate x_t) * (up x_t) for every entry of the group, rows [r0, r1) of gate/up.
+// The per-call buffers of a matrix stage: the dequantized tile, the entries' inputs and one
+// row block's dots.
+struct DotScratch {
+  std::vector<float> tile, gv, uv;
+  std::vector<const float*> xs;
+};
+
+// h[i] = silu(gate x_t) * (up x_t) for every entry of the group, rows [r0, r1) of gate/up: each
+// element is dot(gate row, x) + bias and dot(up row, x) + bias as matrix_dots computes them.
 void gate_up_rows(const DeviceBuffers& b, const ExpertView& ev, const Group& g, std::uint32_t r0,
-                  std::uint32_t r1, float* gbuf, float* ubuf) {
+                  std::uint32_t r1, DotScratch& s) {
   const std::uint32_t H = b.layout->hidden, I = b.layout->moe_intermediate, k = b.layout->top_k;
-  for (std::uint32_t r = r0; r < r1; ++r) {
-    ev.gate.row(r, gbuf);
-    ev.up.row(r, ubuf);
-    const float gb = ev.gate.bias_at(r), ub = ev.up.bias_at(r);
-    for (std::uint32_t i : g.entries) {
-      const float* x = b.x + std::size_t(i / k) * H;
-      b.h[std::size_t(i) * I + r] = activate(ev, dot(gbuf, x, H) + gb, dot(ubuf, x, H) + ub);
+  const std::uint32_t m = std::uint32_t(g.entries.size());
+  s.xs.resize(m);
+  for (std::uint32_t e = 0; e < m; ++e) s.xs[e] = b.x + std::size_t(g.entries[e] / k) * H;
+  s.gv.resize(std::size_t(kBlockRows) * m);
+  s.uv.resize(std::size_t(kBlockRows) * m);
+  for (std::uint32_t r = r0; r < r1; r += kBlockRows) {
+    const std::uint32_t n = std::min(kBlockRows, r1 - r);
+    matrix_dots(ev.gate, r, r + n, s.xs.data(), m, s.gv.data(), s.tile);
+    matrix_dots(ev.up, r, r + n, s.xs.data(), m, s.uv.data(), s.tile);
+    for (std::uint32_t q = 0; q < n; ++q) {
+      const float gb = ev.gate.bias_at(r + q), ub = ev.up.bias_at(r + q);
+      for (std::uint32_t e = 0; e < m; ++e)
+        b.h[std::size_t(g.entries[e]) * I + r + q] =
+            activate(ev, s.gv[std::size_t(q) * m + e] + gb, s.uv[std::size_t(q) * m + e] + ub);
     }
   }
 }
 
 // y[i] = w_i * (down h_i), rows [r0, r1) of down.
 void down_rows(const DeviceBuffers& b, const ExpertView& ev, const Group& g, std::uint32_t r0,
-               std::uint32_t r1, float* dbuf) {
+               std::uint32_t r1, DotScratch& s) {
   const std::uint32_t H = b.layout->hidden, I = b.layout->moe_intermediate;
-  for (std::uint32_t r = r0; r < r1; ++r) {
-    ev.down.row(r, dbuf);
-    const float db = ev.down.bias_at(r);
-    for (std::uint32_t i : g.entries)
-      b.y[std::size_t(i) * H + r] = b.weights[i] * (dot(dbuf, b.h + std::size_t(i) * I, I) + db);
+  const std::uint32_t m = std::uint32_t(g.entries.size());
+  s.xs.resize(m);
+  for (std::uint32_t e = 0; e < m; ++e) s.xs[e] = b.h + std::size_t(g.entries[e]) * I;
+  s.gv.resize(std::size_t(kBlockRows) * m);
+  for (std::uint32_t r = r0; r < r1; r += kBlockRows) {
+    const std::uint32_t n = std::min(kBlockRows, r1 - r);
+    matrix_dots(ev.down, r, r + n, s.xs.data(), m, s.gv.data(), s.tile);
+    for (std::uint32_t q = 0; q < n; ++q) {
+      const float db = ev.down.bias_at(r + q);
+      for (std::uint32_t e = 0; e < m; ++e) {
+        const std::uint32_t i = g.entries[e];
+        b.y[std::size_t(i) * H + r + q] = b.weights[i] * (s.gv[std::size_t(q) * m + e] + db);
+      }
+    }
   }
 }
 
@@ -133,14 +394,14 @@ void run_groups(const DeviceBuffers& b, std::uint32_t layer, const std::vector<G
                 [&](std::uint32_t g, std::uint32_t r0, std::uint32_t r1) {
                   if (as_mlx) return mlx::gate_up_rows(b, views[g], groups[g].entries, r0, r1,
                                                        rounding);
-                  std::vector<float> gbuf(H), ubuf(H);
-                  gate_up_rows(b, views[g], groups[g], r0, r1, gbuf.data(), ubuf.data());
+                  DotScratch s;
+                  gate_up_rows(b, views[g], groups[g], r0, r1, s);
                 });
   if (stage != Stage::GateUp)
     over_groups(pf, groups, H, I, [&](std::uint32_t g, std::uint32_t r0, std::uint32_t r1) {
       if (as_mlx) return mlx::down_rows(b, views[g], groups[g].entries, r0, r1, rounding);
-      std::vector<float> dbuf(I);
-      down_rows(b, views[g], groups[g], r0, r1, dbuf.data());
+      DotScratch s;
+      down_rows(b, views[g], groups[g], r0, r1, s);
     });
 }
 
@@ -165,8 +426,8 @@ bool resolve_pass(const DeviceBuffers& b, std::uint32_t layer, std::uint32_t row
 float dot(const float* a, const float* b, std::uint32_t n) {
   // Two 8-float vector accumulators (GCC/Clang vector extensions: AVX on x86-64, NEON pairs on
   // arm64) hide the add latency; the lane fold and the scalar tail run in a fixed order, so the
-  // result depends only on the inputs.
-  typedef float v8 __attribute__((vector_size(32)));
+  // result depends only on the inputs. The multiply-adds are fused wherever the target has
+  // FMA (madd8), as matrix_dots' are.
   v8 acc0 = {}, acc1 = {};
   std::size_t i = 0;
   const std::size_t len = n;
@@ -176,13 +437,41 @@ float dot(const float* a, const float* b, std::uint32_t n) {
     std::memcpy(&a1, a + i + 8, 32);
     std::memcpy(&b0, b + i, 32);
     std::memcpy(&b1, b + i + 8, 32);
-    acc0 += a0 * b0;
-    acc1 += a1 * b1;
+    acc0 = madd8(acc0, a0, b0);
+    acc1 = madd8(acc1, a1, b1);
   }
   v8 acc = acc0 + acc1;
   float tail = 0;
   for (; i < len; ++i) tail += a[i] * b[i];
   return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7])) + tail;
+}
+
+void matrix_dots(const MatrixView& m, std::uint32_t r0, std::uint32_t r1, const float* const* xs,
+                 std::uint32_t n_x, float* out, std::vector<float>& tile) {
+  const std::uint32_t cols = m.cols;
+  if (cols % 16 != 0) {
+    // dot's scalar tail (which the compiler may vectorise in part): row by row through dot.
+    tile.resize(cols);
+    for (std::uint32_t r = r0; r < r1; ++r) {
+      m.row(r, tile.data());
+      for (std::uint32_t e = 0; e < n_x; ++e)
+        out[std::size_t(r - r0) * n_x + e] = dot(tile.data(), xs[e], cols);
+    }
+    return;
+  }
+  tile.resize(std::size_t(kBlockRows) * cols);
+  for (std::uint32_t r = r0; r < r1; r += kBlockRows) {
+    const std::uint32_t n = std::min(kBlockRows, r1 - r);
+    for (std::uint32_t q = 0; q < n; ++q)
+      dequant_row(m, r + q, tile.data() + std::size_t(q) * cols);
+    float* o = out + std::size_t(r - r0) * n_x;
+    switch (n) {
+      case 1: block_dots<1>(tile.data(), xs, n_x, cols, o); break;
+      case 2: block_dots<2>(tile.data(), xs, n_x, cols, o); break;
+      case 3: block_dots<3>(tile.data(), xs, n_x, cols, o); break;
+      default: block_dots<4>(tile.data(), xs, n_x, cols, o); break;
+    }
+  }
 }
 
 void route(const DeviceBuffers& b, std::uint32_t layer, std::uint32_t rows, std::int32_t* ids,

@@ -5,8 +5,10 @@
 
 #include <cstdint>
 #include <functional>
+#include <vector>
 
 #include "exec/backend.h"
+#include "pack/weights.h"
 
 namespace strata::cpu {
 
@@ -17,6 +19,13 @@ using ParallelFor = std::function<void(std::uint32_t n, const std::function<void
 // Fixed-order dot product: eight lane accumulators (vectorisable without -ffast-math), folded
 // in a fixed tree.
 float dot(const float* a, const float* b, std::uint32_t n);
+
+// out[(r - r0) * n_x + e] = dot(row r of m, xs[e], m.cols) for r in [r0, r1), bit for bit, at
+// memory speed: rows are dequantized a few at a time into `tile` (SIMD table lookups and
+// widenings) and each tile row is dotted with every input while it is in cache. Every
+// (row, input) keeps dot's own lanes and fold, so the result depends on nothing but its inputs.
+void matrix_dots(const MatrixView& m, std::uint32_t r0, std::uint32_t r1, const float* const* xs,
+                 std::uint32_t n_x, float* out, std::vector<float>& tile);
 
 // Top-k routing of `rows` tokens into ids (and weights, when not null). With moce on it reads
 // layer's residency from smap once, adjusts each token's selection (moce.h) and writes the
