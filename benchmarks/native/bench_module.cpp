@@ -22,7 +22,7 @@ PYBIND11_MODULE(_bench, m) {
   m.def(
       "bench_kernels",
       [](const std::string& path, std::uint32_t layer, std::uint32_t rows, std::uint32_t repeats,
-         unsigned threads, std::uint32_t seed) {
+         unsigned threads, std::uint32_t seed, std::uint64_t flush_bytes) {
         if (rows == 0 || rows > (1u << 16)) throw py::value_error("rows must be 1..65536");
         if (repeats == 0 || repeats > 100000) throw py::value_error("repeats must be 1..100000");
         if (threads > 1024) throw py::value_error("threads must be 0..1024");
@@ -37,7 +37,7 @@ PYBIND11_MODULE(_bench, m) {
           o.arena_bytes = (std::uint64_t(L.n_experts) + 1) * L.record_stride;
           ExpertStream stream(path, o);
           auto backend = make_cpu_backend(threads);
-          t = bench_kernels(stream, *backend, layer, rows, repeats, seed);
+          t = bench_kernels(stream, *backend, layer, rows, repeats, seed, flush_bytes);
         }
         py::list out;
         for (const auto& k : t) {
@@ -51,9 +51,24 @@ PYBIND11_MODULE(_bench, m) {
         return out;
       },
       py::arg("path"), py::kw_only(), py::arg("layer"), py::arg("rows"), py::arg("repeats") = 5,
-      py::arg("threads") = 0, py::arg("seed") = 0,
+      py::arg("threads") = 0, py::arg("seed") = 0, py::arg("flush_bytes") = 0,
       "Times each kernel of one MoE layer call of `layer` on the CPU backend (median of "
-      "`repeats`), every expert of the layer resident: [{op, seconds, flops, weight_bytes}].");
+      "`repeats`), every expert of the layer resident: [{op, seconds, flops, weight_bytes}]. "
+      "flush_bytes > 0: a buffer that large is read before each timed expert pass.");
+
+  m.def(
+      "bench_read_bandwidth",
+      [](std::uint64_t bytes, unsigned threads, std::uint32_t repeats) {
+        if (bytes < 8 || bytes > (std::uint64_t(1) << 40))
+          throw py::value_error("bytes must be 8..2^40");
+        if (repeats == 0 || repeats > 100000) throw py::value_error("repeats must be 1..100000");
+        if (threads > 1024) throw py::value_error("threads must be 0..1024");
+        py::gil_scoped_release nogil;
+        return read_bandwidth(bytes, threads, repeats);
+      },
+      py::arg("bytes"), py::kw_only(), py::arg("threads") = 0, py::arg("repeats") = 5,
+      "The host's streaming read bandwidth (bytes/s) over a buffer of `bytes`, `threads` "
+      "threads (0: every core), median of `repeats`.");
 
   // benchmarks/io_bandwidth.py --page-cache: the fair raw reference.
   m.def(

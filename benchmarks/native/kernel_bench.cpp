@@ -1,10 +1,12 @@
 #include "kernel_bench.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <numeric>
 #include <random>
 #include <set>
+#include <thread>
 
 #include "common/errors.h"
 #include "exec/scratch.h"
@@ -12,16 +14,39 @@
 namespace strata {
 namespace {
 
-template <class Fn>
-double median_seconds(std::uint32_t repeats, Fn fn) {
+// The sum of `n` words: a plain streaming read (the compiler vectorises it), the result kept so
+// the read cannot be dropped.
+std::uint64_t sum_words(const std::uint64_t* p, std::size_t n) {
+  std::uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+  std::size_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    s0 += p[i];
+    s1 += p[i + 1];
+    s2 += p[i + 2];
+    s3 += p[i + 3];
+  }
+  for (; i < n; ++i) s0 += p[i];
+  return s0 + s1 + s2 + s3;
+}
+
+std::atomic<std::uint64_t> g_sink{0};
+
+template <class Fn, class Before>
+double median_seconds(std::uint32_t repeats, Fn fn, Before before) {
   std::vector<double> t;
   for (std::uint32_t r = 0; r < std::max(1u, repeats); ++r) {
+    before();
     auto t0 = std::chrono::steady_clock::now();
     fn();
     t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
   std::sort(t.begin(), t.end());
   return t[t.size() / 2];
+}
+
+template <class Fn>
+double median_seconds(std::uint32_t repeats, Fn fn) {
+  return median_seconds(repeats, fn, [] {});
 }
 
 Command op(Op o, std::uint32_t layer, std::uint32_t rows, Pass pass = Pass::Resident) {
@@ -37,7 +62,8 @@ Command op(Op o, std::uint32_t layer, std::uint32_t rows, Pass pass = Pass::Resi
 
 std::vector<KernelTiming> bench_kernels(ExpertStream& stream, Backend& backend,
                                         std::uint32_t layer, std::uint32_t rows,
-                                        std::uint32_t repeats, std::uint32_t seed) {
+                                        std::uint32_t repeats, std::uint32_t seed,
+                                        std::uint64_t flush_bytes) {
   const PackLayout& L = stream.layout();
   if (stream.n_slots() < L.n_experts)
     throw EngineError(ErrorKind::Config, "bench_kernels needs an arena holding a whole layer (" +
@@ -80,6 +106,8 @@ std::vector<KernelTiming> bench_kernels(ExpertStream& stream, Backend& backend,
   const double U = double(unique.size());
   std::copy(unique.begin(), unique.end(), b.wave);
   *b.wave_n = std::uint32_t(unique.size());
+  std::vector<std::uint64_t> flush(flush_bytes / 8, 1);
+  auto evict = [&] { g_sink += sum_words(flush.data(), flush.size()); };
   const double matrix_bytes = double(L.record_bytes) / 3;  // gate, up and down are equal-sized
   std::vector<KernelTiming> out;
   if (routes)
@@ -87,15 +115,30 @@ std::vector<KernelTiming> bench_kernels(ExpertStream& stream, Backend& backend,
                    2 * T * E * H, E * H * 4});
   out.push_back({"plan", median_seconds(repeats, [&] { run(op(Op::Plan, layer, rows)); }), 0, 0});
   out.push_back({"gate_up",
-                 median_seconds(repeats, [&] { run(op(Op::GateUp, layer, rows)); }),
+                 median_seconds(repeats, [&] { run(op(Op::GateUp, layer, rows)); }, evict),
                  2 * 2 * T * k * I * H, 2 * U * matrix_bytes});
-  out.push_back({"down", median_seconds(repeats, [&] { run(op(Op::Down, layer, rows)); }),
+  out.push_back({"down", median_seconds(repeats, [&] { run(op(Op::Down, layer, rows)); }, evict),
                  2 * T * k * H * I, U * matrix_bytes});
-  out.push_back({"moe_mm", median_seconds(repeats, [&] { run(op(Op::MoeMM, layer, rows)); }),
+  out.push_back({"moe_mm", median_seconds(repeats, [&] { run(op(Op::MoeMM, layer, rows)); }, evict),
                  3 * 2 * T * k * I * H, 3 * U * matrix_bytes});
   out.push_back({"combine", median_seconds(repeats, [&] { run(op(Op::Combine, layer, rows)); }),
                  T * k * H, 0});
   return out;
+}
+
+double read_bandwidth(std::uint64_t bytes, unsigned threads, std::uint32_t repeats) {
+  if (threads == 0) threads = std::max(1u, std::thread::hardware_concurrency());
+  std::vector<std::uint64_t> buf(bytes / 8, 1);
+  const std::size_t share = buf.size() / threads;
+  std::vector<std::uint64_t> sums(threads);
+  const double s = median_seconds(repeats, [&] {
+    std::vector<std::thread> pool;
+    for (unsigned i = 0; i < threads; ++i)
+      pool.emplace_back([&, i] { sums[i] = sum_words(buf.data() + i * share, share); });
+    for (auto& th : pool) th.join();
+    for (std::uint64_t v : sums) g_sink += v;
+  });
+  return double(share * threads * 8) / s;
 }
 
 }  // namespace strata

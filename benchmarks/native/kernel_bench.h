@@ -18,9 +18,17 @@ struct KernelTiming {
   double weight_bytes; // expert (or router) bytes one run reads
 };
 
-// Needs an arena that holds every expert of `layer`.
+// Needs an arena that holds every expert of `layer`. flush_bytes > 0: before each timed run
+// (untimed) a buffer of that many bytes is read, so the run finds its weights in memory, not in
+// a cache, as a streamed layer does.
 std::vector<KernelTiming> bench_kernels(ExpertStream& stream, Backend& backend,
                                         std::uint32_t layer, std::uint32_t rows,
-                                        std::uint32_t repeats, std::uint32_t seed);
+                                        std::uint32_t repeats, std::uint32_t seed,
+                                        std::uint64_t flush_bytes = 0);
+
+// The host's streaming read bandwidth in bytes per second: `threads` threads (0: every core)
+// each summing its contiguous share of one buffer of `bytes` (written first, so every page is
+// resident), median of `repeats`. The ceiling a kernel reading its weights once can reach.
+double read_bandwidth(std::uint64_t bytes, unsigned threads, std::uint32_t repeats);
 
 }  // namespace strata

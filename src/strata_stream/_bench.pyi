@@ -13,8 +13,16 @@ class RawRead(TypedDict):
     bytes: int
 
 def bench_kernels(
-    path: str, *, layer: int, rows: int, repeats: int = 5, threads: int = 0, seed: int = 0
+    path: str,
+    *,
+    layer: int,
+    rows: int,
+    repeats: int = 5,
+    threads: int = 0,
+    seed: int = 0,
+    flush_bytes: int = 0,
 ) -> list[KernelTiming]: ...
+def bench_read_bandwidth(bytes: int, *, threads: int = 0, repeats: int = 5) -> float: ...
 def bench_raw_read(
     path: str,
     first: int,
