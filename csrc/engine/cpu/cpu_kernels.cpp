@@ -159,8 +159,8 @@ void block_dots(const float* tile, const float* const* xs, std::uint32_t n_x, st
 constexpr std::size_t kPrefetchBytes = 2048;
 
 // Elements [i0, i0 + n) of a scale-format array (0 f32, 1 f16, 2 bf16) as float32 into out,
-// scale_value's values: 16 at a time, and an f16 block holding an infinity or NaN (whose payload
-// the hardware conversion could change) element by element through scale_value itself.
+// scale_value's values: 16 at a time, and from an f16 block holding an infinity or NaN (whose
+// payload the hardware conversion could change) on element by element through scale_value.
 inline void widen_scales(const unsigned char* p, std::uint32_t fmt, std::size_t i0,
                          std::uint32_t n, float* out) {
   std::uint32_t i = 0;
@@ -168,15 +168,23 @@ inline void widen_scales(const unsigned char* p, std::uint32_t fmt, std::size_t 
     std::memcpy(out, p + 4 * i0, std::size_t(n) * 4);
     return;
   }
-  for (; i + 16 <= n; i += 16) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2 * (i0 + i)));
+  for (; i < n; i += 16) {
+    // Each block through a zero-padded copy: a row of fewer than 16 groups (a down matrix's)
+    // widens in one step too.
+    alignas(32) std::uint16_t part[16] = {};
+    const std::uint32_t len = std::min(16u, n - i);
+    std::memcpy(part, p + 2 * (i0 + i), std::size_t(len) * 2);
+    const __m256i h = _mm256_load_si256(reinterpret_cast<const __m256i*>(part));
+    alignas(64) float wide[16];
     if (fmt == 2) {
-      _mm512_storeu_si512(out + i, _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      _mm512_store_si512(wide, _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      std::memcpy(out + i, wide, std::size_t(len) * 4);
       continue;
     }
     const __m256i e = _mm256_and_si256(h, _mm256_set1_epi16(0x7C00));
     if (_mm256_movemask_epi8(_mm256_cmpeq_epi16(e, _mm256_set1_epi16(0x7C00))) != 0) break;
-    _mm512_storeu_ps(out + i, _mm512_cvtph_ps(h));  // exact for finite values, subnormals too
+    _mm512_store_ps(wide, _mm512_cvtph_ps(h));  // exact for finite values, subnormals too
+    std::memcpy(out + i, wide, std::size_t(len) * 4);
   }
   for (; i < n; ++i) out[i] = scale_value(p, std::uint32_t(i0 + i), fmt);
 }
