@@ -227,3 +227,15 @@ def test_a_prefix_kept_from_a_batch_answers_bitwise_as_cold(
         assert answers[0] == cold[0]
         assert complete(url, SECOND) == cold[1]
         assert counter(url, "strata_serve_prompt_cache_tokens") >= len(PREFIX)
+
+
+def test_the_apps_own_config_keeps_the_cache_an_embedder_asks_for(
+    tiny_path: Path, tmp_path: Path
+) -> None:
+    """create_app applies ServeConfig's prompt-cache settings itself: an embedder that never
+    calls configure_prompt_cache gets the directory it named."""
+    model, tokenizer = mlx_lm.load(str(tiny_path))[:2]
+    config = ServeConfig(model_id=MODEL_ID, prefill_chunk=CHUNK, prompt_cache_dir=str(tmp_path))
+    with BackgroundServer(create_app(model, tokenizer, config), timeout_s=TIMEOUT_S) as server:
+        complete(server.url, FIRST)
+    assert ours(tmp_path), "no prompt cache file was written in the configured directory"

@@ -125,6 +125,8 @@ def create_app(
         lockstep=lockstep,
         engine=engine,
     )
+    if lockstep is None:  # a sharded model's ranks keep no prompt cache (batch.py)
+        worker.configure_prompt_cache(config.prompt_cache)
     routes = _Routes(model, tokenizer, config, worker, pack_probe(model))
 
     @asynccontextmanager

@@ -86,7 +86,6 @@ def serve(
         try:
             app = create_app(loaded.model, loaded.tokenizer, config, stats=loaded.stats,
                              engine=loaded.engine)  # fmt: skip
-            app.state.worker.configure_prompt_cache(config.prompt_cache)
             log.info("serving %s as model id '%s' (%s)", model_path, config.model_id, engine)
             run_foreground(app, host, port, log_level=log_level, sock=sock)
         finally:
