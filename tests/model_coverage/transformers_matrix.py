@@ -784,7 +784,8 @@ def main(argv: list[str] | None = None) -> int:
         "--rows",
         type=Path,
         nargs="+",
-        help="render the rows of earlier --json runs (shards: one file each)",
+        help="render the rows of earlier --json runs (shards: one file each; a type in a later "
+        "file replaces its row in an earlier one)",
     )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
@@ -800,7 +801,9 @@ def main(argv: list[str] | None = None) -> int:
             args.json.write_text(json.dumps(asdict(row)))
         return 0
     if args.rows:
-        rows = settle([Row(**r) for f in args.rows for r in json.loads(f.read_text())])
+        # shards in any order; a type run again in a later file replaces its earlier row
+        by_type = {r["model_type"]: Row(**r) for f in args.rows for r in json.loads(f.read_text())}
+        rows = settle([by_type[t] for t in sorted(by_type)])
         for r in rows:
             print(_line(r))
         print(closing_line([r for r in rows if _is_moe_row(r)]))
