@@ -4,7 +4,8 @@
 #          as the static library strata_metal, defining STRATA_HAVE_METAL.
 #   Linux: nothing, unless STRATA_METAL_HOST_CHECK=ON (clang): the host compiled and linked
 #          against the real metal-cpp headers with stub system headers, as the executable
-#          strata_metal_host_check, which must report "no Metal device".
+#          strata_metal_host_check, which must report "no Metal device". Its program and the
+#          stubs are test equipment, in tests/metal/host_check/.
 # metal-cpp is never committed: the headers come from the mlx-metal wheel (Apache-2.0),
 # downloaded into the build directory, or from STRATA_METAL_CPP_DIR.
 option(STRATA_METAL_HOST_CHECK "Linux: compile and link the Metal host against metal-cpp" OFF)
@@ -93,11 +94,11 @@ elseif(STRATA_METAL_HOST_CHECK)
                         "metal-cpp's headers use blocks, which GCC cannot parse")
   endif()
   strata_metal_cpp(metal_cpp)
+  set(check_dir ${CMAKE_CURRENT_SOURCE_DIR}/tests/metal/host_check)
   add_executable(strata_metal_host_check ${STRATA_METAL_HOST_SOURCES}
-    ${STRATA_METAL_DIR}/host/check_main.cpp
-    ${STRATA_METAL_DIR}/host/apple_stubs/check_runtime.cpp)
+    ${check_dir}/check_main.cpp ${check_dir}/check_runtime.cpp)
   target_include_directories(strata_metal_host_check PRIVATE ${STRATA_METAL_DIR}/host
-    ${STRATA_METAL_DIR}/host/apple_stubs ${metal_cpp})
+    ${check_dir}/apple_stubs ${metal_cpp})
   target_compile_options(strata_metal_host_check PRIVATE -fblocks -include cmath -Wall -Wextra
     -Wno-unused-parameter)
   target_link_libraries(strata_metal_host_check PRIVATE strata_engine ${CMAKE_DL_LIBS})

@@ -1,6 +1,6 @@
 """The MSL subset the kernels may use, and a lint that rejects anything outside it.
 
-The Linux emulator (csrc/metal/shim/) models exactly this subset. A builtin it does not model
+The Linux emulator (tests/metal/shim/) models exactly this subset. A builtin it does not model
 (simd_shuffle, threadgroup memory, textures, fast:: math, vector types...) would either fail to
 compile there or, worse, compile against a C/C++ library function with different semantics.
 So every identifier in the kernel sources must be a keyword or builtin listed here, or be

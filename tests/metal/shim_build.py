@@ -1,6 +1,6 @@
 """Builds the Metal-kernel emulator harness (tests/metal/shim_harness.cpp) for the tests.
 
-The .metal sources compile as C++20 against csrc/metal/shim/ and link with the CPU backend's
+The .metal sources compile as C++20 against tests/metal/shim/ and link with the CPU backend's
 kernels, so one executable runs every operation on both. Objects are cached by content hash in
 a directory outside the worktree (STRATA_METAL_SHIM_CACHE, else the system temp dir), so only
 the first session on a machine pays the compile; a changed source rebuilds just its object.
@@ -19,6 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 METAL = ROOT / "csrc" / "metal"
 KERNELS = METAL / "kernels"
+# The emulator runtime and the type-check prelude: test equipment, not part of the product.
+SHIM = ROOT / "tests" / "metal" / "shim"
 ENGINE = ROOT / "csrc" / "engine"
 ENGINE_SOURCES = [
     ENGINE / "pack" / "pack_file.cpp",
@@ -52,14 +54,16 @@ def metal_sources(kernels: Path = KERNELS) -> list[Path]:
 
 def _headers_digest(kernels: Path) -> str:
     h = hashlib.sha256()
-    for folder in (kernels, METAL / "shim", METAL / "host", ENGINE):
+    for folder in (kernels, SHIM, METAL / "host", ENGINE):
         for f in sorted(folder.rglob("*.h")):
             h.update(f.name.encode())
             h.update(f.read_bytes())
     return h.hexdigest()
 
 
-def _compile(cxx: str, src: Path, headers: str, out_dir: Path, extra: list[str]) -> Path:
+def _compile(
+    cxx: str, src: Path, headers: str, out_dir: Path, extra: list[str], kernels: Path = KERNELS
+) -> Path:
     h = hashlib.sha256()
     h.update(" ".join([cxx, *FLAGS, *extra]).encode())
     h.update(headers.encode())
@@ -70,7 +74,8 @@ def _compile(cxx: str, src: Path, headers: str, out_dir: Path, extra: list[str])
         return obj
     lang = ["-x", "c++"] if src.suffix == ".metal" else []
     tmp = obj.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [cxx, *FLAGS, *extra, "-I", str(ENGINE), "-c", *lang, str(src), "-o", str(tmp)]
+    includes = ["-I", str(ENGINE), "-I", str(SHIM), "-I", str(kernels)]
+    cmd = [cxx, *FLAGS, *extra, *includes, "-c", *lang, str(src), "-o", str(tmp)]
     run = subprocess.run(cmd, capture_output=True, text=True)
     if run.returncode != 0:
         raise RuntimeError(f"compiling {src} failed:\n{' '.join(cmd)}\n{run.stderr}")
@@ -89,13 +94,15 @@ def build_harness(kernels: Path = KERNELS, name: str = "shim_harness") -> Path:
     kernel_files = metal_sources(kernels)
     sources = [
         *ENGINE_SOURCES,
-        METAL / "shim" / "msl_runtime.cpp",
+        SHIM / "msl_runtime.cpp",
         METAL / "host" / "dispatch_plan.cpp",
         ROOT / "tests" / "metal" / "shim_harness.cpp",
     ]
     with ThreadPoolExecutor(max_workers=2) as pool:
         objs = list(
-            pool.map(lambda s: _compile(cxx, s, headers, out, []), [*kernel_files, *sources])
+            pool.map(
+                lambda s: _compile(cxx, s, headers, out, [], kernels), [*kernel_files, *sources]
+            )
         )
     link = hashlib.sha256("".join(str(o) for o in objs).encode()).hexdigest()[:16]
     exe = out / f"{name}-{link}"
@@ -121,7 +128,8 @@ def build_program(name: str, sources: list[Path], extra: list[str]) -> Path:
     exe = out / f"{name}-{h.hexdigest()[:16]}"
     if not exe.exists():
         tmp = exe.with_suffix(f".{os.getpid()}.tmp")
-        cmd = [cxx, *FLAGS, *extra, "-I", str(ENGINE), *map(str, sources), "-o", str(tmp)]
+        includes = ["-I", str(ENGINE), "-I", str(SHIM), "-I", str(KERNELS)]
+        cmd = [cxx, *FLAGS, *extra, *includes, *map(str, sources), "-o", str(tmp)]
         run = subprocess.run(cmd, capture_output=True, text=True)
         if run.returncode != 0:
             raise RuntimeError(f"building {name} failed:\n{' '.join(cmd)}\n{run.stderr}")

@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "../../csrc/metal/host/dispatch_plan.h"
-#include "../../csrc/metal/shim/msl_runtime.h"
+#include "shim/msl_runtime.h"
 #include "cpu/cpu_kernels.h"
 #include "pack/pack_file.h"
 #include "residency/slot.h"

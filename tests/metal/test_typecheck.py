@@ -1,5 +1,5 @@
 """Every .metal file type-checks as C++ with clang under the address-space prelude
-(csrc/metal/shim/msl_prelude.h, STRATA_MSL_TYPECHECK): device, constant and threadgroup are
+(tests/metal/shim/msl_prelude.h, STRATA_MSL_TYPECHECK): device, constant and threadgroup are
 distinct clang address spaces, so a pointer used in the wrong one fails here as it would under
 the Metal compiler. Needs clang (CI installs clang-19); skipped without it."""
 
@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from shim_build import KERNELS, metal_sources
+from shim_build import KERNELS, SHIM, metal_sources
 
 CLANG = next((c for c in ("clang++-19", "clang++") if shutil.which(c)), None)
 pytestmark = pytest.mark.skipif(CLANG is None, reason="needs clang++ (clang-19 in CI)")
@@ -31,7 +31,10 @@ FLAGS = [
 def typecheck(src: Path) -> subprocess.CompletedProcess[str]:
     assert CLANG is not None
     return subprocess.run(
-        [CLANG, *FLAGS, "-I", str(KERNELS), str(src)], capture_output=True, text=True, timeout=300
+        [CLANG, *FLAGS, "-I", str(KERNELS), "-I", str(SHIM), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -98,7 +101,7 @@ def test_embedded_source_is_one_self_contained_unit(tmp_path: Path) -> None:
     unit = tmp_path / "embedded.metal"
     unit.write_text(source)
     assert CLANG is not None
-    prelude = KERNELS.parent / "shim" / "msl_prelude.h"
+    prelude = SHIM / "msl_prelude.h"
     r = subprocess.run(
         [CLANG, *FLAGS, "-include", str(prelude), str(unit)],
         capture_output=True,

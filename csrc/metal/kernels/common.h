@@ -10,10 +10,12 @@
 #include <metal_stdlib>
 using namespace metal;
 #else
+// Off Metal the kernels are C++ for the test equipment in tests/metal/shim (the emulator and
+// the address-space type-check), whose builds put that folder on the include path.
 #ifndef STRATA_MSL_TYPECHECK
-#include "../shim/msl_runtime.h"  // before the prelude: it includes std headers
+#include "msl_runtime.h"  // before the prelude: it includes std headers
 #endif
-#include "../shim/msl_prelude.h"
+#include "msl_prelude.h"
 #endif
 
 #include "params.h"

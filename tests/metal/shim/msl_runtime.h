@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "../kernels/params.h"
+#include "params.h"  // csrc/metal/kernels, on the include path
 #include "msl_types.h"
 
 namespace strata_shim {
