@@ -3,6 +3,10 @@
 # builds are unchanged where there is no nvcc.
 set(STRATA_CUDA "AUTO" CACHE STRING "Build the CUDA backend (strata_stream._cuda): AUTO, ON or OFF")
 set_property(CACHE STRATA_CUDA PROPERTY STRINGS AUTO ON OFF)
+# The CUDA tests' build (tests/cuda/device_run.sh): kernels that honour a planted error
+# (STRATA_CUDA_TEST_PLANT at run time, kernels/device_types.h), so the parity tests can show they
+# fail. Off, the release kernels carry no planted branch.
+option(STRATA_CUDA_TEST_PLANT "Build the CUDA kernels with the tests' planted errors" OFF)
 
 if(STRATA_SANITIZE AND STRATA_CUDA STREQUAL "AUTO")
   # The sanitizer builds test the engine; their -fsanitize flags are not nvcc's.
@@ -63,6 +67,10 @@ if(CMAKE_CUDA_COMPILER AND NOT STRATA_CUDA STREQUAL "OFF")
       CUDA_RUNTIME_LIBRARY Static)
   endforeach()
   set_target_properties(strata_cuda_wgmma PROPERTIES CUDA_ARCHITECTURES 90a)
+  if(STRATA_CUDA_TEST_PLANT)
+    target_compile_definitions(strata_cuda_wgmma PRIVATE STRATA_CUDA_PLANT=1)
+    target_compile_definitions(strata_cuda PRIVATE STRATA_CUDA_PLANT=1)
+  endif()
   target_include_directories(strata_cuda_wgmma PRIVATE csrc/cuda csrc/engine)
   target_include_directories(strata_cuda_wgmma SYSTEM PRIVATE
                              ${CMAKE_CUDA_TOOLKIT_INCLUDE_DIRECTORIES})

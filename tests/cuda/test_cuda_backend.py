@@ -386,14 +386,18 @@ def test_a_planted_kernel_change_fails_the_parity(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plant: str, fmt: str
 ) -> None:
     """The parity check can fail: a 2^-10 change in one kernel (STRATA_CUDA_TEST_PLANT, read
-    when a CUDA backend binds) is caught; without it the same check passes. bf16's gate_up is
-    the tensor-core kernel (decode and prompt tilings), q4's the float32 FMA kernels."""
+    when a CUDA backend binds, in kernels built with the CMake option of that name) is caught;
+    without it the same check passes. bf16's gate_up is the tensor-core kernel (decode and
+    prompt tilings), q4's the float32 FMA kernels."""
     path = make_pack(tmp_path, fmt, 64, "bf16")
     xs = turns(384, [1, 13])
     want = run(path, config(path), xs, "cpu")
     assert max_violation(run(path, config(path), xs, "cuda"), want) <= 1.0
     monkeypatch.setenv("STRATA_CUDA_TEST_PLANT", plant)
-    assert max_violation(run(path, config(path), xs, "cuda"), want) > 1.0
+    assert max_violation(run(path, config(path), xs, "cuda"), want) > 1.0, (
+        "no planted error: the kernels need a build with -DSTRATA_CUDA_TEST_PLANT=ON "
+        "(tests/cuda/device_run.sh builds so)"
+    )
 
 
 @cuda

@@ -41,11 +41,16 @@ struct DevLayout {
   // the same arithmetic either way.
   std::uint32_t bf16_wgmma = 0;
   // Tests only (STRATA_CUDA_TEST_PLANT): a deliberate error in one kernel, which the parity tests
-  // must catch. 0 in every real run.
+  // must catch. 0 in every real run, and read only by kernels built with STRATA_CUDA_PLANT.
   std::uint32_t plant = 0;
 };
 
-// Planted errors (DevLayout::plant bits).
+// Planted errors (DevLayout::plant bits). The kernels test them only in a build for the CUDA
+// tests (CMake's STRATA_CUDA_TEST_PLANT=ON defines STRATA_CUDA_PLANT=1; tests/cuda/device_run.sh
+// builds so): release kernels carry no planted branch.
+#ifndef STRATA_CUDA_PLANT
+#define STRATA_CUDA_PLANT 0
+#endif
 constexpr std::uint32_t kPlantGateUp = 1;  // h gets 2^-10 added to one row
 constexpr std::uint32_t kPlantRoute = 2;   // the second expert's weight scaled by 1 + 2^-10
 

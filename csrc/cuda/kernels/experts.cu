@@ -30,7 +30,9 @@ __device__ __forceinline__ std::uint32_t load_smap(const std::uint32_t* smap, st
 __device__ __forceinline__ void store_h(const DevLayout& L, const DevBuffers& b, std::uint32_t i,
                                         std::uint32_t r, float g, float u) {
   float h = activate_swiglu(L, g, u);
-  if ((L.plant & kPlantGateUp) && r == 0) h += 1.0f / 1024.0f;  // tests only
+#if STRATA_CUDA_PLANT  // tests only (device_types.h)
+  if ((L.plant & kPlantGateUp) && r == 0) h += 1.0f / 1024.0f;
+#endif
   b.h[std::size_t(i) * L.inter + r] = h;
 }
 

@@ -175,7 +175,9 @@ __device__ void route_tail(const DevLayout& L, const RouteTask& task, std::uint3
     for (std::uint32_t j = 0; j < k; ++j) total += expf(logit[order[j]] - top);
     for (std::uint32_t j = 0; j < k; ++j) w[j] = expf(logit[order[j]] - top) / total;
   }
+#if STRATA_CUDA_PLANT  // tests only (device_types.h)
   if ((L.plant & kPlantRoute) && k > 1) w[1] *= 1.0f + 1.0f / 1024.0f;
+#endif
   for (std::uint32_t j = 0; j < k; ++j) {
     task.weights[std::size_t(t) * k + j] = w[j];
     if (task.weights_back) task.weights_back[std::size_t(t) * k + j] = w[j];

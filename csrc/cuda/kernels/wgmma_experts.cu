@@ -449,7 +449,9 @@ struct Pass {
         d1 = __fadd_rn(d1, 0.0f);
         float h = activate_swiglu(L, d0 + bias_at(L, L.m[0], cur.rec, r),
                                   d1 + bias_at(L, L.m[1], cur.rec, r));
-        if ((L.plant & kPlantGateUp) && r == 0) h += 1.0f / 1024.0f;  // tests only
+#if STRATA_CUDA_PLANT  // tests only (device_types.h)
+        if ((L.plant & kPlantGateUp) && r == 0) h += 1.0f / 1024.0f;
+#endif
         b.h[std::size_t(e) * R + r] = h;
         if (c.h_pieces_out) {
           std::uint16_t p[3];
