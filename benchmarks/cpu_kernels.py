@@ -23,9 +23,12 @@ import statistics
 import sys
 from pathlib import Path
 
-from strata_stream import ExpertPack, _bench
+from bench_ext import load as load_bench
+from strata_stream import ExpertPack
 from strata_stream.pack import Geometry, write_pack
 from strata_stream.pack.presets import Preset, preset_expert, preset_router
+
+_bench = load_bench()  # built on demand: an install has no _bench
 
 FORMATS = ("q4", "q8", "mxfp4", "bf16")
 PASSES = ("gate_up", "down", "moe_mm")

@@ -52,7 +52,9 @@ def engine_read(path: Path, layers: range, config: StreamConfig) -> tuple[float,
 
 
 def page_cache(args: argparse.Namespace, path: Path) -> int:
-    from strata_stream import _bench
+    from bench_ext import load as load_bench
+
+    _bench = load_bench()  # built on demand: an install has no _bench
 
     with ExpertPack.open(path) as pack:
         g = pack.geometry

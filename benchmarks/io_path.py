@@ -44,7 +44,10 @@ from typing import Any
 
 import numpy as np
 
-from strata_stream import ExpertPack, ExpertStream, StreamConfig, Window, _bench
+from bench_ext import load as load_bench
+from strata_stream import ExpertPack, ExpertStream, StreamConfig, Window
+
+_bench = load_bench()  # built on demand: an install has no _bench
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cuda import engine_to_device, make_pack  # noqa: E402  (benchmarks/cuda.py)

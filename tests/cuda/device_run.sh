@@ -149,7 +149,7 @@ fi
 # made from another source directory).
 build=${STRATA_BUILD_DIR:-/tmp/strata-build-$(printf %s "$PWD" | md5sum | cut -c1-8)}
 build_cmd="cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release \
-  -DSTRATA_BUILD_PYTHON=ON -DSTRATA_CUDA=ON -DSTRATA_CUDA_TEST_PLANT=ON \
+  -DSTRATA_BUILD_PYTHON=ON -DSTRATA_CUDA=ON -DSTRATA_CUDA_TEST_PLANT=ON -DSTRATA_BUILD_BENCH=ON \
   -DPython_EXECUTABLE=\$(command -v $py) \
   -Dpybind11_DIR=\$($py -m pybind11 --cmakedir) -DCMAKE_CUDA_FLAGS='$tuning' && cmake --build $build -j16 --target _core _cuda _bench strata_cuda_check"
 # The bf16 tensor-core kernels against torch: no Python build either.
