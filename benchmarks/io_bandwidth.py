@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from common import ensure_pack, raw_read, raw_reader_name
-from strata_stream import ExpertPack, ExpertStream, StreamConfig
+from strata_stream import ExpertPack, ExpertStream, StreamConfig, testing
 
 
 def engine_read(path: Path, layers: range, config: StreamConfig) -> tuple[float, int, bool]:
@@ -41,11 +41,11 @@ def engine_read(path: Path, layers: range, config: StreamConfig) -> tuple[float,
     with ExpertStream(path, config) as stream:
         everything = np.arange(stream.n_experts)
         t0 = time.perf_counter()
-        stream.request(layers.start, everything)
+        testing.request(stream, layers.start, everything)
         for layer in layers:
             if layer + 1 < layers.stop:  # keep the IO queue full while we wait
-                stream.request(layer + 1, everything, urgent=False)
-            stream.wait(layer, everything)
+                testing.request(stream, layer + 1, everything, urgent=False)
+            testing.wait(stream, layer, everything)
         wall = time.perf_counter() - t0
         st = stream.stats()
         return st["bytes_read"] / wall, st["bytes_read"], stream.direct_io
@@ -82,7 +82,7 @@ def page_cache(args: argparse.Namespace, path: Path) -> int:
             )
             eng, raw = [], []
             for r in range(args.rounds):
-                for engine_first in ((True, False) if r % 2 == 0 else (False, True)):
+                for engine_first in (True, False) if r % 2 == 0 else (False, True):
                     if engine_first:
                         eng.append(engine_read(path, layers, config)[0])
                     else:

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from bench_ext import load as load_bench
-from strata_stream import ExpertPack, ExpertStream, StreamConfig, Window
+from strata_stream import ExpertPack, ExpertStream, StreamConfig, Window, testing
 
 _bench = load_bench()  # built on demand: an install has no _bench
 
@@ -78,9 +78,9 @@ def engine_bulk(path: Path, cfg: StreamConfig, backend: str) -> dict[str, float]
         every = np.arange(experts)
         t0 = time.perf_counter()
         for layer in range(layers):
-            stream.request(layer, every)
+            testing.request(stream, layer, every)
         for layer in range(layers):
-            stream.wait(layer, every)
+            testing.wait(stream, layer, every)
         wall = time.perf_counter() - t0
         st = stream.stats()
     thread_s = cfg.io_threads * wall

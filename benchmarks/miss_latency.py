@@ -30,7 +30,7 @@ import statistics
 import time
 from pathlib import Path
 
-from strata_stream import ExpertPack, ExpertStream, StreamConfig, Window
+from strata_stream import ExpertPack, ExpertStream, StreamConfig, Window, testing
 from strata_stream.pack import Geometry, presets
 
 
@@ -68,7 +68,7 @@ def miss_ms(
             for e in range(n_experts):
                 m0 = s.stats()["misses"]
                 t = time.perf_counter()
-                s.wait(r % 2, [e])
+                testing.wait(s, r % 2, [e])
                 dt = time.perf_counter() - t
                 if s.stats()["misses"] > m0:
                     out.append(1e3 * dt)

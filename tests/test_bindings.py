@@ -5,6 +5,7 @@ engine, whichever way a caller comes in), the test hooks off the product classes
 from __future__ import annotations
 
 import ast
+import inspect
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -61,28 +62,28 @@ def test_wants_predictions_rows_are_checked_once_by_the_binding(stream: ExpertSt
 def test_slot_bytes_out_of_range_names_the_slot(stream: ExpertStream) -> None:
     n = stream.n_slots
     with pytest.raises(IndexError, match=rf"slot -1 out of range \[0, {n}\)"):
-        stream.slot_bytes(-1)
+        testing.slot_bytes(stream, -1)
     with pytest.raises(IndexError, match=rf"slot {n} out of range \[0, {n}\)"):
-        stream.slot_bytes(n)
+        testing.slot_bytes(stream, n)
     with pytest.raises(IndexError, match=rf"slot {2**70} out of range"):
-        stream.slot_bytes(2**70)  # past int64 too
+        testing.slot_bytes(stream, 2**70)  # past int64 too
     with pytest.raises(TypeError, match="slot must be an int, got str"):
-        stream.slot_bytes("0")  # type: ignore[arg-type]
-    assert stream.slot_bytes(np.int64(n - 1)).size == stream.record_bytes
+        testing.slot_bytes(stream, "0")  # type: ignore[arg-type]
+    assert testing.slot_bytes(stream, np.int64(n - 1)).size == stream._s.layout["record_bytes"]
 
 
 def test_cancel_out_of_range_names_layer_or_expert(stream: ExpertStream) -> None:
     with pytest.raises(IndexError, match=rf"expert -1 out of range \[0, {E}\)"):
-        stream.cancel(0, -1)
+        testing.cancel(stream, 0, -1)
     with pytest.raises(IndexError, match=rf"expert {E} out of range \[0, {E}\)"):
-        stream.cancel(0, E)
+        testing.cancel(stream, 0, E)
     with pytest.raises(IndexError, match=rf"layer -1 out of range \[0, {L}\)"):
-        stream.cancel(-1, 0)
+        testing.cancel(stream, -1, 0)
     with pytest.raises(TypeError, match="expert must be an int, got float"):
-        stream.cancel(0, 1.0)  # type: ignore[arg-type]  # was truncated to expert 1
+        testing.cancel(stream, 0, 1.0)  # type: ignore[arg-type]  # was truncated to expert 1
     with pytest.raises(TypeError, match="layer must be an int, got bool"):
-        stream.cancel(True, 1)
-    assert stream.cancel(0, 1) is False  # nothing queued: nothing to cancel
+        testing.cancel(stream, True, 1)
+    assert testing.cancel(stream, 0, 1) is False  # nothing queued: nothing to cancel
 
 
 def test_window_options_refuse_what_does_not_fit() -> None:
@@ -106,16 +107,16 @@ def test_expert_ids_are_checked_once_by_the_engine(stream: ExpertStream) -> None
     urgent = core.ReadClass.URGENT
     for bad, what in [(E, f"expert {E} out of range"), (-1, "expert -1 out of range")]:
         with pytest.raises(IndexError, match=what) as via_wrapper:
-            stream.request(0, [bad])
+            testing.request(stream, 0, [bad])
         with pytest.raises(IndexError, match=what) as via_core:
-            stream._s.request(0, [bad], urgent)
+            core.testing.request(stream._s, 0, [bad], urgent)
         assert str(via_wrapper.value) == str(via_core.value) == f"{what} [0, {E})"
     # An id past int32 never reaches the engine: refused where it is converted, in the same
     # words (not wrapped to expert 3).
     with pytest.raises(IndexError, match=rf"expert 4294967299 out of range \[0, {E}\)"):
-        stream.wait(0, [2**32 + 3])
+        testing.wait(stream, 0, [2**32 + 3])
     with pytest.raises(IndexError, match=rf"enter_layer: expert {E} out of range"):
-        stream.enter_layer(0, [1, E])  # the engine would skip it silently: refused here
+        testing.enter_layer(stream, 0, [1, E])  # the engine would skip it silently: refused here
     assert testing.check_invariants(stream) == ""
 
 
@@ -163,10 +164,52 @@ def test_the_test_hooks_live_in_strata_stream_testing(stream: ExpertStream) -> N
     assert "testing" not in strata_stream.__all__  # not part of the product's namespace
     testing.inject_fault(stream, 0, 3, kind="eio")
     with pytest.raises(OSError, match="layer 0 expert 3"):
-        stream.wait(0, [3])
+        testing.wait(stream, 0, [3])
     testing.clear_faults(stream)
-    stream.wait(0, [3])
+    testing.wait(stream, 0, [3])
     assert testing.evict(stream) is not None
+    assert testing.check_invariants(stream) == ""
+
+
+# The steps of the handshake a Window takes in order; one called beside a running Window corrupts
+# its state, so the product's stream offers none of them.
+HANDSHAKE = (
+    "request", "wait", "publish", "enter_layer", "after_layer", "end_turn", "plan",
+    "release_plan", "cancel", "retire_unused_pre", "release_limbo", "victim",
+)  # fmt: skip
+# ExpertStream's whole public surface: opening and closing (and the context manager), the
+# geometry, the views and the stats.
+STREAM_MEMBERS = {
+    "close", "closed", "config", "path", "n_layers", "n_experts", "top_k", "n_slots",
+    "record_stride", "direct_io", "direct_note", "arena_view", "expert_bytes", "fill",
+    "slot_table", "stats",
+}  # fmt: skip
+
+
+def test_the_stream_offers_no_handshake_step(stream: ExpertStream) -> None:
+    public = _public(ExpertStream) | {n for n in vars(stream) if not n.startswith("_")}
+    assert public == STREAM_MEMBERS
+    for name in (*HANDSHAKE, "slot_bytes", "smap", "key", "where", "n_parts", "part_bytes"):
+        assert not hasattr(core.Stream, name), name
+        assert callable(getattr(testing, name)), name
+    assert not hasattr(core.Stream, "n_clients") and callable(testing.n_clients)
+    assert list(inspect.signature(ExpertStream).parameters) == ["pack", "config"]
+    assert not hasattr(Window, "moe_routed_host")  # the legacy name of moe_routed_external
+
+
+def test_the_handshake_hooks_take_the_stream_they_act_on(stream: ExpertStream) -> None:
+    assert testing.request(stream, 1, [2, 5]) == (0, 2, 0)
+    testing.wait(stream, 1, [2, 5])
+    slot = testing.where(stream, 1, 2)
+    assert slot is not None and testing.smap(stream)[testing.key(stream, 1, 2)] == slot
+    got = stream.expert_bytes(1, 2)
+    assert got is not None and got.tobytes() == testing.slot_bytes(stream, slot).tobytes()
+    assert stream.expert_bytes(1, 3) is None  # never read
+    with pytest.raises(IndexError, match="expert 16 out of range"):
+        stream.expert_bytes(1, E)
+    testing.enter_layer(stream, 1, [2])
+    assert testing.victim(stream) != slot  # protected (I4)
+    testing.end_turn(stream)
     assert testing.check_invariants(stream) == ""
 
 
@@ -204,7 +247,7 @@ def _public(obj: object) -> set[str]:
 
 def test_the_stub_types_the_whole_binding_surface() -> None:
     names, members = _stub_names()
-    stub_only = {"Layout", "LayerStats", "PrefetchStats", "_Ids", "_Testing"}  # typing helpers
+    stub_only = {"Layout", "LayerStats", "PrefetchStats", "_Ids", "_Testing"}
     assert _public(core) == names - stub_only
     assert _public(core.testing) == members["_Testing"]
     for cls in ("Stream", "Window", "WindowOptions"):

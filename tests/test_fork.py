@@ -52,7 +52,7 @@ def _expect_refused(call: Any, what: str, report: list[str]) -> None:
 
 def _refusals(stream: ExpertStream, window: Window, x: Any, report: list[str]) -> None:
     _expect_refused(lambda: window.moe(0, x), "Window.moe", report)
-    _expect_refused(lambda: stream.request(1, [3]), "ExpertStream.request", report)
+    _expect_refused(lambda: stream.fill(), "ExpertStream.fill", report)
     _expect_refused(lambda: stream.stats(), "ExpertStream.stats", report)
     _expect_refused(lambda: Window(stream), "Window(inherited stream)", report)
     _expect_refused(lambda: window.stats(), "Window.stats", report)

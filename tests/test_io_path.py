@@ -48,17 +48,17 @@ def test_truncated_then_regrown_with_zeros_while_open_raises_not_computes(
         cut = p.record_offset(2, 0)
         bad = p.record_offset(3, 1)
     with ExpertStream(path, _config(path)) as stream:
-        stream.wait(0, [0, 1])
+        testing.wait(stream, 0, [0, 1])
         os.truncate(path, cut)
         with pytest.raises(ExpertReadError, match=r"layer 3 expert 1 at file offset \d+ .*short"):
-            stream.wait(3, [1])
+            testing.wait(stream, 3, [1])
         os.truncate(path, size)  # grown back: every record from layer 2 on is zeros
         with pytest.raises(ExpertReadError) as info:
-            stream.wait(3, [1])
+            testing.wait(stream, 3, [1])
         msg = str(info.value)
         assert f"layer 3 expert 1 at file offset {bad} of {path}" in msg
         assert "CRC32C" in msg
-        stream.wait(1, [5])  # records the change left alone still read
+        testing.wait(stream, 1, [5])  # records the change left alone still read
         assert testing.check_invariants(stream) == ""
 
 
@@ -91,7 +91,7 @@ def test_verify_off_is_still_available_and_reads_what_the_disk_holds(
     with ExpertStream(path, _config(path, verify_reads=False)) as stream:
         os.truncate(path, cut)
         os.truncate(path, size)
-        stream.wait(3, [2])
+        testing.wait(stream, 3, [2])
         data = stream.expert_bytes(3, 2)
         assert data is not None and not np.asarray(data).any()
 
@@ -105,7 +105,7 @@ def test_the_io_threads_time_splits_into_read_checksum_observers_and_the_rest(
     path = _copy(make_pack, tmp_path)
     with ExpertStream(path, _config(path, verify_reads=verify)) as stream, Window(stream):
         for layer in range(L):
-            stream.wait(layer, list(range(E)))
+            testing.wait(stream, layer, list(range(E)))
         st = stream.stats()
     assert st["reads_completed"] == L * E
     pieces = st["read_seconds"] + st["crc_seconds"] + st["observer_seconds"]

@@ -27,7 +27,7 @@ mx = pytest.importorskip("mlx.core")
 mlx_lm = pytest.importorskip("mlx_lm")
 
 from mlx_models import CONFIGS, make_checkpoint, poison_experts  # noqa: E402
-from strata_stream import ExpertPack, StreamConfig  # noqa: E402
+from strata_stream import ExpertPack, StreamConfig, testing  # noqa: E402
 from strata_stream.convert import convert  # noqa: E402
 from strata_stream.mlx_lm import load  # noqa: E402
 from strata_stream.mlx_lm.loader import _find_switches  # noqa: E402
@@ -543,7 +543,7 @@ def test_each_two_layer_flag_alone_runs_only_the_gates_the_engine_uses(
     everything = stream.n_slots >= n_layers * n_experts
 
     def resident(layer: int) -> bool:  # every expert of `layer` published, for good
-        keys = stream.smap[layer * n_experts : (layer + 1) * n_experts]
+        keys = testing.smap(stream)[layer * n_experts : (layer + 1) * n_experts]
         return everything and layer < n_layers and bool((keys != ABSENT).all())
 
     def spy(layer: int, *args: Any, pred1: Any = None, pred2: Any = None, **kw: Any) -> Any:

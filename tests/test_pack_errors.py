@@ -322,5 +322,5 @@ def test_crafted_headers_are_a_pack_error_or_a_working_stream(
             py_header.geometry.n_layers,
             py_header.geometry.n_experts,
         )
-        stream.wait(stream.n_layers - 1, [stream.n_experts - 1])
+        testing.wait(stream, stream.n_layers - 1, [stream.n_experts - 1])
         assert testing.check_invariants(stream) == ""

@@ -55,7 +55,7 @@ def test_decayed_lfu_beats_lru_where_popularity_is_stable(tmp_path: Path) -> Non
 
 
 def test_decayed_lfu_keeps_the_popular_expert_and_spares_a_fresh_one(tmp_path: Path) -> None:
-    from strata_stream import ExpertStream, StreamConfig
+    from strata_stream import StreamConfig, testing
 
     trace = read_trace(random_trace(tmp_path / "t.csv", 2, 8, 1, 1, 0))
     from strata_stream.trace.replay import geometry_pack
@@ -69,20 +69,20 @@ def test_decayed_lfu_keeps_the_popular_expert_and_spares_a_fresh_one(tmp_path: P
             direct_io=False,
             eviction=policy,
         )
-        with ExpertStream(pack, config, simulate_io=True) as s:
+        with testing.simulated_stream(pack, config) as s:
             for expert in (0, 0, 0, 1):  # expert 0 of layer 0: three uses; expert 1: one
-                s.request(0, [expert])
-                s.wait(0, [expert])
+                testing.request(s, 0, [expert])
+                testing.wait(s, 0, [expert])
             for step in range(4):  # age both past the one-token guard (2 layers x top-1)
-                s.request(1, [step % 2 + 4])
-                s.wait(1, [step % 2 + 4])
-            s.request(1, [7])  # needs a victim: expert 0 or 1 of layer 0
-            s.wait(1, [7])
-            kept = [e for e in (0, 1) if s.where(0, e) is not None]
+                testing.request(s, 1, [step % 2 + 4])
+                testing.wait(s, 1, [step % 2 + 4])
+            testing.request(s, 1, [7])  # needs a victim: expert 0 or 1 of layer 0
+            testing.wait(s, 1, [7])
+            kept = [e for e in (0, 1) if testing.where(s, 0, e) is not None]
             assert kept == [survivor], policy
             # The newly read expert is guarded: the next victim is not it.
-            victim = s.victim()
-            assert victim is not None and s.slot_table()["key"][victim] != s.key(1, 7)
+            victim = testing.victim(s)
+            assert victim is not None and s.slot_table()["key"][victim] != testing.key(s, 1, 7)
 
 
 def test_modelled_predictions_have_the_asked_recall(tmp_path: Path) -> None:

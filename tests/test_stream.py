@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import PackFactory, record_bytes_of
-from strata_stream import ExpertStream, ReadClass, StreamConfig, testing
+from strata_stream import ExpertStream, ReadClass, StreamConfig, _core, testing
 from strata_stream.errors import (
     ArenaFullError,
     ConfigError,
@@ -44,17 +44,17 @@ def stride_of(path: object) -> int:
 def test_urgent_request_reads_the_records(make_pack: PackFactory) -> None:
     path = make_pack()
     with ExpertStream(path, config(8, stride_of(path))) as s:
-        assert s.request(1, [3, 9]) == (0, 2, 0)
-        s.wait(1, [3, 9])
+        assert testing.request(s, 1, [3, 9]) == (0, 2, 0)
+        testing.wait(s, 1, [3, 9])
         layout = s._s.layout
         for e in (3, 9):
             got = s.expert_bytes(1, e)
             assert got is not None
-            assert got.tobytes() == record_bytes_of(path, layout, s.key(1, e))
-        assert s.request(1, [3]) == (1, 0, 0)
+            assert got.tobytes() == record_bytes_of(path, layout, testing.key(s, 1, e))
+        assert testing.request(s, 1, [3]) == (1, 0, 0)
         st = s.stats()
         assert st["misses"] == 2 and st["hits"] == 1
-        assert st["bytes_read"] >= 2 * s.record_bytes
+        assert st["bytes_read"] >= 2 * s._s.layout["record_bytes"]
         assert testing.check_invariants(s) == ""
 
 
@@ -65,13 +65,13 @@ def test_stats_split_each_miss_into_its_phases(make_pack: PackFactory) -> None:
     path = make_pack()
     with ExpertStream(path, config(8, stride_of(path))) as s:
         t0 = time.perf_counter()
-        s.request(1, [3, 9])
-        s.wait(1, [3, 9])
+        testing.request(s, 1, [3, 9])
+        testing.wait(s, 1, [3, 9])
         waited = time.perf_counter() - t0
-        s.wait(1, [3])  # a hit
-        s.enter_layer(1)
-        s.request(2, [4], urgent=False)
-        s.wait(2, [4])  # the speculative read, taken over by an urgent wait (promoted)
+        testing.wait(s, 1, [3])  # a hit
+        testing.enter_layer(s, 1)
+        testing.request(s, 2, [4], urgent=False)
+        testing.wait(s, 2, [4])  # the speculative read, taken over by an urgent wait (promoted)
         st = s.stats()
         assert st["misses"] == 2 and st["miss_timed"] == 2
         phases = [st[f"miss_{p}_seconds"] for p in ("queued", "read", "finish", "publish")]
@@ -87,18 +87,21 @@ def test_records_are_read_in_parts_balanced_over_the_io_threads(make_pack: PackF
     stride = stride_of(path)
     cfg = config(8, stride, io_threads=4, part_bytes=256 << 10, verify_reads=True)
     with ExpertStream(path, cfg) as s:
-        assert s.record_bytes == 3 * 256 * 256 * 4
-        assert (s.n_parts, s.part_bytes) == (4, 192 << 10)
+        assert s._s.layout["record_bytes"] == 3 * 256 * 256 * 4
+        assert (testing.n_parts(s), testing.part_bytes(s)) == (4, 192 << 10)
         for layer in range(2):
-            s.request(layer, [0, 1, 2, 3])
-            s.wait(layer, [0, 1, 2, 3])
+            testing.request(s, layer, [0, 1, 2, 3])
+            testing.wait(s, layer, [0, 1, 2, 3])
             for e in range(4):
                 got = s.expert_bytes(layer, e)
                 assert got is not None
-                assert got.tobytes() == record_bytes_of(path, s._s.layout, s.key(layer, e))
+                assert got.tobytes() == record_bytes_of(path, s._s.layout, testing.key(s, layer, e))
         assert testing.check_invariants(s) == ""
     with ExpertStream(path, dataclasses.replace(cfg, io_threads=1)) as s:
-        assert (s.n_parts, s.part_bytes) == (3, 256 << 10)  # one thread: the cap's count
+        assert (testing.n_parts(s), testing.part_bytes(s)) == (
+            3,
+            256 << 10,
+        )  # one thread: the cap's count
 
 
 def test_spinning_io_reads_the_same_records_and_closes_promptly(make_pack: PackFactory) -> None:
@@ -110,12 +113,12 @@ def test_spinning_io_reads_the_same_records_and_closes_promptly(make_pack: PackF
     layout = s._s.layout
     for layer in range(4):
         for pair in ([1, 2], [3, 4], [1, 5]):
-            s.request(layer, pair)
-            s.wait(layer, pair)
+            testing.request(s, layer, pair)
+            testing.wait(s, layer, pair)
             for e in pair:
                 got = s.expert_bytes(layer, e)
                 assert got is not None
-                assert got.tobytes() == record_bytes_of(path, layout, s.key(layer, e))
+                assert got.tobytes() == record_bytes_of(path, layout, testing.key(s, layer, e))
     assert testing.check_invariants(s) == ""
     s.close()  # joins the IO threads: one mid-spin notices the close within io_spin_us
     assert s.closed
@@ -126,13 +129,13 @@ def test_spinning_io_reads_the_same_records_and_closes_promptly(make_pack: PackF
 def test_smap_is_a_read_only_view(make_pack: PackFactory) -> None:
     path = make_pack()
     with ExpertStream(path, config(8, stride_of(path))) as s:
-        view = s.smap
+        view = testing.smap(s)
         assert view.dtype == np.uint32 and view.shape == (s.n_layers * s.n_experts,)
         assert (view == ABSENT).all()
         with pytest.raises(ValueError):
             view[0] = 1
-        s.wait(0, [5])
-        assert view[s.key(0, 5)] != ABSENT  # a live view, not a copy
+        testing.wait(s, 0, [5])
+        assert view[testing.key(s, 0, 5)] != ABSENT  # a live view, not a copy
 
 
 def test_every_expert_through_a_small_arena(make_pack: PackFactory) -> None:
@@ -141,11 +144,11 @@ def test_every_expert_through_a_small_arena(make_pack: PackFactory) -> None:
         layout = s._s.layout
         for layer in range(3):  # no layer protection: same-layer experts evict each other
             for e in range(0, 8, 2):
-                s.wait(layer, [e, e + 1])
+                testing.wait(s, layer, [e, e + 1])
                 for x in (e, e + 1):
                     got = s.expert_bytes(layer, x)
                     assert got is not None
-                    assert got.tobytes() == record_bytes_of(path, layout, s.key(layer, x))
+                    assert got.tobytes() == record_bytes_of(path, layout, testing.key(s, layer, x))
                 assert testing.check_invariants(s) == ""
         assert s.stats()["evicted"] > 0
 
@@ -159,11 +162,11 @@ def test_arena_too_small_names_the_minimum(make_pack: PackFactory) -> None:
 def test_urgent_request_larger_than_the_unprotected_arena(make_pack: PackFactory) -> None:
     path = make_pack()
     with ExpertStream(path, config(4, stride_of(path))) as s:
-        s.enter_layer(0)
+        testing.enter_layer(s, 0)
         with pytest.raises(ArenaFullError, match="no arena slot"):
-            s.request(0, [0, 1, 2, 3, 4])
-        s.end_turn()
-        s.wait(0, [0, 1])  # still usable
+            testing.request(s, 0, [0, 1, 2, 3, 4])
+        testing.end_turn(s)
+        testing.wait(s, 0, [0, 1])  # still usable
 
 
 def test_an_urgent_request_never_evicts_an_expert_it_holds(make_pack: PackFactory) -> None:
@@ -172,17 +175,17 @@ def test_an_urgent_request_never_evicts_an_expert_it_holds(make_pack: PackFactor
     loading there is no room: ArenaFullError, and 6 stays."""
     path = make_pack()
     with ExpertStream(path, config(4, stride_of(path), io_threads=0)) as s:
-        s.request(0, [0])
-        s.request(1, [0])
-        s.request(2, [6])
+        testing.request(s, 0, [0])
+        testing.request(s, 1, [0])
+        testing.request(s, 2, [6])
         while testing.run_io(s):
             pass
-        s.request(0, [1])  # the fourth slot: an urgent read left queued
-        s.enter_layer(0)  # layer 0 executing, every slot of it protected
-        s.after_layer(0)  # layer 1 protected for its router
+        testing.request(s, 0, [1])  # the fourth slot: an urgent read left queued
+        testing.enter_layer(s, 0)  # layer 0 executing, every slot of it protected
+        testing.after_layer(s, 0)  # layer 1 protected for its router
         with pytest.raises(ArenaFullError):
-            s.request(2, [6, 0])
-        assert s.where(2, 6) is not None
+            testing.request(s, 2, [6, 0])
+        assert testing.where(s, 2, 6) is not None
         assert testing.check_invariants(s) == ""
 
 
@@ -190,20 +193,20 @@ def test_bad_arguments_raise_clear_errors(make_pack: PackFactory) -> None:
     path = make_pack()
     with ExpertStream(path, config(8, stride_of(path))) as s:
         with pytest.raises(IndexError, match="layer 4 out of range"):
-            s.request(4, [0])
+            testing.request(s, 4, [0])
         with pytest.raises(IndexError, match="expert 16 out of range"):
-            s.request(0, [16])
+            testing.request(s, 0, [16])
         with pytest.raises(IndexError, match="expert 4294967299 out of range"):
-            s.request(0, [2**32 + 3])  # not expert 3 after an int32 wrap
+            testing.request(s, 0, [2**32 + 3])  # not expert 3 after an int32 wrap
         with pytest.raises(TypeError, match="integers"):
-            s.request(0, [1.5])
+            testing.request(s, 0, [1.5])
         with pytest.raises(ValueError, match="1-D"):
-            s.request(0, [[1, 2]])
+            testing.request(s, 0, [[1, 2]])
         with pytest.raises(ValueError, match="contradicts"):
-            s.request(0, [1], urgent=True, cls=ReadClass.PRED1)
+            testing.request(s, 0, [1], urgent=True, cls=ReadClass.PRED1)
         with pytest.raises(ValueError, match="fault kind"):
             testing.inject_fault(s, 0, 1, kind="boom")
-        s.wait(0, [1])
+        testing.wait(s, 0, [1])
 
 
 def test_core_key_and_where_range_check_layer_and_expert(make_pack: PackFactory) -> None:
@@ -212,9 +215,10 @@ def test_core_key_and_where_range_check_layer_and_expert(make_pack: PackFactory)
     path = make_pack()  # 4 layers x 16 experts
     with ExpertStream(path, config(8, stride_of(path))) as s:
         core = s._s
-        assert core.key(1, 3) == 19 and core.where(1, 3) == -1
-        s.wait(1, [3])
-        assert core.where(1, 3) == s.where(1, 3) is not None
+        key, where = _core.testing.key, _core.testing.where
+        assert key(core, 1, 3) == 19 and where(core, 1, 3) == -1
+        testing.wait(s, 1, [3])
+        assert where(core, 1, 3) == testing.where(s, 1, 3) is not None
         for layer, expert, what in [
             (0, 16, "expert 16 out of range"),  # would alias (1, 0)
             (0, -1, "expert -1 out of range"),
@@ -222,13 +226,13 @@ def test_core_key_and_where_range_check_layer_and_expert(make_pack: PackFactory)
             (4, 0, "layer 4 out of range"),
             (-1, 3, "layer -1 out of range"),
         ]:
-            for call in (core.key, core.where):
+            for call in (key, where):
                 with pytest.raises(ConfigError, match=what):
-                    call(layer, expert)
+                    call(core, layer, expert)
         with pytest.raises(IndexError, match="expert 16 out of range"):
-            s.where(0, 16)
+            testing.where(s, 0, 16)
         with pytest.raises(IndexError, match="expert 16 out of range"):
-            s.key(0, 16)
+            testing.key(s, 0, 16)
 
 
 def test_closed_stream_raises(make_pack: PackFactory) -> None:
@@ -238,7 +242,7 @@ def test_closed_stream_raises(make_pack: PackFactory) -> None:
     s.close()  # idempotent
     assert s.closed
     with pytest.raises(StreamClosedError):
-        s.request(0, [1])
+        testing.request(s, 0, [1])
 
 
 def test_missing_and_corrupt_pack(make_pack: PackFactory, tmp_path: object) -> None:
@@ -258,18 +262,22 @@ def test_urgent_read_failure_names_layer_expert_offset_errno(
     with ExpertStream(path, config(8, stride_of(path))) as s:
         testing.inject_fault(s, 2, 7, part=1, kind=kind)
         with pytest.raises(ExpertReadError) as info:
-            s.wait(2, [7])
+            testing.wait(s, 2, [7])
         err = info.value
         assert err.layer == 2 and err.expert == 7  # type: ignore[attr-defined]
         layout = s._s.layout
-        assert err.offset == layout["records_offset"] + s.key(2, 7) * s.record_stride + 16384  # type: ignore[attr-defined]
+        assert (
+            err.offset == layout["records_offset"] + testing.key(s, 2, 7) * s.record_stride + 16384
+        )  # type: ignore[attr-defined]
         assert err.errno == (5 if kind == "eio" else 0)
         assert f"layer 2 expert 7 at file offset {err.offset}" in str(err)  # type: ignore[attr-defined]
-        assert s.where(2, 7) is None
+        assert testing.where(s, 2, 7) is None
         assert s.stats()["failed"] == 1
-        s.wait(2, [7])  # one-shot fault: the retry reads it
+        testing.wait(s, 2, [7])  # one-shot fault: the retry reads it
         got = s.expert_bytes(2, 7)
-        assert got is not None and got.tobytes() == record_bytes_of(path, layout, s.key(2, 7))
+        assert got is not None and got.tobytes() == record_bytes_of(
+            path, layout, testing.key(s, 2, 7)
+        )
         assert testing.check_invariants(s) == ""
 
 
@@ -277,12 +285,12 @@ def test_speculative_failure_is_dropped_and_counted(make_pack: PackFactory) -> N
     path = make_pack()
     with ExpertStream(path, config(8, stride_of(path), io_threads=0)) as s:
         testing.inject_fault(s, 1, 4, kind="eio")
-        s.request(1, [4], urgent=False)
+        testing.request(s, 1, [4], urgent=False)
         while testing.run_io(s, 0):
             pass
         assert s.stats()["spec_failed"] == 1
-        assert s.where(1, 4) is None
-        s.wait(1, [4])
+        assert testing.where(s, 1, 4) is None
+        testing.wait(s, 1, [4])
         assert s.expert_bytes(1, 4) is not None
 
 
@@ -301,9 +309,9 @@ def test_checksum_mismatch_on_read(make_pack: PackFactory, tmp_path: object, whe
         assert record_bytes > 2 * 16384, "the pack's records must span several 16 KiB parts"
         at = {"first byte": 0, "second part": 16384 + 17, "last part": record_bytes - 100,
               "last byte": record_bytes - 1}[where]  # fmt: skip
-        off = s._s.layout["records_offset"] + s.key(1, 2) * stride + at
+        off = s._s.layout["records_offset"] + testing.key(s, 1, 2) * stride + at
     with ExpertStream(path, config(8, stride, part_bytes=16384, verify_reads=True)) as s:
-        s.wait(1, [2])  # the parts' CRCs combine to the record's
+        testing.wait(s, 1, [2])  # the parts' CRCs combine to the record's
     with open(path, "r+b") as f:
         f.seek(off)
         byte = f.read(1)
@@ -311,8 +319,8 @@ def test_checksum_mismatch_on_read(make_pack: PackFactory, tmp_path: object, whe
         f.write(bytes([byte[0] ^ 0xFF]))
     with ExpertStream(path, config(8, stride, part_bytes=16384, verify_reads=True)) as s:
         with pytest.raises(ExpertReadError, match="checksum mismatch"):
-            s.wait(1, [2])
-        s.wait(1, [3])  # other records still fine
+            testing.wait(s, 1, [2])
+        testing.wait(s, 1, [3])  # other records still fine
 
 
 def test_direct_io_is_reported(make_pack: PackFactory) -> None:
@@ -321,7 +329,7 @@ def test_direct_io_is_reported(make_pack: PackFactory) -> None:
         assert isinstance(s.direct_io, bool)
         if not s.direct_io:
             assert "O_DIRECT" in s.direct_note
-        s.wait(0, [0, 1])
+        testing.wait(s, 0, [0, 1])
         assert s.stats()["direct_io"] == s.direct_io
 
 
@@ -331,7 +339,7 @@ def test_a_small_pack_is_read_through_the_page_cache_by_default(make_pack: PackF
         assert s.config.direct_io is None
         assert s.direct_io is False
         assert "direct_io auto" in s.direct_note
-        s.wait(0, [0, 1])
+        testing.wait(s, 0, [0, 1])
         assert s.stats()["direct_io"] is False
 
 
@@ -344,10 +352,10 @@ def test_a_stuck_read_times_out_and_the_stream_recovers(make_pack: PackFactory) 
     with ExpertStream(path, config(8, stride_of(path), io_timeout_s=0.2)) as s:
         testing.inject_fault(s, 0, 3, part=0, kind="delay", delay_s=1.0)
         with pytest.raises(StreamTimeoutError, match="no read progress"):
-            s.wait(0, [3])
-        s.wait(0, [4])  # other reads go on; the slow one lands eventually
+            testing.wait(s, 0, [3])
+        testing.wait(s, 0, [4])  # other reads go on; the slow one lands eventually
         time.sleep(1.0)
-        s.wait(0, [3])
+        testing.wait(s, 0, [3])
         assert testing.check_invariants(s) == ""
 
 
@@ -368,13 +376,13 @@ def test_ctrl_c_interrupts_a_wait(make_pack: PackFactory) -> None:
             timer.start()
             t0 = time.monotonic()
             with pytest.raises(KeyboardInterrupt):
-                s.wait(1, [2])
+                testing.wait(s, 1, [2])
             assert time.monotonic() - t0 < 1.4  # interrupted, not waited out
         finally:
             timer.cancel()
             signal.signal(signal.SIGINT, previous)
         timer.join()
-        s.wait(1, [2])
+        testing.wait(s, 1, [2])
         assert testing.check_invariants(s) == ""
 
 
@@ -440,14 +448,14 @@ def test_direct_io_reads_every_record_exactly(make_pack: PackFactory, direct_dir
         assert s.direct_io, (
             f"O_DIRECT works in {direct_dir} but the stream fell back: {s.direct_note}"
         )
-        assert s.record_bytes % 512 != 0  # a partial last sector
+        assert s._s.layout["record_bytes"] % 512 != 0  # a partial last sector
         layout = s._s.layout
         for layer in range(2):
             for e in range(8):
-                s.wait(layer, [e])
+                testing.wait(s, layer, [e])
                 got = s.expert_bytes(layer, e)
                 assert got is not None
-                assert got.tobytes() == record_bytes_of(path, layout, s.key(layer, e))
+                assert got.tobytes() == record_bytes_of(path, layout, testing.key(s, layer, e))
         assert s.stats()["failed"] == 0
         assert testing.check_invariants(s) == ""
 
@@ -502,10 +510,10 @@ def test_records_past_4_gib_read_right(tmp_path: Path, direct_io: bool) -> None:
         for key, rec in written.items():
             layer, expert = divmod(key, s.n_experts)
             assert layout["records_offset"] + key * stride + len(rec) > 1 << 32
-            s.wait(layer, [expert])
+            testing.wait(s, layer, [expert])
             got = s.expert_bytes(layer, expert)
             assert got is not None and got.tobytes() == rec
-        s.wait(3, [100])  # a hole past 4 GiB: zeros, crc-verified
+        testing.wait(s, 3, [100])  # a hole past 4 GiB: zeros, crc-verified
         hole = s.expert_bytes(3, 100)
         assert hole is not None and not hole.any()
         assert s.stats()["failed"] == 0

@@ -27,7 +27,7 @@ from hypothesis.stateful import (
 )
 
 from conftest import record_bytes_of
-from strata_stream import ExpertStream, ReadClass, SlotState, StreamConfig, testing
+from strata_stream import ExpertStream, ReadClass, SlotState, StreamConfig, _core, testing
 from strata_stream.errors import ArenaFullError, ExpertReadError
 from strata_stream.stream import ABSENT
 
@@ -70,7 +70,7 @@ class StreamMachine(RuleBasedStateMachine):
         return self.s.slot_table()
 
     def published(self) -> dict[int, int]:
-        smap = self.s.smap
+        smap = testing.smap(self.s)
         return {int(k): int(smap[k]) for k in np.flatnonzero(smap != ABSENT)}
 
     def present(self) -> dict[int, int]:
@@ -157,7 +157,7 @@ class StreamMachine(RuleBasedStateMachine):
         room = self.room_for_urgent({layer * E + e for e in experts})
         self.present_before = self.present()
         try:
-            self.s.request(layer, experts)
+            testing.request(self.s, layer, experts)
         except ArenaFullError:
             self.check_arena_full(layer, experts, room, raised=True)
             return
@@ -186,7 +186,7 @@ class StreamMachine(RuleBasedStateMachine):
     def speculative_request(self, layer: int, experts: list[int], cls: ReadClass) -> None:
         before_pub = self.published()
         keep = self.protected_resident(speculative=True)
-        self.s.request(layer, experts, urgent=False, cls=cls)
+        testing.request(self.s, layer, experts, urgent=False, cls=cls)
         now = self.present()
         for k, slot in keep.items():  # I9: never evicts the current or next layer
             assert now.get(k) == slot, f"speculation evicted protected key {k}"
@@ -229,7 +229,7 @@ class StreamMachine(RuleBasedStateMachine):
                 if t["state"][i] == SlotState.COMPLETE and layer + 1 <= int(k) // E <= layer + 2:
                     expect.add(int(k))
         before = set(self.published())
-        n = self.s.publish(layer)
+        n = testing.publish(self.s, layer)
         after = set(self.published())
         assert after == expect  # exactly the l+1..l+2 completions; I10 at the last layers
         assert n == len(after - before)
@@ -272,10 +272,10 @@ class StreamMachine(RuleBasedStateMachine):
             and t["state"][slot] == SlotState.QUEUED
             and t["parts_started"][slot] == 0
         )
-        assert self.s.cancel(layer, expert) == cancellable  # I6: queued only
+        assert testing.cancel(self.s, layer, expert) == cancellable  # I6: queued only
         if cancellable:
-            assert self.s.where(layer, expert) is None
-            assert self.s.smap[key] == ABSENT
+            assert testing.where(self.s, layer, expert) is None
+            assert testing.smap(self.s)[key] == ABSENT
 
     @rule(
         layer=st.integers(0, L - 1), chosen=st.lists(st.integers(0, E - 1), max_size=K, unique=True)
@@ -292,9 +292,9 @@ class StreamMachine(RuleBasedStateMachine):
                 and not t["pins"][i]
             ):
                 expect.add(i)
-        assert self.s.retire_unused_pre(layer, chosen) == len(expect)
+        assert testing.retire_unused_pre(self.s, layer, chosen) == len(expect)
         t = self.table()
-        smap = self.s.smap
+        smap = testing.smap(self.s)
         for i in expect:  # I7: parked and never published
             assert t["state"][i] == SlotState.LIMBO
             assert smap[int(t["key"][i])] == ABSENT
@@ -309,14 +309,14 @@ class StreamMachine(RuleBasedStateMachine):
             # is in flight nothing can land in it later: releasable, read in full or not (I7).
             if t["state"][i] == SlotState.LIMBO and t["parts_started"][i] == t["parts_done"][i]
         }
-        assert self.s.release_limbo() == len(releasable)
+        assert testing.release_limbo(self.s) == len(releasable)
         t = self.table()
         for i in releasable:  # I5/I7: recycled only after its reads finished
             assert t["state"][i] == SlotState.FREE
 
     @rule()
     def victim(self) -> None:
-        v = self.s.victim()
+        v = testing.victim(self.s)
         t = self.table()
         if v is None:
             return
@@ -327,16 +327,18 @@ class StreamMachine(RuleBasedStateMachine):
         assert t["state"][v] in (SlotState.COMPLETE, SlotState.FAILED)
         evicted = testing.evict(self.s)
         assert evicted == v
-        assert self.s.smap[k] == ABSENT and self.s.where(k // E, k % E) is None  # I5
+        assert (
+            testing.smap(self.s)[k] == ABSENT and testing.where(self.s, k // E, k % E) is None
+        )  # I5
 
     @rule(
         layer=st.integers(0, L - 1),
         experts=st.none() | st.lists(st.integers(0, E - 1), max_size=K, unique=True),
     )
     def enter_layer(self, layer: int, experts: list[int] | None = None) -> None:
-        self.s.release_plan()
+        testing.release_plan(self.s)
         self.pinned.clear()
-        self.s.enter_layer(layer, experts)
+        testing.enter_layer(self.s, layer, experts)
         self.executing, self.next_protected = layer, None
         self.keep = None if experts is None else set(experts)
 
@@ -344,14 +346,14 @@ class StreamMachine(RuleBasedStateMachine):
     @rule()
     def after_layer(self) -> None:
         assert self.executing is not None
-        self.s.after_layer(self.executing)
+        testing.after_layer(self.s, self.executing)
         self.next_protected = self.executing + 1 if self.executing + 1 < L else 0
 
     @rule()
     def end_turn(self) -> None:
-        self.s.release_plan()
+        testing.release_plan(self.s)
         self.pinned.clear()
-        self.s.end_turn()
+        testing.end_turn(self.s)
         self.executing = self.next_protected = None
         self.keep = None
 
@@ -360,8 +362,8 @@ class StreamMachine(RuleBasedStateMachine):
         experts=st.lists(st.integers(0, E - 1), min_size=1, max_size=K, unique=True),
     )
     def plan(self, layer: int, experts: list[int]) -> None:
-        smap = self.s.smap
-        resident = self.s.plan(layer, experts)
+        smap = testing.smap(self.s)
+        resident = testing.plan(self.s, layer, experts)
         for e, r in zip(experts, resident, strict=True):
             key = layer * E + e
             assert r == (smap[key] != ABSENT)
@@ -376,7 +378,7 @@ class StreamMachine(RuleBasedStateMachine):
         room = self.room_for_urgent({layer * E + e for e in experts})
         self.present_before = self.present()
         try:
-            self.s.wait(layer, experts)
+            testing.wait(self.s, layer, experts)
         except ArenaFullError:
             self.check_arena_full(layer, experts, room, raised=True)
             return
@@ -388,21 +390,21 @@ class StreamMachine(RuleBasedStateMachine):
 
     @rule(layer=st.integers(0, L - 1), expert=st.integers(0, E - 1))
     def failing_wait(self, layer: int, expert: int) -> None:
-        if self.s.where(layer, expert) is not None:
+        if testing.where(self.s, layer, expert) is not None:
             return
         testing.inject_fault(self.s, layer, expert, kind="eio", errno_value=5)
         room = self.room_for_urgent({layer * E + expert})
         self.present_before = self.present()
         try:
-            self.s.wait(layer, [expert])
+            testing.wait(self.s, layer, [expert])
         except ArenaFullError:
             self.check_arena_full(layer, [expert], room, raised=True)
             return
         except ExpertReadError as err:
             assert (err.layer, err.expert) == (layer, expert)  # type: ignore[attr-defined]
             assert err.errno == 5
-            assert self.s.where(layer, expert) is None  # the failed slot is recycled
-            assert self.s.smap[layer * E + expert] == ABSENT
+            assert testing.where(self.s, layer, expert) is None  # the failed slot is recycled
+            assert testing.smap(self.s)[layer * E + expert] == ABSENT
             self.check_arena_full(layer, [expert], room, raised=False)
         else:
             raise AssertionError(
@@ -424,13 +426,13 @@ class StreamMachine(RuleBasedStateMachine):
         t = self.table()
         for key, slot in self.published().items():
             assert t["state"][slot] == SlotState.COMPLETE and int(t["key"][slot]) == key
-            assert self.s.slot_bytes(slot).tobytes() == self.record(key)
+            assert testing.slot_bytes(self.s, slot).tobytes() == self.record(key)
 
     @invariant()
     def pinned_stay_put(self) -> None:  # I8
         if not hasattr(self, "s"):
             return
-        smap = self.s.smap
+        smap = testing.smap(self.s)
         for key, slot in self.pinned.items():
             assert smap[key] == slot, f"plan-resident key {key} moved"
 
@@ -440,7 +442,7 @@ class StreamMachine(RuleBasedStateMachine):
         before = self.table()
         cls = ReadClass.URGENT if urgent else ReadClass.PRED1
         try:
-            self.s._s.request(layer, np.array([expert], dtype=np.int32), cls)
+            _core.testing.request(self.s._s, layer, np.array([expert], dtype=np.int32), cls)
         except IndexError as e:
             assert f"layer {layer} out of range" in str(e)
         else:
@@ -456,7 +458,7 @@ class StreamMachine(RuleBasedStateMachine):
         held = [int(k) for i, k in enumerate(t["key"]) if t["state"][i] != SlotState.FREE]
         assert all(k < L * E for k in held), f"a slot holds key {max(held)} >= {L * E}"
         assert all(key < L * E for _slot, key, _part, _cls in testing.pending_io(self.s))
-        assert len(self.s.smap) == L * E
+        assert len(testing.smap(self.s)) == L * E
 
 
 def _stride(path: Path) -> int:

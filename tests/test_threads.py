@@ -187,7 +187,9 @@ def test_a_window_waits_for_another_to_move_on(pack: Path) -> None:
             wa.moe(0, xa)
             other = Worker(lambda: run_window(wb, [[xb] * L]))
             other.start()
-            wait_until(lambda: stream._s.clients_waiting_for_space == 1, "wb waits for a slot")
+            wait_until(
+                lambda: testing.clients_waiting_for_space(stream) == 1, "wb waits for a slot"
+            )
         got = other.finish()  # wa's turn ended: its protections went, wb proceeds
     assert isinstance(got, list)
     assert all(np.array_equal(a, b) for a, b in zip(got, want_b, strict=True))
@@ -344,7 +346,7 @@ def test_close_frees_the_device_thread_pool_and_scratch_at_once(pack: Path) -> N
         assert not (ours.keys() & live_threads().keys())
         assert w.stats()["scratch_bytes"] == 0
         assert w.stats()["total"]["calls"] == L  # figures stay readable
-        assert stream._s.n_clients == 1  # left at destruction, its protections already gone
+        assert testing.n_clients(stream) == 1  # left at destruction, its protections already gone
 
 
 def test_a_destroyed_window_ends_its_turn_on_the_stream(pack: Path) -> None:
@@ -356,7 +358,7 @@ def test_a_destroyed_window_ends_its_turn_on_the_stream(pack: Path) -> None:
         wa.moe(0, xa)  # holds the whole minimum arena
         del wa
         gc.collect()
-        assert stream._s.n_clients == 0
+        assert testing.n_clients(stream) == 0
         with Window(stream) as wb:
             got = run_window(wb, [[xb] * L])
     assert all(np.array_equal(a, b) for a, b in zip(got, want_b, strict=True))
@@ -364,19 +366,20 @@ def test_a_destroyed_window_ends_its_turn_on_the_stream(pack: Path) -> None:
 
 def test_a_stuck_read_does_not_hang_close(pack: Path) -> None:
     from strata_stream import _core as core
+
     streams = [ExpertStream(pack, config(pack, io_timeout_s=0.3, io_threads=1))]
     s = streams[0]
     testing.inject_fault(s, 0, 3, kind="delay", delay_s=2.0)
-    s.request(0, [3])
+    testing.request(s, 0, [3])
     wait_until(
-        lambda s=s: int(s.slot_table()["parts_started"][s.where(0, 3) or 0]) > 0,
+        lambda s=s: int(s.slot_table()["parts_started"][testing.where(s, 0, 3) or 0]) > 0,
         "the read started",
     )
     with pytest.warns(RuntimeWarning, match="layer 0 expert 3"):
         s.close()  # bounded by io_timeout_s, not by the stuck read
     assert s.closed
     with pytest.raises(StreamClosedError):
-        s.request(0, [4])
+        testing.request(s, 0, [4])
     del s
     streams.clear()
     gc.collect()  # the read still runs: the stream is freed by a background thread
@@ -417,42 +420,44 @@ def test_core_window_moe_checks_its_array(pack: Path) -> None:
 
 def test_core_stream_checks_its_arguments(pack: Path) -> None:
     from strata_stream import _core as core
+
     with ExpertStream(pack, config(pack, io_threads=0)) as stream:
         s = stream._s
+        hooks = core.testing
         urgent = core.ReadClass.URGENT
         with pytest.raises(TypeError, match="integers"):
-            s.request(0, np.array([1.7]), urgent)  # was silently cast to expert 1
+            hooks.request(s, 0, np.array([1.7]), urgent)  # was silently cast to expert 1
         with pytest.raises(ValueError, match="1-D"):
-            s.request(0, np.zeros((2, 2), np.int32), urgent)
+            hooks.request(s, 0, np.zeros((2, 2), np.int32), urgent)
         with pytest.raises(IndexError, match="out of range"):
-            s.request(0, np.array([2**40]), urgent)  # was wrapped to a valid id
+            hooks.request(s, 0, np.array([2**40]), urgent)  # was wrapped to a valid id
         with pytest.raises(IndexError, match="out of range"):
-            s.request(0, [-1], urgent)
+            hooks.request(s, 0, [-1], urgent)
         with pytest.raises(IndexError, match="out of range"):
-            s.request(0, [E], urgent)
+            hooks.request(s, 0, [E], urgent)
         with pytest.raises(TypeError):
-            s.request(0, [1], 0)  # a ReadClass, not an int
+            hooks.request(s, 0, [1], 0)  # a ReadClass, not an int
         with pytest.raises(TypeError, match="integers"):
-            s.plan(0, np.array([0.5]))
-        hooks = core.testing
+            hooks.plan(s, 0, np.array([0.5]))
         with pytest.raises(IndexError, match=rf"expert {E} out of range \[0, {E}\)"):
             hooks.inject_fault(s, layer=0, expert=E)
         with pytest.raises(IndexError, match=rf"layer -1 out of range \[0, {L}\)"):
             hooks.inject_fault(s, layer=-1, expert=0)
         with pytest.raises(IndexError, match="part"):
-            hooks.inject_fault(s, layer=0, expert=0, part=stream.n_parts)
+            hooks.inject_fault(s, layer=0, expert=0, part=testing.n_parts(stream))
         with pytest.raises(ValueError, match="delay_s"):
             hooks.inject_fault(s, layer=0, expert=0, kind="delay", delay_s=-1.0)
         with pytest.raises(ValueError, match="fault kind"):
             hooks.inject_fault(s, layer=0, expert=0, kind="boom")
         with pytest.raises(TypeError):
             hooks.inject_fault(s, 0, 0)  # keywords only
-        assert s.request(0, [1, 2], urgent) == (0, 2, 0)
+        assert hooks.request(s, 0, [1, 2], urgent) == (0, 2, 0)
         assert testing.check_invariants(stream) == ""
 
 
 def test_core_constructors_take_keywords_only(pack: Path) -> None:
     from strata_stream import _core as core
+
     c = config(pack)
     with pytest.raises(TypeError):
         core.Stream(str(pack), c.arena_bytes, 2, c.part_bytes, False, False, 5.0, True)

@@ -304,7 +304,7 @@ def _memory_over_turns(pack: Path, n_turns: int, leak_a_record: bool) -> str | N
                 for layer, x in enumerate(xs):
                     w.moe(layer, x)
             if leak_a_record:
-                leaked.append(np.array(stream.slot_bytes(0)))
+                leaked.append(np.array(testing.slot_bytes(stream, 0)))
             samples.append((_rss_bytes(), w.stats()["scratch_bytes"]))
         arena = stream.n_slots * stream.record_stride
     warm = 10  # the first turns may still touch new pages (stats, profile)

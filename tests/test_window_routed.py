@@ -384,7 +384,7 @@ def test_no_prediction_of_a_layer_resident_for_good(tmp_path: Path, all_fit: boo
         with window.turn():  # reads every expert of layers 0 and 1 (and 2, 3 for the turn)
             for layer in range(L):
                 window.moe_routed(layer, np.repeat(x, len(every), 0), every, w_every)
-        smap = stream.smap
+        smap = testing.smap(stream)
         layer1 = smap[E : 2 * E] != ABSENT
         assert layer1.all() and (smap[2 * E : 3 * E] != ABSENT).all()
         assert window.wants_predictions(0, 1) == ((False, False) if all_fit else (True, True))

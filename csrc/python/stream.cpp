@@ -1,6 +1,8 @@
 // _core.Stream: ExpertStream, the arena and its slots (docs/architecture.md section 4), with
-// ReadClass, SlotState and ABSENT from residency/slot.h. The test hooks (manual IO, faults,
-// the invariant scan, eviction by hand) are bound in testing.cpp, not here.
+// ReadClass, SlotState and ABSENT from residency/slot.h: opening, closing, geometry, views and
+// stats. The handshake's steps (request, wait, publish, protections, plans, limbo, victim) are
+// the Window's to take in order; calling them beside a running Window corrupts its state, so
+// they are bound in testing.cpp with the other test hooks, not here.
 #include "stream.h"
 
 #include <pybind11/native_enum.h>
@@ -8,10 +10,10 @@
 #include <pybind11/stl.h>
 
 #include <cmath>
+#include <vector>
 
 #include "arguments.h"
 #include "pack.h"
-#include "residency/stream_testing.h"
 
 namespace strata::python {
 
@@ -69,6 +71,22 @@ void close_stream(Stream& self) {
         "); the stream is closed and its memory is kept until the read returns";
     if (PyErr_WarnEx(PyExc_RuntimeWarning, msg.c_str(), 1) != 0) throw py::error_already_set();
   }
+}
+
+bool fill_arena(Stream& self) {
+  ExpertStream& s = self.get();
+  const PackLayout& L = s.layout();
+  if (std::uint64_t(s.n_slots()) < L.n_keys()) return false;
+  std::vector<std::int32_t> every(L.n_experts);
+  for (std::uint32_t e = 0; e < L.n_experts; ++e) every[e] = std::int32_t(e);
+  py::gil_scoped_release nogil;
+  // Every layer's reads are queued before any is waited for, so the IO threads read on while
+  // the first layer completes.
+  for (std::uint32_t l = 0; l < L.n_layers; ++l)
+    s.request(l, every.data(), every.size(), ReadClass::Urgent, check_signals);
+  for (std::uint32_t l = 0; l < L.n_layers; ++l)
+    s.wait(l, every.data(), every.size(), check_signals);
+  return true;
 }
 
 py::dict slot_table(ExpertStream& s) {
@@ -149,109 +167,12 @@ void init_stream(py::module_& m) {
            py::arg("io_spin_us") = 0)
       .def("close", &close_stream)
       .def_property_readonly("closed", [](Stream& self) { return !self.s || self.s->closed(); })
-      .def_property_readonly("n_clients", [](Stream& self) { return self.get().n_clients(); })
-      .def_property_readonly("clients_waiting_for_space",
-                             [](Stream& self) { return self.get().clients_waiting_for_space(); })
       .def_property_readonly("n_slots", [](Stream& self) { return self.get().n_slots(); })
-      .def_property_readonly("n_parts", [](Stream& self) { return self.get().n_parts(); })
-      .def_property_readonly("part_bytes", [](Stream& self) { return self.get().part_bytes(); })
       .def_property_readonly("layout", [](Stream& self) { return layout_dict(self.get().layout()); })
       .def_property_readonly("direct_io", [](Stream& self) { return self.get().file().direct(); })
       .def_property_readonly("direct_note",
                              [](Stream& self) { return self.get().file().direct_note(); })
-      // ---- requests, waits, the handshake's publication ----
-      .def(
-          "request",
-          [](Stream& self, std::uint32_t layer, const py::object& experts, ReadClass cls) {
-            auto& s = self.get();
-            const auto ids = ids_arg(experts, "request", s.layout().n_experts);
-            RequestResult r;
-            {
-              py::gil_scoped_release nogil;
-              r = s.request(layer, ids.data(), ids.size(), cls, check_signals);
-            }
-            return py::make_tuple(r.hits, r.misses, r.dropped);
-          },
-          py::arg("layer"), py::arg("experts"), py::arg("cls"))
-      .def(
-          "wait",
-          [](Stream& self, std::uint32_t layer, const py::object& experts) {
-            auto& s = self.get();
-            const auto ids = ids_arg(experts, "wait", s.layout().n_experts);
-            py::gil_scoped_release nogil;
-            s.wait(layer, ids.data(), ids.size(), check_signals);
-          },
-          py::arg("layer"), py::arg("experts"))
-      .def(
-          "publish",
-          [](Stream& self, std::uint32_t layer) {
-            auto& s = self.get();
-            py::gil_scoped_release nogil;
-            return s.publish(layer);
-          },
-          py::arg("layer"))
-      // ---- protections and plans ----
-      .def(
-          "enter_layer",
-          [](Stream& self, std::uint32_t layer, const py::object& experts) {
-            auto& s = self.get();
-            if (experts.is_none()) {
-              s.enter_layer(layer);
-              return;
-            }
-            // A list, even an empty one, protects exactly its experts. The engine skips ids
-            // beyond the layer here (it protects, it reads nothing), so this call refuses them.
-            const std::uint32_t E = s.layout().n_experts;
-            const auto ids = ids_arg(experts, "enter_layer", E);
-            for (std::int32_t e : ids)
-              if (e < 0 || std::uint32_t(e) >= E)
-                throw py::index_error("enter_layer: expert " + std::to_string(e) +
-                                      " out of range [0, " + std::to_string(E) + ")");
-            s.enter_layer(layer, ids.data(), ids.size());
-          },
-          py::arg("layer"), py::arg("experts") = py::none())
-      .def("after_layer", [](Stream& self, std::uint32_t l) { self.get().after_layer(l); },
-           py::arg("layer"))
-      .def("end_turn", [](Stream& self) { self.get().end_turn(); })
-      .def(
-          "plan",
-          [](Stream& self, std::uint32_t layer, const py::object& experts) {
-            auto& s = self.get();
-            const auto ids = ids_arg(experts, "plan", s.layout().n_experts);
-            py::array_t<std::uint8_t> out(py::ssize_t(ids.size()));
-            s.plan(layer, ids.data(), ids.size(), out.mutable_data());
-            return out;
-          },
-          py::arg("layer"), py::arg("experts"))
-      .def("release_plan", [](Stream& self) { self.get().release_plan(); })
-      // ---- lifecycle primitives ----
-      .def(
-          "cancel",
-          [](Stream& self, const py::object& layer, const py::object& expert) {
-            auto& s = self.get();
-            const PackLayout& L = s.layout();
-            return s.cancel(index_arg(layer, L.n_layers, "layer"),
-                            index_arg(expert, L.n_experts, "expert"));
-          },
-          py::arg("layer"), py::arg("expert"))
-      .def(
-          "retire_unused_pre",
-          [](Stream& self, std::uint32_t layer, const py::object& chosen) {
-            auto& s = self.get();
-            const auto ids = ids_arg(chosen, "chosen", s.layout().n_experts);
-            return s.retire_unused_pre(layer, ids.data(), ids.size());
-          },
-          py::arg("layer"), py::arg("chosen"))
-      .def("release_limbo", [](Stream& self) { return self.get().release_limbo(); })
-      .def("victim", [](Stream& self, bool spec) { return StreamTesting::victim(self.get(), spec); },
-           py::arg("speculative") = false)
       // ---- views ----
-      .def_property_readonly("smap",
-                             [](py::object obj) {
-                               auto& s = obj.cast<Stream&>().get();
-                               return read_only_view(
-                                   s.smap(), py::ssize_t(s.layout().n_keys()), obj);
-                             })
       // Read-only bytes of every slot, [n_slots * slot_bytes_stride]; slot s at
       // s * slot_bytes_stride. The MLX-kernel path views experts in place through it (kept
       // alive by this Stream).
@@ -262,20 +183,23 @@ void init_stream(py::module_& m) {
                              })
       .def_property_readonly("slot_bytes_stride",
                              [](Stream& self) { return self.get().arena().slot_bytes(); })
-      .def("key", [](Stream& self, std::int64_t layer,
-                     std::int64_t expert) { return self.get().key(layer, expert); },
-           py::arg("layer"), py::arg("expert"))
-      .def("where", [](Stream& self, std::int64_t layer,
-                       std::int64_t expert) { return self.get().where(layer, expert); },
-           py::arg("layer"), py::arg("expert"))
+      // The record bytes of a published expert (a read-only view kept alive by this Stream),
+      // or None when smap holds no slot for it.
       .def(
-          "slot_bytes",
-          [](py::object obj, const py::object& slot) {
+          "expert_bytes",
+          [](py::object obj, const py::object& layer, const py::object& expert) -> py::object {
             auto& s = obj.cast<Stream&>().get();
-            const std::uint32_t i = index_arg(slot, s.n_slots(), "slot");
-            return read_only_view(s.arena().slot(i), py::ssize_t(s.layout().record_bytes), obj);
+            const PackLayout& L = s.layout();
+            const std::uint32_t key = s.key(index_arg(layer, L.n_layers, "layer"),
+                                            index_arg(expert, L.n_experts, "expert"));
+            const std::uint32_t slot = s.smap_at(key);
+            if (slot == kAbsent) return py::none();
+            return read_only_view(s.arena().slot(slot), py::ssize_t(L.record_bytes), obj);
           },
-          py::arg("slot"))
+          py::arg("layer"), py::arg("expert"))
+      .def("fill", &fill_arena,
+           "Reads every expert of the pack when the arena has a slot for each (nothing is then "
+           "ever evicted); returns whether it did.")
       .def("slots", [](Stream& self) { return slot_table(self.get()); })
       .def("stats", [](Stream& self) { return stream_stats(self.get()); });
 }

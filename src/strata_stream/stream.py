@@ -7,8 +7,11 @@ interrupted with Ctrl-C. Every method may be called from any thread; closing the
 the Windows on it first (each waits for its layer in flight).
 
 `ReadClass`, `SlotState` and `ABSENT` are the extension's own (csrc/engine/residency/slot.h),
-imported from it on first use. The test hooks (manual IO, faults, eviction by hand, the
-invariant scan) are in strata_stream.testing.
+imported from it on first use. The handshake's steps (request, wait, publish, the protections,
+plans and limbo) are the Window's: called beside a running Window they would corrupt its state,
+so they are test hooks, in strata_stream.testing with manual IO, faults, eviction by hand and the
+invariant scan. A stream whose reads are simulated (a routing replay's) is opened by
+`simulated`, not by the public constructor.
 """
 
 from __future__ import annotations
@@ -82,7 +85,7 @@ class ProcessBound:
         return native
 
     @property
-    def inherited(self) -> bool:
+    def _inherited(self) -> bool:
         """Whether this object was opened before a fork() made this process (unusable here)."""
         return self._native is None and self._opened_pid != 0
 
@@ -125,15 +128,12 @@ class ExpertStream(ProcessBound):
     nothing), and the child opens the pack again.
     """
 
-    def __init__(
-        self,
-        pack: str | os.PathLike[str] | Any,
-        config: StreamConfig | None = None,
-        *,
-        simulate_io: bool = False,
-    ):
-        """simulate_io (replay only): reads complete without touching the file; expert bytes
-        are then undefined, so never compute with such a stream."""
+    def __init__(self, pack: str | os.PathLike[str] | Any, config: StreamConfig | None = None):
+        self._open(pack, config, simulate_io=False)
+
+    def _open(
+        self, pack: str | os.PathLike[str] | Any, config: StreamConfig | None, *, simulate_io: bool
+    ) -> None:
         from strata_stream import _core
 
         self.config = config if config is not None else StreamConfig.from_env()
@@ -178,7 +178,6 @@ class ExpertStream(ProcessBound):
         self.n_experts: int = int(layout["n_experts"])
         self.top_k: int = int(layout["top_k"])
         self.record_stride: int = int(layout["record_stride"])
-        self.record_bytes: int = int(layout["record_bytes"])
 
     @property
     def _s(self) -> _core.Stream:
@@ -193,7 +192,7 @@ class ExpertStream(ProcessBound):
         longer than io_timeout_s is left to finish on its own, with a RuntimeWarning naming it:
         the arena stays allocated until it returns. Idempotent and safe from any thread. In a
         process forked after the stream opened it does nothing (the parent owns the stream)."""
-        if self.inherited:
+        if self._inherited:
             return
         with self._windows_lock:
             windows = list(self._windows)
@@ -217,35 +216,10 @@ class ExpertStream(ProcessBound):
     ) -> None:
         self.close()
 
-    def _check_layer(self, layer: int) -> int:
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
-            raise TypeError(f"layer must be an int, got {type(layer).__name__}")
-        if not 0 <= int(layer) < self.n_layers:
-            raise IndexError(f"layer {layer} out of range [0, {self.n_layers})")
-        return int(layer)
-
-    def _check_expert(self, expert: int) -> int:
-        if isinstance(expert, bool) or not isinstance(expert, (int, np.integer)):
-            raise TypeError(f"expert must be an int, got {type(expert).__name__}")
-        if not 0 <= int(expert) < self.n_experts:
-            raise IndexError(f"expert {expert} out of range [0, {self.n_experts})")
-        return int(expert)
-
     # ---- geometry ----------------------------------------------------------------------------
     @property
     def n_slots(self) -> int:
         return self._s.n_slots
-
-    @property
-    def n_parts(self) -> int:
-        """Part reads per expert record."""
-        return self._s.n_parts
-
-    @property
-    def part_bytes(self) -> int:
-        """The length of each part read but a record's last: config.part_bytes at most, less
-        where equal parts spread a record evenly over the IO threads."""
-        return self._s.part_bytes
 
     @property
     def direct_io(self) -> bool:
@@ -257,85 +231,9 @@ class ExpertStream(ProcessBound):
         """How the pack is read, and why where it is not read directly."""
         return self._auto_buffered or self._s.direct_note
 
-    def key(self, layer: int, expert: int) -> int:
-        """The smap index of (layer, expert); IndexError when either is out of range."""
-        return self._s.key(self._check_layer(layer), self._check_expert(expert))
-
-    # ---- requests and waits ------------------------------------------------------------------
-    def request(
-        self, layer: int, experts: Any, urgent: bool = True, cls: ReadClass | None = None
-    ) -> tuple[int, int, int]:
-        """Makes experts resident or loading. Returns (hits, misses, dropped).
-
-        Urgent requests evict as needed; speculative ones (urgent=False, cls PRED1 by default)
-        take only free or evictable slots and stop when none is left.
-        """
-        from strata_stream._core import ReadClass
-
-        read_class = cls if cls is not None else (ReadClass.URGENT if urgent else ReadClass.PRED1)
-        if urgent and cls is not None and cls != ReadClass.URGENT:
-            raise ValueError("urgent=True contradicts a speculative cls")
-        return self._s.request(self._check_layer(layer), experts, ReadClass(int(read_class)))
-
-    def wait(self, layer: int, experts: Any) -> None:
-        """Blocks until the experts are complete and published (requesting any not requested)."""
-        self._s.wait(self._check_layer(layer), experts)
-
-    def publish(self, layer: int) -> int:
-        """Handshake publication for layers layer+1..layer+2; returns how many were published."""
-        return self._s.publish(self._check_layer(layer))
-
-    # ---- protections -------------------------------------------------------------------------
-    def enter_layer(self, layer: int, experts: Any = None) -> None:
-        """Marks `layer` executing: its slots (or only `experts`, when given) are protected."""
-        self._s.enter_layer(self._check_layer(layer), experts)
-
-    def after_layer(self, layer: int) -> None:
-        self._s.after_layer(self._check_layer(layer))
-
-    def end_turn(self) -> None:
-        self._s.end_turn()
-
-    def plan(self, layer: int, experts: Any) -> npt.NDArray[np.bool_]:
-        """Which experts are resident now; pins them until release_plan() (I8)."""
-        mask = self._s.plan(self._check_layer(layer), experts)
-        return np.asarray(mask, dtype=bool)
-
-    def release_plan(self) -> None:
-        self._s.release_plan()
-
-    # ---- lifecycle primitives ----------------------------------------------------------------
-    def cancel(self, layer: int, expert: int) -> bool:
-        """Cancels a queued read (no part begun). False when it is not cancellable."""
-        return self._s.cancel(layer, expert)
-
-    def retire_unused_pre(self, layer: int, chosen: Any) -> int:
-        """Parks this layer's unchosen speculative slots in limbo; returns how many."""
-        return self._s.retire_unused_pre(self._check_layer(layer), chosen)
-
-    def release_limbo(self) -> int:
-        return self._s.release_limbo()
-
-    def victim(self, speculative: bool = False) -> int | None:
-        v = self._s.victim(speculative)
-        return None if v < 0 else v
-
     # ---- views -------------------------------------------------------------------------------
-    @property
-    def smap(self) -> npt.NDArray[np.uint32]:
-        """Read-only view of the device-visible slot map (ABSENT = 0xFFFFFFFF)."""
-        return self._s.smap
-
-    def where(self, layer: int, expert: int) -> int | None:
-        s = self._s.where(self._check_layer(layer), self._check_expert(expert))
-        return None if s < 0 else s
-
     def slot_table(self) -> dict[str, npt.NDArray[Any]]:
         return dict(self._s.slots())
-
-    def slot_bytes(self, slot: int) -> npt.NDArray[np.uint8]:
-        """Read-only view of a slot's record bytes (for tests and tools)."""
-        return self._s.slot_bytes(slot)
 
     def arena_view(self) -> npt.NDArray[np.uint8]:
         """Read-only view of the whole arena, [n_slots, slot_stride] bytes (no copy); slot s
@@ -346,11 +244,16 @@ class ExpertStream(ProcessBound):
         return self._s.arena.reshape(self.n_slots, self._s.slot_bytes_stride)
 
     def expert_bytes(self, layer: int, expert: int) -> npt.NDArray[np.uint8] | None:
-        """The record bytes of a published expert, or None when it is not published."""
-        s = int(self.smap[self.key(layer, expert)])
-        from strata_stream._core import ABSENT
+        """The record bytes of a published expert (a read-only view), or None when it is not
+        published. IndexError for a layer or expert out of range."""
+        view: npt.NDArray[np.uint8] | None = self._s.expert_bytes(layer, expert)
+        return view
 
-        return None if s == ABSENT else self.slot_bytes(s)
+    def fill(self) -> bool:
+        """Reads every expert of the pack now when the arena has a slot for each (as plain
+        loading reads every weight: nothing is then left to stream or ever evicted); returns
+        whether it did. Interruptible with Ctrl-C; a failed read raises ExpertReadError."""
+        return self._s.fill()
 
     def stats(self) -> dict[str, Any]:
         """The stream's counters since it opened: hits and misses of urgent requests,
@@ -367,10 +270,18 @@ class ExpertStream(ProcessBound):
         return out
 
     def __repr__(self) -> str:
-        if self.inherited:
+        if self._inherited:
             return f"ExpertStream({str(self.path)!r}, opened in process {self._opened_pid})"
         state = "closed" if self.closed else f"{self.n_slots} slots"
         return f"ExpertStream({str(self.path)!r}, {state})"
+
+
+def simulated(pack: str | os.PathLike[str] | Any, config: StreamConfig) -> ExpertStream:
+    """An ExpertStream whose part reads complete without touching the file (a routing replay's:
+    strata_stream.trace.replay). Its expert bytes are undefined: never compute with it."""
+    stream = ExpertStream.__new__(ExpertStream)
+    stream._open(pack, config, simulate_io=True)
+    return stream
 
 
 __all__ = ["ABSENT", "ExpertStream", "ReadClass", "SlotState", "StreamClosedError"]

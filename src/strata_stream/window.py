@@ -367,9 +367,6 @@ class Window(ProcessBound):
             layer, lambda: self._w.moe_routed_external(layer, ids, pred1, pred2, compute)
         )
 
-    # The name this method had before it was named for what it does.
-    moe_routed_host = moe_routed_external
-
     @property
     def backend(self) -> str:
         """The backend's name ("cpu", "cuda", "metal")."""
@@ -527,7 +524,7 @@ class Window(ProcessBound):
         call raises StreamClosedError), frees the device thread, its pool and the scratch, then
         writes the trace and the profile. Idempotent and safe from any thread; stats() and
         profile() stay readable. In a process forked after the Window was made it does nothing."""
-        if self.inherited:
+        if self._inherited:
             return
         self._w.close()
         with self._files_lock:

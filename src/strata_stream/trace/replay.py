@@ -21,7 +21,8 @@ from strata_stream.pack import Geometry, write_pack
 from strata_stream.pack.header import PAGE
 from strata_stream.pack.header import VERSION as PACK_VERSION
 from strata_stream.paths import cache_dir as default_cache_dir
-from strata_stream.stream import ExpertStream
+from strata_stream import testing
+from strata_stream.stream import simulated
 from strata_stream.testing import run_io
 from strata_stream.trace.format import Trace
 
@@ -151,28 +152,28 @@ def engine_hit_rate(
         eviction=policy,
     )
     hits = misses = 0
-    with ExpertStream(pack, config, simulate_io=True) as stream:
+    with simulated(pack, config) as stream:
         if stream.record_stride != stride:
             raise PackError(f"{pack}: unexpected record stride {stream.record_stride}")
         for i, (layer, experts) in enumerate(trace.steps):
-            stream.enter_layer(layer, experts)  # the device reads these: protected (I4)
-            h, m, _ = stream.request(layer, experts)
+            testing.enter_layer(stream, layer, experts)  # the device reads these: protected (I4)
+            h, m, _ = testing.request(stream, layer, experts)
             hits += h
             misses += m
             guess = predictions[i] if predictions is not None else None
             if guess is not None:
-                stream.publish(layer)
-                stream.request(layer + 1, guess, urgent=False)
-            stream.wait(layer, experts)
+                testing.publish(stream, layer)
+                testing.request(stream, layer + 1, guess, urgent=False)
+            testing.wait(stream, layer, experts)
             if predictions is not None:
-                stream.after_layer(layer)
-                stream.retire_unused_pre(layer, experts)
-                stream.release_limbo()
+                testing.after_layer(stream, layer)
+                testing.retire_unused_pre(stream, layer, experts)
+                testing.release_limbo(stream)
                 # Manual IO (io_threads=0), as the tests drive it: speculative reads land
                 # before the next step.
                 while run_io(stream):
                     pass
-        stream.end_turn()
+        testing.end_turn(stream)
         reads = misses + int(stream.stats()["spec_requests"])
     return hits / max(1, hits + misses), reads / max(1, hits + misses)
 

@@ -109,15 +109,7 @@ class TorchMoeEngine:
         miss, and no layer pays for the next layer's router, which only ever served to read
         ahead (Window.wants_predictions skips a layer resident for good). Returns whether it
         did."""
-        s = self.stream
-        if s.n_slots < s.n_layers * s.n_experts:
-            return False
-        every = np.arange(s.n_experts, dtype=np.int32)
-        for layer in range(s.n_layers):  # queue every layer's reads before waiting for any
-            s.request(layer, every)
-        for layer in range(s.n_layers):
-            s.wait(layer, every)
-        return True
+        return self.stream.fill()
 
     def close(self) -> None:
         if not self.closed:
