@@ -161,13 +161,15 @@ def test_an_arena_smaller_than_one_token_still_keeps_popular_experts(tmp_path: P
     """Issue 16: below 288 slots (one token of the Qwen3 trace: 48 layers x top-6) both policies
     gave exactly 0. LRU must: every reuse is a full layer sweep away, longer than the arena. But
     decayed_lfu's one-token guard then covered every resident key, so it was LRU too. Without
-    the guard there, heat keeps the popular experts (a good part of Belady's optimum)."""
+    the guard there, heat keeps the popular experts (a good part of Belady's optimum). At 287
+    slots the trace's prompt tokens, which skip the last layer (282 uses), fit, so LRU keeps a
+    few of them: the margin there is smaller."""
     trace = read_trace(REAL_TRACE)
     assert trace.n_layers * trace.top_k == 288
-    for slots in (32, 128, 287):
+    for slots, margin in ((32, 0.02), (128, 0.02), (287, 0.015)):
         lfu = replay(trace, slots, cache_dir=tmp_path)
         lru = replay(trace, slots, policy="lru", cache_dir=tmp_path)
-        assert lfu.hit_rate > lru.hit_rate + 0.02, slots
+        assert lfu.hit_rate > lru.hit_rate + margin, slots
         assert lfu.hit_rate > 0.4 * lfu.belady_hit_rate, slots
         assert lfu.hit_rate <= lfu.belady_hit_rate + 1e-12
     assert replay(trace, 128, cache_dir=tmp_path).lru_hit_rate == 0.0  # the cyclic sweep
@@ -246,3 +248,55 @@ def test_decayed_lfu_does_not_lose_to_lru_on_synthetic_driver_routing(tmp_path: 
     for slots in (16, 48, 96):
         r = replay(trace, slots, cache_dir=tmp_path)
         assert r.hit_rate >= r.lru_hit_rate - 0.002, slots
+
+
+def test_replay_counts_what_the_window_itself_counts(tmp_path: Path) -> None:
+    """The replay is the product's handshake, not a copy of it: the same trace driven through a
+    Python Window's own moe_routed_external on a simulated stream (every queued read run after
+    each step, as the replay's settle does) finds exactly the replay's hits and misses."""
+    from strata_stream import StreamConfig, Window, testing
+    from strata_stream.trace.replay import engine_hit_rate, geometry_pack, predicted_steps
+
+    trace = read_trace(random_trace(tmp_path / "t.csv", 4, 16, 2, 60, 7))
+    pack = geometry_pack(trace, tmp_path)
+    for predictions in (None, predicted_steps(trace, 0.7, seed=3)):
+        rate, reads = engine_hit_rate(trace, 10, "decayed_lfu", predictions, tmp_path)
+        config = StreamConfig(
+            arena_bytes=10 * 16384,
+            io_threads=0,
+            part_bytes=16384,
+            direct_io=False,
+            lookahead=predictions is not None,
+            prompt_start_layers=0,
+            profile_prefetch=False,
+            prefetch_backoff=False,
+            max_rows=1,
+        )
+        with testing.simulated_stream(pack, config) as s, Window(s) as w:
+            for i, (layer, experts) in enumerate(trace.steps):
+                guess = None if predictions is None else predictions[i]
+                pred1 = None if guess is None else np.array([guess], np.int32)
+                w.moe_routed_external(
+                    layer, np.array([experts], np.int32), lambda *_: None, pred1=pred1
+                )
+                while testing.run_io(s):
+                    pass
+            total = w.stats()["total"]
+            spec = int(s.stats()["spec_requests"])
+        uses = total["hits"] + total["misses"]
+        assert uses == len(trace.accesses())
+        assert rate == total["hits"] / uses
+        assert reads == (total["misses"] + spec) / uses
+        assert (spec > 0) == (predictions is not None)
+
+
+def test_replay_refuses_a_trace_that_skips_a_layer(tmp_path: Path) -> None:
+    path = tmp_path / "gap.csv"
+    path.write_text(
+        "# strata_trace v1 n_layers=3 n_experts=8 top_k=1\ntoken,layer,expert\n"
+        "0,0,1\n0,1,2\n0,2,3\n1,0,4\n1,2,5\n"
+    )
+    with pytest.raises(
+        ConfigError, match="step 4: layer 2 where a pass over the model expects layer 1"
+    ):
+        replay(read_trace(path), 4, cache_dir=tmp_path)

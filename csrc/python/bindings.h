@@ -17,5 +17,6 @@ void init_stream(py::module_& m);   // stream.cpp: ExpertStream, ReadClass, Slot
 void init_backends(py::module_& m);  // backends.cpp: the backend registry (register_backend)
 void init_window(py::module_& m);   // window.cpp: WindowOptions, Window (the layer calls)
 void init_testing(py::module_& m);  // testing.cpp: the `testing` submodule (test hooks)
+void init_replay(py::module_& m);   // replay.cpp: a routing trace through a Window, computing nothing
 
 }  // namespace strata::python

@@ -1,6 +1,6 @@
 // strata_stream._core: the pybind11 face of the engine, one binding file per concept
 // (bindings.h). The order matters only where one concept names another's type: Window takes
-// a Stream, the testing hooks take a Stream.
+// a Stream, the testing hooks and the replay take a Stream.
 #include "bindings.h"
 
 PYBIND11_MODULE(_core, m) {
@@ -12,4 +12,5 @@ PYBIND11_MODULE(_core, m) {
   init_backends(m);
   init_window(m);
   init_testing(m);
+  init_replay(m);
 }

@@ -227,6 +227,19 @@ class Window:
     def take_routes(self) -> npt.NDArray[np.int32]: ...  # [n, 3]: token, layer, expert
     def layer_stats(self) -> list[LayerStats]: ...
 
+# ---- replay.cpp ------------------------------------------------------------------------------
+
+class ReplayCounts(TypedDict):
+    hits: int
+    misses: int
+
+def replay_trace(
+    stream: Stream,
+    steps: npt.NDArray[np.int32],
+    ids: npt.NDArray[np.int32],
+    pred1: npt.NDArray[np.int32] | None = None,
+) -> ReplayCounts: ...
+
 # ---- testing.cpp: the `testing` submodule (strata_stream.testing is its Python face) -------
 
 class _Testing:

@@ -116,6 +116,10 @@ def _read_strata_trace(path: Path, lines: list[str]) -> Trace:
         if not (0 <= layer < n_layers and 0 <= expert < n_experts):
             raise PackError(f"trace {path}:{number}: layer {layer} or expert {expert} out of range")
         rows.append((token, layer, expert))
+    # A Window records a prompt chunk layer by layer (every token's layer 0, then layer 1, ...):
+    # in access order a token is one pass over the layers, as a replay runs it. Stable, so each
+    # step keeps its experts in the order they were chosen.
+    rows.sort(key=lambda r: (r[0], r[1]))
     return Trace(n_layers, n_experts, top_k, _group(rows, 2, 1, 2))
 
 

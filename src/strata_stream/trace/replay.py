@@ -1,8 +1,10 @@
-"""Replay a routing trace through the real ExpertStream residency code, without computing.
+"""Replay a routing trace through the product's own Window and ExpertStream, without computing.
 
-The stream runs with simulated IO (reads complete without touching a file) over a
-geometry-only pack, so a replay costs memory bandwidth, not disk. Next to the engine's hit rate
-it prints a plain-Python LRU (a cross-check of the engine) and Belady's offline optimum.
+Every step drives the real C++ Window (`_core.replay_trace`: the handshake a model's calls run,
+on a backend that computes nothing) over a stream with simulated IO (reads complete without
+touching a file) and a geometry-only pack, so a replay costs memory bandwidth, not disk, and
+cannot drift from the product. Next to the engine's hit rate it prints a plain-Python LRU (a
+cross-check of the engine) and Belady's offline optimum.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 
 from strata_stream.config import EVICTION_POLICIES, StreamConfig
 from strata_stream.errors import ConfigError, PackError
@@ -21,9 +24,7 @@ from strata_stream.pack import Geometry, write_pack
 from strata_stream.pack.header import PAGE
 from strata_stream.pack.header import VERSION as PACK_VERSION
 from strata_stream.paths import cache_dir as default_cache_dir
-from strata_stream import testing
 from strata_stream.stream import simulated
-from strata_stream.testing import run_io
 from strata_stream.trace.format import Trace
 
 
@@ -134,13 +135,22 @@ def engine_hit_rate(
     predictions: Sequence[tuple[int, ...] | None] | None = None,
     cache_dir: Path | None = None,
 ) -> tuple[float, float]:
-    """(hit rate, expert reads started per routed use) replayed through the real
-    ExpertStream. The hit rate counts routed uses that found their expert resident or loading,
-    With `predictions` each step runs the decode handshake: the routed experts
-    urgently, then the predicted next-layer experts as speculative reads that complete before
-    the next step (simulated IO is instant), then retirement of unchosen predictions."""
+    """(hit rate, expert reads started per routed use) replayed through the product's own
+    Window and ExpertStream, computing nothing (`_core.replay_trace`). Each step is the
+    externally routed call a model makes for one token at one layer: the hit rate counts routed
+    uses that found their expert resident or loading. With `predictions`, the step's call
+    brings the predicted next-layer experts, which the handshake queues as speculative reads
+    behind the urgent ones and retires to limbo when unchosen; reads are simulated, and every
+    read queued lands before the next step, so a replay gives the same figures on every run."""
     if slots < 2 * trace.top_k:
         raise ConfigError(f"--slots {slots}: at least {2 * trace.top_k} (2 x top_k) needed")
+    layers, ids = _passes(trace)
+    pred = None
+    if predictions is not None:
+        pred = ids.copy()  # a step without a prediction is never given one (replay_trace)
+        for i, guess in enumerate(predictions):
+            if guess is not None:
+                pred[i] = _row(guess, trace.top_k)
 
     pack = geometry_pack(trace, cache_dir or default_cache_dir())
     stride = PAGE  # the geometry pack's records are tiny: one page each
@@ -151,31 +161,43 @@ def engine_hit_rate(
         direct_io=False,
         eviction=policy,
     )
-    hits = misses = 0
+    from strata_stream import _core
+
     with simulated(pack, config) as stream:
         if stream.record_stride != stride:
             raise PackError(f"{pack}: unexpected record stride {stream.record_stride}")
-        for i, (layer, experts) in enumerate(trace.steps):
-            testing.enter_layer(stream, layer, experts)  # the device reads these: protected (I4)
-            h, m, _ = testing.request(stream, layer, experts)
-            hits += h
-            misses += m
-            guess = predictions[i] if predictions is not None else None
-            if guess is not None:
-                testing.publish(stream, layer)
-                testing.request(stream, layer + 1, guess, urgent=False)
-            testing.wait(stream, layer, experts)
-            if predictions is not None:
-                testing.after_layer(stream, layer)
-                testing.retire_unused_pre(stream, layer, experts)
-                testing.release_limbo(stream)
-                # Manual IO (io_threads=0), as the tests drive it: speculative reads land
-                # before the next step.
-                while run_io(stream):
-                    pass
-        testing.end_turn(stream)
-        reads = misses + int(stream.stats()["spec_requests"])
-    return hits / max(1, hits + misses), reads / max(1, hits + misses)
+        counts = _core.replay_trace(stream._s, layers, ids, pred)
+        uses = counts["hits"] + counts["misses"]
+        reads = counts["misses"] + int(stream.stats()["spec_requests"])
+    return counts["hits"] / max(1, uses), reads / max(1, uses)
+
+
+def _row(experts: Sequence[int], top_k: int) -> list[int]:
+    """A step's experts as one row of top_k ids: a step that chose fewer (a trace's repeated
+    choice, counted once) repeats its first, which asks for nothing more."""
+    return list(experts) + [experts[0]] * (top_k - len(experts))
+
+
+def _passes(trace: Trace) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
+    """The trace's steps as the Window takes them: token after token, each a pass over the
+    layers from 0 in order, up to the last or short of it (llama.cpp leaves the last layer out
+    for prompt tokens whose output nothing reads). ConfigError naming the step otherwise."""
+    n = len(trace.steps)
+    layers = np.empty(n, np.int32)
+    ids = np.empty((n, trace.top_k), np.int32)
+    expect = 0
+    for i, (layer, experts) in enumerate(trace.steps):
+        if layer != expect and layer != 0:
+            raise ConfigError(
+                f"trace step {i}: layer {layer} where a pass over the model expects layer "
+                f"{expect} (replay runs each token through every layer in order)"
+            )
+        if not 0 < len(experts) <= trace.top_k:
+            raise ConfigError(f"trace step {i}: {len(experts)} experts (top_k {trace.top_k})")
+        layers[i] = layer
+        ids[i] = _row(experts, trace.top_k)
+        expect = (layer + 1) % trace.n_layers
+    return layers, ids
 
 
 def replay(
