@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
+from safetensors.numpy import load_file, save_file
 
 from strata_stream.cli import main
 from strata_stream.convert import convert
@@ -300,3 +300,75 @@ def test_gpt_oss_published_mxfp4_is_copied_and_streams(tmp_path: Path) -> None:
         got = model(tokens).logits[0].numpy()
     model.strata_engine.close()
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_inklings_w13_weight_is_gate_and_up_rows_interleaved(tmp_path: Path) -> None:
+    # inkling's checkpoints: experts.w13_weight [E, 2I, H] with gate and up rows alternating
+    # (transformers' conversion mapping de-interleaves them, Interleave(dim=1), into
+    # gate_up_proj) and experts.w2_weight [E, H, I] for down.
+    fused, out = _converted_under_other_names(
+        tmp_path, "rows", "mlp.experts.w13_weight", "mlp.experts.w2_weight"
+    )
+    _check_unfused(out, "fused_rows_interleaved", fused, lambda gu, d: (gu[0::2], gu[1::2], d))
+
+
+def test_inklings_scaled_experts_are_refused_naming_the_tensor(tmp_path: Path) -> None:
+    # An fp8 inkling checkpoint's per-expert scales are not applied: refused, not ignored.
+    _converted_under_other_names(
+        tmp_path, "rows", "mlp.experts.w13_weight", "mlp.experts.w2_weight"
+    )
+    path = tmp_path / "m" / "model.safetensors"
+    tensors = load_file(str(path))
+    tensors["model.layers.0.mlp.experts.w13_weight_scale"] = np.ones((E, 2 * INTER), np.float32)
+    save_file(tensors, str(path))
+    with pytest.raises(ConfigError, match="w13_weight_scale"):
+        convert(tmp_path / "m", tmp_path / "m2.strpk", progress=False)
+
+
+def test_step3p7s_moe_module_holds_stacked_experts(tmp_path: Path) -> None:
+    # step3p7's checkpoints: moe.{gate,up}_proj.weight [E, I, H] and moe.down_proj.weight
+    # [E, H, I], next to dense layers' 2-D mlp.*_proj and a 2-D moe-named dense MLP.
+    rng = np.random.default_rng(2)
+    tensors: dict[str, np.ndarray] = {
+        "model.layers.0.mlp.gate_proj.weight": rng.standard_normal((INTER, H), np.float32),
+        "model.layers.0.moe.up_proj.weight": rng.standard_normal((INTER, H), np.float32),
+    }
+    for layer in (1, 2):
+        p = f"model.layers.{layer}.moe"
+        tensors[f"{p}.gate_proj.weight"] = rng.standard_normal((E, INTER, H), np.float32)
+        tensors[f"{p}.up_proj.weight"] = rng.standard_normal((E, INTER, H), np.float32)
+        tensors[f"{p}.down_proj.weight"] = rng.standard_normal((E, H, INTER), np.float32)
+        tensors[f"{p}.gate.weight"] = rng.standard_normal((E, H), np.float32)
+    (tmp_path / "m").mkdir()
+    save_file(tensors, str(tmp_path / "m" / "model.safetensors"))
+    config = {"model_type": "step3p7", "text_config": {"hidden_size": H,
+              "num_experts_per_tok": 2, "num_hidden_layers": 3}}  # fmt: skip
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    out = convert(tmp_path / "m", tmp_path / "m.strpk", progress=False)
+    with ExpertPack.open(out) as pack:
+        assert pack.metadata["model"]["decoder_layers"] == [1, 2]
+        for pack_layer, layer in enumerate((1, 2)):
+            p = f"model.layers.{layer}.moe"
+            for e in range(E):
+                want = [tensors[f"{p}.{m}_proj.weight"][e] for m in ("gate", "up", "down")]
+                for w, got in zip(want, pack.expert_weights(pack_layer, e), strict=True):
+                    assert np.array_equal(got, w)
+
+
+def test_a_2d_input_linear_is_a_dense_mlp_not_experts(tmp_path: Path) -> None:
+    # granitemoehybrid: shared_mlp.input_linear.weight [2I', H] and output_linear [H, I'] are
+    # the shared expert's dense Linears beside the routed block_sparse_moe.input_linear.
+    fused, _ = _converted_under_other_names(
+        tmp_path, "rows", "block_sparse_moe.input_linear.weight",
+        "block_sparse_moe.output_linear.weight",
+    )  # fmt: skip
+    path = tmp_path / "m" / "model.safetensors"
+    tensors = load_file(str(path))
+    rng = np.random.default_rng(3)
+    for layer in range(2):
+        p = f"model.layers.{layer}.shared_mlp"
+        tensors[f"{p}.input_linear.weight"] = rng.standard_normal((2 * 96, H), np.float32)
+        tensors[f"{p}.output_linear.weight"] = rng.standard_normal((H, 96), np.float32)
+    save_file(tensors, str(path))
+    out = convert(tmp_path / "m", tmp_path / "m2.strpk", progress=False)
+    _check_unfused(out, "fused_rows", fused, lambda gu, d: (gu[:INTER], gu[INTER:], d))

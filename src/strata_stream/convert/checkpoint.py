@@ -4,9 +4,9 @@ Two layouts are recognised, by tensor name, whatever the family:
 
 - stacked (mlx-lm): ``...layers.{i}.{path}.{switch_mlp|switch_glu|experts}.{gate,up,down}_proj.
   {role}`` (the experts module where the model holds it: ``mlp.switch_mlp``, gemma4's
-  ``experts.switch_glu``, deepseek_v41's ``mlp.experts.switch_mlp``) with a leading expert
-  axis ``[E, rows, cols]``; role ``weight`` (uint32 when quantized), ``scales``/``biases``
-  (affine quantization), ``bias`` (the Linear's own, gpt-oss);
+  ``experts.switch_glu``, deepseek_v41's ``mlp.experts.switch_mlp``, step3p7's ``moe``) with
+  a leading expert axis ``[E, rows, cols]``; role ``weight`` (uint32 when quantized),
+  ``scales``/``biases`` (affine quantization), ``bias`` (the Linear's own, gpt-oss);
 - per expert (Hugging Face): ``...layers.{i}.{path}.experts.{e}.{gate,up,down}_proj.{role}``
   (Mixtral's ``w1``/``w3``/``w2`` are gate/up/down);
 - fused (transformers 5): ``...layers.{i}.{path}.experts.gate_up_proj`` and ``.down_proj``
@@ -19,7 +19,9 @@ Two layouts are recognised, by tensor name, whatever the family:
   mxfp4 checkpoints hold ``gate_up_proj_blocks [E, 2I, H/32, 16]`` (uint8, two E2M1 codes a
   byte, the low nibble first: MLX's mxfp4 words, byte for byte) and ``_scales [E, 2I, H/32]``
   (E8M0) with gate and up interleaved row by row, and ``down_proj_blocks [E, H, I/32, 16]``:
-  copied as they are, the rows split.
+  copied as they are, the rows split. inkling's ``experts.w13_weight [E, 2I, H]`` (gate and up
+  rows interleaved) with ``w2_weight [E, H, I]`` is the rows orientation with gate and up rows
+  alternating.
 
 Quantization is read from the shapes (bits = packed words * 32 / input width, group = input
 width / scale columns), per matrix and per layer, so per-layer overrides in config.json need no
@@ -55,7 +57,7 @@ from strata_stream.pack.quant import QuantizedMatrix, bf16_bits_to_f32
 
 _STACKED = re.compile(
     r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>(?:\w+\.)*?)"
-    r"(?P<module>switch_mlp|switch_glu|experts))"
+    r"(?P<module>switch_mlp|switch_glu|experts|moe))"
     r"\.(?P<mat>gate_proj|up_proj|down_proj)\.(?P<role>weight|scales|biases|bias)$"
 )
 _PER_EXPERT = re.compile(
@@ -79,7 +81,18 @@ _FUSED_FC = re.compile(
     r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>(?:\w+\.)*?)experts)"
     r"\.(?P<mat>fc1|fc2)\.weight$"
 )
+# inkling's checkpoints: experts.w13_weight [E, 2I, H] (gate and up rows interleaved, row 2i
+# gate and 2i+1 up: transformers' conversion mapping de-interleaves them into gate_up_proj) and
+# experts.w2_weight [E, H, I].
+_FUSED_W13 = re.compile(
+    r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>(?:\w+\.)*?)experts)"
+    r"\.(?P<mat>w13|w2)_weight$"
+)
+# Their fp8 variants' per-expert scales, which the converter does not apply.
+_W13_SCALED = re.compile(r"(?:^|\.)experts\.w(?:13|2)_weight_\w+$")
 _FUSED_NAMES = {
+    "w13": "gate_up_proj",
+    "w2": "down_proj",
     "input_linear": "gate_up_proj",
     "output_linear": "down_proj",
     "fc1": "gate_up_proj",
@@ -141,7 +154,8 @@ class _Layer:
     # Fused tensors (stacked is then True): "rows" for gate_up_proj [E, 2I, H] (gate rows, then
     # up rows), "columns" for gpt-oss's [E, H, 2I] (interleaved columns), "columns_halves" for
     # aria's experts.fc1 [E, H, 2I] (gate columns, then up columns), "blocks" for gpt-oss's
-    # mxfp4 *_blocks / *_scales (interleaved rows); None otherwise.
+    # mxfp4 *_blocks / *_scales (interleaved rows), "rows_interleaved" for inkling's w13_weight
+    # [E, 2I, H] (gate and up rows alternate); None otherwise.
     fused: str | None = None
 
 
@@ -283,11 +297,21 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
     if not hidden:
         raise ConfigError(f"{model_dir}: config.json has no hidden_size")
     for name in index.tensors:
-        fm = _FUSED.match(name) or _FUSED_LINEAR.match(name) or _FUSED_FC.match(name)
+        if _W13_SCALED.search(name):
+            raise ConfigError(
+                f"{model_dir}: {model_type}'s experts are stored scaled ({name}); only their "
+                "float w13_weight/w2_weight are read"
+            )
+        linear = _FUSED_LINEAR.match(name)
+        if linear is not None and len(index.tensors[name].shape) == 2:
+            continue  # a dense Linear named so (granitemoehybrid's shared_mlp), not experts
+        fm = _FUSED.match(name) or linear or _FUSED_FC.match(name) or _FUSED_W13.match(name)
         if fm is not None:
             _add_fused(model_dir, index, layers, fm)
             continue
         m = _STACKED.match(name)
+        if m is not None and m["module"] == "moe" and len(index.tensors[name].shape) < 3:
+            m = None  # a dense MLP under a module named moe; stacked experts are [E, rows, cols]
         stacked = m is not None
         if m is None:
             m = _PER_EXPERT.match(name)
@@ -550,6 +574,8 @@ def _add_fused(
         layer.fused = "blocks"
     elif m["mat"] in ("fc1", "fc2"):
         layer.fused = "halves"  # gate and up concatenated, whichever axis they are on
+    elif m["mat"] in ("w13", "w2"):
+        layer.fused = "interleaved"  # gate and up rows alternate
     mat = _FUSED_NAMES.get(m["mat"], m["mat"])
     matrices = (0, 1) if mat == "gate_up_proj" else (2,)
     for matrix in matrices:
@@ -580,7 +606,12 @@ def _orient_fused(model_dir: Path, index: SafetensorsIndex, layer: _Layer, hidde
     _, a, b = gate_up
     _, c, d = down
     if b == hidden and c == hidden and a == 2 * d:
-        layer.fused = "rows"
+        layer.fused = "rows_interleaved" if layer.fused == "interleaved" else "rows"
+    elif layer.fused == "interleaved":
+        raise PackError(
+            f"{model_dir}: experts w13_weight [E, {a}, {b}] and w2_weight [E, {c}, {d}] are not "
+            f"[E, 2I, {hidden}] and [E, {hidden}, I]"
+        )
     elif a == hidden and d == hidden and b == 2 * c:
         layer.fused = "columns_halves" if layer.fused == "halves" else "columns"
     else:
@@ -602,8 +633,8 @@ def _unfused_shape(shape: tuple[int, ...], fused: str, matrix: int, role: str) -
         return (e, r // 2 if matrix < 2 else r, cols)
     e, a, b = shape
     if matrix < 2:
-        return (e, a // 2, b) if fused == "rows" else (e, b // 2, a)
-    return (e, a, b) if fused == "rows" else (e, b, a)
+        return (e, a // 2, b) if fused.startswith("rows") else (e, b // 2, a)
+    return (e, a, b) if fused.startswith("rows") else (e, b, a)
 
 
 def _unfuse(t: npt.NDArray[Any], fused: str, matrix: int, role: str) -> npt.NDArray[Any]:
@@ -621,7 +652,9 @@ def _unfuse(t: npt.NDArray[Any], fused: str, matrix: int, role: str) -> npt.NDAr
             return np.ascontiguousarray(t[:half] if matrix == 0 else t[half:])
         return np.ascontiguousarray(t[matrix::2])
     if matrix == 2:
-        return t if fused == "rows" else np.ascontiguousarray(t.T)
+        return t if fused.startswith("rows") else np.ascontiguousarray(t.T)
+    if fused == "rows_interleaved":
+        return np.ascontiguousarray(t[matrix::2])
     if fused == "rows":
         half = t.shape[0] // 2
         return np.ascontiguousarray(t[:half] if matrix == 0 else t[half:])
