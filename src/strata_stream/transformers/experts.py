@@ -1,6 +1,7 @@
 """The module that takes the place of a sparse block's experts module.
 
-It has no parameters: the block's router and shared experts stay the model's, and the routed
+It has no parameters (only empty stand-ins for the experts' weights, for the model's weight
+init to touch): the block's router and shared experts stay the model's, and the routed
 experts live in the pack. Its call is the experts module's own signature, ``(hidden_states
 [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``; the engine streams and computes
 the chosen experts (engine.py).
@@ -34,6 +35,12 @@ class StreamedExperts(torch.nn.Module):
         self._slot = slot
         self.layer = layer
         self.num_experts = n_experts
+        # Empty stand-ins for the experts interface's weights, plain attributes (no parameters,
+        # nothing in the state dict): some models' _init_weights initialise
+        # `block.experts.gate_up_proj` during from_pretrained (qwen3_omni_moe's thinker), and
+        # an initialiser on an empty tensor is a no-op. Nothing computes with them.
+        self.gate_up_proj = torch.empty(0)
+        self.down_proj = torch.empty(0)
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
