@@ -1,5 +1,10 @@
 #include "exec/scratch.h"
 
+#include <exception>
+#include <string>
+
+#include "common/errors.h"
+
 namespace strata {
 
 Scratch::Scratch(const ExpertStream& stream, const float* routers)
@@ -58,6 +63,29 @@ void Scratch::release() {
   for (auto* v : {&plan_, &wave_n_, &moce_changed_, &route_resident_}) v->reset();
   rows_ = 0;
   bytes_ = 0;
+  bound_ = false;
+}
+
+void Scratch::release(Backend& backend) {
+  backend.synchronize();  // no command may still read the buffers
+  release();
+}
+
+void Scratch::bind(std::uint32_t rows, Backend& backend) {
+  if (rows <= rows_ && bound_) return;
+  backend.synchronize();  // nothing may run over the buffers being replaced
+  bound_ = false;         // until the backend has the new ones
+  ensure(rows);
+  try {
+    backend.bind(b_);
+  } catch (const EngineError&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw EngineError(ErrorKind::Device,
+                      "the " + backend.name() + " backend could not take its buffers for " +
+                          std::to_string(rows_) + " rows: " + e.what());
+  }
+  bound_ = true;
 }
 
 }  // namespace strata

@@ -1,9 +1,11 @@
 // Scratch: the device-visible working buffers of MoE layer calls (inputs, routed ids and weights,
 // predictions, router logits, plan, expert activations and outputs), sized for a number of rows
 // and wrapped into the DeviceBuffers a backend binds. Grows to the largest chunk seen, never past
-// max_rows, and is kept until release(): memory stays bounded by one chunk (I12).
+// max_rows, and is kept until release(): memory stays bounded by one chunk (I12). bind() keeps
+// the backend holding the current buffers.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -49,17 +51,24 @@ class Scratch {
 
   // Makes room for `rows`; returns true when the buffers moved (the backend must rebind).
   bool ensure(std::uint32_t rows);
-  void release();  // frees everything; the next ensure() reallocates
+  // Makes room for `rows` and has `backend` hold the buffers: after they moved, or after a bind
+  // that threw (a Device error naming the backend; the next call binds again). The backend is
+  // synchronized first whenever the buffers change: nothing may run over them.
+  void bind(std::uint32_t rows, Backend& backend);
+  void release();  // frees everything; the next ensure() or bind() reallocates
+  // release() once no command of `backend` may still read the buffers.
+  void release(Backend& backend);
   const DeviceBuffers& buffers() const { return b_; }
   std::uint32_t rows() const { return rows_; }
-  std::uint64_t bytes() const { return bytes_; }
+  std::uint64_t bytes() const { return bytes_.load(std::memory_order_relaxed); }  // any thread
 
  private:
   const ExpertStream& stream_;
   const PackLayout& L_;
   DeviceBuffers b_;
   std::uint32_t rows_ = 0;
-  std::uint64_t bytes_ = 0;
+  std::atomic<std::uint64_t> bytes_{0};  // written by the owner, read by any thread
+  bool bound_ = false;  // the backend holds the current buffers
   ScratchArray<float> x_, weights_, logits_, h_, y_, out_, moce_moved_;
   ScratchArray<std::int32_t> ids_, pred_ids_[2], wave_;
   ScratchArray<std::uint32_t> plan_, wave_n_, moce_changed_, route_resident_;

@@ -1,0 +1,27 @@
+// BackendSupport: what a Window's backend can do for its pack, asked once when the Window is
+// built (Backend::unsupported, each answer a reason or ""), then read-only.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "exec/backend.h"
+
+namespace strata {
+
+struct BackendSupport {
+  // Throws EngineError(Config) naming the backend when it cannot run the Window's own route
+  // (its moce mode).
+  BackendSupport(Backend& backend, const PackLayout& layout, const MoceParams& moce);
+
+  // The expert passes in each arithmetic: for every layer, and per format class of the pack.
+  std::array<std::string, 3> arithmetic;
+  std::vector<std::array<std::string, 3>> class_arithmetic;
+  std::string device_io;  // Io::Device (moe_routed_device)
+  std::string per_entry;  // per-entry outputs (Routed::per_entry)
+  bool completes_async = false;  // Backend::completes_async(), where device IO is supported
+};
+
+}  // namespace strata
