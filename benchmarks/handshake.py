@@ -31,12 +31,6 @@ from strata_stream import ExpertPack, ExpertStream, StreamConfig, Window
 from strata_stream.synthetic import SyntheticDriver, route_ids
 
 
-def _external_call(window: Window) -> object:
-    """The Window's caller-computes-the-experts method (named moe_routed_host before)."""
-    call = getattr(window, "moe_routed_external", None)
-    return call if call is not None else window.moe_routed_host
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -62,7 +56,6 @@ def main() -> int:
                     window.moe(layer, x.layer_input(layer))
             window.reset_stats()
             routers = [pack.router_weights(layer) for layer in range(g.n_layers)]
-            external = _external_call(window)
 
             def nothing(row0: int, rows: int, slots: npt.NDArray[np.uint32]) -> None:
                 pass
@@ -79,7 +72,7 @@ def main() -> int:
                         nxt = layer + 1
                         pred1 = route_ids(x, routers[nxt], g.top_k) if nxt < g.n_layers else None
                         t0 = time.perf_counter_ns()
-                        external(layer, ids, nothing, pred1=pred1)  # type: ignore[operator]
+                        window.moe_routed_external(layer, ids, nothing, pred1=pred1)
                         call_ns.append(time.perf_counter_ns() - t0)
             total = window.stats()["total"]
     calls = total["calls"]
