@@ -24,7 +24,11 @@ std::uint32_t ExpertStream::publish_locked(std::uint32_t layer) {
   // I10: the last two layers scan only what exists.
   const std::uint32_t last = std::min<std::uint32_t>((layer + 3) * L.n_experts, L.n_keys());
   std::uint32_t n = 0;
+  const std::uint32_t* smap = smap_.get();
   for (std::uint32_t key = first; key < last; ++key) {  // I2: <= 2 * n_experts entries
+    // Published already (smap mirrors `published`: I1): most resident keys are, and the smap
+    // is one contiguous row where each slot is a cache line of its own.
+    if (smap_load(smap, key) != kAbsent) continue;
     std::int32_t s = where_[key];
     if (s < 0) continue;
     Slot& sl = slots_[std::uint32_t(s)];
