@@ -2,6 +2,25 @@
 
 namespace strata {
 
+LayerStats& LayerStats::operator+=(const LayerStats& o) {
+  calls += o.calls;
+  tokens += o.tokens;
+  hits += o.hits;
+  misses += o.misses;
+  bytes_read += o.bytes_read;
+  stall_ns += o.stall_ns;
+  handshake_ns += o.handshake_ns;
+  handshake_cpu_ns += o.handshake_cpu_ns;
+  waves += o.waves;
+  pred_correct += o.pred_correct;
+  pred_predicted += o.pred_predicted;
+  pred_actual += o.pred_actual;
+  moce_moved += o.moce_moved;
+  moce_changed += o.moce_changed;
+  settle_ns += o.settle_ns;
+  return *this;
+}
+
 Recorder::Recorder(const PackLayout& layout, bool record_routes)
     : n_layers_(layout.n_layers),
       n_experts_(layout.n_experts),
@@ -49,9 +68,10 @@ std::int64_t Recorder::route_layer() const {
   return route_layer_;
 }
 
-void Recorder::add_host_time(std::uint32_t layer, const HostTimer& t) {
+void Recorder::add_host_time(std::uint32_t layer, const HostTimer& t, const LayerStats& more) {
   const std::uint64_t wall = ns_since(t.wall), cpu = thread_cpu_ns() - t.cpu;
   add(layer, [&](LayerStats& s) {
+    s += more;
     s.handshake_ns += wall;
     s.handshake_cpu_ns += cpu;
   });
@@ -82,20 +102,17 @@ void Recorder::note_predicted(std::uint32_t next_layer, std::uint32_t chunk,
 }
 
 void Recorder::score_predicted(std::uint32_t layer, std::uint32_t chunk,
-                               const std::vector<std::int32_t>& chosen) {
+                               const std::vector<std::int32_t>& chosen, LayerStats& into) {
   auto& noted = predicted_[layer];
   if (chunk >= noted.size() || noted[chunk].empty()) return;
   for (std::int32_t e : chosen) actual_[std::uint32_t(e)] = 1;
   std::uint64_t correct = 0;
   for (std::int32_t e : noted[chunk]) correct += actual_[std::uint32_t(e)];
   for (std::int32_t e : chosen) actual_[std::uint32_t(e)] = 0;
-  const std::uint64_t predicted = noted[chunk].size();
+  into.pred_correct += correct;
+  into.pred_predicted += noted[chunk].size();
+  into.pred_actual += chosen.size();
   noted[chunk].clear();
-  add(layer, [&](LayerStats& s) {
-    s.pred_correct += correct;
-    s.pred_predicted += predicted;
-    s.pred_actual += chosen.size();
-  });
 }
 
 void Recorder::note_moce(std::uint32_t layer, std::uint32_t rows, const DeviceBuffers& b) {

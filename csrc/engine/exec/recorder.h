@@ -34,6 +34,8 @@ struct LayerStats {
   double moce_moved = 0;
   std::uint64_t moce_changed = 0;
   std::uint64_t settle_ns = 0;  // host waiting for speculative reads (deterministic moce path)
+
+  LayerStats& operator+=(const LayerStats& o);
 };
 
 // Times a host-work section twice: wall clock and the host thread's CPU time.
@@ -62,8 +64,9 @@ class Recorder {
     std::lock_guard<std::mutex> lk(mu_);
     f(stats_[layer]);
   }
-  // The section `t` timed ends now: its wall and CPU time go to the layer's handshake figures.
-  void add_host_time(std::uint32_t layer, const HostTimer& t);
+  // The section `t` timed ends now: its wall and CPU time go to the layer's handshake figures,
+  // with the figures it gathered (`more`), under one lock hold.
+  void add_host_time(std::uint32_t layer, const HostTimer& t, const LayerStats& more = {});
   // A pass over the model (a layer-0 call of `rows` tokens) begins.
   void begin_pass(std::uint32_t rows);
   // The chunk's routing ids[0, rows * top_k) at `layer`, rows from `row0` of the pass: the
@@ -72,9 +75,10 @@ class Recorder {
   // Router layer+1's picks for `chunk` of this call, for precision when it reaches layer+1.
   void note_predicted(std::uint32_t next_layer, std::uint32_t chunk,
                       const std::vector<std::int32_t>& predicted);
-  // The chunk's actual experts at `layer` against what was noted for it.
+  // The chunk's actual experts at `layer` against what was noted for it, into `into`'s
+  // precision figures (added with the host point's others).
   void score_predicted(std::uint32_t layer, std::uint32_t chunk,
-                       const std::vector<std::int32_t>& chosen);
+                       const std::vector<std::int32_t>& chosen, LayerStats& into);
   // What the last moce route of `rows` rows at `layer` moved, and the residency it read.
   void note_moce(std::uint32_t layer, std::uint32_t rows, const DeviceBuffers& b);
   // Layer `layer`'s counts (the driving call's read, no lock).

@@ -378,12 +378,8 @@ void Window::run_call(std::uint32_t layer, std::uint32_t rows, const ChunkFn& ru
     for (std::int32_t e : chosen) buf_.seen[std::uint32_t(e)] = 0;
     // finish_layer keeps this layer's slots protected (executing) and adds layer l+1's, so it
     // may run while the kernels are queued; the next at_layer ends them, after a retire.
-    after(layer, chosen, interrupt);
+    after(layer, rows, chosen, interrupt);
     if (queued) completion_.defer_layer();
-    recorder_.add(layer, [&](LayerStats& st) {
-      st.calls += 1;
-      st.tokens += rows;
-    });
   } catch (...) {
     std::fill(buf_.seen.begin(), buf_.seen.end(), 0);  // a chunk may have failed mid-way
     abandon_call();
@@ -402,11 +398,11 @@ void Window::run_call(std::uint32_t layer, std::uint32_t rows, const ChunkFn& ru
 
 // ---- one chunk: the first submission, the host point, then the plan's executor ----------------
 
-void Window::read_routing(const ChunkPlan& p, std::uint32_t chunk) {
+void Window::read_routing(const ChunkPlan& p, std::uint32_t chunk, LayerStats& d) {
   const std::int32_t* ids = scratch_.buffers().ids;
   popularity_.rank(ids, p.rows * L_.top_k, buf_.chosen);
   recorder_.learn(p.layer, p.row0, ids, p.rows);
-  recorder_.score_predicted(p.layer, chunk, buf_.chosen);
+  recorder_.score_predicted(p.layer, chunk, buf_.chosen, d);
 }
 
 void Window::wait_device(SharedEvent& ev, std::uint64_t v, const InterruptCheck& interrupt,
@@ -429,21 +425,22 @@ void Window::stall_for(std::uint32_t layer, const std::int32_t* experts, std::si
   recorder_.add(layer, [&](LayerStats& st) { st.stall_ns += dt; });
 }
 
-void Window::after(std::uint32_t layer, const std::vector<std::int32_t>& chosen,
-                   const InterruptCheck& interrupt) {
+void Window::after(std::uint32_t layer, std::uint32_t rows,
+                   const std::vector<std::int32_t>& chosen, const InterruptCheck& interrupt) {
   speculator_.settle(layer, interrupt);
   HostTimer timer;
   // I4: layer+1's router may already run; I7: unchosen predictions of this layer to limbo.
   stream_.finish_layer(client_, layer, chosen.data(), chosen.size());
-  recorder_.add_host_time(layer, timer);
+  LayerStats call;
+  call.calls = 1;
+  call.tokens = rows;
+  recorder_.add_host_time(layer, timer, call);
 }
 
-void Window::count_urgent(std::uint32_t layer, const RequestResult& r) {
-  recorder_.add(layer, [&](LayerStats& st) {
-    st.hits += r.hits;
-    st.misses += r.misses;
-    st.bytes_read += std::uint64_t(r.misses) * L_.record_bytes;
-  });
+void Window::count_urgent(const RequestResult& r, LayerStats& d) const {
+  d.hits += r.hits;
+  d.misses += r.misses;
+  d.bytes_read += std::uint64_t(r.misses) * L_.record_bytes;
 }
 
 // Runs one planned chunk: the first submission, then the plan's executor. Leaves the experts
@@ -479,7 +476,8 @@ void Window::run_chunk(const ChunkPlan& p, std::uint32_t chunk, const InterruptC
 void Window::run_decode(const ChunkPlan& p, std::uint32_t chunk, std::uint64_t v, bool keep,
                         Clock::time_point start, const InterruptCheck& interrupt) {
   HostTimer at_layer;
-  read_routing(p, chunk);
+  LayerStats d;
+  read_routing(p, chunk, d);
   const std::vector<std::int32_t>& chosen = buf_.chosen;
   const DeviceBuffers& b = scratch_.buffers();
   HandshakeRequest q;
@@ -493,8 +491,8 @@ void Window::run_decode(const ChunkPlan& p, std::uint32_t chunk, std::uint64_t v
   // it keeps them.
   STRATA_ASSERT(!completion_.pending() || keep, "the last call's kernels finished (I4)");
   const AtLayerResult r = stream_.at_layer(client_, q, interrupt);
-  count_urgent(p.layer, r.urgent);
-  recorder_.add_host_time(p.layer, at_layer);
+  count_urgent(r.urgent, d);
+  recorder_.add_host_time(p.layer, at_layer, d);
   if (p.split) {
     encode_step(p, Step::ResidentPass, events_, v, buf_.commands);
     backend_->submit(buf_.commands);
@@ -518,11 +516,12 @@ void Window::run_waves(const ChunkPlan& p, std::uint32_t chunk, std::uint64_t v,
                        std::uint64_t first_wave, bool keep, Clock::time_point start,
                        const InterruptCheck& interrupt, const WaveCompute* compute) {
   HostTimer at_layer;
-  read_routing(p, chunk);
+  LayerStats d;
+  read_routing(p, chunk, d);
   const std::uint32_t n_waves = p.waves(buf_.chosen.size());
   STRATA_ASSERT(compute || n_waves <= p.max_waves, "waves fit the encoded submission");
   STRATA_ASSERT(!keep || n_waves == 1, "a chunk that keeps the queued ones runs in one wave");
-  recorder_.add_host_time(p.layer, at_layer);
+  recorder_.add_host_time(p.layer, at_layer, d);
   // Every expert of a wave is resident before the wave may start.
   bool missed = false, contended = false;
   for (std::uint32_t w = 0; w < n_waves; ++w)
@@ -566,8 +565,9 @@ bool Window::run_wave(const ChunkPlan& p, std::uint32_t chunk, std::uint32_t w,
   const Speculator::Watch watch = speculator_.watch();
   STRATA_ASSERT(!completion_.pending() || keep, "the last call's kernels finished (I4)");
   const AtLayerResult r = stream_.at_layer(client_, q, interrupt);
-  count_urgent(p.layer, r.urgent);
-  recorder_.add_host_time(p.layer, wave_timer);
+  LayerStats d;
+  count_urgent(r.urgent, d);
+  recorder_.add_host_time(p.layer, wave_timer, d);
   stall_for(p.layer, wave, n, interrupt);
   const bool missed = r.urgent.misses > 0;
   if (missed) contended = contended || speculator_.overlapped(watch);

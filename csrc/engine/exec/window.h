@@ -181,14 +181,17 @@ class Window {
                 bool& contended);
   void compute_wave(const ChunkPlan& p, const std::int32_t* wave, std::size_t n, bool multi,
                     const WaveCompute& compute);
-  void read_routing(const ChunkPlan& p, std::uint32_t chunk);
+  // Learns the chunk's routing (profile, routes; its precision into `d`) and leaves its experts
+  // in buf_.chosen, most popular first.
+  void read_routing(const ChunkPlan& p, std::uint32_t chunk, LayerStats& d);
   void wait_device(SharedEvent& ev, std::uint64_t v, const InterruptCheck& interrupt,
                    AdaptiveSpin& spin);
   void stall_for(std::uint32_t layer, const std::int32_t* experts, std::size_t n,
                  const InterruptCheck& interrupt);
-  void after(std::uint32_t layer, const std::vector<std::int32_t>& chosen,
+  // The after-layer host point of a call of `rows` rows that chose `chosen`.
+  void after(std::uint32_t layer, std::uint32_t rows, const std::vector<std::int32_t>& chosen,
              const InterruptCheck& interrupt);
-  void count_urgent(std::uint32_t layer, const RequestResult& r);
+  void count_urgent(const RequestResult& r, LayerStats& d) const;  // hits, misses, bytes
   std::uint32_t wave_capacity() const;
 
   ExpertStream& stream_;
