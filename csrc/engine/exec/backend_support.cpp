@@ -31,4 +31,10 @@ BackendSupport::BackendSupport(Backend& backend, const PackLayout& layout,
     throw EngineError(ErrorKind::Config, "backend '" + backend.name() + "': " + *why);
 }
 
+BackendSupport BackendSupport::all(const PackLayout& layout) {
+  BackendSupport s;
+  s.class_arithmetic.resize(layout.classes.size());
+  return s;
+}
+
 }  // namespace strata

@@ -15,6 +15,9 @@ struct BackendSupport {
   // Throws EngineError(Config) naming the backend when it cannot run the Window's own route
   // (its moce mode).
   BackendSupport(Backend& backend, const PackLayout& layout, const MoceParams& moce);
+  // Nothing refused, for `layout`'s format classes (what a test of a routed call's checks
+  // starts from).
+  static BackendSupport all(const PackLayout& layout);
 
   // The expert passes in each arithmetic: for every layer, and per format class of the pack.
   std::array<std::string, 3> arithmetic;
@@ -22,6 +25,9 @@ struct BackendSupport {
   std::string device_io;  // Io::Device (moe_routed_device)
   std::string per_entry;  // per-entry outputs (Routed::per_entry)
   bool completes_async = false;  // Backend::completes_async(), where device IO is supported
+
+ private:
+  BackendSupport() = default;
 };
 
 }  // namespace strata
