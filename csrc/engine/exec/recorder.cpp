@@ -1,5 +1,9 @@
 #include "exec/recorder.h"
 
+#include <string>
+
+#include "common/errors.h"
+
 namespace strata {
 
 LayerStats& LayerStats::operator+=(const LayerStats& o) {
@@ -51,6 +55,14 @@ std::vector<std::int32_t> Recorder::take_routes() {
 std::vector<std::uint32_t> Recorder::profile() const {
   std::lock_guard<std::mutex> lk(mu_);
   return profile_;
+}
+
+void Recorder::check_profile(const std::vector<std::uint32_t>& counts) const {
+  const std::size_t want = std::size_t(n_layers_) * n_experts_;
+  if (counts.size() != want)
+    throw EngineError(ErrorKind::Config, "profile has " + std::to_string(counts.size()) +
+                                             " counts, expected n_layers * n_experts = " +
+                                             std::to_string(want));
 }
 
 void Recorder::set_profile(const std::vector<std::uint32_t>& counts) {

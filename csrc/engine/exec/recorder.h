@@ -53,7 +53,9 @@ class Recorder {
   void reset_stats();
   std::vector<std::int32_t> take_routes();
   std::vector<std::uint32_t> profile() const;
-  // Size checked by the caller; admitted as a driving call (the profile's readers hold none).
+  // EngineError(Config) unless counts has n_layers * n_experts entries.
+  void check_profile(const std::vector<std::uint32_t>& counts) const;
+  // Size checked; admitted as a driving call (the driving call reads the profile unlocked).
   void set_profile(const std::vector<std::uint32_t>& counts);
   std::vector<std::uint8_t> route_resident() const;
   std::int64_t route_layer() const;

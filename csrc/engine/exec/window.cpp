@@ -24,11 +24,6 @@ Backend& required(const std::unique_ptr<Backend>& backend) {
   return *backend;
 }
 
-const WindowOptions& validated(const WindowOptions& options, const PackLayout& layout) {
-  options.validate(layout);
-  return options;
-}
-
 }  // namespace
 
 // ---- construction and close -------------------------------------------------------------------
@@ -44,7 +39,7 @@ Window::Window(ExpertStream& stream, std::unique_ptr<Backend> backend,
       spin_done_(host_spin_),
       L_(stream.layout()),
       support_(required(backend_), L_, options.moce),
-      opt_(validated(options, L_)),
+      opt_(options.validated(L_)),
       routers_(stream.file().read_routers()),
       rules_(opt_.plan_rules(L_)),
       scratch_(stream, routers_.data()),
@@ -211,12 +206,8 @@ void Window::abandon_call() {
 }
 
 void Window::set_profile(const std::vector<std::uint32_t>& counts) {
-  const std::size_t want = std::size_t(L_.n_layers) * L_.n_experts;
-  if (counts.size() != want)
-    throw EngineError(ErrorKind::Config, "profile has " + std::to_string(counts.size()) +
-                                             " counts, expected n_layers * n_experts = " +
-                                             std::to_string(want));
-  TurnGate::Call call(gate_);  // the driving call reads the profile without a lock
+  recorder_.check_profile(counts);  // its size first: a Config error from any thread
+  TurnGate::Call call(gate_);       // the driving call reads the profile without a lock
   recorder_.set_profile(counts);
 }
 
@@ -346,9 +337,6 @@ void Window::moe_routed_external(std::uint32_t layer, std::uint32_t rows, const 
       interrupt);
 }
 
-// Checks turn order, runs chunk(r0, n, index) over the call's chunks (each leaves the experts it
-// chose in buf_.chosen), then the after-layer host point. Any error abandons the turn with the
-// stream usable. queued: the call's chunks return with their kernels queued (queued_done).
 void Window::run_call(std::uint32_t layer, std::uint32_t rows, const ChunkFn& run,
                       const InterruptCheck& interrupt, bool queued) {
   if (layer >= L_.n_layers)
@@ -443,9 +431,6 @@ void Window::count_urgent(const RequestResult& r, LayerStats& d) const {
   d.bytes_read += std::uint64_t(r.misses) * L_.record_bytes;
 }
 
-// Runs one planned chunk: the first submission, then the plan's executor. Leaves the experts
-// the chunk chose in buf_.chosen, most popular first. compute: the caller's expert pass
-// (CallKind::External).
 void Window::run_chunk(const ChunkPlan& p, std::uint32_t chunk, const InterruptCheck& interrupt,
                        const WaveCompute* compute) {
   STRATA_ASSERT((compute != nullptr) == (p.kind == CallKind::External),

@@ -150,7 +150,10 @@ class Window {
   ClientId client() const { return client_; }  // this Window's protections in the stream
 
  private:
-  // Runs chunk(r0, n, index) over the call's chunks of at most max_rows rows.
+  // Checks turn order, runs chunk(r0, n, index) over the call's chunks of at most max_rows rows
+  // (each leaves the experts it chose in buf_.chosen), then the after-layer host point. Any
+  // error abandons the turn with the stream usable. queued: the chunks return with their
+  // kernels queued (queued_done).
   using ChunkFn = std::function<void(std::uint32_t r0, std::uint32_t n, std::uint32_t chunk)>;
   // ---- turns and the pending completion (window.cpp tells each one's part) ----
   void finish_turn();
@@ -167,6 +170,8 @@ class Window {
   ChunkPlan plan(CallKind kind, std::uint32_t layer, std::uint32_t r0, std::uint32_t rows,
                  std::uint32_t distinct = 0, const Routed* routed = nullptr,
                  bool queued_done = false) const;
+  // One planned chunk: the first submission, then the plan's executor; leaves its experts in
+  // buf_.chosen, most popular first. compute: the caller's expert pass (CallKind::External).
   void run_chunk(const ChunkPlan& p, std::uint32_t chunk, const InterruptCheck& interrupt,
                  const WaveCompute* compute = nullptr);
   void run_decode(const ChunkPlan& p, std::uint32_t chunk, std::uint64_t v, bool keep,

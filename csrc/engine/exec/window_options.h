@@ -44,8 +44,13 @@ struct WindowOptions {
   // Cache-aware routing (STRATA_MOCE*): adjusts the routed selection by residency (moce.h).
   MoceParams moce;
 
-  // EngineError(Config) naming the first field out of range for `layout`.
+  // EngineError(Config) naming the first field out of range for `layout`; validated() returns
+  // the options once they pass.
   void validate(const PackLayout& layout) const;
+  const WindowOptions& validated(const PackLayout& layout) const {
+    validate(layout);
+    return *this;
+  }
   PlanRules plan_rules(const PackLayout& layout) const;
   SpeculatorOptions speculation() const;
 };
