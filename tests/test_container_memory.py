@@ -4,6 +4,10 @@ here are fakes under tmp_path, with a /proc/self/cgroup and a /proc/meminfo of t
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,28 +32,45 @@ class Fake:
         monkeypatch.setattr(container_memory, "PROC_CGROUP", str(self.proc))
         monkeypatch.setattr(arena_budget, "MEMINFO", str(meminfo))
 
-    def v2(self, path: str, limit: str, current: int = 0, inactive: int | None = None) -> None:
+    def v2(
+        self, path: str, limit: str, current: int = 0, inactive: int | None = None, **stat: int
+    ) -> None:
+        """stat: more memory.stat keys (active_file, file_mapped, file_dirty)."""
         d = self.root / path.strip("/")
         d.mkdir(parents=True, exist_ok=True)
         (d / "memory.max").write_text(limit + "\n")
         (d / "memory.current").write_text(f"{current}\n")
         (d / "memory.stat").unlink(missing_ok=True)
         if inactive is not None:
-            (d / "memory.stat").write_text(f"anon 1\nfile 2\ninactive_file {inactive}\n")
+            lines = {"anon": 1, "file": 2, "inactive_file": inactive, **stat}
+            (d / "memory.stat").write_text("".join(f"{k} {v}\n" for k, v in lines.items()))
 
-    def v1(self, path: str, limit: int, usage: int = 0, inactive: int | None = None) -> None:
+    def v1(
+        self, path: str, limit: int, usage: int = 0, inactive: int | None = None, **stat: int
+    ) -> None:
+        """stat: more memory.stat keys (total_active_file, total_mapped_file, total_dirty)."""
         d = self.root / "memory" / path.strip("/")
         d.mkdir(parents=True, exist_ok=True)
         (d / "memory.limit_in_bytes").write_text(f"{limit}\n")
         (d / "memory.usage_in_bytes").write_text(f"{usage}\n")
         (d / "memory.stat").unlink(missing_ok=True)
         if inactive is not None:
-            (d / "memory.stat").write_text(f"cache 1\ntotal_inactive_file {inactive}\n")
+            lines = {"cache": 1, "total_inactive_file": inactive, **stat}
+            (d / "memory.stat").write_text("".join(f"{k} {v}\n" for k, v in lines.items()))
 
 
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Fake:
     return Fake(monkeypatch, tmp_path)
+
+
+class _Geometry:
+    """The pack geometry arena_budget reads (Qwen3-30B-A3B's widths by default)."""
+
+    def __init__(self, top_k: int = 2, n_records: int = 1000, hidden: int = 2048,
+                 moe_intermediate: int = 768, n_experts: int = 128) -> None:  # fmt: skip
+        self.top_k, self.n_records, self.hidden = top_k, n_records, hidden
+        self.moe_intermediate, self.n_experts = moe_intermediate, n_experts
 
 
 def test_no_cgroup_files_means_no_container_limit(fake: Fake) -> None:
@@ -102,6 +123,68 @@ def test_v1_memory_controller_line_and_v1s_no_limit(fake: Fake) -> None:
     assert container_memory.limit() is None and container_memory.available() is None
 
 
+def test_page_cache_the_kernel_can_drop_is_not_in_use_on_either_lru_list(fake: Fake) -> None:
+    """A checkpoint's shards read twice while loading sit on the active file list: reclaimable
+    all the same, so not in use. Mapped pages (mmapped weights, libraries) and dirty ones are."""
+    fake.proc.write_text("4:memory:/job\n0::/\n")
+    fake.v1("/job", 2 * GiB, usage=GiB + GiB // 2, inactive=GiB // 8,
+            total_active_file=GiB // 2, total_mapped_file=GiB // 8)  # fmt: skip
+    # 1.5 GiB charged; of the 0.625 GiB page cache, 0.125 GiB is mapped: 1.0 GiB in use.
+    assert container_memory.usage() == container_memory.Usage(2 * GiB, GiB)
+    assert container_memory.available() == GiB
+    fake.v2("/", str(2 * GiB), current=GiB + GiB // 2, inactive=GiB // 8,
+            active_file=GiB // 2, file_mapped=GiB // 16, file_dirty=GiB // 16)  # fmt: skip
+    assert container_memory.usage() == container_memory.Usage(2 * GiB, GiB)
+    assert container_memory.binding() == (2 * GiB, GiB)
+
+
+class _QwenPack:
+    """A ~4 GB 4-bit pack of 12 layers of Qwen3-30B-A3B's shapes (128 experts, top 8)."""
+
+    geometry, record_stride = _Geometry(top_k=8, n_records=12 * 128), 2736128
+
+
+def test_a_2gib_container_sizes_the_arena_from_what_its_limit_leaves(fake: Fake) -> None:
+    """The rule: limit - in use (dense weights among it) - scratch - KV share - margin. A
+    2 GiB cgroup holding 1.2 GiB (the dense weights, the runtime) and 0.6 GiB of page cache
+    left from reading the checkpoint: the arena gets what is left, where the old rule (1 GiB +
+    a tenth of headroom, active page cache counted as used) refused."""
+    fake.proc.write_text("4:memory:/job\n0::/\n")
+    in_use, cache = 1229 << 20, 614 << 20
+    fake.v1("/job", 2 * GiB, usage=in_use + cache, inactive=cache // 2,
+            total_active_file=cache - cache // 2)  # fmt: skip
+    b = arena_budget.budget(_QwenPack(), None)  # type: ignore[arg-type]
+    assert (b.source, b.memory, b.in_use, b.dense) == ("container", 2 * GiB, in_use, None)
+    assert b.scratch == arena_budget.scratch_bytes(_QwenPack())  # type: ignore[arg-type]
+    assert b.kv == int(0.1 * 2 * GiB) and b.margin == int(0.05 * 2 * GiB)
+    assert b.arena == 2 * GiB - in_use - b.scratch - b.kv - b.margin > 0
+    assert arena_budget.arena_size(_QwenPack(), None) == b.arena  # type: ignore[arg-type]
+    # The dense weights are counted once: inside in_use when resident...
+    assert arena_budget.budget(_QwenPack(), None, dense_bytes=GiB) == (  # type: ignore[arg-type]
+        arena_budget.ArenaBudget(
+            b.arena, "container", 2 * GiB, in_use, GiB, b.scratch, b.kv, b.margin
+        )  # fmt: skip
+    )
+    # ...and by the front-end's figure where the container does not hold them yet (lazy).
+    lazy = arena_budget.budget(_QwenPack(), None, dense_bytes=in_use + GiB // 8)  # type: ignore[arg-type]
+    assert lazy.in_use == in_use + GiB // 8 and lazy.arena == b.arena - GiB // 8
+    # What the machine has free binds where it is less than the container leaves.
+    (fake.root.parent / "meminfo").write_text(f"MemAvailable: {GiB // 2 // 1024} kB\n")
+    small = arena_budget.budget(_QwenPack(), None)  # type: ignore[arg-type]
+    assert (small.source, small.memory, small.in_use) == ("memory", GiB // 2, 0)
+
+
+def test_too_small_a_container_names_the_limit_what_is_in_use_and_the_headroom(
+    fake: Fake,
+) -> None:
+    fake.proc.write_text("4:memory:/job\n0::/\n")
+    fake.v1("/job", 2 * GiB, usage=1843 << 20, inactive=0)
+    with pytest.raises(ConfigError) as err:
+        arena_budget.arena_size(_QwenPack(), None)  # type: ignore[arg-type]
+    msg = str(err.value)
+    assert "2.00 GiB limit, 1.80 GiB is in use" in msg and "205 MiB KV cache" in msg, msg
+
+
 def test_v2_is_read_first_and_v1_not_at_all_where_v2_has_files(fake: Fake) -> None:
     fake.proc.write_text("4:memory:/\n0::/\n")
     fake.v2("/", "max")
@@ -119,18 +202,11 @@ def test_an_arena_sized_from_free_memory_fits_the_container(fake: Fake) -> None:
     used on a machine with 100 GiB free, the ConfigError names the container's figure."""
     fake.v2("/", str(GiB), current=GiB // 2)
 
-    class Geometry:
-        top_k, n_records = 8, 1000
-
     class Pack:
-        geometry, record_stride = Geometry(), 64 << 20  # the minimum, 16 records: 1 GiB
+        geometry, record_stride = _Geometry(top_k=8), 64 << 20  # the minimum, 16 records: 1 GiB
 
-    with pytest.raises(ConfigError, match=r"only 512 MiB is available"):
+    with pytest.raises(ConfigError, match=r"1.00 GiB limit, 512 MiB is in use .* 512 MiB is left"):
         arena_budget.arena_size(Pack(), None)  # type: ignore[arg-type]
-
-
-class _Geometry:
-    top_k, n_records = 2, 1000
 
 
 class _Pack:
@@ -171,7 +247,10 @@ def test_the_minimum_arena_message_reads_in_a_unit_that_shows_it() -> None:
     """A small pack's minimum is KiB: the message never rounds it to "0.00 GiB"."""
 
     class Small:
-        geometry, record_stride = _Geometry(), 36 << 10  # 4 records: 144 KiB
+        geometry, record_stride = (
+            _Geometry(hidden=8, moe_intermediate=8, n_experts=4),
+            36 << 10,
+        )  # 4 records: 144 KiB
 
     with pytest.raises(ConfigError) as err:
         arena_budget.arena_size(Small(), 1000)  # type: ignore[arg-type]
@@ -190,9 +269,6 @@ def test_this_machine_reads_without_error() -> None:
 def test_a_real_v1_memory_cgroup_refuses_an_explicit_arena_beyond_it(tmp_path: Path) -> None:
     """The real files: a child memory cgroup (v1, as root) with a 512 MiB limit; a process in it
     asking for a 4 GiB arena gets the ConfigError, before anything is mapped."""
-    import os
-    import subprocess
-    import sys
     import uuid
 
     v1 = container_memory.VERSIONS[1]
@@ -231,3 +307,65 @@ sys.exit(1)
         child.rmdir()  # empty again: its one process has exited
     assert got.returncode == 0, got.stdout + got.stderr
     assert f"({4 << 30} bytes) does not fit" in got.stdout and "of its 512 MiB limit" in got.stdout
+
+
+def _v1_child_cgroup(limit: int) -> Path:
+    """A fresh child of this process's v1 memory cgroup with `limit` bytes (skips where it
+    cannot be made: not root, no v1 memory controller)."""
+    import uuid
+
+    v1 = container_memory.VERSIONS[1]
+    own = Path(container_memory.CGROUP_ROOT, v1.mount, container_memory._cgroup_path(v1).strip("/"))
+    if os.geteuid() != 0 or not (own / v1.limit).exists():
+        pytest.skip("needs root and the cgroup v1 memory controller")
+    child = own / f"strata-test-{uuid.uuid4().hex[:12]}"
+    try:
+        child.mkdir()
+        (child / v1.limit).write_text(f"{limit}\n")
+    except OSError as e:
+        if child.exists():
+            child.rmdir()
+        pytest.skip(f"cannot make a memory cgroup here: {e}")
+    return child
+
+
+def test_a_model_runs_in_a_small_v1_memory_cgroup_without_an_arena_size(tmp_path: Path) -> None:
+    """The real files: a transformers checkpoint loads with no arena_bytes in a 768 MiB
+    memory cgroup (v1, as root), which torch and transformers alone fill by a third, and
+    generates; the arena is sized from the container's limit. The rule is the one a 2 GiB
+    container gets (the test's checkpoint is tiny, so its limit is scaled down): the old one
+    left 1 GiB of headroom whatever the limit and refused."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from strata_stream.transformers.random_model import make_checkpoint
+
+    ckpt = make_checkpoint("qwen3_moe", tmp_path / "model")
+    limit = 768 << 20
+    child = _v1_child_cgroup(limit)
+    script = f"""
+import json, os, sys
+with open({str(child / "cgroup.procs")!r}, "w") as f:
+    f.write(str(os.getpid()))
+import torch
+from strata_stream import arena_budget
+from strata_stream.pack.reader import ExpertPack
+from strata_stream.transformers import describe, load
+model = load({str(ckpt)!r}, progress=False)
+out = model.generate(torch.tensor([[1, 2, 3, 4]]), max_new_tokens=4, do_sample=False)
+with ExpertPack.open(model.strata_pack_path) as pack:
+    b = arena_budget.budget(pack, None)
+print(json.dumps({{"arena": describe(model)["arena_bytes"], "tokens": out.shape[1],
+                  "source": b.source, "memory": b.memory}}))
+"""
+    env = {**os.environ, "STRATA_CACHE": str(tmp_path / "cache")}
+    try:
+        got = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                             timeout=300, env=env)  # fmt: skip
+        oom = (child / "memory.oom_control").read_text()
+    finally:
+        child.rmdir()  # empty again: its one process has exited
+    assert got.returncode == 0, got.stdout + got.stderr[-3000:]
+    assert "oom_kill 0" in oom or "oom_kill" not in oom, oom
+    row = json.loads(got.stdout.strip().splitlines()[-1])
+    assert row["tokens"] == 8 and row["arena"] > 0
+    assert (row["source"], row["memory"]) == ("container", limit)

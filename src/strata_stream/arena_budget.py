@@ -7,6 +7,7 @@ MLX nor torch.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 from strata_stream import container_memory
 from strata_stream.config import parse_size
@@ -14,11 +15,14 @@ from strata_stream.errors import ConfigError
 from strata_stream.pack.reader import ExpertPack
 from strata_stream.units import human_bytes
 
-_GiB = 1 << 30
-# Memory left to the KV cache, activations and the rest of the process when the arena is sized
-# automatically: 1 GiB plus a tenth of what is available.
-_HEADROOM_FIXED = _GiB
-_HEADROOM_SHARE = 0.10
+_MiB = 1 << 20
+# What an automatically sized arena leaves, besides what the process already holds (the dense
+# weights among it), as shares of the memory it is taken from (a container's limit, else the
+# memory available):
+KV_SHARE = 0.10  # the KV cache and the front-end's activations, which grow after sizing
+MARGIN_SHARE = 0.05  # the stated margin: allocator slack, thread stacks, libraries' caches
+MARGIN_MIN = 64 * _MiB
+MAX_ROWS = 1024  # the rows of a prompt chunk the engine's scratch is sized for (StreamConfig)
 
 
 MEMINFO = "/proc/meminfo"  # module-level: tests point it at a file of their own
@@ -28,6 +32,14 @@ def available_memory() -> int:
     """Bytes the system can give this process without swapping: MemAvailable on Linux, or what
     its container's memory limit leaves where that is less (a container's processes are killed
     at their limit, however much the machine has free)."""
+    avail = machine_available()
+    container = container_memory.available()
+    return avail if container is None else min(avail, container)
+
+
+def machine_available() -> int:
+    """The machine's MemAvailable (page cache it can drop counted as free), or half its memory
+    where there is no such figure."""
     avail: int | None = None
     try:
         with open(MEMINFO) as f:
@@ -40,8 +52,7 @@ def available_memory() -> int:
     if avail is None:
         pages = os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
         avail = int(pages * os.sysconf("SC_PAGE_SIZE") // 2)  # no better figure: half of RAM
-    container = container_memory.available()
-    return avail if container is None else min(avail, container)
+    return avail
 
 
 def check_fits(arena: int, name: str = "arena_bytes") -> None:
@@ -78,18 +89,72 @@ def requested_bytes(requested: int | str | None, name: str = "arena_bytes") -> i
     return requested
 
 
-def arena_size(
+@dataclass(frozen=True)
+class ArenaBudget:
+    """How an arena was sized, in bytes. Automatic sizing:
+
+        arena = memory - in_use - scratch - kv - margin   (at most every expert resident)
+
+    memory: a container's memory limit where one binds (else the memory available: the
+    machine's MemAvailable, or a GPU's free memory); in_use: what the container holds now that
+    the kernel cannot reclaim, the dense weights the front-end has loaded among it (0 outside a
+    container, where `memory` is already what is free); scratch: the engine's buffers for a
+    prompt chunk of MAX_ROWS rows; kv: KV_SHARE of `memory`, for the KV cache and activations;
+    margin: MARGIN_SHARE of it, at least MARGIN_MIN. dense: the bytes of the dense weights the
+    front-end reported holding; they are counted once, inside in_use where they are resident,
+    and only the part in_use does not hold yet where they are not."""
+
+    arena: int
+    source: str  # "requested", "container", or what `memory` is ("memory", "GPU memory")
+    memory: int
+    in_use: int = 0
+    dense: int | None = None
+    scratch: int = 0
+    kv: int = 0
+    margin: int = 0
+
+    @property
+    def headroom(self) -> int:
+        """What the arena leaves of what is left: scratch, KV cache, margin."""
+        return self.scratch + self.kv + self.margin
+
+    def as_dict(self) -> dict[str, int | str | None]:
+        return {
+            "arena_bytes": self.arena,
+            "arena_source": self.source,
+            "memory_bytes": self.memory,
+            "in_use_bytes": self.in_use,
+            "dense_bytes": self.dense,
+            "scratch_bytes": self.scratch,
+            "kv_bytes": self.kv,
+            "margin_bytes": self.margin,
+        }
+
+
+def scratch_bytes(pack: ExpertPack, rows: int = MAX_ROWS) -> int:
+    """The engine's working buffers for a chunk of `rows` rows (float32 x and out, the routed
+    ids and weights, router logits and two layers' predictions, the experts' activations and
+    weighted outputs): docs/architecture.md, "Scratch"."""
+    g = pack.geometry
+    per_row = 4 * (2 * g.hidden + 3 * g.n_experts + g.top_k * (2 * g.moe_intermediate + g.hidden))
+    return rows * (per_row + 8 * g.top_k)
+
+
+def budget(
     pack: ExpertPack,
     requested: int | str | None,
     available: int | None = None,
     memory: str = "memory",
-) -> int:
-    """The arena for a pack: `requested` if given (bytes, or a size with its unit: "8GB"),
-    else what available memory allows after the headroom, capped at every expert resident.
-    ConfigError when it cannot hold the minimum (two layers' top_k experts), saying how much
-    memory is needed, or when the container cannot hold an explicit one (check_fits).
-    available: bytes free (default: host memory, available_memory()); memory names them in that
-    error ("GPU memory" for an arena sized from a GPU's)."""
+    dense_bytes: int | None = None,
+) -> ArenaBudget:
+    """The arena for a pack and how it was sized (ArenaBudget): `requested` if given (bytes, or
+    a size with its unit: "8GB"), else what the memory leaves after what is in use, the scratch,
+    the KV cache's share and the margin, capped at every expert resident. ConfigError when it
+    cannot hold the minimum (two layers' top_k experts), saying how much memory is needed and
+    where it went, or when the container cannot hold an explicit one (check_fits).
+    available: bytes free (default: this machine's memory, within its container's limit);
+    memory names them in that error ("GPU memory" for an arena sized from a GPU's).
+    dense_bytes: the front-end's dense weights, reported, and counted where not yet resident."""
     requested = requested_bytes(requested)
     g = pack.geometry
     stride = pack.record_stride
@@ -104,22 +169,71 @@ def arena_size(
             )
         arena = min(requested, everything)
         check_fits(arena)
-        return arena
-    avail = available_memory() if available is None else available
-    headroom = int(_HEADROOM_FIXED + _HEADROOM_SHARE * avail)
-    arena = min(everything, avail - headroom)
+        return ArenaBudget(arena, "requested", arena, dense=dense_bytes)
+    if dense_bytes is not None and dense_bytes < 0:
+        raise ConfigError(f"dense_bytes must be >= 0, got {dense_bytes}")
+    total, in_use, source = _memory(available, memory, dense_bytes)
+    scratch = min(scratch_bytes(pack), everything)
+    kv = int(KV_SHARE * total)
+    margin = max(MARGIN_MIN, int(MARGIN_SHARE * total))
+    left = total - in_use
+    arena = min(everything, left - scratch - kv - margin)
+    found = ArenaBudget(arena, source, total, in_use, dense_bytes, scratch, kv, margin)
     if arena < minimum:
+        where = (
+            f"of this container's {human_bytes(total)} limit, {human_bytes(in_use)} is in use "
+            f"(the dense weights among it), so only {human_bytes(left)} is left"
+            if source == "container"
+            else f"only {human_bytes(left)} is available after the dense weights"
+        )
         raise ConfigError(
             f"not enough {memory} for the experts: the arena needs at least {minimum} bytes "
-            f"({human_bytes(minimum)}) plus {human_bytes(headroom)} of headroom, "
-            f"{human_bytes(minimum + headroom)} in all, but only {human_bytes(avail)} is "
-            "available after the dense weights"
+            f"({human_bytes(minimum)}) plus {human_bytes(found.headroom)} of headroom "
+            f"({human_bytes(scratch)} scratch, {human_bytes(kv)} KV cache and activations, "
+            f"{human_bytes(margin)} margin), {human_bytes(minimum + found.headroom)} in all, but "
+            f"{where} (an explicit arena_bytes is taken as given, where the headroom is more "
+            "than this model needs)"
         )
-    return arena
+    return found
+
+
+def _memory(available: int | None, memory: str, dense: int | None) -> tuple[int, int, str]:
+    """(memory the arena is taken from, bytes of it in use, its source) for budget()."""
+    if available is not None:  # a figure of free memory the caller measured (a GPU's)
+        return available, 0, memory
+    machine = machine_available()
+    found = container_memory.usage()
+    if found is not None:
+        # The dense weights are in the container's charge once loaded (anonymous memory, or
+        # mapped file pages): counted there, or by the front-end's figure while they are not.
+        in_use = max(found.in_use, dense or 0)
+        if found.limit - in_use <= machine:
+            return found.limit, in_use, "container"
+    return machine, 0, memory
+
+
+def arena_size(
+    pack: ExpertPack,
+    requested: int | str | None,
+    available: int | None = None,
+    memory: str = "memory",
+    dense_bytes: int | None = None,
+) -> int:
+    """budget(...).arena: the arena's bytes alone."""
+    return budget(pack, requested, available, memory, dense_bytes).arena
 
 
 def ExpertStream_min_slots(top_k: int) -> int:  # noqa: N802 - mirrors ExpertStream::min_slots
     return 2 * top_k
 
 
-__all__ = ["arena_size", "available_memory", "check_fits", "requested_bytes"]
+__all__ = [
+    "ArenaBudget",
+    "arena_size",
+    "available_memory",
+    "budget",
+    "check_fits",
+    "machine_available",
+    "requested_bytes",
+    "scratch_bytes",
+]

@@ -30,14 +30,21 @@ class CgroupVersion:
     limit: str  # bytes; "max" (v2) or about 2**63 (v1) when there is none
     usage: str  # bytes charged now, the page cache included
     stat: str  # "key value" lines
-    inactive_file: str  # memory.stat's key for page cache the kernel reclaims first
+    # memory.stat's keys for the page cache: on the two file LRU lists (the kernel reclaims
+    # these before it kills anything), of which mapped into a process or dirty (not free to drop)
+    active_file: str
+    inactive_file: str
+    mapped_file: str
+    dirty: str
 
 
 # v2 first: the first version with a limit file anywhere on the process's path is its own.
 VERSIONS = (
-    CgroupVersion("", "", "memory.max", "memory.current", "memory.stat", "inactive_file"),
+    CgroupVersion("", "", "memory.max", "memory.current", "memory.stat",
+                  "active_file", "inactive_file", "file_mapped", "file_dirty"),
     CgroupVersion("memory", "memory", "memory.limit_in_bytes", "memory.usage_in_bytes",
-                  "memory.stat", "total_inactive_file"),
+                  "memory.stat", "total_active_file", "total_inactive_file",
+                  "total_mapped_file", "total_dirty"),
 )  # fmt: skip
 
 _NO_LIMIT = 1 << 60  # v1 writes "no limit" as 2**63 rounded down to a page
@@ -83,15 +90,31 @@ def _limit(text: str) -> int | None:
     return value if 0 < value < _NO_LIMIT else None
 
 
-def _left(v: CgroupVersion, folder: str, cap: int) -> int:
-    usage = _read(os.path.join(folder, v.usage)) or ""
-    used = int(usage) if usage.isdigit() else 0
+def _stat(v: CgroupVersion, folder: str) -> dict[str, int]:
+    found = {}
     for line in (_read(os.path.join(folder, v.stat)) or "").splitlines():
         key, _, value = line.partition(" ")
-        if key == v.inactive_file and value.strip().isdigit():
-            used -= int(value)
-            break
-    return max(0, cap - max(0, used))
+        if value.strip().isdigit():
+            found[key] = int(value)
+    return found
+
+
+def _in_use(v: CgroupVersion, folder: str) -> int:
+    """What the cgroup holds that the kernel cannot give back without killing: its charge less
+    the page cache it may drop. Page cache on the file LRU lists (active or inactive: a file read
+    twice, as a checkpoint's shards are while loading, is on the active list) is reclaimed
+    before the limit kills anything, except pages mapped into a process (mmapped weights in
+    use, shared libraries' code) and dirty ones."""
+    usage = _read(os.path.join(folder, v.usage)) or ""
+    used = int(usage) if usage.isdigit() else 0
+    st = _stat(v, folder)
+    cache = st.get(v.active_file, 0) + st.get(v.inactive_file, 0)
+    pinned = st.get(v.mapped_file, 0) + st.get(v.dirty, 0)
+    return max(0, used - max(0, cache - pinned))
+
+
+def _left(v: CgroupVersion, folder: str, cap: int) -> int:
+    return max(0, cap - _in_use(v, folder))
 
 
 def _limited() -> list[tuple[CgroupVersion, str, int]]:
@@ -113,8 +136,8 @@ def limit() -> int | None:
 
 def available() -> int | None:
     """Bytes this process's cgroups can still take: for each limited one, its limit less what
-    it uses, not counting the page cache the kernel would drop first (inactive files); the
-    least of them. None where there is no limit."""
+    it holds, not counting the page cache the kernel would drop (_in_use); the least of them.
+    None where there is no limit."""
     left = [_left(v, f, cap) for v, f, cap in _limited()]
     return min(left) if left else None
 
@@ -122,11 +145,28 @@ def available() -> int | None:
 def binding() -> tuple[int, int] | None:
     """(limit, bytes left) of the limited cgroup on this process's path with the least left:
     the one whose limit an allocation meets first. None where there is no limit."""
-    found = [(_left(v, f, cap), cap) for v, f, cap in _limited()]
-    if not found:
-        return None
-    left, cap = min(found)
-    return cap, left
+    found = usage()
+    return None if found is None else (found.limit, found.left)
+
+
+@dataclass(frozen=True)
+class Usage:
+    """The binding cgroup's figures, in bytes: its limit, what it holds that the kernel cannot
+    reclaim (in_use: its charge less the droppable page cache), and what that leaves."""
+
+    limit: int
+    in_use: int
+
+    @property
+    def left(self) -> int:
+        return max(0, self.limit - self.in_use)
+
+
+def usage() -> Usage | None:
+    """The limited cgroup on this process's path with the least left (binding()'s), or None
+    where there is no limit."""
+    found = [Usage(cap, _in_use(v, f)) for v, f, cap in _limited()]
+    return min(found, key=lambda u: (u.left, u.limit)) if found else None
 
 
 __all__ = [
@@ -134,7 +174,9 @@ __all__ = [
     "PROC_CGROUP",
     "VERSIONS",
     "CgroupVersion",
+    "Usage",
     "available",
     "binding",
     "limit",
+    "usage",
 ]
