@@ -10,8 +10,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
-from strata_stream.errors import ConfigError
+from strata_stream.errors import ConfigError, PackError
 from strata_stream.pack import (
     PRESETS,
     ExpertPack,
@@ -23,7 +25,7 @@ from strata_stream.pack import (
     quantize_mxfp4,
     write_pack,
 )
-from strata_stream.pack.header import PackHeader, record_crc
+from strata_stream.pack.header import MatrixFormat, PackHeader, record_crc
 
 # hidden and moe_intermediate divisible by every group size, small enough to be instant.
 GEOM = Geometry(n_layers=2, n_experts=3, top_k=2, hidden=256, moe_intermediate=128)
@@ -472,3 +474,81 @@ def test_a_crafted_version_3_header_is_refused_by_both_readers(
         ExpertPack.open(path)
     with pytest.raises(PackError, match=message):
         _core.read_layout(str(path))
+
+
+# ---- the writer's headers through the engine's parser (the one parser) -------------------------
+
+_FLOAT_FORMATS = st.sampled_from(["f32", "f16", "bf16"]).map(lambda f: MatrixFormat(f))
+_MATRIX_FORMATS = st.one_of(
+    _FLOAT_FORMATS,
+    st.just(MatrixFormat("mxfp4", 32, "e8m0")),
+    st.builds(
+        MatrixFormat,
+        st.sampled_from(["q4", "q8"]),
+        st.sampled_from([32, 64, 128]),
+        st.sampled_from(["f32", "f16", "bf16"]),
+    ),
+)
+
+
+@st.composite
+def _written_headers(draw: st.DrawFn) -> PackHeader:
+    """Any header the writer makes within the engine's limits: every format, uniform (version 2)
+    or differing by layer and matrix (version 3), every routing, activation and bias dtype."""
+    n_layers = draw(st.one_of(st.integers(1, 40), st.sampled_from([4095, 4096])))
+    n_experts = draw(st.one_of(st.integers(1, 300), st.just(65536)))
+    activation = draw(st.sampled_from(["swiglu", "swiglu_oai"]))
+    positive = st.floats(1e-3, 1e6, allow_nan=False, allow_infinity=False)
+    geometry = Geometry(
+        n_layers=n_layers,
+        n_experts=n_experts,
+        top_k=draw(st.integers(1, min(n_experts, 64))),
+        # Multiples of 128: every group size divides them.
+        hidden=128 * draw(st.integers(1, 64)),
+        moe_intermediate=128 * draw(st.integers(1, 64)),
+        routing=draw(st.sampled_from(["softmax_topk", "topk_softmax", "external"])),
+        norm_topk_prob=draw(st.booleans()),
+        activation=activation,
+        act_alpha=draw(positive),
+        act_limit=draw(positive),
+    )
+    layer_formats: tuple[Any, ...] = ()
+    if draw(st.booleans()):  # formats by layer and matrix: a version 3 pack unless uniform
+        classes = draw(st.lists(st.tuples(*[_MATRIX_FORMATS] * 3), min_size=1, max_size=5))
+        order = draw(st.lists(st.integers(0, len(classes) - 1), min_size=1, max_size=8))
+        layer_formats = tuple(classes[order[layer % len(order)]] for layer in range(n_layers))
+    pack = draw(_MATRIX_FORMATS)
+    u32 = st.integers(0, 2**32 - 1)
+    return PackHeader(
+        geometry,
+        pack.weight_format,
+        pack.group_size,
+        pack.scale_dtype,
+        draw(st.integers(0, 2**40)),
+        draw(u32),
+        draw(u32),
+        bias_dtype=draw(st.sampled_from([None, "f32", "f16", "bf16"])),
+        layer_formats=layer_formats,
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(header=_written_headers())
+def test_every_header_the_writer_makes_parses_to_what_it_wrote(header: PackHeader) -> None:
+    """The engine's parser (`_core.read_layout`, behind the reader's parse_header) reads back
+    exactly the header the writer's PackHeader wrote, for every format, version 2 and 3: the
+    same header, which writes the same bytes again; the file size is checked against it."""
+    from strata_stream import _core
+    from strata_stream.pack.header import parse_header
+
+    assume(header.file_bytes < 2**64)  # beyond, the header's u64 fields cannot hold the pack
+    data = header.to_bytes()
+    parsed = parse_header(data, "pack written", header.file_bytes)
+    assert parsed == header
+    assert parsed.to_bytes() == data
+    fields = _core.read_layout(data, "pack written")
+    assert fields["version"] == (3 if header.mixed else 2)
+    assert (fields["meta_crc"], fields["router_crc"]) == (header.meta_crc, header.router_crc)
+    assert fields["layer_class"] == list(header.layer_class)
+    with pytest.raises(PackError, match="^pack written: file is .* but header field file_bytes"):
+        _core.read_layout(data, "pack written", header.file_bytes + 1)

@@ -1,8 +1,12 @@
-// The pack file as Python sees it: its layout (the metadata every wrapper sizes itself by) and
+// The pack file as Python sees it: its layout (the metadata every wrapper sizes itself by), the
+// header parser (pack/header.py reads headers through it: one parser for C++ and Python) and
 // CRC32C, the record checksum of pack format v2, one implementation for C++ and Python.
 #include "pack.h"
 
+#include <pybind11/stl.h>
+
 #include <memory>
+#include <optional>
 
 #include "pack/checksum.h"
 
@@ -30,10 +34,66 @@ py::dict layout_dict(const PackLayout& L) {
   return d;
 }
 
+namespace {
+
+// layout_dict and every other field the header stores or implies: what the Python reader builds
+// its PackHeader from (pack/header.py), format codes as stored.
+py::dict header_dict(const PackLayout& L) {
+  py::dict d = layout_dict(L);
+  d["version"] = L.mixed() ? kMixedPackVersion : kPackVersion;
+  d["scale_format"] = L.scale_format;
+  d["act_alpha"] = L.act_alpha;
+  d["act_limit"] = L.act_limit;
+  d["meta_offset"] = L.meta_offset;
+  d["meta_bytes"] = L.meta_bytes;
+  d["meta_crc"] = L.meta_crc;
+  d["router_offset"] = L.router_offset;
+  d["router_bytes"] = L.router_bytes;
+  d["router_crc"] = L.router_crc;
+  d["checksum_offset"] = L.checksum_offset;
+  d["checksum_bytes"] = L.checksum_bytes;
+  py::list classes, class_tensors;
+  for (const LayerFormat& lf : L.classes) {
+    py::list mats;
+    for (const MatrixFormat& f : lf)
+      mats.append(py::make_tuple(static_cast<std::uint32_t>(f.format), f.group_size,
+                                 f.scale_format));
+    classes.append(py::tuple(mats));
+  }
+  for (const std::vector<TensorEntry>& table : L.class_tensors) {
+    py::list entries;
+    for (const TensorEntry& t : table)
+      entries.append(py::make_tuple(t.matrix, t.role, t.offset, t.nbytes, t.rows, t.cols));
+    class_tensors.append(entries);
+  }
+  d["classes"] = classes;
+  d["class_tensors"] = class_tensors;
+  d["layer_class"] = py::cast(std::vector<std::uint32_t>(L.layer_class.begin(),
+                                                         L.layer_class.end()));
+  return d;
+}
+
+}  // namespace
+
 void init_pack(py::module_& m) {
+  // Header bytes first: pybind11 would take bytes for the path's std::string too.
   m.def(
-      "read_layout", [](const std::string& path) { return layout_dict(read_pack_layout(path)); },
-      py::arg("path"), "The layout of the pack at `path`, as ExpertStream.layout gives it.");
+      "read_layout",
+      [](py::buffer header, const std::string& where, std::optional<std::uint64_t> file_bytes) {
+        const py::buffer_info b = header.request();
+        if (b.ndim != 1 || b.itemsize != 1)
+          throw py::type_error("read_layout: header must be a 1-d buffer of bytes");
+        return header_dict(decode_pack_header(static_cast<const unsigned char*>(b.ptr),
+                                              std::size_t(b.size), where, file_bytes));
+      },
+      py::arg("header"), py::arg("where"), py::arg("file_bytes") = py::none(),
+      "Decodes and validates pack header bytes: PackError beginning with `where` (\"pack "
+      "<path>\") names the field; `file_bytes`, the file's size, must equal the header's.");
+  m.def(
+      "read_layout", [](const std::string& path) { return header_dict(read_pack_layout(path)); },
+      py::arg("path"),
+      "The header of the pack at `path`: the layout ExpertStream.layout gives, and every other "
+      "field the header stores or implies.");
   m.def(
       "crc32c",
       [](py::object buffer, std::uint32_t seed) {

@@ -3,7 +3,7 @@
 # against these; keep them in step with the bindings.
 from collections.abc import Callable
 from enum import IntEnum
-from typing import Any, TypedDict
+from typing import Any, TypedDict, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -28,9 +28,32 @@ class Layout(TypedDict):
     records_offset: int
     file_bytes: int
 
+# Layout and every other field a header stores or implies (what pack/header.py reads through):
+# format codes as stored, each class's formats (weight_format, group_size, scale_format per
+# gate, up, down) and tensor table ((matrix, role, offset, nbytes, rows, cols) per tensor).
+class Header(Layout):
+    version: int
+    scale_format: int
+    act_alpha: float
+    act_limit: float
+    meta_offset: int
+    meta_bytes: int
+    meta_crc: int
+    router_offset: int
+    router_bytes: int
+    router_crc: int
+    checksum_offset: int
+    checksum_bytes: int
+    classes: list[tuple[tuple[int, int, int], tuple[int, int, int], tuple[int, int, int]]]
+    class_tensors: list[list[tuple[int, int, int, int, int, int]]]
+    layer_class: list[int]
+
 CRC32C_IMPL: str  # "sse4.2", "armv8-crc" or "table"
 
-def read_layout(path: str) -> Layout: ...
+@overload
+def read_layout(header: Buffer, where: str, file_bytes: int | None = None) -> Header: ...
+@overload
+def read_layout(path: str) -> Header: ...
 def crc32c(buffer: Buffer, seed: int = 0) -> int: ...
 
 # ---- stream.cpp: residency/slot.h and ExpertStream -----------------------------------------

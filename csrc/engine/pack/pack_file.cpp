@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -20,8 +21,9 @@
 namespace strata {
 namespace {
 
-[[noreturn]] void bad(const std::string& path, const std::string& what) {
-  throw EngineError(ErrorKind::Pack, "pack " + path + ": " + what);
+// `where` names the pack ("pack <path>"): every error begins with it.
+[[noreturn]] void bad(const std::string& where, const std::string& what) {
+  throw EngineError(ErrorKind::Pack, where + ": " + what);
 }
 
 template <class T>
@@ -55,7 +57,7 @@ namespace {
 // comparison against record_bytes or the file size.
 class LayoutMath {
  public:
-  LayoutMath(const std::string& path) : path_(path) {}
+  explicit LayoutMath(const std::string& where) : where_(where) {}
   std::uint64_t add(std::uint64_t a, std::uint64_t b, const char* field) const {
     std::uint64_t r;
     if (__builtin_add_overflow(a, b, &r)) overflow(field);
@@ -72,46 +74,49 @@ class LayoutMath {
 
  private:
   [[noreturn]] void overflow(const char* field) const {
-    bad(path_, std::string("header field ") + field +
+    bad(where_, std::string("header field ") + field +
                    ": the layout the geometry and format imply overflows 64 bits");
   }
-  const std::string& path_;
+  const std::string& where_;
 };
 
 std::string field_value(const char* name, std::uint64_t value) {
   return std::string("header field ") + name + " is " + std::to_string(value);
 }
 
+// weight_format codes' names, as docs/pack-format.md and the Python writer spell them.
+const char* const kFormatNames[] = {"f32", "f16", "bf16", "q4", "q8", "mxfp4"};
+
 // Element bytes of a stored float dtype (weight_format 0..2, scale_format 0..2).
 std::uint64_t float_bytes(std::uint32_t fmt) { return fmt == 0 ? 4 : 2; }
 
 // One matrix format, checked against the geometry: the pack's own fields (`where` empty) or a
 // version 3 format class's ("format class C gate: ").
-MatrixFormat checked_format(const std::string& path, const std::string& where, std::uint32_t fmt,
+MatrixFormat checked_format(const std::string& pack, const std::string& where, std::uint32_t fmt,
                             std::uint32_t group, std::uint32_t scale, const PackLayout& L) {
   if (fmt > 5)
-    bad(path, where + field_value("weight_format", fmt) +
+    bad(pack, where + field_value("weight_format", fmt) +
                   " (known: 0 f32, 1 f16, 2 bf16, 3 q4, 4 q8, 5 mxfp4)");
   if (scale > kScaleE8m0)
-    bad(path, where + field_value("scale_format", scale) +
+    bad(pack, where + field_value("scale_format", scale) +
                   " (known: 0 f32, 1 f16, 2 bf16, 3 e8m0)");
   const bool quant = fmt >= 3, mxfp4 = fmt == std::uint32_t(WeightFormat::Mxfp4);
   if (!quant && (group != 0 || scale != 0))
-    bad(path, where + "header fields group_size " + std::to_string(group) + " and scale_format " +
-                  std::to_string(scale) + " must be 0 for a float weight_format");
+    bad(pack, where + "header fields group_size " + std::to_string(group) + " and scale_format " +
+                  std::to_string(scale) + " must be 0 for weight_format " + kFormatNames[fmt]);
   if (mxfp4 && (group != 32 || scale != kScaleE8m0))
-    bad(path, where + "header fields group_size " + std::to_string(group) + " and scale_format " +
+    bad(pack, where + "header fields group_size " + std::to_string(group) + " and scale_format " +
                   std::to_string(scale) + " must be 32 and 3 (e8m0) for mxfp4");
   if (quant && !mxfp4 && scale == kScaleE8m0)
-    bad(path, where + "header field scale_format 3 (e8m0) is for mxfp4 only, not affine q4/q8");
+    bad(pack, where + "header field scale_format 3 (e8m0) is for mxfp4 only, not affine q4/q8");
   if (quant) {
     if (group != 32 && group != 64 && group != 128)
-      bad(path, where + field_value("group_size", group) + " (expected 32, 64 or 128)");
+      bad(pack, where + field_value("group_size", group) + " (expected 32, 64 or 128)");
     if (L.hidden % group)
-      bad(path, where + field_value("hidden", L.hidden) + ", not a multiple of group_size " +
+      bad(pack, where + field_value("hidden", L.hidden) + ", not a multiple of group_size " +
                     std::to_string(group));
     if (L.moe_intermediate % group)
-      bad(path, where + field_value("moe_intermediate", L.moe_intermediate) +
+      bad(pack, where + field_value("moe_intermediate", L.moe_intermediate) +
                     ", not a multiple of group_size " + std::to_string(group));
   }
   return MatrixFormat{static_cast<WeightFormat>(fmt), group, scale};
@@ -120,19 +125,19 @@ MatrixFormat checked_format(const std::string& path, const std::string& where, s
 // Version 3's format classes and each layer's class, into L (its geometry already checked).
 // The writer's canonical form: classes in order of first use, all used, class 0's gate the
 // pack format, and not one uniform class (that is a version 2 pack).
-void read_format_classes(const std::string& path, const unsigned char* h,
+void read_format_classes(const std::string& pack, const unsigned char* h,
                          const MatrixFormat& pack_format, PackLayout* L) {
   static const char* const kMatrix[] = {"gate", "up", "down"};
   const std::uint32_t n_classes = load<std::uint32_t>(h + kFormatsOffset);
   if (n_classes == 0 || n_classes > kMaxFormatClasses)
-    bad(path, field_value("n_classes", n_classes) + " (expected 1..16)");
+    bad(pack, field_value("n_classes", n_classes) + " (expected 1..16)");
   for (std::uint32_t c = 0; c < n_classes; ++c) {
     LayerFormat formats;
     for (std::uint32_t mat = 0; mat < 3; ++mat) {
       const unsigned char* p = h + kFormatsOffset + 4 + (c * 3 + mat) * 12;
       const std::string where =
           "format class " + std::to_string(c) + " " + kMatrix[mat] + ": ";
-      formats[mat] = checked_format(path, where, load<std::uint32_t>(p),
+      formats[mat] = checked_format(pack, where, load<std::uint32_t>(p),
                                     load<std::uint32_t>(p + 4), load<std::uint32_t>(p + 8), *L);
     }
     L->classes.push_back(formats);
@@ -141,19 +146,19 @@ void read_format_classes(const std::string& path, const unsigned char* h,
   for (std::uint32_t layer = 0; layer < L->n_layers; ++layer) {
     const std::uint32_t c = (h[kLayerClassOffset + layer / 2] >> (4 * (layer % 2))) & 15u;
     if (c > next || c >= n_classes)
-      bad(path, "layer " + std::to_string(layer) + " is of format class " + std::to_string(c) +
+      bad(pack, "layer " + std::to_string(layer) + " is of format class " + std::to_string(c) +
                     " (classes are numbered in order of first use, " + std::to_string(n_classes) +
                     " of them)");
     if (c == next) ++next;
     L->layer_class.push_back(std::uint8_t(c));
   }
   const LayerFormat& first = L->classes[0];
-  if (next != n_classes) bad(path, "format class " + std::to_string(next) + " is never used");
+  if (next != n_classes) bad(pack, "format class " + std::to_string(next) + " is never used");
   if (!(first[0] == pack_format))
-    bad(path, "format class 0's gate differs from the header's weight_format/group_size/"
+    bad(pack, "format class 0's gate differs from the header's weight_format/group_size/"
               "scale_format");
   if (n_classes == 1 && first[1] == first[0] && first[2] == first[0])
-    bad(path, "version 3 header whose experts share one format (version 2)");
+    bad(pack, "version 3 header whose experts share one format (version 2)");
 }
 
 }  // namespace
@@ -202,107 +207,167 @@ std::uint64_t canonical_tensors(const PackLayout& L, const LayerFormat& formats,
   return at;
 }
 
-PackLayout parse_pack_header(const unsigned char* h, std::size_t n, const std::string& path,
-                             std::uint64_t actual) {
+namespace {
+
+// A Python bytes literal of what the file starts with (b'hello'), as the user's tools show it.
+std::string bytes_literal(const unsigned char* p, std::size_t n) {
+  const bool dq = std::memchr(p, '\'', n) && !std::memchr(p, '"', n);
+  const char quote = dq ? '"' : '\'';
+  std::string s = "b";
+  s += quote;
+  for (std::size_t i = 0; i < n; ++i) {
+    const unsigned char c = p[i];
+    if (c == '\\' || c == quote) {
+      s += '\\';
+      s += char(c);
+    } else if (c == '\t' || c == '\n' || c == '\r') {
+      s += c == '\t' ? "\\t" : c == '\n' ? "\\n" : "\\r";
+    } else if (c < 0x20 || c >= 0x7f) {
+      static const char* const kHex = "0123456789abcdef";
+      s += "\\x";
+      s += kHex[c >> 4];
+      s += kHex[c & 15];
+    } else {
+      s += char(c);
+    }
+  }
+  return s + quote;
+}
+
+std::string hex32(std::uint32_t v) {
+  char buf[16];
+  std::snprintf(buf, sizeof buf, "0x%08x", v);
+  return buf;
+}
+
+// Magic, length, version, crc and header_bytes: what must hold before any field means anything.
+// A wrong file is likelier than a truncated one, so a magic that differs is said first. Returns
+// the version.
+std::uint32_t check_preamble(const unsigned char* h, std::size_t n, const std::string& where,
+                             std::uint64_t size) {
+  static const unsigned char kMagic[8] = {'S', 'T', 'R', 'A', 'T', 'A', 'P', 'K'};
+  const std::size_t head = std::min<std::size_t>(n, 8);
+  if (head > 0 && std::memcmp(h, kMagic, head) != 0)
+    bad(where, "bad magic " + bytes_literal(h, head) + " (expected b'STRATAPK')");
   if (n < kHeaderBytes)
-    bad(path, "file is " + std::to_string(actual) + " bytes, shorter than the " +
-                  std::to_string(kHeaderBytes) + "-byte header (truncated?)");
-  if (std::memcmp(h, "STRATAPK", 8) != 0) bad(path, "bad magic (expected STRATAPK)");
-  std::uint32_t version = load<std::uint32_t>(h + 8);
+    bad(where, "file is " + std::to_string(size) + " bytes, shorter than the " +
+                   std::to_string(kHeaderBytes) + "-byte header (truncated?)");
+  const std::uint32_t version = load<std::uint32_t>(h + 8);
   if (version == 1)
-    bad(path, "format version 1 is no longer read (version 2 checksums records with CRC32C); "
-              "repack with strata-stream pack/convert");
+    bad(where, "format version 1 is no longer read (version 2 checksums records with CRC32C); "
+               "repack with strata-stream pack/convert");
   if (version != kPackVersion && version != kMixedPackVersion)
-    bad(path, "version " + std::to_string(version) + " not supported (this reader knows " +
-                  std::to_string(kPackVersion) + " and " + std::to_string(kMixedPackVersion) +
-                  ")");
-  std::uint32_t stored_crc = load<std::uint32_t>(h + 4092);
-  if (header_crc(h) != stored_crc) bad(path, "header_crc mismatch (header corrupt)");
+    bad(where, "version " + std::to_string(version) + " not supported (this reader knows " +
+                   std::to_string(kPackVersion) + " and " + std::to_string(kMixedPackVersion) +
+                   ")" +
+                   (version > kMixedPackVersion
+                        ? " (written by a newer strata-stream: upgrade to read it)"
+                        : ""));
+  const std::uint32_t stored = load<std::uint32_t>(h + 4092), computed = header_crc(h);
+  if (stored != computed)
+    bad(where, "header_crc mismatch (stored " + hex32(stored) + ", computed " + hex32(computed) +
+                   ")");
   if (load<std::uint32_t>(h + 12) != kHeaderBytes)
-    bad(path, field_value("header_bytes", load<std::uint32_t>(h + 12)) + " (expected 4096)");
+    bad(where, field_value("header_bytes", load<std::uint32_t>(h + 12)) + " (expected 4096)");
+  return version;
+}
 
-  PackLayout L;
-  L.n_layers = load<std::uint32_t>(h + 16);
-  L.n_experts = load<std::uint32_t>(h + 20);
-  L.top_k = load<std::uint32_t>(h + 24);
-  L.hidden = load<std::uint32_t>(h + 28);
-  L.moe_intermediate = load<std::uint32_t>(h + 32);
-  const std::uint32_t routing = load<std::uint32_t>(h + 36);
-  const std::uint32_t norm = load<std::uint32_t>(h + 40);
-  const std::uint32_t fmt = load<std::uint32_t>(h + 44);
-  L.group_size = load<std::uint32_t>(h + 48);
-  L.scale_format = load<std::uint32_t>(h + 52);
-  L.record_bytes = load<std::uint64_t>(h + 56);
-  L.record_stride = load<std::uint64_t>(h + 64);
-  L.meta_offset = load<std::uint64_t>(h + 72);
-  L.meta_bytes = load<std::uint64_t>(h + 80);
-  L.router_offset = load<std::uint64_t>(h + 88);
-  L.router_bytes = load<std::uint64_t>(h + 96);
-  L.checksum_offset = load<std::uint64_t>(h + 104);
-  L.checksum_bytes = load<std::uint64_t>(h + 112);
-  L.records_offset = load<std::uint64_t>(h + 120);
-  L.file_bytes = load<std::uint64_t>(h + 128);
-  const std::uint32_t n_tensors = load<std::uint32_t>(h + 136);
-  const std::uint32_t activation = load<std::uint32_t>(h + kModelBlockOffset);
-  L.act_alpha = load<float>(h + kModelBlockOffset + 4);
-  L.act_limit = load<float>(h + kModelBlockOffset + 8);
-  L.bias_format = load<std::uint32_t>(h + kModelBlockOffset + 12);
+// The fields stored as codes, checked before they are converted into the layout's enums.
+struct HeaderCodes {
+  std::uint32_t routing, norm, fmt, activation, n_tensors;
+};
 
-  // The geometry. The engine's own limits (keys fit a u32 smap index) are tighter than the
-  // format's u32 fields.
-  if (L.n_layers == 0 || L.n_layers > kMaxLayers)
-    bad(path, field_value("n_layers", L.n_layers) + " (expected 1.." +
-                  std::to_string(kMaxLayers) + ")");
-  if (L.n_experts == 0 || L.n_experts > kMaxExperts)
-    bad(path, field_value("n_experts", L.n_experts) + " (expected 1.." +
-                  std::to_string(kMaxExperts) + ")");
-  if (L.top_k == 0 || L.top_k > L.n_experts)
-    bad(path, field_value("top_k", L.top_k) + " (expected 1..n_experts " +
-                  std::to_string(L.n_experts) + ")");
-  if (L.hidden == 0) bad(path, field_value("hidden", 0) + " (expected >= 1)");
-  if (L.moe_intermediate == 0) bad(path, field_value("moe_intermediate", 0) + " (expected >= 1)");
-  if (routing > 2)
-    bad(path, field_value("routing", routing) +
-                  " (known: 0 softmax_topk, 1 topk_softmax, 2 external)");
-  if (activation > 1)
-    bad(path, field_value("activation", activation) + " (known: 0 swiglu, 1 swiglu_oai)");
-  if (L.bias_format > 3)
-    bad(path, field_value("bias_format", L.bias_format) + " (known: 0 none, 1 f32, 2 f16, 3 bf16)");
-  L.activation = static_cast<Activation>(activation);
-  if (L.activation == Activation::SwigluOai &&
-      !(L.act_alpha > 0 && L.act_limit > 0 && std::isfinite(L.act_alpha) &&
-        std::isfinite(L.act_limit)))
-    bad(path, "header fields act_alpha/act_limit must be finite and positive for swiglu_oai");
-  if (norm > 1) bad(path, field_value("norm_topk_prob", norm) + " (expected 0 or 1)");
-  L.routing = static_cast<Routing>(routing);
-  L.norm_topk_prob = norm == 1;
-  const MatrixFormat pack_format = checked_format(path, "", fmt, L.group_size, L.scale_format, L);
-  L.weight_format = pack_format.format;
-  if (version == kMixedPackVersion)
-    read_format_classes(path, h, pack_format, &L);
-  else
-    L.classes.assign(1, LayerFormat{pack_format, pack_format, pack_format});
+// Every fixed field into L, as stored; the codes beside it.
+HeaderCodes load_fields(const unsigned char* h, PackLayout* L) {
+  L->n_layers = load<std::uint32_t>(h + 16);
+  L->n_experts = load<std::uint32_t>(h + 20);
+  L->top_k = load<std::uint32_t>(h + 24);
+  L->hidden = load<std::uint32_t>(h + 28);
+  L->moe_intermediate = load<std::uint32_t>(h + 32);
+  L->group_size = load<std::uint32_t>(h + 48);
+  L->scale_format = load<std::uint32_t>(h + 52);
+  L->record_bytes = load<std::uint64_t>(h + 56);
+  L->record_stride = load<std::uint64_t>(h + 64);
+  L->meta_offset = load<std::uint64_t>(h + 72);
+  L->meta_bytes = load<std::uint64_t>(h + 80);
+  L->router_offset = load<std::uint64_t>(h + 88);
+  L->router_bytes = load<std::uint64_t>(h + 96);
+  L->checksum_offset = load<std::uint64_t>(h + 104);
+  L->checksum_bytes = load<std::uint64_t>(h + 112);
+  L->records_offset = load<std::uint64_t>(h + 120);
+  L->file_bytes = load<std::uint64_t>(h + 128);
+  L->meta_crc = load<std::uint32_t>(h + 140);
+  L->router_crc = load<std::uint32_t>(h + kRouterCrcOffset);
+  L->act_alpha = load<float>(h + kModelBlockOffset + 4);
+  L->act_limit = load<float>(h + kModelBlockOffset + 8);
+  L->bias_format = load<std::uint32_t>(h + kModelBlockOffset + 12);
+  return HeaderCodes{load<std::uint32_t>(h + 36), load<std::uint32_t>(h + 40),
+                     load<std::uint32_t>(h + 44), load<std::uint32_t>(h + kModelBlockOffset),
+                     load<std::uint32_t>(h + 136)};
+}
 
-  const LayoutMath m(path);
-  std::uint64_t record_bytes = 0;  // the largest class's: every record takes its room
-  for (const LayerFormat& formats : L.classes) {
+// The geometry and the model block. The engine's own limits (keys fit a u32 smap index) are
+// tighter than the format's u32 fields.
+void check_geometry(const std::string& where, const HeaderCodes& c, PackLayout* L) {
+  if (L->n_layers == 0 || L->n_layers > kMaxLayers)
+    bad(where, field_value("n_layers", L->n_layers) + " (expected 1.." +
+                   std::to_string(kMaxLayers) + ")");
+  if (L->n_experts == 0 || L->n_experts > kMaxExperts)
+    bad(where, field_value("n_experts", L->n_experts) + " (expected 1.." +
+                   std::to_string(kMaxExperts) + ")");
+  if (L->top_k == 0 || L->top_k > L->n_experts)
+    bad(where, field_value("top_k", L->top_k) + " (expected 1..n_experts " +
+                   std::to_string(L->n_experts) + ")");
+  if (L->hidden == 0) bad(where, field_value("hidden", 0) + " (expected >= 1)");
+  if (L->moe_intermediate == 0)
+    bad(where, field_value("moe_intermediate", 0) + " (expected >= 1)");
+  if (c.routing > 2)
+    bad(where, field_value("routing", c.routing) +
+                   " (known: 0 softmax_topk, 1 topk_softmax, 2 external)");
+  if (c.activation > 1)
+    bad(where, field_value("activation", c.activation) + " (known: 0 swiglu, 1 swiglu_oai)");
+  if (L->bias_format > 3)
+    bad(where,
+        field_value("bias_format", L->bias_format) + " (known: 0 none, 1 f32, 2 f16, 3 bf16)");
+  L->activation = static_cast<Activation>(c.activation);
+  if (L->activation == Activation::SwigluOai &&
+      !(L->act_alpha > 0 && L->act_limit > 0 && std::isfinite(L->act_alpha) &&
+        std::isfinite(L->act_limit)))
+    bad(where, "header fields act_alpha/act_limit must be finite and positive for swiglu_oai");
+  if (c.norm > 1) bad(where, field_value("norm_topk_prob", c.norm) + " (expected 0 or 1)");
+  L->routing = static_cast<Routing>(c.routing);
+  L->norm_topk_prob = c.norm == 1;
+}
+
+// Each format class's canonical tensor table into L, and the record_bytes they imply: the
+// largest class's (every record takes its room).
+std::uint64_t derive_tensor_tables(const std::string& where, PackLayout* L) {
+  std::uint64_t record_bytes = 0;
+  for (const LayerFormat& formats : L->classes) {
     std::vector<TensorEntry> table;
     try {
-      record_bytes = std::max(record_bytes, canonical_tensors(L, formats, &table));
+      record_bytes = std::max(record_bytes, canonical_tensors(*L, formats, &table));
     } catch (const std::overflow_error&) {
-      bad(path, "header field record_bytes: the layout the geometry and format imply overflows "
-                "64 bits");
+      bad(where, "header field record_bytes: the layout the geometry and format imply overflows "
+                 "64 bits");
     }
-    L.class_tensors.push_back(std::move(table));
+    L->class_tensors.push_back(std::move(table));
   }
-  const std::vector<TensorEntry>& want = L.class_tensors[0];
-  const std::uint64_t keys = std::uint64_t(L.n_layers) * L.n_experts;  // <= 2^28
+  return record_bytes;
+}
+
+// The sections' offsets and sizes the geometry, the formats and meta_bytes imply, each against
+// the stored field.
+void check_derived_fields(const std::string& where, std::uint32_t n_tensors, PackLayout* L) {
+  const std::uint64_t record_bytes = derive_tensor_tables(where, L);
+  const LayoutMath m(where);
+  const std::uint64_t keys = std::uint64_t(L->n_layers) * L->n_experts;  // <= 2^28
   const std::uint64_t stride = m.align(record_bytes, kPage, "record_stride");
   const std::uint64_t router_offset =
-      m.align(m.add(kHeaderBytes, L.meta_bytes, "meta_bytes"), kPage, "meta_bytes");
+      m.align(m.add(kHeaderBytes, L->meta_bytes, "meta_bytes"), kPage, "meta_bytes");
   // An externally routed pack (the model's own gates route) carries no routers.
   const std::uint64_t router_bytes =
-      L.has_routers() ? m.mul(m.mul(keys, L.hidden, "router_bytes"), 4, "router_bytes") : 0;
+      L->has_routers() ? m.mul(m.mul(keys, L->hidden, "router_bytes"), 4, "router_bytes") : 0;
   const std::uint64_t checksum_offset =
       m.align(m.add(router_offset, router_bytes, "checksum_offset"), kPage, "checksum_offset");
   const std::uint64_t checksum_bytes = keys * 4;
@@ -310,26 +375,29 @@ PackLayout parse_pack_header(const unsigned char* h, std::size_t n, const std::s
       m.align(m.add(checksum_offset, checksum_bytes, "records_offset"), kPage, "records_offset");
   const std::uint64_t file_bytes =
       m.add(records_offset, m.mul(keys, stride, "file_bytes"), "file_bytes");
-
   const std::pair<const char*, std::pair<std::uint64_t, std::uint64_t>> derived[] = {
-      {"record_bytes", {L.record_bytes, record_bytes}},
-      {"record_stride", {L.record_stride, stride}},
-      {"meta_offset", {L.meta_offset, kHeaderBytes}},
-      {"router_offset", {L.router_offset, router_offset}},
-      {"router_bytes", {L.router_bytes, router_bytes}},
-      {"checksum_offset", {L.checksum_offset, checksum_offset}},
-      {"checksum_bytes", {L.checksum_bytes, checksum_bytes}},
-      {"records_offset", {L.records_offset, records_offset}},
-      {"file_bytes", {L.file_bytes, file_bytes}},
-      {"n_tensors", {n_tensors, want.size()}},
+      {"record_bytes", {L->record_bytes, record_bytes}},
+      {"record_stride", {L->record_stride, stride}},
+      {"meta_offset", {L->meta_offset, kHeaderBytes}},
+      {"router_offset", {L->router_offset, router_offset}},
+      {"router_bytes", {L->router_bytes, router_bytes}},
+      {"checksum_offset", {L->checksum_offset, checksum_offset}},
+      {"checksum_bytes", {L->checksum_bytes, checksum_bytes}},
+      {"records_offset", {L->records_offset, records_offset}},
+      {"file_bytes", {L->file_bytes, file_bytes}},
+      {"n_tensors", {n_tensors, L->class_tensors[0].size()}},
   };
   for (const auto& [name, v] : derived)
     if (v.first != v.second)
-      bad(path, field_value(name, v.first) + " but the geometry and format imply " +
-                    std::to_string(v.second));
+      bad(where, field_value(name, v.first) + " but the geometry and format imply " +
+                     std::to_string(v.second));
+}
 
+// The stored tensor table (class 0's), entry by entry against the canonical one, into L.
+void check_tensor_table(const std::string& where, const unsigned char* h, PackLayout* L) {
   static const char* const kTensorFields[] = {"matrix", "role", "offset", "nbytes", "rows", "cols"};
-  for (std::uint32_t i = 0; i < n_tensors; ++i) {
+  const std::vector<TensorEntry>& want = L->class_tensors[0];
+  for (std::size_t i = 0; i < want.size(); ++i) {
     const unsigned char* t = h + 144 + 32 * i;
     const TensorEntry e{load<std::uint32_t>(t), load<std::uint32_t>(t + 4),
                         load<std::uint64_t>(t + 8), load<std::uint64_t>(t + 16),
@@ -339,15 +407,40 @@ PackLayout parse_pack_header(const unsigned char* h, std::size_t n, const std::s
     const std::uint64_t exp[] = {w.matrix, w.role, w.offset, w.nbytes, w.rows, w.cols};
     for (int f = 0; f < 6; ++f)
       if (got[f] != exp[f])
-        bad(path, "tensor table entry " + std::to_string(i) + " field " + kTensorFields[f] +
-                      " is " + std::to_string(got[f]) + " but the geometry and format imply " +
-                      std::to_string(exp[f]));
-    L.tensors.push_back(e);
+        bad(where, "tensor table entry " + std::to_string(i) + " field " + kTensorFields[f] +
+                       " is " + std::to_string(got[f]) + " but the geometry and format imply " +
+                       std::to_string(exp[f]));
+    L->tensors.push_back(e);
   }
-  if (actual != L.file_bytes)
-    bad(path, "file is " + std::to_string(actual) + " bytes but header field file_bytes says " +
-                  std::to_string(L.file_bytes) + (actual < L.file_bytes ? " (truncated?)" : ""));
+}
+
+}  // namespace
+
+PackLayout decode_pack_header(const unsigned char* h, std::size_t n, const std::string& where,
+                              std::optional<std::uint64_t> file_bytes) {
+  const std::uint32_t version = check_preamble(h, n, where, file_bytes.value_or(n));
+  PackLayout L;
+  const HeaderCodes codes = load_fields(h, &L);
+  check_geometry(where, codes, &L);
+  const MatrixFormat pack_format =
+      checked_format(where, "", codes.fmt, L.group_size, L.scale_format, L);
+  L.weight_format = pack_format.format;
+  if (version == kMixedPackVersion)
+    read_format_classes(where, h, pack_format, &L);
+  else
+    L.classes.assign(1, LayerFormat{pack_format, pack_format, pack_format});
+  check_derived_fields(where, codes.n_tensors, &L);
+  check_tensor_table(where, h, &L);
+  if (file_bytes && *file_bytes != L.file_bytes)
+    bad(where, "file is " + std::to_string(*file_bytes) +
+                   " bytes but header field file_bytes says " + std::to_string(L.file_bytes) +
+                   (*file_bytes < L.file_bytes ? " (truncated?)" : " (trailing data?)"));
   return L;
+}
+
+PackLayout parse_pack_header(const unsigned char* h, std::size_t n, const std::string& path,
+                             std::uint64_t actual) {
+  return decode_pack_header(h, n, "pack " + path, actual);
 }
 
 PackLayout read_pack_layout(const std::string& path) {

@@ -6,6 +6,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -26,6 +27,8 @@ constexpr std::uint32_t kMaxFormatClasses = 16;
 constexpr std::uint32_t kLayerClassOffset = 1632;
 // Version 2's model block: activation u32, act_alpha f32, act_limit f32, bias_format u32.
 constexpr std::uint32_t kModelBlockOffset = 1024;
+// The routers' CRC-32 (u32), near the header's end; the header's own is the last u32.
+constexpr std::uint32_t kRouterCrcOffset = 4088;
 // The engine's limits, inside the format's u32 fields: every key fits the u32 smap index.
 constexpr std::uint32_t kMaxLayers = 4096;
 constexpr std::uint32_t kMaxExperts = 65536;
@@ -77,6 +80,8 @@ struct PackLayout {
   std::uint64_t router_offset = 0, router_bytes = 0;
   std::uint64_t checksum_offset = 0, checksum_bytes = 0;
   std::uint64_t records_offset = 0, file_bytes = 0;
+  // zlib CRC-32s of the JSON metadata and of the routers, as stored (checked by who reads them).
+  std::uint32_t meta_crc = 0, router_crc = 0;
   std::vector<TensorEntry> tensors;  // class 0's table (every layer's, unless mixed())
   // Format classes (version 3; one, the pack format in every matrix, for version 2), each
   // one's tensor table, and each layer's class (empty unless mixed(): every layer is class 0).
@@ -109,12 +114,18 @@ std::uint64_t canonical_tensors(const PackLayout& L, const LayerFormat& formats,
 
 // Parses and validates the header of `path`. Throws EngineError(Pack) naming the file and the
 // field on bad magic, version, crc, a file size that disagrees, or any field that differs from
-// the canonical layout its geometry, format and meta_bytes imply (docs/pack-format.md): as strict
-// as the Python reader's parse_header, so a crafted header (with a valid crc) cannot put a
-// tensor outside its record or a record outside the file.
+// the canonical layout its geometry, format and meta_bytes imply (docs/pack-format.md), so a
+// crafted header (with a valid crc) cannot put a tensor outside its record or a record outside
+// the file. The one parser of the header: the Python reader calls it too (_core.read_layout).
 PackLayout read_pack_layout(const std::string& path);
 
-// Decodes a header from bytes already in memory (used by read_pack_layout and the tests).
+// Decodes and validates `n` header bytes already in memory. `where` begins every error ("pack
+// <path>"). `file_bytes`, the size of the file they came from, must equal the header's
+// file_bytes; nullopt checks the header alone.
+PackLayout decode_pack_header(const unsigned char* header, std::size_t n, const std::string& where,
+                              std::optional<std::uint64_t> file_bytes);
+
+// decode_pack_header for the file `path` of `actual_file_bytes` bytes (the tests' entry).
 PackLayout parse_pack_header(const unsigned char* header, std::size_t n, const std::string& path,
                              std::uint64_t actual_file_bytes);
 

@@ -1,8 +1,9 @@
 """The fixed 4096-byte pack header, its tensor table and JSON metadata (docs/pack-format.md).
 
 The layout of a pack is a pure function of (geometry, weight format, group size, scale dtype,
-metadata length); `PackHeader` computes it once so the writer and the reader cannot disagree,
-and `read_header` rejects any file whose stored fields differ from that canonical layout.
+metadata length); `PackHeader` computes it for the writer. Reading a header is the engine's: one
+parser (csrc/engine/pack/pack_file.cpp, `_core.read_layout`) refuses any header whose stored
+fields differ from the canonical layout, for the engine and for `read_header` alike.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from strata_stream.errors import ConfigError, PackError
@@ -22,6 +24,8 @@ from strata_stream.pack.geometry import ACTIVATIONS, ROUTINGS, Geometry
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
+
+    from strata_stream._core import Header
 
 MAGIC = b"STRATAPK"
 # Version 2: record checksums are CRC32C (version 1 used zlib's CRC-32 for them); expert
@@ -33,7 +37,6 @@ VERSION = 2
 # last layers): up to MAX_CLASSES format classes, each a format per matrix, and each layer's
 # class. A pack whose experts share one format is written as version 2, as before.
 MIXED_VERSION = 3
-READ_VERSIONS = (VERSION, MIXED_VERSION)
 HEADER_BYTES = 4096
 META_OFFSET = HEADER_BYTES
 # The page of the pack: Apple's SSD page, and O_DIRECT-safe on Linux. Sections and records start
@@ -74,10 +77,10 @@ _FIXED_FIELDS = (
     "router_offset", "router_bytes", "checksum_offset", "checksum_bytes", "records_offset",
     "file_bytes", "n_tensors", "meta_crc",
 )  # fmt: skip
-# Fields a reader recomputes from the others and requires to match.
+# What the writer's PackHeader derives and the engine's parser also reports: they must agree.
 _DERIVED_FIELDS = (
-    "record_bytes", "record_stride", "meta_offset", "router_offset", "router_bytes",
-    "checksum_offset", "checksum_bytes", "records_offset", "file_bytes", "n_tensors",
+    "version", "record_bytes", "record_stride", "meta_offset", "router_offset", "router_bytes",
+    "checksum_offset", "checksum_bytes", "records_offset", "file_bytes",
 )  # fmt: skip
 _TENSOR = struct.Struct("<IIQQII")
 _TABLE_OFFSET = _FIXED.size
@@ -101,18 +104,23 @@ assert LAYER_CLASS_OFFSET + 4096 // 2 <= ROUTER_CRC_OFFSET  # every layer the en
 
 
 @functools.cache
-def _crc32c_impl() -> Callable[[Buffer, int], int]:
-    # Imported at the first record checksum, not with this module: parsing a header needs only
-    # zlib, so reading one works where the extension failed to build; writing or verifying
-    # records cannot, and says why.
+def _engine() -> ModuleType:
+    # Imported at the first header read or record checksum, not with this module: building a
+    # header (the writer's PackHeader) works where the extension failed to build; reading a
+    # header and checksumming records cannot, and say why.
     try:
         from strata_stream import _core
     except ImportError as e:  # pragma: no cover - a broken install
         raise ImportError(
-            "strata_stream._core is not built: pack record checksums (CRC32C) are computed by "
-            f"the engine's code ({e})"
+            "strata_stream._core is not built: pack headers are parsed and record checksums "
+            f"(CRC32C) computed by the engine's code ({e})"
         ) from e
-    return _core.crc32c
+    return _core
+
+
+def _crc32c_impl() -> Callable[[Buffer, int], int]:
+    crc32c: Callable[[Buffer, int], int] = _engine().crc32c
+    return crc32c
 
 
 def record_crc(data: Buffer, seed: int = 0) -> int:
@@ -240,8 +248,10 @@ def layer_record_layout(
     then the expert's Linear bias ``[1, rows]`` in `bias_dtype` when the model has one (gpt-oss).
     This is the one statement in Python of which tensors a weight format stores, in which dtype
     and shape: the writer fills, the reader checks and slices, and the converter checks a
-    checkpoint's expert tensors against it (convert/checkpoint.py). The C++ parser says it once
-    more, for the engine (csrc/engine/pack/pack_file.cpp).
+    checkpoint's expert tensors against it (convert/checkpoint.py). The engine's parser, which
+    the reader uses, says it once more (canonical_tensors in csrc/engine/pack/pack_file.cpp);
+    parse_header refuses a header on which the two disagree, and tests/test_pack.py's property
+    test holds them equal for every header the writer makes.
     """
     entries: list[TensorEntry] = []
     offset = 0
@@ -552,178 +562,70 @@ def build_header(
     return header, blob
 
 
-def parse_header(buf: bytes, where: str) -> PackHeader:
-    """Decode and validate the 4096 header bytes; `where` prefixes every error ("pack X")."""
-    if len(buf) < HEADER_BYTES:
-        raise PackError(
-            f"{where}: file is {len(buf)} bytes, shorter than the {HEADER_BYTES}-byte header "
-            "(truncated?)"
-        )
-    f = dict(zip(_FIXED_FIELDS, _FIXED.unpack_from(buf, 0), strict=True))
-    magic, version = f["magic"], f["version"]
-    if magic != MAGIC:
-        raise PackError(f"{where}: bad magic {magic!r} (expected {MAGIC!r})")
-    if version == 1:
-        raise PackError(
-            f"{where}: format version 1 is no longer read (version {VERSION} checksums records "
-            "with CRC32C); repack with strata-stream pack/convert"
-        )
-    if version not in READ_VERSIONS:
-        newer = version > MIXED_VERSION
-        hint = " (written by a newer strata-stream: upgrade to read it)" if newer else ""
-        known = " and ".join(str(v) for v in READ_VERSIONS)
-        raise PackError(
-            f"{where}: version {version} not supported (this reader knows {known}){hint}"
-        )
-    (stored_crc,) = _U32.unpack_from(buf, HEADER_CRC_OFFSET)
-    actual_crc = zlib.crc32(buf[:HEADER_CRC_OFFSET])
-    if stored_crc != actual_crc:
-        raise PackError(
-            f"{where}: header_crc mismatch (stored {stored_crc:#010x}, computed {actual_crc:#010x})"
-        )
-    if f["header_bytes"] != HEADER_BYTES:
-        raise PackError(
-            f"{where}: header field header_bytes is {f['header_bytes']} (expected {HEADER_BYTES})"
-        )
-    for name, names in (
-        ("routing", ROUTINGS),
-        ("weight_format", WEIGHT_FORMATS),
-        ("scale_format", SCALE_FORMATS),
-    ):
-        value = f[name]
-        if value >= len(names):
-            raise PackError(
-                f"{where}: header field {name} is {value} "
-                f"(known: {', '.join(f'{i} {n}' for i, n in enumerate(names))})"
-            )
-    if f["norm_topk_prob"] > 1:
-        raise PackError(
-            f"{where}: header field norm_topk_prob is {f['norm_topk_prob']} (expected 0 or 1)"
-        )
-    activation, act_alpha, act_limit, bias_format = _MODEL_BLOCK.unpack_from(
-        buf, MODEL_BLOCK_OFFSET
-    )
-    if activation >= len(ACTIVATIONS):
-        raise PackError(
-            f"{where}: header field activation is {activation} "
-            f"(known: {', '.join(f'{i} {n}' for i, n in enumerate(ACTIVATIONS))})"
-        )
-    if bias_format > len(BIAS_FORMATS):
-        raise PackError(
-            f"{where}: header field bias_format is {bias_format} (known: 0 none, "
-            f"{', '.join(f'{i + 1} {n}' for i, n in enumerate(BIAS_FORMATS))})"
-        )
-    bias_dtype = None if bias_format == 0 else BIAS_FORMATS[bias_format - 1]
-    fmt = WEIGHT_FORMATS[f["weight_format"]]
-    if fmt in FLOAT_FORMATS and (f["group_size"] != 0 or f["scale_format"] != 0):
-        raise PackError(
-            f"{where}: header fields group_size {f['group_size']} and scale_format "
-            f"{f['scale_format']} must be 0 for weight_format {fmt}"
-        )
-    layer_formats = _parse_layer_formats(buf, f, where) if version == MIXED_VERSION else ()
+def parse_header(buf: bytes, where: str, file_bytes: int | None = None) -> PackHeader:
+    """Decode and validate header bytes with the engine's parser (`_core.read_layout`); `where`
+    begins every error ("pack X"), and `file_bytes`, the size of the file they came from, must
+    be the header's (None: the header alone)."""
+    fields: Header = _engine().read_layout(buf, where, file_bytes)
+    return _header_of(fields, where)
+
+
+def _matrix_format(codes: tuple[int, int, int]) -> MatrixFormat:
+    fmt, group, scale = codes
+    name = WEIGHT_FORMATS[fmt]
+    return MatrixFormat(name, group, None if name in FLOAT_FORMATS else SCALE_FORMATS[scale])
+
+
+def _header_of(fields: Header, where: str) -> PackHeader:
+    """The writer's PackHeader for what the engine's parser read, which must lay the pack out
+    exactly as the parser found it (tests/test_pack.py's property test holds the two equal)."""
+    classes = [
+        (_matrix_format(g), _matrix_format(u), _matrix_format(d)) for g, u, d in fields["classes"]
+    ]
+    pack_format = classes[0][0]
+    bias_format = fields["bias_format"]
     try:
         geometry = Geometry(
-            n_layers=f["n_layers"],
-            n_experts=f["n_experts"],
-            top_k=f["top_k"],
-            hidden=f["hidden"],
-            moe_intermediate=f["moe_intermediate"],
-            routing=ROUTINGS[f["routing"]],
-            norm_topk_prob=bool(f["norm_topk_prob"]),
-            activation=ACTIVATIONS[activation],
-            act_alpha=act_alpha,
-            act_limit=act_limit,
+            n_layers=fields["n_layers"],
+            n_experts=fields["n_experts"],
+            top_k=fields["top_k"],
+            hidden=fields["hidden"],
+            moe_intermediate=fields["moe_intermediate"],
+            routing=fields["routing"],
+            norm_topk_prob=fields["norm_topk_prob"],
+            activation=fields["activation"],
+            act_alpha=fields["act_alpha"],
+            act_limit=fields["act_limit"],
         )
         header = PackHeader(
             geometry,
-            fmt,
-            f["group_size"],
-            None if fmt in FLOAT_FORMATS else SCALE_FORMATS[f["scale_format"]],
-            f["meta_bytes"],
-            f["meta_crc"],
-            _U32.unpack_from(buf, ROUTER_CRC_OFFSET)[0],
-            bias_dtype=bias_dtype,
-            layer_formats=layer_formats,
+            pack_format.weight_format,
+            pack_format.group_size,
+            pack_format.scale_dtype,
+            fields["meta_bytes"],
+            fields["meta_crc"],
+            fields["router_crc"],
+            bias_dtype=None if bias_format == 0 else BIAS_FORMATS[bias_format - 1],
+            layer_formats=tuple(classes[c] for c in fields["layer_class"]),
         )
-    except ConfigError as e:
+    except ConfigError as e:  # pragma: no cover - the parser refuses every such header first
         raise PackError(f"{where}: bad header: {e}") from None
-
-    for name in _DERIVED_FIELDS:
-        value = f[name]
-        expected = len(header.tensors) if name == "n_tensors" else getattr(header, name)
-        if value != expected:
+    tables = [
+        [(t.matrix, t.role, t.offset, t.nbytes, t.rows, t.cols) for t in table]
+        for table in header.class_tensors
+    ]
+    checks: list[tuple[str, Any, Any]] = [
+        (name, fields[name], getattr(header, name))  # type: ignore[literal-required]
+        for name in _DERIVED_FIELDS
+    ]
+    checks.append(("class_tensors", fields["class_tensors"], tables))
+    for name, engine, writer in checks:
+        if engine != writer:  # pragma: no cover - a bug in one of the two
             raise PackError(
-                f"{where}: header field {name} is {value} but the geometry and format imply "
-                f"{expected}"
-            )
-    for i, t in enumerate(header.tensors):
-        m, r, off, nb, rows, cols = _TENSOR.unpack_from(buf, _TABLE_OFFSET + i * _TENSOR.size)
-        # The dtype is not stored: record_layout's rule gives it, as it gives every other field.
-        got = TensorEntry(m, r, off, nb, rows, cols, t.dtype)
-        if got != t:
-            raise PackError(
-                f"{where}: tensor table entry {i} is (matrix {m}, role {r}, offset {off}, "
-                f"nbytes {nb}, rows {rows}, cols {cols}) but the geometry and format imply "
-                f"(matrix {t.matrix}, role {t.role}, offset {t.offset}, nbytes {t.nbytes}, "
-                f"rows {t.rows}, cols {t.cols})"
+                f"{where}: the engine's parser and the writer's layout disagree on {name} "
+                f"({engine} vs {writer}): a strata-stream bug, please report it"
             )
     return header
-
-
-def _parse_layer_formats(buf: bytes, f: dict[str, Any], where: str) -> tuple[LayerFormat, ...]:
-    """Version 3's format classes and each layer's class, as the layer formats they give."""
-    (n_classes,) = _U32.unpack_from(buf, FORMATS_OFFSET)
-    if not 1 <= n_classes <= MAX_CLASSES:
-        raise PackError(f"{where}: header field n_classes is {n_classes} (expected 1..16)")
-    classes: list[LayerFormat] = []
-    for c in range(n_classes):
-        mats = []
-        for m in range(3):
-            at = FORMATS_OFFSET + 4 + (c * 3 + m) * _CLASS_MATRIX.size
-            fmt, group, scale = _CLASS_MATRIX.unpack_from(buf, at)
-            if fmt >= len(WEIGHT_FORMATS) or scale >= len(SCALE_FORMATS):
-                raise PackError(
-                    f"{where}: format class {c} {MATRICES[m]}: weight_format {fmt}, "
-                    f"scale_format {scale} unknown"
-                )
-            name = WEIGHT_FORMATS[fmt]
-            if name in FLOAT_FORMATS and (group or scale):
-                raise PackError(
-                    f"{where}: format class {c} {MATRICES[m]}: group_size and scale_format must "
-                    f"be 0 for {name}"
-                )
-            mats.append(
-                MatrixFormat(name, group, None if name in FLOAT_FORMATS else SCALE_FORMATS[scale])
-            )
-        classes.append((mats[0], mats[1], mats[2]))
-    n_layers = f["n_layers"]
-    if not 1 <= n_layers <= 4096:
-        raise PackError(f"{where}: header field n_layers is {n_layers} (expected 1..4096)")
-    # The writer's canonical form, as the engine's parser requires it: classes in order of
-    # first use, all used, class 0's gate the pack format, and not one uniform class.
-    out = []
-    next_class = 0
-    for layer in range(n_layers):
-        c = (buf[LAYER_CLASS_OFFSET + layer // 2] >> (4 * (layer % 2))) & 15
-        if c > next_class or c >= n_classes:
-            raise PackError(
-                f"{where}: layer {layer} is of format class {c} (classes are numbered in order "
-                f"of first use, {n_classes} of them)"
-            )
-        next_class += c == next_class
-        out.append(classes[c])
-    if next_class != n_classes:
-        raise PackError(f"{where}: format class {next_class} is never used")
-    gate = classes[0][0]
-    codes = (f["weight_format"], f["group_size"], f["scale_format"])
-    if _format_codes(gate) != codes:
-        raise PackError(
-            f"{where}: format class 0's gate differs from the header's weight_format/group_size/"
-            "scale_format"
-        )
-    if n_classes == 1 and classes[0][1] == gate and classes[0][2] == gate:
-        raise PackError(f"{where}: version 3 header whose experts share one format (version 2)")
-    return tuple(out)
 
 
 def _first_difference(got: Any, expected: Any, path: str) -> str | None:
@@ -785,18 +687,7 @@ def read_header(f: BinaryIO, path: Path) -> tuple[PackHeader, dict[str, Any]]:
     where = f"pack {path}"
     size = os.fstat(f.fileno()).st_size
     f.seek(0)
-    buf = f.read(HEADER_BYTES)
-    head = buf[: len(MAGIC)]
-    if head != MAGIC[: len(head)]:
-        # A wrong file is more likely than a truncated one: say so first.
-        raise PackError(f"{where}: bad magic {head!r} (expected {MAGIC!r})")
-    header = parse_header(buf, where)
-    if size != header.file_bytes:
-        hint = "truncated?" if size < header.file_bytes else "trailing data?"
-        raise PackError(
-            f"{where}: file is {size} bytes but header field file_bytes says "
-            f"{header.file_bytes} ({hint})"
-        )
+    header = parse_header(f.read(HEADER_BYTES), where, size)
     f.seek(header.meta_offset)
     blob = f.read(header.meta_bytes)
     return header, check_metadata(blob, header, where)
