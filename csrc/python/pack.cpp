@@ -12,8 +12,11 @@
 
 namespace strata::python {
 
+// Every field the header stores or implies, format codes as stored: what ExpertStream.layout
+// gives, and what the Python reader builds its PackHeader from (pack/header.py).
 py::dict layout_dict(const PackLayout& L) {
   py::dict d;
+  d["version"] = L.mixed() ? kMixedPackVersion : kPackVersion;
   d["n_layers"] = L.n_layers;
   d["n_experts"] = L.n_experts;
   d["top_k"] = L.top_k;
@@ -23,27 +26,15 @@ py::dict layout_dict(const PackLayout& L) {
                  : L.routing == Routing::TopkSoftmax ? "topk_softmax"
                                                      : "external";
   d["activation"] = L.activation == Activation::SwiGLU ? "swiglu" : "swiglu_oai";
+  d["act_alpha"] = L.act_alpha;
+  d["act_limit"] = L.act_limit;
   d["bias_format"] = L.bias_format;
   d["norm_topk_prob"] = L.norm_topk_prob;
   d["weight_format"] = static_cast<std::uint32_t>(L.weight_format);
   d["group_size"] = L.group_size;
+  d["scale_format"] = L.scale_format;
   d["record_bytes"] = L.record_bytes;
   d["record_stride"] = L.record_stride;
-  d["records_offset"] = L.records_offset;
-  d["file_bytes"] = L.file_bytes;
-  return d;
-}
-
-namespace {
-
-// layout_dict and every other field the header stores or implies: what the Python reader builds
-// its PackHeader from (pack/header.py), format codes as stored.
-py::dict header_dict(const PackLayout& L) {
-  py::dict d = layout_dict(L);
-  d["version"] = L.mixed() ? kMixedPackVersion : kPackVersion;
-  d["scale_format"] = L.scale_format;
-  d["act_alpha"] = L.act_alpha;
-  d["act_limit"] = L.act_limit;
   d["meta_offset"] = L.meta_offset;
   d["meta_bytes"] = L.meta_bytes;
   d["meta_crc"] = L.meta_crc;
@@ -52,6 +43,8 @@ py::dict header_dict(const PackLayout& L) {
   d["router_crc"] = L.router_crc;
   d["checksum_offset"] = L.checksum_offset;
   d["checksum_bytes"] = L.checksum_bytes;
+  d["records_offset"] = L.records_offset;
+  d["file_bytes"] = L.file_bytes;
   py::list classes, class_tensors;
   for (const LayerFormat& lf : L.classes) {
     py::list mats;
@@ -68,12 +61,10 @@ py::dict header_dict(const PackLayout& L) {
   }
   d["classes"] = classes;
   d["class_tensors"] = class_tensors;
-  d["layer_class"] = py::cast(std::vector<std::uint32_t>(L.layer_class.begin(),
-                                                         L.layer_class.end()));
+  d["layer_class"] =
+      py::cast(std::vector<std::uint32_t>(L.layer_class.begin(), L.layer_class.end()));
   return d;
 }
-
-}  // namespace
 
 void init_pack(py::module_& m) {
   // Header bytes first: pybind11 would take bytes for the path's std::string too.
@@ -83,17 +74,15 @@ void init_pack(py::module_& m) {
         const py::buffer_info b = header.request();
         if (b.ndim != 1 || b.itemsize != 1)
           throw py::type_error("read_layout: header must be a 1-d buffer of bytes");
-        return header_dict(decode_pack_header(static_cast<const unsigned char*>(b.ptr),
+        return layout_dict(decode_pack_header(static_cast<const unsigned char*>(b.ptr),
                                               std::size_t(b.size), where, file_bytes));
       },
       py::arg("header"), py::arg("where"), py::arg("file_bytes") = py::none(),
       "Decodes and validates pack header bytes: PackError beginning with `where` (\"pack "
       "<path>\") names the field; `file_bytes`, the file's size, must equal the header's.");
   m.def(
-      "read_layout", [](const std::string& path) { return header_dict(read_pack_layout(path)); },
-      py::arg("path"),
-      "The header of the pack at `path`: the layout ExpertStream.layout gives, and every other "
-      "field the header stores or implies.");
+      "read_layout", [](const std::string& path) { return layout_dict(read_pack_layout(path)); },
+      py::arg("path"), "The layout of the pack at `path`, as ExpertStream.layout gives it.");
   m.def(
       "crc32c",
       [](py::object buffer, std::uint32_t seed) {

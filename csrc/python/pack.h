@@ -1,4 +1,5 @@
-// The pack's layout as a Python dict: read_layout() and ExpertStream.layout give the same one.
+// The pack's layout as a Python dict, every field its header stores or implies: read_layout()
+// and ExpertStream.layout give the same one.
 #pragma once
 
 #include "bindings.h"

@@ -11,7 +11,11 @@ from typing_extensions import Buffer
 
 # ---- pack.cpp ------------------------------------------------------------------------------
 
+# Every field a pack's header stores or implies (what pack/header.py reads through), format
+# codes as stored: each class's formats (weight_format, group_size, scale_format of gate, up,
+# down) and tensor table ((matrix, role, offset, nbytes, rows, cols) a tensor).
 class Layout(TypedDict):
+    version: int
     n_layers: int
     n_experts: int
     top_k: int
@@ -19,23 +23,15 @@ class Layout(TypedDict):
     moe_intermediate: int
     routing: str  # "softmax_topk", "topk_softmax" or "external"
     activation: str  # "swiglu" or "swiglu_oai"
+    act_alpha: float
+    act_limit: float
     bias_format: int
     norm_topk_prob: bool
     weight_format: int
     group_size: int
+    scale_format: int
     record_bytes: int
     record_stride: int
-    records_offset: int
-    file_bytes: int
-
-# Layout and every other field a header stores or implies (what pack/header.py reads through):
-# format codes as stored, each class's formats (weight_format, group_size, scale_format per
-# gate, up, down) and tensor table ((matrix, role, offset, nbytes, rows, cols) per tensor).
-class Header(Layout):
-    version: int
-    scale_format: int
-    act_alpha: float
-    act_limit: float
     meta_offset: int
     meta_bytes: int
     meta_crc: int
@@ -44,6 +40,8 @@ class Header(Layout):
     router_crc: int
     checksum_offset: int
     checksum_bytes: int
+    records_offset: int
+    file_bytes: int
     classes: list[tuple[tuple[int, int, int], tuple[int, int, int], tuple[int, int, int]]]
     class_tensors: list[list[tuple[int, int, int, int, int, int]]]
     layer_class: list[int]
@@ -51,9 +49,9 @@ class Header(Layout):
 CRC32C_IMPL: str  # "sse4.2", "armv8-crc" or "table"
 
 @overload
-def read_layout(header: Buffer, where: str, file_bytes: int | None = None) -> Header: ...
+def read_layout(header: Buffer, where: str, file_bytes: int | None = None) -> Layout: ...
 @overload
-def read_layout(path: str) -> Header: ...
+def read_layout(path: str) -> Layout: ...
 def crc32c(buffer: Buffer, seed: int = 0) -> int: ...
 
 # ---- stream.cpp: residency/slot.h and ExpertStream -----------------------------------------

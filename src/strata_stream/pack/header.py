@@ -25,7 +25,7 @@ from strata_stream.pack.geometry import ACTIVATIONS, ROUTINGS, Geometry
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-    from strata_stream._core import Header
+    from strata_stream._core import Layout
 
 MAGIC = b"STRATAPK"
 # Version 2: record checksums are CRC32C (version 1 used zlib's CRC-32 for them); expert
@@ -566,7 +566,7 @@ def parse_header(buf: bytes, where: str, file_bytes: int | None = None) -> PackH
     """Decode and validate header bytes with the engine's parser (`_core.read_layout`); `where`
     begins every error ("pack X"), and `file_bytes`, the size of the file they came from, must
     be the header's (None: the header alone)."""
-    fields: Header = _engine().read_layout(buf, where, file_bytes)
+    fields: Layout = _engine().read_layout(buf, where, file_bytes)
     return _header_of(fields, where)
 
 
@@ -576,7 +576,7 @@ def _matrix_format(codes: tuple[int, int, int]) -> MatrixFormat:
     return MatrixFormat(name, group, None if name in FLOAT_FORMATS else SCALE_FORMATS[scale])
 
 
-def _header_of(fields: Header, where: str) -> PackHeader:
+def _header_of(fields: Layout, where: str) -> PackHeader:
     """The writer's PackHeader for what the engine's parser read, which must lay the pack out
     exactly as the parser found it (tests/test_pack.py's property test holds the two equal)."""
     classes = [
