@@ -8,6 +8,7 @@
 #include "common/errors.h"
 #include "exec/backend_registry.h"
 #include "exec/window.h"
+#include "delegating_backend.h"
 #include "stream_test_util.h"
 
 using namespace strata;
@@ -16,22 +17,14 @@ using namespace strata::test;
 namespace {
 
 // The CPU backend under another name, without moce: a stand-in for an out-of-tree backend.
-class Renamed final : public Backend {
+class Renamed final : public DelegatingBackend {
  public:
-  explicit Renamed(unsigned threads) : inner_(make_cpu_backend(threads)) {}
+  explicit Renamed(unsigned threads) : DelegatingBackend(threads) {}
   std::string name() const override { return "renamed"; }
   std::optional<std::string> unsupported(const Capability& c) const override {
     if (c.moce != MoceMode::Off) return std::string("renamed: no moce");
-    return inner_->unsupported(c);
+    return inner().unsupported(c);
   }
-  void bind(const DeviceBuffers& b) override { inner_->bind(b); }
-  void submit(const std::vector<Command>& cs) override { inner_->submit(cs); }
-  void synchronize() override { inner_->synchronize(); }
-  void abort_pending() override { inner_->abort_pending(); }
-  std::string take_device_error() override { return inner_->take_device_error(); }
-
- private:
-  std::unique_ptr<Backend> inner_;
 };
 
 std::unique_ptr<Backend> renamed_factory(const BackendOptions& o) {

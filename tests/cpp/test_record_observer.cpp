@@ -23,6 +23,7 @@
 #include "exec/window.h"
 #include "residency/record_observer.h"
 #include "residency/stream_testing.h"
+#include "delegating_backend.h"
 #include "stream_test_util.h"
 
 using namespace strata;
@@ -374,20 +375,13 @@ namespace {
 
 // The CPU backend with a record observer: how a Window registers a backend's observer at
 // construction and removes it at close.
-class ObservedBackend final : public Backend {
+class ObservedBackend final : public DelegatingBackend {
  public:
-  explicit ObservedBackend(RecordObserver* observer)
-      : cpu_(make_cpu_backend(1)), observer_(observer) {}
+  explicit ObservedBackend(RecordObserver* observer) : observer_(observer) {}
   std::string name() const override { return "observed-cpu"; }
-  void bind(const DeviceBuffers& b) override { cpu_->bind(b); }
   RecordObserver* record_observer() override { return observer_; }
-  void submit(const std::vector<Command>& c) override { cpu_->submit(c); }
-  void synchronize() override { cpu_->synchronize(); }
-  void abort_pending() override { cpu_->abort_pending(); }
-  std::string take_device_error() override { return cpu_->take_device_error(); }
 
  private:
-  std::unique_ptr<Backend> cpu_;
   RecordObserver* observer_;
 };
 

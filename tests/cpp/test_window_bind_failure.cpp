@@ -11,6 +11,7 @@
 #include "common/errors.h"
 #include "exec/window.h"
 #include "residency/stream_testing.h"
+#include "delegating_backend.h"
 #include "stream_test_util.h"
 
 using namespace strata;
@@ -18,32 +19,25 @@ using namespace strata::test;
 
 namespace {
 
-class FailingBindBackend final : public Backend {
+class FailingBindBackend final : public DelegatingBackend {
  public:
   // Binds number `fail_at` (1 = the constructor's) throws, as a device allocation would.
   FailingBindBackend(unsigned fail_at, unsigned* submits_unbound)
-      : inner_(make_cpu_backend(1)), fail_at_(fail_at), submits_unbound_(submits_unbound) {}
+      : fail_at_(fail_at), submits_unbound_(submits_unbound) {}
   std::string name() const override { return "failing-bind"; }
-  std::optional<std::string> unsupported(const Capability& c) const override {
-    return inner_->unsupported(c);
-  }
   void bind(const DeviceBuffers& b) override {
     bound_ = false;
     if (++binds_ == fail_at_)
       throw std::runtime_error("cudaMalloc (device scratch): out of memory");
-    inner_->bind(b);
+    inner().bind(b);
     bound_ = true;
   }
   void submit(const std::vector<Command>& cs) override {
     if (!bound_) ++*submits_unbound_;  // the inner backend would run on buffers it no longer has
-    inner_->submit(cs);
+    inner().submit(cs);
   }
-  void synchronize() override { inner_->synchronize(); }
-  void abort_pending() override { inner_->abort_pending(); }
-  std::string take_device_error() override { return inner_->take_device_error(); }
 
  private:
-  std::unique_ptr<Backend> inner_;
   unsigned binds_ = 0;
   const unsigned fail_at_;
   unsigned* submits_unbound_;

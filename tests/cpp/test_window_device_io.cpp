@@ -13,6 +13,7 @@
 #include "common/errors.h"
 #include "exec/window.h"
 #include "residency/stream_testing.h"
+#include "delegating_backend.h"
 #include "stream_test_util.h"
 
 using namespace strata;
@@ -20,29 +21,29 @@ using namespace strata::test;
 
 namespace {
 
-class HostAsDeviceBackend final : public Backend {
+class HostAsDeviceBackend final : public DelegatingBackend {
  public:
   struct Seen {
     const float* x;
     float* out;
   };
   explicit HostAsDeviceBackend(std::vector<Seen>* seen, const float* refuse = nullptr)
-      : inner_(make_cpu_backend(1)), seen_(seen), refuse_(refuse) {}
+      : seen_(seen), refuse_(refuse) {}
   std::string name() const override { return "host-as-device"; }
   std::optional<std::string> unsupported(const Capability& c) const override {
     Capability host = c;
     host.io = Io::Host;
-    return inner_->unsupported(host);
+    return inner().unsupported(host);
   }
   void bind(const DeviceBuffers& b) override {
     buffers_ = b;
-    inner_->bind(b);
+    inner().bind(b);
   }
   void set_device_io(const DeviceIo& io) override {
     if (io.x && io.x == refuse_) throw std::invalid_argument("x is not memory of this device");
     seen_->push_back({io.x, io.out});
     if (!io.x && io_.out) {  // the chunk ended: its out, complete, goes to the caller's rows
-      inner_->synchronize();
+      inner().synchronize();
       std::memcpy(io_.out, buffers_.out, rows_ * std::size_t(buffers_.layout->hidden) * 4);
     }
     io_ = io;
@@ -52,18 +53,14 @@ class HostAsDeviceBackend final : public Backend {
     std::uint32_t rows = 0;
     for (const Command& c : cs) rows = std::max(rows, c.rows);
     if (io_.x && rows > rows_) {  // the first submission of the chunk: its x into the scratch
-      inner_->synchronize();
+      inner().synchronize();
       std::memcpy(buffers_.x, io_.x, rows * std::size_t(buffers_.layout->hidden) * 4);
       rows_ = rows;
     }
-    inner_->submit(cs);
+    inner().submit(cs);
   }
-  void synchronize() override { inner_->synchronize(); }
-  void abort_pending() override { inner_->abort_pending(); }
-  std::string take_device_error() override { return inner_->take_device_error(); }
 
  private:
-  std::unique_ptr<Backend> inner_;
   std::vector<Seen>* seen_;
   const float* refuse_;
   DeviceBuffers buffers_;

@@ -22,6 +22,7 @@
 #include <thread>
 
 #include "common/errors.h"
+#include "exec/queued_backend.h"
 #include "exec/window.h"
 #include "residency/smap.h"
 #include "residency/stream_testing.h"
@@ -32,20 +33,14 @@ using namespace strata::test;
 
 namespace {
 
-class LateKernelBackend final : public Backend {
+// The device queue is the engine's own (exec/queued_backend.h); the passes' late reads are this
+// test's, under its own lock mu_ (taken inside the queue's lock at a drain, never around it).
+class LateKernelBackend final : public QueuedBackend<> {
  public:
-  LateKernelBackend(const TestGeometry& g) : g_(g) {
-    device_ = std::thread([this] { loop(); });
+  explicit LateKernelBackend(const TestGeometry& g) : QueuedBackend("late-kernels"), g_(g) {
+    start();
   }
-  ~LateKernelBackend() override {
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      stop_ = true;
-      abort_ = true;
-    }
-    cv_.notify_all();
-    device_.join();
-  }
+  ~LateKernelBackend() override { stop(); }
   std::string name() const override { return "late-kernels"; }
   std::optional<std::string> unsupported(const Capability& c) const override {
     Capability host = c;
@@ -53,50 +48,7 @@ class LateKernelBackend final : public Backend {
     return Backend::unsupported(host);
   }
   bool completes_async() const override { return true; }
-  void bind(const DeviceBuffers& b) override {
-    synchronize();
-    std::lock_guard<std::mutex> lk(mu_);
-    b_ = b;
-  }
-  void set_device_io(const DeviceIo& io) override {
-    std::lock_guard<std::mutex> lk(mu_);
-    io_ = io;
-  }
-  void submit(const std::vector<Command>& cs) override {
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      for (const Command& c : cs) queue_.push_back({c, io_});
-    }
-    cv_.notify_all();
-  }
-  void synchronize() override {
-    std::unique_lock<std::mutex> lk(mu_);
-    idle_cv_.wait(lk, [&] { return queue_.empty() && !running_; });
-    abort_ = false;
-    run_late_locked();
-    if (fail_next_drain_) {
-      fail_next_drain_ = false;
-      if (error_.empty()) error_ = "device: a planted fault found at the drain";
-    }
-  }
-  void abort_pending() override {
-    SharedEvent* ev;
-    std::uint64_t v;
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      abort_ = true;
-      ev = parked_;
-      v = parked_value_;
-    }
-    if (ev) ev->signal(v);
-    cv_.notify_all();
-  }
-  std::string take_device_error() override {
-    std::lock_guard<std::mutex> lk(mu_);
-    std::string e;
-    e.swap(error_);
-    return e;
-  }
+  void set_device_io(const DeviceIo& io) override { store_device_io(io); }
 
   // What the tests read.
   std::uint64_t stale_reads() const {
@@ -122,10 +74,6 @@ class LateKernelBackend final : public Backend {
   }
 
  private:
-  struct Item {
-    Command c;
-    DeviceIo io;
-  };
   struct Read {
     std::uint32_t entry, slot, key;
     bool done = false;  // read already (its kernel finished at a drain before the chunk's end)
@@ -143,35 +91,33 @@ class LateKernelBackend final : public Backend {
     return layer * g_.n_experts + std::uint32_t(e);
   }
 
-  void loop() {
-    std::unique_lock<std::mutex> lk(mu_);
-    for (;;) {
-      cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
-      if (stop_ && queue_.empty()) return;
-      Item it = queue_.front();
-      queue_.pop_front();
-      if (abort_) {
-        chunk_ = {};
-        if (queue_.empty()) idle_cv_.notify_all();
-        continue;
-      }
-      running_ = true;
-      if (it.c.op == Op::Wait) {
-        parked_ = it.c.event;
-        parked_value_ = it.c.value;
-        lk.unlock();
-        it.c.event->wait(it.c.value);
-        lk.lock();
-        parked_ = nullptr;
-      } else {
-        execute_locked(it, lk);
-      }
-      running_ = false;
-      if (queue_.empty()) idle_cv_.notify_all();
+  // The queue's hooks. The device is idle at bind and at a drain.
+  void bind_idle(const DeviceBuffers& b) override {
+    std::lock_guard<std::mutex> lk(mu_);
+    b_ = b;
+  }
+  std::string drained() override {
+    std::lock_guard<std::mutex> lk(mu_);
+    run_late_locked();
+    if (!fail_next_drain_) return "";
+    fail_next_drain_ = false;
+    return "device: a planted fault found at the drain";
+  }
+  void skipped(const QueuedCommand&) override {
+    std::lock_guard<std::mutex> lk(mu_);
+    chunk_ = {};
+  }
+  std::string execute(const QueuedCommand& it) override {
+    if (it.c.op == Op::Wait) {
+      it.c.event->wait(it.c.value);  // abort_pending() raises it
+      return "";
     }
+    std::unique_lock<std::mutex> lk(mu_);
+    execute_locked(it, lk);
+    return "";
   }
 
-  void execute_locked(const Item& it, std::unique_lock<std::mutex>& lk) {
+  void execute_locked(const QueuedCommand& it, std::unique_lock<std::mutex>& lk) {
     const Command& c = it.c;
     const std::size_t n = std::size_t(c.rows) * g_.top_k;
     switch (c.op) {
@@ -263,23 +209,13 @@ class LateKernelBackend final : public Backend {
 
   const TestGeometry g_;
   mutable std::mutex mu_;
-  std::condition_variable cv_, idle_cv_;
-  std::deque<Item> queue_;      // mu_
-  bool running_ = false;        // mu_
-  bool abort_ = false;          // mu_
-  bool stop_ = false;           // mu_
-  SharedEvent* parked_ = nullptr;  // mu_
-  std::uint64_t parked_value_ = 0;  // mu_
-  std::string error_;           // mu_
   bool fail_next_drain_ = false;  // mu_
   DeviceBuffers b_;             // mu_ (bind)
-  DeviceIo io_;                 // mu_
   std::vector<std::uint32_t> plan_;  // the device thread's
   Kernel chunk_;                     // mu_: the chunk being noted
   std::vector<Kernel> late_;         // mu_: queued kernels, run at the next drain
   std::uint64_t stale_ = 0, queued_signals_ = 0;  // mu_
   std::size_t most_late_ = 0;                      // mu_
-  std::thread device_;
 };
 
 TestGeometry geometry() {

@@ -11,6 +11,7 @@
 #include "common/errors.h"
 #include "cpu/mlx_arithmetic.h"
 #include "exec/window.h"
+#include "delegating_backend.h"
 #include "stream_test_util.h"
 #include "residency/stream_testing.h"
 
@@ -270,24 +271,15 @@ TEST_CASE("pack: version 2's model block is validated") {
 namespace {
 
 // The CPU backend, counting the submissions it is handed.
-class CountingBackend final : public Backend {
+class CountingBackend final : public DelegatingBackend {
  public:
-  explicit CountingBackend(std::uint32_t* submits) : inner_(make_cpu_backend(1)), n_(submits) {}
-  std::string name() const override { return inner_->name(); }
-  std::optional<std::string> unsupported(const Capability& c) const override {
-    return inner_->unsupported(c);
-  }
-  void bind(const DeviceBuffers& b) override { inner_->bind(b); }
+  explicit CountingBackend(std::uint32_t* submits) : n_(submits) {}
   void submit(const std::vector<Command>& cs) override {
     ++*n_;
-    inner_->submit(cs);
+    inner().submit(cs);
   }
-  void synchronize() override { inner_->synchronize(); }
-  void abort_pending() override { inner_->abort_pending(); }
-  std::string take_device_error() override { return inner_->take_device_error(); }
 
  private:
-  std::unique_ptr<Backend> inner_;
   std::uint32_t* n_;
 };
 

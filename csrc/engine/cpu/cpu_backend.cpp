@@ -1,18 +1,16 @@
 // The CPU backend: a device thread runs submitted command lists in order and blocks on event
-// waits exactly as a GPU would, concurrently with the host and the IO threads; kernels fan out
-// over a small worker pool. This is the reference every other backend is checked against.
-#include <atomic>
-#include <condition_variable>
-#include <deque>
+// waits exactly as a GPU would, concurrently with the host and the IO threads (the queue is
+// exec/queued_backend.h's); kernels fan out over a small worker pool. This is the reference
+// every other backend is checked against.
+#include <algorithm>
+#include <chrono>
 #include <functional>
-#include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
-#include <vector>
 
-#include "exec/backend.h"
+#include "exec/queued_backend.h"
 #include "common/check.h"
-#include "common/thread_name.h"
 #include "cpu/cpu_kernels.h"
 #include "cpu/mlx_kernels.h"
 #include "cpu/worker_pool.h"
@@ -20,23 +18,18 @@
 namespace strata {
 namespace {
 
-class CpuBackend final : public Backend {
+class CpuBackend final : public QueuedBackend<> {
  public:
   explicit CpuBackend(unsigned threads)
-      : pool_(threads > 1 ? threads - 1 : 0), device_([this] {
-          name_this_thread("strata-device");
-          device_loop();
-        }) {}
-
-  ~CpuBackend() override {
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      stop_ = true;
-      abort_ = true;
-    }
-    cv_.notify_all();
-    device_.join();
+      : QueuedBackend("strata-device"),
+        pool_(threads > 1 ? threads - 1 : 0),
+        pf_([this](std::uint32_t n, const std::function<void(std::uint32_t, std::uint32_t)>& fn) {
+          pool_.run(n, fn);
+        }) {
+    start();
   }
+
+  ~CpuBackend() override { stop(); }
 
   std::string name() const override { return "cpu"; }
   // The device thread needs the cores, so the host's spin is short: 50 us covers a small decode
@@ -56,80 +49,15 @@ class CpuBackend final : public Backend {
     return *why ? std::optional<std::string>(why) : std::nullopt;
   }
 
-  void bind(const DeviceBuffers& buffers) override {
-    synchronize();
-    std::lock_guard<std::mutex> lk(mu_);
-    buffers_ = buffers;  // CPU memory is already shared with the host: nothing to wrap
-  }
-
-  void submit(const std::vector<Command>& commands) override {
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      for (auto& c : commands) queue_.push_back(c);
-    }
-    cv_.notify_all();
-  }
-
-  void synchronize() override {
-    std::unique_lock<std::mutex> lk(mu_);
-    idle_cv_.wait(lk, [&] { return queue_.empty() && !running_; });
-    abort_ = false;
-  }
-
-  void abort_pending() override {
-    SharedEvent* ev;
-    std::uint64_t v;
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      abort_ = true;
-      ev = parked_event_;
-      v = parked_value_;
-    }
-    // A device thread parked on a Wait must wake: its event gets the value it waits for.
-    if (ev) ev->signal(v);
-    cv_.notify_all();
-  }
-
-  std::string take_device_error() override {
-    std::lock_guard<std::mutex> lk(mu_);
-    std::string e;
-    e.swap(error_);
-    return e;
-  }
-
  private:
-  void device_loop() {
-    cpu::ParallelFor pf = [this](std::uint32_t n,
-                                 const std::function<void(std::uint32_t, std::uint32_t)>& fn) {
-      pool_.run(n, fn);
-    };
-    std::unique_lock<std::mutex> lk(mu_);
-    for (;;) {
-      cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
-      if (stop_ && queue_.empty()) return;
-      Command c = queue_.front();
-      queue_.pop_front();
-      if (abort_) {  // skip everything until the host synchronizes
-        if (queue_.empty()) idle_cv_.notify_all();
-        continue;
-      }
-      running_ = true;
-      if (c.op == Op::Wait) {
-        parked_event_ = c.event;
-        parked_value_ = c.value;
-      }
-      DeviceBuffers b = buffers_;
-      lk.unlock();
-      std::string err = execute(c, b, pf);
-      lk.lock();
-      parked_event_ = nullptr;
-      running_ = false;
-      if (!err.empty() && error_.empty()) error_ = err;
-      if (queue_.empty()) idle_cv_.notify_all();
-    }
-  }
+  // CPU memory is already shared with the host: nothing to wrap. The device thread reads b_
+  // only after it takes its next command under the queue's lock, which orders this store.
+  void bind_idle(const DeviceBuffers& buffers) override { b_ = buffers; }
 
-  std::string execute(const Command& c, const DeviceBuffers& b, const cpu::ParallelFor& pf) {
+  std::string execute(const QueuedCommand& item) override {
+    const Command& c = item.c;
+    const DeviceBuffers& b = b_;
+    const cpu::ParallelFor& pf = pf_;
     switch (c.op) {
       case Op::Route:
         cpu::route(b, c.layer, c.rows, b.ids, b.weights, pf, c.moce);
@@ -164,19 +92,9 @@ class CpuBackend final : public Backend {
            " has no published slot when its pass runs (handshake bug)";
   }
 
-  cpu::WorkerPool pool_;
-  std::mutex mu_;
-  std::condition_variable cv_;       // commands queued or stopping
-  std::condition_variable idle_cv_;  // queue drained
-  std::deque<Command> queue_;        // mu_
-  DeviceBuffers buffers_;            // mu_ (copied by the device thread per command)
-  bool running_ = false;             // mu_: a command is executing
-  bool abort_ = false;               // mu_: skip queued commands until synchronize()
-  bool stop_ = false;                // mu_
-  SharedEvent* parked_event_ = nullptr;  // mu_: the event a running Wait blocks on
-  std::uint64_t parked_value_ = 0;       // mu_
-  std::string error_;                // mu_
-  std::thread device_;               // last: starts after every field above exists
+  cpu::WorkerPool pool_;  // the device thread's fork-join
+  const cpu::ParallelFor pf_;
+  DeviceBuffers b_;  // bind_idle() while the device thread is idle; the device thread's after
 };
 
 }  // namespace
