@@ -26,6 +26,7 @@
 #include "host_registry.h"
 #include "kernels/kernels.h"
 #include "kernels/mma_experts.h"
+#include "exec/queued_backend.h"
 #include "residency/smap.h"
 
 namespace strata::cuda {
@@ -84,7 +85,7 @@ std::chrono::microseconds spin_from_env() {
 // A queued command and the facts of the submission it came in. A Route carries the
 // RoutePredict commands that follow it in its submission: one launch runs them all.
 struct Item {
-  Command c;
+  Command c{};
   std::uint32_t n_fused = 0;
   Command fused[kMaxRouteTasks - 1];  // RoutePredict commands folded into this Route
   bool batch_start = false;
@@ -165,11 +166,15 @@ ArenaMode arena_mode_from_env() {
                            "'");
 }
 
-class CudaBackend final : public Backend {
+class CudaBackend final : public QueuedBackend<Item> {
  public:
   CudaBackend()
-      : mode_(arena_mode_from_env()), fill_(mirror_fill_from_env()), spin_(spin_from_env()) {
+      : QueuedBackend("strata-cuda", spin_from_env()),
+        mode_(arena_mode_from_env()),
+        fill_(mirror_fill_from_env()),
+        spin_(idle_spin()) {
     mirror_.copy_parts(fill_ == MirrorFill::Parts, copy_chunk_bytes_from_env());
+    arena_ = make_arena_strategy();
     cuda_check(cudaSetDevice(0), "cudaSetDevice");
     bf16_asked_ = bf16_family_asked();
     cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
@@ -181,17 +186,11 @@ class CudaBackend final : public Backend {
     cuda_check(cudaHostGetDevicePointer(&p, err_host_, 0), "cudaHostGetDevicePointer");
     dev_.error = static_cast<DevError*>(p);
     cuda_check(cudaEventCreateWithFlags(&queued_done_, cudaEventDisableTiming), "cudaEventCreate");
-    device_ = std::thread([this] { device_loop(); });
+    start();
   }
 
   ~CudaBackend() override {
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      stop_ = true;
-      abort_ = true;
-    }
-    cv_.notify_all();
-    device_.join();
+    stop();
     cudaStreamSynchronize(stream_);
     if (trace_) print_trace();
     for (auto& [start, end] : crossings_) {
@@ -224,26 +223,16 @@ class CudaBackend final : public Backend {
       if (why.empty() && io.ordered) why = stream_problem(io.stream);
       if (!why.empty()) throw std::invalid_argument("cuda: " + why);
     }
-    std::lock_guard<std::mutex> lk(mu_);
-    io_ = io;
+    store_device_io(io);
   }
   ArenaMode mode() const { return mode_; }
 
-  // Device mode: a queued Signal makes the caller's stream wait for the kernels (an event after
-  // them) and returns; the host learns they ended at the next synchronize(). Every unpublished
-  // expert is found by group_on_host() before then, so a layer's handshake bug is still its own
-  // call's error. The mapped mode's group kernel reports through the error word, which only a
-  // drain reads: it keeps draining at every Signal.
-  bool completes_async() const override { return mode_ == ArenaMode::Device; }
+  // The arena strategy's answers (DeviceArena, MappedArena).
+  bool completes_async() const override { return arena_->completes_async(); }
+  RecordObserver* record_observer() override { return arena_->observer(); }
 
-  // Device mode: the mirror, filled at IO completion (the Window registers it after bind()).
-  RecordObserver* record_observer() override {
-    return mode_ == ArenaMode::Device && fill_ != MirrorFill::Lazy ? &mirror_ : nullptr;
-  }
-
-  void bind(const DeviceBuffers& b) override {
-    synchronize();
-    std::lock_guard<std::mutex> lk(mu_);
+  // The device thread is idle and waits for the queue's lock, which bind() holds.
+  void bind_idle(const DeviceBuffers& b) override {
     cudaSetDevice(0);
     const PackLayout& L = *b.layout;
     layout_ = device_layout(L);
@@ -259,7 +248,18 @@ class CudaBackend final : public Backend {
                "cudaFuncSetAttribute (shared memory for the hidden size)");
     cuda_check(prepare_route(layout_),
                "cudaFuncSetAttribute (route: shared memory for the hidden size)");
-    // The stream's arena and slot map: mapped once, in place (the IO threads write them).
+    map_arena(b, L);
+    n_experts_ = L.n_experts;
+    dev_.slot_bytes = b.slot_bytes;
+    dev_.n_slots = b.n_slots;
+    copy_routers(b, L);
+    bind_scratch(b.max_rows, L);
+    host_ = b;
+  }
+
+  // The stream's arena and slot map: mapped once, in place (the IO threads write them); the
+  // kernels read the arena the strategy says.
+  void map_arena(const DeviceBuffers& b, const PackLayout& L) {
     if (b.arena != host_arena_) {
       unmap();
       std::string why;
@@ -275,17 +275,13 @@ class CudaBackend final : public Backend {
         throw std::runtime_error("cuda: mapping the slot map into the GPU: " + why);
       }
       host_smap_ = b.smap;
-      dev_.arena = static_cast<const unsigned char*>(a);
       dev_.smap = static_cast<const std::uint32_t*>(s);
-      if (mode_ == ArenaMode::Device) {
-        mirror_.allocate(b.n_slots, b.slot_bytes, L.record_bytes);  // nothing mirrored yet
-        dev_.arena = mirror_.device();
-      }
+      dev_.arena = arena_->bind_arena(b, L, static_cast<const unsigned char*>(a));
     }
-    n_experts_ = L.n_experts;
-    dev_.slot_bytes = b.slot_bytes;
-    dev_.n_slots = b.n_slots;
-    // Routers: copied once (the Window reads them once from the pack and keeps them).
+  }
+
+  // Routers: copied once (the Window reads them once from the pack and keeps them).
+  void copy_routers(const DeviceBuffers& b, const PackLayout& L) {
     const std::size_t router_bytes = L.has_routers() && b.routers
                                          ? std::size_t(L.n_layers) * L.n_experts * L.hidden * 4
                                          : 0;
@@ -296,8 +292,12 @@ class CudaBackend final : public Backend {
       host_routers_ = b.routers;
       dev_.routers = routers_.as<float>();
     }
-    // Scratch in device memory, for max_rows rows (grown, never shrunk: I12 bounds it).
-    const std::size_t R = b.max_rows, H = L.hidden, I = L.moe_intermediate, E = L.n_experts,
+  }
+
+  // Scratch in device memory, for max_rows rows (grown, never shrunk: I12 bounds it), and the
+  // host's staging and readback.
+  void bind_scratch(std::uint32_t max_rows, const PackLayout& L) {
+    const std::size_t R = max_rows, H = L.hidden, I = L.moe_intermediate, E = L.n_experts,
                       k = L.top_k;
     x_.ensure(R * H * 4);
     ids_.ensure(R * k * 4);
@@ -341,6 +341,12 @@ class CudaBackend final : public Backend {
     cuda_check(cudaMemsetAsync(route_done_.as<void>(), 0, route_counters(std::uint32_t(R)) * 4,
                                stream_),
                "cudaMemsetAsync (route counters)");
+    point_scratch();
+  }
+
+  // dev_'s scratch pointers into the arrays bind_scratch() sized.
+  void point_scratch() {
+    const std::size_t E = n_experts_;
     dev_.logits = logits_.as<float>();
     dev_.route_done = route_done_.as<std::uint32_t>();
     dev_.plan = plan_.as<std::uint32_t>();
@@ -362,72 +368,47 @@ class CudaBackend final : public Backend {
     dev_.expert_first = g + 1 + 5 * E;
     dev_.in_wave = g + 1 + 6 * E;
     dev_.group_entries = g + 1 + 8 * E;
-    host_ = b;
   }
 
-  void submit(const std::vector<Command>& commands) override {
+  // One launch per Route and the RoutePredicts after it in the same submission (the queue's
+  // lock is held: the device thread has not taken this submission's items).
+  void enqueue(const std::vector<Command>& commands, const DeviceIo& io,
+               std::deque<Item>& queue) override {
     Item meta;
     for (const Command& c : commands) {
       if (c.op == Op::Route) meta.batch_routes = true;
       if (c.rows > meta.batch_rows) meta.batch_rows = c.rows;
     }
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      meta.io = io_;
-      bool first = true;
-      std::size_t items = 0;
-      for (const Command& c : commands) {
-        if (c.op == Op::RoutePredict && !first && queue_.back().c.op == Op::Route &&
-            queue_.back().c.rows == c.rows && queue_.back().n_fused + 1 < kMaxRouteTasks) {
-          Item& route = queue_.back();  // this submission's: the device thread has not taken it
-          route.fused[route.n_fused++] = c;
-          continue;
-        }
-        Item it = meta;
-        it.c = c;
-        it.batch_start = first;
-        first = false;
-        queue_.push_back(it);
-        ++items;
+    meta.io = io;
+    bool first = true;
+    for (const Command& c : commands) {
+      if (c.op == Op::RoutePredict && !first && queue.back().c.op == Op::Route &&
+          queue.back().c.rows == c.rows && queue.back().n_fused + 1 < kMaxRouteTasks) {
+        Item& route = queue.back();  // this submission's: the device thread has not taken it
+        route.fused[route.n_fused++] = c;
+        continue;
       }
-      queued_.fetch_add(items, std::memory_order_release);
+      Item it = meta;
+      it.c = c;
+      it.batch_start = first;
+      first = false;
+      queue.push_back(it);
     }
-    cv_.notify_all();
   }
 
-  void synchronize() override {
-    std::unique_lock<std::mutex> lk(mu_);
-    idle_cv_.wait(lk, [&] { return queue_.empty() && !running_; });
-    abort_ = false;
-    // Kernels launched before an abort may still run: none may read a slot the host recycles
-    // next (I4, I5), so the stream drains too. An error word they set is kept for the host.
-    cudaError_t e = cudaStreamSynchronize(stream_);
-    if (e != cudaSuccess && error_.empty()) error_ = cuda_message("stream", e);
+  // Kernels launched before an abort may still run: none may read a slot the host recycles
+  // next (I4, I5), so the stream drains too. An error word they set is kept for the host.
+  std::string drained() override {
+    const cudaError_t e = cudaStreamSynchronize(stream_);
+    std::string err = e != cudaSuccess ? cuda_message("stream", e) : "";
     std::string flagged = read_error_word();
-    if (!flagged.empty() && error_.empty()) error_ = flagged;
     dirty_ = {};  // an aborted layer's readback is not delivered
     up_used_ = 0;
+    return err.empty() ? flagged : err;
   }
 
-  void abort_pending() override {
-    SharedEvent* ev;
-    std::uint64_t v;
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      abort_ = true;
-      ev = parked_event_;
-      v = parked_value_;
-    }
-    if (ev) ev->signal(v);  // a device thread parked on a Wait must wake
-    cv_.notify_all();
-  }
-
-  std::string take_device_error() override {
-    std::lock_guard<std::mutex> lk(mu_);
-    std::string e;
-    e.swap(error_);
-    return e;
-  }
+  void skipped(const Item&) override { dirty_ = {}; }
+  void device_thread_started() override { cudaSetDevice(0); }
 
  private:
   void unmap() {
@@ -435,57 +416,6 @@ class CudaBackend final : public Backend {
     if (host_smap_) unmap_host(host_smap_);
     host_arena_ = nullptr;
     host_smap_ = nullptr;
-  }
-
-  void device_loop() {
-    cudaSetDevice(0);
-    std::unique_lock<std::mutex> lk(mu_);
-    std::uint64_t taken = 0;  // commands this thread has taken off the queue
-    for (;;) {
-      if (queue_.empty() && !stop_) {  // spin a little before sleeping (spin_)
-        lk.unlock();
-        const auto until = std::chrono::steady_clock::now() + spin_;
-        while (queued_.load(std::memory_order_acquire) == taken &&
-               std::chrono::steady_clock::now() < until) {
-        }
-        lk.lock();
-      }
-      cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
-      if (stop_ && queue_.empty()) return;
-      Item it = queue_.front();
-      queue_.pop_front();
-      ++taken;
-      if (abort_) {  // skip everything until the host synchronizes
-        dirty_ = {};
-        if (queue_.empty()) idle_cv_.notify_all();
-        continue;
-      }
-      running_ = true;
-      if (it.c.op == Op::Wait) {
-        parked_event_ = it.c.event;
-        parked_value_ = it.c.value;
-      }
-      lk.unlock();
-      std::string err;
-      const auto t0 = std::chrono::steady_clock::now();
-      try {
-        err = execute(it);
-      } catch (const std::exception& e) {
-        err = e.what();
-      }
-      if (trace_) {
-        const auto op = std::size_t(it.c.op);
-        op_ns_[op] += std::uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                        std::chrono::steady_clock::now() - t0)
-                                        .count());
-        ++op_calls_[op];
-      }
-      lk.lock();
-      parked_event_ = nullptr;
-      running_ = false;
-      if (!err.empty() && error_.empty()) error_ = err;
-      if (queue_.empty()) idle_cv_.notify_all();
-    }
   }
 
   // What the host reads, written on the device since the last Signal.
@@ -520,27 +450,84 @@ class CudaBackend final : public Backend {
     cuda_check(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), "upload");
   }
 
-  // The device thread alone touches what follows (bind() runs only when it is idle).
-  std::string execute(const Item& it) {
+  // The device thread's time per command kind (STRATA_CUDA_TRACE), around run().
+  std::string execute(const Item& it) override {
+    if (!trace_) return run(it);
+    const auto t0 = std::chrono::steady_clock::now();
+    struct Timed {  // counted on the way out, a throw included
+      CudaBackend& self;
+      std::size_t op;
+      std::chrono::steady_clock::time_point t0;
+      ~Timed() {
+        self.op_ns_[op] += std::uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                             std::chrono::steady_clock::now() - t0)
+                                             .count());
+        ++self.op_calls_[op];
+      }
+    } timed{*this, std::size_t(it.c.op), t0};
+    return run(it);
+  }
+
+  // The device thread alone touches what follows (bind() runs only when it is idle). One
+  // command: a submission's uploads at its first, then the op, dispatched to its function; the
+  // ops whose work depends on where the kernels read experts ask the arena strategy (arena_).
+  std::string run(const Item& it) {
     const Command& c = it.c;
-    const DeviceBuffers& b = host_;
-    const std::size_t H = layout_.hidden, k = layout_.top_k;
     // The buffers this command's kernels use: the bound ones, or the caller's device rows
     // (read and written in place: the host thread that made the call waits for them).
     DevBuffers dev = dev_;
     if (it.io.x) dev.x = const_cast<float*>(it.io.x);  // read only: no route stores into it
     if (it.io.out) dev.out = it.io.out;
-    const float* x_staged = nullptr;  // x for the route kernel to read and store into dev.x
-    if (it.batch_start && it.batch_rows > 0 && b.x) {
-      const std::size_t R = it.batch_rows;
-      if (c.op == Op::Route && c.rows == R && !it.io.x)
-        x_staged = static_cast<const float*>(stage(b.x, R * H * 4));
-      if (!x_staged && !it.io.x) upload(dev_.x, b.x, R * H * 4);
-      if (!it.batch_routes) {  // the host routed (or the device did and the host has a copy)
-        upload(dev_.ids, b.ids, R * k * 4);
-        upload(dev_.weights, b.weights, R * k * 4);
-      }
+    const float* x_staged = upload_submission(it);
+    const bool regroup = note_command(c);
+    switch (c.op) {
+      case Op::Route:
+        return route(it, dev, x_staged);
+      case Op::RoutePredict:
+        return route_predict(c, dev);
+      case Op::Plan:
+        arena_->plan(c, dev);
+        return "";
+      case Op::GateUp:
+      case Op::Down:
+        return expert_pass(c, regroup, dev);
+      case Op::MoeMM:
+        return expert_wave(c, dev);
+      case Op::Combine:
+        cuda_check(launch_combine(layout_, dev, c.rows, stream_), "combine");
+        // Into the caller's device rows: complete at the Signal's drain, nothing to bring back.
+        if (!it.io.out) dirty_.out_rows = std::max(dirty_.out_rows, c.rows);
+        return "";
+      case Op::Signal:
+        return signal(it);
+      case Op::Wait:
+        wait(c);
+        return "";
     }
+    return "unknown op";
+  }
+
+  // A submission's first command brings up what its rows need that the host wrote: x (staged
+  // for the route kernel to read and store into dev.x, returned, when that command routes all
+  // the rows), and the host's routing when the submission does not route on the device.
+  const float* upload_submission(const Item& it) {
+    const DeviceBuffers& b = host_;
+    if (!it.batch_start || it.batch_rows == 0 || !b.x) return nullptr;
+    const std::size_t R = it.batch_rows, H = layout_.hidden, k = layout_.top_k;
+    const float* x_staged = nullptr;
+    if (it.c.op == Op::Route && it.c.rows == R && !it.io.x)
+      x_staged = static_cast<const float*>(stage(b.x, R * H * 4));
+    if (!x_staged && !it.io.x) upload(dev_.x, b.x, R * H * 4);
+    if (!it.batch_routes) {  // the host routed (or the device did and the host has a copy)
+      upload(dev_.ids, b.ids, R * k * 4);
+      upload(dev_.weights, b.weights, R * k * 4);
+    }
+    return x_staged;
+  }
+
+  // Notes `c` as the last command; returns whether a pass must group its entries again: not
+  // for the Down right after its own GateUp (same pass, layer and rows).
+  bool note_command(const Command& c) {
     const bool regroup = !(c.op == Op::Down && last_op_ == Op::GateUp && last_pass_ == c.pass &&
                            last_layer_ == c.layer && last_rows_ == c.rows);
     if (trace_ && c.op != Op::Signal && c.op != Op::Wait) crossing_open_ = false;
@@ -548,99 +535,200 @@ class CudaBackend final : public Backend {
     last_pass_ = c.pass;
     last_layer_ = c.layer;
     last_rows_ = c.rows;
-    switch (c.op) {
-      case Op::Route: {
-        if (c.moce.mode != MoceMode::Off)
-          return "the cuda backend does not implement cache-aware routing (moce)";
-        RouteTasks tasks;
-        tasks.t[tasks.n++] = RouteTask{c.layer, dev_.ids, dev_.weights,
-                                       back_.device<std::int32_t>(back_ids_),
-                                       back_.device<float>(back_weights_)};
-        for (std::uint32_t f = 0; f < it.n_fused; ++f) tasks.t[tasks.n++] = predict_task(it.fused[f]);
-        cuda_check(launch_route(layout_, dev, c.rows, tasks, x_staged, stream_), "route");
-        dirty_.ids_rows = std::max(dirty_.ids_rows, c.rows);
-        return "";
-      }
-      case Op::RoutePredict: {  // one not folded into a Route
-        RouteTasks tasks;
-        tasks.t[tasks.n++] = predict_task(c);
-        cuda_check(launch_route(layout_, dev, c.rows, tasks, nullptr, stream_), "route_predict");
-        return "";
-      }
-      case Op::Plan:
-        if (mode_ == ArenaMode::Mapped) {
-          cuda_check(launch_plan(layout_, dev, c.layer, c.rows, stream_), "plan");
-        } else {
-          // The same snapshot, taken here, at the point of the stream where the plan kernel
-          // would run (after release 1): the device thread must know the slots to mirror them.
-          // Only this thread reads it: it groups the passes itself (group_on_host).
-          host_plan_.resize(std::size_t(c.rows) * k);
-          for (std::size_t i = 0; i < host_plan_.size(); ++i)
-            host_plan_[i] = smap_load(b.smap, key(c.layer, b.ids[i]));
-        }
-        return "";
-      case Op::GateUp:
-      case Op::Down: {
-        const Select sel = c.pass == Pass::Resident ? Select::Resident : Select::Missing;
-        // Device mode knows the plan: a pass with no entry (decode with every expert resident,
-        // or none) launches nothing. With entries, the group kernel still checks each slot.
-        if (mode_ == ArenaMode::Device && pass_is_empty(c.rows, c.pass)) return "";
-        std::string err;
-        if (regroup && mode_ == ArenaMode::Device) {
-          mirror_pass(c.layer, c.rows, c.pass);
-          err = group_on_host(c.layer, c.rows, sel);
-        } else if (regroup) {
-          cuda_check(launch_group(layout_, dev, c.layer, c.rows, sel, stream_), "group");
-        }
-        // Device mode: the pass's groups (this one's, or gate_up's before this down) are known
-        // here; the decode kernels take them as arguments.
-        if (mode_ == ArenaMode::Device) dev.host_groups = host_groups_.data();
-        if (c.op == Op::GateUp)
-          cuda_check(launch_gate_up(layout_, dev, c.rows, stream_), "gate_up");
-        else
-          cuda_check(launch_down(layout_, dev, c.rows, stream_), "down");
-        return err;
-      }
-      case Op::MoeMM: {
-        // The host wrote the wave before releasing it; this thread runs after that release.
-        const std::uint32_t n = *b.wave_n;
-        std::string err;
-        if (mode_ == ArenaMode::Device) {
-          for (std::uint32_t w = 0; w < n; ++w) mirror(key(c.layer, b.wave[w]));
-          err = group_on_host(c.layer, c.rows, Select::Wave);
-          dev.host_groups = host_groups_.data();
-        } else {
-          upload(const_cast<std::uint32_t*>(dev_.wave_n), b.wave_n, 4);
-          upload(const_cast<std::int32_t*>(dev_.wave), b.wave, std::size_t(n) * 4);
-          cuda_check(launch_group(layout_, dev, c.layer, c.rows, Select::Wave, stream_), "group");
-        }
-        cuda_check(launch_gate_up(layout_, dev, c.rows, stream_), "gate_up");
-        cuda_check(launch_down(layout_, dev, c.rows, stream_), "down");
-        return err;
-      }
-      case Op::Combine:
-        cuda_check(launch_combine(layout_, dev, c.rows, stream_), "combine");
-        // Into the caller's device rows: complete at the Signal's drain, nothing to bring back.
-        if (!it.io.out) dirty_.out_rows = std::max(dirty_.out_rows, c.rows);
-        return "";
-      case Op::Signal: {
-        if (c.queued && it.io.ordered && completes_async() && dirty_.empty())
-          return signal_queued(it);
-        if (trace_) open_crossing();
-        std::string err = settle();
-        c.event->signal(c.value);
-        return err;
-      }
-      case Op::Wait: {
-        const auto until = std::chrono::steady_clock::now() + spin_;
-        while (c.event->value() < c.value && std::chrono::steady_clock::now() < until) {
-        }
-        c.event->wait(c.value);  // abort_pending() signals it, so this cannot strand
-        if (trace_) close_crossing();
-        return "";
-      }
+    return regroup;
+  }
+
+  // Route, with the RoutePredicts folded into it (enqueue): one launch.
+  std::string route(const Item& it, const DevBuffers& dev, const float* x_staged) {
+    const Command& c = it.c;
+    if (c.moce.mode != MoceMode::Off)
+      return "the cuda backend does not implement cache-aware routing (moce)";
+    RouteTasks tasks;
+    tasks.t[tasks.n++] = RouteTask{c.layer, dev_.ids, dev_.weights,
+                                   back_.device<std::int32_t>(back_ids_),
+                                   back_.device<float>(back_weights_)};
+    for (std::uint32_t f = 0; f < it.n_fused; ++f) tasks.t[tasks.n++] = predict_task(it.fused[f]);
+    cuda_check(launch_route(layout_, dev, c.rows, tasks, x_staged, stream_), "route");
+    dirty_.ids_rows = std::max(dirty_.ids_rows, c.rows);
+    return "";
+  }
+
+  // A RoutePredict not folded into a Route.
+  std::string route_predict(const Command& c, const DevBuffers& dev) {
+    RouteTasks tasks;
+    tasks.t[tasks.n++] = predict_task(c);
+    cuda_check(launch_route(layout_, dev, c.rows, tasks, nullptr, stream_), "route_predict");
+    return "";
+  }
+
+  // GateUp or Down of a decode pass: its entries grouped by slot (the arena's way), then the
+  // kernel. A handshake bug the grouping found is the pass's error; the kernel still runs over
+  // the groups that were found (none: it computes nothing).
+  std::string expert_pass(const Command& c, bool regroup, DevBuffers& dev) {
+    const Grouped g = arena_->group_pass(c, regroup, dev);
+    if (!g.launch) return "";
+    if (c.op == Op::GateUp)
+      cuda_check(launch_gate_up(layout_, dev, c.rows, stream_), "gate_up");
+    else
+      cuda_check(launch_down(layout_, dev, c.rows, stream_), "down");
+    return g.error;
+  }
+
+  // MoeMM: a prompt wave's experts grouped (the arena's way), then gate_up and down.
+  std::string expert_wave(const Command& c, DevBuffers& dev) {
+    const std::string err = arena_->group_wave(c, dev);
+    cuda_check(launch_gate_up(layout_, dev, c.rows, stream_), "gate_up");
+    cuda_check(launch_down(layout_, dev, c.rows, stream_), "down");
+    return err;
+  }
+
+  // A Signal: queued (the caller's stream waits on the device), or after a drain that brings
+  // the host what it reads.
+  std::string signal(const Item& it) {
+    const Command& c = it.c;
+    if (c.queued && it.io.ordered && completes_async() && dirty_.empty())
+      return signal_queued(it);
+    if (trace_) open_crossing();
+    std::string err = settle();
+    c.event->signal(c.value);
+    return err;
+  }
+
+  void wait(const Command& c) {
+    const auto until = std::chrono::steady_clock::now() + spin_;
+    while (c.event->value() < c.value && std::chrono::steady_clock::now() < until) {
     }
-    return "unknown op";
+    c.event->wait(c.value);  // abort_pending() signals it, so this cannot strand
+    if (trace_) close_crossing();
+  }
+
+  // ---- Where the kernels read experts: one strategy, chosen once ---------------------------
+  // The memory mode (STRATA_CUDA_ARENA) is fixed when the backend is made, and completes_async()
+  // and record_observer() answer from it before the first bind, so the strategy is chosen in
+  // the constructor; every op that depends on the mode asks it (as ggml-cuda dispatches per op)
+  // instead of testing the mode inside each.
+  struct Grouped {
+    bool launch = true;  // false: the pass has no entry and launches nothing
+    std::string error;   // a handshake bug the grouping found
+  };
+  class ArenaStrategy {
+   public:
+    virtual ~ArenaStrategy() = default;
+    // bind(): the arena the kernels read, given the stream's arena mapped into the GPU.
+    virtual const unsigned char* bind_arena(const DeviceBuffers& b, const PackLayout& L,
+                                            const unsigned char* mapped) = 0;
+    // Plan: the snapshot of smap for every routed entry.
+    virtual void plan(const Command& c, const DevBuffers& dev) = 0;
+    // GateUp / Down: the pass's entries grouped by slot, again only when `regroup`.
+    virtual Grouped group_pass(const Command& c, bool regroup, DevBuffers& dev) = 0;
+    // MoeMM: the wave's entries grouped by slot; a handshake bug found, or "".
+    virtual std::string group_wave(const Command& c, DevBuffers& dev) = 0;
+    // Whether a queued Signal may return before the kernels finish (completes_async()).
+    virtual bool completes_async() const = 0;
+    // The record observer the Window registers (record_observer()), or null.
+    virtual RecordObserver* observer() = 0;
+  };
+
+  // Device: the kernels read the mirror in device memory. This thread knows every slot a pass
+  // reads (it takes the plan itself), mirrors the ones IO completion did not, and groups on the
+  // host.
+  class DeviceArena final : public ArenaStrategy {
+   public:
+    explicit DeviceArena(CudaBackend& be) : be_(be) {}
+    const unsigned char* bind_arena(const DeviceBuffers& b, const PackLayout& L,
+                                    const unsigned char*) override {
+      be_.mirror_.allocate(b.n_slots, b.slot_bytes, L.record_bytes);  // nothing mirrored yet
+      return be_.mirror_.device();
+    }
+    // The same snapshot as the plan kernel's, taken here, at the point of the stream where it
+    // would run (after release 1): the device thread must know the slots to mirror them. Only
+    // this thread reads it: it groups the passes itself (group_on_host).
+    void plan(const Command& c, const DevBuffers&) override {
+      const DeviceBuffers& b = be_.host_;
+      std::vector<std::uint32_t>& plan = be_.host_plan_;
+      plan.resize(std::size_t(c.rows) * be_.layout_.top_k);
+      for (std::size_t i = 0; i < plan.size(); ++i)
+        plan[i] = smap_load(b.smap, be_.key(c.layer, b.ids[i]));
+    }
+    // The plan is known: a pass with no entry (decode with every expert resident, or none)
+    // launches nothing. The pass's groups (this one's, or gate_up's before this down) are
+    // known here; the decode kernels take them as arguments.
+    Grouped group_pass(const Command& c, bool regroup, DevBuffers& dev) override {
+      if (be_.pass_is_empty(c.rows, c.pass)) return Grouped{false, ""};
+      Grouped g;
+      if (regroup) {
+        be_.mirror_pass(c.layer, c.rows, c.pass);
+        g.error = be_.group_on_host(c.layer, c.rows, select_of(c.pass));
+      }
+      dev.host_groups = be_.host_groups_.data();
+      return g;
+    }
+    // The host wrote the wave before releasing it; this thread runs after that release.
+    std::string group_wave(const Command& c, DevBuffers& dev) override {
+      const DeviceBuffers& b = be_.host_;
+      for (std::uint32_t w = 0; w < *b.wave_n; ++w) be_.mirror(be_.key(c.layer, b.wave[w]));
+      std::string err = be_.group_on_host(c.layer, c.rows, Select::Wave);
+      dev.host_groups = be_.host_groups_.data();
+      return err;
+    }
+    // A queued Signal makes the caller's stream wait for the kernels (an event after them) and
+    // returns; the host learns they ended at the next synchronize(). Every unpublished expert
+    // is found by group_on_host() before then, so a layer's handshake bug is still its own
+    // call's error.
+    bool completes_async() const override { return true; }
+    // The mirror, filled at IO completion (the Window registers it after bind()).
+    RecordObserver* observer() override {
+      return be_.fill_ != MirrorFill::Lazy ? &be_.mirror_ : nullptr;
+    }
+
+   private:
+    CudaBackend& be_;
+  };
+
+  // Mapped: the kernels read the host arena through the mapping; the plan and the grouping are
+  // kernels.
+  class MappedArena final : public ArenaStrategy {
+   public:
+    explicit MappedArena(CudaBackend& be) : be_(be) {}
+    const unsigned char* bind_arena(const DeviceBuffers&, const PackLayout&,
+                                    const unsigned char* mapped) override {
+      return mapped;
+    }
+    void plan(const Command& c, const DevBuffers& dev) override {
+      cuda_check(launch_plan(be_.layout_, dev, c.layer, c.rows, be_.stream_), "plan");
+    }
+    // With entries or none, the group kernel checks each slot.
+    Grouped group_pass(const Command& c, bool regroup, DevBuffers& dev) override {
+      if (regroup)
+        cuda_check(launch_group(be_.layout_, dev, c.layer, c.rows, select_of(c.pass),
+                                be_.stream_),
+                   "group");
+      return Grouped{};
+    }
+    std::string group_wave(const Command& c, DevBuffers& dev) override {
+      const DeviceBuffers& b = be_.host_;
+      be_.upload(const_cast<std::uint32_t*>(be_.dev_.wave_n), b.wave_n, 4);
+      be_.upload(const_cast<std::int32_t*>(be_.dev_.wave), b.wave, std::size_t(*b.wave_n) * 4);
+      cuda_check(launch_group(be_.layout_, dev, c.layer, c.rows, Select::Wave, be_.stream_),
+                 "group");
+      return "";
+    }
+    // The group kernel reports through the error word, which only a drain reads: it keeps
+    // draining at every Signal.
+    bool completes_async() const override { return false; }
+    RecordObserver* observer() override { return nullptr; }
+
+   private:
+    CudaBackend& be_;
+  };
+
+  static Select select_of(Pass p) {
+    return p == Pass::Resident ? Select::Resident : Select::Missing;
+  }
+
+  std::unique_ptr<ArenaStrategy> make_arena_strategy() {
+    if (mode_ == ArenaMode::Device) return std::make_unique<DeviceArena>(*this);
+    return std::make_unique<MappedArena>(*this);
   }
 
   // STRATA_CUDA_TRACE=1: the device thread's time per command kind, printed when the backend
@@ -894,7 +982,7 @@ class CudaBackend final : public Backend {
   std::uint64_t queued_signals_ = 0;  // the device thread's (printed by the trace)
   DevError* err_host_ = nullptr;  // mapped pinned; written by kernels, read after a sync
   // Bound state: written by bind() while the device thread is idle, read by it afterwards
-  // (mu_ orders the two).
+  // (the queue's lock orders the two).
   DevLayout layout_;
   DevBuffers dev_;
   DeviceBuffers host_;
@@ -911,10 +999,11 @@ class CudaBackend final : public Backend {
   std::size_t up_used_ = 0;
   std::size_t back_ids_ = 0, back_weights_ = 0, back_pred_[2] = {0, 0}, back_out_ = 0;
   const ArenaMode mode_;
+  std::unique_ptr<ArenaStrategy> arena_;  // mode_'s, made by the constructor
   const MirrorFill fill_;  // STRATA_CUDA_MIRROR_FILL
   const std::chrono::microseconds spin_;  // STRATA_CUDA_SPIN_US: the device thread's spin
   // STRATA_CUDA_BF16 as asked (read by the constructor) and settled for this GPU (by the first
-  // bind of a bf16 pack; bind() runs while the device thread is idle, under mu_).
+  // bind of a bf16 pack; bind() runs while the device thread is idle).
   Bf16Family bf16_asked_ = Bf16Family::Auto;
   std::optional<Bf16Family> bf16_family_;
   // Device mode: the arena's device copy and its per-slot tags, written by the IO threads (at
@@ -934,20 +1023,6 @@ class CudaBackend final : public Backend {
   Op last_op_ = Op::Signal;
   Pass last_pass_ = Pass::Resident;
   std::uint32_t last_layer_ = 0, last_rows_ = 0;
-
-  std::mutex mu_;
-  std::condition_variable cv_;       // commands queued or stopping
-  std::condition_variable idle_cv_;  // queue drained
-  std::deque<Item> queue_;           // mu_
-  std::atomic<std::uint64_t> queued_{0};  // commands ever queued (written under mu_): the spin
-  bool running_ = false;             // mu_
-  bool abort_ = false;               // mu_
-  bool stop_ = false;                // mu_
-  SharedEvent* parked_event_ = nullptr;  // mu_
-  std::uint64_t parked_value_ = 0;       // mu_
-  std::string error_;                    // mu_
-  DeviceIo io_;                          // mu_: set_device_io's, copied into each Item at submit
-  std::thread device_;                   // started last, in the constructor body
 };
 
 }  // namespace
