@@ -278,9 +278,9 @@ def test_crafted_headers_are_a_pack_error_or_a_working_stream(
 ) -> None:  # fmt: skip
     """Fields of the fixed header and tensor table changed to random and boundary values with
     the header crc recomputed, opened by the C++ engine through ExpertStream: a PackError naming
-    the file, or a stream that works; never a crash, another error or a hang. The engine is
-    no more lenient than the Python reader (it accepts only what parse_header accepts), and no
-    stricter within its own limits."""
+    the file, or a stream that works; never a crash, another error or a hang. The stream and the
+    Python reader's parse_header (the same parser, through _core.read_layout, and the writer's
+    layout rule) accept exactly the same headers."""
     path = Path(shutil.copy(base_packs[which], tmp_path_factory.mktemp("crafted") / "c.strpk"))
     with open(path, "rb") as f:
         head = bytearray(f.read(HEADER_BYTES))
