@@ -160,7 +160,12 @@ def build_checkpoint(path: Path, layers: int, vocab: int, seed: int = 0) -> Path
     cfg = transformers.Qwen3MoeConfig(**{**QWEN3_30B_A3B, "vocab_size": vocab,
                                           "num_hidden_layers": layers})  # fmt: skip
     cfg.dtype = "bfloat16"
+    cfg.architectures = ["Qwen3MoeForCausalLM"]  # as the Hub's checkpoints name it (GGUF needs it)
     cfg.save_pretrained(str(path))
+    # The Hub's config.json also names these as older readers (mlx-lm, llama.cpp) expect them.
+    written = json.loads((path / "config.json").read_text())
+    written.update(num_experts=cfg.num_local_experts, rope_theta=cfg.rope_parameters["rope_theta"])
+    (path / "config.json").write_text(json.dumps(written, indent=2))
     save_tokenizer(path)
     shards: dict[str, list[tuple[str, tuple[int, ...], str]]] = {}
     for name, shape, init in _tensors(cfg):
