@@ -58,6 +58,8 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 from limits import Outcome, disk_read_ahead_kb, read_ahead, run_limited  # noqa: E402
 from llama_build import LlamaCpp, build, default_workdir  # noqa: E402
 
+from common import require_matplotlib  # noqa: E402
+
 _GB = 1e9
 
 
@@ -401,6 +403,7 @@ def main() -> None:
         help="no runs: the table (and --table, --plot) from an earlier run's --json",
     )
     a = ap.parse_args()
+    require_matplotlib(ap, a.plot)
     if a.summarize is not None:
         summarize(a)
         return
