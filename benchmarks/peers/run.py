@@ -190,7 +190,8 @@ class Runner:
 
 
 def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
-    return {k: str(v) if isinstance(v, Path) else v for k, v in d.items()}
+    """The arguments as the JSON keeps them: paths by name alone (the JSON may be committed)."""
+    return {k: v.name if isinstance(v, Path) else v for k, v in d.items()}
 
 
 def decode_tps(r: dict[str, Any]) -> float | None:
