@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from strata_stream import ExpertPack, ExpertStream, StreamConfig, Window  # noqa: E402
+from strata_stream.arena_budget import KV_SHARE, MARGIN_MIN, MARGIN_SHARE, scratch_bytes  # noqa: E402
 from strata_stream.convert import convert  # noqa: E402
 from strata_stream.errors import ConfigError  # noqa: E402
 from strata_stream.transformers import load  # noqa: E402
@@ -58,11 +59,15 @@ def test_the_gpu_arena_is_what_gpu_memory_leaves(
         minimum = 2 * pack.geometry.top_k * stride
         free[0] = 1 << 40  # room for everything: every expert resident, as on the host
         assert _arena_bytes(pack, None, gpu) == everything
-        free[0] = (1 << 30) + minimum  # below the headroom: the error says how much is needed
+        # Below the headroom (the margin alone is MARGIN_MIN): the error says how much is needed.
+        free[0] = minimum + MARGIN_MIN // 2
         with pytest.raises(ConfigError, match="not enough GPU memory for the experts"):
             _arena_bytes(pack, None, gpu)
-        # Headroom is 1 GiB + 10% of what is free: this leaves half the experts' bytes.
-        free[0] = int(((1 << 30) + everything // 2) / 0.9) + 1
+        # The headroom is the scratch, KV_SHARE of what is free and a margin of MARGIN_SHARE of
+        # it (at least MARGIN_MIN): this much free leaves half the experts' bytes.
+        scratch = min(scratch_bytes(pack), everything)
+        free[0] = int((everything // 2 + scratch + MARGIN_MIN) / (1 - KV_SHARE)) + 1
+        assert MARGIN_SHARE * free[0] < MARGIN_MIN  # the margin is its minimum at this size
         assert abs(_arena_bytes(pack, None, gpu) - everything // 2) <= 2
         free[0] = minimum
         with pytest.raises(ConfigError, match="does not fit in cuda:0"):

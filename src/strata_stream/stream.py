@@ -37,8 +37,8 @@ if TYPE_CHECKING:
     from strata_stream._core import ABSENT, ReadClass, SlotState
 
 # The compiled extension is imported where it is used (`from strata_stream import _core` inside
-# the methods), so that the pure-Python parts (pack writer, CLI inspect/verify) work even where
-# it failed to build.
+# the methods), so that the pure-Python parts (the pack writer) import even where it failed to
+# build; what needs it (reading a pack's header, checksums) says so in one line.
 
 
 def __getattr__(name: str) -> Any:
