@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from strata_stream.engine_stats import StatsSource
+from strata_stream.serve.engine_batch import EngineBatch, batch_factory
 from strata_stream.serve.jobs import Finished, Job, JobState
 from strata_stream.serve.lockstep import STOP, RequestChannel
 from strata_stream.serve.metrics import ServerMetrics
@@ -235,12 +236,7 @@ class GenerationWorker:
             self._drain()
 
     def _run_batched(self) -> None:
-        batch_class: type[Any]
-        if self._engine == "transformers":
-            from strata_stream.serve.transformers_continuous import TransformersBatch as batch_class
-        else:
-            from strata_stream.serve.batch import ContinuousBatch as batch_class
-        batch = batch_class(
+        batch = batch_factory(self._engine)(
             self._model,
             self._tokenizer,
             max_batch=self.max_batch,
@@ -316,7 +312,7 @@ class GenerationWorker:
             self._pending.extend(request)
         return self._pending.popleft()
 
-    def _admit(self, batch: Any) -> None:
+    def _admit(self, batch: EngineBatch) -> None:
         """Moves waiting jobs into the batch while it has room; waits briefly when idle."""
         while len(batch) < self.max_batch:
             job = self._next_job(wait=not len(batch))
