@@ -103,8 +103,20 @@ def main() -> None:
     t0 = time.perf_counter()
     top1 = [step(ids[:n_prompt])]
     row["prompt_s"] = time.perf_counter() - t0
+    experts_s = [0.0]  # wall time inside the experts calls while decoding (IO waits included)
     if engine is not None:
         engine.window.reset_stats()
+        stream_before = dict(engine.stream.stats())
+        run = engine.run
+
+        def timed_run(*args: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return run(*args)
+            finally:
+                experts_s[0] += time.perf_counter() - t
+
+        engine.run = timed_run
     steps: list[float] = []
     read_before = storage_read_bytes()
     for i in range(n_decode):
@@ -120,6 +132,21 @@ def main() -> None:
         row["hit_rate"] = hits / (hits + misses) if hits + misses else None
         row["engine_bytes_read_per_token"] = int(total["bytes_read"]) / n_decode
         row["arena_bytes"] = int(engine.stream.n_slots * engine.stream.record_stride)
+        # Where the decode time went: the experts calls (of which the host's waits on urgent
+        # reads, stall_s), the rest of the model (attention, dense layers, head) by difference,
+        # and the IO threads' own seconds over the same steps.
+        stream = engine.stream.stats()
+        row["decode_breakdown"] = {
+            "experts_s": experts_s[0],
+            "stall_s": float(total["stall_seconds"]),
+            "handshake_s": float(total["handshake_seconds"]),
+            "handshake_cpu_s": float(total["handshake_cpu_seconds"]),
+            "rest_s": sum(steps) - experts_s[0],
+            "io_read_s": float(stream["read_seconds"]) - float(stream_before["read_seconds"]),
+            "direct_io": bool(stream["direct_io"]),
+            "n_slots": int(stream["n_slots"]),
+            "prefetch_state": engine.window.stats()["prefetch"].get("state"),
+        }
         engine.close()
     out.write_text(json.dumps(row))
 
