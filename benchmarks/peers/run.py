@@ -130,8 +130,10 @@ def _ids(workdir: Path, n: int, vocab: int, seed: int) -> Path:
 class Runner:
     """Runs the drivers under conditions and keeps every row (and the JSON up to date)."""
 
-    def __init__(self, args: argparse.Namespace, llama: LlamaCpp, model: Path, ids: Path) -> None:
-        self.a, self.llama, self.model, self.ids = args, llama, model, ids
+    def __init__(
+        self, args: argparse.Namespace, llama: LlamaCpp, model: Path, ids: Path, head: str
+    ) -> None:
+        self.a, self.llama, self.model, self.ids, self.head = args, llama, model, ids, head
         self.rows: list[dict[str, Any]] = []
         self.logs = args.workdir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -149,13 +151,14 @@ class Runner:
         if outcome.returncode == 0 and out.exists():
             row.update(json.loads(out.read_text()))
         else:
-            row["error"] = (self.logs / f"run{n:03d}.log").read_text()[-400:]
+            log = (self.logs / f"run{n:03d}.log").read_text()
+            row["error"] = log[-400:]
+            row["no_arena"] = "not enough memory for the experts" in log
         self.rows.append(row)
         print(_line(row), flush=True)
         if self.a.json:
-            self.a.json.write_text(
-                json.dumps({"args": _jsonable(vars(self.a)), "rows": self.rows}, indent=1)
-            )
+            doc = {"args": _jsonable(vars(self.a)), "head": self.head, "rows": self.rows}
+            self.a.json.write_text(json.dumps(doc, indent=1))
         return row
 
     def llama_run(self, gguf: Path, mode: str, limit: int | None, **meta: Any) -> dict[str, Any]:
@@ -171,8 +174,17 @@ class Runner:
         ]
         return self._run(f"llama.cpp {mode}", cmd, limit, {"model": gguf.name, **meta})
 
-    def strata_run(self, pack: Path | None, limit: int | None, **meta: Any) -> dict[str, Any]:
+    def strata_run(
+        self, pack: Path | None, limit: int | None, **meta: Any
+    ) -> dict[str, Any] | None:
+        """None, without a run, where strata-stream already found no room for its arena under
+        this limit: the same load would fail the same way (the dense weights do not shrink)."""
         a = self.a
+        if pack and any(
+            r["engine"] == "strata-stream" and r["limit_bytes"] == limit and no_arena(r)
+            for r in self.rows
+        ):
+            return None
         cmd = [
             sys.executable,
             str(HERE / "strata_driver.py"),
@@ -194,6 +206,11 @@ def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
     return {k: v.name if isinstance(v, Path) else v for k, v in d.items()}
 
 
+def no_arena(r: dict[str, Any]) -> bool:
+    """The run stopped at load: the memory limit left no room for the experts' arena."""
+    return bool(r.get("no_arena")) or "not enough memory for the experts" in r.get("error", "")
+
+
 def decode_tps(r: dict[str, Any]) -> float | None:
     return len(r["step_s"]) / sum(r["step_s"]) if r.get("step_s") else None
 
@@ -205,7 +222,13 @@ def prompt_tps(r: dict[str, Any], prompt: int) -> float | None:
 def _line(r: dict[str, Any]) -> str:
     where = f"limit {r['limit_bytes'] / _GB:.2f} GB" if r["limit_bytes"] else "no limit"
     if "error" in r:
-        why = "killed for memory" if r["oom_killed"] else f"exit {r['returncode']}"
+        why = (
+            "killed for memory"
+            if r["oom_killed"]
+            else "no room for the arena"
+            if no_arena(r)
+            else f"exit {r['returncode']}"
+        )
         return f"  {r['engine']:<22} {where:<16} ra {r['read_ahead_kb']} KB: {why}"
     return (
         f"  {r['engine']:<22} {where:<16} ra {r['read_ahead_kb']} KB: decode "
@@ -247,7 +270,13 @@ def table(rows: list[dict[str, Any]], ref: dict[str, Any] | None, prompt: int) -
         ok = [r for r in rs if "error" not in r]
         where = f"{limit / _GB:.2f} GB" if limit else "none"
         if not ok:
-            why = "killed for memory" if any(r["oom_killed"] for r in rs) else "failed"
+            why = (
+                "killed for memory"
+                if any(r["oom_killed"] for r in rs)
+                else "no room for the arena (the dense weights fill the limit)"
+                if any(no_arena(r) for r in rs)
+                else "failed"
+            )
             out.append(f"| {where} | {ra} KB | {engine} | {why} | | | | | | |")
             continue
         dec = [decode_tps(r) or 0.0 for r in ok]
@@ -436,7 +465,14 @@ def main() -> None:
         f"disk read-ahead {machine_ra} KB",
         flush=True,
     )
-    r = Runner(a, llama, model, ids)
+    head = (
+        f"{a.layers} layers of Qwen3-30B-A3B's shapes; Q4_0 {model_bytes / _GB:.2f} GB, "
+        f"strata-stream ({a.engine} front-end, experts on its CPU backend) pack "
+        f"{pack.stat().st_size / _GB:.2f} GB; {a.threads} threads; "
+        f"prompt {a.prompt_tokens}, teacher-forced decode {a.decode_tokens}; "
+        f"{a.pairs} pairs; the machine's disk read-ahead {machine_ra} KB."
+    )
+    r = Runner(a, llama, model, ids, head)
     r.llama_run(q8, "repack", None, role="reference", read_ahead_kb=machine_ra)
     for share in limits:
         limit = share if isinstance(share, int) or share is None else int(share * model_bytes)
@@ -453,16 +489,6 @@ def main() -> None:
                 r.llama_run(q4, "repack", None, read_ahead_kb=machine_ra, pair=p)
         else:
             r.strata_run(None, limit, read_ahead_kb=machine_ra)
-    head = (
-        f"{a.layers} layers of Qwen3-30B-A3B's shapes; Q4_0 {model_bytes / _GB:.2f} GB, "
-        f"strata-stream ({a.engine} front-end, experts on its CPU backend) pack "
-        f"{pack.stat().st_size / _GB:.2f} GB; {a.threads} threads; "
-        f"prompt {a.prompt_tokens}, teacher-forced decode {a.decode_tokens}; "
-        f"{a.pairs} pairs; the machine's disk read-ahead {machine_ra} KB."
-    )
-    if a.json:
-        doc = {"args": _jsonable(vars(a)), "head": head, "rows": r.rows}
-        a.json.write_text(json.dumps(doc, indent=1))
     report(a, r.rows, head)
 
 
