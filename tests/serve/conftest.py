@@ -1,7 +1,10 @@
-"""A tiny random-weight qwen3_moe checkpoint, served on a free loopback port for the module."""
+"""The serve tests' fixtures: a tiny random-weight qwen3_moe checkpoint (and its pack), its
+oracles, a server over it for the module, gated servers for a test, and the tiny transformers
+checkpoint with the tool tokenizer (harness.py builds them)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,9 +19,12 @@ import mlx.core as mx  # noqa: E402
 import mlx_lm  # noqa: E402
 import numpy as np  # noqa: E402
 
-from serve.helpers import MODEL_ID, TIMEOUT_S, FakeStats, Served, client_for  # noqa: E402
+from serve.harness import family, serving  # noqa: E402
+from serve.helpers import MODEL_ID, FakeStats, GatedModel, Served, client_for  # noqa: E402
+from serve.tool_model import RESPONSE_TEMPLATE, save_word_tool_tokenizer  # noqa: E402
+from strata_stream.convert import convert  # noqa: E402
 from strata_stream.mlx_lm.random_model import make_chat_checkpoint  # noqa: E402
-from strata_stream.serve import BackgroundServer, ServeConfig, create_app  # noqa: E402
+from strata_stream.serve import ServeConfig  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -58,15 +64,56 @@ def tokenizer(tiny_path: Path) -> Any:
     return mlx_lm.load(str(tiny_path))[1]
 
 
+@pytest.fixture(scope="session")
+def tiny_pack(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkpoint's experts converted once, for the tests that only read the pack (a
+    test that damages one converts its own)."""
+    return convert(tiny_path, tmp_path_factory.mktemp("pack") / "experts.strpk", progress=False)
+
+
 @pytest.fixture(scope="module")
 def served(tiny_path: Path) -> Iterator[Served]:
     model, tokenizer = mlx_lm.load(str(tiny_path))
     stats = FakeStats()
-    app = create_app(
-        model,
-        tokenizer,
-        ServeConfig(model_id=MODEL_ID, max_queue=8, stats_interval_s=0.05),
-        stats=stats,
-    )
-    with BackgroundServer(app, timeout_s=TIMEOUT_S) as server:
-        yield Served(server.url, client_for(server.url), stats, app)
+    config = ServeConfig(model_id=MODEL_ID, max_queue=8, stats_interval_s=0.05)
+    with serving(model, tokenizer, config, stats=stats) as server:
+        yield Served(server.url, client_for(server.url), stats, server.app)
+
+
+GatedServer = Callable[..., tuple[GatedModel, str]]
+
+
+@pytest.fixture
+def gated_server(tiny_path: Path) -> Iterator[GatedServer]:
+    """gated_server(**ServeConfig fields) -> (gate, url): a server of this test over its own
+    copy of the model behind a gate (helpers.GatedModel); every gate opens at the end, before
+    its server shuts down."""
+    with contextlib.ExitStack() as stack:
+
+        def start(**cfg: Any) -> tuple[GatedModel, str]:
+            model, tokenizer = mlx_lm.load(str(tiny_path))
+            g = GatedModel(model)
+            server = stack.enter_context(
+                serving(g, tokenizer, ServeConfig(model_id=MODEL_ID, **cfg))
+            )
+            stack.callback(g.gate.set)
+            return g, server.url
+
+        yield start
+
+
+@pytest.fixture
+def gated(gated_server: GatedServer) -> tuple[GatedModel, str]:
+    """A gated server whose queue holds one waiting request."""
+    return gated_server(max_queue=1)
+
+
+@pytest.fixture(scope="session")
+def hf_tool_family(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The tiny transformers checkpoint (harness.family) with the WordLevel tool tokenizer
+    (tool_model.py), which declares Qwen3's chat template and a response_template."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    f = family(tmp_path_factory.mktemp("serve_hf_tools"))
+    save_word_tool_tokenizer(f.path, response_template=RESPONSE_TEMPLATE)
+    return f

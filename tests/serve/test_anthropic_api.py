@@ -6,26 +6,25 @@ from __future__ import annotations
 import json
 import threading
 import urllib.request
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 anthropic_sdk = pytest.importorskip("anthropic")
 
-import mlx_lm  # noqa: E402
-
 from serve.helpers import (  # noqa: E402
     MODEL_ID,
     TIMEOUT_S,
     GatedModel,
     Served,
+    anthropic_client_for,
+    cancelled_and_spent,
     post_json,
     scrape,
+    together,
     wait_until,
 )
-from strata_stream.serve import BackgroundServer, ServeConfig, create_app  # noqa: E402
 
 Oracle = Callable[[list[int], int], str]
 # The client no longer names sampling fields; the server takes them from the body.
@@ -50,10 +49,7 @@ TEMPLATE_TURNS = [
 
 @pytest.fixture(scope="module")
 def client(served: Served) -> Any:
-    # max_retries=0: a 529 or 503 must reach the test, not be retried away.
-    return anthropic_sdk.Anthropic(
-        base_url=served.url, api_key="unused", timeout=TIMEOUT_S, max_retries=0
-    )
+    return anthropic_client_for(served.url)
 
 
 def template_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
@@ -179,37 +175,25 @@ def test_concurrent_clients_get_their_lone_answers(client: Any, served: Served) 
     prompts = ["hello world", "the water is hot", "a model of the arena", "you can write"]
     lone = {p: say(client, p, 24).content[0].text for p in prompts}
     assert len(set(lone.values())) > 1
-    got: dict[tuple[str, int], str] = {}
-    errors: list[BaseException] = []
 
-    def run(p: str, i: int) -> None:
-        try:
-            if i % 3 == 0:
-                got[p, i] = say(client, p, 24).content[0].text
-            elif i % 3 == 1:
-                got[p, i] = streamed_text(client, p, 24)[0]
-            else:
-                chunks = served.client.chat.completions.create(
-                    model=MODEL_ID,
-                    messages=[{"role": "user", "content": p}],
-                    max_tokens=24,
-                    temperature=0,
-                    stream=True,
-                )
-                got[p, i] = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        except BaseException as e:
-            errors.append(e)
+    def ask(p: str, i: int) -> str:
+        if i % 3 == 0:
+            return say(client, p, 24).content[0].text
+        if i % 3 == 1:
+            return streamed_text(client, p, 24)[0]
+        chunks = served.client.chat.completions.create(
+            model=MODEL_ID,
+            messages=[{"role": "user", "content": p}],
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+        )
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
     # Eight at once: the fixture's queue holds eight, so none is refused however they arrive.
     # Each kind of client meets each other kind (i % 3 against i % 4).
-    threads = [threading.Thread(target=run, args=(p, i)) for i, p in enumerate(prompts * 2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors and len(got) == 8
-    for (p, _), text in got.items():
-        assert text == lone[p]
+    got = together([lambda p=p, i=i: ask(p, i) for i, p in enumerate(prompts * 2)])
+    assert got == [lone[p] for p in prompts * 2]
 
 
 @pytest.mark.parametrize(
@@ -314,7 +298,6 @@ def test_disconnect_mid_stream_stops_the_generation(client: Any, served: Served)
     """A streamed client that goes away cancels its job (the batch does not run it to its
     budget), and the next request gets its usual answer."""
     lone = say(client, "hello world", 16).content[0].text
-    cancelled = 'strata_serve_generations_total{reason="cancelled"}'
     before = scrape(served.url)
     max_tokens = 6000
     stream = client.messages.create(
@@ -330,34 +313,14 @@ def test_disconnect_mid_stream_stops_the_generation(client: Any, served: Served)
         if deltas == 3:
             break
     stream.close()  # drops the connection with the generation still running
-    wait_until(
-        lambda: scrape(served.url).get(cancelled, 0.0) == before.get(cancelled, 0.0) + 1,
-        "the server to cancel the disconnected generation",
-    )
-    wait_until(lambda: scrape(served.url)["strata_serve_worker_busy"] == 0, "the worker to idle")
-    spent = (
-        scrape(served.url)["strata_serve_generated_tokens_total"]
-        - before["strata_serve_generated_tokens_total"]
-    )
+    spent = cancelled_and_spent(served.url, before)
     assert 3 <= spent < max_tokens
     assert say(client, "hello world", 16).content[0].text == lone
 
 
-@pytest.fixture
-def gated(tiny_path: Path) -> Iterator[tuple[GatedModel, str]]:
-    model, tokenizer = mlx_lm.load(str(tiny_path))
-    g = GatedModel(model)
-    app = create_app(g, tokenizer, ServeConfig(model_id=MODEL_ID, max_queue=1))
-    with BackgroundServer(app, timeout_s=TIMEOUT_S) as server:
-        try:
-            yield g, server.url
-        finally:
-            g.gate.set()
-
-
 def test_full_queue_is_overloaded_529(gated: tuple[GatedModel, str]) -> None:
     g, url = gated
-    c = anthropic_sdk.Anthropic(base_url=url, api_key="unused", timeout=TIMEOUT_S, max_retries=0)
+    c = anthropic_client_for(url)
     results: dict[str, Any] = {}
 
     def call(name: str) -> None:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
-from serve.helpers import MODEL_ID, Served
+from serve.helpers import MODEL_ID, Served, together
 
 Oracle = Callable[[list[int], int], str]
 
@@ -93,29 +92,15 @@ def test_four_concurrent_clients_get_their_lone_answers(served: Served) -> None:
     prompts = ["hello world", "the water is hot", "a model of the arena", "you can write"]
     lone = {p: chat(served, p, 32).choices[0].message.content for p in prompts}
     assert len(set(lone.values())) > 1  # different prompts, different answers: no cross-talk
-    got: dict[tuple[str, int], Any] = {}
-    errors: list[BaseException] = []
 
-    def run(p: str, i: int) -> None:
-        try:
-            if i % 2:  # half stream, half not: both kinds share the queue
-                chunks = chat(served, p, 32, stream=True)
-                got[p, i] = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-            else:
-                got[p, i] = chat(served, p, 32).choices[0].message.content
-        except BaseException as e:
-            errors.append(e)
+    def ask(p: str, i: int) -> Any:
+        if i % 2:  # half stream, half not: both kinds share the queue
+            chunks = chat(served, p, 32, stream=True)
+            return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        return chat(served, p, 32).choices[0].message.content
 
-    threads = [threading.Thread(target=run, args=(p, i)) for i, p in enumerate(prompts)]
-    threads += [threading.Thread(target=run, args=(p, i + 4)) for i, p in enumerate(prompts)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors
-    assert len(got) == 8
-    for (p, _), text in got.items():
-        assert text == lone[p]
+    got = together([lambda p=p, i=i: ask(p, i) for i, p in enumerate(prompts * 2)])
+    assert got == [lone[p] for p in prompts * 2]
 
 
 def test_health(served: Served) -> None:

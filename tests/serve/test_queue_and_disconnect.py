@@ -4,11 +4,8 @@ mid-stream stops its generation, and the next request is served normally."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import mlx_lm
 import openai
 import pytest
 
@@ -17,11 +14,11 @@ from serve.helpers import (
     TIMEOUT_S,
     GatedModel,
     Served,
+    cancelled_and_spent,
     client_for,
     scrape,
     wait_until,
 )
-from strata_stream.serve import BackgroundServer, ServeConfig, create_app
 
 MSG = [{"role": "user", "content": "hello world"}]
 
@@ -35,7 +32,6 @@ def test_disconnect_mid_stream_stops_the_generation(served: Served) -> None:
         .message.content
     )
     before = scrape(served.url)
-    cancelled = 'strata_serve_generations_total{reason="cancelled"}'
     max_tokens = 6000
     stream = served.client.chat.completions.create(
         model=MODEL_ID, messages=MSG, max_tokens=max_tokens, temperature=0, stream=True
@@ -47,15 +43,7 @@ def test_disconnect_mid_stream_stops_the_generation(served: Served) -> None:
             break
     stream.close()  # drops the connection with the generation still running
 
-    wait_until(
-        lambda: scrape(served.url).get(cancelled, 0.0) == before.get(cancelled, 0.0) + 1,
-        "the server to cancel the disconnected generation",
-    )
-    wait_until(lambda: scrape(served.url)["strata_serve_worker_busy"] == 0, "the worker to idle")
-    after = scrape(served.url)
-    spent = (
-        after["strata_serve_generated_tokens_total"] - before["strata_serve_generated_tokens_total"]
-    )
+    spent = cancelled_and_spent(served.url, before)
     assert 3 <= spent < max_tokens  # stopped early, not run to its budget
     again = (
         served.client.chat.completions.create(
@@ -65,18 +53,6 @@ def test_disconnect_mid_stream_stops_the_generation(served: Served) -> None:
         .message.content
     )
     assert again == lone
-
-
-@pytest.fixture
-def gated(tiny_path: Path) -> Iterator[tuple[GatedModel, str]]:
-    model, tokenizer = mlx_lm.load(str(tiny_path))
-    g = GatedModel(model)
-    app = create_app(g, tokenizer, ServeConfig(model_id=MODEL_ID, max_queue=1))
-    with BackgroundServer(app, timeout_s=TIMEOUT_S) as server:
-        try:
-            yield g, server.url
-        finally:
-            g.gate.set()
 
 
 def test_queue_overflow_is_answered_503_at_once(gated: tuple[GatedModel, str]) -> None:

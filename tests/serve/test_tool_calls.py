@@ -12,12 +12,14 @@ from typing import Any
 
 import pytest
 
-anthropic_sdk = pytest.importorskip("anthropic")
+pytest.importorskip("anthropic")
 
 import mlx_lm  # noqa: E402
 
-from serve.helpers import MODEL_ID, TIMEOUT_S, client_for, post_json  # noqa: E402
+from serve.harness import Clients, serving  # noqa: E402
+from serve.helpers import MODEL_ID, post_json  # noqa: E402
 from serve.tool_model import (  # noqa: E402
+    ANTHROPIC_TOOL,
     CALL_ARGS,
     CALL_NAME,
     WEATHER_TOOL,
@@ -26,26 +28,9 @@ from serve.tool_model import (  # noqa: E402
     hf_messages_round_trip,
     make_tool_checkpoint,
 )
-from strata_stream.serve import BackgroundServer, ServeConfig, create_app  # noqa: E402
 
 # The anthropic client sends sampling fields the current API no longer names in its body.
 GREEDY = {"temperature": 0}
-ANTHROPIC_TOOL = {
-    "name": CALL_NAME,
-    "description": WEATHER_TOOL["function"]["description"],
-    "input_schema": WEATHER_TOOL["function"]["parameters"],
-}
-
-
-class ToolServer:
-    def __init__(self, url: str, forced: ForcedReply, path: Path) -> None:
-        self.url = url
-        self.forced = forced
-        self.path = path
-        self.openai = client_for(url)
-        self.anthropic = anthropic_sdk.Anthropic(
-            base_url=url, api_key="unused", timeout=TIMEOUT_S, max_retries=0
-        )
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +39,11 @@ def tool_path(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
 
 
 @pytest.fixture(scope="module")
-def tool_server(tool_path: Path) -> Iterator[ToolServer]:
+def tool_server(tool_path: Path) -> Iterator[Clients]:
     model, tokenizer = mlx_lm.load(str(tool_path))
     forced = ForcedReply(model, chain(tokenizer, tokenizer.eos_token_id))
-    app = create_app(forced, tokenizer, ServeConfig(model_id=MODEL_ID), engine="mlx-lm")
-    with BackgroundServer(app, timeout_s=TIMEOUT_S) as server:
-        yield ToolServer(server.url, forced, tool_path)
+    with serving(forced, tokenizer, engine="mlx-lm") as server:
+        yield Clients(server.url, forced)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +61,7 @@ def tool_oracle(tool_path: Path) -> Any:
     return generate
 
 
-def openai_call(s: ToolServer, stream: bool) -> tuple[str | None, list[Any], str | None]:
+def openai_call(s: Clients, stream: bool) -> tuple[str | None, list[Any], str | None]:
     """(content, tool calls as (name, arguments JSON), finish_reason) of one forced turn."""
     kw: dict[str, Any] = dict(
         model=MODEL_ID,
@@ -110,7 +94,7 @@ def openai_call(s: ToolServer, stream: bool) -> tuple[str | None, list[Any], str
     return text or None, [tuple(parts[i]) for i in sorted(parts)], finals[-1]
 
 
-def test_openai_tool_call_whole_and_streamed(tool_server: ToolServer) -> None:
+def test_openai_tool_call_whole_and_streamed(tool_server: Clients) -> None:
     for stream in (False, True):
         content, calls, finish = openai_call(tool_server, stream)
         assert content is None, stream
@@ -119,7 +103,7 @@ def test_openai_tool_call_whole_and_streamed(tool_server: ToolServer) -> None:
         assert finish == "tool_calls"
 
 
-def test_without_forcing_the_reply_is_text(tool_server: ToolServer) -> None:
+def test_without_forcing_the_reply_is_text(tool_server: Clients) -> None:
     """The same request unforced: the random model writes words, which come back as text."""
     r = tool_server.openai.chat.completions.create(
         model=MODEL_ID,
@@ -133,7 +117,7 @@ def test_without_forcing_the_reply_is_text(tool_server: ToolServer) -> None:
     assert r.choices[0].finish_reason == "length"
 
 
-def test_anthropic_tool_use_whole_and_streamed(tool_server: ToolServer) -> None:
+def test_anthropic_tool_use_whole_and_streamed(tool_server: Clients) -> None:
     kw: dict[str, Any] = dict(
         model=MODEL_ID,
         max_tokens=24,
@@ -158,9 +142,7 @@ def test_anthropic_tool_use_whole_and_streamed(tool_server: ToolServer) -> None:
     assert "content_block_start" in kinds and "content_block_stop" in kinds
 
 
-def test_tool_result_goes_back_through_the_template(
-    tool_server: ToolServer, tool_oracle: Any
-) -> None:
+def test_tool_result_goes_back_through_the_template(tool_server: Clients, tool_oracle: Any) -> None:
     """Both APIs send the call and its result back; the reply is plain mlx-lm's greedy text on
     the same conversation as the template renders it with the tools."""
     want = tool_oracle(hf_messages_round_trip("the water is hot", "call_1", "w3 hot"), 16)

@@ -12,80 +12,55 @@ API's call, streamed and whole alike.
 from __future__ import annotations
 
 import json
-import sys
-import threading
 from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-anthropic_sdk = pytest.importorskip("anthropic")
+pytest.importorskip("transformers")
+pytest.importorskip("anthropic")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: the families module
-from serve.helpers import TIMEOUT_S, client_for  # noqa: E402
+from serve.harness import Clients, hf_tokenizer, quarter_streamed, serving  # noqa: E402
+from serve.helpers import together  # noqa: E402
 from serve.tool_model import (  # noqa: E402
+    ANTHROPIC_TOOL,
     CALL_ARGS,
     CALL_NAME,
-    RESPONSE_TEMPLATE,
     WEATHER_TOOL,
-    ForcedReply,
     chain,
     force_torch,
     hf_messages_round_trip,
-    save_word_tool_tokenizer,
 )
-from strata_stream.serve import BackgroundServer, ServeConfig, create_app  # noqa: E402
+from strata_stream.serve import ServeConfig  # noqa: E402
 from strata_stream.serve.tool_calls import tool_syntax  # noqa: E402
 from strata_stream.transformers import stats_source  # noqa: E402
-from test_transformers_families import Family  # noqa: E402
+
+if TYPE_CHECKING:
+    from test_transformers_families import Family
 
 MODEL_ID = "tiny-hf-qwen3-moe"
 GREEDY = {"temperature": 0}
-ANTHROPIC_TOOL = {
-    "name": CALL_NAME,
-    "description": WEATHER_TOOL["function"]["description"],
-    "input_schema": WEATHER_TOOL["function"]["parameters"],
-}
 EOS = 1
 
 
 @pytest.fixture(scope="module")
-def fam(tmp_path_factory: pytest.TempPathFactory) -> Family:
-    f = Family("qwen3_moe", tmp_path_factory.mktemp("serve_hf_tools"), "float32")
-    save_word_tool_tokenizer(f.path, response_template=RESPONSE_TEMPLATE)
-    return f
+def fam(hf_tool_family: Family) -> Family:
+    return hf_tool_family
 
 
 @pytest.fixture(scope="module")
 def tokenizer(fam: Family) -> Any:
-    return transformers.AutoTokenizer.from_pretrained(fam.path)
-
-
-class HFServer:
-    def __init__(self, url: str, forced: ForcedReply) -> None:
-        self.url = url
-        self.forced = forced
-        self.openai = client_for(url)
-        self.anthropic = anthropic_sdk.Anthropic(
-            base_url=url, api_key="unused", timeout=TIMEOUT_S, max_retries=0
-        )
+    return hf_tokenizer(fam)
 
 
 @pytest.fixture(scope="module")
-def server(fam: Family, tokenizer: Any) -> Iterator[HFServer]:
-    model = fam.load(slots=fam.n_records // 4)
+def server(fam: Family, tokenizer: Any) -> Iterator[Clients]:
+    model = quarter_streamed(fam)
     forced = force_torch(model, chain(tokenizer, EOS))
-    try:
-        app = create_app(
-            model, tokenizer, ServeConfig(model_id=MODEL_ID), stats=stats_source(model)
-        )
-        with BackgroundServer(app, timeout_s=TIMEOUT_S) as s:
-            yield HFServer(s.url, forced)
-    finally:
-        model.strata_engine.close()
+    config = ServeConfig(model_id=MODEL_ID)
+    with serving(model, tokenizer, config, stats=stats_source(model), close_engine=True) as s:
+        yield Clients(s.url, forced)
 
 
 def greedy_text(
@@ -111,7 +86,7 @@ def greedy_text(
     return str(tokenizer.decode(new))
 
 
-def say(s: HFServer, text: str, n: int, **kw: Any) -> Any:
+def say(s: Clients, text: str, n: int, **kw: Any) -> Any:
     return s.anthropic.messages.create(
         model=MODEL_ID,
         max_tokens=n,
@@ -122,7 +97,7 @@ def say(s: HFServer, text: str, n: int, **kw: Any) -> Any:
 
 
 def test_messages_are_plain_transformers_greedy_text(
-    fam: Family, tokenizer: Any, server: HFServer
+    fam: Family, tokenizer: Any, server: Clients
 ) -> None:
     msgs = [{"role": "system", "content": "w1 w2"}, {"role": "user", "content": "w3 w9 w11"}]
     want = greedy_text(fam, tokenizer, msgs, 12)
@@ -147,39 +122,27 @@ def test_messages_are_plain_transformers_greedy_text(
     assert final.stop_reason == m.stop_reason and final.usage == m.usage
 
 
-def test_concurrent_clients_get_their_lone_answers(server: HFServer) -> None:
+def test_concurrent_clients_get_their_lone_answers(server: Clients) -> None:
     prompts = ["w44 w13", "w30 w31 w7", "w9 w9 w2 w3", "w5 w6"]
     lone = {p: say(server, p, 10).content[0].text for p in prompts}
     assert len(set(lone.values())) > 1
-    got: dict[tuple[str, int], str] = {}
-    errors: list[BaseException] = []
 
-    def run(p: str, i: int) -> None:
-        try:
-            if i % 2:
-                with server.anthropic.messages.stream(
-                    model=MODEL_ID,
-                    max_tokens=10,
-                    extra_body=GREEDY,
-                    messages=[{"role": "user", "content": p}],
-                ) as stream:
-                    got[p, i] = "".join(stream.text_stream)
-            else:
-                got[p, i] = say(server, p, 10).content[0].text
-        except BaseException as e:
-            errors.append(e)
+    def ask(p: str, i: int) -> Any:
+        if i % 2:
+            with server.anthropic.messages.stream(
+                model=MODEL_ID,
+                max_tokens=10,
+                extra_body=GREEDY,
+                messages=[{"role": "user", "content": p}],
+            ) as stream:
+                return "".join(stream.text_stream)
+        return say(server, p, 10).content[0].text
 
-    threads = [threading.Thread(target=run, args=(p, i)) for i, p in enumerate(prompts * 2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors and len(got) == 8
-    for (p, _), text in got.items():
-        assert text == lone[p]
+    got = together([lambda p=p, i=i: ask(p, i) for i, p in enumerate(prompts * 2)])
+    assert got == [lone[p] for p in prompts * 2]
 
 
-def test_tool_calls_whole_and_streamed(server: HFServer, tokenizer: Any) -> None:
+def test_tool_calls_whole_and_streamed(server: Clients, tokenizer: Any) -> None:
     """Parsed by transformers' own parser: the tokenizer declares a response_template."""
     syntax = tool_syntax(tokenizer)
     assert syntax is not None and syntax.source == "transformers response_template"
@@ -219,7 +182,7 @@ def test_tool_calls_whole_and_streamed(server: HFServer, tokenizer: Any) -> None
         assert msg.stop_reason == "tool_use"
 
 
-def test_tool_result_round_trip(fam: Family, tokenizer: Any, server: HFServer) -> None:
+def test_tool_result_round_trip(fam: Family, tokenizer: Any, server: Clients) -> None:
     want = greedy_text(
         fam,
         tokenizer,

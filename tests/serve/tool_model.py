@@ -70,6 +70,13 @@ WEATHER_TOOL = {
     },
 }
 
+# The same tool as the Anthropic API declares it.
+ANTHROPIC_TOOL = {
+    "name": CALL_NAME,
+    "description": WEATHER_TOOL["function"]["description"],
+    "input_schema": WEATHER_TOOL["function"]["parameters"],
+}
+
 
 def add_tool_tokens(path: Path, template: str = QWEN3_TEMPLATE) -> None:
     """The checkpoint's tokenizer with the tool tokens and `template`, saved in place."""
