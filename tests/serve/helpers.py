@@ -118,12 +118,14 @@ def together(calls: Sequence[Callable[[], Any]]) -> list[Any]:
     return out
 
 
-def complete_scored(url: str, prompt: list[int], max_tokens: int) -> tuple[str, Any, Any]:
+def complete_scored(
+    url: str, prompt: list[int], max_tokens: int, model: str = MODEL_ID
+) -> tuple[str, Any, Any]:
     """One greedy completion of token ids as served: its text, the sampled tokens'
     log-probabilities and the top 3 at each."""
     import json
 
-    body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "logprobs": 3}  # fmt: skip
     status, answer = post_json(url + "/v1/completions", json.dumps(body).encode())
     assert status == 200, answer

@@ -6,7 +6,6 @@ a user's own files are never touched."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Iterator
@@ -18,10 +17,10 @@ import mlx_lm
 import numpy as np
 import pytest
 
-from serve.helpers import MODEL_ID, TIMEOUT_S, scrape
-from serve.test_errors import post
+from serve.harness import load_streamed, quarter_arena, serving
+from serve.helpers import MODEL_ID, complete_scored, counter
 from strata_stream.mlx_lm.random_model import make_chat_checkpoint
-from strata_stream.serve import BackgroundServer, ServeConfig, create_app
+from strata_stream.serve import ServeConfig
 from strata_stream.serve.prompt_cache import MARK, PromptCacheConfig, read_metadata
 
 # Several prefill chunks (64 tokens each), so a kept prefix ends inside a chunk of a cold read.
@@ -33,27 +32,16 @@ SECOND = PREFIX + [int(t) for t in rng.integers(3, 120, 7)]
 
 
 @contextmanager
-def serving(path: Path, cache: PromptCacheConfig | None) -> Iterator[str]:
+def cached_serving(path: Path, cache: PromptCacheConfig | None) -> Iterator[str]:
     model, tokenizer = mlx_lm.load(str(path))[:2]
-    app = create_app(model, tokenizer, ServeConfig(model_id=MODEL_ID, prefill_chunk=CHUNK))
-    app.state.worker.configure_prompt_cache(cache)
-    with BackgroundServer(app, timeout_s=TIMEOUT_S) as server:
+    config = ServeConfig(model_id=MODEL_ID, prefill_chunk=CHUNK)
+    with serving(model, tokenizer, config, prompt_cache=cache) as server:
         yield server.url
 
 
-def complete(url: str, prompt: list[int]) -> tuple[str, list[Any], list[Any]]:
+def complete(url: str, prompt: list[int]) -> tuple[str, Any, Any]:
     """Greedy text, the sampled tokens' log-probabilities and the top 3 at each, as served."""
-    body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": 8, "temperature": 0,
-            "logprobs": 3}  # fmt: skip
-    status, answer = post(url + "/v1/completions", json.dumps(body).encode())
-    assert status == 200, answer
-    c = answer["choices"][0]
-    return c["text"], c["logprobs"]["token_logprobs"], c["logprobs"]["top_logprobs"]
-
-
-def counter(url: str, name: str) -> float:
-    samples = scrape(url)
-    return samples.get(name + "_total", samples.get(name, -1.0))
+    return complete_scored(url, prompt, 8)
 
 
 def ours(d: Path) -> list[Path]:
@@ -63,7 +51,7 @@ def ours(d: Path) -> list[Path]:
 @pytest.fixture(scope="module")
 def cold(tiny_path: Path) -> dict[int, tuple[str, list[Any], list[Any]]]:
     """Every prompt's answer from a server that keeps no prompt cache."""
-    with serving(tiny_path, None) as url:
+    with cached_serving(tiny_path, None) as url:
         return {i: complete(url, p) for i, p in enumerate((FIRST, SECOND))}
 
 
@@ -71,7 +59,7 @@ def test_a_kept_prefix_answers_bitwise_as_cold_in_memory_and_after_a_restart(
     tiny_path: Path, cold: dict[int, Any], tmp_path: Path
 ) -> None:
     config = PromptCacheConfig(directory=tmp_path)
-    with serving(tiny_path, config) as url:
+    with cached_serving(tiny_path, config) as url:
         assert complete(url, FIRST) == cold[0]
         assert counter(url, "strata_serve_prompt_cache_misses") == 1
         assert complete(url, SECOND) == cold[1]  # warm in memory
@@ -79,7 +67,7 @@ def test_a_kept_prefix_answers_bitwise_as_cold_in_memory_and_after_a_restart(
         assert counter(url, "strata_serve_prompt_cache_tokens") == len(PREFIX)
         assert counter(url, "strata_serve_prompt_cache_bytes") > 0
     assert ours(tmp_path)
-    with serving(tiny_path, config) as url:  # a new server on the same directory
+    with cached_serving(tiny_path, config) as url:  # a new server on the same directory
         assert complete(url, SECOND) == cold[1]
         assert counter(url, "strata_serve_prompt_cache_hits") == 1  # from the file
         assert counter(url, "strata_serve_prompt_cache_tokens") >= len(PREFIX)
@@ -91,12 +79,12 @@ def test_a_file_of_another_model_is_refused_and_left_alone(
 ) -> None:
     other = make_chat_checkpoint(tmp_path / "other", seed=5)
     d = tmp_path / "caches"
-    with serving(other, PromptCacheConfig(directory=d)) as url:
+    with cached_serving(other, PromptCacheConfig(directory=d)) as url:
         complete(url, FIRST)
     (theirs,) = ours(d)
     before = (theirs.read_bytes(), theirs.stat().st_mtime_ns)
     caplog.set_level(logging.INFO, logger="strata_stream.serve")
-    with serving(tiny_path, PromptCacheConfig(directory=d, memory_bytes=0)) as url:
+    with cached_serving(tiny_path, PromptCacheConfig(directory=d, memory_bytes=0)) as url:
         assert complete(url, SECOND) == cold[1]
         assert counter(url, "strata_serve_prompt_cache_hits") == 0
     assert "belong to another model" in caplog.text
@@ -108,7 +96,7 @@ def test_a_damaged_file_is_refused_never_loaded(
     tiny_path: Path, cold: dict[int, Any], tmp_path: Path, damage: str
 ) -> None:
     config = PromptCacheConfig(directory=tmp_path, memory_bytes=0)
-    with serving(tiny_path, config) as url:
+    with cached_serving(tiny_path, config) as url:
         complete(url, FIRST)
     (f,) = ours(tmp_path)
     data = bytearray(f.read_bytes())
@@ -117,7 +105,7 @@ def test_a_damaged_file_is_refused_never_loaded(
         f.write_bytes(bytes(data))
     else:
         f.write_bytes(bytes(data[: len(data) * 2 // 3]))
-    with serving(tiny_path, config) as url:
+    with cached_serving(tiny_path, config) as url:
         assert complete(url, SECOND) == cold[1]
         assert counter(url, "strata_serve_prompt_cache_hits") == 0
         assert counter(url, "strata_serve_prompt_cache_refused") == 1
@@ -137,12 +125,12 @@ def test_the_size_bound_holds_and_a_users_files_are_never_touched(
     (left / named_like_ours.name).write_bytes(b"half a cache")
     users = tmp_path / f".notes.{'b' * 32}.staging"
     users.mkdir()
-    with serving(tiny_path, PromptCacheConfig(directory=tmp_path)) as url:
+    with cached_serving(tiny_path, PromptCacheConfig(directory=tmp_path)) as url:
         complete(url, FIRST)
     (first,) = [p for p in ours(tmp_path) if p != named_like_ours]
     assert not left.exists() and users.exists()
     bound = int(first.stat().st_size * 1.5)
-    with serving(tiny_path, PromptCacheConfig(directory=tmp_path, disk_bytes=bound)) as url:
+    with cached_serving(tiny_path, PromptCacheConfig(directory=tmp_path, disk_bytes=bound)) as url:
         for i in range(5):
             complete(url, [int(t) for t in rng.integers(3, 120, 120 + 10 * i)])
             written = [p for p in ours(tmp_path) if p != named_like_ours]
@@ -175,31 +163,18 @@ def test_a_prompt_cache_option_mistake_is_one_line(
 
 
 def test_a_streamed_model_answers_bitwise_from_a_kept_prefix(
-    tiny_path: Path, tmp_path: Path
+    tiny_path: Path, tiny_pack: Path, tmp_path: Path
 ) -> None:
     """The experts computed by the engine's own CPU kernels over a quarter arena: a kept
     prefix gives the cold answer to the bit, in memory and from the file after a restart."""
-    from strata_stream.config import StreamConfig
-    from strata_stream.convert import convert
-    from strata_stream.mlx_lm import load
-    from strata_stream.pack.reader import ExpertPack
-
-    pack = convert(tiny_path, tmp_path / "experts.strpk", progress=False)
-    with ExpertPack.open(pack) as p:
-        records, stride, top_k = p.geometry.n_records, p.record_stride, p.geometry.top_k
-    arena = max(records * stride // 4, 2 * top_k * stride)
+    arena = quarter_arena(tiny_pack)
 
     @contextmanager
     def streamed(cache: PromptCacheConfig | None) -> Iterator[str]:
-        model, tok = load(str(tiny_path), pack_path=pack, arena_bytes=arena, progress=False,
-                          config=StreamConfig(direct_io=False, persist_profile=False))  # fmt: skip
-        try:
-            app = create_app(model, tok, ServeConfig(model_id=MODEL_ID, prefill_chunk=CHUNK))
-            app.state.worker.configure_prompt_cache(cache)
-            with BackgroundServer(app, timeout_s=TIMEOUT_S) as server:
-                yield server.url
-        finally:
-            model.strata_engine.close()
+        model, tok = load_streamed(tiny_path, tiny_pack, arena_bytes=arena)
+        config = ServeConfig(model_id=MODEL_ID, prefill_chunk=CHUNK)
+        with serving(model, tok, config, prompt_cache=cache, close_engine=True) as server:
+            yield server.url
 
     with streamed(None) as url:
         cold = complete(url, SECOND)
@@ -221,7 +196,7 @@ def test_a_prefix_kept_from_a_batch_answers_bitwise_as_cold(
     from concurrent.futures import ThreadPoolExecutor
 
     others = [[int(t) for t in rng.integers(3, 120, n)] for n in (40, 350, 90)]
-    with serving(tiny_path, PromptCacheConfig(directory=tmp_path)) as url:
+    with cached_serving(tiny_path, PromptCacheConfig(directory=tmp_path)) as url:
         with ThreadPoolExecutor(4) as pool:
             answers = list(pool.map(lambda p: complete(url, p), [FIRST, *others]))
         assert answers[0] == cold[0]
@@ -236,6 +211,6 @@ def test_the_apps_own_config_keeps_the_cache_an_embedder_asks_for(
     calls configure_prompt_cache gets the directory it named."""
     model, tokenizer = mlx_lm.load(str(tiny_path))[:2]
     config = ServeConfig(model_id=MODEL_ID, prefill_chunk=CHUNK, prompt_cache_dir=str(tmp_path))
-    with BackgroundServer(create_app(model, tokenizer, config), timeout_s=TIMEOUT_S) as server:
+    with serving(model, tokenizer, config) as server:
         complete(server.url, FIRST)
     assert ours(tmp_path), "no prompt cache file was written in the configured directory"
