@@ -6,6 +6,7 @@ batch bound holds, then the queue, then 503."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,13 +15,21 @@ from typing import Any
 import openai
 import pytest
 
-from serve.helpers import MODEL_ID, TIMEOUT_S, GatedModel, client_for, scrape, wait_until
+from serve.harness import load_streamed, quarter_arena, serving
+from serve.helpers import (
+    MODEL_ID,
+    TIMEOUT_S,
+    GatedModel,
+    client_for,
+    concurrently,
+    scrape,
+    wait_until,
+)
 from serve.helpers import health as health_of
-from strata_stream.config import StreamConfig
 from strata_stream.convert import convert
-from strata_stream.mlx_lm import load, stats_source
+from strata_stream.mlx_lm import stats_source
 from strata_stream.pack.reader import ExpertPack
-from strata_stream.serve import BackgroundServer, ServeConfig, create_app
+from strata_stream.serve import ServeConfig
 
 PROMPTS = [
     "hello world",
@@ -35,16 +44,11 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def streamed(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def streamed(tiny_path: Path, tiny_pack: Path) -> Iterator[Any]:
     """The tiny model with its experts in a quarter-size arena (CPU experts, MLX's arithmetic:
     bitwise plain mlx-lm), loaded once; each test wraps it in its own server."""
-    pack = convert(tiny_path, tmp_path_factory.mktemp("pack") / "experts.strpk", progress=False)
-    with ExpertPack.open(pack) as p:
-        records, stride, top_k = p.geometry.n_records, p.record_stride, p.geometry.top_k
-    arena = max(records * stride // 4, 2 * top_k * stride)
-    model, tok = load(str(tiny_path), pack_path=pack, arena_bytes=arena, experts="cpu",
-                      config=StreamConfig(direct_io=False, persist_profile=False),
-                      progress=False)  # fmt: skip
+    model, tok = load_streamed(tiny_path, tiny_pack, arena_bytes=quarter_arena(tiny_pack),
+                               experts="cpu")  # fmt: skip
     try:
         yield model, tok
     finally:
@@ -59,26 +63,18 @@ def serve(streamed: Any) -> Iterator[Serve]:
     """serve(gated=False, **ServeConfig fields) -> (url, gate or None): a server over the
     streamed model for this test."""
     model, tok = streamed
-    stack: list[Any] = []
+    with contextlib.ExitStack() as stack:
 
-    def start(gated: bool = False, **cfg: Any) -> tuple[str, GatedModel | None]:
-        m = GatedModel(model) if gated else None
-        if m is not None:
-            stack.append(m)
-        config = ServeConfig(model_id=MODEL_ID, stats_interval_s=0.05, **cfg)
-        app = create_app(m or model, tok, config, stats=stats_source(model))
-        server = BackgroundServer(app, timeout_s=TIMEOUT_S)
-        stack.append(server.__enter__())
-        return server.url, m
+        def start(gated: bool = False, **cfg: Any) -> tuple[str, GatedModel | None]:
+            m = GatedModel(model) if gated else None
+            if m is not None:
+                stack.callback(m.gate.set)  # opened at the end, after its server shut down
+            config = ServeConfig(model_id=MODEL_ID, stats_interval_s=0.05, **cfg)
+            server = stack.enter_context(serving(m or model, tok, config,
+                                                 stats=stats_source(model)))  # fmt: skip
+            return server.url, m
 
-    try:
         yield start
-    finally:
-        for item in reversed(stack):
-            if isinstance(item, GatedModel):
-                item.gate.set()
-            else:
-                item.__exit__(None, None, None)
 
 
 def chat(client: openai.OpenAI, content: str, max_tokens: int, stream: bool = False,
@@ -97,23 +93,6 @@ def chat(client: openai.OpenAI, content: str, max_tokens: int, stream: bool = Fa
 def alone(url: str, prompts: list[str], max_tokens: int, **kw: Any) -> dict[str, str]:
     client = client_for(url)
     return {p: chat(client, p, max_tokens, **kw) for p in prompts}
-
-
-def concurrently(calls: list[Callable[[], Any]]) -> list[Any]:
-    out: list[Any] = [None] * len(calls)
-
-    def run(i: int) -> None:
-        try:
-            out[i] = calls[i]()
-        except BaseException as e:
-            out[i] = e
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(TIMEOUT_S * 2)
-    return out
 
 
 def health(url: str) -> dict[str, Any]:
@@ -332,17 +311,14 @@ def test_health_goes_degraded_while_reads_fail(tiny_path: Path, tmp_path: Path) 
     with ExpertPack.open(pack) as p:
         top_k, stride = p.geometry.top_k, p.record_stride
         first, end = p.records_offset, p.file_bytes
-    model, tok = load(str(tiny_path), pack_path=pack, arena_bytes=2 * top_k * stride,
-                      experts="cpu", config=StreamConfig(direct_io=False, persist_profile=False),
-                      progress=False)  # fmt: skip
+    model, tok = load_streamed(tiny_path, pack, arena_bytes=2 * top_k * stride, experts="cpu")
     try:
         fd = os.open(pack, os.O_WRONLY)
         try:  # every record's bytes now disagree with its checksum
             os.pwrite(fd, b"\x5a" * (end - first), first)
         finally:
             os.close(fd)
-        app = create_app(model, tok, ServeConfig(model_id=MODEL_ID), stats=stats_source(model))
-        with BackgroundServer(app, timeout_s=TIMEOUT_S) as server:
+        with serving(model, tok, stats=stats_source(model)) as server:
             assert health_of(server.url)[0] == 200  # the pack's header and size still read
             client = client_for(server.url)
             for _ in range(2):
@@ -369,8 +345,8 @@ def test_sigterm_drains_the_streams_in_flight_then_ends_each_with_a_finish_reaso
     import signal
 
     model, tok = streamed
-    app = create_app(model, tok, ServeConfig(model_id=MODEL_ID, drain_s=0.5))
-    with BackgroundServer(app, timeout_s=TIMEOUT_S) as server:
+    with serving(model, tok, ServeConfig(model_id=MODEL_ID, drain_s=0.5)) as running:
+        server = running.server
         client = client_for(server.url)
         want = chat(client, PROMPTS[1], 3)  # short enough to finish within the grace
         streams = [

@@ -3,23 +3,12 @@
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 from typing import Any
 
 import openai
 import pytest
 
-from serve.helpers import MODEL_ID, Served
-
-
-def post(url: str, body: bytes) -> tuple[int, dict[str, Any]]:
-    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+from serve.helpers import MODEL_ID, Served, post_json
 
 
 def assert_openai_error(body: dict[str, Any], param: str | None, code: str | None) -> None:
@@ -80,18 +69,18 @@ MSG = [{"role": "user", "content": "hello"}]
 def test_bad_chat_requests(
     served: Served, body: bytes, status: int, param: str | None, code: str | None
 ) -> None:
-    got, answer = post(served.url + "/v1/chat/completions", body)
+    got, answer = post_json(served.url + "/v1/chat/completions", body)
     assert got == status
     assert_openai_error(answer, param, code)
 
 
 def test_bad_completion_requests(served: Served) -> None:
     url = served.url + "/v1/completions"
-    got, answer = post(url, json.dumps({"model": MODEL_ID}).encode())
+    got, answer = post_json(url, json.dumps({"model": MODEL_ID}).encode())
     assert got == 400 and answer["error"]["param"] == "prompt"
-    got, answer = post(url, json.dumps({"model": MODEL_ID, "prompt": [5, 10**6]}).encode())
+    got, answer = post_json(url, json.dumps({"model": MODEL_ID, "prompt": [5, 10**6]}).encode())
     assert got == 400 and "outside the vocabulary" in answer["error"]["message"]
-    got, answer = post(url, json.dumps({"model": MODEL_ID, "prompt": ""}).encode())
+    got, answer = post_json(url, json.dumps({"model": MODEL_ID, "prompt": ""}).encode())
     assert got == 400 and answer["error"]["param"] == "prompt"
 
 
@@ -115,14 +104,14 @@ def test_unknown_model_and_route_are_404(served: Served) -> None:
     assert e.value.code == "model_not_found"
     with pytest.raises(openai.NotFoundError):
         served.client.models.retrieve("gpt-5")
-    got, answer = post(served.url + "/v1/nothing-here", b"{}")
+    got, answer = post_json(served.url + "/v1/nothing-here", b"{}")
     assert got == 404
     assert_openai_error(answer, None, "not_found")
 
 
 def test_server_keeps_serving_after_errors(served: Served) -> None:
     for _ in range(3):
-        post(served.url + "/v1/chat/completions", b"{broken")
+        post_json(served.url + "/v1/chat/completions", b"{broken")
     r = served.client.chat.completions.create(
         model=MODEL_ID, messages=[{"role": "user", "content": "hello"}], max_tokens=4, temperature=0
     )

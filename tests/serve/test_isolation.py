@@ -20,6 +20,7 @@ import mlx_lm
 import openai
 import pytest
 
+from serve.harness import load_streamed, quarter_arena, serving
 from serve.helpers import (
     MODEL_ID,
     TIMEOUT_S,
@@ -31,11 +32,8 @@ from serve.helpers import (
     scrape,
     wait_until,
 )
-from strata_stream.config import StreamConfig
 from strata_stream.convert import convert
-from strata_stream.mlx_lm import load, stats_source
-from strata_stream.pack.reader import ExpertPack
-from strata_stream.serve import BackgroundServer, ServeConfig, create_app
+from strata_stream.mlx_lm import stats_source
 
 MSG = [{"role": "user", "content": "hello world"}]
 # What a waiting or failing client must not take longer than to be seen (a bound, not a
@@ -139,8 +137,7 @@ def test_a_sampling_failure_ends_its_sequence_alone(tiny_path: Path) -> None:
     vocab = vocab_size(tiny_path)
     gated = GatedModel(ClaimsAWiderVocab(model))
     gated.gate.set()
-    app = create_app(gated, tokenizer, ServeConfig(model_id=MODEL_ID))
-    with BackgroundServer(app, timeout_s=TIMEOUT_S) as server:
+    with serving(gated, tokenizer) as server:
         client = client_for(server.url)
         alone = (
             client.chat.completions.create(
@@ -211,26 +208,6 @@ def test_many_prompts_take_one_queue_place(served: Served) -> None:
                                          temperature=0)  # fmt: skip
     assert [c.index for c in r.choices] == list(range(16))
     assert [c.text for c in r.choices] == [alone[p] for p in prompts]
-
-
-@pytest.fixture
-def gated_server(tiny_path: Path) -> Iterator[Callable[..., tuple[GatedModel, str]]]:
-    stack: list[Any] = []
-
-    def start(**cfg: Any) -> tuple[GatedModel, str]:
-        model, tokenizer = mlx_lm.load(str(tiny_path))
-        g = GatedModel(model)
-        app = create_app(g, tokenizer, ServeConfig(model_id=MODEL_ID, **cfg))
-        server = BackgroundServer(app, timeout_s=TIMEOUT_S).__enter__()
-        stack.append((g, server))
-        return g, server.url
-
-    try:
-        yield start
-    finally:
-        for g, server in reversed(stack):
-            g.gate.set()
-            server.__exit__(None, None, None)
 
 
 def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
@@ -403,8 +380,7 @@ def test_tokenizing_a_prompt_never_holds_up_the_batch(
     model, tokenizer = mlx_lm.load(str(tiny_path))
     alone = mlx_lm.generate(model, tokenizer, [5, 6, 7], max_tokens=40)
     waiting = WaitsForAnEncode(model, encoded["entered"])
-    app = create_app(waiting, tokenizer, ServeConfig(model_id=MODEL_ID))
-    with BackgroundServer(app, timeout_s=TIMEOUT_S) as server:
+    with serving(waiting, tokenizer) as server:
         client = client_for(server.url)
         # Far less than the encode is held for: a stream that waits for it fails, not hangs.
         streamer = openai.OpenAI(base_url=server.url + "/v1", api_key="unused",
@@ -439,12 +415,7 @@ def test_client_mistakes_never_touch_health(served: Served, tiny_path: Path) -> 
 def own_pack(tiny_path: Path, tmp_path: Path) -> Iterator[tuple[Any, Any, Path]]:
     """The tiny model streamed from a pack of this test's own (quarter arena)."""
     pack = convert(tiny_path, tmp_path / "experts.strpk", progress=False)
-    with ExpertPack.open(pack) as p:
-        arena = max(p.geometry.n_records * p.record_stride // 4,
-                    2 * p.geometry.top_k * p.record_stride)  # fmt: skip
-    model, tok = load(str(tiny_path), pack_path=pack, arena_bytes=arena, experts="cpu",
-                      config=StreamConfig(direct_io=False, persist_profile=False),
-                      progress=False)  # fmt: skip
+    model, tok = load_streamed(tiny_path, pack, arena_bytes=quarter_arena(pack), experts="cpu")
     try:
         yield model, tok, pack
     finally:
@@ -454,8 +425,7 @@ def own_pack(tiny_path: Path, tmp_path: Path) -> Iterator[tuple[Any, Any, Path]]
 def test_health_follows_the_pack(own_pack: tuple[Any, Any, Path]) -> None:
     model, tok, pack = own_pack
     whole = pack.read_bytes()
-    app = create_app(model, tok, ServeConfig(model_id=MODEL_ID), stats=stats_source(model))
-    with BackgroundServer(app, timeout_s=TIMEOUT_S) as server:
+    with serving(model, tok, stats=stats_source(model)) as server:
         assert health(server.url)[0] == 200
         os.truncate(pack, len(whole) // 2)  # the pack can no longer be read whole
         wait_until(lambda: health(server.url)[0] == 503, "/health to see the pack", PROMPTLY_S)

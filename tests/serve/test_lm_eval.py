@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from serve.harness import serving
 from serve.helpers import MODEL_ID, Served, scrape
 
 lm_eval = pytest.importorskip("lm_eval")
@@ -138,13 +139,10 @@ def test_lm_eval_concurrent_and_batched_against_a_default_server(
     so none is refused (max_retries=1: a 503 would fail the run)."""
     import mlx_lm
 
-    from strata_stream.serve import BackgroundServer, ServeConfig, create_app
-
     model, tok = mlx_lm.load(str(tiny_path))
-    app = create_app(model, tok, ServeConfig(model_id=MODEL_ID))
     gen = [{"question": row["question"], "answer": "x"} for row in many_mc(16)]
     mc = many_mc(40)
-    with BackgroundServer(app) as server:
+    with serving(model, tok) as server:
         run_lm_eval(server.url, tiny_path, tmp_path / "tasks", "num_concurrent=16,max_retries=1",
                     mc, gen, tokenizer, oracle, reference, batch_size=4)  # fmt: skip
         answered = scrape(server.url)['strata_serve_requests_total{route="/v1/completions",'

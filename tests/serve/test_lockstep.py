@@ -109,8 +109,9 @@ def test_rank0_broadcasts_its_batch_and_a_follower_runs_the_same(
     model: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     m, tok = model
-    sampled = GenerationRequest(tuple(tok.encode("w1 w2 w3")), 12,
-                                SamplingParams(temperature=1, seed=5))
+    sampled = GenerationRequest(
+        tuple(tok.encode("w1 w2 w3")), 12, SamplingParams(temperature=1, seed=5)
+    )
     greedy = GenerationRequest(tuple(tok.encode("w4 w1")), 10, SamplingParams(temperature=0))
     channel = FakeChannel()
     rank0 = recording(batch_mod, monkeypatch)

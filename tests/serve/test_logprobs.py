@@ -13,15 +13,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from serve.helpers import MODEL_ID, Served
-from serve.test_errors import post
+from serve.helpers import MODEL_ID, Served, post_json
 
 PROMPT = "the water is hot and you can write"
 
 
 def completions(served: Served, **body: Any) -> dict[str, Any]:
-    status, answer = post(served.url + "/v1/completions",
-                          json.dumps({"model": MODEL_ID, **body}).encode())  # fmt: skip
+    status, answer = post_json(served.url + "/v1/completions",
+                               json.dumps({"model": MODEL_ID, **body}).encode())  # fmt: skip
     assert status == 200, answer
     return answer
 
@@ -154,7 +153,7 @@ def test_each_bad_parameter_is_a_400_naming_it(
     raw = body.replace(b'"M"', json.dumps(MODEL_ID).encode()).replace(
         b"MSG", b'[{"role": "user", "content": "hello"}]'
     )
-    status, answer = post(url, raw)
+    status, answer = post_json(url, raw)
     assert status == 400, answer
     assert answer["error"]["param"] == param, answer
     assert param in answer["error"]["message"]

@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-from serve.helpers import MODEL_ID, TIMEOUT_S, client_for, scrape, wait_until
-from strata_stream.config import StreamConfig
+from serve.harness import load_streamed, quarter_arena, serving
+from serve.helpers import MODEL_ID, client_for, scrape, wait_until
 from strata_stream.convert import convert
-from strata_stream.mlx_lm import load, stats_source
+from strata_stream.mlx_lm import stats_source
 from strata_stream.pack.reader import ExpertPack
-from strata_stream.serve import BackgroundServer, ServeConfig, create_app
+from strata_stream.serve import ServeConfig
 from strata_stream.serve.loader import load_for_serving
 
 
@@ -27,38 +27,29 @@ def _metric(samples: dict[str, float], name: str) -> float:
 
 
 def test_a_streamed_model_serves_mlx_lm_greedy_text_and_engine_metrics(
-    tiny_path: Path, tokenizer: Any, oracle: Callable[[list[int], int], str], tmp_path: Path
+    tiny_path: Path, tiny_pack: Path, tokenizer: Any, oracle: Callable[[list[int], int], str]
 ) -> None:
-    pack = convert(tiny_path, tmp_path / "experts.strpk", progress=False)
-    with ExpertPack.open(pack) as p:
-        records, stride, top_k = p.geometry.n_records, p.record_stride, p.geometry.top_k
-    arena = max(records * stride // 4, 2 * top_k * stride)  # a quarter: experts must stream
-    config = StreamConfig(direct_io=False, persist_profile=False)
+    with ExpertPack.open(tiny_pack) as p:
+        stride = p.record_stride
+    arena = quarter_arena(tiny_pack)
     # experts="mlx": MLX's own kernels over the arena, bitwise plain mlx-lm, so the served text
     # must equal the oracle's exactly.
-    model, tok = load(str(tiny_path), pack_path=pack, arena_bytes=arena, config=config,
-                      experts="mlx", progress=False)  # fmt: skip
-    try:
-        app = create_app(
-            model, tok, ServeConfig(model_id=MODEL_ID, stats_interval_s=0.05),
-            stats=stats_source(model),
-        )  # fmt: skip
-        with BackgroundServer(app, timeout_s=TIMEOUT_S) as server:
-            client = client_for(server.url)
-            msgs = [{"role": "user", "content": "hello world how are you"}]
-            r = client.chat.completions.create(
-                model=MODEL_ID, messages=msgs, max_tokens=16, temperature=0  # type: ignore[arg-type]
-            )
-            ids = [int(t) for t in tokenizer.apply_chat_template(msgs, add_generation_prompt=True)]
-            assert r.choices[0].message.content == oracle(ids, 16)
-            # The engine's figures reach /metrics at the next stats sample (every 0.05 s).
-            wait_until(
-                lambda: _metric(scrape(server.url), "strata_expert_misses") > 0,
-                "the engine's misses in /metrics",
-            )
-            samples = scrape(server.url)
-    finally:
-        model.strata_engine.close()
+    model, tok = load_streamed(tiny_path, tiny_pack, arena_bytes=arena, experts="mlx")
+    config = ServeConfig(model_id=MODEL_ID, stats_interval_s=0.05)
+    with serving(model, tok, config, stats=stats_source(model), close_engine=True) as server:
+        client = client_for(server.url)
+        msgs: Any = [{"role": "user", "content": "hello world how are you"}]
+        r = client.chat.completions.create(
+            model=MODEL_ID, messages=msgs, max_tokens=16, temperature=0
+        )
+        ids = [int(t) for t in tokenizer.apply_chat_template(msgs, add_generation_prompt=True)]
+        assert r.choices[0].message.content == oracle(ids, 16)
+        # The engine's figures reach /metrics at the next stats sample (every 0.05 s).
+        wait_until(
+            lambda: _metric(scrape(server.url), "strata_expert_misses") > 0,
+            "the engine's misses in /metrics",
+        )
+        samples = scrape(server.url)
     assert _metric(samples, "strata_expert_misses") > 0  # a quarter arena had to read
     assert _metric(samples, "strata_expert_hits") >= 0
     assert _metric(samples, "strata_expert_hits") + _metric(samples, "strata_expert_misses") > 0
@@ -75,15 +66,12 @@ def test_a_model_loaded_on_one_thread_generates_on_the_servers_worker(
     thread an array made on another's stream). The served text is the model's own greedy text."""
     import mlx_lm
 
-    model, tok = load(str(tiny_path), pack_path=tmp_path / "experts.strpk", experts="cpu",
-                      config=StreamConfig(direct_io=False, persist_profile=False),
-                      progress=False)  # fmt: skip
-    msgs = [{"role": "user", "content": "the water is hot"}]
+    model, tok = load_streamed(tiny_path, tmp_path / "experts.strpk", experts="cpu")
+    msgs: Any = [{"role": "user", "content": "the water is hot"}]
     try:
-        app = create_app(model, tok, ServeConfig(model_id=MODEL_ID), stats=stats_source(model))
-        with BackgroundServer(app, timeout_s=TIMEOUT_S) as server:
+        with serving(model, tok, stats=stats_source(model)) as server:
             r = client_for(server.url).chat.completions.create(
-                model=MODEL_ID, messages=msgs, max_tokens=12, temperature=0  # type: ignore[arg-type]
+                model=MODEL_ID, messages=msgs, max_tokens=12, temperature=0
             )
         ids = [int(t) for t in tokenizer.apply_chat_template(msgs, add_generation_prompt=True)]
         assert r.choices[0].message.content == mlx_lm.generate(model, tok, ids, max_tokens=12)

@@ -7,25 +7,25 @@ one client's bad request, leaves the others' answers as alone."""
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: the families module
-from serve.helpers import TIMEOUT_S, client_for, scrape  # noqa: E402
-from strata_stream.serve import BackgroundServer, ServeConfig, create_app  # noqa: E402
+from serve.harness import family, hf_tokenizer, quarter_streamed, serving  # noqa: E402
+from serve.helpers import TIMEOUT_S, client_for, scrape, together  # noqa: E402
+from strata_stream.serve import ServeConfig  # noqa: E402
 from strata_stream.serve.transformers_continuous import LayerMeeting  # noqa: E402
-from test_transformers_families import Family  # noqa: E402
+
+if TYPE_CHECKING:
+    from test_transformers_families import Family
 
 MODEL_ID = "tiny-hf-qwen3-moe"
 CHUNK = 16  # prefill chunk: the longer prompts are read over several steps, beside decodes
@@ -34,7 +34,8 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def fam(tmp_path_factory: pytest.TempPathFactory) -> Family:
-    return Family("qwen3_moe", tmp_path_factory.mktemp("serve_hf_batch"), "float32")
+    """The checkpoint with its own tokenizer (make_checkpoint's, not the tool tokenizer)."""
+    return family(tmp_path_factory.mktemp("serve_hf_batch"))
 
 
 @pytest.fixture(scope="module")
@@ -47,16 +48,12 @@ def prompts(fam: Family) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def server(fam: Family) -> Iterator[str]:
     """The streamed model at a quarter of its experts, batching up to 8."""
-    model = fam.load(slots=fam.n_records // 4)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(fam.path)
-    try:
-        app = create_app(model, tokenizer, ServeConfig(model_id=MODEL_ID, prefill_chunk=CHUNK,
-                                                       max_batch=8, stats_interval_s=0.05),
-                         engine="transformers")  # fmt: skip
-        with BackgroundServer(app, timeout_s=TIMEOUT_S) as s:
-            yield s.url
-    finally:
-        model.strata_engine.close()
+    model = quarter_streamed(fam)
+    config = ServeConfig(model_id=MODEL_ID, prefill_chunk=CHUNK, max_batch=8,
+                         stats_interval_s=0.05)  # fmt: skip
+    with serving(model, hf_tokenizer(fam), config, engine="transformers",
+                 close_engine=True) as s:  # fmt: skip
+        yield s.url
 
 
 def greedy_ids(fam: Family, prompt: list[int], n: int) -> list[int]:
@@ -76,26 +73,6 @@ def answer(url: str, prompt: list[int], **kw: Any) -> tuple[str, Any, str | None
     return c.text, (c.logprobs.token_logprobs, c.logprobs.top_logprobs), c.finish_reason
 
 
-def together(calls: list[Any]) -> list[Any]:
-    """Each call on its own thread, all started at once; their results in order."""
-    out: list[Any] = [None] * len(calls)
-    errors: list[BaseException] = []
-
-    def run(i: int) -> None:
-        try:
-            out[i] = calls[i]()
-        except BaseException as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(TIMEOUT_S)
-    assert not errors, errors
-    return out
-
-
 def batched_steps(url: str) -> float:
     """Steps that sampled for more than one sequence so far."""
     m = scrape(url)
@@ -105,7 +82,7 @@ def batched_steps(url: str) -> float:
 def test_clients_together_get_their_alone_answers_and_plain_transformers_text(
     fam: Family, prompts: list[list[int]], server: str
 ) -> None:
-    tokenizer = transformers.AutoTokenizer.from_pretrained(fam.path)
+    tokenizer = hf_tokenizer(fam)
     alone = [answer(server, p, temperature=0) for p in prompts]
     for p, (text, _, _) in zip(prompts, alone, strict=True):
         assert text == tokenizer.decode(greedy_ids(fam, p, MAX_TOKENS))
@@ -171,28 +148,24 @@ def test_a_pass_that_fails_in_the_batch_fails_alone(
     a vocabulary the config claims wider than the embedding) ends with an error while the
     clients batched with it get their answers alone: its pass leaves the layers' meeting."""
     alone = [answer(server, p, temperature=0) for p in prompts[:4]]
-    model = fam.load(slots=fam.n_records // 4)
+    model = quarter_streamed(fam)
     real = int(model.config.vocab_size)
     model.config.vocab_size = real + 8
-    tokenizer = transformers.AutoTokenizer.from_pretrained(fam.path)
-    try:
-        config = ServeConfig(model_id=MODEL_ID, prefill_chunk=CHUNK, max_batch=8)
-        app = create_app(model, tokenizer, config, engine="transformers")
-        with BackgroundServer(app, timeout_s=TIMEOUT_S) as s:
+    config = ServeConfig(model_id=MODEL_ID, prefill_chunk=CHUNK, max_batch=8)
+    with serving(model, hf_tokenizer(fam), config, engine="transformers",
+                 close_engine=True) as s:  # fmt: skip
 
-            def bad() -> str:
-                with pytest.raises(openai.InternalServerError) as e:
-                    answer(s.url, [*prompts[2], real + 3], temperature=0)
-                return str(e.value)
+        def bad() -> str:
+            with pytest.raises(openai.InternalServerError) as e:
+                answer(s.url, [*prompts[2], real + 3], temperature=0)
+            return str(e.value)
 
-            good = [lambda p=p: answer(s.url, p, temperature=0) for p in prompts[:4]]
-            got = together([*good[:2], bad, *good[2:]])
-            assert got[:2] + got[3:] == alone
-            assert "index" in got[2].lower()
-            # The engine still serves a whole batch afterwards.
-            assert together(good) == alone
-    finally:
-        model.strata_engine.close()
+        good = [lambda p=p: answer(s.url, p, temperature=0) for p in prompts[:4]]
+        got = together([*good[:2], bad, *good[2:]])
+        assert got[:2] + got[3:] == alone
+        assert "index" in got[2].lower()
+        # The engine still serves a whole batch afterwards.
+        assert together(good) == alone
 
 
 # ---- the meeting of a step's passes -----------------------------------------------------------
