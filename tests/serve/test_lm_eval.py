@@ -72,7 +72,9 @@ def run_lm_eval(
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    tasks = TaskManager(include_path=str(task_files(tasks_root, mc, gen)))
+    # Only the test's own tasks are indexed: lm-eval's built-in task configs (thousands of YAML
+    # files, read on every TaskManager) play no part in how it talks to the server.
+    tasks = TaskManager(include_path=str(task_files(tasks_root, mc, gen)), include_defaults=False)
     args = (f"model={MODEL_ID},base_url={url}/v1/completions,tokenizer_backend=huggingface,"
             f"tokenizer={tiny_path},{model_args}")  # fmt: skip
     out = simple_evaluate(model="local-completions", model_args=args, batch_size=batch_size,
