@@ -33,10 +33,18 @@ def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def oracle(tiny_path: Path) -> Callable[[list[int], int], str]:
-    """Greedy text from mlx_lm.generate on its own copy of the model (never the served one,
-    which only the server's worker thread may run)."""
+def plain(tiny_path: Path) -> tuple[Any, Any]:
+    """Plain mlx-lm's own copy of the model and its tokenizer, loaded once: the oracles' (never
+    served: only a server's worker thread runs a served model). The tests' thread alone runs
+    it."""
     model, tokenizer = mlx_lm.load(str(tiny_path))
+    return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def oracle(plain: tuple[Any, Any]) -> Callable[[list[int], int], str]:
+    """Greedy text from mlx_lm.generate on plain mlx-lm's copy of the model."""
+    model, tokenizer = plain
 
     def generate(prompt: list[int], max_tokens: int) -> str:
         return str(mlx_lm.generate(model, tokenizer, prompt, max_tokens=max_tokens))
@@ -45,10 +53,10 @@ def oracle(tiny_path: Path) -> Callable[[list[int], int], str]:
 
 
 @pytest.fixture(scope="session")
-def reference(tiny_path: Path) -> Callable[[list[int]], np.ndarray]:
+def reference(plain: tuple[Any, Any]) -> Callable[[list[int]], np.ndarray]:
     """reference(ids) -> [len(ids), vocab] log-softmax (float64) of plain mlx-lm's logits on
-    its own copy of the model, teacher-forced on ids: row t scores the token after ids[t]."""
-    model, _ = mlx_lm.load(str(tiny_path))
+    its copy of the model, teacher-forced on ids: row t scores the token after ids[t]."""
+    model, _ = plain
 
     def log_softmax(ids: list[int]) -> np.ndarray:
         logits = np.array(model(mx.array(ids)[None])[0].astype(mx.float32)).astype(np.float64)
@@ -60,8 +68,8 @@ def reference(tiny_path: Path) -> Callable[[list[int]], np.ndarray]:
 
 
 @pytest.fixture(scope="session")
-def tokenizer(tiny_path: Path) -> Any:
-    return mlx_lm.load(str(tiny_path))[1]
+def tokenizer(plain: tuple[Any, Any]) -> Any:
+    return plain[1]
 
 
 @pytest.fixture(scope="session")
