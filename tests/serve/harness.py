@@ -3,8 +3,7 @@ a quarter arena, the tiny transformers checkpoint streamed the same way, and the
 server whose model can be made to write a tool call. helpers.py holds what talks to a server
 once it runs; conftest.py the fixtures built from these.
 
-Everything here is the same scaffolding the tests used to write out each time: a test's
-assertions stay in the test."""
+Only scaffolding lives here: what a test checks stays in the test."""
 
 from __future__ import annotations
 
@@ -26,7 +25,8 @@ if TYPE_CHECKING:
 
 # The worker's own prompt-cache default: `serving` leaves it alone unless given another.
 WORKER_DEFAULT: Any = object()
-# What the streamed loads in these tests read through: no O_DIRECT (tmpfs), no profile file.
+# What the streamed loads in these tests read through: no O_DIRECT (a test's temporary
+# directory may not take it) and no profile file beside the pack (the session's pack is shared).
 STREAM_CONFIG = StreamConfig(direct_io=False, persist_profile=False)
 
 
@@ -49,8 +49,8 @@ def serving(
     close_engine: bool = False,
     **app_kw: Any,
 ) -> Iterator[Running]:
-    """A server over `model` on a free loopback port for the block, shut down when
-    the block ends. `config` defaults to ServeConfig(model_id=MODEL_ID); `app_kw` goes to
+    """A server over `model` on a free loopback port for the block, shut down when the block
+    ends. `config` defaults to ServeConfig(model_id=MODEL_ID); `app_kw` goes to
     create_app (stats=, engine=). `prompt_cache`: the worker's prompt cache (None: none), set
     before it starts, as the CLI does. `close_engine`: the model's streamed experts engine is
     closed when the block ends, whatever happened in it (the model was loaded for it)."""
