@@ -144,3 +144,26 @@ def test_serve_on_a_port_in_use_fails_before_loading_naming_the_port(
     err = capsys.readouterr().err
     assert code == 2
     assert f"127.0.0.1:{port}" in err and "Traceback" not in err
+
+
+def test_each_engine_gets_its_batch_and_both_take_the_workers_arguments() -> None:
+    """The worker builds whichever batch its engine names through one constructor shape
+    (serve/engine_batch.py): both classes take exactly BatchFactory's parameters."""
+    import inspect
+
+    pytest.importorskip("mlx_lm")
+    pytest.importorskip("torch")
+    from strata_stream.serve.batch import ContinuousBatch
+    from strata_stream.serve.engine_batch import BatchFactory, batch_factory
+    from strata_stream.serve.transformers_continuous import TransformersBatch
+
+    assert batch_factory("mlx-lm") is ContinuousBatch
+    assert batch_factory("transformers") is TransformersBatch
+
+    def shape(f: object) -> list[tuple[str, object]]:
+        params = inspect.signature(f).parameters.values()  # type: ignore[arg-type]
+        return [(p.name, p.kind) for p in params if p.name != "self"]
+
+    want = shape(BatchFactory.__call__)
+    assert shape(ContinuousBatch.__init__) == want
+    assert shape(TransformersBatch.__init__) == want
