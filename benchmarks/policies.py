@@ -66,9 +66,9 @@ POLICIES: dict[str, dict[str, Any]] = {
     "on-demand": NO_PREFETCH,
     "profile": {**NO_PREFETCH, "profile_prefetch": True},
     "l+1": L1,
-    "l+1+l+2": {**L1, "prompt_pred2": True, "decode_prefetch2": True},
+    "l+1+l+2": {**L1, "two_layer_prompt": True, "two_layer_decode": True},
     "publish=0": {**L1, "publish_prefetch": False},
-    "start_layers=4": {**L1, "prompt_start_layers": 4},
+    "start_layers=4": {**L1, "start_layers": 4},
     "buf_reuse=1": {**L1, "prompt_buf_reuse": True},
     "l+1 backoff": {**L1, "prefetch_backoff": True},
 }

@@ -121,13 +121,13 @@ def test_expert_ids_are_checked_once_by_the_engine(stream: ExpertStream) -> None
 
 
 def test_max_rows_is_checked_once_by_the_engine(stream: ExpertStream) -> None:
-    bad = stream.config.replace(max_rows=0)  # StreamConfig itself does not repeat the check
-    with pytest.raises(ConfigError, match="max_rows must be positive"):
-        Window(ExpertStream(stream.path, bad))
+    with pytest.raises(ConfigError, match="max_rows must be positive") as via_config:
+        stream.config.replace(max_rows=0)  # StreamConfig asks the engine's validate()
     options = core.WindowOptions()
     options.max_rows = 0
-    with pytest.raises(ConfigError, match="max_rows must be positive"):
+    with pytest.raises(ConfigError, match="max_rows must be positive") as via_core:
         core.Window(stream._s, options)
+    assert str(via_config.value) == str(via_core.value)
 
 
 def test_routed_ids_are_checked_by_the_engine_and_never_wrap(stream: ExpertStream) -> None:

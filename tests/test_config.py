@@ -15,11 +15,11 @@ from strata_stream.errors import ConfigError
 def test_defaults_are_the_seed_defaults() -> None:
     c = StreamConfig.from_env(env={})
     assert c.publish_prefetch is True
-    assert c.prompt_pred2 is False
-    assert c.prompt_pred2_max == 64
-    assert c.prompt_start_layers == 1
+    assert c.two_layer_prompt is False
+    assert c.two_layer_max == 64
+    assert c.start_layers == 1
     assert c.prompt_buf_reuse is False
-    assert c.decode_prefetch2 is False
+    assert c.two_layer_decode is False
 
 
 def test_environment_flags_are_read_by_their_names() -> None:
@@ -38,8 +38,8 @@ def test_environment_flags_are_read_by_their_names() -> None:
         "STRATA_EVICTION": "lru",
     }
     c = StreamConfig.from_env(env=env)
-    assert (c.publish_prefetch, c.prompt_pred2, c.prompt_pred2_max) == (False, True, 100)
-    assert (c.prompt_start_layers, c.prompt_buf_reuse, c.decode_prefetch2) == (4, True, True)
+    assert (c.publish_prefetch, c.two_layer_prompt, c.two_layer_max) == (False, True, 100)
+    assert (c.start_layers, c.prompt_buf_reuse, c.two_layer_decode) == (4, True, True)
     assert c.arena_bytes == 2 << 30 and c.io_threads == 12 and c.part_bytes == 512 << 10
     assert c.direct_io is False and c.io_spin_us == 75
     assert c.eviction == "lru" and StreamConfig().eviction == "decayed_lfu"
@@ -119,7 +119,7 @@ def test_overrides_win_over_the_environment() -> None:
 @pytest.mark.parametrize(("value", "clamped"), [("-5", 0), ("600", 512), ("512", 512)])
 def test_pred2_max_is_clamped_as_the_seed_does(value: str, clamped: int) -> None:
     c = StreamConfig.from_env(env={"STRATA_METAL_PROMPT_PRED2_MAX": value})
-    assert c.prompt_pred2_max == clamped
+    assert c.two_layer_max == clamped
 
 
 @pytest.mark.parametrize(
@@ -128,7 +128,7 @@ def test_pred2_max_is_clamped_as_the_seed_does(value: str, clamped: int) -> None
         ("STRATA_METAL_PROMPT_PRED2", "maybe", "STRATA_METAL_PROMPT_PRED2"),
         ("STRATA_METAL_PUBLISH_PREFETCH", "2", "STRATA_METAL_PUBLISH_PREFETCH"),
         ("STRATA_METAL_PROMPT_PRED2_MAX", "lots", "STRATA_METAL_PROMPT_PRED2_MAX"),
-        ("STRATA_METAL_PROMPT_START_LAYERS", "-1", "prompt_start_layers"),
+        ("STRATA_METAL_PROMPT_START_LAYERS", "-1", "start_layers"),
         ("STRATA_ARENA_BYTES", "big", "STRATA_ARENA_BYTES"),
         ("STRATA_ARENA_BYTES", "0", "arena_bytes"),
         ("STRATA_PART_BYTES", "1000", "part_bytes"),
@@ -139,7 +139,7 @@ def test_pred2_max_is_clamped_as_the_seed_does(value: str, clamped: int) -> None
         ("STRATA_IO_SPIN_US", "200000", "io_spin_us"),
         ("STRATA_EVICTION", "fifo", "eviction"),
         ("STRATA_DIRECT_IO", "sometimes", "STRATA_DIRECT_IO"),
-        ("STRATA_MOCE", "sometimes", "StreamConfig.moce"),
+        ("STRATA_MOCE", "sometimes", "moce must be off, scale or prune"),
         ("STRATA_MOCE_STRENGTH", "strong", "STRATA_MOCE_STRENGTH"),
         ("STRATA_MOCE_STRENGTH", "-0.5", "moce_strength"),
         ("STRATA_MOCE_KEEP_TOP", "two", "STRATA_MOCE_KEEP_TOP"),

@@ -230,7 +230,7 @@ def test_streamed_output_identical_across_configs(
         (2 * k, {}),
         (2 * k + 1, {"lookahead": False}),
         (2 * k + 2, {"split_turn": True}),
-        (None, {"max_rows": 7, "decode_prefetch2": True, "prompt_pred2": True}),
+        (None, {"max_rows": 7, "two_layer_decode": True, "two_layer_prompt": True}),
     ):
         model = fam.load(experts, slots, arithmetic, **cfg)
         closing.append(model)
@@ -504,7 +504,7 @@ def test_the_first_load_of_a_new_pack_lacks_only_the_profile_head_start(tmp_path
     first = run()
     assert profile.exists()  # written when the first Window closed
     later = run()
-    no_head_start = run(prompt_start_layers=0)
+    no_head_start = run(start_layers=0)
     profile.unlink()
     again_first = run()
     assert later[2] == first[2] == again_first[2]  # the same tokens
@@ -515,15 +515,15 @@ def test_the_first_load_of_a_new_pack_lacks_only_the_profile_head_start(tmp_path
         assert (run_[0]["hits"], run_[0]["misses"]) == (first[0]["hits"], first[0]["misses"])
 
 
-@pytest.mark.parametrize("flag", ["decode_prefetch2", "prompt_pred2"])
+@pytest.mark.parametrize("flag", ["two_layer_decode", "two_layer_prompt"])
 @pytest.mark.parametrize("experts", ["cpu", "mlx"])
 @pytest.mark.parametrize("fam", ["qwen3_moe"], indirect=True)
 def test_each_two_layer_flag_alone_runs_only_the_gates_the_engine_uses(
     fam: Family, experts: str, flag: str, closing: list[Any]
 ) -> None:
     """The engine decides which next-layer gates run (Window.wants_predictions); the loader
-    runs exactly those and the Window reads what they predict: decode_prefetch2 alone gives a
-    decode token router l+2 and a prompt none, prompt_pred2 alone the other way round, on the
+    runs exactly those and the Window reads what they predict: two_layer_decode alone gives a
+    decode token router l+2 and a prompt none, two_layer_prompt alone the other way round, on the
     CPU-backend path and on the MLX-kernel path alike, and no gate of a layer whose experts
     are all resident in an arena of every expert (nothing left to read). Output stays bitwise
     the same."""
@@ -560,7 +560,7 @@ def test_each_two_layer_flag_alone_runs_only_the_gates_the_engine_uses(
     decode_rows = engine.config.decode_rows
     for layer, rows, has1, has2, done in calls:
         decode = rows <= decode_rows
-        on = flag == ("decode_prefetch2" if decode else "prompt_pred2")
+        on = flag == ("two_layer_decode" if decode else "two_layer_prompt")
         assert has1 == (layer + 1 < n_layers and not done[1]), (layer, rows)
         assert has2 == (on and layer + 2 < n_layers and not done[2]), (layer, rows, flag)
     assert {rows <= decode_rows for _, rows, _, _, _ in calls} == {True, False}  # both sizes ran
@@ -579,7 +579,7 @@ def test_a_corrupted_predictor_costs_io_never_output(
     the experts) leaves the logits and the greedy tokens bitwise plain mlx-lm's, in an arena
     one slot short of every expert (so what is read early takes room), while the engine did
     read what it was told."""
-    model = fam.load(experts, slots=fam.n_records - 1, decode_prefetch2=True)
+    model = fam.load(experts, slots=fam.n_records - 1, two_layer_decode=True)
     closing.append(model)
     engine = model.strata_engine
     n_experts = engine.stream.n_experts

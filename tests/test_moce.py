@@ -174,8 +174,8 @@ def test_without_publish_prefetch_moce_routing_is_deterministic(
         moce=mode,
         moce_strength=strength,
         publish_prefetch=False,
-        decode_prefetch2=True,
-        prompt_pred2=True,
+        two_layer_decode=True,
+        two_layer_prompt=True,
         max_rows=4,
     )
     turns = inputs(11, [9, 1, 1, 1, 6, 1, 1])
@@ -203,7 +203,7 @@ def test_moce_determinism_holds_past_the_governors_trial_point(pack: Path) -> No
         split_turn=False,
         prefetch_backoff=True,
         lookahead=True,
-        decode_prefetch2=True,
+        two_layer_decode=True,
         max_rows=4,
     )
     # Every layer of a token sees the same input, so router l+1 applied at layer l predicts

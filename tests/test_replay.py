@@ -267,7 +267,7 @@ def test_replay_counts_what_the_window_itself_counts(tmp_path: Path) -> None:
             part_bytes=16384,
             direct_io=False,
             lookahead=predictions is not None,
-            prompt_start_layers=0,
+            start_layers=0,
             profile_prefetch=False,
             prefetch_backoff=False,
             max_rows=1,

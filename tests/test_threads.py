@@ -455,23 +455,16 @@ def test_core_stream_checks_its_arguments(pack: Path) -> None:
         assert testing.check_invariants(stream) == ""
 
 
-def test_core_constructors_take_keywords_only(pack: Path) -> None:
+def test_core_constructors_take_their_options_as_one_object(pack: Path) -> None:
     from strata_stream import _core as core
 
     c = config(pack)
     with pytest.raises(TypeError):
         core.Stream(str(pack), c.arena_bytes, 2, c.part_bytes, False, False, 5.0, True)
+    options = c.stream_options(direct_io=False)
+    options.io_timeout_s = float("inf")
     with pytest.raises(ConfigError, match="io_timeout_s"):
-        core.Stream(
-            str(pack),
-            arena_bytes=c.arena_bytes,
-            io_threads=1,
-            part_bytes=c.part_bytes,
-            direct_io=False,
-            verify_reads=False,
-            io_timeout_s=float("inf"),
-            publish_prefetch=True,
-        )
+        core.Stream(str(pack), options)  # the engine's validate() runs before the stream opens
     with ExpertStream(pack, c) as stream:
         with pytest.raises(TypeError):
             core.Window(stream._s, core.WindowOptions(), "cpu", 0)  # backend, threads by name

@@ -188,7 +188,7 @@ def test_streamed_output_identical_across_configs(fam: Family, closing: list[Any
         (2 * k, {}),
         (2 * k + 1, {"lookahead": False}),
         (2 * k + 2, {"split_turn": True}),
-        (None, {"max_rows": 7, "decode_prefetch2": True, "prompt_pred2": True}),
+        (None, {"max_rows": 7, "two_layer_decode": True, "two_layer_prompt": True}),
     ):
         model = fam.load(slots, **cfg)
         closing.append(model)

@@ -101,12 +101,12 @@ def test_matches_the_oracle_for_every_format(
 # Every policy flag, alone and combined: none may change a single output bit (I11).
 FLAGS = st.fixed_dictionaries(
     {
-        "prompt_pred2": st.booleans(),
-        "prompt_pred2_max": st.sampled_from([0, 1, 64]),
-        "decode_prefetch2": st.booleans(),
+        "two_layer_prompt": st.booleans(),
+        "two_layer_max": st.sampled_from([0, 1, 64]),
+        "two_layer_decode": st.booleans(),
         "publish_prefetch": st.booleans(),
         "prompt_buf_reuse": st.booleans(),
-        "prompt_start_layers": st.sampled_from([0, 1, 4]),
+        "start_layers": st.sampled_from([0, 1, 4]),
         "eviction": st.sampled_from(["decayed_lfu", "lru"]),
     }
 )
@@ -376,7 +376,7 @@ def test_pred2_queues_the_most_chosen_experts_of_layer_plus_2_up_to_the_cap(
         ExpertStream(
             pack,
             stream_config(
-                pack, None, io_threads=0, lookahead=True, prompt_pred2=True, prompt_pred2_max=cap
+                pack, None, io_threads=0, lookahead=True, two_layer_prompt=True, two_layer_max=cap
             ),
         ) as stream,
         Window(stream) as w,
@@ -401,7 +401,7 @@ def test_two_layer_prediction_skips_the_last_two_layers(pack: Path) -> None:
     xs = inputs(4, [1])[0]
     with (
         ExpertStream(
-            pack, stream_config(pack, 2 * K, io_threads=1, decode_prefetch2=True)
+            pack, stream_config(pack, 2 * K, io_threads=1, two_layer_decode=True)
         ) as stream,
         Window(stream) as w,
         w.turn(),
@@ -490,7 +490,7 @@ def test_the_profile_is_learned_saved_and_drives_start_layers(
     shutil.copy(make_pack(n_layers=L, n_experts=E, top_k=K, hidden=H, moe_intermediate=INTER), path)
     turns = inputs(12, [30])
     config = stream_config(
-        path, io_threads=0, persist_profile=True, prompt_start_layers=3, lookahead=False
+        path, io_threads=0, persist_profile=True, start_layers=3, lookahead=False
     )
     with ExpertStream(path, config) as stream, Window(stream) as w:
         with w.turn():
@@ -507,7 +507,7 @@ def test_the_profile_is_learned_saved_and_drives_start_layers(
     # A new Window loads it; a turn start queues layer 0's top-k by popularity and at most 32
     # new reads for layers 1 and 2, before any layer runs.
     cold = stream_config(
-        path, 2 * K + 40, io_threads=0, persist_profile=True, prompt_start_layers=3, lookahead=False
+        path, 2 * K + 40, io_threads=0, persist_profile=True, start_layers=3, lookahead=False
     )
     with ExpertStream(path, cold) as stream, Window(stream) as w:
         assert (w.profile() == saved).all()
@@ -576,7 +576,7 @@ def test_lookahead_off_queues_the_profile_favourites_of_the_next_layer(
         io_threads=0,
         persist_profile=True,
         lookahead=False,
-        prompt_start_layers=0,  # only the handshakes queue Profile reads
+        start_layers=0,  # only the handshakes queue Profile reads
         profile_prefetch=enabled,
     )
     x = inputs(13, [rows])[0]
@@ -608,9 +608,7 @@ def test_lookahead_on_leaves_the_profile_to_the_turn_start(
 
     counts = np.tile(np.arange(1, E + 1), (L, 1))
     path = profiled_copy(make_pack, tmp_path, counts)
-    config = stream_config(
-        path, io_threads=0, persist_profile=True, lookahead=True, prompt_start_layers=0
-    )
+    config = stream_config(path, io_threads=0, persist_profile=True, lookahead=True, start_layers=0)
     x = inputs(14, [1])[0]
     with ExpertStream(path, config) as stream, Window(stream) as w, w.turn():
         w.moe(0, x[0])
@@ -623,7 +621,7 @@ def test_the_profile_fallback_skips_the_last_layer(make_pack: PackFactory, tmp_p
     counts[:, 0] = 100  # chosen by nearly every token: worth prefetching
     path = profiled_copy(make_pack, tmp_path, counts)
     config = stream_config(
-        path, io_threads=1, persist_profile=True, lookahead=False, prompt_start_layers=0
+        path, io_threads=1, persist_profile=True, lookahead=False, start_layers=0
     )
     xs = inputs(15, [1])[0]
     with ExpertStream(path, config) as stream, Window(stream) as w, w.turn():

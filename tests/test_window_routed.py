@@ -276,7 +276,7 @@ def test_the_window_says_which_mlx_arithmetic_it_can_run(
             window.arithmetic_unsupported("float16")
 
 
-_FLAGS = {"prefetch2": "decode_prefetch2", "prompt_pred2": "prompt_pred2"}
+_FLAGS = {"prefetch2": "two_layer_decode", "two_layer_prompt": "two_layer_prompt"}
 
 
 @pytest.mark.parametrize("flag", list(_FLAGS))
@@ -299,7 +299,7 @@ def test_each_two_layer_flag_alone_predicts_and_reads_on_both_expert_paths(
     with ExpertPack.open(pack_path) as pack:
         cfg = StreamConfig(
             arena_bytes=L * E * pack.record_stride, io_threads=0, direct_io=False,
-            prompt_start_layers=0, prefetch_backoff=False, persist_profile=False,
+            start_layers=0, prefetch_backoff=False, persist_profile=False,
             **{_FLAGS[flag]: True},
         )  # fmt: skip
     decode_sized = rows <= cfg.decode_rows
@@ -374,7 +374,7 @@ def test_no_prediction_of_a_layer_resident_for_good(tmp_path: Path, all_fit: boo
         slots = L * E if all_fit else L * E - 1
         cfg = StreamConfig(
             arena_bytes=slots * pack.record_stride, io_threads=2, direct_io=False,
-            prefetch_backoff=False, persist_profile=False, decode_prefetch2=True,
+            prefetch_backoff=False, persist_profile=False, two_layer_decode=True,
         )  # fmt: skip
     every = np.tile(np.arange(E, dtype=np.int32), (E // K, 1)).reshape(-1, K)  # each expert once
     w_every = np.full(every.shape, 1.0 / K, dtype=np.float32)

@@ -56,6 +56,44 @@ std::uint32_t count_arg(const py::handle& obj, std::uint32_t max, const char* wh
 
 namespace {
 
+[[noreturn]] void wrong_type(const py::handle& obj, const char* what, const char* expected) {
+  throw EngineError(ErrorKind::Config, std::string(what) + ": expected " + expected + ", got " +
+                                           std::string(py::repr(obj)));
+}
+
+}  // namespace
+
+bool option_bool(const py::handle& obj, const char* what) {
+  if (!PyBool_Check(obj.ptr())) wrong_type(obj, what, "a bool");
+  return obj.ptr() == Py_True;
+}
+
+std::uint64_t option_uint(const py::handle& obj, std::uint64_t max, const char* what) {
+  if (PyBool_Check(obj.ptr()) || !PyIndex_Check(obj.ptr())) wrong_type(obj, what, "an int");
+  py::object index = py::reinterpret_steal<py::object>(PyNumber_Index(obj.ptr()));
+  if (!index) throw py::error_already_set();
+  const unsigned long long v = PyLong_AsUnsignedLongLong(index.ptr());
+  if (PyErr_Occurred()) {  // negative, or beyond 64 bits
+    PyErr_Clear();
+    throw EngineError(ErrorKind::Config, std::string(what) + " must be 0.." + std::to_string(max) +
+                                             ", got " + repr_int(obj));
+  }
+  if (v > max)
+    throw EngineError(ErrorKind::Config, std::string(what) + " must be 0.." + std::to_string(max) +
+                                             ", got " + repr_int(obj));
+  return std::uint64_t(v);
+}
+
+double option_float(const py::handle& obj, const char* what) {
+  if (PyBool_Check(obj.ptr()) || !(PyFloat_Check(obj.ptr()) || PyIndex_Check(obj.ptr())))
+    wrong_type(obj, what, "a number");
+  const double v = PyFloat_AsDouble(obj.ptr());
+  if (v == -1.0 && PyErr_Occurred()) throw py::error_already_set();
+  return v;
+}
+
+namespace {
+
 // The ids of an integer array, each checked to fit in int32 (a wider one would wrap into
 // another expert). `what` names the argument; n_experts is for the message only.
 std::vector<std::int32_t> int32_ids(const py::array& a, const char* what,

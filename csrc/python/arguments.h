@@ -32,6 +32,14 @@ std::uint32_t index_arg(const py::handle& obj, std::uint64_t bound, const char* 
 std::uint32_t count_arg(const py::handle& obj, std::uint32_t max, const char* what,
                         const char* note = "");
 
+// A setting's value (StreamOptions, WindowOptions; docs/settings.md), converted once where
+// Python hands it over: a wrong type is a ConfigError naming the setting, as a value out of
+// the C++ type's range is ("`what` must be 0..max, got V"). The ranges the engine accepts are
+// validate()'s to check (exec/window_options.h), with their own message.
+bool option_bool(const py::handle& obj, const char* what);  // a bool, not 0/1
+std::uint64_t option_uint(const py::handle& obj, std::uint64_t max, const char* what);
+double option_float(const py::handle& obj, const char* what);  // an int or float, not a bool
+
 // Expert ids from a 0-d or 1-d integer array (or a sequence), copied while the GIL is held so
 // that another thread writing the caller's array cannot change them after they were checked.
 std::vector<std::int32_t> ids_arg(const py::handle& obj, const char* what,

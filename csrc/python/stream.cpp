@@ -1,6 +1,7 @@
 // _core.Stream: ExpertStream, the arena and its slots (docs/architecture.md section 4), with
 // ReadClass, SlotState and ABSENT from residency/slot.h: opening, closing, geometry, views and
-// stats. The handshake's steps (request, wait, publish, protections, plans, limbo, victim) are
+// stats. _core.StreamOptions: the stream's settings, converted field by field and checked by
+// the engine's one validate() (exec/window_options.h) before a stream opens. The handshake's steps (request, wait, publish, protections, plans, limbo, victim) are
 // the Window's to take in order; calling them beside a running Window corrupts its state, so
 // they are bound in testing.cpp with the other test hooks, not here.
 #include "stream.h"
@@ -13,44 +14,61 @@
 #include <vector>
 
 #include "arguments.h"
+#include "exec/window_options.h"
 #include "pack.h"
 
 namespace strata::python {
 
 namespace {
 
-void require_finite_positive(double v, const char* what) {
-  if (!(v > 0) || !std::isfinite(v))
-    throw EngineError(ErrorKind::Config,
-                      std::string(what) + " must be positive and finite, got " + std::to_string(v));
+Stream open_stream(const std::string& path, const StreamOptions& options) {
+  validate(options);
+  py::gil_scoped_release nogil;
+  return Stream{std::make_unique<ExpertStream>(path, options)};
 }
 
-Stream open_stream(const std::string& path, std::uint64_t arena_bytes, const py::handle& io_threads,
-                   std::uint64_t part_bytes, bool direct_io, bool verify_reads, double io_timeout_s,
-                   bool publish_prefetch, bool simulate_io, const std::string& eviction,
-                   std::uint32_t io_spin_us) {
-  if (arena_bytes == 0) throw EngineError(ErrorKind::Config, "arena_bytes must be positive");
-  require_finite_positive(io_timeout_s, "io_timeout_s");
-  StreamOptions o;
-  o.arena_bytes = arena_bytes;
-  o.io_threads = count_arg(io_threads, 256, "io_threads");
-  o.part_bytes = part_bytes;
-  if (io_spin_us > 100000)
-    throw EngineError(ErrorKind::Config, "io_spin_us must be 0..100000, got " +
-                                             std::to_string(io_spin_us));
-  o.io_spin_us = io_spin_us;
-  o.direct_io = direct_io;
-  o.verify_reads = verify_reads;
-  o.io_timeout_s = io_timeout_s;
-  o.publish_prefetch = publish_prefetch;
-  o.simulate_io = simulate_io;
-  auto policy = parse_eviction_policy(eviction);
-  if (!policy)
-    throw EngineError(ErrorKind::Config,
-                      "unknown eviction policy '" + eviction + "' (lru, decayed_lfu)");
-  o.eviction = *policy;
-  py::gil_scoped_release nogil;
-  return Stream{std::make_unique<ExpertStream>(path, o)};
+// A field of StreamOptions, read as it is and set through `convert` (arguments.h).
+template <class T, T StreamOptions::*Field, class Convert>
+void option_field(py::class_<StreamOptions>& c, const char* name, Convert convert) {
+  c.def_property(
+      name, [](const StreamOptions& o) { return o.*Field; },
+      [name, convert](StreamOptions& o, const py::object& v) { o.*Field = convert(v, name); });
+}
+
+void bind_options(py::module_& m) {
+  py::class_<StreamOptions> c(m, "StreamOptions",
+                              "A stream's settings (residency/expert_stream.h StreamOptions); "
+                              "StreamConfig fills it (docs/settings.md).");
+  c.def(py::init<>());
+  const auto boolean = [](const py::object& v, const char* n) { return option_bool(v, n); };
+  const auto u32 = [](const py::object& v, const char* n) {
+    return std::uint32_t(option_uint(v, UINT32_MAX, n));
+  };
+  const auto u64 = [](const py::object& v, const char* n) {
+    return option_uint(v, UINT64_MAX, n);
+  };
+  const auto seconds = [](const py::object& v, const char* n) { return option_float(v, n); };
+  option_field<std::uint64_t, &StreamOptions::arena_bytes>(c, "arena_bytes", u64);
+  option_field<std::uint32_t, &StreamOptions::io_threads>(c, "io_threads", u32);
+  option_field<std::uint64_t, &StreamOptions::part_bytes>(c, "part_bytes", u64);
+  option_field<std::uint32_t, &StreamOptions::io_spin_us>(c, "io_spin_us", u32);
+  option_field<bool, &StreamOptions::direct_io>(c, "direct_io", boolean);
+  option_field<bool, &StreamOptions::verify_reads>(c, "verify_reads", boolean);
+  option_field<double, &StreamOptions::io_timeout_s>(c, "io_timeout_s", seconds);
+  option_field<bool, &StreamOptions::publish_prefetch>(c, "publish_prefetch", boolean);
+  option_field<bool, &StreamOptions::simulate_io>(c, "simulate_io", boolean);
+  c.def_property(
+      "eviction", [](const StreamOptions& o) { return std::string(to_string(o.eviction)); },
+      [](StreamOptions& o, const py::object& v) {
+        const auto name = py::isinstance<py::str>(v) ? v.cast<std::string>() : std::string();
+        const auto policy = parse_eviction_policy(name);
+        if (!policy)
+          throw EngineError(ErrorKind::Config, "eviction must be decayed_lfu or lru, got " +
+                                                   std::string(py::repr(v)));
+        o.eviction = *policy;
+      });
+  c.def("validate", [](const StreamOptions& o) { validate(o); },
+        "ConfigError naming the first field out of range.");
 }
 
 // Closes the Windows on the stream first (each waits for its layer in flight), then stops the
@@ -156,15 +174,12 @@ void bind_enums(py::module_& m) {
 
 void init_stream(py::module_& m) {
   bind_enums(m);
+  bind_options(m);
   m.def("disposing", &ExpertStream::disposing,
         "Closed streams a background thread still waits to free (a read was stuck).");
 
   py::class_<Stream>(m, "Stream")
-      .def(py::init(&open_stream), py::arg("path"), py::kw_only(), py::arg("arena_bytes"),
-           py::arg("io_threads"), py::arg("part_bytes"), py::arg("direct_io"),
-           py::arg("verify_reads"), py::arg("io_timeout_s"), py::arg("publish_prefetch"),
-           py::arg("simulate_io") = false, py::arg("eviction") = "decayed_lfu",
-           py::arg("io_spin_us") = 0)
+      .def(py::init(&open_stream), py::arg("path"), py::arg("options"))
       .def("close", &close_stream)
       .def_property_readonly("closed", [](Stream& self) { return !self.s || self.s->closed(); })
       .def_property_readonly("n_slots", [](Stream& self) { return self.get().n_slots(); })

@@ -36,15 +36,22 @@ using WindowHolder = std::unique_ptr<Window, WindowDeleter>;
 
 // ---- WindowOptions ----------------------------------------------------------------------------
 
-// A uint32 field set from Python: any int converts (ConfigError when it does not fit); what
-// range the engine accepts is the engine's to say when the Window is made.
+// A field set from Python: converted by arguments.h (a ConfigError naming it when the type is
+// wrong or the value does not fit); what range the engine accepts is validate()'s to say.
 template <std::uint32_t WindowOptions::*Field>
 void uint32_field(py::class_<WindowOptions>& c, const char* name) {
   c.def_property(
       name, [](const WindowOptions& o) { return o.*Field; },
       [name](WindowOptions& o, const py::object& v) {
-        o.*Field = count_arg(v, UINT32_MAX, name);
+        o.*Field = std::uint32_t(option_uint(v, UINT32_MAX, name));
       });
+}
+
+template <bool WindowOptions::*Field>
+void bool_field(py::class_<WindowOptions>& c, const char* name) {
+  c.def_property(
+      name, [](const WindowOptions& o) { return o.*Field; },
+      [name](WindowOptions& o, const py::object& v) { o.*Field = option_bool(v, name); });
 }
 
 const char* moce_name(MoceMode m) {
@@ -61,15 +68,22 @@ void bind_options(py::module_& m) {
                               "A Window's configuration (exec/window.h WindowOptions); the "
                               "Python Window fills it from its StreamConfig.");
   c.def(py::init<>())
-      .def_readwrite("lookahead", &WindowOptions::lookahead)
-      .def_readwrite("split_turn", &WindowOptions::split_turn)
-      .def_readwrite("device_timeout_s", &WindowOptions::device_timeout_s)
-      .def_readwrite("two_layer_prompt", &WindowOptions::two_layer_prompt)
-      .def_readwrite("two_layer_decode", &WindowOptions::two_layer_decode)
-      .def_readwrite("prompt_buf_reuse", &WindowOptions::prompt_buf_reuse)
-      .def_readwrite("record_routes", &WindowOptions::record_routes)
-      .def_readwrite("profile_prefetch", &WindowOptions::profile_prefetch)
-      .def_readwrite("prefetch_backoff", &WindowOptions::prefetch_backoff);
+      .def("validate", [](const WindowOptions& o) { o.validate(); },
+           "ConfigError naming the first field out of range (for any pack; the Window checks "
+           "the pack's own limits when it is made).");
+  bool_field<&WindowOptions::lookahead>(c, "lookahead");
+  bool_field<&WindowOptions::split_turn>(c, "split_turn");
+  bool_field<&WindowOptions::two_layer_prompt>(c, "two_layer_prompt");
+  bool_field<&WindowOptions::two_layer_decode>(c, "two_layer_decode");
+  bool_field<&WindowOptions::prompt_buf_reuse>(c, "prompt_buf_reuse");
+  bool_field<&WindowOptions::record_routes>(c, "record_routes");
+  bool_field<&WindowOptions::profile_prefetch>(c, "profile_prefetch");
+  bool_field<&WindowOptions::prefetch_backoff>(c, "prefetch_backoff");
+  c.def_property(
+      "device_timeout_s", [](const WindowOptions& o) { return o.device_timeout_s; },
+      [](WindowOptions& o, const py::object& v) {
+        o.device_timeout_s = option_float(v, "device_timeout_s");
+      });
   uint32_field<&WindowOptions::max_rows>(c, "max_rows");
   uint32_field<&WindowOptions::decode_rows>(c, "decode_rows");
   uint32_field<&WindowOptions::decode_batch_rows>(c, "decode_batch_rows");
@@ -77,7 +91,8 @@ void bind_options(py::module_& m) {
   uint32_field<&WindowOptions::start_layers>(c, "start_layers");
   c.def_property(
       "moce", [](const WindowOptions& o) { return std::string(moce_name(o.moce.mode)); },
-      [](WindowOptions& o, const std::string& mode) {
+      [](WindowOptions& o, const py::object& v) {
+        const auto mode = py::isinstance<py::str>(v) ? v.cast<std::string>() : std::string();
         if (mode == "off")
           o.moce.mode = MoceMode::Off;
         else if (mode == "scale")
@@ -86,15 +101,17 @@ void bind_options(py::module_& m) {
           o.moce.mode = MoceMode::Prune;
         else
           throw EngineError(ErrorKind::Config,
-                            "moce must be off, scale or prune, got '" + mode + "'");
+                            "moce must be off, scale or prune, got " + std::string(py::repr(v)));
       });
   c.def_property(
       "moce_strength", [](const WindowOptions& o) { return o.moce.strength; },
-      [](WindowOptions& o, float v) { o.moce.strength = v; });
+      [](WindowOptions& o, const py::object& v) {
+        o.moce.strength = float(option_float(v, "moce_strength"));
+      });
   c.def_property(
       "moce_keep_top", [](const WindowOptions& o) { return o.moce.keep_top; },
       [](WindowOptions& o, const py::object& v) {
-        o.moce.keep_top = count_arg(v, UINT32_MAX, "moce_keep_top");
+        o.moce.keep_top = std::uint32_t(option_uint(v, UINT32_MAX, "moce_keep_top"));
       });
 }
 

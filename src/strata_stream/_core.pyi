@@ -79,22 +79,22 @@ def register_backend(name: str, factory: object) -> None: ...
 # Expert ids: an integer array, sequence or int (0-d or 1-d); the engine checks their range.
 _Ids = npt.ArrayLike
 
+class StreamOptions:
+    arena_bytes: int
+    io_threads: int
+    part_bytes: int
+    io_spin_us: int
+    direct_io: bool
+    verify_reads: bool
+    io_timeout_s: float
+    publish_prefetch: bool
+    simulate_io: bool
+    eviction: str  # "decayed_lfu" or "lru"
+    def __init__(self) -> None: ...
+    def validate(self) -> None: ...
+
 class Stream:
-    def __init__(
-        self,
-        path: str,
-        *,
-        arena_bytes: int,
-        io_threads: int,
-        part_bytes: int,
-        direct_io: bool,
-        verify_reads: bool,
-        io_timeout_s: float,
-        publish_prefetch: bool,
-        simulate_io: bool = False,
-        eviction: str = "decayed_lfu",
-        io_spin_us: int = 0,
-    ) -> None: ...
+    def __init__(self, path: str, options: StreamOptions) -> None: ...
     def close(self) -> None: ...
     @property
     def closed(self) -> bool: ...
@@ -136,6 +136,7 @@ class WindowOptions:
     profile_prefetch: bool
     prefetch_backoff: bool
     def __init__(self) -> None: ...
+    def validate(self) -> None: ...
 
 class LayerStats(TypedDict):
     calls: int

@@ -1,24 +1,29 @@
-"""StreamConfig: every knob of the engine in one frozen dataclass.
+"""StreamConfig: every setting of the engine in one frozen dataclass, and the one reader of
+the process environment's STRATA_* variables (docs/settings.md).
 
-The seed's environment flags (docs/architecture.md section 6) keep their names and
-defaults; `from_env` reads them so a deployment can flip a policy without touching code, and
-keyword overrides win over the environment so tests stay hermetic.
+Each field is read from STRATA_<FIELD> (upper case); the seed's STRATA_METAL_* names of its
+behaviours stay accepted as aliases. `from_env` parses the text, keyword overrides win over the
+environment so tests stay hermetic, and the engine's one validate() (exec/window_options.h)
+checks every range: StreamConfig fills the C++ StreamOptions and WindowOptions through the
+bindings, so a value crosses into C++ once, by the name it has here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from strata_stream import container_memory
 from strata_stream.errors import ConfigError
-from strata_stream.pack.header import PAGE
 
+if TYPE_CHECKING:
+    from strata_stream import _core
+
+# The most new two-layer reads a handshake may start (two_layer_max); the seed clamps to it.
 PRED2_MAX_LIMIT = 512
 MOCE_MODES = ("off", "scale", "prune")
 # moce_strength when left unset: a resident expert's probability counts double (scale), a cold
@@ -34,33 +39,88 @@ _FALSE = {"0", "false", "no", "off"}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
-# field name -> environment variable. The STRATA_METAL_* names are the seed's.
 EVICTION_POLICIES = ("decayed_lfu", "lru")
 
-ENV_FLAGS: dict[str, str] = {
-    "arena_bytes": "STRATA_ARENA_BYTES",
-    "io_threads": "STRATA_IO_THREADS",
-    "part_bytes": "STRATA_PART_BYTES",
-    "io_spin_us": "STRATA_IO_SPIN_US",
-    "direct_io": "STRATA_DIRECT_IO",
-    "verify_reads": "STRATA_VERIFY_READS",
-    "publish_prefetch": "STRATA_METAL_PUBLISH_PREFETCH",
-    "prompt_pred2": "STRATA_METAL_PROMPT_PRED2",
-    "prompt_pred2_max": "STRATA_METAL_PROMPT_PRED2_MAX",
-    "prompt_start_layers": "STRATA_METAL_PROMPT_START_LAYERS",
-    "prompt_buf_reuse": "STRATA_METAL_PROMPT_BUF_REUSE",
-    "decode_prefetch2": "STRATA_METAL_PREFETCH2",
-    "lookahead": "STRATA_LOOKAHEAD",
-    "profile_prefetch": "STRATA_PROFILE_PREFETCH",
-    "prefetch_backoff": "STRATA_PREFETCH_BACKOFF",
-    "split_turn": "STRATA_SPLIT_TURN",
-    "max_rows": "STRATA_MAX_ROWS",
-    "trace_path": "STRATA_TRACE_PATH",
-    "eviction": "STRATA_EVICTION",
-    "moce": "STRATA_MOCE",
-    "moce_strength": "STRATA_MOCE_STRENGTH",
-    "moce_keep_top": "STRATA_MOCE_KEEP_TOP",
-}
+Kind = Literal["user", "seed", "tuning"]
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A StreamConfig field as the environment names it: STRATA_<FIELD>, and the seed's
+    STRATA_METAL_* spellings accepted beside it. kind sorts docs/settings.md's tables: user
+    settings, the seed's behaviours, and tuning (for benchmarks, not users)."""
+
+    field: str
+    kind: Kind
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def env(self) -> str:
+        return "STRATA_" + self.field.upper()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.env, *self.aliases)
+
+
+SETTINGS: tuple[Setting, ...] = (
+    # User settings (docs/settings.md, first table).
+    Setting("arena_bytes", "user"),
+    Setting("io_threads", "user"),
+    Setting("direct_io", "user"),
+    Setting("verify_reads", "user"),
+    Setting("eviction", "user"),
+    Setting("trace_path", "user"),
+    Setting("max_rows", "user"),
+    Setting("moce", "user"),
+    # The seed's behaviours, by their clearer names; the seed's own names are aliases.
+    Setting("publish_prefetch", "seed", ("STRATA_METAL_PUBLISH_PREFETCH",)),
+    Setting("two_layer_prompt", "seed", ("STRATA_METAL_PROMPT_PRED2",)),
+    Setting("two_layer_max", "seed", ("STRATA_METAL_PROMPT_PRED2_MAX",)),
+    Setting("start_layers", "seed", ("STRATA_METAL_PROMPT_START_LAYERS",)),
+    Setting("prompt_buf_reuse", "seed", ("STRATA_METAL_PROMPT_BUF_REUSE",)),
+    Setting("two_layer_decode", "seed", ("STRATA_METAL_PREFETCH2",)),
+    Setting("split_turn", "seed"),
+    # Tuning: for benchmarks and tests.
+    Setting("part_bytes", "tuning"),
+    Setting("io_spin_us", "tuning"),
+    Setting("io_timeout_s", "tuning"),
+    Setting("lookahead", "tuning"),
+    Setting("profile_prefetch", "tuning"),
+    Setting("prefetch_backoff", "tuning"),
+    Setting("decode_rows", "tuning"),
+    Setting("decode_batch_rows", "tuning"),
+    Setting("device_timeout_s", "tuning"),
+    Setting("persist_profile", "tuning"),
+    Setting("moce_strength", "tuning"),
+    Setting("moce_keep_top", "tuning"),
+)
+
+# field name -> its environment variable.
+ENV_FLAGS: dict[str, str] = {s.field: s.env for s in SETTINGS}
+
+# Settings outside StreamConfig, read here too so that this module alone reads STRATA_*.
+CACHE_ENV = "STRATA_CACHE"  # where converted packs go (paths.cache_dir)
+LOCAL_RANKS_ENV = "STRATA_LOCAL_RANKS"  # ranks on this machine (mlx_lm.distributed)
+
+
+def cache_dir_env(env: Mapping[str, str] | None = None) -> str | None:
+    """$STRATA_CACHE, or None when unset or empty."""
+    return (os.environ if env is None else env).get(CACHE_ENV) or None
+
+
+def local_ranks_env(env: Mapping[str, str] | None = None) -> int | None:
+    """$STRATA_LOCAL_RANKS as a count of at least 1, or None when unset or empty."""
+    text = (os.environ if env is None else env).get(LOCAL_RANKS_ENV)
+    if not text:
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        raise ConfigError(f"{LOCAL_RANKS_ENV} must be an integer, got {text!r}") from None
+    if n < 1:
+        raise ConfigError(f"{LOCAL_RANKS_ENV} must be at least 1, got {n}")
+    return n
 
 
 def parse_size(text: str, what: str) -> int:
@@ -111,6 +171,26 @@ def _parse_int(text: str, what: str) -> int:
         raise ConfigError(f"{what}: expected an integer, got {text!r}") from None
 
 
+def _parse_setting(field: str, text: str, var: str) -> Any:
+    """The environment text of a StreamConfig field as the field's type; ConfigError naming
+    the variable where it cannot be read. Ranges are the engine's validate()'s to check."""
+    if field in ("arena_bytes", "part_bytes"):
+        return parse_size(text, var)
+    if field in ("trace_path", "eviction"):
+        return text
+    if field == "moce":
+        return text.strip().lower()
+    if field == "direct_io":
+        auto = text.strip().lower() == "auto"
+        return None if auto else _parse_bool(text, var + " (or auto)")
+    kind = _FIELD_TYPES[field]
+    if kind == "bool":
+        return _parse_bool(text, var)
+    if kind in ("float", "float | None"):
+        return _parse_float(text, var)
+    return _parse_int(text, var)
+
+
 def _usable_cores() -> int:
     # The cores this process may run on (a container's or taskset's share), where the OS says.
     affinity = getattr(os, "sched_getaffinity", None)
@@ -157,15 +237,19 @@ class StreamConfig:
     # lock, costs about 1% of decode tokens/s (benchmarks/decode.py --verify-cost).
     verify_reads: bool = True
     io_timeout_s: float = 60.0
+    # Publish completed prefetches of layers l+1..l+2 at each handshake (the seed's behaviour).
     publish_prefetch: bool = True
     # Two-layer lookahead (router l+2 on layer l's input too) for chunks larger than decode_rows
-    # (prompt_pred2) and for decode-sized ones (decode_prefetch2), on every expert path; at most
-    # prompt_pred2_max new two-layer reads per handshake. The names are the flags' (section 6).
-    prompt_pred2: bool = False
-    prompt_pred2_max: int = 64
-    prompt_start_layers: int = 1
+    # (two_layer_prompt) and for decode-sized ones (two_layer_decode), on every expert path; at
+    # most two_layer_max new two-layer reads per handshake (clamped to 0..PRED2_MAX_LIMIT, as
+    # the seed does).
+    two_layer_prompt: bool = False
+    two_layer_max: int = 64
+    # At turn start, queue the profile's most popular experts of layers 0..start_layers-1.
+    start_layers: int = 1
+    # Keep the prompt scratch across turns instead of releasing it when a turn ends.
     prompt_buf_reuse: bool = False
-    decode_prefetch2: bool = False
+    two_layer_decode: bool = False
     lookahead: bool = True
     # With lookahead off, queue the next layer's most popular experts (by the profile) at each
     # handshake, as speculative Profile reads (docs/architecture.md section 6).
@@ -201,124 +285,94 @@ class StreamConfig:
     moce_keep_top: int = 2
 
     def __post_init__(self) -> None:
-        for name in (
-            "arena_bytes",
-            "io_threads",
-            "part_bytes",
-            "io_spin_us",
-            "prompt_pred2_max",
-            "prompt_start_layers",
-            "moce_keep_top",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ConfigError(f"StreamConfig.{name}: expected int, got {value!r}")
+        # What has no C++ field is checked here; every other value is converted by the bindings
+        # and checked by the engine's validate(), each naming the field.
         if self.direct_io is not None and not isinstance(self.direct_io, bool):
-            raise ConfigError(
-                f"StreamConfig.direct_io: expected bool or None (auto), got {self.direct_io!r}"
-            )
-        for name in (
-            "verify_reads",
-            "publish_prefetch",
-            "prompt_pred2",
-            "prompt_buf_reuse",
-            "decode_prefetch2",
-            "profile_prefetch",
-            "prefetch_backoff",
-        ):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(
-                    f"StreamConfig.{name}: expected bool, got {getattr(self, name)!r}"
-                )
-        if self.arena_bytes <= 0:
-            raise ConfigError(f"StreamConfig.arena_bytes: must be positive, got {self.arena_bytes}")
-        if not 0 <= self.io_threads <= 256:
-            raise ConfigError(
-                f"StreamConfig.io_threads: must be 0..256 (0 = manual IO for tests), "
-                f"got {self.io_threads}"
-            )
-        if self.part_bytes <= 0 or self.part_bytes % PAGE:
-            raise ConfigError(
-                f"StreamConfig.part_bytes: must be a positive multiple of {PAGE}, "
-                f"got {self.part_bytes}"
-            )
+            raise ConfigError(f"direct_io: expected a bool or None (auto), got {self.direct_io!r}")
         if self.trace_path is not None and not isinstance(self.trace_path, str):
-            raise ConfigError(
-                f"StreamConfig.trace_path: expected a path string, got {self.trace_path!r}"
-            )
-        if self.eviction not in EVICTION_POLICIES:
-            raise ConfigError(
-                f"StreamConfig.eviction: expected one of {', '.join(EVICTION_POLICIES)}, "
-                f"got {self.eviction!r}"
-            )
-        if not 0 <= self.io_spin_us <= 100_000:
-            raise ConfigError(
-                f"StreamConfig.io_spin_us: must be 0..100000 (microseconds), got {self.io_spin_us}"
-            )
-        if self.decode_rows < 0:
-            raise ConfigError(f"StreamConfig.decode_rows: must be >= 0, got {self.decode_rows}")
-        if self.decode_batch_rows < 0:
-            raise ConfigError(
-                f"StreamConfig.decode_batch_rows: must be >= 0, got {self.decode_batch_rows}"
-            )
-        if not self.device_timeout_s > 0:
-            raise ConfigError(
-                f"StreamConfig.device_timeout_s: must be positive, got {self.device_timeout_s}"
-            )
-        if not self.io_timeout_s > 0:
-            raise ConfigError(
-                f"StreamConfig.io_timeout_s: must be positive, got {self.io_timeout_s}"
-            )
-        if self.prompt_start_layers < 0:
-            raise ConfigError(
-                f"StreamConfig.prompt_start_layers: must be >= 0, got {self.prompt_start_layers}"
-            )
-        if self.moce not in MOCE_MODES:
-            raise ConfigError(
-                f"StreamConfig.moce: must be one of {', '.join(MOCE_MODES)}, got {self.moce!r}"
-            )
-        if self.moce_strength is not None:
-            s = self.moce_strength
-            if isinstance(s, bool) or not isinstance(s, (int, float)):
-                raise ConfigError(f"StreamConfig.moce_strength: expected a number, got {s!r}")
-            if not (math.isfinite(s) and s >= 0):
-                raise ConfigError(f"StreamConfig.moce_strength: must be finite and >= 0, got {s}")
-        if self.moce_keep_top < 0:
-            raise ConfigError(f"StreamConfig.moce_keep_top: must be >= 0, got {self.moce_keep_top}")
+            raise ConfigError(f"trace_path: expected a path string, got {self.trace_path!r}")
+        if not isinstance(self.persist_profile, bool):
+            raise ConfigError(f"persist_profile: expected a bool, got {self.persist_profile!r}")
+        strength = self.moce_strength
+        if strength is not None and (
+            isinstance(strength, bool) or not isinstance(strength, (int, float))
+        ):
+            raise ConfigError(f"moce_strength: expected a number or None, got {strength!r}")
         # The seed clamps PRED2_MAX rather than rejecting it; keep that contract.
-        clamped = min(max(self.prompt_pred2_max, 0), PRED2_MAX_LIMIT)
-        object.__setattr__(self, "prompt_pred2_max", clamped)
+        n = self.two_layer_max
+        if isinstance(n, int) and not isinstance(n, bool):
+            object.__setattr__(self, "two_layer_max", min(max(n, 0), PRED2_MAX_LIMIT))
+        self.stream_options(direct_io=False).validate()
+        self.window_options().validate()
+
+    def stream_options(self, direct_io: bool, simulate_io: bool = False) -> _core.StreamOptions:
+        """The C++ StreamOptions of this config, with direct_io decided (direct_io_for)."""
+        from strata_stream import _core
+
+        o = _core.StreamOptions()
+        o.arena_bytes = self.arena_bytes
+        o.io_threads = self.io_threads
+        o.part_bytes = self.part_bytes
+        o.io_spin_us = self.io_spin_us
+        o.direct_io = direct_io
+        o.verify_reads = self.verify_reads
+        o.io_timeout_s = self.io_timeout_s
+        o.publish_prefetch = self.publish_prefetch
+        o.simulate_io = simulate_io
+        o.eviction = self.eviction
+        return o
+
+    def window_options(self) -> _core.WindowOptions:
+        """The C++ WindowOptions of this config (the pack's own limits are checked when a
+        Window is made)."""
+        from strata_stream import _core
+
+        o = _core.WindowOptions()
+        o.lookahead = self.lookahead
+        o.split_turn = self.split_turn
+        o.max_rows = self.max_rows
+        o.decode_rows = self.decode_rows
+        o.decode_batch_rows = self.decode_batch_rows
+        o.device_timeout_s = self.device_timeout_s
+        o.two_layer_prompt = self.two_layer_prompt
+        o.two_layer_max = self.two_layer_max
+        o.two_layer_decode = self.two_layer_decode
+        o.prompt_buf_reuse = self.prompt_buf_reuse
+        o.record_routes = self.trace_path is not None
+        o.start_layers = self.start_layers
+        o.moce = self.moce
+        o.moce_strength = self.moce_strength_value
+        o.moce_keep_top = self.moce_keep_top
+        o.profile_prefetch = self.profile_prefetch
+        o.prefetch_backoff = self.prefetch_backoff
+        return o
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> StreamConfig:
-        """Defaults, then the environment flags, then keyword overrides."""
+        """Defaults, then the environment (STRATA_<FIELD>, or a seed alias), then keyword
+        overrides. A setting given by two names with different values is a ConfigError naming
+        both."""
         source = os.environ if env is None else env
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(overrides) - names)
         if unknown:
             raise ConfigError(f"StreamConfig has no field {', '.join(unknown)}")
         values: dict[str, Any] = {}
-        types = {f.name: f.type for f in dataclasses.fields(cls)}
-        for name, var in ENV_FLAGS.items():
-            text = source.get(var)
-            if text is None or name in overrides:
+        for setting in SETTINGS:
+            if setting.field in overrides:
                 continue
-            kind = types[name]
-            if name in ("arena_bytes", "part_bytes"):
-                values[name] = parse_size(text, var)
-            elif name in ("trace_path", "eviction"):
-                values[name] = text
-            elif name == "moce":
-                values[name] = text.strip().lower()
-            elif name == "moce_strength":
-                values[name] = _parse_float(text, var)
-            elif name == "direct_io":
-                auto = text.strip().lower() == "auto"
-                values[name] = None if auto else _parse_bool(text, var + " (or auto)")
-            elif kind in ("bool", bool):
-                values[name] = _parse_bool(text, var)
-            else:
-                values[name] = _parse_int(text, var)
+            given = [(var, source[var]) for var in setting.names if var in source]
+            if not given:
+                continue
+            parsed = [(var, _parse_setting(setting.field, text, var)) for var, text in given]
+            var, value = parsed[0]
+            for other, other_value in parsed[1:]:
+                if other_value != value:
+                    raise ConfigError(
+                        f"{var}={source[var]!r} and {other}={source[other]!r} set "
+                        f"{setting.field} differently; set one of them"
+                    )
+            values[setting.field] = value
         values.update(overrides)
         return cls(**values)
 
@@ -335,8 +389,12 @@ class StreamConfig:
     def moce_strength_value(self) -> float:
         """moce_strength, or the mode's default when unset."""
         if self.moce_strength is None:
-            return MOCE_DEFAULT_STRENGTH[self.moce]
+            return MOCE_DEFAULT_STRENGTH.get(self.moce, 1.0)  # the binding names a bad mode
         return float(self.moce_strength)
 
     def replace(self, **changes: Any) -> StreamConfig:
         return dataclasses.replace(self, **changes)
+
+
+# Each field's annotation, as text (from __future__ annotations), for _parse_setting.
+_FIELD_TYPES: dict[str, str] = {f.name: str(f.type) for f in dataclasses.fields(StreamConfig)}

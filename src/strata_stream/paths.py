@@ -7,13 +7,15 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from strata_stream.config import cache_dir_env
+
 
 def cache_dir() -> Path:
     """``$STRATA_CACHE`` if set, else ``$XDG_CACHE_HOME/strata-stream``.
 
     Without either variable that is ``~/.cache/strata-stream``.
     """
-    explicit = os.environ.get("STRATA_CACHE")
+    explicit = cache_dir_env()
     if explicit:
         return Path(explicit)
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")

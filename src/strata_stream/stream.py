@@ -156,19 +156,7 @@ class ExpertStream(ProcessBound):
                     f"buffered reads (direct_io auto: the {size / 1e9:.2f} GB pack fits a quarter "
                     f"of the memory)"
                 )
-        native = _core.Stream(
-            str(self.path),
-            arena_bytes=c.arena_bytes,
-            io_threads=c.io_threads,
-            part_bytes=c.part_bytes,
-            io_spin_us=c.io_spin_us,
-            direct_io=direct,
-            verify_reads=c.verify_reads,
-            io_timeout_s=c.io_timeout_s,
-            publish_prefetch=c.publish_prefetch,
-            simulate_io=simulate_io,
-            eviction=c.eviction,
-        )
+        native = _core.Stream(str(self.path), c.stream_options(direct, simulate_io))
         self._bind(native)
         # The Python Windows on this stream, closed (trace and profile written) before it.
         self._windows: weakref.WeakSet[_Closeable] = weakref.WeakSet()

@@ -147,24 +147,7 @@ class Window(ProcessBound):
         self.stream = stream
         self.n_layers = stream.n_layers
         self.hidden = stream._s.layout["hidden"]
-        options = _core.WindowOptions()
-        options.lookahead = c.lookahead
-        options.split_turn = c.split_turn
-        options.max_rows = c.max_rows
-        options.decode_rows = c.decode_rows
-        options.decode_batch_rows = c.decode_batch_rows
-        options.device_timeout_s = c.device_timeout_s
-        options.two_layer_prompt = c.prompt_pred2
-        options.two_layer_max = c.prompt_pred2_max
-        options.two_layer_decode = c.decode_prefetch2
-        options.prompt_buf_reuse = c.prompt_buf_reuse
-        options.record_routes = c.trace_path is not None
-        options.start_layers = c.prompt_start_layers
-        options.moce = c.moce
-        options.moce_strength = c.moce_strength_value
-        options.moce_keep_top = c.moce_keep_top
-        options.profile_prefetch = c.profile_prefetch
-        options.prefetch_backoff = c.prefetch_backoff
+        options = c.window_options()
         self._bind(_core.Window(stream._s, options, backend=backend, threads=threads))
         self.profile_path = profile_path(stream.path)
         self._persist = c.persist_profile

@@ -1,20 +1,59 @@
 #include "exec/window_options.h"
 
 #include <cmath>
+#include <sstream>
 #include <string>
 
 #include "common/errors.h"
 
 namespace strata {
 
-void WindowOptions::validate(const PackLayout& layout) const {
-  if (max_rows == 0) throw EngineError(ErrorKind::Config, "max_rows must be positive");
-  if (!(device_timeout_s > 0) || !std::isfinite(device_timeout_s))
-    throw EngineError(ErrorKind::Config, "device_timeout_s must be positive and finite");
-  if (moce.mode == MoceMode::Off) return;
+namespace {
+
+[[noreturn]] void refuse(const std::string& what) { throw EngineError(ErrorKind::Config, what); }
+
+// The number as Python prints it (600.0, nan, inf), for the messages.
+std::string number(double v) {
+  if (std::isnan(v)) return "nan";
+  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+  std::ostringstream s;
+  s << v;
+  return s.str();
+}
+
+void require_positive_seconds(double v, const char* what) {
+  if (!(v > 0) || !std::isfinite(v))
+    refuse(std::string(what) + " must be positive and finite, got " + number(v));
+}
+
+}  // namespace
+
+void validate(const StreamOptions& o) {
+  if (o.arena_bytes == 0) refuse("arena_bytes must be positive");
+  if (o.io_threads > 256)
+    refuse("io_threads must be 0..256 (0 = manual IO for tests), got " +
+           std::to_string(o.io_threads));
+  if (o.part_bytes == 0 || o.part_bytes % kPage != 0)
+    refuse("part_bytes must be a positive multiple of " + std::to_string(kPage) + ", got " +
+           std::to_string(o.part_bytes));
+  if (o.io_spin_us > 100000)
+    refuse("io_spin_us must be 0..100000 (microseconds), got " + std::to_string(o.io_spin_us));
+  require_positive_seconds(o.io_timeout_s, "io_timeout_s");
+}
+
+void WindowOptions::validate() const {
+  if (max_rows == 0) refuse("max_rows must be positive");
+  require_positive_seconds(device_timeout_s, "device_timeout_s");
+  if (two_layer_max > kTwoLayerMaxLimit)
+    refuse("two_layer_max must be 0.." + std::to_string(kTwoLayerMaxLimit) + ", got " +
+           std::to_string(two_layer_max));
   if (!(moce.strength >= 0) || !std::isfinite(moce.strength))
-    throw EngineError(ErrorKind::Config, "moce_strength must be finite and >= 0, got " +
-                                             std::to_string(moce.strength));
+    refuse("moce_strength must be finite and >= 0, got " + number(moce.strength));
+}
+
+void WindowOptions::validate(const PackLayout& layout) const {
+  validate();
+  if (moce.mode == MoceMode::Off) return;
   if (moce.keep_top > layout.top_k)
     throw EngineError(ErrorKind::Config, "moce_keep_top " + std::to_string(moce.keep_top) +
                                              " exceeds the pack's top_k " +

@@ -28,7 +28,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from strata_stream.config import StreamConfig
+from strata_stream.config import StreamConfig, local_ranks_env
 from strata_stream.convert.share import Share
 from strata_stream.errors import ConfigError
 from strata_stream.mlx_lm.loader import stream_experts
@@ -48,14 +48,8 @@ def local_ranks(rank: int | None = None, hostfile: str | None = None) -> int:
     address equals this rank's are counted, every loopback address counting as this host.
     With no hostfile (a single process, or another backend), 1.
     """
-    env = os.environ.get("STRATA_LOCAL_RANKS")
-    if env:
-        try:
-            n = int(env)
-        except ValueError:
-            raise ConfigError(f"STRATA_LOCAL_RANKS must be an integer, got {env!r}") from None
-        if n < 1:
-            raise ConfigError(f"STRATA_LOCAL_RANKS must be at least 1, got {n}")
+    n = local_ranks_env()
+    if n is not None:
         return n
     path = hostfile if hostfile is not None else os.environ.get("MLX_HOSTFILE")
     if rank is None:
