@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "common/env.h"
 #include "cuda_check.h"
 #include "device_memory.h"
 #include "kernels/device_types.h"
@@ -151,16 +152,13 @@ std::string bf16_families_disagree() {
 }
 
 Bf16Family bf16_family_asked() {
-  const char* v = std::getenv("STRATA_CUDA_BF16");
-  const std::string asked = v && *v ? v : "auto";
-  if (asked == "mma") return Bf16Family::Mma;
-  if (asked == "wgmma") {
-    if (const std::string why = wgmma_unavailable(); !why.empty())
-      throw std::runtime_error("STRATA_CUDA_BF16=wgmma: " + why);
-    return Bf16Family::Wgmma;
+  switch (env::choice("STRATA_CUDA_BF16", {"auto", "mma", "wgmma"})) {
+    case 1: return Bf16Family::Mma;
+    case 2:
+      if (const std::string why = wgmma_unavailable(); !why.empty())
+        throw std::runtime_error("STRATA_CUDA_BF16=wgmma: " + why);
+      return Bf16Family::Wgmma;
   }
-  if (asked != "auto")
-    throw std::runtime_error("STRATA_CUDA_BF16 must be auto, mma or wgmma, got '" + asked + "'");
   return Bf16Family::Auto;
 }
 

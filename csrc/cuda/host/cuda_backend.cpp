@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "arena_mirror.h"
+#include "common/env.h"
 #include "bf16_families.h"
 #include "cuda_check.h"
 #include "device_memory.h"
@@ -32,7 +33,7 @@
 namespace strata::cuda {
 namespace {
 
-DevLayout device_layout(const PackLayout& L) {
+DevLayout device_layout(const PackLayout& L, std::uint32_t plant) {
   DevLayout d;
   d.n_experts = L.n_experts;
   d.top_k = L.top_k;
@@ -56,31 +57,14 @@ DevLayout device_layout(const PackLayout& L) {
     m.rows = t.matrix == 2 ? L.hidden : L.moe_intermediate;
     m.cols = t.matrix == 2 ? L.moe_intermediate : L.hidden;
   }
-  // Tests only: a planted kernel error the parity tests must catch (device_types.h).
-  if (const char* p = std::getenv("STRATA_CUDA_TEST_PLANT")) {
-    if (std::strcmp(p, "gate_up") == 0) d.plant = kPlantGateUp;
-    if (std::strcmp(p, "route") == 0) d.plant = kPlantRoute;
-  }
+  d.plant = plant;  // Tuning::plant
   return d;
 }
 
 // How long the device thread spins before it blocks on a condition variable: a thread woken
 // from a futex costs tens of microseconds on a virtual machine, more than a whole decode layer's
 // kernels; spinning this long costs one core at most that long.
-// STRATA_CUDA_SPIN_US (0..100000), read when a backend is made, sets it, for measuring what the
-// spin costs the threads beside it.
 constexpr auto kSpin = std::chrono::microseconds(200);
-
-std::chrono::microseconds spin_from_env() {
-  const char* v = std::getenv("STRATA_CUDA_SPIN_US");
-  if (!v || !*v) return kSpin;
-  char* end = nullptr;
-  const long us = std::strtol(v, &end, 10);
-  if (*end != '\0' || us < 0 || us > 100000)
-    throw std::runtime_error(
-        std::string("STRATA_CUDA_SPIN_US must be microseconds in 0..100000, got '") + v + "'");
-  return std::chrono::microseconds(us);
-}
 
 // A queued command and the facts of the submission it came in. A Route carries the
 // RoutePredict commands that follow it in its submission: one launch runs them all.
@@ -114,7 +98,7 @@ std::string device_pointer_problem(const void* p, const char* what) {
   return "";
 }
 
-// Where the kernels read experts (STRATA_CUDA_ARENA, read when the backend is made).
+// Where the kernels read experts (Tuning::arena).
 //   Device (default): a device-memory mirror of the arena, slot for slot (arena_mirror.h),
 //     filled at IO completion on copy streams before the stream publishes a record, so the
 //     kernels read HBM; a published slot whose mirror holds another key (read before this
@@ -122,61 +106,83 @@ std::string device_pointer_problem(const void* p, const char* what) {
 //   Mapped: the kernels read the host arena itself through the mapping (over PCIe).
 enum class ArenaMode : std::uint8_t { Device, Mapped };
 
-// How the device mirror is filled (STRATA_CUDA_MIRROR_FILL, read when the backend is made):
-//   parts (default): at IO completion, on copy streams, before publication (arena_mirror.h),
-//     the record copied in chunks of parts (STRATA_CUDA_COPY_CHUNK_KIB) as their parts land,
-//     beside the record's other parts' reads, which shortens a miss (benchmarks/miss_latency.py
-//     --backend cuda measures it);
-//   completion: the same, the whole record copied after its last part;
-//   lazy: only by the device thread before the pass that reads a slot (the fallback alone, as
-//     before the record observer existed: for comparison).
-enum class MirrorFill : std::uint8_t { Completion, Parts, Lazy };
+// How the device mirror is filled (Tuning::fill), at IO completion, on copy streams, before
+// publication (arena_mirror.h):
+//   parts (default): the record copied in chunks of parts (Tuning::copy_chunk_bytes) as their
+//     parts land, beside the record's other parts' reads, which shortens a miss
+//     (benchmarks/miss_latency.py --backend cuda measures it);
+//   completion: the whole record copied after its last part.
+// A published slot whose mirror holds another key (read before this backend registered) is
+// copied by the device thread before the pass that reads it, either way.
+enum class MirrorFill : std::uint8_t { Parts, Completion };
 
-MirrorFill mirror_fill_from_env() {
-  const char* v = std::getenv("STRATA_CUDA_MIRROR_FILL");
-  if (!v || !*v || std::strcmp(v, "parts") == 0) return MirrorFill::Parts;
-  if (std::strcmp(v, "completion") == 0) return MirrorFill::Completion;
-  if (std::strcmp(v, "lazy") == 0) return MirrorFill::Lazy;
-  throw std::runtime_error(
-      std::string("STRATA_CUDA_MIRROR_FILL must be completion, parts or lazy, got '") + v + "'");
-}
-
-// How much of a record one mirror copy takes with the parts fill (STRATA_CUDA_COPY_CHUNK_KIB,
-// 0..65536, read when a backend is made): as many consecutive parts as fit this, at least one;
-// 0 copies each part alone. 1 MiB by default: the copy engine's fixed cost a copy is then small
-// beside the copy's bytes (benchmarks/native/cuda_copy_engine.cu measures that cost).
+// How much of a record one mirror copy takes with the parts fill: as many consecutive parts as
+// fit this, at least one; 0 copies each part alone. 1 MiB by default: the copy engine's fixed
+// cost a copy is then small beside the copy's bytes (benchmarks/native/cuda_copy_engine.cu
+// measures that cost).
 constexpr std::uint64_t kCopyChunkKib = 1024;
 
-std::uint64_t copy_chunk_bytes_from_env() {
-  const char* v = std::getenv("STRATA_CUDA_COPY_CHUNK_KIB");
-  if (!v || !*v) return kCopyChunkKib << 10;
-  char* end = nullptr;
-  const long kib = std::strtol(v, &end, 10);
-  if (*end != '\0' || kib < 0 || kib > 65536)
-    throw std::runtime_error(
-        std::string("STRATA_CUDA_COPY_CHUNK_KIB must be KiB in 0..65536, got '") + v + "'");
-  return std::uint64_t(kib) << 10;
-}
+// The backend's tuning: read once, through common/env.h, when a backend is made; printed to
+// stderr then when STRATA_CUDA_TRACE is set, and by tuning_description(). For benchmarks and
+// tests, not users (docs/settings.md, "Tuning").
+struct Tuning {
+  ArenaMode arena = ArenaMode::Device;                  // STRATA_CUDA_ARENA: device | mapped
+  MirrorFill fill = MirrorFill::Parts;                  // STRATA_CUDA_MIRROR_FILL: parts | completion
+  std::uint64_t copy_chunk_bytes = kCopyChunkKib << 10;  // STRATA_CUDA_COPY_CHUNK_KIB: 0..65536
+  Bf16Family bf16 = Bf16Family::Auto;                   // STRATA_CUDA_BF16: auto | mma | wgmma
+  // STRATA_CUDA_TEST_PLANT: gate_up | route, a planted kernel error the parity tests must catch
+  // (device_types.h; only in a build with STRATA_CUDA_PLANT).
+  std::uint32_t plant = 0;
+  bool trace = false;  // STRATA_CUDA_TRACE set: per-command times printed when the backend goes
 
-ArenaMode arena_mode_from_env() {
-  const char* v = std::getenv("STRATA_CUDA_ARENA");
-  if (!v || !*v || std::strcmp(v, "device") == 0) return ArenaMode::Device;
-  if (std::strcmp(v, "mapped") == 0) return ArenaMode::Mapped;
-  throw std::runtime_error(std::string("STRATA_CUDA_ARENA must be device or mapped, got '") + v +
-                           "'");
-}
+  static Tuning from_env() {
+    Tuning t;
+    t.arena = env::choice("STRATA_CUDA_ARENA", {"device", "mapped"}) == 0 ? ArenaMode::Device
+                                                                         : ArenaMode::Mapped;
+    t.fill = env::choice("STRATA_CUDA_MIRROR_FILL", {"parts", "completion"}) == 0
+                 ? MirrorFill::Parts
+                 : MirrorFill::Completion;
+    t.copy_chunk_bytes =
+        std::uint64_t(env::integer("STRATA_CUDA_COPY_CHUNK_KIB", kCopyChunkKib, 0, 65536, "KiB"))
+        << 10;
+    t.bf16 = bf16_family_asked();
+    if (env::text("STRATA_CUDA_TEST_PLANT")) {
+      const std::size_t p = env::choice("STRATA_CUDA_TEST_PLANT", {"gate_up", "route"});
+      t.plant = p == 0 ? kPlantGateUp : kPlantRoute;
+    }
+    t.trace = env::present("STRATA_CUDA_TRACE");
+    return t;
+  }
+
+  // One line, the variables' names and values, as the environment would set them.
+  std::string describe() const {
+    const char* bf16_name = bf16 == Bf16Family::Mma     ? "mma"
+                            : bf16 == Bf16Family::Wgmma ? "wgmma"
+                                                        : "auto";
+    return std::string("STRATA_CUDA_ARENA=") + (arena == ArenaMode::Device ? "device" : "mapped") +
+           " STRATA_CUDA_MIRROR_FILL=" + (fill == MirrorFill::Parts ? "parts" : "completion") +
+           " STRATA_CUDA_COPY_CHUNK_KIB=" + std::to_string(copy_chunk_bytes >> 10) +
+           " STRATA_CUDA_BF16=" + bf16_name +
+           " STRATA_CUDA_TEST_PLANT=" +
+           (plant == kPlantGateUp ? "gate_up" : plant == kPlantRoute ? "route" : "off") +
+           " STRATA_CUDA_TRACE=" + (trace ? "1" : "0");
+  }
+};
 
 class CudaBackend final : public QueuedBackend<Item> {
  public:
-  CudaBackend()
-      : QueuedBackend("strata-cuda", spin_from_env()),
-        mode_(arena_mode_from_env()),
-        fill_(mirror_fill_from_env()),
-        spin_(idle_spin()) {
-    mirror_.copy_parts(fill_ == MirrorFill::Parts, copy_chunk_bytes_from_env());
+  CudaBackend() : CudaBackend(Tuning::from_env()) {}
+  explicit CudaBackend(const Tuning& tuning)
+      : QueuedBackend("strata-cuda", kSpin),
+        tuning_(tuning),
+        mode_(tuning.arena),
+        spin_(idle_spin()),
+        trace_(tuning.trace) {
+    if (trace_) std::fprintf(stderr, "strata cuda tuning: %s\n", tuning_.describe().c_str());
+    mirror_.copy_parts(tuning_.fill == MirrorFill::Parts, tuning_.copy_chunk_bytes);
     arena_ = make_arena_strategy();
     cuda_check(cudaSetDevice(0), "cudaSetDevice");
-    bf16_asked_ = bf16_family_asked();
+    bf16_asked_ = tuning_.bf16;
     cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
     void* p = nullptr;
     cuda_check(cudaHostAlloc(&p, sizeof(DevError), cudaHostAllocMapped | cudaHostAllocPortable),
@@ -235,7 +241,7 @@ class CudaBackend final : public QueuedBackend<Item> {
   void bind_idle(const DeviceBuffers& b) override {
     cudaSetDevice(0);
     const PackLayout& L = *b.layout;
-    layout_ = device_layout(L);
+    layout_ = device_layout(L, tuning_.plant);
     // Which bf16 family: settled here, at the first bind of a bf16 pack (the known-answer check
     // launches kernels of its own, on its own stream; the device thread is idle).
     if (layout_.format == 2 && !bf16_family_)
@@ -677,9 +683,7 @@ class CudaBackend final : public QueuedBackend<Item> {
     // call's error.
     bool completes_async() const override { return true; }
     // The mirror, filled at IO completion (the Window registers it after bind()).
-    RecordObserver* observer() override {
-      return be_.fill_ != MirrorFill::Lazy ? &be_.mirror_ : nullptr;
-    }
+    RecordObserver* observer() override { return &be_.mirror_; }
 
    private:
     CudaBackend& be_;
@@ -998,11 +1002,11 @@ class CudaBackend final : public QueuedBackend<Item> {
   PinnedArray up_, back_;
   std::size_t up_used_ = 0;
   std::size_t back_ids_ = 0, back_weights_ = 0, back_pred_[2] = {0, 0}, back_out_ = 0;
+  const Tuning tuning_;
   const ArenaMode mode_;
   std::unique_ptr<ArenaStrategy> arena_;  // mode_'s, made by the constructor
-  const MirrorFill fill_;  // STRATA_CUDA_MIRROR_FILL
-  const std::chrono::microseconds spin_;  // STRATA_CUDA_SPIN_US: the device thread's spin
-  // STRATA_CUDA_BF16 as asked (read by the constructor) and settled for this GPU (by the first
+  const std::chrono::microseconds spin_;  // kSpin: the device thread's spin
+  // STRATA_CUDA_BF16 as asked (Tuning::bf16) and settled for this GPU (by the first
   // bind of a bf16 pack; bind() runs while the device thread is idle).
   Bf16Family bf16_asked_ = Bf16Family::Auto;
   std::optional<Bf16Family> bf16_family_;
@@ -1013,7 +1017,7 @@ class CudaBackend final : public QueuedBackend<Item> {
   // The device thread's own (bind() resets them while it is idle).
   std::vector<std::uint32_t> host_plan_;   // Device mode: the last Plan's snapshot
   std::vector<std::uint32_t> host_groups_;  // Device mode: group_on_host()'s upload
-  const bool trace_ = std::getenv("STRATA_CUDA_TRACE") != nullptr;
+  const bool trace_;  // Tuning::trace
   std::uint64_t op_ns_[9] = {}, op_calls_[9] = {};  // the device thread's (trace_)
   static constexpr std::size_t kMaxCrossings = 1 << 14;
   std::vector<std::pair<cudaEvent_t, cudaEvent_t>> crossings_;  // the device thread's (trace_)
@@ -1026,6 +1030,8 @@ class CudaBackend final : public QueuedBackend<Item> {
 };
 
 }  // namespace
+
+std::string tuning_description() { return Tuning::from_env().describe(); }
 
 std::string unavailable() {
   int n = 0;

@@ -21,5 +21,9 @@ namespace strata::cuda {
 std::string unavailable();
 // Throws std::runtime_error naming the cause when no device can.
 std::unique_ptr<Backend> make_cuda_backend();
+// The tuning a backend made now would take from the environment (STRATA_CUDA_*), as one line
+// of NAME=value pairs: what a backend prints at start when STRATA_CUDA_TRACE is set, for a
+// module's stats to show beside the run's numbers.
+std::string tuning_description();
 
 }  // namespace strata::cuda

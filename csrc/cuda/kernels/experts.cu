@@ -988,10 +988,7 @@ ArgGroups arg_groups(const DevLayout& L, const DevBuffers& b) {
 
 // The lean path's group size for this shape (DirectWarp::load_lean), or 0: quantized formats
 // whose lanes share scales, group sizes of 32, 64 or 128, rows of a multiple of 256 columns in
-// one batch. STRATA_CUDA_DECODE_LEAN=0 (compile time) keeps the general path, for comparison.
-#ifndef STRATA_CUDA_DECODE_LEAN
-#define STRATA_CUDA_DECODE_LEAN 1
-#endif
+// one batch.
 // q4 with f16 scales shared by lanes: where the lean path was measured. (Other formats' lean
 // instances spilled at the kernels' register bounds, q4 with bf16 scales and mxfp4 1.3 KB a
 // thread and more, or took up to 192 registers, q8.)
@@ -1002,7 +999,7 @@ constexpr bool lean_format() {
 template <int F, int S, int R, bool GateUp>
 std::uint32_t decode_lean_gs(const DevLayout& L) {
   const std::uint32_t n = GateUp ? L.hidden : L.inter;
-  if (!STRATA_CUDA_DECODE_LEAN || !lean_format<F, S>() || n % 256 != 0 ||
+  if (!lean_format<F, S>() || n % 256 != 0 ||
       n / 256 > std::uint32_t(decode_steps<F, S, R, GateUp>()))
     return 0;
   const std::uint32_t G = L.group_size;

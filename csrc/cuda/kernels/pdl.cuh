@@ -9,14 +9,7 @@
 
 #include <cuda_runtime.h>
 
-#include <cstdlib>
-#include <string_view>
 #include <utility>
-
-// Compile-time knob: 0 launches every kernel without the attribute (for comparison).
-#ifndef STRATA_CUDA_PDL
-#define STRATA_CUDA_PDL 1
-#endif
 
 namespace strata::cuda {
 
@@ -34,12 +27,9 @@ __device__ __forceinline__ void pdl_trigger() {
 
 // Whether `kernel` may be launched early: the device is Hopper or later and the kernel's code
 // was built for it (a binary built for an older architecture has no griddepcontrol.wait, and
-// launching it early would race), and STRATA_CUDA_PDL=0 is not in the environment (read when a
-// kernel is first launched: for comparison). Asked once per kernel by the caller.
+// launching it early would race). Asked once per kernel by the caller.
 template <class Kernel>
 bool pdl_capable(Kernel kernel) {
-  if (!STRATA_CUDA_PDL) return false;
-  if (const char* v = std::getenv("STRATA_CUDA_PDL"); v && std::string_view(v) == "0") return false;
   int dev = 0, major = 0;
   cudaFuncAttributes a{};
   if (cudaGetDevice(&dev) != cudaSuccess ||

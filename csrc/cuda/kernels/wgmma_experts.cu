@@ -61,13 +61,6 @@ constexpr int kPieces = 1;
 #else
 constexpr int kPieces = 3;
 #endif
-// Bench only: no proxy fence where cp.async alone wrote a stage (what the fence costs). Never in
-// the backend: the PTX memory model asks for it between generic-proxy writes and wgmma's reads.
-#ifdef STRATA_CUDA_WGMMA_NO_PROXY_FENCE_BENCH
-constexpr bool kFenceCopies = false;
-#else
-constexpr bool kFenceCopies = true;
-#endif
 
 template <int WGS_, int BN_, int STEP_, int STAGES_>
 struct Tiling {
@@ -388,7 +381,7 @@ struct Pass {
       const std::uint32_t slot = (s0 + kt) % S, ahead_slot = (s0 + kt + P) % S;
       cp_async_wait<P - 1>();  // this thread's copies of stage kt landed
       if constexpr (XRing) split_stage(c, cur, slot);
-      if constexpr (!Pre || kFenceCopies) fence_proxy_async();
+      fence_proxy_async();  // generic-proxy writes (cp.async, the split) before wgmma reads
       // Stage kt landed for every thread, and every warpgroup is done with the stage two
       // before, whose slot the copies below overwrite.
       __syncthreads();
