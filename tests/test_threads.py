@@ -461,10 +461,10 @@ def test_core_constructors_take_their_options_as_one_object(pack: Path) -> None:
     c = config(pack)
     with pytest.raises(TypeError):
         core.Stream(str(pack), c.arena_bytes, 2, c.part_bytes, False, False, 5.0, True)
-    options = c.stream_options(direct_io=False)
-    options.io_timeout_s = float("inf")
+    stream_options = c.stream_options(direct_io=False)
+    stream_options.io_timeout_s = float("inf")
     with pytest.raises(ConfigError, match="io_timeout_s"):
-        core.Stream(str(pack), options)  # the engine's validate() runs before the stream opens
+        core.Stream(str(pack), stream_options)  # the engine's validate() runs before it opens
     with ExpertStream(pack, c) as stream:
         with pytest.raises(TypeError):
             core.Window(stream._s, core.WindowOptions(), "cpu", 0)  # backend, threads by name
