@@ -8,6 +8,7 @@ import dataclasses
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from strata_stream import StreamConfig
@@ -114,6 +115,12 @@ def test_a_value_of_the_wrong_type_is_named_where_it_is_converted(
 ) -> None:
     with pytest.raises(ConfigError, match=f"^{message}$"):
         StreamConfig(**{field: bad})  # type: ignore[arg-type]
+
+
+def test_numpy_numbers_convert_as_python_numbers() -> None:
+    c = StreamConfig(moce="scale", moce_strength=np.float32(0.5), io_threads=np.int64(2))  # type: ignore[arg-type]
+    assert c.window_options().moce_strength == 0.5
+    assert c.stream_options(direct_io=False).io_threads == 2
 
 
 def test_the_environment_text_that_cannot_be_read_names_the_variable() -> None:

@@ -85,7 +85,8 @@ std::uint64_t option_uint(const py::handle& obj, std::uint64_t max, const char* 
 }
 
 double option_float(const py::handle& obj, const char* what) {
-  if (PyBool_Check(obj.ptr()) || !(PyFloat_Check(obj.ptr()) || PyIndex_Check(obj.ptr())))
+  // Any real number (a numpy float32 too), not a bool, a complex or a string.
+  if (PyBool_Check(obj.ptr()) || PyComplex_Check(obj.ptr()) || !PyNumber_Check(obj.ptr()))
     wrong_type(obj, what, "a number");
   const double v = PyFloat_AsDouble(obj.ptr());
   if (v == -1.0 && PyErr_Occurred()) throw py::error_already_set();

@@ -38,7 +38,7 @@ std::uint32_t count_arg(const py::handle& obj, std::uint32_t max, const char* wh
 // validate()'s to check (exec/window_options.h), with their own message.
 bool option_bool(const py::handle& obj, const char* what);  // a bool, not 0/1
 std::uint64_t option_uint(const py::handle& obj, std::uint64_t max, const char* what);
-double option_float(const py::handle& obj, const char* what);  // an int or float, not a bool
+double option_float(const py::handle& obj, const char* what);  // a real number, not a bool
 
 // Expert ids from a 0-d or 1-d integer array (or a sequence), copied while the GIL is held so
 // that another thread writing the caller's array cannot change them after they were checked.

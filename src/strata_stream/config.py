@@ -11,6 +11,7 @@ bindings, so a value crosses into C++ once, by the name it has here.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 import re
 from collections.abc import Mapping
@@ -295,7 +296,7 @@ class StreamConfig:
             raise ConfigError(f"persist_profile: expected a bool, got {self.persist_profile!r}")
         strength = self.moce_strength
         if strength is not None and (
-            isinstance(strength, bool) or not isinstance(strength, (int, float))
+            isinstance(strength, bool) or not isinstance(strength, numbers.Real)
         ):
             raise ConfigError(f"moce_strength: expected a number or None, got {strength!r}")
         # The seed clamps PRED2_MAX rather than rejecting it; keep that contract.
