@@ -219,6 +219,7 @@ def test_backend_selection(pack: Path) -> None:
             Window(stream, backend="gpu")
         with Window(stream, backend="cpu") as w:  # the stream is still usable
             assert w.stats()["backend"] == "cpu"
+            assert w.stats()["backend_tuning"] == ""  # the cpu backend has no tuning
 
 
 def test_bad_inputs_raise_clear_errors(pack: Path) -> None:

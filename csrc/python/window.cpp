@@ -469,6 +469,7 @@ void init_window(py::module_& m) {
       .def_property_readonly("in_turn", &Window::in_turn)
       .def_property_readonly("next_layer", &Window::next_layer)
       .def_property_readonly("backend", &Window::backend_name)
+      .def_property_readonly("backend_tuning", &Window::backend_tuning)
       // ---- figures, profile, routes ----
       .def_property_readonly("scratch_bytes", &Window::scratch_bytes)
       .def("reset_stats", &Window::reset_stats)

@@ -456,7 +456,9 @@ class Window(ProcessBound):
         and the seconds spent settling IO for deterministic moce routing;
         under "prefetch", the back-off governor: state (open, throttled, closed, probing;
         "disabled" with backoff off), cap (new speculative reads per handshake, None =
-        unlimited), its judgements so far and the precision and busy fraction of the last one."""
+        unlimited), its judgements so far and the precision and busy fraction of the last one;
+        "backend_tuning": the backend's tuning as it read it when made (docs/settings.md), in
+        words, "" for a backend with none (the cpu one)."""
         layers: list[dict[str, Any]] = [dict(d) for d in self._w.layer_stats()]
         for d in layers:
             d["precision"] = (
@@ -496,6 +498,7 @@ class Window(ProcessBound):
             "total": total,
             "scratch_bytes": self._w.scratch_bytes,
             "backend": self._w.backend,
+            "backend_tuning": self._w.backend_tuning,
             "prefetch": dict(self._w.prefetch_stats()),
         }
 

@@ -609,3 +609,18 @@ def test_cuda_without_a_gpu_is_a_clear_config_error(tmp_path: Path) -> None:
             Window(stream, backend="cuda")
         with Window(stream, backend="auto") as w:  # auto falls back to the CPU
             assert w.stats()["backend"] == "cpu"
+
+
+def test_stats_show_the_tuning_the_backend_read_when_it_was_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = make_pack(tmp_path)
+    monkeypatch.setenv("STRATA_CUDA_COPY_CHUNK_KIB", "512")
+    with ExpertStream(path, config(path)) as stream:
+        with Window(stream, backend="cuda") as w:
+            monkeypatch.setenv("STRATA_CUDA_COPY_CHUNK_KIB", "64")  # read once, at the start
+            tuning = w.stats()["backend_tuning"]
+        with Window(stream, backend="cpu") as w:
+            assert w.stats()["backend_tuning"] == ""
+    assert "STRATA_CUDA_COPY_CHUNK_KIB=512" in tuning
+    assert "STRATA_CUDA_ARENA=device" in tuning

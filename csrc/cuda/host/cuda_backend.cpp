@@ -211,6 +211,7 @@ class CudaBackend final : public QueuedBackend<Item> {
   }
 
   std::string name() const override { return "cuda"; }
+  std::string tuning() const override { return tuning_.describe(); }
   // The device thread answers a handshake in tens of microseconds, about what waking a blocked
   // host thread costs on a virtual machine: the host spins as that thread does.
   std::chrono::microseconds host_spin() const override { return spin_; }

@@ -133,6 +133,8 @@ class Backend {
  public:
   virtual ~Backend() = default;
   virtual std::string name() const = 0;
+  // Its tuning as read when it was made (docs/settings.md, "Tuning"), in words; "" for none.
+  virtual std::string tuning() const { return {}; }
   // Why this backend cannot run `c`, or nullopt when it can. The Window asks at construction,
   // once per capability it may need, and refuses by this reason when a call needs one that is
   // missing. Every backend runs every op in Float32 without moce on host memory; by default

@@ -138,6 +138,7 @@ class Window {
   bool settles() const { return speculator_.settles(); }
   PrefetchGovernor governor() const { return speculator_.governor(); }  // a snapshot
   std::string backend_name() const { return backend_name_; }
+  std::string backend_tuning() const { return backend_tuning_; }
   // Why this Window's backend cannot compute its pack's expert passes in `a` (at `layer`'s
   // format class; every layer's without one); "" when it can (asked once at construction).
   const std::string& arithmetic_unsupported(Arithmetic a) const {
@@ -201,7 +202,7 @@ class Window {
 
   ExpertStream& stream_;
   std::unique_ptr<Backend> backend_;  // null once closed
-  const std::string backend_name_;
+  const std::string backend_name_, backend_tuning_;
   // How long wait_device may spin before it blocks (the backend's host_spin(), read once), and
   // whether it does, learned per wait site.
   const std::chrono::microseconds host_spin_;
