@@ -54,11 +54,9 @@ wgmma_object() {
 }
 if wants kernels; then
   # Built in parallel: now, before (STRATA_KERNELS_BEFORE), and variants of the compile-time
-  # knobs: the route kernel's experts per block (r8, r2), the decode kernels' lean path off
-  # (dl0: the general step loop for q4 with f16 scales), output rows per warp (down: d*;
-  # gate_up on the lean path: dg1), per-chunk scale loads instead of shared scales (dps), the
-  # lean down at the general rule's 3 blocks a multiprocessor (db3), and a build without
-  # programmatic dependent launch (nopdl: for comparison, never chosen). Every build's outputs
+  # knobs: the route kernel's experts per block (r8, r2), output rows per warp (down: d*;
+  # gate_up on the lean path: dg1), per-chunk scale loads instead of shared scales (dps) and the
+  # lean down at the general rule's 3 blocks a multiprocessor (db3). Every build's outputs
   # are compared with before's, bitwise; the fastest route (route_gpu, else route_xs) and the
   # fastest decode expert launches (experts_gpu, else experts_seq: gate_up, down and combine
   # back to back; *_gpu: the GPU's time alone) among the bitwise-equal builds then become the
@@ -77,9 +75,8 @@ if wants kernels; then
   }
   R=-DSTRATA_CUDA_ROUTE D=-DSTRATA_CUDA_DOWN_DECODE_ROWS
   kvariants=("r8:${R}_LOGITS=8" "r2:${R}_LOGITS=2"
-             "dl0:-DSTRATA_CUDA_DECODE_LEAN=0" "d2:$D=2" "d8:$D=8" "dg1:-DSTRATA_CUDA_GATE_UP_DECODE_LEAN_ROWS=1"
-             "dps:-DSTRATA_CUDA_DECODE_SHARED_SCALES=0" "db3:-DSTRATA_CUDA_DOWN_DECODE_MIN_BLOCKS=0"
-             "nopdl:-DSTRATA_CUDA_PDL=0")
+             "d2:$D=2" "d8:$D=8" "dg1:-DSTRATA_CUDA_GATE_UP_DECODE_LEAN_ROWS=1"
+             "dps:-DSTRATA_CUDA_DECODE_SHARED_SCALES=0" "db3:-DSTRATA_CUDA_DOWN_DECODE_MIN_BLOCKS=0")
   names=now
   [ -n "${STRATA_KERNELS_BEFORE:-}" ] && { kb_build before "$STRATA_KERNELS_BEFORE" & names="before now"; }
   kb_build now csrc/cuda &
