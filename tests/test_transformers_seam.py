@@ -33,6 +33,7 @@ from strata_stream.transformers.families import (  # noqa: E402
     find_router,
     is_experts_module,
 )
+from strata_stream.transformers.experts import StreamedExperts  # noqa: E402
 from strata_stream.transformers.loader import causal_lm_class  # noqa: E402
 from strata_stream.transformers.random_model import make_checkpoint  # noqa: E402
 from test_transformers_families import BASE, Family, generate, logits  # noqa: E402
@@ -227,3 +228,17 @@ def test_two_experts_modules_in_one_layer_are_one_line() -> None:
                        r"modules \(.*mlp.experts and .*mlp.vision_experts\)") as e:  # fmt: skip
         _replace_experts(model, EngineSlot())
     assert len(str(e.value).splitlines()) == 1
+
+
+def test_describe_reports_the_dense_weights_once(fam: Family, closing: list[Any]) -> None:
+    """The dense weights' bytes: plain transformers' tensors, tied ones once, less the experts
+    modules the stream replaced."""
+    model = fam.load(2 * fam.top_k)
+    closing.append(model)
+    streamed = {n for n, m in model.named_modules() if isinstance(m, StreamedExperts)}
+    assert streamed
+    seen: dict[int, int] = {}
+    for name, t in (*fam.ref.named_parameters(), *fam.ref.named_buffers()):
+        if not any(name.startswith(f"{s}.") for s in streamed):
+            seen[t.data_ptr()] = t.numel() * t.element_size()
+    assert describe(model)["dense_bytes"] == sum(seen.values()) > 0

@@ -202,12 +202,30 @@ def _device_arg(device: str | torch.device | None) -> torch.device:
     return torch.device("cuda", 0)
 
 
-def _arena_bytes(pack: ExpertPack, requested: int | None, device: torch.device) -> int:
+def dense_bytes(model: Any) -> int:
+    """The bytes of the model's weights and buffers in host memory, each tensor once (tied
+    weights share theirs): the dense weights, since the streamed experts hold none."""
+    seen: set[int] = set()
+    total = 0
+    for t in (*model.parameters(), *model.buffers()):
+        if t.device.type != "cpu" or t.numel() == 0 or t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+def _arena_bytes(
+    pack: ExpertPack, requested: int | None, device: torch.device, dense: int
+) -> int:
     """The arena for `device`. On CUDA the arena is host memory (the stream's, which the IO
     threads fill) mirrored slot for slot in GPU memory (docs/cuda.md), so it must fit both:
     sized from the GPU memory free once the dense weights are there, with the KV cache's
-    headroom (arena_budget), and from host memory likewise."""
-    host = arena_size(pack, requested)
+    headroom (arena_budget), and from host memory likewise. `dense`: the dense weights' bytes
+    in host memory, counted in a container's charge even where their pages are not yet read
+    (transformers maps a checkpoint's tensors from its files: pages an arena could push out,
+    to be read again every token)."""
+    host = arena_size(pack, requested, dense_bytes=dense)
     if device.type != "cuda":
         return host
     torch.cuda.empty_cache()  # torch's cached blocks are free for the arena too
@@ -320,9 +338,11 @@ def load(
             for i, (decoder_layer, _, block, family, _, attr) in enumerate(slot.blocks)
         ]
         base_cfg = config if config is not None else StreamConfig.from_env()
-        cfg = base_cfg.replace(arena_bytes=_arena_bytes(pack, arena_bytes, dev))
+        dense = dense_bytes(model)
+        cfg = base_cfg.replace(arena_bytes=_arena_bytes(pack, arena_bytes, dev, dense))
         engine = TorchMoeEngine(pack, cfg, refs, dev)
     slot.engine = engine
+    object.__setattr__(model, "strata_dense_bytes", dense)
     object.__setattr__(model, "strata_engine", engine)
     object.__setattr__(model, "strata_pack_path", pack_file)
     object.__setattr__(model, "strata_model_dir", model_path)
@@ -338,6 +358,7 @@ def describe(model: Any) -> dict[str, Any]:
     stats["n_slots"] = engine.stream.n_slots
     stats["device"] = str(engine.device)
     stats["backend"] = engine.window.backend
+    stats["dense_bytes"] = model.strata_dense_bytes  # in host memory; 0 with them on a GPU
     return stats
 
 
