@@ -41,6 +41,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -322,6 +323,11 @@ class ExpertStream {
                                const std::int32_t* experts, std::size_t n, ReadClass cls,
                                const InterruptCheck& interrupt,
                                std::uint32_t max_new = kUnlimitedReads);
+  // request_locked's steps, in the order it takes them for each expert (stream_requests.cpp).
+  struct RequestGuards;
+  bool hold_resident(std::uint32_t key, ReadClass cls, RequestResult& r, RequestGuards& guards);
+  bool start_read(std::uint32_t key, ReadClass cls, RequestResult& r, RequestGuards& guards);
+  RequestResult finish_request(ReadClass cls, const RequestResult& r);
   std::uint32_t publish_locked(std::uint32_t layer);
   // The client's protection set; throws Closed when it is not registered (closed under a call).
   ProtectionSet& client_locked(ClientId who);
@@ -348,6 +354,19 @@ class ExpertStream {
     std::uint64_t bytes_read;  // stats_.bytes_read then
   };
   ReadProgress read_progress() const;
+  // wait()'s steps (stream_requests.cpp).
+  struct WaitScan {
+    bool all = true;             // every waited-for slot complete
+    std::uint32_t pending = 0;   // else the first slot not yet complete
+    bool pending_reads = false;  // and its reads still to finish (Queued or Reading)
+  };
+  void request_unrequested(ClientId who, std::uint32_t layer, const std::int32_t* experts,
+                           std::size_t n, const InterruptCheck& interrupt);
+  WaitScan scan_waited(Lock& lk, ClientId who, std::uint32_t layer, const std::int32_t* experts,
+                       std::size_t n, const InterruptCheck& interrupt);
+  void run_next_part_inline(Lock& lk, std::uint32_t s);
+  void wait_for_space(Lock& lk, RequestGuards& guards, std::uint32_t layer, std::int32_t expert,
+                      std::optional<ReadProgress>& progress, const InterruptCheck& interrupt);
   // One step of that wait, the only one: blocks (mu_ released) up to 50 ms for a part to
   // finish; throws timed_out() once io_timeout_s has passed with no read progress; polls
   // `interrupt` with mu_ released (it may throw); throws Closed when the stream closed meanwhile.
@@ -368,6 +387,15 @@ class ExpertStream {
   // job finished what a waiter waits for, instead of notifying then (without it, notified now).
   void execute_job(Lock& lk, const IoJob& job, std::uint32_t wake = 0,
                    bool* done_owed = nullptr);
+  // execute_job's steps, in order (stream_io.cpp): under mu_, without it, without it, under
+  // it, then for a record's last part (mu_ released inside), then the waiters.
+  struct PartRead;
+  PartRead begin_part(const IoJob& job, Clock::time_point job_start);
+  void read_part(const IoJob& job, PartRead& part);
+  void check_part(const IoJob& job, PartRead& part);
+  void count_part(const IoJob& job, PartRead& part);
+  void finish_record(Lock& lk, const IoJob& job, const PartRead& part);
+  void wake_part_waiters(Lock& lk, std::uint32_t s, bool* done_owed);
   void on_reads_finished(std::uint32_t s);
   // Adds a published urgent read's timeline to the miss phases (stats.h).
   void count_miss_times(const Slot::MissTimes& t);

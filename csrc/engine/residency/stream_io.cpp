@@ -88,10 +88,46 @@ std::chrono::nanoseconds ExpertStream::spin_for_slot(std::uint32_t s,
   return budget;
 }
 
+// One part read, as execute_job's steps pass it along.
+struct ExpertStream::PartRead {
+  std::uint32_t key = 0;
+  bool speculative = false;  // as queued: promotion re-queues
+  std::uint64_t rel = 0, len = 0, offset = 0;
+  std::uint64_t record_bytes = 0;  // of the record's bytes in this part (the rest is padding)
+  unsigned char* dst = nullptr;
+  int err = 0;
+  std::size_t got = 0;
+  std::uint64_t read_ns = 0;
+  Clock::time_point pread_end{};
+  std::string cause;  // kObserverFailed: the observer's message
+};
+
 void ExpertStream::execute_job(Lock& lk, const IoJob& job, std::uint32_t wake,
                                bool* done_owed) {
   const auto job_start = Clock::now();
   const std::uint64_t job_cpu_start = thread_cpu_ns();
+  PartRead part = begin_part(job, job_start);
+  lk.unlock();
+  for (std::uint32_t i = 0; i < wake; ++i) io_cv_.notify_one();
+  if (done_owed && *done_owed) {
+    *done_owed = false;
+    done_cv_.notify_all();
+  }
+  read_part(job, part);
+  check_part(job, part);
+  lk.lock();
+  count_part(job, part);
+  Slot& sl = slots_[job.slot];
+  if (!sl.failed_part && sl.parts_done + 1 == sl.parts_total) finish_record(lk, job, part);
+  ++sl.parts_done;
+  wake_part_waiters(lk, job.slot, done_owed);
+  stats_.job_ns.fetch_add(ns_since(job_start), std::memory_order_relaxed);
+  stats_.job_cpu_ns.fetch_add(thread_cpu_ns() - job_cpu_start, std::memory_order_relaxed);
+}
+
+// Under mu_: the slot starts reading (its miss timeline too), the part counts as started, and
+// where its bytes go.
+ExpertStream::PartRead ExpertStream::begin_part(const IoJob& job, Clock::time_point job_start) {
   Slot& sl = slots_[job.slot];
   STRATA_ASSERT(sl.gen == job.gen, "queued jobs are dropped when their slot is recycled");
   SlotState st = sl.load();
@@ -102,25 +138,25 @@ void ExpertStream::execute_job(Lock& lk, const IoJob& job, std::uint32_t wake,
     if (sl.miss.queued != Clock::time_point{}) sl.miss.first_part = job_start;
   }
   ++sl.parts_started;
-  const bool speculative = job.cls != ReadClass::Urgent;  // as queued: promotion re-queues
-  if (speculative) stats_.spec_parts_started.fetch_add(1, std::memory_order_relaxed);
-  const std::uint32_t key = sl.key;
-  const std::uint64_t rel = std::uint64_t(job.part) * part_bytes_;
-  const std::uint64_t len = std::min<std::uint64_t>(part_bytes_, read_span_ - rel);
-  const std::uint64_t offset = layout().record_offset(key) + rel;
-  unsigned char* dst = arena_->slot(job.slot) + rel;
-  lk.unlock();
-  for (std::uint32_t i = 0; i < wake; ++i) io_cv_.notify_one();
-  if (done_owed && *done_owed) {
-    *done_owed = false;
-    done_cv_.notify_all();
-  }
+  PartRead part;
+  part.speculative = job.cls != ReadClass::Urgent;
+  if (part.speculative) stats_.spec_parts_started.fetch_add(1, std::memory_order_relaxed);
+  part.key = sl.key;
+  part.rel = std::uint64_t(job.part) * part_bytes_;
+  part.len = std::min<std::uint64_t>(part_bytes_, read_span_ - part.rel);
+  part.offset = layout().record_offset(part.key) + part.rel;
+  part.dst = arena_->slot(job.slot) + part.rel;
+  const std::uint64_t record_bytes = layout().record_bytes;
+  part.record_bytes =
+      part.rel < record_bytes ? std::min(part.len, record_bytes - part.rel) : 0;
+  return part;
+}
 
-  int err = 0;
-  std::size_t got = 0;
+// Without mu_: the pread (or an injected fault, or simulated IO).
+void ExpertStream::read_part(const IoJob& job, PartRead& part) {
   Fault fault;
-  auto t0 = Clock::now();
-  bool injected = faults_->take(key, job.part, &fault);
+  const auto t0 = Clock::now();
+  bool injected = faults_->take(part.key, job.part, &fault);
   if (injected && (fault.kind == FaultKind::Delay || fault.kind == FaultKind::Gate)) {
     if (fault.kind == FaultKind::Delay)
       std::this_thread::sleep_for(std::chrono::milliseconds(fault.delay_ms));
@@ -129,105 +165,114 @@ void ExpertStream::execute_job(Lock& lk, const IoJob& job, std::uint32_t wake,
     injected = false;
   }
   if (injected)
-    err = fault.kind == FaultKind::Errno ? fault.err : kShortRead;
+    part.err = fault.kind == FaultKind::Errno ? fault.err : kShortRead;
   else if (opt_.simulate_io)
-    got = std::size_t(len);
+    part.got = std::size_t(part.len);
   else
-    err = file_->read_fully(offset, dst, std::size_t(len), &got);
-  const auto pread_end = Clock::now();
-  std::uint64_t dt = ns_between(t0, pread_end);
-  // This part's share of the record's CRC32C, here, in parallel with the other parts' reads:
-  // after the last part only its own CRC and the combines remain, not a pass over the whole
-  // record on a miss's path (benchmarks/miss_latency.py's "verify costs" column measures what
-  // is left).
-  const std::uint64_t record_bytes = layout().record_bytes;
-  const bool verify = !part_crc_.empty();
-  const std::uint64_t part_record_bytes = rel < record_bytes ? std::min(len, record_bytes - rel) : 0;
-  if (verify && err == 0) {
+    part.err = file_->read_fully(part.offset, part.dst, std::size_t(part.len), &part.got);
+  part.pread_end = Clock::now();
+  part.read_ns = ns_between(t0, part.pread_end);
+}
+
+// Without mu_, after a good read: this part's share of the record's CRC32C, here, in parallel
+// with the other parts' reads (after the last part only its own CRC and the combines remain,
+// not a pass over the whole record on a miss's path: benchmarks/miss_latency.py's "verify
+// costs" column measures what is left); then the observers' share of this part (a backend's
+// copy of it to the device). The part is still in flight, so nothing recycles the slot.
+void ExpertStream::check_part(const IoJob& job, PartRead& part) {
+  if (part.err != 0) return;
+  if (!part_crc_.empty()) {
     const auto c0 = Clock::now();
     part_crc_[std::size_t(job.slot) * n_parts_ + job.part] =
-        crc32c(dst, std::size_t(part_record_bytes));
+        crc32c(part.dst, std::size_t(part.record_bytes));
     stats_.crc_ns.fetch_add(ns_since(c0), std::memory_order_relaxed);
   }
-  // The observers' share of this part (a backend's copy of it to the device), beside the other
-  // parts' reads. The part is still in flight, so nothing recycles the slot meanwhile.
-  std::string part_cause;
-  if (err == 0 && part_record_bytes > 0) {
-    const auto o0 = Clock::now();
+  if (part.record_bytes == 0) return;
+  const auto o0 = Clock::now();
+  const std::uint64_t record_bytes = layout().record_bytes;
+  const auto parts = std::uint32_t((record_bytes + part_bytes_ - 1) / part_bytes_);
+  if (!notify_observers(nullptr,
+                        ReadPart{job.slot, part.key, job.gen, job.part, part.rel, part.dst,
+                                 part.record_bytes, parts, part_bytes_},
+                        &part.cause))
+    part.err = kObserverFailed;
+  stats_.observer_ns.fetch_add(ns_since(o0), std::memory_order_relaxed);
+}
+
+// Under mu_: the part's figures, and the slot's first failure.
+void ExpertStream::count_part(const IoJob& job, PartRead& part) {
+  Slot& sl = slots_[job.slot];
+  if (part.speculative) stats_.spec_parts_done.fetch_add(1, std::memory_order_relaxed);
+  stats_.read_ns.fetch_add(part.read_ns, std::memory_order_relaxed);
+  stats_.bytes_read.fetch_add(part.got, std::memory_order_relaxed);
+  if (part.err != 0 && !sl.failed_part) {
+    sl.failed_part = true;
+    sl.err = part.err;
+    sl.err_offset = part.offset;
+    sl.cause = std::move(part.cause);
+  }
+}
+
+// The record's last part: check the CRC32C of the whole record, then hand its bytes to the
+// record observers (a backend's device copy: record_observer.h), both before the part counts
+// as done and with mu_ released (the CRC is a pass over the part's bytes, an observer may
+// block on a copy, and every IO thread and the handshake need the lock). Until ++parts_done
+// the part is in flight, so no recycle, eviction or limbo release touches the slot (I4, I7),
+// and nothing publishes it (on_reads_finished runs after): I1 holds for the observers' copies
+// too. park and revive may run meanwhile. Entered and left with mu_ held.
+void ExpertStream::finish_record(Lock& lk, const IoJob& job, const PartRead& part) {
+  Slot& sl = slots_[job.slot];
+  sl.miss.last_pread = part.pread_end;
+  const unsigned char* record = arena_->slot(job.slot);
+  const std::uint64_t record_bytes = layout().record_bytes;
+  const bool verify = !part_crc_.empty();
+  lk.unlock();
+  int why = 0;
+  std::string cause;
+  const auto c0 = Clock::now();
+  const bool crc_ok = !verify || record_crc(job.slot) == file_->checksums()[part.key];
+  const auto o0 = Clock::now();
+  if (verify) stats_.crc_ns.fetch_add(ns_between(c0, o0), std::memory_order_relaxed);
+  if (!crc_ok) {
+    why = kChecksumMismatch;
+  } else {
     const auto parts = std::uint32_t((record_bytes + part_bytes_ - 1) / part_bytes_);
-    if (!notify_observers(nullptr,
-                          ReadPart{job.slot, key, job.gen, job.part, rel, dst, part_record_bytes,
-                                   parts, part_bytes_},
-                          &part_cause))
-      err = kObserverFailed;
+    const CompletedRecord done{job.slot, part.key, record, record_bytes, job.gen, parts};
+    if (!notify_observers(&done, ReadPart{}, &cause)) why = kObserverFailed;
     stats_.observer_ns.fetch_add(ns_since(o0), std::memory_order_relaxed);
   }
-
+  const auto observed = Clock::now();
   lk.lock();
-  if (speculative) stats_.spec_parts_done.fetch_add(1, std::memory_order_relaxed);
-  stats_.read_ns.fetch_add(dt, std::memory_order_relaxed);
-  stats_.bytes_read.fetch_add(got, std::memory_order_relaxed);
-  if (err != 0 && !sl.failed_part) {
+  sl.miss.observed = observed;
+  if (why != 0 && !sl.failed_part) {
     sl.failed_part = true;
-    sl.err = err;
-    sl.err_offset = offset;
-    sl.cause = std::move(part_cause);
+    sl.err = why;
+    sl.err_offset = layout().record_offset(part.key);
+    sl.cause = std::move(cause);
   }
-  // The record's last part: check the CRC32C of the whole record, then hand its bytes to the
-  // record observers (a backend's device copy: record_observer.h), both before the part counts
-  // as done and with mu_ released (the CRC is a pass over the part's bytes, an observer may
-  // block on a copy, and every IO thread and the handshake need the lock). Until ++parts_done
-  // the part is in flight, so no recycle, eviction or limbo release touches the slot (I4, I7),
-  // and nothing publishes it (on_reads_finished runs after): I1 holds for the observers' copies
-  // too. park and revive may run meanwhile.
-  if (!sl.failed_part && sl.parts_done + 1 == sl.parts_total) {
-    sl.miss.last_pread = pread_end;
-    const unsigned char* record = arena_->slot(job.slot);
-    lk.unlock();
-    int why = 0;
-    std::string cause;
-    const auto c0 = Clock::now();
-    const bool crc_ok = !verify || record_crc(job.slot) == file_->checksums()[key];
-    const auto o0 = Clock::now();
-    if (verify) stats_.crc_ns.fetch_add(ns_between(c0, o0), std::memory_order_relaxed);
-    if (!crc_ok) {
-      why = kChecksumMismatch;
-    } else {
-      const auto parts = std::uint32_t((record_bytes + part_bytes_ - 1) / part_bytes_);
-      const CompletedRecord done{job.slot, key, record, record_bytes, job.gen, parts};
-      if (!notify_observers(&done, ReadPart{}, &cause)) why = kObserverFailed;
-      stats_.observer_ns.fetch_add(ns_since(o0), std::memory_order_relaxed);
-    }
-    const auto observed = Clock::now();
-    lk.lock();
-    sl.miss.observed = observed;
-    if (why != 0 && !sl.failed_part) {
-      sl.failed_part = true;
-      sl.err = why;
-      sl.err_offset = layout().record_offset(key);
-      sl.cause = std::move(cause);
-    }
-  }
-  ++sl.parts_done;
-  // Waiters (wait, settle, an urgent request short of slots) care about whole records and about
-  // a parked slot's last read in flight, not about every part: waking them per part cost the
-  // host a futex round trip, and the IO threads the lock it then held while rescanning.
+}
+
+// Under mu_, once the part counts as done. Waiters (wait, settle, an urgent request short of
+// slots) care about whole records and about a parked slot's last read in flight, not about
+// every part: waking them per part cost the host a futex round trip, and the IO threads the
+// lock it then held while rescanning. With `done_owed` (the IO threads' loop) the wake is
+// left to the caller's next release of mu_.
+void ExpertStream::wake_part_waiters(Lock& lk, std::uint32_t s, bool* done_owed) {
+  const Slot& sl = slots_[s];
   bool notify = false;
   if (sl.reads_finished()) {
-    on_reads_finished(job.slot);
+    on_reads_finished(s);
     notify = true;
   } else if (!sl.in_flight() && sl.load() == SlotState::Limbo) {
     notify = true;
   }
   if (notify && done_owed) {
-    *done_owed = true;  // the caller's next release of mu_ wakes the waiters
+    *done_owed = true;
   } else if (notify) {
     lk.unlock();
     done_cv_.notify_all();
     lk.lock();
   }
-  stats_.job_ns.fetch_add(ns_since(job_start), std::memory_order_relaxed);
-  stats_.job_cpu_ns.fetch_add(thread_cpu_ns() - job_cpu_start, std::memory_order_relaxed);
 }
 
 std::uint32_t ExpertStream::record_crc(std::uint32_t s) const {
