@@ -54,8 +54,7 @@ class KeyHeat {
   KeyHeat() = default;
   KeyHeat(std::uint32_t n_keys, std::uint32_t keys_per_layer, double tau_accesses,
           std::uint64_t guard_accesses)
-      : heat_(n_keys, -std::numeric_limits<double>::infinity()),
-        last_(n_keys, kNever),
+      : keys_(n_keys),
         per_layer_(keys_per_layer == 0 ? 1 : keys_per_layer),
         misses_((n_keys + per_layer_ - 1) / per_layer_),
         tau_(tau_accesses),
@@ -69,12 +68,12 @@ class KeyHeat {
   void on_use(std::uint32_t key) {
     ++clock_;
     const double x = double(clock_) / tau_;
-    double& h = heat_[key];
+    double& h = keys_[key].heat;
     h = h > x ? h + std::log1p(std::exp(x - h)) : x + std::log1p(std::exp(h - x));
-    last_[key] = clock_;
+    keys_[key].last = clock_;
   }
   // Predicted for the next layers: protected like a fresh use, but no heat (a guess is not a use).
-  void on_predicted(std::uint32_t key) { last_[key] = clock_; }
+  void on_predicted(std::uint32_t key) { keys_[key].last = clock_; }
 
   // A routed use that had to read its key now (the layer waits), or that found it read ahead
   // by lookahead (its first use of a speculative read).
@@ -82,12 +81,13 @@ class KeyHeat {
   void on_covered_miss(std::uint32_t key) { count_miss(key, false); }
 
   bool guarded(std::uint32_t key) const {
-    return last_[key] != kNever && clock_ - last_[key] < guard_;
+    const std::uint64_t last = keys_[key].last;
+    return last != kNever && clock_ - last < guard_;
   }
-  double heat(std::uint32_t key) const { return heat_[key]; }
+  double heat(std::uint32_t key) const { return keys_[key].heat; }
   // What victims are ranked by: heat weighed by the cost of a miss in the key's layer.
   double ranked_heat(std::uint32_t key) const {
-    return heat_[key] + misses_[key / per_layer_].log_weight;
+    return keys_[key].heat + misses_[key / per_layer_].log_weight;
   }
   double stall_weight(std::uint32_t layer) const { return std::exp(misses_[layer].log_weight); }
 
@@ -111,8 +111,13 @@ class KeyHeat {
     m.log_weight = std::log((m.stalled + 1) / (m.stalled + m.covered + 2) + kIoShare);
   }
 
-  std::vector<double> heat_;          // per key; -inf = never used
-  std::vector<std::uint64_t> last_;   // per key: clock of its last use or prediction
+  // Per key, side by side (a use or a guard check reads one line, not one per array): its heat
+  // (-inf = never used) and the clock of its last use or prediction.
+  struct Key {
+    double heat = -std::numeric_limits<double>::infinity();
+    std::uint64_t last = kNever;
+  };
+  std::vector<Key> keys_;
   std::uint32_t per_layer_ = 1;       // keys per layer (n_experts)
   std::vector<LayerMisses> misses_;   // per layer
   std::uint64_t clock_ = 0;           // routed uses so far

@@ -455,6 +455,7 @@ class ExpertStream {
   // lazily, an index update that changes no slot's state.
   mutable HeatOrder heat_order_;
   std::vector<std::uint32_t> limbo_;  // mu_: slots in limbo
+  std::vector<char> retire_keep_;     // mu_: retire_locked's marks, all zero between calls
   // mu_: every client's protections (I4, I8), kStreamClient's always present. A std::map so
   // that a reference to one client's set survives other clients registering or leaving.
   std::map<ClientId, ProtectionSet> clients_;

@@ -13,35 +13,42 @@ class LruList {
  public:
   static constexpr std::uint32_t kNone = 0xFFFFFFFFu;
 
-  explicit LruList(std::uint32_t n = 0) : prev_(n, kNone), next_(n, kNone), in_(n, 0) {}
+  explicit LruList(std::uint32_t n = 0) : node_(n) {}
 
-  bool contains(std::uint32_t s) const { return in_[s] != 0; }
+  bool contains(std::uint32_t s) const { return node_[s].in != 0; }
   // Most recently used end.
   void touch(std::uint32_t s) {
-    if (in_[s]) unlink(s);
-    prev_[s] = tail_;
-    next_[s] = kNone;
-    if (tail_ != kNone) next_[tail_] = s;
+    Node& n = node_[s];
+    if (n.in) unlink(s);
+    n.prev = tail_;
+    n.next = kNone;
+    if (tail_ != kNone) node_[tail_].next = s;
     tail_ = s;
     if (head_ == kNone) head_ = s;
-    in_[s] = 1;
+    n.in = 1;
   }
   void remove(std::uint32_t s) {
-    if (in_[s]) unlink(s);
+    if (node_[s].in) unlink(s);
   }
   std::uint32_t coldest() const { return head_; }
-  std::uint32_t warmer(std::uint32_t s) const { return next_[s]; }
+  std::uint32_t warmer(std::uint32_t s) const { return node_[s].next; }
 
  private:
+  // A slot's links and membership side by side: a touch reads one line per slot it links, not
+  // one per array (the lists are cold in the cache at each host point).
+  struct Node {
+    std::uint32_t prev = kNone, next = kNone, in = 0;
+  };
+
   void unlink(std::uint32_t s) {
-    if (prev_[s] != kNone) next_[prev_[s]] = next_[s]; else head_ = next_[s];
-    if (next_[s] != kNone) prev_[next_[s]] = prev_[s]; else tail_ = prev_[s];
-    prev_[s] = next_[s] = kNone;
-    in_[s] = 0;
+    Node& n = node_[s];
+    if (n.prev != kNone) node_[n.prev].next = n.next; else head_ = n.next;
+    if (n.next != kNone) node_[n.next].prev = n.prev; else tail_ = n.prev;
+    n.prev = n.next = kNone;
+    n.in = 0;
   }
 
-  std::vector<std::uint32_t> prev_, next_;
-  std::vector<char> in_;
+  std::vector<Node> node_;
   std::uint32_t head_ = kNone, tail_ = kNone;
 };
 

@@ -43,7 +43,12 @@ inline const char* to_string(SlotState s) {
   return "?";
 }
 
-struct Slot {
+// The fields every host point reads (the handshake's lookups, victim choice, the limbo scan)
+// come first and fit one cache line, which each slot starts on: between two host points the
+// device and IO threads stream expert bytes through the caches, so each slot a host point
+// touches is a miss, one line rather than two or three. The rest (a failure's details, a
+// miss's timeline) is read only on those paths.
+struct alignas(64) Slot {
   std::uint32_t key = kNoKey;  // layer * n_experts + expert, kNoKey when free
   std::atomic<SlotState> state{SlotState::Free};
   ReadClass cls = ReadClass::Urgent;
@@ -53,17 +58,18 @@ struct Slot {
   bool failed_part = false;     // some part failed; the slot ends Failed (or is dropped)
   bool published = false;       // mirrors smap[key] == this slot
   bool used = false;            // an urgent request touched it (for prediction accounting)
+  std::uint32_t pins = 0;       // plan-resident pins (I8)
+  std::uint32_t gen = 0;        // bumped by every recycle/cancel; IO jobs carry it
+  std::uint64_t last_use = 0;   // LRU clock
+  // Parts of a reading slot that park() took out of the IO queue before they began (nobody
+  // chose the expert, so they are not read); revive() queues them again.
+  std::vector<std::uint16_t> unread;
+  // ---- the cold part ----
   // Why the first failed part failed: an errno (> 0), or kShortRead / kChecksumMismatch
   // (expert_stream.h); 0 while nothing failed.
   std::int32_t err = 0;
   std::uint64_t err_offset = 0; // file offset of the first failed part
   std::string cause;            // kObserverFailed: the observer's message
-  std::uint64_t last_use = 0;   // LRU clock
-  std::uint32_t pins = 0;       // plan-resident pins (I8)
-  std::uint32_t gen = 0;        // bumped by every recycle/cancel; IO jobs carry it
-  // Parts of a reading slot that park() took out of the IO queue before they began (nobody
-  // chose the expert, so they are not read); revive() queues them again.
-  std::vector<std::uint16_t> unread;
   // A miss's timeline, for a read urgent from its start (else `queued` stays unset): when assign
   // queued it, when its first part began, when the part that completed it ended its pread, when
   // its record observers returned. Its publication adds the spans to StreamStats' miss phases.

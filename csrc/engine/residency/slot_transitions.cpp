@@ -177,12 +177,17 @@ std::uint32_t ExpertStream::retire_unused_pre(std::uint32_t layer, const std::in
 std::uint32_t ExpertStream::retire_locked(std::uint32_t layer, const std::int32_t* chosen,
                                           std::size_t n) {
   const std::uint32_t E = layout().n_experts;
-  std::vector<bool> keep(E, false);
+  // The chosen experts' marks, in a buffer kept zero between calls (no allocation per layer).
+  std::vector<char>& keep = retire_keep_;
+  keep.resize(E, 0);
   for (std::size_t i = 0; i < n; ++i)
-    if (chosen[i] >= 0 && std::uint32_t(chosen[i]) < E) keep[std::uint32_t(chosen[i])] = true;
+    if (chosen[i] >= 0 && std::uint32_t(chosen[i]) < E) keep[std::uint32_t(chosen[i])] = 1;
   std::uint32_t parked = 0;
   for (std::uint32_t e = 0; e < E; ++e) {
-    if (keep[e]) continue;
+    if (keep[e]) {
+      keep[e] = 0;
+      continue;
+    }
     std::int32_t s = where_[layer * E + e];
     if (s < 0) continue;
     Slot& sl = slots_[std::uint32_t(s)];
