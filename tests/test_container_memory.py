@@ -15,6 +15,7 @@ import pytest
 from conftest import PackFactory
 from strata_stream import ExpertStream, StreamConfig, arena_budget, container_memory
 from strata_stream.errors import ConfigError
+from strata_stream.units import human_bytes
 
 GiB = 1 << 30
 
@@ -156,8 +157,9 @@ def test_a_2gib_container_sizes_the_arena_from_what_its_limit_leaves(fake: Fake)
     b = arena_budget.budget(_QwenPack(), None)  # type: ignore[arg-type]
     assert (b.source, b.memory, b.in_use, b.dense) == ("container", 2 * GiB, in_use, None)
     assert b.scratch == arena_budget.scratch_bytes(_QwenPack())  # type: ignore[arg-type]
-    assert b.kv == int(0.1 * 2 * GiB) and b.margin == int(0.05 * 2 * GiB)
-    assert b.arena == 2 * GiB - in_use - b.scratch - b.kv - b.margin > 0
+    left = 2 * GiB - in_use  # the KV share and the margin are shares of what is left
+    assert b.kv == int(0.1 * left) and b.margin == max(64 << 20, int(0.05 * left))
+    assert b.arena == left - b.scratch - b.kv - b.margin > 0
     assert arena_budget.arena_size(_QwenPack(), None) == b.arena  # type: ignore[arg-type]
     # The dense weights are counted once: inside in_use when resident...
     assert arena_budget.budget(_QwenPack(), None, dense_bytes=GiB) == (  # type: ignore[arg-type]
@@ -167,7 +169,10 @@ def test_a_2gib_container_sizes_the_arena_from_what_its_limit_leaves(fake: Fake)
     )
     # ...and by the front-end's figure where the container does not hold them yet (lazy).
     lazy = arena_budget.budget(_QwenPack(), None, dense_bytes=in_use + GiB // 8)  # type: ignore[arg-type]
-    assert lazy.in_use == in_use + GiB // 8 and lazy.arena == b.arena - GiB // 8
+    lazy_left = left - GiB // 8
+    lazy_kv, lazy_margin = int(0.1 * lazy_left), max(64 << 20, int(0.05 * lazy_left))
+    assert lazy.in_use == in_use + GiB // 8 and (lazy.kv, lazy.margin) == (lazy_kv, lazy_margin)
+    assert lazy.arena == lazy_left - b.scratch - lazy_kv - lazy_margin
     # What the machine has free binds where it is less than the container leaves.
     (fake.root.parent / "meminfo").write_text(f"MemAvailable: {GiB // 2 // 1024} kB\n")
     small = arena_budget.budget(_QwenPack(), None)  # type: ignore[arg-type]
@@ -182,7 +187,8 @@ def test_too_small_a_container_names_the_limit_what_is_in_use_and_the_headroom(
     with pytest.raises(ConfigError) as err:
         arena_budget.arena_size(_QwenPack(), None)  # type: ignore[arg-type]
     msg = str(err.value)
-    assert "2.00 GiB limit, 1.80 GiB is in use" in msg and "205 MiB KV cache" in msg, msg
+    kv = human_bytes(int(0.1 * ((2048 - 1843) << 20)))  # a tenth of what is left
+    assert "2.00 GiB limit, 1.80 GiB is in use" in msg and f"{kv} KV cache" in msg, msg
 
 
 def test_v2_is_read_first_and_v1_not_at_all_where_v2_has_files(fake: Fake) -> None:

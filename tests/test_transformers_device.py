@@ -58,22 +58,22 @@ def test_the_gpu_arena_is_what_gpu_memory_leaves(
         stride, everything = pack.record_stride, pack.geometry.n_records * pack.record_stride
         minimum = 2 * pack.geometry.top_k * stride
         free[0] = 1 << 40  # room for everything: every expert resident, as on the host
-        assert _arena_bytes(pack, None, gpu) == everything
+        assert _arena_bytes(pack, None, gpu, 0) == everything
         # Below the headroom (the margin alone is MARGIN_MIN): the error says how much is needed.
         free[0] = minimum + MARGIN_MIN // 2
         with pytest.raises(ConfigError, match="not enough GPU memory for the experts"):
-            _arena_bytes(pack, None, gpu)
+            _arena_bytes(pack, None, gpu, 0)
         # The headroom is the scratch, KV_SHARE of what is free and a margin of MARGIN_SHARE of
         # it (at least MARGIN_MIN): this much free leaves half the experts' bytes.
         scratch = min(scratch_bytes(pack), everything)
         free[0] = int((everything // 2 + scratch + MARGIN_MIN) / (1 - KV_SHARE)) + 1
         assert MARGIN_SHARE * free[0] < MARGIN_MIN  # the margin is its minimum at this size
-        assert abs(_arena_bytes(pack, None, gpu) - everything // 2) <= 2
+        assert abs(_arena_bytes(pack, None, gpu, 0) - everything // 2) <= 2
         free[0] = minimum
         with pytest.raises(ConfigError, match="does not fit in cuda:0"):
-            _arena_bytes(pack, everything, gpu)
-        assert _arena_bytes(pack, minimum, gpu) == minimum
-        assert _arena_bytes(pack, None, torch.device("cpu")) == everything  # host only
+            _arena_bytes(pack, everything, gpu, 0)
+        assert _arena_bytes(pack, minimum, gpu, 0) == minimum
+        assert _arena_bytes(pack, None, torch.device("cpu"), 0) == everything  # host only
 
 
 class _Cai:

@@ -17,8 +17,8 @@ from strata_stream.units import human_bytes
 
 _MiB = 1 << 20
 # What an automatically sized arena leaves, besides what the process already holds (the dense
-# weights among it), as shares of the memory it is taken from (a container's limit, else the
-# memory available):
+# weights among it), as shares of what that leaves of the memory it is taken from (a
+# container's limit, else the memory available):
 KV_SHARE = 0.10  # the KV cache and the front-end's activations, which grow after sizing
 MARGIN_SHARE = 0.05  # the stated margin: allocator slack, thread stacks, libraries' caches
 MARGIN_MIN = 64 * _MiB
@@ -99,8 +99,8 @@ class ArenaBudget:
     machine's MemAvailable, or a GPU's free memory); in_use: what the container holds now that
     the kernel cannot reclaim, the dense weights the front-end has loaded among it (0 outside a
     container, where `memory` is already what is free); scratch: the engine's buffers for a
-    prompt chunk of MAX_ROWS rows; kv: KV_SHARE of `memory`, for the KV cache and activations;
-    margin: MARGIN_SHARE of it, at least MARGIN_MIN. dense: the bytes of the dense weights the
+    prompt chunk of MAX_ROWS rows; kv: KV_SHARE of what is left (memory - in_use), for the KV
+    cache and activations; margin: MARGIN_SHARE of it, at least MARGIN_MIN. dense: the bytes of the dense weights the
     front-end reported holding; they are counted once, inside in_use where they are resident,
     and only the part in_use does not hold yet where they are not."""
 
@@ -174,9 +174,12 @@ def budget(
         raise ConfigError(f"dense_bytes must be >= 0, got {dense_bytes}")
     total, in_use, source = _memory(available, memory, dense_bytes)
     scratch = min(scratch_bytes(pack), everything)
-    kv = int(KV_SHARE * total)
-    margin = max(MARGIN_MIN, int(MARGIN_SHARE * total))
     left = total - in_use
+    # Shares of what is left, not of the whole: under a tight limit the dense weights already
+    # hold most of it, and what they leave is what the KV cache and the arena split
+    # (benchmarks/peers at 2 GiB measures the difference).
+    kv = int(KV_SHARE * max(left, 0))
+    margin = max(MARGIN_MIN, int(MARGIN_SHARE * max(left, 0)))
     arena = min(everything, left - scratch - kv - margin)
     found = ArenaBudget(arena, source, total, in_use, dense_bytes, scratch, kv, margin)
     if arena < minimum:
