@@ -25,6 +25,7 @@ from strata_stream.pack import (
     quantize_mxfp4,
     write_pack,
 )
+from strata_stream.pack.geometry import ACTIVATIONS
 from strata_stream.pack.header import MatrixFormat, PackHeader, record_crc
 
 # hidden and moe_intermediate divisible by every group size, small enough to be instant.
@@ -494,10 +495,11 @@ _MATRIX_FORMATS = st.one_of(
 @st.composite
 def _written_headers(draw: st.DrawFn) -> PackHeader:
     """Any header the writer makes within the engine's limits: every format, uniform (version 2)
-    or differing by layer and matrix (version 3), every routing, activation and bias dtype."""
+    or differing by layer and matrix (version 3), every routing, activation (version 4 beyond
+    swiglu and swiglu_oai, gateless with relu2) and bias dtype."""
     n_layers = draw(st.one_of(st.integers(1, 40), st.sampled_from([4095, 4096])))
     n_experts = draw(st.one_of(st.integers(1, 300), st.just(65536)))
-    activation = draw(st.sampled_from(["swiglu", "swiglu_oai"]))
+    activation = draw(st.sampled_from(ACTIVATIONS))
     positive = st.floats(1e-3, 1e6, allow_nan=False, allow_infinity=False)
     geometry = Geometry(
         n_layers=n_layers,
@@ -511,6 +513,7 @@ def _written_headers(draw: st.DrawFn) -> PackHeader:
         activation=activation,
         act_alpha=draw(positive),
         act_limit=draw(positive),
+        gated=activation != "relu2",
     )
     layer_formats: tuple[Any, ...] = ()
     if draw(st.booleans()):  # formats by layer and matrix: a version 3 pack unless uniform
@@ -547,7 +550,8 @@ def test_every_header_the_writer_makes_parses_to_what_it_wrote(header: PackHeade
     assert parsed == header
     assert parsed.to_bytes() == data
     fields = _core.read_layout(data, "pack written")
-    assert fields["version"] == (3 if header.mixed else 2)
+    assert fields["version"] == (4 if header.geometry.extended else 3 if header.mixed else 2)
+    assert fields["gated"] == header.geometry.gated
     assert (fields["meta_crc"], fields["router_crc"]) == (header.meta_crc, header.router_crc)
     assert fields["layer_class"] == list(header.layer_class)
     with pytest.raises(PackError, match="^pack written: file is .* but header field file_bytes"):

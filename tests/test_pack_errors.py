@@ -66,10 +66,16 @@ def test_not_a_pack_at_all(tmp_path: Path) -> None:
 
 
 def test_bad_version(pack: Path) -> None:
-    patch(pack, 8, struct.pack("<I", 4))
+    patch(pack, 8, struct.pack("<I", 5))
     expect(
-        pack, re.escape("version 4 not supported (this reader knows 2 and 3) (written by a newer")
+        pack,
+        re.escape("version 5 not supported (this reader knows 2, 3 and 4) (written by a newer"),
     )
+
+
+def test_version_4_without_its_features_is_refused(pack: Path) -> None:
+    patch(pack, 8, struct.pack("<I", 4))
+    expect(pack, re.escape("version 4 header whose experts are gated swiglu or swiglu_oai"))
 
 
 def test_version_1_is_refused_with_a_repack_hint(pack: Path) -> None:

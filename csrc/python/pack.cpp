@@ -16,7 +16,7 @@ namespace strata::python {
 // gives, and what the Python reader builds its PackHeader from (pack/header.py).
 py::dict layout_dict(const PackLayout& L) {
   py::dict d;
-  d["version"] = L.mixed() ? kMixedPackVersion : kPackVersion;
+  d["version"] = L.version();
   d["n_layers"] = L.n_layers;
   d["n_experts"] = L.n_experts;
   d["top_k"] = L.top_k;
@@ -25,7 +25,8 @@ py::dict layout_dict(const PackLayout& L) {
   d["routing"] = L.routing == Routing::SoftmaxTopk   ? "softmax_topk"
                  : L.routing == Routing::TopkSoftmax ? "topk_softmax"
                                                      : "external";
-  d["activation"] = L.activation == Activation::SwiGLU ? "swiglu" : "swiglu_oai";
+  d["activation"] = activation_name(L.activation);
+  d["gated"] = L.gated;
   d["act_alpha"] = L.act_alpha;
   d["act_limit"] = L.act_limit;
   d["bias_format"] = L.bias_format;

@@ -22,7 +22,8 @@ class Layout(TypedDict):
     hidden: int
     moe_intermediate: int
     routing: str  # "softmax_topk", "topk_softmax" or "external"
-    activation: str  # "swiglu" or "swiglu_oai"
+    activation: str  # a name of strata_stream.pack.geometry.ACTIVATIONS
+    gated: bool  # False: the records hold no gate matrix (format version 4)
     act_alpha: float
     act_limit: float
     bias_format: int

@@ -272,13 +272,42 @@ inline float silu(float z) { return z / (1.0f + std::exp(-z)); }
 
 // The expert activation of one element; every path (decode passes, prompt waves, routed calls)
 // calls this one function, so they stay bitwise identical (I11).
+// Each kind in the operation order of the transformers module it stands for, in float32.
 inline float activate(const ExpertView& ev, float g, float u) {
-  if (ev.activation == Activation::SwiGLU) return silu(g) * u;
-  // gpt-oss: the gate clipped from above only, the linear part both ways and shifted by one.
-  const float lim = ev.act_limit;
-  const float gc = std::min(g, lim);
-  const float uc = std::min(std::max(u, -lim), lim);
-  return (uc + 1.0f) * (gc / (1.0f + std::exp(-ev.act_alpha * gc)));
+  switch (ev.activation) {
+    case Activation::SwiGLU:
+      return silu(g) * u;
+    case Activation::SwigluOai: {
+      // gpt-oss: the gate clipped from above only, the linear part both ways and shifted by one.
+      const float lim = ev.act_limit;
+      const float gc = std::min(g, lim);
+      const float uc = std::min(std::max(u, -lim), lim);
+      return (uc + 1.0f) * (gc / (1.0f + std::exp(-ev.act_alpha * gc)));
+    }
+    case Activation::SwigluClamp: {
+      // deepseek_v4 / hy_v4 / glm5_next: gpt-oss's clamps around a plain SwiGLU.
+      const float lim = ev.act_limit;
+      return silu(std::min(g, lim)) * std::min(std::max(u, -lim), lim);
+    }
+    case Activation::GegluTanh: {
+      // torch's gelu(approximate="tanh"): 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))).
+      constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f;
+      const float inner = kBeta * (g + kKappa * g * g * g);
+      return 0.5f * g * (1.0f + std::tanh(inner)) * u;
+    }
+    case Activation::SwigluSoftcap: {
+      // inkling2: the sigmoid sees the raw gate; softcaps bound the linear gate factor and up.
+      const float gc = std::tanh(g / ev.act_alpha) * ev.act_alpha;
+      const float uc = std::tanh(u / ev.act_limit) * ev.act_limit;
+      return gc * (1.0f / (1.0f + std::exp(-g))) * uc;
+    }
+    case Activation::Relu2: {
+      // Gateless experts: relu(up)^2 (g is unused).
+      const float r = std::max(u, 0.0f);
+      return r * r;
+    }
+  }
+  return 0.0f;
 }
 
 // One expert's share of a pass: the (t * k + j) entries routed to it and its published slot.
@@ -326,10 +355,12 @@ void gate_up_rows(const DeviceBuffers& b, const ExpertView& ev, const Group& g, 
   s.uv.resize(std::size_t(kBlockRows) * m);
   for (std::uint32_t r = r0; r < r1; r += kBlockRows) {
     const std::uint32_t n = std::min(kBlockRows, r1 - r);
-    matrix_dots(ev.gate, r, r + n, s.xs.data(), m, s.gv.data(), s.tile);
+    // Gateless experts skip the gate product (their activation reads up alone).
+    if (ev.gated) matrix_dots(ev.gate, r, r + n, s.xs.data(), m, s.gv.data(), s.tile);
+    else std::fill(s.gv.begin(), s.gv.end(), 0.0f);
     matrix_dots(ev.up, r, r + n, s.xs.data(), m, s.uv.data(), s.tile);
     for (std::uint32_t q = 0; q < n; ++q) {
-      const float gb = ev.gate.bias_at(r + q), ub = ev.up.bias_at(r + q);
+      const float gb = ev.gated ? ev.gate.bias_at(r + q) : 0.0f, ub = ev.up.bias_at(r + q);
       for (std::uint32_t e = 0; e < m; ++e)
         b.h[std::size_t(g.entries[e]) * I + r + q] =
             activate(ev, s.gv[std::size_t(q) * m + e] + gb, s.uv[std::size_t(q) * m + e] + ub);

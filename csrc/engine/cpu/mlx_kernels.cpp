@@ -279,6 +279,21 @@ void down_typed(const DeviceBuffers& b, const ExpertView& ev,
 
 const char* unsupported(const PackLayout& L, Arithmetic a, std::int32_t format_class) {
   if (a == Arithmetic::Float32) return "";
+  // mlx-lm's own arithmetic is reproduced for its two gated activations only.
+  if (!L.gated) return "MLX arithmetic is reproduced for gated experts only";
+  switch (L.activation) {
+    case Activation::SwiGLU:
+    case Activation::SwigluOai:
+      break;
+    case Activation::SwigluClamp:
+      return "MLX arithmetic is not reproduced for activation swiglu_clamp";
+    case Activation::GegluTanh:
+      return "MLX arithmetic is not reproduced for activation geglu_tanh";
+    case Activation::SwigluSoftcap:
+      return "MLX arithmetic is not reproduced for activation swiglu_softcap";
+    case Activation::Relu2:
+      return "MLX arithmetic is not reproduced for activation relu2";
+  }
   const std::uint32_t want = a == Arithmetic::MlxBfloat16 ? 2 : 0;
   // Every matrix of the class asked about, or of every class (a mixed pack's formats differ
   // by layer or matrix); a layout made by hand, without classes, is its pack format throughout.

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "common/errors.h"
+#include "exec/backend_support.h"
 
 namespace strata {
 namespace {
@@ -40,8 +41,11 @@ std::string joined(const std::vector<std::string>& names) {
 
 // The first capability of `needs` that `b` lacks, as "why", or nullopt.
 std::optional<std::string> lacks(const Backend& b, const std::vector<Capability>& needs) {
-  for (const Capability& c : needs)
+  for (const Capability& c : needs) {
+    if (c.layout)
+      if (auto why = experts_unsupported(b, *c.layout)) return why;
     if (auto why = b.unsupported(c)) return why;
+  }
   return std::nullopt;
 }
 

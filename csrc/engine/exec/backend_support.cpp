@@ -5,8 +5,23 @@
 
 namespace strata {
 
+std::optional<std::string> experts_unsupported(const Backend& backend, const PackLayout& layout) {
+  const std::string name = backend.name();
+  if (name != "metal" && name != "cuda") return std::nullopt;
+  if (!layout.gated)
+    return "the " + name + " backend computes gated experts (gate, up, down) only; this pack's "
+           "have no gate (activation " + activation_name(layout.activation) + ": the cpu "
+           "backend computes them)";
+  if (layout.activation != Activation::SwiGLU && layout.activation != Activation::SwigluOai)
+    return "the " + name + " backend computes activations swiglu and swiglu_oai only; this "
+           "pack's is " + activation_name(layout.activation) + " (the cpu backend computes it)";
+  return std::nullopt;
+}
+
 BackendSupport::BackendSupport(Backend& backend, const PackLayout& layout,
                                const MoceParams& moce) {
+  if (auto why = experts_unsupported(backend, layout))
+    throw EngineError(ErrorKind::Config, "backend '" + backend.name() + "': " + *why);
   // The capabilities a call may need: the expert passes' arithmetic (a routed call chooses it)
   // and the route's moce mode (the Window's own).
   class_arithmetic.resize(layout.classes.size());

@@ -4,12 +4,19 @@
 
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "exec/backend.h"
 
 namespace strata {
+
+// Why `backend` cannot compute the experts of `layout` (their activation kind, or experts
+// without a gate), naming them; nullopt where it can. The cpu backend computes every kind; the
+// metal and cuda backends' kernels compute the gated swiglu and swiglu_oai only. Asked with every
+// capability (make_backend's `auto` then takes the cpu backend) and when a Window is built.
+std::optional<std::string> experts_unsupported(const Backend& backend, const PackLayout& layout);
 
 struct BackendSupport {
   // Throws EngineError(Config) naming the backend when it cannot run the Window's own route

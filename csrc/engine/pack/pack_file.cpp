@@ -158,7 +158,8 @@ void read_format_classes(const std::string& pack, const unsigned char* h,
     bad(pack, "format class 0's gate differs from the header's weight_format/group_size/"
               "scale_format");
   if (n_classes == 1 && first[1] == first[0] && first[2] == first[0])
-    bad(pack, "version 3 header whose experts share one format (version 2)");
+    bad(pack, "format classes in a header whose experts share one format (n_classes is 0 for "
+              "them: version 2, or version 4 without classes)");
 }
 
 }  // namespace
@@ -185,7 +186,8 @@ std::uint64_t canonical_tensors(const PackLayout& L, const LayerFormat& formats,
     out->push_back(TensorEntry{matrix, role, at, nbytes, rows, std::uint32_t(cols)});
     at = add(at, nbytes);
   };
-  for (std::uint32_t mat = 0; mat < 3; ++mat) {
+  // Gateless experts (version 4) store up and down only.
+  for (std::uint32_t mat = L.gated ? 0 : 1; mat < 3; ++mat) {
     const std::uint32_t rows = mat == 2 ? L.hidden : L.moe_intermediate;
     const std::uint32_t cols = mat == 2 ? L.moe_intermediate : L.hidden;
     const MatrixFormat& f = formats[mat];
@@ -256,11 +258,11 @@ std::uint32_t check_preamble(const unsigned char* h, std::size_t n, const std::s
   if (version == 1)
     bad(where, "format version 1 is no longer read (version 2 checksums records with CRC32C); "
                "repack with strata-stream pack/convert");
-  if (version != kPackVersion && version != kMixedPackVersion)
+  if (version != kPackVersion && version != kMixedPackVersion && version != kFeaturePackVersion)
     bad(where, "version " + std::to_string(version) + " not supported (this reader knows " +
-                   std::to_string(kPackVersion) + " and " + std::to_string(kMixedPackVersion) +
-                   ")" +
-                   (version > kMixedPackVersion
+                   std::to_string(kPackVersion) + ", " + std::to_string(kMixedPackVersion) +
+                   " and " + std::to_string(kFeaturePackVersion) + ")" +
+                   (version > kFeaturePackVersion
                         ? " (written by a newer strata-stream: upgrade to read it)"
                         : ""));
   const std::uint32_t stored = load<std::uint32_t>(h + 4092), computed = header_crc(h);
@@ -306,6 +308,26 @@ HeaderCodes load_fields(const unsigned char* h, PackLayout* L) {
                      load<std::uint32_t>(h + 136)};
 }
 
+// The activation's constants: each kind's own finite positive ones, zero where it has none (one
+// canonical header per kind); relu2 is the gateless experts' and only theirs.
+void check_activation(const std::string& where, const PackLayout* L) {
+  const Activation a = L->activation;
+  const bool alpha = a == Activation::SwigluOai || a == Activation::SwigluSoftcap;
+  const bool limit = alpha || a == Activation::SwigluClamp;
+  const std::string name = activation_name(a);
+  auto check = [&](const char* field, float v, bool used) {
+    if (used && !(v > 0 && std::isfinite(v)))
+      bad(where, std::string("header field ") + field + " must be finite and positive for " +
+                     name);
+    if (!used && v != 0) bad(where, std::string("header field ") + field + " must be 0 for " + name);
+  };
+  check("act_alpha", L->act_alpha, alpha);
+  check("act_limit", L->act_limit, limit);
+  if ((a == Activation::Relu2) == L->gated)
+    bad(where, L->gated ? "activation relu2 is for gateless experts (layout flag 1)"
+                        : "gateless experts (layout flag 1) compute relu2 only, not " + name);
+}
+
 // The geometry and the model block. The engine's own limits (keys fit a u32 smap index) are
 // tighter than the format's u32 fields.
 void check_geometry(const std::string& where, const HeaderCodes& c, PackLayout* L) {
@@ -324,16 +346,15 @@ void check_geometry(const std::string& where, const HeaderCodes& c, PackLayout* 
   if (c.routing > 2)
     bad(where, field_value("routing", c.routing) +
                    " (known: 0 softmax_topk, 1 topk_softmax, 2 external)");
-  if (c.activation > 1)
-    bad(where, field_value("activation", c.activation) + " (known: 0 swiglu, 1 swiglu_oai)");
+  if (c.activation >= kActivations)
+    bad(where, field_value("activation", c.activation) +
+                   " (known: 0 swiglu, 1 swiglu_oai, 2 swiglu_clamp, 3 geglu_tanh, "
+                   "4 swiglu_softcap, 5 relu2)");
   if (L->bias_format > 3)
     bad(where,
         field_value("bias_format", L->bias_format) + " (known: 0 none, 1 f32, 2 f16, 3 bf16)");
   L->activation = static_cast<Activation>(c.activation);
-  if (L->activation == Activation::SwigluOai &&
-      !(L->act_alpha > 0 && L->act_limit > 0 && std::isfinite(L->act_alpha) &&
-        std::isfinite(L->act_limit)))
-    bad(where, "header fields act_alpha/act_limit must be finite and positive for swiglu_oai");
+  check_activation(where, L);
   if (c.norm > 1) bad(where, field_value("norm_topk_prob", c.norm) + " (expected 0 or 1)");
   L->routing = static_cast<Routing>(c.routing);
   L->norm_topk_prob = c.norm == 1;
@@ -416,16 +437,39 @@ void check_tensor_table(const std::string& where, const unsigned char* h, PackLa
 
 }  // namespace
 
+const char* activation_name(Activation a) {
+  switch (a) {
+    case Activation::SwiGLU: return "swiglu";
+    case Activation::SwigluOai: return "swiglu_oai";
+    case Activation::SwigluClamp: return "swiglu_clamp";
+    case Activation::GegluTanh: return "geglu_tanh";
+    case Activation::SwigluSoftcap: return "swiglu_softcap";
+    case Activation::Relu2: return "relu2";
+  }
+  return "unknown";
+}
+
 PackLayout decode_pack_header(const unsigned char* h, std::size_t n, const std::string& where,
                               std::optional<std::uint64_t> file_bytes) {
   const std::uint32_t version = check_preamble(h, n, where, file_bytes.value_or(n));
   PackLayout L;
   const HeaderCodes codes = load_fields(h, &L);
+  // Version 4's layout flags; before it the bytes are unused (zero).
+  const std::uint32_t flags = load<std::uint32_t>(h + kLayoutFlagsOffset);
+  if (version == kFeaturePackVersion && (flags & ~kFlagGateless))
+    bad(where, field_value("layout flags", flags) + " (known: 1 gateless)");
+  L.gated = version != kFeaturePackVersion || !(flags & kFlagGateless);
   check_geometry(where, codes, &L);
+  if (version < kFeaturePackVersion && L.extended())
+    bad(where, std::string("activation ") + activation_name(L.activation) +
+                   " needs format version 4 (the header says " + std::to_string(version) + ")");
+  if (version == kFeaturePackVersion && !L.extended())
+    bad(where, "version 4 header whose experts are gated swiglu or swiglu_oai (version 2 or 3)");
   const MatrixFormat pack_format =
       checked_format(where, "", codes.fmt, L.group_size, L.scale_format, L);
   L.weight_format = pack_format.format;
-  if (version == kMixedPackVersion)
+  if (version == kMixedPackVersion ||
+      (version == kFeaturePackVersion && load<std::uint32_t>(h + kFormatsOffset) != 0))
     read_format_classes(where, h, pack_format, &L);
   else
     L.classes.assign(1, LayerFormat{pack_format, pack_format, pack_format});

@@ -25,6 +25,13 @@ constexpr std::uint32_t kMixedPackVersion = 3;
 constexpr std::uint32_t kFormatsOffset = 1040;
 constexpr std::uint32_t kMaxFormatClasses = 16;
 constexpr std::uint32_t kLayerClassOffset = 1632;
+// Version 4: what the experts compute differs from versions 2 and 3 (an activation of kind 2 or
+// more, or experts without a gate matrix). Its header is version 2's (n_classes 0 at
+// kFormatsOffset) or version 3's (format classes) plus the layout flags at kLayoutFlagsOffset;
+// a pack that uses none of it keeps its version 2 or 3 bytes.
+constexpr std::uint32_t kFeaturePackVersion = 4;
+constexpr std::uint32_t kLayoutFlagsOffset = 3680;
+constexpr std::uint32_t kFlagGateless = 1;  // records hold up and down only (no gate matrix)
 // Version 2's model block: activation u32, act_alpha f32, act_limit f32, bias_format u32.
 constexpr std::uint32_t kModelBlockOffset = 1024;
 // The routers' CRC-32 (u32), near the header's end; the header's own is the last u32.
@@ -41,8 +48,21 @@ constexpr std::uint32_t kScaleE8m0 = 3;
 // External: the pack holds no routers; the model routes and calls Window::moe_routed.
 enum class Routing : std::uint32_t { SoftmaxTopk = 0, TopkSoftmax = 1, External = 2 };
 // SwiGLU: silu(g) * u. SwigluOai (gpt-oss): (clip(u, -limit, limit) + 1) * g' * sigmoid(alpha g')
-// with g' = min(g, limit).
-enum class Activation : std::uint32_t { SwiGLU = 0, SwigluOai = 1 };
+// with g' = min(g, limit). Version 4 only: SwigluClamp (deepseek_v4, hy_v4, glm5_next):
+// silu(min(g, limit)) * clip(u, -limit, limit); GegluTanh (gemma4): gelu_tanh(g) * u;
+// SwigluSoftcap (inkling2): cap(g, alpha) * sigmoid(g) * cap(u, limit) with
+// cap(x, c) = tanh(x / c) * c; Relu2 (nemotron_h, gateless experts only): relu(u)^2.
+enum class Activation : std::uint32_t {
+  SwiGLU = 0,
+  SwigluOai = 1,
+  SwigluClamp = 2,
+  GegluTanh = 3,
+  SwigluSoftcap = 4,
+  Relu2 = 5,
+};
+constexpr std::uint32_t kActivations = 6;
+// The activation's name as the JSON metadata and every message say it ("swiglu", ...).
+const char* activation_name(Activation a);
 
 struct TensorEntry {
   std::uint32_t matrix;  // 0 gate, 1 up, 2 down
@@ -72,7 +92,8 @@ struct PackLayout {
   WeightFormat weight_format = WeightFormat::F32;
   std::uint32_t group_size = 0, scale_format = 0;  // scale_format: see kScaleE8m0
   Activation activation = Activation::SwiGLU;
-  float act_alpha = 0, act_limit = 0;  // SwigluOai only
+  float act_alpha = 0, act_limit = 0;  // the activation's constants (0 where it has none)
+  bool gated = true;  // false: the records hold no gate matrix (version 4's kFlagGateless)
   // 0: the experts have no Linear biases; else 1 + scale-format code (1 f32, 2 f16, 3 bf16).
   std::uint32_t bias_format = 0;
   std::uint64_t record_bytes = 0, record_stride = 0;
@@ -90,6 +111,11 @@ struct PackLayout {
   std::vector<std::uint8_t> layer_class;
 
   bool mixed() const { return !layer_class.empty(); }
+  // Whether the pack needs version 4: a new activation kind or gateless experts.
+  bool extended() const { return std::uint32_t(activation) > 1 || !gated; }
+  std::uint32_t version() const {
+    return extended() ? kFeaturePackVersion : mixed() ? kMixedPackVersion : kPackVersion;
+  }
   std::uint32_t class_of(std::uint32_t layer) const { return mixed() ? layer_class[layer] : 0; }
   const std::vector<TensorEntry>& tensors_of(std::uint32_t layer) const {
     return class_tensors[class_of(layer)];

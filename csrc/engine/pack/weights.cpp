@@ -131,6 +131,7 @@ ExpertView expert_view(const PackLayout& L, std::uint32_t layer, const unsigned 
   v.activation = L.activation;
   v.act_alpha = L.act_alpha;
   v.act_limit = L.act_limit;
+  v.gated = L.gated;
   MatrixView* m[3] = {&v.gate, &v.up, &v.down};
   const LayerFormat& formats = L.formats_of(layer);
   for (const TensorEntry& t : L.tensors_of(layer)) {

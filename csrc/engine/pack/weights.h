@@ -80,11 +80,13 @@ struct MatrixView {
   float bias_at(std::uint32_t r) const;
 };
 
-// The three matrices of the record at `base`, and the activation between them.
+// The three matrices of the record at `base`, and the activation between them. Gateless
+// experts (gated false) have no gate: `gate` is empty and the activation reads up alone.
 struct ExpertView {
   MatrixView gate, up, down;
   Activation activation = Activation::SwiGLU;
   float act_alpha = 0, act_limit = 0;
+  bool gated = true;
 };
 
 // The record of pack layer `layer` at `base` (its format class's tensor table and formats).

@@ -14,9 +14,24 @@ from strata_stream.errors import ConfigError
 # itself (an mlx-lm model's own gate, any family) and hands the engine ids and weights
 # (Window.moe_routed). The header stores the index into this tuple.
 ROUTINGS = ("softmax_topk", "topk_softmax", "external")
-# Expert activations: "swiglu" silu(gate) * up; "swiglu_oai" (gpt-oss)
-# (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit).
-ACTIVATIONS = ("swiglu", "swiglu_oai")
+# Expert activations (docs/pack-format.md, "Activations"): "swiglu" silu(gate) * up;
+# "swiglu_oai" (gpt-oss) (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with
+# g = min(gate, limit). Format version 4 only: "swiglu_clamp" silu(min(gate, limit)) *
+# clip(up, -limit, limit); "geglu_tanh" gelu_tanh(gate) * up; "swiglu_softcap"
+# cap(gate, alpha) * sigmoid(gate) * cap(up, limit) with cap(x, c) = tanh(x / c) * c; "relu2"
+# relu(up)^2, the activation of gateless experts (no gate matrix). The header stores the index.
+ACTIVATIONS = ("swiglu", "swiglu_oai", "swiglu_clamp", "geglu_tanh", "swiglu_softcap", "relu2")
+# Which of act_alpha and act_limit each activation uses (the others are stored as 0).
+ACTIVATION_CONSTANTS = {
+    "swiglu": (False, False),
+    "swiglu_oai": (True, True),
+    "swiglu_clamp": (False, True),
+    "geglu_tanh": (False, False),
+    "swiglu_softcap": (True, True),
+    "relu2": (False, False),
+}
+# The activations of format versions 2 and 3; the others need version 4.
+BASE_ACTIVATIONS = ("swiglu", "swiglu_oai")
 
 # The header stores every dimension as u32.
 _U32_MAX = 2**32 - 1
@@ -40,9 +55,12 @@ class Geometry:
     routing: str = "softmax_topk"
     norm_topk_prob: bool = True
     activation: str = "swiglu"
-    # swiglu_oai only (0 for swiglu); stored as float32 in the header, so normalised to it here.
+    # The activation's constants (ACTIVATION_CONSTANTS; 0 where it has none); stored as float32
+    # in the header, so normalised to it here.
     act_alpha: float = 1.702
     act_limit: float = 7.0
+    # False: the experts have no gate matrix (up, down; activation relu2), format version 4.
+    gated: bool = True
 
     def __post_init__(self) -> None:
         for name in _INT_FIELDS:
@@ -75,20 +93,37 @@ class Geometry:
                 f"Geometry.activation must be one of {', '.join(ACTIVATIONS)}, "
                 f"got {self.activation!r}"
             )
-        for name in ("act_alpha", "act_limit"):
+        for name, used in zip(
+            ("act_alpha", "act_limit"), ACTIVATION_CONSTANTS[self.activation], strict=True
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)):
                 raise ConfigError(f"Geometry.{name} must be a number, got {value!r}")
-            if self.activation == "swiglu":
-                value = 0.0  # unused: one canonical header for every swiglu pack
+            if not used:
+                value = 0.0  # unused: one canonical header for every pack of the activation
             elif not (np.isfinite(value) and value > 0):
                 raise ConfigError(f"Geometry.{name} must be finite and positive, got {value}")
             object.__setattr__(self, name, float(np.float32(value)))
+        if not isinstance(self.gated, (bool, np.bool_)):
+            raise ConfigError(f"Geometry.gated must be a bool, got {self.gated!r}")
+        object.__setattr__(self, "gated", bool(self.gated))
+        if (self.activation == "relu2") == self.gated:
+            raise ConfigError(
+                "Geometry.activation relu2 is for gateless experts (gated=False)"
+                if self.gated
+                else f"gateless experts (gated=False) compute relu2, not {self.activation}"
+            )
 
     @property
     def has_routers(self) -> bool:
         """Whether a pack of this geometry stores routers (not with "external" routing)."""
         return self.routing != "external"
+
+    @property
+    def extended(self) -> bool:
+        """Whether a pack of this geometry needs format version 4 (an activation of version 4,
+        or gateless experts)."""
+        return self.activation not in BASE_ACTIVATIONS or not self.gated
 
     @property
     def n_records(self) -> int:
@@ -101,6 +136,8 @@ class Geometry:
         return gate, gate, (self.hidden, self.moe_intermediate)
 
     def to_dict(self) -> dict[str, Any]:
+        # "gated" only where false: a version 2 or 3 pack's metadata keeps its bytes.
+        extra: dict[str, Any] = {} if self.gated else {"gated": False}
         return {
             "n_layers": self.n_layers,
             "n_experts": self.n_experts,
@@ -112,6 +149,7 @@ class Geometry:
             "activation": self.activation,
             "act_alpha": self.act_alpha,
             "act_limit": self.act_limit,
+            **extra,
         }
 
     @classmethod
@@ -130,4 +168,5 @@ class Geometry:
             activation=d.get("activation", "swiglu"),
             act_alpha=d.get("act_alpha", 1.702),
             act_limit=d.get("act_limit", 7.0),
+            gated=d.get("gated", True),
         )

@@ -37,6 +37,13 @@ VERSION = 2
 # last layers): up to MAX_CLASSES format classes, each a format per matrix, and each layer's
 # class. A pack whose experts share one format is written as version 2, as before.
 MIXED_VERSION = 3
+# Version 4: experts that compute something versions 2 and 3 cannot say, an activation they do
+# not know (geometry.ACTIVATIONS beyond swiglu and swiglu_oai) or no gate matrix (the layout
+# flag at LAYOUT_FLAGS_OFFSET; records hold up and down). Its header is version 2's (n_classes
+# 0) or version 3's (format classes) besides. A pack that needs none of it keeps its version.
+FEATURE_VERSION = 4
+LAYOUT_FLAGS_OFFSET = 3680
+FLAG_GATELESS = 1
 HEADER_BYTES = 4096
 META_OFFSET = HEADER_BYTES
 # The page of the pack: Apple's SSD page, and O_DIRECT-safe on Linux. Sections and records start
@@ -100,7 +107,8 @@ _CLASS_MATRIX = struct.Struct("<III")
 LAYER_CLASS_OFFSET = 1632
 assert _TABLE_OFFSET == 144 and _TENSOR.size == 32 and len(_FIXED_FIELDS) == 25
 assert FORMATS_OFFSET + 4 + MAX_CLASSES * 3 * _CLASS_MATRIX.size <= LAYER_CLASS_OFFSET
-assert LAYER_CLASS_OFFSET + 4096 // 2 <= ROUTER_CRC_OFFSET  # every layer the engine allows
+assert LAYER_CLASS_OFFSET + 4096 // 2 <= LAYOUT_FLAGS_OFFSET  # every layer the engine allows
+assert LAYOUT_FLAGS_OFFSET + 4 <= ROUTER_CRC_OFFSET
 
 
 @functools.cache
@@ -244,8 +252,9 @@ def layer_record_layout(
 ) -> tuple[tuple[TensorEntry, ...], int]:
     """Tensor table and payload size of one record, for an already normalized format.
 
-    Per matrix (gate, up, down): weight, then scales and biases (q4/q8; mxfp4 has scales only),
-    then the expert's Linear bias ``[1, rows]`` in `bias_dtype` when the model has one (gpt-oss).
+    Per matrix (gate, up, down; up and down for gateless experts): weight, then scales and
+    biases (q4/q8; mxfp4 has scales only), then the expert's Linear bias ``[1, rows]`` in
+    `bias_dtype` when the model has one (gpt-oss).
     This is the one statement in Python of which tensors a weight format stores, in which dtype
     and shape: the writer fills, the reader checks and slices, and the converter checks a
     checkpoint's expert tensors against it (convert/checkpoint.py). The engine's parser, which
@@ -264,6 +273,8 @@ def layer_record_layout(
         offset += nbytes
 
     for m, (rows, cols) in enumerate(geometry.matrix_shapes()):
+        if m == 0 and not geometry.gated:
+            continue
         weight_format, group_size, scale_dtype = (
             formats[m].weight_format,
             formats[m].group_size,
@@ -389,6 +400,8 @@ class PackHeader:
 
     @property
     def version(self) -> int:
+        if self.geometry.extended:
+            return FEATURE_VERSION
         return MIXED_VERSION if self.mixed else VERSION
 
     def class_of(self, layer: int) -> int:
@@ -460,6 +473,8 @@ class PackHeader:
                     _CLASS_MATRIX.pack_into(buf, at, *_format_codes(f))
             for layer, c in enumerate(self.layer_class):
                 buf[LAYER_CLASS_OFFSET + layer // 2] |= c << (4 * (layer % 2))
+        if not g.gated:
+            _U32.pack_into(buf, LAYOUT_FLAGS_OFFSET, FLAG_GATELESS)
         _U32.pack_into(buf, ROUTER_CRC_OFFSET, self.router_crc)
         _U32.pack_into(buf, HEADER_CRC_OFFSET, zlib.crc32(buf[:HEADER_CRC_OFFSET]))
         return bytes(buf)
@@ -596,6 +611,7 @@ def _header_of(fields: Layout, where: str) -> PackHeader:
             activation=fields["activation"],
             act_alpha=fields["act_alpha"],
             act_limit=fields["act_limit"],
+            gated=fields["gated"],
         )
         header = PackHeader(
             geometry,

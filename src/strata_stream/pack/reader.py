@@ -218,11 +218,15 @@ class ExpertPack:
     def stored_weights(
         self, layer: int, expert: int
     ) -> tuple[StoredMatrix, StoredMatrix, StoredMatrix]:
-        """(gate, up, down) as stored: float arrays (bf16 as uint16 bits) or QuantizedMatrix."""
+        """(gate, up, down) as stored: float arrays (bf16 as uint16 bits) or QuantizedMatrix.
+        Gateless experts (geometry.gated False) have a float32 gate of no rows."""
         record = self.read_record(layer, expert)
         tensors = self.tensors_of(layer)
         out: list[StoredMatrix] = []
         for m, fmt in enumerate(self.formats_of(layer)):
+            if m == 0 and not self.geometry.gated:
+                out.append(np.zeros((0, self.geometry.hidden), np.float32))
+                continue
             # Its weight, then scales (quantized) and biases (affine) in role order.
             w, *rest = [_tensor(record, t) for t in tensors if t.matrix == m and t.role != 3]
             name = fmt.weight_format
@@ -251,14 +255,18 @@ class ExpertPack:
         record = self.read_record(layer, expert)
         b = [_tensor(record, t)[0] for t in self.tensors_of(layer) if t.role == 3]
         f = [bf16_bits_to_f32(v) if self.bias_dtype == "bf16" else v.astype(np.float32) for v in b]
+        if not g.gated:  # gateless: no gate bias
+            f.insert(0, np.zeros(0, np.float32))
         return f[0], f[1], f[2]
 
     def expert_weights(self, layer: int, expert: int) -> tuple[F32Array, F32Array, F32Array]:
         """(gate, up, down) of one expert as float32, dequantized; shapes as in write_pack."""
         formats = self.formats_of(layer)
+        stored = self.stored_weights(layer, expert)
+        # A gateless gate is already float32 (no rows); the rest widen from their formats.
         gate, up, down = (
-            _to_f32(m, f.weight_format)
-            for m, f in zip(self.stored_weights(layer, expert), formats, strict=True)
+            _to_f32(m, "f32" if i == 0 and not self.geometry.gated else f.weight_format)
+            for i, (m, f) in enumerate(zip(stored, formats, strict=True))
         )
         return gate, up, down
 

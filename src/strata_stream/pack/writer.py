@@ -42,7 +42,8 @@ from strata_stream.pack.quant import (
 from strata_stream.pack.staging import remove_leftovers, staged
 
 ExpertMatrix = npt.ArrayLike | QuantizedMatrix
-ExpertFn = Callable[[int, int], Sequence[ExpertMatrix]]
+# None in the gate's place (and its bias's) for gateless experts (Geometry.gated False).
+ExpertFn = Callable[[int, int], Sequence[ExpertMatrix | None]]
 RouterSource = Sequence[npt.ArrayLike] | Callable[[int], npt.ArrayLike]
 
 # Records in flight between the producer (caller's experts() + filling) and the writer thread;
@@ -230,8 +231,13 @@ class _RecordFiller:
             )
         formats = self.header.formats_of(layer)
         tensors = self.header.tensors_of(layer)
+        gated = self.header.geometry.gated
         for m, mat in enumerate(mats[:3]):
             where = f"layer {layer} expert {expert} {MATRICES[m]}"
+            if m == 0 and not gated:  # gateless experts: the record holds up and down only
+                if mat is not None or (bias_dtype is not None and mats[3] is not None):
+                    raise TypeError(f"{where}: the experts are gateless; pass None for the gate")
+                continue
             dst = [v for v, t in zip(views, tensors, strict=True) if t.matrix == m]
             fmt = formats[m]
             if fmt.weight_format in FLOAT_FORMATS:
