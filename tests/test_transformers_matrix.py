@@ -6,7 +6,8 @@ transposed experts with biases and clamped SwiGLU, DeepSeek-style group-limited 
 with shared experts, per-expert checkpoints' families, hybrid linear attention, multimodal
 configs whose causal LM is the text model, the causal-LM class found beyond
 AutoModelForCausalLM's table, a vision model generating through its image-text-to-text class,
-its text sub-config covered by that row, and experts the pack cannot hold).
+its text sub-config covered by that row, the activations of pack format version 4 and its
+gateless experts, and experts the pack cannot hold).
 ``STRATA_MATRIX=all`` runs every experts-interface type the installed transformers ships.
 
 The tiny-config builder's rules (shrink from the library's defaults, keep their relations,
@@ -36,8 +37,11 @@ from tests.model_coverage.transformers_matrix import SUB_CONFIG, candidates, run
 # The seams the sample must stream exactly, one the pack cannot hold (refused by name), and a
 # text sub-config with no generation class of its own (its parent, in EXACT, covers it).
 EXACT = ["qwen3_moe", "gpt_oss", "deepseek_v3", "mixtral", "qwen3_next", "qwen3_5_moe", "mistral4",
-         "qwen3_vl_moe"]  # fmt: skip
-REFUSED = ["nemotron_h"]
+         "qwen3_vl_moe",
+         # pack format version 4: gateless experts (relu2), SwiGLU between clamps, GELU-tanh
+         # GLU, softcapped SwiGLU
+         "nemotron_h", "hy_v4", "gemma4_text", "inkling2_text"]  # fmt: skip
+REFUSED = ["ergo"]
 SUB_CONFIGS = {"qwen3_vl_moe_text": "qwen3_vl_moe"}
 TYPES = (
     candidates() if os.environ.get("STRATA_MATRIX") == "all" else [*EXACT, *REFUSED, *SUB_CONFIGS]

@@ -254,7 +254,11 @@ class ExpertLayout:
             layer = self.layers[pack_layer]
             formats = self.formats_of(pack_layer)
             out: list[Any] = []
+            gated = self.geometry.gated
             for m, fmt in enumerate(formats):
+                if m == 0 and not gated:  # gateless experts: no gate (write_pack takes None)
+                    out.append(None)
+                    continue
                 w = read(layer, (m, "weight"), expert, fmt)
                 bits = QUANT_FORMAT_BITS.get(fmt.weight_format, 0)
                 if bits:
@@ -274,7 +278,10 @@ class ExpertLayout:
                     out.append(bf16_bits_to_f32(w) if w.dtype == np.uint16 else w)
             if self.bias_dtype is not None:
                 out.extend(
-                    read(layer, (m, "bias"), expert, formats[m]).reshape(-1) for m in range(3)
+                    None
+                    if m == 0 and not gated
+                    else read(layer, (m, "bias"), expert, formats[m]).reshape(-1)
+                    for m in range(3)
                 )
             return tuple(out)
 
@@ -336,8 +343,12 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
 
     first = ordered[0]
     roles = {r for (_, r) in first.names}
-    if (0, "weight") not in first.names:
+    # Gateless experts (nemotron_h: up_proj, an activation, down_proj) store up and down only.
+    gated = any((0, "weight") in layer.names for layer in ordered)
+    if gated and (0, "weight") not in first.names:
         raise PackError(f"{model_dir}: layer {first.decoder_layer} has no gate weight")
+    if not gated and (1, "weight") not in first.names:
+        raise PackError(f"{model_dir}: layer {first.decoder_layer} has neither gate nor up weight")
 
     def loc(layer: _Layer, key: tuple[int, str]) -> tuple[str, tuple[int, ...]]:
         name = layer.names[key]
@@ -352,17 +363,20 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
         t = index.tensors[name.format(e=0)]
         return t.dtype, (len(experts), *t.shape)
 
-    _, gshape = loc(first, (0, "weight"))
+    _, gshape = loc(first, (0 if gated else 1, "weight"))
     n_experts, inter = gshape[0], gshape[1]
     # Each matrix of each layer in the format its tensors are stored in: mlx-lm's quantization
     # predicates may give a projection or a layer its own (granitemoe's 8-bit down projection,
     # muse_spark's unquantized first and last layers). One format throughout is a version 2
     # pack; several are a version 3 one (docs/pack-format.md).
+    # A gateless layer's (absent) gate is given its up's format.
     per_layer = tuple(
         cast(
             LayerFormat,
             tuple(
-                _matrix_format(model_dir, layer, m, loc, hidden if m < 2 else inter)
+                _matrix_format(
+                    model_dir, layer, m if gated else max(m, 1), loc, hidden if m < 2 else inter
+                )
                 for m in range(3)
             ),
         )
@@ -375,7 +389,7 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
     layer_formats = () if uniform else per_layer
     bias_dtype = None
     if "bias" in roles:
-        bdtype, _ = loc(first, (0, "bias"))
+        bdtype, _ = loc(first, (0 if gated else 1, "bias"))
         bias_dtype = _FLOAT_FORMATS.get(bdtype)
         if bias_dtype is None:
             raise ConfigError(f"{model_dir}: expert biases of dtype {bdtype} not supported")
@@ -386,11 +400,7 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
             f"{model_dir}: config.json gives no experts per token in 1..{n_experts} (read "
             f"{', '.join(_TOP_K_KEYS)}; got {top_k})"
         )
-    # gpt-oss's clamped SwiGLU: the families whose config names its alpha (gpt_oss,
-    # minimax_m3_vl, openai_privacy_filter), or gpt_oss's configs that leave it at its default.
-    # Each front-end checks the model's own activation against the pack's before computing
-    # anything (mlx_lm/blocks.py cpu_activation, transformers/families.py check_activation).
-    oai = "swiglu_alpha" in config or model_type == "gpt_oss"
+    activation, alpha, limit = _activation(model_dir, config, model_type, gated)
     geometry = Geometry(
         n_layers=len(ordered),
         n_experts=n_experts,
@@ -399,16 +409,17 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
         moe_intermediate=inter,
         routing="external",
         norm_topk_prob=bool(config.get("norm_topk_prob", True)),
-        activation="swiglu_oai" if oai else "swiglu",
-        act_alpha=float(config.get("swiglu_alpha", _OAI_ALPHA)),
-        act_limit=float(config.get("swiglu_limit", _OAI_LIMIT)),
+        activation=activation,
+        act_alpha=alpha,
+        act_limit=limit,
+        gated=gated,
     )
     # Every layer, every tensor: the pack's tensor table for its formats (pack/header.py's
     # layer_record_layout, the one statement of that rule), each entry one [E, rows, cols]
     # checkpoint tensor ([E, rows] for a Linear bias).
     for layer, formats in zip(ordered, per_layer, strict=True):
         table, _ = layer_record_layout(geometry, formats, bias_dtype)
-        for t in table:
+        for t in table:  # (gateless: no gate entries)
             role = ROLES[t.role]
             key = (t.matrix, role)
             shape = (n_experts, t.cols) if role == "bias" else (n_experts, t.rows, t.cols)
@@ -448,6 +459,49 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
         model,
         layer_formats=layer_formats,
     )
+
+
+# config.json's names of the tanh approximation of GELU (transformers' ACT2FN keys).
+_GELU_TANH = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast", "gelu_tanh")
+
+
+def _activation(
+    model_dir: Path, config: dict[str, Any], model_type: str, gated: bool
+) -> tuple[str, float, float]:
+    """The pack activation (name, act_alpha, act_limit) config.json names for the routed
+    experts. Each front-end checks the model's own activation against the pack's before
+    computing anything (mlx_lm/blocks.py cpu_activation, transformers/families.py
+    check_activation), so a config that says something else is refused there, by name.
+
+    - gateless experts: relu2 (nemotron_h's mlp_hidden_act; the only gateless kind);
+    - gpt-oss's clamped SwiGLU: the families whose config names its alpha (gpt_oss,
+      minimax_m3_vl, openai_privacy_filter), or gpt_oss's configs that leave it at its default;
+    - the clamps alone around a plain SwiGLU: a swiglu_limit without an alpha (deepseek_v4,
+      hy_v4, glm5_next);
+    - softcapped SwiGLU: mlp_gate_softcap and mlp_up_softcap (inkling2);
+    - GELU (tanh) instead of SiLU: hidden_activation or hidden_act naming it (gemma4);
+    - otherwise SwiGLU.
+    """
+    names = ("mlp_hidden_act", "hidden_activation", "hidden_act")
+    act = next((config[k] for k in names if config.get(k)), None)
+    if not gated:
+        if act not in (None, "relu2"):
+            raise ConfigError(
+                f"{model_dir}: {model_type}'s routed experts have no gate and activation {act}; "
+                "the pack computes gateless experts with relu2 only"
+            )
+        return "relu2", 0.0, 0.0
+    if "swiglu_alpha" in config or model_type == "gpt_oss":
+        alpha = float(config.get("swiglu_alpha", _OAI_ALPHA))
+        return "swiglu_oai", alpha, float(config.get("swiglu_limit", _OAI_LIMIT))
+    if isinstance(config.get("swiglu_limit"), (int, float)):
+        return "swiglu_clamp", 0.0, float(config["swiglu_limit"])
+    gate_cap, up_cap = config.get("mlp_gate_softcap"), config.get("mlp_up_softcap")
+    if isinstance(gate_cap, (int, float)) and isinstance(up_cap, (int, float)):
+        return "swiglu_softcap", float(gate_cap), float(up_cap)
+    if act in _GELU_TANH:
+        return "geglu_tanh", 0.0, 0.0
+    return "swiglu", 0.0, 0.0
 
 
 def _matrix_format(

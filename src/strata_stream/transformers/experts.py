@@ -40,6 +40,7 @@ class StreamedExperts(torch.nn.Module):
         # `block.experts.gate_up_proj` during from_pretrained (qwen3_omni_moe's thinker), and
         # an initialiser on an empty tensor is a no-op. Nothing computes with them.
         self.gate_up_proj = torch.empty(0)
+        self.up_proj = torch.empty(0)  # gateless experts' (nemotron_h)
         self.down_proj = torch.empty(0)
 
     def forward(

@@ -15,11 +15,15 @@ its experts module is.
   round, with ``gate_up_proj_bias`` / ``down_proj_bias`` where the experts have biases.
 - Its activation is what its own ``_apply_gate`` (the gate function every experts
   implementation of transformers applies to the fused gate-up output) computes on a probe,
-  compared with what the pack computes (`check_activation`): SwiGLU with silu, or gpt-oss's
-  clamped SwiGLU, on the gate/up split the converter wrote. Anything else is refused by name,
-  never computed with the wrong function.
-- Experts the pack cannot hold (no gate projection, a norm after each expert, no fused
-  gate_up_proj) are refused with one line naming the model type and the reason.
+  compared with what the pack computes (`check_activation`): each activation the pack format
+  knows (SwiGLU with silu, gpt-oss's clamped SwiGLU, SwiGLU between clamps, GELU-tanh GLU,
+  softcapped SwiGLU), on the gate/up split the converter wrote. Gateless experts
+  (``has_gate`` False: ``up_proj`` and ``down_proj``) are compared the same way, their
+  ``act_fn`` on a probe against the pack's relu2. Anything else is refused by name, never
+  computed with the wrong function.
+- Experts the pack cannot hold (a norm after each expert, a forward of its own that applies
+  weighted modules besides the projections, no fused gate_up_proj) are refused with one line
+  naming the model type and the reason.
 
 The router predicts: layer l+1's router on layer l's input (engine.py). It is found by
 structure too (`find_router`): the block's child module whose forward returns the expert ids,
@@ -60,6 +64,7 @@ class Family:
     # activation once the pack is open (check_activation).
     gate_out: Any
     concatenated: bool  # the decorator's marker: gate then up (True) or interleaved columns
+    gated: bool = True  # False: up_proj and down_proj only; gate_out is act_fn on [rows, I]
 
 
 def is_experts_module(module: Any) -> bool:
@@ -109,15 +114,23 @@ def family_of(experts: Any, model_type: str, hidden: int | None = None) -> Famil
     and the reason) where the pack cannot hold its experts."""
     cls = type(experts).__name__
     where = f"{model_type}: experts module {cls}"
-    if not experts.has_gate or _param(experts, "gate_up_proj") is None:
-        act = type(getattr(experts, "act_fn", None)).__name__
-        raise ConfigError(
-            f"{where} has no gate projection (up_proj and down_proj, activation {act}); the pack "
-            "holds gated experts (gate, up, down with SwiGLU)"
-        )
     if getattr(experts, "has_post_expert_norm", False):
         raise ConfigError(
             f"{where} applies a norm after each expert; the pack's experts end at down_proj"
+        )
+    extra = _extra_modules(experts)
+    if extra:
+        raise ConfigError(
+            f"{where} has a forward of its own that applies modules with weights besides the "
+            f"projections ({extra}); the pack's experts end at down_proj"
+        )
+    if not experts.has_gate:
+        return _gateless_family(experts, model_type, where, hidden)
+    if _param(experts, "gate_up_proj") is None:
+        act = type(getattr(experts, "act_fn", None)).__name__
+        raise ConfigError(
+            f"{where} has no gate_up_proj (activation {act}); the pack holds experts as fused "
+            "gate_up_proj and down_proj, or up_proj and down_proj without a gate"
         )
     gate_up = _param(experts, "gate_up_proj")
     down = _param(experts, "down_proj")
@@ -155,6 +168,78 @@ def family_of(experts: Any, model_type: str, hidden: int | None = None) -> Famil
     )
 
 
+def _extra_modules(experts: Any) -> str:
+    """The weighted child modules (`name: Class`) of an experts module whose class replaces the
+    experts interface's forward with one of its own (ergo's per-expert norm after the
+    projections); "" for an experts module whose forward is the interface's."""
+    forward = getattr(type(experts), "forward", None)
+    if forward is None or hasattr(forward, "__wrapped__"):  # the decorator's dispatch
+        return ""
+    weighted = [
+        f"{name}: {type(child).__name__}"
+        for name, child in experts.named_children()
+        if any(True for _ in child.parameters())
+    ]
+    return ", ".join(weighted)
+
+
+def _gateless_family(experts: Any, model_type: str, where: str, hidden: int | None) -> Family:
+    """The Family of experts without a gate (``up_proj`` and ``down_proj``, nemotron_h):
+    up [E, I, H] with down [E, H, I], or (transposed) up [E, H, I] with down [E, I, H]."""
+    up, down = _param(experts, "up_proj"), _param(experts, "down_proj")
+    act = type(getattr(experts, "act_fn", None)).__name__
+    if up is None or down is None or up.ndim != 3 or down.ndim != 3:
+        raise ConfigError(
+            f"{where} has no gate projection and no fused up_proj/down_proj [E, rows, cols] "
+            f"(activation {act})"
+        )
+    e, a, b = (int(d) for d in up.shape)
+    _, c, d = (int(v) for v in down.shape)
+    config = getattr(experts, "config", None)
+    h = hidden if hidden is not None else int(getattr(config, "hidden_size", 0) or 0)
+    rows = b == h and c == h and a == d  # [E, I, H] with [E, H, I]
+    cols = a == h and d == h and b == c  # [E, H, I] with [E, I, H]
+    if rows and cols:
+        rows, cols = not experts.is_transposed, bool(experts.is_transposed)
+    if not (rows or cols):
+        raise ConfigError(
+            f"{where}: up_proj [{e}, {a}, {b}] and down_proj [{e}, {c}, {d}] fit neither "
+            f"[E, I, {h}] / [E, {h}, I] nor [E, {h}, I] / [E, I, {h}]"
+        )
+    inter = a if rows else b
+    return Family(
+        model_type=model_type,
+        experts_class=type(experts).__name__,
+        act_fn=act,
+        n_experts=e,
+        moe_intermediate=inter,
+        hidden=h,
+        transposed=cols,
+        has_bias=_param(experts, "up_proj_bias") is not None,
+        gate_out=_act_out(experts, inter, where),
+        concatenated=bool(experts.is_concatenated),
+        gated=False,
+    )
+
+
+def _act_out(experts: Any, inter: int, where: str) -> Any:
+    """A gateless experts module's act_fn on the first half of the probe ([rows, I])."""
+    import torch
+
+    act_fn = getattr(experts, "act_fn", None)
+    if not callable(act_fn):
+        raise ConfigError(f"{where} has no gate projection and no act_fn")
+    try:
+        with torch.no_grad():
+            out = act_fn(gate_probe(inter)[:, :inter])
+    except Exception as e:  # noqa: BLE001 - any failure means: not an activation we can compare
+        raise ConfigError(f"{where}: its act_fn failed on a probe ({type(e).__name__}: {e})"
+                          ) from None  # fmt: skip
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (_PROBE_ROWS, inter):
+        raise ConfigError(f"{where}: its act_fn does not map [T, I] to [T, I]")
+    return out.detach().to(torch.float32)
+
+
 def gate_probe(inter: int) -> Any:
     """The fixed [rows, 2I] float32 input the gate functions are compared on."""
     import torch
@@ -190,6 +275,14 @@ def pack_gate(activation: str, alpha: float, limit: float, interleaved: bool) ->
             gate = gate.clamp(max=limit)
             up = up.clamp(min=-limit, max=limit)
             return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+        if activation == "swiglu_clamp":
+            gate = gate.clamp(max=limit)
+            up = up.clamp(min=-limit, max=limit)
+        if activation == "geglu_tanh":
+            return torch.nn.functional.gelu(gate, approximate="tanh") * up
+        if activation == "swiglu_softcap":
+            capped = torch.tanh(gate / alpha) * alpha
+            return capped * torch.sigmoid(gate) * (torch.tanh(up / limit) * limit)
         return torch.nn.functional.silu(gate) * up
 
     return apply
@@ -201,6 +294,16 @@ def check_activation(family: Family, activation: str, alpha: float, limit: float
     the pack's model.layout), is the experts' own gate function."""
     import torch
 
+    if not family.gated:
+        # The pack's gateless experts compute relu2 of up, nothing else.
+        probe = gate_probe(family.moe_intermediate)[:, : family.moe_intermediate]
+        got = torch.relu(probe).square()
+        if activation == "relu2" and torch.allclose(got, family.gate_out, rtol=1e-5, atol=1e-5):
+            return
+        raise ConfigError(
+            f"{family.model_type}: experts module {family.experts_class}'s activation (act_fn "
+            f"{family.act_fn}) is not the pack's {activation} (gateless experts compute relu2)"
+        )
     if layout == "fused_columns":
         interleaved = True
     elif layout in ("fused_rows", "fused_columns_halves"):
@@ -214,8 +317,8 @@ def check_activation(family: Family, activation: str, alpha: float, limit: float
     split = "interleaved" if interleaved else "concatenated"
     raise ConfigError(
         f"{family.model_type}: experts module {family.experts_class}'s gate function (act_fn "
-        f"{family.act_fn}) is not the pack's {activation} on {split} gate/up halves (the CPU "
-        "backend computes SwiGLU with silu and gpt-oss's clamped SwiGLU)"
+        f"{family.act_fn}) is not the pack's {activation} on {split} gate/up halves (the pack "
+        "computes swiglu, swiglu_oai, swiglu_clamp, geglu_tanh and swiglu_softcap)"
     )
 
 
