@@ -175,3 +175,11 @@ def test_geometry_refuses_relu2_with_a_gate_and_gateless_swiglu() -> None:
         _geometry("relu2", 0, 0, True)
     with pytest.raises(ConfigError, match="gateless experts"):
         _geometry("swiglu", 0, 0, False)
+
+
+def test_reader_refuses_a_constant_a_new_kind_does_not_have(tmp_path: Path) -> None:
+    """One canonical header per kind: swiglu_clamp has a limit and no alpha."""
+    path = _pack(tmp_path, _geometry("swiglu_clamp", 0, 0.75, True))
+    _rewrite(path, 1028, struct.unpack("<I", struct.pack("<f", 1.5))[0])
+    with pytest.raises(PackError, match="header field act_alpha must be 0 for swiglu_clamp"):
+        ExpertPack.open(path)

@@ -308,18 +308,21 @@ HeaderCodes load_fields(const unsigned char* h, PackLayout* L) {
                      load<std::uint32_t>(h + 136)};
 }
 
-// The activation's constants: each kind's own finite positive ones, zero where it has none (one
-// canonical header per kind); relu2 is the gateless experts' and only theirs.
+// The activation's constants: each kind's own finite positive ones, and for version 4's kinds
+// zero where it has none (one canonical header per kind; versions 2 and 3 never checked that of
+// swiglu, so it is not checked now); relu2 is the gateless experts' and only theirs.
 void check_activation(const std::string& where, const PackLayout* L) {
   const Activation a = L->activation;
   const bool alpha = a == Activation::SwigluOai || a == Activation::SwigluSoftcap;
   const bool limit = alpha || a == Activation::SwigluClamp;
+  const bool v4 = std::uint32_t(a) > 1;
   const std::string name = activation_name(a);
   auto check = [&](const char* field, float v, bool used) {
     if (used && !(v > 0 && std::isfinite(v)))
       bad(where, std::string("header field ") + field + " must be finite and positive for " +
                      name);
-    if (!used && v != 0) bad(where, std::string("header field ") + field + " must be 0 for " + name);
+    if (v4 && !used && v != 0)
+      bad(where, std::string("header field ") + field + " must be 0 for " + name);
   };
   check("act_alpha", L->act_alpha, alpha);
   check("act_limit", L->act_limit, limit);
