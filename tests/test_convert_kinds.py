@@ -82,3 +82,22 @@ def test_the_activation_config_json_names(
     with ExpertPack.open(tmp_path / "p.strpk") as pack:
         g = pack.geometry
         assert (g.activation, g.act_alpha, g.act_limit, pack.header.version) == pytest.approx(want)
+
+
+def test_a_pack_converted_with_another_activation_is_out_of_date(tmp_path: Path) -> None:
+    """A cached pack of the same weights whose activation is not the one config.json names
+    now (an older strata-stream wrote gemma4's experts as swiglu) is converted again."""
+    from strata_stream.convert.pack_cache import stale_reason
+
+    ckpt = tmp_path / "m"
+    _checkpoint(ckpt, {"model_type": "qwen3_moe", "hidden_act": "silu"})
+    convert(ckpt, tmp_path / "p.strpk", progress=False)
+    assert stale_reason(tmp_path / "p.strpk", ckpt) is None
+    config = json.loads((ckpt / "config.json").read_text())
+    config["hidden_activation"] = "gelu_pytorch_tanh"
+    (ckpt / "config.json").write_text(json.dumps(config))
+    reason = stale_reason(tmp_path / "p.strpk", ckpt)
+    assert reason == (
+        "it computes the experts with activation swiglu, and the model's config.json names "
+        "geglu_tanh"
+    )

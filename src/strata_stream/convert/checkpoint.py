@@ -504,6 +504,17 @@ def _activation(
     return "swiglu", 0.0, 0.0
 
 
+def converted_activation(model_dir: Path, gated: bool) -> tuple[str, float, float] | None:
+    """The activation (name, act_alpha, act_limit) converting `model_dir` writes for experts
+    with or without a gate; None where its config.json says none (the converter would refuse).
+    A pack converted by an older strata-stream may say another (pack_cache.stale_reason)."""
+    try:
+        config = read_config(model_dir)
+        return _activation(model_dir, config, str(config.get("model_type", "unknown")), gated)
+    except ConfigError:
+        return None
+
+
 def _matrix_format(
     model_dir: Path,
     layer: _Layer,

@@ -23,9 +23,11 @@ import hashlib
 import os
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 from strata_stream.convert import convert
+from strata_stream.convert.checkpoint import converted_activation
 from strata_stream.convert.share import WHOLE, Share
 from strata_stream.convert.source import source_mismatch
 from strata_stream.errors import ConfigError, PackError
@@ -58,10 +60,25 @@ def stale_reason(
         with ExpertPack.open(pack_path) as pack:
             model = pack.metadata.get("model")
             crc = pack.header.meta_crc
+            geometry = pack.geometry
     except PackError as e:
         return str(e)
     if not isinstance(model, dict):
         return "it was not converted from a model checkpoint"
+    # The same weights, converted by a strata-stream that wrote another activation for them
+    # (before pack format version 4, gemma4's experts were written as swiglu).
+    want = converted_activation(model_path, geometry.gated)
+    if want is not None:
+        name, alpha, limit = want
+        try:
+            now = replace(geometry, activation=name, act_alpha=alpha, act_limit=limit)
+        except ConfigError:
+            now = geometry
+        if now != geometry:
+            return (
+                f"it computes the experts with activation {geometry.activation}, and the "
+                f"model's config.json names {name}"
+            )
     return source_mismatch(pack_path, model, crc, model_path, share, progress)
 
 
