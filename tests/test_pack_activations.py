@@ -183,3 +183,10 @@ def test_reader_refuses_a_constant_a_new_kind_does_not_have(tmp_path: Path) -> N
     _rewrite(path, 1028, struct.unpack("<I", struct.pack("<f", 1.5))[0])
     with pytest.raises(PackError, match="header field act_alpha must be 0 for swiglu_clamp"):
         ExpertPack.open(path)
+
+
+def test_reader_refuses_a_missing_constant(tmp_path: Path) -> None:
+    path = _pack(tmp_path, _geometry("swiglu_clamp", 0, 0.75, True))
+    _rewrite(path, 1032, 0)
+    with pytest.raises(PackError, match="act_limit must be finite and positive for swiglu_clamp"):
+        ExpertPack.open(path)

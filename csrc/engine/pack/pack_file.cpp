@@ -317,15 +317,15 @@ void check_activation(const std::string& where, const PackLayout* L) {
   const bool limit = alpha || a == Activation::SwigluClamp;
   const bool v4 = std::uint32_t(a) > 1;
   const std::string name = activation_name(a);
-  auto check = [&](const char* field, float v, bool used) {
-    if (used && !(v > 0 && std::isfinite(v)))
-      bad(where, std::string("header field ") + field + " must be finite and positive for " +
-                     name);
-    if (v4 && !used && v != 0)
-      bad(where, std::string("header field ") + field + " must be 0 for " + name);
-  };
-  check("act_alpha", L->act_alpha, alpha);
-  check("act_limit", L->act_limit, limit);
+  auto positive = [](float v) { return v > 0 && std::isfinite(v); };
+  if (alpha && !(positive(L->act_alpha) && positive(L->act_limit)))
+    bad(where, "header fields act_alpha/act_limit must be finite and positive for " + name);
+  if (limit && !positive(L->act_limit))
+    bad(where, "header field act_limit must be finite and positive for " + name);
+  if (v4 && !alpha && L->act_alpha != 0)
+    bad(where, "header field act_alpha must be 0 for " + name);
+  if (v4 && !limit && L->act_limit != 0)
+    bad(where, "header field act_limit must be 0 for " + name);
   if ((a == Activation::Relu2) == L->gated)
     bad(where, L->gated ? "activation relu2 is for gateless experts (layout flag 1)"
                         : "gateless experts (layout flag 1) compute relu2 only, not " + name);
