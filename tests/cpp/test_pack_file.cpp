@@ -235,7 +235,7 @@ TEST_CASE("every fixed header field is checked and named") {
       {36, 4, 3, "header field routing is 3"},
       // routing 2 is valid (external: no routers), so router_bytes must then be 0.
       {36, 4, 2, "header field router_bytes is 16384 but the geometry and format imply 0"},
-      {1024, 4, 2, "header field activation is 2"},
+      {1024, 4, 9, "header field activation is 9"},
       {1036, 4, 4, "header field bias_format is 4"},
       {40, 4, 2, "header field norm_topk_prob is 2"},
       {44, 4, 6, "header field weight_format is 6"},
