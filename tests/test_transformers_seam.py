@@ -163,16 +163,17 @@ def test_another_activation_is_refused_by_name(tmp_path: Path) -> None:
     assert len(str(e.value).splitlines()) == 1
 
 
-def test_experts_without_a_gate_projection_are_one_line_naming_the_model_type() -> None:
+def test_experts_the_pack_cannot_hold_are_one_line_naming_the_model_type() -> None:
+    """ergo's experts normalise each expert's output after down_proj, which no pack holds."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
     from tests.model_coverage.transformers_matrix import tiny_config
 
-    config = tiny_config("nemotron_h")
+    config = tiny_config("ergo")
     model = causal_lm_class(config)._from_config(config)
     blocks = find_blocks(model)
     assert blocks
-    with pytest.raises(ConfigError, match=r"^nemotron_h: .* has no gate projection") as e:
-        family_of(getattr(blocks[0][1], blocks[0][2]), "nemotron_h")
+    with pytest.raises(ConfigError, match=r"^ergo: .* the pack's experts end at down_proj") as e:
+        family_of(getattr(blocks[0][1], blocks[0][2]), "ergo")
     assert len(str(e.value).splitlines()) == 1
 
 
