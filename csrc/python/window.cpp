@@ -342,6 +342,16 @@ py::dict prefetch_stats(Window& w) {
   // Mean wall time of a decode layer call with and without speculation, last trial.
   d["last_wall_on_s"] = none_if_negative(g.last_wall_on(), 1e-9);
   d["last_wall_off_s"] = none_if_negative(g.last_wall_off(), 1e-9);
+  // The per-layer gate: each layer's cap on reads started for it (None: none), last precision.
+  py::list caps, precision;
+  for (std::uint32_t l = 0; l < g.layers_seen(); ++l) {
+    caps.append(g.layer_cap(l) == PrefetchGovernor::kUnlimited ? py::object(py::none())
+                                                              : py::int_(g.layer_cap(l)));
+    precision.append(none_if_negative(g.layer_precision(l)));
+  }
+  d["layer_caps"] = caps;
+  d["layer_precision"] = precision;
+  d["layer_gates"] = g.layer_gates();
   return d;
 }
 

@@ -172,6 +172,9 @@ class PrefetchStats(TypedDict):
     deterministic: bool
     last_wall_on_s: float | None
     last_wall_off_s: float | None
+    layer_caps: list[int | None]  # per layer: its cap on reads started for it (None: none)
+    layer_precision: list[float | None]  # per layer: precision at its last judgement
+    layer_gates: int
 
 class Window:
     def __init__(

@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "common/errors.h"
+#include "exec/popularity.h"
 #include "policy/prefetch_governor.h"
 
 using namespace strata;
@@ -366,3 +368,127 @@ TEST_CASE("deterministic mode: the cap ignores wall time and contention, and run
   CHECK(run_until(c, w, GovernorState::Closed, 32));
 }
 
+
+// ---- the per-layer gate -----------------------------------------------------------------------
+
+namespace {
+
+// Decode over `precision.size()` layers: the handshake of layer l starts up to `wanted` reads
+// for layer l + 1 (as its cap allows), and the handshake of l + 1 uses a fraction precision[l+1]
+// of them. Returns the fraction of started reads never used, over `tokens` tokens.
+struct Layered {
+  std::vector<double> precision;
+  std::uint32_t wanted = 4;
+  std::uint64_t issued_total = 0, used_total = 0;
+  std::vector<double> carry;
+
+  double run(PrefetchGovernor& g, std::uint32_t tokens) {
+    const std::uint32_t L = std::uint32_t(precision.size());
+    carry.resize(L, 0);
+    std::vector<std::uint32_t> pending(L, 0);  // reads started for each layer, not yet judged
+    std::uint64_t issued0 = issued_total, used0 = used_total;
+    for (std::uint32_t t = 0; t < tokens; ++t)
+      for (std::uint32_t l = 0; l < L; ++l) {
+        GovernorSample s;
+        s.layer = l;
+        s.missed = true;
+        s.contended = true;
+        carry[l] += double(pending[l]) * precision[l];
+        s.used = std::uint64_t(std::floor(carry[l]));
+        carry[l] -= double(s.used);
+        pending[l] = 0;
+        if (l + 1 < L) {
+          s.issued = std::min(wanted, g.cap_for(l));
+          pending[l + 1] = std::uint32_t(s.issued);
+        }
+        issued_total += s.issued;
+        used_total += s.used;
+        g.observe(s);
+      }
+    const double issued = double(issued_total - issued0);
+    return issued > 0 ? 1.0 - double(used_total - used0) / issued : 0.0;
+  }
+};
+
+GovernorOptions gate_only(double layer_precision) {
+  GovernorOptions o;
+  o.epoch = 8;                // one token of 8 layers
+  o.min_issued = 1u << 30;    // the global rule never judges: the gate alone
+  o.trial_every = 0;
+  o.layer_precision = layer_precision;
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("the per-layer gate stops the layers whose predictions are mostly wrong") {
+  // Half the layers predicted well, half badly: about 40% of the reads unused without a gate.
+  Layered w;
+  w.precision = {1.0, 0.9, 0.3, 0.95, 0.2, 0.9, 0.4, 0.85};
+  PrefetchGovernor off(gate_only(0));
+  Layered control = w;
+  const double unused_without = control.run(off, 200);
+  CHECK(unused_without > 0.3);
+  CHECK(off.layer_gates() == 0);
+
+  PrefetchGovernor g(gate_only(0.75));
+  const double unused = w.run(g, 200);
+  CHECK(unused <= 0.25);
+  CHECK(g.layer_gates() > 0);
+  for (std::uint32_t l : {2u, 4u, 6u}) {  // gated, or probing on one read a handshake
+    CHECK(g.layer_cap(l) <= 1);
+    CHECK(g.cap_for(l - 1) <= 1);
+  }
+  for (std::uint32_t l : {1u, 3u, 5u, 7u}) {
+    CHECK_FALSE(g.layer_gated(l));
+    CHECK(g.cap_for(l - 1) == PrefetchGovernor::kUnlimited);
+    CHECK(g.layer_precision(l) >= 0.75);
+  }
+  // Gated layers are measured again now and then, each failure gating them longer, so the
+  // wasted probes thin out: far fewer gates than one per bad layer every gate_epochs tokens.
+  CHECK(g.layer_gates() < 3 * 200 / 8);
+}
+
+TEST_CASE("a gated layer whose predictions become right speculates again") {
+  Layered w;
+  w.precision = {1.0, 1.0, 0.2, 1.0};
+  GovernorOptions o = gate_only(0.75);
+  o.epoch = 4;
+  PrefetchGovernor g(o);
+  w.run(g, 20);
+  REQUIRE(g.layer_cap(2) <= 1);
+  w.precision[2] = 0.95;
+  w.run(g, 200);  // the gate ends within closed_epochs_max tokens and the next judgement passes
+  CHECK_FALSE(g.layer_gated(2));
+  CHECK(g.cap_for(1) == PrefetchGovernor::kUnlimited);
+  CHECK(g.layer_precision(2) >= 0.75);
+}
+
+TEST_CASE("samples without a layer leave the gate alone, and layer_precision is checked") {
+  PrefetchGovernor g(gate_only(0.75));
+  GovernorSample s;
+  s.issued = 100;
+  s.used = 0;
+  for (int i = 0; i < 20; ++i) g.observe(s);
+  CHECK(g.layer_gates() == 0);
+  CHECK(g.cap_for(0) == PrefetchGovernor::kUnlimited);
+  CHECK(g.layer_precision(1) == -1);
+  GovernorOptions bad = gate_only(1.5);
+  CHECK_THROWS_AS(PrefetchGovernor(bad), EngineError);
+}
+
+TEST_CASE("Predictions rank ties in the router's order, so a per-layer cap reads the likeliest",
+          "[governor]") {
+  Popularity p(8);
+  std::vector<std::int32_t> out;
+  // One decode row: router top-k best first; every expert chosen once.
+  const std::vector<std::int32_t> row = {6, 1, 4, 3};
+  p.rank(row.data(), std::uint32_t(row.size()), out, Popularity::Ties::Given);
+  CHECK(out == std::vector<std::int32_t>{6, 1, 4, 3});
+  // More votes still come first; the urgent order (ties to the lower id) is unchanged.
+  const std::vector<std::int32_t> rows = {6, 1, 4, 1, 3, 6};
+  p.rank(rows.data(), std::uint32_t(rows.size()), out, Popularity::Ties::Given);
+  CHECK(out == std::vector<std::int32_t>{6, 1, 4, 3});
+  p.rank(rows.data(), std::uint32_t(rows.size()), out);
+  CHECK(out == std::vector<std::int32_t>{1, 6, 3, 4});
+}

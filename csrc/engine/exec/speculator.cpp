@@ -47,10 +47,23 @@ Speculator::Speculator(ExpertStream& stream, Recorder& recorder, const Speculato
   gov_used_ = s.spec_hits.load(std::memory_order_relaxed);
 }
 
-std::uint32_t Speculator::cap() const {
+std::uint32_t Speculator::cap(std::uint32_t layer) const {
   // The governor judges by wall time and by whether reads overlapped: IO timing. When the
   // Window settles for deterministic moce routing, that timing must not reach what is read.
-  return opt_.prefetch_backoff && !settles_ ? governor_.cap() : PrefetchGovernor::kUnlimited;
+  return opt_.prefetch_backoff && !settles_ ? governor_.cap_for(layer)
+                                            : PrefetchGovernor::kUnlimited;
+}
+
+std::uint32_t Speculator::start_cap(std::uint32_t layer) const {
+  return opt_.prefetch_backoff && !settles_ ? governor_.layer_cap(layer)
+                                            : PrefetchGovernor::kUnlimited;
+}
+
+void Speculator::observe_start(std::uint32_t layer, std::uint64_t issued) {
+  gov_issued_ += issued;  // not the next handshake's: that one's are for the layer after it
+  if (!opt_.prefetch_backoff) return;
+  std::lock_guard<std::mutex> lk(mu_);
+  governor_.observe_start(layer, issued);
 }
 
 PrefetchGovernor Speculator::governor() const {
@@ -65,9 +78,13 @@ void Speculator::start_turn(ClientId client) {
   for (std::uint32_t layer = 0; layer < n; ++layer) {
     // Layer 0 is needed first: as many as one token uses. Later layers: a bounded head start.
     profile_ranked(layer, layer == 0 ? L_.top_k : L_.n_experts, profile_);
-    if (!profile_.empty())
-      stream_.request(client, layer, profile_.data(), profile_.size(), ReadClass::Profile, {},
-                      layer == 0 ? kUnlimitedReads : 32u);
+    if (profile_.empty()) continue;
+    // The governor judges these reads as the layer's (its per-layer cap bounds them too): they
+    // are otherwise the largest single source of unused reads.
+    const std::uint64_t before = stream_.stats().spec_requests.load(std::memory_order_relaxed);
+    stream_.request(client, layer, profile_.data(), profile_.size(), ReadClass::Profile, {},
+                    std::min(layer == 0 ? kUnlimitedReads : 32u, start_cap(layer)));
+    observe_start(layer, stream_.stats().spec_requests.load(std::memory_order_relaxed) - before);
   }
 }
 
@@ -87,10 +104,12 @@ void Speculator::fill(const ChunkPlan& p, std::uint32_t chunk, const std::int32_
   pred1_.clear();
   pred2_.clear();
   if (p.predict.next) {
-    popularity_.rank(pred1, n, pred1_);  // ordered by how many tokens chose each
+    // Ordered by how many tokens chose each, ties in the router's order (best first): a capped
+    // budget reads the likeliest.
+    popularity_.rank(pred1, n, pred1_, Popularity::Ties::Given);
     recorder_.note_predicted(p.layer + 1, chunk, pred1_);
   }
-  if (p.predict.two_layer) popularity_.rank(pred2, n, pred2_);
+  if (p.predict.two_layer) popularity_.rank(pred2, n, pred2_, Popularity::Ties::Given);
   profile_candidates(p.layer, p.rows, profile_);
   q.next_layer = pred1_.data();
   q.n_next_layer = pred1_.size();
@@ -165,7 +184,8 @@ bool Speculator::overlapped(const Watch& w) const {
          stream_.stats().spec_parts_started.load(std::memory_order_relaxed) > w.started_before;
 }
 
-void Speculator::observe(bool decode, bool missed, bool contended, std::uint64_t wall_ns) {
+void Speculator::observe(bool decode, bool missed, bool contended, std::uint64_t wall_ns,
+                         std::uint32_t layer) {
   const StreamStats& s = stream_.stats();
   const std::uint64_t issued = s.spec_requests.load(std::memory_order_relaxed);
   const std::uint64_t used = s.spec_hits.load(std::memory_order_relaxed);
@@ -176,6 +196,7 @@ void Speculator::observe(bool decode, bool missed, bool contended, std::uint64_t
   g.contended = contended;
   g.wall_ns = wall_ns;
   g.decode = decode;
+  g.layer = layer;
   gov_issued_ = issued;
   gov_used_ = used;
   if (!opt_.prefetch_backoff) return;

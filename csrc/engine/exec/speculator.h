@@ -53,11 +53,13 @@ class Speculator {
 
   // Whether IO settles before host points (see settle() in speculator.cpp).
   bool settles() const { return settles_; }
-  // New speculative reads the next handshake may start: the governor's cap, or unlimited.
-  std::uint32_t cap() const;
+  // New speculative reads the handshake of `layer` may start: the governor's cap there (which
+  // also gates layer + 1's speculation by its measured precision), or unlimited.
+  std::uint32_t cap(std::uint32_t layer) const;
   PrefetchGovernor governor() const;  // a snapshot, from any thread
 
-  // A turn opens: the start layers' favourites are queued as Profile reads.
+  // A turn opens: the start layers' favourites are queued as Profile reads, each layer's
+  // within its per-layer cap, and counted as that layer's evidence.
   void start_turn(ClientId client);
   // Waits for every queued and in-flight read before a host point that changes the slot table,
   // when the Window settles (timed into the layer's settle_ns).
@@ -77,8 +79,10 @@ class Speculator {
   Watch watch() const;
   bool overlapped(const Watch& w) const;
   // One handshake's evidence for the governor: a decode or a prompt one, whether its urgent
-  // reads missed, and whether speculation read meanwhile, and its layer call's wall time.
-  void observe(bool decode, bool missed, bool contended, std::uint64_t wall_ns);
+  // reads missed, and whether speculation read meanwhile, its layer call's wall time, and its
+  // layer (what it started is layer + 1's evidence, what it used its own).
+  void observe(bool decode, bool missed, bool contended, std::uint64_t wall_ns,
+               std::uint32_t layer);
 
  private:
   // Layer `layer`'s experts the profile has seen, most popular first (ties to the lower id),
@@ -91,6 +95,9 @@ class Speculator {
   // Every expert of `layer` published, in an arena that holds every expert of the pack (so it
   // stays so): a prediction of that layer would request and protect nothing.
   bool all_resident_for_good(std::uint32_t layer) const;
+  // The per-layer cap on the reads queued for `layer` at a turn's start, and their evidence.
+  std::uint32_t start_cap(std::uint32_t layer) const;
+  void observe_start(std::uint32_t layer, std::uint64_t issued);
 
   ExpertStream& stream_;
   Recorder& recorder_;

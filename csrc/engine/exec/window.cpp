@@ -248,7 +248,7 @@ ChunkPlan Window::plan(CallKind kind, std::uint32_t layer, std::uint32_t r0, std
     q.rounding = routed->rounding;
     q.distinct_experts = distinct;
   }
-  return plan_chunk(rules_, q, wave_capacity(), speculator_.cap());
+  return plan_chunk(rules_, q, wave_capacity(), speculator_.cap(q.layer));
 }
 
 // ---- the calls --------------------------------------------------------------------------------
@@ -495,7 +495,7 @@ void Window::run_decode(const ChunkPlan& p, std::uint32_t chunk, std::uint64_t v
     release2_.signal(v);
   }
   wait_device(done_, v, interrupt, spin_done_);
-  speculator_.observe(true, missed, contended, ns_since(start));
+  speculator_.observe(true, missed, contended, ns_since(start), p.layer);
 }
 
 void Window::run_waves(const ChunkPlan& p, std::uint32_t chunk, std::uint64_t v,
@@ -528,7 +528,7 @@ void Window::run_waves(const ChunkPlan& p, std::uint32_t chunk, std::uint64_t v,
     }
     wait_device(done_, v, interrupt, spin_done_);
   }
-  speculator_.observe(false, missed, contended, ns_since(start));
+  speculator_.observe(false, missed, contended, ns_since(start), p.layer);
 }
 
 bool Window::run_wave(const ChunkPlan& p, std::uint32_t chunk, std::uint32_t w,

@@ -1,6 +1,7 @@
 #include "policy/prefetch_governor.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "common/errors.h"
 
@@ -35,7 +36,8 @@ PrefetchGovernor::PrefetchGovernor(const GovernorOptions& options)
   if (!(opt_.trial_margin >= 0))
     throw EngineError(ErrorKind::Config, "prefetch governor: trial_margin must be >= 0");
   if (!(opt_.idle_precision >= 0 && opt_.idle_precision <= 1 && opt_.busy_precision >= 0 &&
-        opt_.busy_precision <= 1 && opt_.busy_fraction >= 0 && opt_.busy_fraction <= 1))
+        opt_.busy_precision <= 1 && opt_.busy_fraction >= 0 && opt_.busy_fraction <= 1 &&
+        opt_.layer_precision >= 0 && opt_.layer_precision <= 1))
     throw EngineError(ErrorKind::Config, "prefetch governor: thresholds must lie in [0, 1]");
 }
 
@@ -109,7 +111,77 @@ void PrefetchGovernor::end_trial() {
   }
 }
 
+double PrefetchGovernor::layer_precision(std::uint32_t layer) const {
+  return layer < layers_.size() ? layers_[layer].last : -1;
+}
+
+void PrefetchGovernor::observe_layer(const GovernorSample& s) {
+  if (s.layer == GovernorSample::kNoLayer || opt_.layer_precision <= 0) return;
+  if (layers_.size() < std::size_t(s.layer) + 2) layers_.resize(std::size_t(s.layer) + 2);
+  // What this handshake started is for the next layer; it is judged at that layer's handshake,
+  // once its urgent requests have had the chance to use it.
+  LayerEvidence& next = layers_[s.layer + 1];
+  if (next.gated_for == 0) {
+    next.issued += double(s.issued);
+    next.peak = std::max<std::uint32_t>(next.peak, std::uint32_t(std::min<std::uint64_t>(s.issued, 1u << 20)));
+    ++next.handshakes;
+  }
+  LayerEvidence& here = layers_[s.layer];
+  if (here.gated_for > 0) {  // a gate lasts this layer's handshakes: one per token in decode
+    if (--here.gated_for == 0) {
+      here.issued = here.used = 0;
+      here.handshakes = 0;
+      here.cap = 1;  // measured afresh on its best prediction alone
+      here.regated = true;
+    }
+    return;
+  }
+  here.used += double(s.used);
+  // A probe after a gate is judged on a quarter of the evidence: it reads one prediction a
+  // handshake, and a layer that failed before is most likely to fail again.
+  const std::uint32_t needed = here.regated ? std::max(opt_.layer_min_issued / 4, 1u)
+                                            : opt_.layer_min_issued;
+  if (here.issued < needed) return;
+  const double p = std::min(1.0, here.used / here.issued);
+  here.last = p;
+  const std::uint32_t typical = std::uint32_t(std::min<double>(
+      std::ceil(here.issued / std::max<std::uint32_t>(here.handshakes, 1)), double(1u << 20)));
+  here.issued = here.used = 0;
+  here.handshakes = 0;
+  if (p < opt_.layer_precision) {
+    // A lower cap reads only the likeliest predictions (the Window queues them best first).
+    const std::uint32_t from = here.cap == kUnlimited ? typical : here.cap;
+    if (from > 1) {
+      here.cap = from / 2;
+      return;
+    }
+    ++layer_gates_;
+    const std::uint32_t base = std::max(opt_.layer_gated_epochs, 1u);
+    const std::uint32_t longest = std::max(opt_.closed_epochs_max, base);
+    here.gate_epochs = here.regated ? std::min(longest, std::max(base, here.gate_epochs * 2)) : base;
+    here.gated_for = here.gate_epochs;
+    here.cap = 0;
+    here.regated = false;
+    return;
+  }
+  here.regated = false;
+  // Raised only with room to spare: a cap that doubles whenever it just passes would spend
+  // every other judgement above the bar's waste.
+  if (here.cap != kUnlimited && p >= opt_.layer_precision + (1 - opt_.layer_precision) / 2)
+    here.cap = here.cap * 2 >= here.peak ? kUnlimited : here.cap * 2;
+}
+
+void PrefetchGovernor::observe_start(std::uint32_t layer, std::uint64_t issued) {
+  if (opt_.layer_precision <= 0) return;
+  if (layers_.size() < std::size_t(layer) + 2) layers_.resize(std::size_t(layer) + 2);
+  LayerEvidence& e = layers_[layer];
+  if (e.gated_for > 0) return;
+  e.issued += double(issued);
+  e.peak = std::max<std::uint32_t>(e.peak, std::uint32_t(std::min<std::uint64_t>(issued, 1u << 20)));
+}
+
 void PrefetchGovernor::observe(const GovernorSample& s) {
+  observe_layer(s);
   if (state_ == GovernorState::Trial) {  // precision waits; see trial_sample
     trial_sample(s);
     return;

@@ -59,11 +59,29 @@
 // run, and every judgement uses the busy bar (busy_precision), as if each miss had waited
 // behind speculation, which in decode it nearly always does.
 //
+// 3. Per layer: the Window's handshake at layer l starts the speculative reads for layer l+1
+// (and l+2 under two-layer lookahead, and the profile's), and the urgent requests of the
+// handshake at l+1 use them. So a sample that names its layer gives evidence per target layer:
+// its `issued` counts toward layer l+1, its `used` toward layer l. Each target layer is judged
+// at its own handshake once at least layer_min_issued reads were started for it since its last
+// judgement: its measured precision (used / issued) against layer_precision. Below it, the
+// layer's own cap halves (from what it typically started per handshake), and since the Window
+// queues predictions best first (a router's top-k order), a smaller cap reads only the likelier
+// ones; at a cap of 1 still below, the layer is gated (cap 0) for layer_gated_epochs epochs (of
+// the Window's epoch: tokens in decode), then measured afresh on its best prediction alone, a
+// gate that fails again at once lasting twice as long (up to closed_epochs_max). At or above
+// the bar a capped layer's cap doubles, back to unlimited once it reaches the most the layer
+// ever started in one handshake. cap_for(l) is the lesser of the global cap and layer l+1's.
+// So unused speculative reads stay near 1 - layer_precision of those started where each
+// layer's precision persists, while the layers whose predictions are right keep their reads.
+// A sample without a layer (kNoLayer) feeds the global rule only.
+//
 // Not thread-safe: the Window's host thread owns it (every Window method runs on one thread).
 #pragma once
 
 #include <cstdint>
 #include <utility>
+#include <vector>
 
 #include "residency/slot.h"
 
@@ -95,6 +113,12 @@ struct GovernorOptions {
   std::uint32_t trial_arm_max = 4;     // epochs' worth of handshakes of any kind an arm may last
   // Timing-free: no trials, contention assumed (see "Deterministic mode" above).
   bool deterministic = false;
+  // Per-layer gate (3. above): the least precision a layer's speculation must show (0: no
+  // gate). Above the quarter of unused reads to aim for: the judgements are noisy, and the
+  // first reads of each layer and the probes after a gate are started before it can tell.
+  double layer_precision = 0.8;
+  std::uint32_t layer_min_issued = 16;  // reads a layer's judgement rests on
+  std::uint32_t layer_gated_epochs = 8;  // epochs a gated layer waits before it is measured again
 };
 
 // One handshake as the governor sees it. `issued` and `used` are deltas of the stream's
@@ -107,6 +131,9 @@ struct GovernorSample {
   bool contended = false;  // ...and speculative parts were in flight while the host waited
   std::uint64_t wall_ns = 0;  // wall time of the layer call
   bool decode = true;         // a decode handshake (trials compare only these)
+  // The handshake's layer: `issued` counts toward layer + 1's precision, `used` toward its own.
+  std::uint32_t layer = kNoLayer;
+  static constexpr std::uint32_t kNoLayer = 0xFFFFFFFFu;
 };
 
 class PrefetchGovernor {
@@ -117,8 +144,26 @@ class PrefetchGovernor {
 
   // New speculative reads the next handshake may start (kUnlimited while Open).
   std::uint32_t cap() const { return cap_; }
+  // The same at the handshake of `layer`: 0 while layer + 1 is gated for its precision.
+  std::uint32_t cap_for(std::uint32_t layer) const {
+    return layer + 1 < layers_.size() ? std::min(cap_, layers_[layer + 1].cap) : cap_;
+  }
+  // Layer `layer`'s own cap on the reads started for it (kUnlimited: none).
+  std::uint32_t layer_cap(std::uint32_t layer) const {
+    return layer < layers_.size() ? layers_[layer].cap : kUnlimited;
+  }
+  // Layer `layer`'s precision at its last judgement, -1 before one.
+  double layer_precision(std::uint32_t layer) const;
+  bool layer_gated(std::uint32_t layer) const {
+    return layer < layers_.size() && layers_[layer].gated_for > 0;
+  }
+  std::uint64_t layer_gates() const { return layer_gates_; }  // times a layer was gated
+  std::uint32_t layers_seen() const { return std::uint32_t(layers_.size()); }
   GovernorState state() const { return state_; }
   void observe(const GovernorSample& s);
+  // Speculative reads started for `layer` outside a handshake (a turn's start-layer reads):
+  // evidence for that layer's gate, judged at its handshake like the rest.
+  void observe_start(std::uint32_t layer, std::uint64_t issued);
 
   // Reporting.
   std::uint32_t peak() const { return peak_; }
@@ -144,6 +189,7 @@ class PrefetchGovernor {
   void begin_trial();
   void trial_sample(const GovernorSample& s);
   void end_trial();
+  void observe_layer(const GovernorSample& s);
 
   GovernorOptions opt_;
   GovernorState state_ = GovernorState::Open;
@@ -166,6 +212,22 @@ class PrefetchGovernor {
 
   std::uint64_t epochs_ = 0, cuts_ = 0, raises_ = 0, probes_ = 0, trials_ = 0;
   std::uint64_t abandoned_trials_ = 0;
+
+  // Per target layer (3. above): speculative reads started for it and used by it since its
+  // last judgement, over `handshakes`; its cap; gated_for: its handshakes left gated (0: not
+  // gated); gate_epochs: how long its last gate lasted; peak: the most one handshake started.
+  struct LayerEvidence {
+    double issued = 0, used = 0;
+    std::uint32_t handshakes = 0;
+    std::uint32_t cap = kUnlimitedReads;
+    std::uint32_t peak = 1;
+    std::uint32_t gated_for = 0;
+    std::uint32_t gate_epochs = 0;
+    bool regated = false;  // not judged since a gate ended
+    double last = -1;      // precision at the last judgement
+  };
+  std::vector<LayerEvidence> layers_;
+  std::uint64_t layer_gates_ = 0;
   double last_precision_ = -1, last_busy_ = -1, last_wall_on_ = -1, last_wall_off_ = -1;
 };
 
