@@ -78,6 +78,7 @@ void Speculator::start_turn(ClientId client) {
   for (std::uint32_t layer = 0; layer < n; ++layer) {
     // Layer 0 is needed first: as many as one token uses. Later layers: a bounded head start.
     profile_ranked(layer, layer == 0 ? L_.top_k : L_.n_experts, profile_);
+    if (layer == 0) hold_back_ranks(0, true, profile_);  // ranked best first too
     if (profile_.empty()) continue;
     // The governor judges these reads as the layer's (its per-layer cap bounds them too): they
     // are otherwise the largest single source of unused reads.
@@ -86,6 +87,39 @@ void Speculator::start_turn(ClientId client) {
                     std::min(layer == 0 ? kUnlimitedReads : 32u, start_cap(layer)));
     observe_start(layer, stream_.stats().spec_requests.load(std::memory_order_relaxed) - before);
   }
+}
+
+bool Speculator::rank_gate() const {
+  return opt_.prefetch_backoff && !settles_ && governor_.options().rank_precision > 0;
+}
+
+void Speculator::hold_back_ranks(std::uint32_t layer, bool scored,
+                                 std::vector<std::int32_t>& ranked) {
+  pending_.clear();
+  pending_layer_ = kNoPending;
+  if (!scored || !rank_gate()) return;
+  pending_layer_ = layer;
+  std::size_t kept = 0;
+  for (std::size_t r = 0; r < ranked.size(); ++r) {
+    const std::int32_t e = ranked[r];
+    // Only an absent expert would be read: a resident one is only touched, and stays listed.
+    const bool absent = stream_.where(layer, e) < 0;
+    if (absent) pending_.push_back({std::uint32_t(r), e});
+    if (absent && governor_.rank_gated(layer, std::uint32_t(r))) continue;
+    ranked[kept++] = e;
+  }
+  ranked.resize(kept);
+}
+
+void Speculator::score_ranks(std::uint32_t layer, bool whole, const std::int32_t* urgent,
+                             std::size_t n) {
+  if (layer == pending_layer_ && whole && !pending_.empty()) {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (const auto& [rank, e] : pending_)
+      governor_.observe_rank(layer, rank, std::find(urgent, urgent + n, e) != urgent + n);
+  }
+  pending_.clear();
+  pending_layer_ = kNoPending;
 }
 
 void Speculator::settle(std::uint32_t layer, const InterruptCheck& interrupt) {
@@ -99,6 +133,7 @@ void Speculator::settle(std::uint32_t layer, const InterruptCheck& interrupt) {
 void Speculator::fill(const ChunkPlan& p, std::uint32_t chunk, const std::int32_t* pred1,
                       const std::int32_t* pred2, bool first, bool last, HandshakeRequest& q) {
   q.publish = first;  // I2: completed prefetches of l+1..l+2, at the chunk's first host point
+  score_ranks(p.layer, first && last && p.rows == 1, q.urgent, q.n_urgent);
   if (!last) return;  // the predictions queue behind the chunk's last urgent reads
   const std::uint32_t n = p.rows * L_.top_k;
   pred1_.clear();
@@ -108,6 +143,7 @@ void Speculator::fill(const ChunkPlan& p, std::uint32_t chunk, const std::int32_
     // budget reads the likeliest.
     popularity_.rank(pred1, n, pred1_, Popularity::Ties::Given);
     recorder_.note_predicted(p.layer + 1, chunk, pred1_);
+    hold_back_ranks(p.layer + 1, first && p.rows == 1, pred1_);
   }
   if (p.predict.two_layer) popularity_.rank(pred2, n, pred2_, Popularity::Ties::Given);
   profile_candidates(p.layer, p.rows, profile_);

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "exec/chunk_plan.h"
@@ -98,6 +99,14 @@ class Speculator {
   // The per-layer cap on the reads queued for `layer` at a turn's start, and their evidence.
   std::uint32_t start_cap(std::uint32_t layer) const;
   void observe_start(std::uint32_t layer, std::uint64_t issued);
+  // The per-rank gate (prefetch_governor.h, 4.). hold_back_ranks: drops from `ranked` (layer
+  // `layer`'s predictions, best first) the absent ones whose rank is gated, and keeps every
+  // absent one as evidence for `layer`'s next handshake, when `scored` (one row, its whole
+  // urgent request in one handshake); score_ranks, at that handshake, tells the governor which
+  // of them its urgent request chose.
+  bool rank_gate() const;
+  void hold_back_ranks(std::uint32_t layer, bool scored, std::vector<std::int32_t>& ranked);
+  void score_ranks(std::uint32_t layer, bool whole, const std::int32_t* urgent, std::size_t n);
 
   ExpertStream& stream_;
   Recorder& recorder_;
@@ -111,6 +120,11 @@ class Speculator {
   PrefetchGovernor governor_;  // mu_ for writes and other threads' reads
   // The stream's spec_requests / spec_hits at the last governor sample (deltas feed it).
   std::uint64_t gov_issued_ = 0, gov_used_ = 0;
+  // The rank gate's evidence awaiting layer pending_layer_'s handshake: (rank, expert) of each
+  // prediction that was absent when made.
+  static constexpr std::uint32_t kNoPending = 0xFFFFFFFFu;
+  std::uint32_t pending_layer_ = kNoPending;
+  std::vector<std::pair<std::uint32_t, std::int32_t>> pending_;
 };
 
 }  // namespace strata

@@ -37,8 +37,9 @@ PrefetchGovernor::PrefetchGovernor(const GovernorOptions& options)
     throw EngineError(ErrorKind::Config, "prefetch governor: trial_margin must be >= 0");
   if (!(opt_.idle_precision >= 0 && opt_.idle_precision <= 1 && opt_.busy_precision >= 0 &&
         opt_.busy_precision <= 1 && opt_.busy_fraction >= 0 && opt_.busy_fraction <= 1 &&
-        opt_.layer_precision >= 0 && opt_.layer_precision <= 1))
-    throw EngineError(ErrorKind::Config, "prefetch governor: thresholds must lie in [0, 1]");
+        opt_.layer_precision >= 0 && opt_.layer_precision <= 1 && opt_.rank_precision >= 0 &&
+        opt_.rank_precision <= 1 && opt_.rank_decay > 0 && opt_.rank_decay <= 1))
+    throw EngineError(ErrorKind::Config, "prefetch governor: thresholds and rank_decay must lie in [0, 1] (rank_decay above 0)");
 }
 
 void PrefetchGovernor::start_epoch() {
@@ -178,6 +179,30 @@ void PrefetchGovernor::observe_start(std::uint32_t layer, std::uint64_t issued) 
   if (e.gated_for > 0) return;
   e.issued += double(issued);
   e.peak = std::max<std::uint32_t>(e.peak, std::uint32_t(std::min<std::uint64_t>(issued, 1u << 20)));
+}
+
+void PrefetchGovernor::observe_rank(std::uint32_t layer, std::uint32_t rank, bool chosen) {
+  if (opt_.rank_precision <= 0) return;
+  if (ranks_.size() <= layer) ranks_.resize(std::size_t(layer) + 1);
+  auto& row = ranks_[layer];
+  if (row.size() <= rank) row.resize(std::size_t(rank) + 1);
+  RankEvidence& e = row[rank];
+  e.trials = e.trials * opt_.rank_decay + 1;
+  e.chosen = e.chosen * opt_.rank_decay + (chosen ? 1 : 0);
+  ++e.seen;
+}
+
+bool PrefetchGovernor::rank_gated(std::uint32_t layer, std::uint32_t rank) const {
+  if (opt_.rank_precision <= 0 || layer >= ranks_.size() || rank >= ranks_[layer].size())
+    return false;
+  const RankEvidence& e = ranks_[layer][rank];
+  return e.seen >= opt_.rank_min_trials && e.chosen < opt_.rank_precision * e.trials;
+}
+
+double PrefetchGovernor::rank_precision(std::uint32_t layer, std::uint32_t rank) const {
+  if (layer >= ranks_.size() || rank >= ranks_[layer].size()) return -1;
+  const RankEvidence& e = ranks_[layer][rank];
+  return e.seen ? e.chosen / e.trials : -1;
 }
 
 void PrefetchGovernor::observe(const GovernorSample& s) {

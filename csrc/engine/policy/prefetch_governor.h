@@ -76,6 +76,20 @@
 // layer's precision persists, while the layers whose predictions are right keep their reads.
 // A sample without a layer (kNoLayer) feeds the global rule only.
 //
+// 4. Per prediction rank: within a layer the predictions are not alike. A decode token's
+// prediction is router l+1's top-k on layer l's input, best first, and its first ranks are
+// right far more often than its last (the last ones are where a small change of the input
+// swaps experts across the top-k boundary). So each (target layer, rank) keeps its own
+// precision: of the predictions at that rank that were not in the arena when they were
+// predicted (those a read would start for), the share the target layer's urgent request then
+// chose. It is measured whether or not the read was started (observe_rank), so a rank held
+// back keeps gathering evidence and comes back as soon as it predicts well: no probes, and no
+// read spent to find out. A rank whose decayed precision (rank_decay per observation) falls
+// below rank_precision, once it rests on rank_min_trials observations, is not read
+// (rank_gated); the ranks above it still are. Where the per-layer gate (3.) can only halve a
+// layer's reads, dropping its right predictions with its wrong ones (each a stall more), this
+// drops the wrong-most ranks alone.
+//
 // Not thread-safe: the Window's host thread owns it (every Window method runs on one thread).
 #pragma once
 
@@ -114,11 +128,22 @@ struct GovernorOptions {
   // Timing-free: no trials, contention assumed (see "Deterministic mode" above).
   bool deterministic = false;
   // Per-layer gate (3. above): the least precision a layer's speculation must show (0: no
-  // gate). Above the quarter of unused reads to aim for: the judgements are noisy, and the
-  // first reads of each layer and the probes after a gate are started before it can tell.
-  double layer_precision = 0.8;
+  // gate). Off by default: halving a layer's reads drops its right predictions with its wrong
+  // ones, each a stall more, and the per-rank gate (4.) takes the wrong ones alone for fewer
+  // stalls at any share of unused reads. A bar for it sits above the quarter of unused reads
+  // to aim for: its judgements are noisy, and the first reads of each layer and the probes
+  // after a gate are started before it can tell.
+  double layer_precision = 0;
   std::uint32_t layer_min_issued = 16;  // reads a layer's judgement rests on
   std::uint32_t layer_gated_epochs = 8;  // epochs a gated layer waits before it is measured again
+  // Per-rank gate (4. above): the least precision a prediction rank must show to be read (0:
+  // no gate), the observations its judgement needs, and how fast old ones fade (0.97: an
+  // observation weighs half once 23 more of its rank's have come). The bar is the busy SSD's break-even of
+  // 1. above: below it a read wastes more urgent bandwidth than it saves stalls; a higher bar
+  // cuts more unused reads at the price of more urgent misses.
+  double rank_precision = 0.5;
+  std::uint32_t rank_min_trials = 8;
+  double rank_decay = 0.97;
 };
 
 // One handshake as the governor sees it. `issued` and `used` are deltas of the stream's
@@ -164,6 +189,13 @@ class PrefetchGovernor {
   // Speculative reads started for `layer` outside a handshake (a turn's start-layer reads):
   // evidence for that layer's gate, judged at its handshake like the rest.
   void observe_start(std::uint32_t layer, std::uint64_t issued);
+  // A prediction for `layer` at `rank` (0: the best) that was absent from the arena when made:
+  // whether `layer`'s urgent request then chose it (4. above).
+  void observe_rank(std::uint32_t layer, std::uint32_t rank, bool chosen);
+  // Whether an absent prediction for `layer` at `rank` is left unread for its precision.
+  bool rank_gated(std::uint32_t layer, std::uint32_t rank) const;
+  // Its decayed precision, -1 before any observation.
+  double rank_precision(std::uint32_t layer, std::uint32_t rank) const;
 
   // Reporting.
   std::uint32_t peak() const { return peak_; }
@@ -227,6 +259,12 @@ class PrefetchGovernor {
     double last = -1;      // precision at the last judgement
   };
   std::vector<LayerEvidence> layers_;
+  // Per target layer, per rank (4. above): decayed observations and of them the chosen ones.
+  struct RankEvidence {
+    double trials = 0, chosen = 0;
+    std::uint32_t seen = 0;  // observations, undecayed (the judgement's evidence threshold)
+  };
+  std::vector<std::vector<RankEvidence>> ranks_;
   std::uint64_t layer_gates_ = 0;
   double last_precision_ = -1, last_busy_ = -1, last_wall_on_ = -1, last_wall_off_ = -1;
 };
