@@ -26,6 +26,7 @@ transformers = pytest.importorskip("transformers")
 from strata_stream.errors import ConfigError  # noqa: E402
 from strata_stream.transformers import describe, load  # noqa: E402
 from strata_stream.transformers import engine as engine_module  # noqa: E402
+from strata_stream.transformers.experts import StreamedExperts  # noqa: E402
 from strata_stream.transformers.families import (  # noqa: E402
     Router,
     family_of,
@@ -33,7 +34,6 @@ from strata_stream.transformers.families import (  # noqa: E402
     find_router,
     is_experts_module,
 )
-from strata_stream.transformers.experts import StreamedExperts  # noqa: E402
 from strata_stream.transformers.loader import causal_lm_class  # noqa: E402
 from strata_stream.transformers.random_model import make_checkpoint  # noqa: E402
 from test_transformers_families import BASE, Family, generate, logits  # noqa: E402

@@ -100,9 +100,9 @@ class ArenaBudget:
     the kernel cannot reclaim, the dense weights the front-end has loaded among it (0 outside a
     container, where `memory` is already what is free); scratch: the engine's buffers for a
     prompt chunk of MAX_ROWS rows; kv: KV_SHARE of what is left (memory - in_use), for the KV
-    cache and activations; margin: MARGIN_SHARE of it, at least MARGIN_MIN. dense: the bytes of the dense weights the
-    front-end reported holding; they are counted once, inside in_use where they are resident,
-    and only the part in_use does not hold yet where they are not."""
+    cache and activations; margin: MARGIN_SHARE of it, at least MARGIN_MIN. dense: the bytes of
+    the dense weights the front-end reported holding; they are counted once, inside in_use
+    where they are resident, and only the part in_use does not hold yet where they are not."""
 
     arena: int
     source: str  # "requested", "container", or what `memory` is ("memory", "GPU memory")
