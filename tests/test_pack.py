@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 import zlib
 from pathlib import Path
@@ -556,3 +557,37 @@ def test_every_header_the_writer_makes_parses_to_what_it_wrote(header: PackHeade
     assert fields["layer_class"] == list(header.layer_class)
     with pytest.raises(PackError, match="^pack written: file is .* but header field file_bytes"):
         _core.read_layout(data, "pack written", header.file_bytes + 1)
+
+
+def test_each_matrix_format_divides_its_own_input_width_alone(tmp_path: Path) -> None:
+    """mlx-lm quantizes a matrix only where the group size divides its input width: at a
+    moe_intermediate of 32, gate and up (input hidden) are q4 g64 and down (input 32) stays
+    float. Both readers take that pack, and the CPU backend computes it as from the floats'
+    own quantization; a q4 g64 down at that width is refused by name."""
+    from strata_stream import ExpertStream, Window, _core
+    from strata_stream.pack.header import MatrixFormat
+
+    geometry = dataclasses.replace(GEOM, moe_intermediate=32)
+    q4, f32 = MatrixFormat("q4", 64, "f16"), MatrixFormat("f32")
+    path = write(tmp_path, geometry=geometry, layer_formats=((q4, q4, f32),) * geometry.n_layers)
+    assert _core.read_layout(str(path))["record_bytes"] > 0
+    # The oracle: the same experts in f32, gate and up as their q4 g64 values.
+    from strata_stream.pack.quant import dequantize
+
+    raw = float_experts(geometry)
+
+    def as_stored(layer: int, e: int) -> tuple[npt.NDArray[np.float32], ...]:
+        g, u, d = raw(layer, e)
+        return (*(dequantize(quantize(m, 64, 4, "f16")) for m in (g, u)), d)
+
+    oracle = write(tmp_path, "f32.strpk", geometry=geometry, experts=as_stored)
+    x = np.random.default_rng(1).standard_normal((3, geometry.hidden)).astype(np.float32)
+    outs = []
+    for p in (path, oracle):
+        with ExpertStream(p) as stream, Window(stream) as w, w.turn():
+            outs.append([w.moe(layer, x) for layer in range(geometry.n_layers)])
+    for got, want in zip(*outs, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    with pytest.raises(ConfigError, match="moe_intermediate 32 is not a multiple of group_size"):
+        write(tmp_path, "bad.strpk", geometry=geometry,
+              layer_formats=((q4, q4, q4),) * geometry.n_layers)  # fmt: skip

@@ -92,8 +92,13 @@ std::uint64_t float_bytes(std::uint32_t fmt) { return fmt == 0 ? 4 : 2; }
 
 // One matrix format, checked against the geometry: the pack's own fields (`where` empty) or a
 // version 3 format class's ("format class C gate: ").
+// The widths a matrix's groups run along (its input width): gate and up read hidden, down reads
+// moe_intermediate; a format for every matrix must divide both.
+enum class Widths { GateUp, Down, All };
+
 MatrixFormat checked_format(const std::string& pack, const std::string& where, std::uint32_t fmt,
-                            std::uint32_t group, std::uint32_t scale, const PackLayout& L) {
+                            std::uint32_t group, std::uint32_t scale, const PackLayout& L,
+                            Widths widths = Widths::All) {
   if (fmt > 5)
     bad(pack, where + field_value("weight_format", fmt) +
                   " (known: 0 f32, 1 f16, 2 bf16, 3 q4, 4 q8, 5 mxfp4)");
@@ -112,10 +117,10 @@ MatrixFormat checked_format(const std::string& pack, const std::string& where, s
   if (quant) {
     if (group != 32 && group != 64 && group != 128)
       bad(pack, where + field_value("group_size", group) + " (expected 32, 64 or 128)");
-    if (L.hidden % group)
+    if (widths != Widths::Down && L.hidden % group)
       bad(pack, where + field_value("hidden", L.hidden) + ", not a multiple of group_size " +
                     std::to_string(group));
-    if (L.moe_intermediate % group)
+    if (widths != Widths::GateUp && L.moe_intermediate % group)
       bad(pack, where + field_value("moe_intermediate", L.moe_intermediate) +
                     ", not a multiple of group_size " + std::to_string(group));
   }
@@ -138,7 +143,8 @@ void read_format_classes(const std::string& pack, const unsigned char* h,
       const std::string where =
           "format class " + std::to_string(c) + " " + kMatrix[mat] + ": ";
       formats[mat] = checked_format(pack, where, load<std::uint32_t>(p),
-                                    load<std::uint32_t>(p + 4), load<std::uint32_t>(p + 8), *L);
+                                    load<std::uint32_t>(p + 4), load<std::uint32_t>(p + 8), *L,
+                                    mat == 2 ? Widths::Down : Widths::GateUp);
     }
     L->classes.push_back(formats);
   }
@@ -468,11 +474,15 @@ PackLayout decode_pack_header(const unsigned char* h, std::size_t n, const std::
                    " needs format version 4 (the header says " + std::to_string(version) + ")");
   if (version == kFeaturePackVersion && !L.extended())
     bad(where, "version 4 header whose experts are gated swiglu or swiglu_oai (version 2 or 3)");
-  const MatrixFormat pack_format =
-      checked_format(where, "", codes.fmt, L.group_size, L.scale_format, L);
+  const bool has_classes =
+      version == kMixedPackVersion ||
+      (version == kFeaturePackVersion && load<std::uint32_t>(h + kFormatsOffset) != 0);
+  // With classes the pack format is class 0's gate: only its own width applies.
+  const MatrixFormat pack_format = checked_format(where, "", codes.fmt, L.group_size,
+                                                  L.scale_format, L,
+                                                  has_classes ? Widths::GateUp : Widths::All);
   L.weight_format = pack_format.format;
-  if (version == kMixedPackVersion ||
-      (version == kFeaturePackVersion && load<std::uint32_t>(h + kFormatsOffset) != 0))
+  if (has_classes)
     read_format_classes(where, h, pack_format, &L);
   else
     L.classes.assign(1, LayerFormat{pack_format, pack_format, pack_format});

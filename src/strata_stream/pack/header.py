@@ -172,8 +172,19 @@ class TensorEntry:
         }
 
 
+# The widths a matrix's groups run along (its input width): gate and up read hidden, down reads
+# moe_intermediate; a format for every matrix must divide both.
+GATE_UP_WIDTHS = ("hidden",)
+DOWN_WIDTHS = ("moe_intermediate",)
+ALL_WIDTHS = ("hidden", "moe_intermediate")
+
+
 def normalize_format(
-    geometry: Geometry, weight_format: str, group_size: int, scale_dtype: str | None
+    geometry: Geometry,
+    weight_format: str,
+    group_size: int,
+    scale_dtype: str | None,
+    widths: tuple[str, ...] = ALL_WIDTHS,
 ) -> tuple[int, str | None]:
     """Check a weight format against a geometry; returns the (group_size, scale_dtype) to store.
 
@@ -202,7 +213,7 @@ def normalize_format(
             f"scale_dtype must be one of {', '.join(SCALE_FORMATS)} for {weight_format}, "
             f"got {scale_dtype!r}"
         )
-    for name in ("hidden", "moe_intermediate"):
+    for name in widths:
         value = getattr(geometry, name)
         if value % group_size:
             raise ConfigError(
@@ -221,8 +232,12 @@ class MatrixFormat:
     group_size: int = 0
     scale_dtype: str | None = None
 
-    def normalized(self, geometry: Geometry) -> MatrixFormat:
-        gs, sd = normalize_format(geometry, self.weight_format, self.group_size, self.scale_dtype)
+    def normalized(
+        self, geometry: Geometry, widths: tuple[str, ...] = ALL_WIDTHS
+    ) -> MatrixFormat:
+        gs, sd = normalize_format(
+            geometry, self.weight_format, self.group_size, self.scale_dtype, widths
+        )
         return MatrixFormat(self.weight_format, gs, sd)
 
     def describe(self) -> str:
@@ -330,7 +345,11 @@ class PackHeader:
     def __post_init__(self) -> None:
         g = self.geometry
         per_layer = tuple(
-            (lf[0].normalized(g), lf[1].normalized(g), lf[2].normalized(g))
+            (
+                lf[0].normalized(g, GATE_UP_WIDTHS),
+                lf[1].normalized(g, GATE_UP_WIDTHS),
+                lf[2].normalized(g, DOWN_WIDTHS),
+            )
             for lf in self.layer_formats
         )
         if per_layer and len(per_layer) != g.n_layers:
@@ -348,7 +367,9 @@ class PackHeader:
             object.__setattr__(self, "weight_format", first.weight_format)
             object.__setattr__(self, "group_size", first.group_size)
             object.__setattr__(self, "scale_dtype", first.scale_dtype)
-        gs, sd = normalize_format(g, self.weight_format, self.group_size, self.scale_dtype)
+        # With classes the pack format is the first layer's gate: only its own width applies.
+        widths = GATE_UP_WIDTHS if classes else ALL_WIDTHS
+        gs, sd = normalize_format(g, self.weight_format, self.group_size, self.scale_dtype, widths)
         if self.bias_dtype is not None and self.bias_dtype not in BIAS_FORMATS:
             raise ConfigError(
                 f"bias_dtype must be one of {', '.join(BIAS_FORMATS)} or None, "
