@@ -611,6 +611,7 @@ def test_cuda_without_a_gpu_is_a_clear_config_error(tmp_path: Path) -> None:
             assert w.stats()["backend"] == "cpu"
 
 
+@cuda
 def test_stats_show_the_tuning_the_backend_read_when_it_was_made(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
