@@ -621,19 +621,7 @@ def _header_of(fields: Layout, where: str) -> PackHeader:
     pack_format = classes[0][0]
     bias_format = fields["bias_format"]
     try:
-        geometry = Geometry(
-            n_layers=fields["n_layers"],
-            n_experts=fields["n_experts"],
-            top_k=fields["top_k"],
-            hidden=fields["hidden"],
-            moe_intermediate=fields["moe_intermediate"],
-            routing=fields["routing"],
-            norm_topk_prob=fields["norm_topk_prob"],
-            activation=fields["activation"],
-            act_alpha=fields["act_alpha"],
-            act_limit=fields["act_limit"],
-            gated=fields["gated"],
-        )
+        geometry = Geometry.from_dict(dict(fields))
         header = PackHeader(
             geometry,
             pack_format.weight_format,
