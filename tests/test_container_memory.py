@@ -275,20 +275,7 @@ def test_this_machine_reads_without_error() -> None:
 def test_a_real_v1_memory_cgroup_refuses_an_explicit_arena_beyond_it(tmp_path: Path) -> None:
     """The real files: a child memory cgroup (v1, as root) with a 512 MiB limit; a process in it
     asking for a 4 GiB arena gets the ConfigError, before anything is mapped."""
-    import uuid
-
-    v1 = container_memory.VERSIONS[1]
-    own = Path(container_memory.CGROUP_ROOT, v1.mount, container_memory._cgroup_path(v1).strip("/"))
-    if os.geteuid() != 0 or not (own / v1.limit).exists():
-        pytest.skip("needs root and the cgroup v1 memory controller")
-    child = own / f"strata-test-{uuid.uuid4().hex[:12]}"
-    try:
-        child.mkdir()
-        (child / v1.limit).write_text(f"{512 << 20}\n")
-    except OSError as e:
-        if child.exists():
-            child.rmdir()
-        pytest.skip(f"cannot make a memory cgroup here: {e}")
+    child = _v1_child_cgroup(512 << 20)
     script = f"""
 import os, sys
 with open({str(child / "cgroup.procs")!r}, "w") as f:
