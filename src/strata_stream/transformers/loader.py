@@ -161,6 +161,51 @@ def generation_class(config: Any, where: object = "") -> type[Any]:
     )
 
 
+def model_class_for(config: Any, model_class: Any, where: object = "") -> type[Any]:
+    """The class `load(..., model_class=...)` builds for `config`: an Auto class (AutoModel,
+    AutoModelForTokenClassification, ...) resolved as the library resolves it (`_class_of`:
+    its table, else, for an ``AutoModelFor<Head>``, a ``*For<Head>`` class the config's
+    `architectures` or the model type's own modeling module names), or a model class that takes
+    this config or its text_config. ConfigError (one line) naming the model type and the class
+    where transformers cannot build that class from this config."""
+    from transformers import PreTrainedModel
+    from transformers.models.auto import auto_factory
+    from transformers.models.auto.auto_factory import _BaseAutoModelClass
+
+    prefix = f"{where}: " if where else ""
+    model_type = getattr(config, "model_type", None) or "unknown"
+    name = getattr(model_class, "__name__", None) or " ".join(repr(model_class).split())[:80]
+    if isinstance(model_class, type) and issubclass(model_class, _BaseAutoModelClass):
+        head = name.removeprefix("AutoModel")
+        mapping: Any = model_class._model_mapping  # noqa: SLF001 - its class table
+        found: type[Any] | None = None
+        if head.startswith("For"):
+            found = _class_of(config, model_class, head)
+        elif type(config) in mapping:  # AutoModel: its table alone
+            found = auto_factory._get_model_class(config, mapping)  # type: ignore[no-untyped-call]
+        if found is None:
+            raise ConfigError(
+                f"{prefix}model_class {name}: transformers maps no class for "
+                f"{type(config).__name__} (model type {model_type})"
+            )
+        cls: type[Any] = found
+    elif isinstance(model_class, type) and issubclass(model_class, PreTrainedModel):
+        cls = model_class
+    else:
+        raise ConfigError(
+            f"{prefix}model_class {name}: not a transformers model class or Auto class (model "
+            f"type {model_type})"
+        )
+    takes = getattr(cls, "config_class", None)
+    if not (isinstance(takes, type) and isinstance(config_for(cls, config), takes)):
+        raise ConfigError(
+            f"{prefix}model_class {cls.__name__}: transformers cannot build it from "
+            f"{type(config).__name__} (model type {model_type}; it takes "
+            f"{getattr(takes, '__name__', 'no config class')})"
+        )
+    return cls
+
+
 def config_for(cls: type[Any], config: Any) -> Any:
     """The config `cls` takes: a multimodal config's text_config where the causal LM is the
     text model's (as AutoModelForCausalLM does, the parent's quantization_config kept)."""
@@ -272,6 +317,7 @@ def load(
     pack_path: str | os.PathLike[str] | None = None,
     config: StreamConfig | None = None,
     progress: bool = True,
+    model_class: type[Any] | None = None,
     **from_pretrained_kwargs: Any,
 ) -> Any:
     """As ``AutoModelForCausalLM.from_pretrained(path_or_repo, dtype=dtype, **kwargs)``, with
@@ -290,6 +336,11 @@ def load(
     StreamConfig (default: from the environment); arena_bytes wins over config.arena_bytes.
     pack_path: the pack of this model (default: converted on first load into
     strata_stream.paths.cache_dir(), with progress when `progress`).
+    model_class: the class to build, for a checkpoint whose model is not a text generator (a
+    text sub-config's AutoModel, a token-classification head): a transformers Auto class such
+    as ``transformers.AutoModel`` (resolved for this config as the library resolves it) or a
+    model class that takes this config (`model_class_for`). Default: `generation_class`. The
+    same experts modules stream, from the same pack, in the same arena.
     The model works unchanged with generate (greedy and sampling), streamers and caches;
     `model.strata_engine` holds the engine (`.window.stats()`, `.close()`).
     """
@@ -310,7 +361,16 @@ def load(
     hf_config = AutoConfig.from_pretrained(
         model_path, trust_remote_code=kwargs.get("trust_remote_code", False)
     )
-    base = generation_class(hf_config, model_path)
+    if model_class is not None:
+        base = model_class_for(hf_config, model_class, model_path)
+    else:
+        try:
+            base = generation_class(hf_config, model_path)
+        except ConfigError as e:
+            raise ConfigError(
+                f"{e}; to stream it as another of its classes, pass model_class= (e.g. "
+                "transformers.AutoModel, or one of those classes)"
+            ) from None
     hf_config = config_for(base, hf_config)
     quant = getattr(hf_config, "quantization_config", None)
     method = (
