@@ -6,8 +6,9 @@ transposed experts with biases and clamped SwiGLU, DeepSeek-style group-limited 
 with shared experts, per-expert checkpoints' families, hybrid linear attention, multimodal
 configs whose causal LM is the text model, the causal-LM class found beyond
 AutoModelForCausalLM's table, a vision model generating through its image-text-to-text class,
-its text sub-config covered by that row, the activations of pack format version 4 and its
-gateless experts, and experts the pack cannot hold).
+its text sub-config, which has no generation class and streams as its AutoModel, the
+activations of pack format version 4 and its gateless experts, and experts the pack cannot
+hold).
 ``STRATA_MATRIX=all`` runs every experts-interface type the installed transformers ships.
 
 The tiny-config builder's rules (shrink from the library's defaults, keep their relations,
@@ -32,19 +33,20 @@ pytest.importorskip("transformers")
 # The matrix runs as `python -m tests.model_coverage.transformers_matrix` from the repository root.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.model_coverage.transformers_matrix import SUB_CONFIG, candidates, run_type  # noqa: E402
+from tests.model_coverage.transformers_matrix import candidates, run_type  # noqa: E402
 
 # The seams the sample must stream exactly, one the pack cannot hold (refused by name), and a
-# text sub-config with no generation class of its own (its parent, in EXACT, covers it).
+# text sub-config with no generation class of its own (load's model_class=AutoModel: its last
+# hidden state is compared, and it has no greedy tokens).
 EXACT = ["qwen3_moe", "gpt_oss", "deepseek_v3", "mixtral", "qwen3_next", "qwen3_5_moe", "mistral4",
          "qwen3_vl_moe",
          # pack format version 4: gateless experts (relu2), SwiGLU between clamps, GELU-tanh
          # GLU, softcapped SwiGLU
          "nemotron_h", "hy_v4", "gemma4_text", "inkling2_text"]  # fmt: skip
 REFUSED = ["ergo"]
-SUB_CONFIGS = {"qwen3_vl_moe_text": "qwen3_vl_moe"}
+NO_GENERATION = {"qwen3_vl_moe_text": "AutoModel's Qwen3VLMoeTextModel last_hidden_state"}
 TYPES = (
-    candidates() if os.environ.get("STRATA_MATRIX") == "all" else [*EXACT, *REFUSED, *SUB_CONFIGS]
+    candidates() if os.environ.get("STRATA_MATRIX") == "all" else [*EXACT, *REFUSED, *NO_GENERATION]
 )
 
 
@@ -56,8 +58,10 @@ def test_model_type_streams_exactly_or_says_why(model_type: str) -> None:
         assert row.exact, row.result
     elif model_type in REFUSED:
         assert row.result.startswith(f"refused: {model_type}: "), row.result
-    elif model_type in SUB_CONFIGS:
-        assert row.result == f"skip: {SUB_CONFIG.format(parent=SUB_CONFIGS[model_type])}"
+    elif model_type in NO_GENERATION:
+        assert row.exact, row.result
+        assert row.result.startswith("exact (no generation class: "), row.result
+        assert NO_GENERATION[model_type] in row.result and "no greedy tokens" in row.result
     else:
         assert row.exact or row.result.startswith(("refused: ", "skip: ")), row.result
     assert "\n" not in row.result
@@ -129,17 +133,37 @@ def test_a_validator_demand_that_names_its_value_is_met() -> None:
     assert not _demand("ZAYA currently supports `num_experts_per_tok=1` only.", kwargs, _Defaults)
 
 
-def test_a_text_sub_config_is_covered_only_by_a_parent_that_streams() -> None:
-    from tests.model_coverage.transformers_matrix import SUB_CONFIG, Row, settle
+def test_a_type_without_a_generation_class_is_built_as_the_class_transformers_maps() -> None:
+    """The task head transformers maps where there is exactly one (the privacy filter's token
+    classification), else AutoModel (a text sub-config's text model); a generation class is
+    not consulted here (qwen3_moe has several heads: AutoModel)."""
+    import transformers
+    from tests.model_coverage.transformers_matrix import output_class
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    covered = f"skip: {SUB_CONFIG.format(parent='vl_a')}"
+    def auto(model_type: str) -> Any:
+        return output_class(CONFIG_MAPPING[model_type])
+
+    assert auto("openai_privacy_filter") is transformers.AutoModelForTokenClassification
+    assert auto("qwen3_vl_moe_text") is transformers.AutoModel
+    assert auto("qwen3_moe") is transformers.AutoModel
+
+
+def test_a_row_counts_as_streaming_exactly_when_its_comparisons_pass() -> None:
+    from tests.model_coverage.transformers_matrix import Row, closing_line
+
     rows = [
-        Row("vl_a", "exact"),
-        Row("vl_a_text", covered),
-        Row("vl_b", "refused: vl_b: no"),
-        Row("vl_b_text", f"skip: {SUB_CONFIG.format(parent='vl_b')}"),
+        Row("a", "exact"),
+        Row(
+            "a_text",
+            "exact (no generation class: AutoModel's ATextModel last_hidden_state "
+            "teacher-forced, no greedy tokens)",
+        ),
+        Row("b_text", "refused: b_text: experts module BExperts applies a norm after each expert"),
+        Row("c", "mismatch (logits: max|diff| 0.1 of max|logits| 3)"),
+        Row("d", "skip: plain transformers fails to run tiny (TypeError: no)"),
     ]
-    got = {r.model_type: r.result for r in settle(rows)}
-    assert got["vl_a_text"] == covered
-    assert got["vl_b_text"].startswith("skip: ")
-    assert "(vl_b) does not stream exactly" in got["vl_b_text"]
+    assert [r.exact for r in rows] == [True, True, False, False, False]
+    line = closing_line(rows)
+    assert ": 2 of 5 MoE model types stream exactly (2 of the 4 that build and run tiny" in line
+    assert "1 of them have no generation class" in line

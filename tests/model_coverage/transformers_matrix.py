@@ -6,10 +6,11 @@ uses ``use_experts_implementation`` (in its own modeling file, or a model packag
 from) is a candidate, unless transformers builds no model for it by itself (a vision or audio
 tower's sub-config: `has_a_model`); each candidate's generation class is built tiny from its
 own config class (the class `strata_stream.transformers.loader.generation_class` resolves, as
-the library does: the causal LM, else a vision model's image-text-to-text class), and the types
-whose built model holds an experts-interface module (`families.is_experts_module`) are the rows.
-A candidate that fails to build tiny, or has no generation class, stays a row saying why; a
-text sub-config with none says its parent row covers it (`settle`: only where that row streams).
+the library does: the causal LM, else a vision model's image-text-to-text class; where it has
+none, as a text sub-config or a classifier has, the class transformers maps for its config:
+`output_class`), and the types whose built model holds an experts-interface module
+(`families.is_experts_module`) are the rows. A candidate that fails to build tiny stays a row
+saying why.
 
 The tiny config (`tiny_config`) shrinks the config class's own defaults: `TINY` by field name,
 never growing a default, keeping the relations the library's validators check (widths that
@@ -22,8 +23,11 @@ config field name; transformers' own classes and save_pretrained), then plain tr
 (eager attention, eager experts) against the streamed model on the same directory, at an arena
 of 2 * top_k + 1 expert records (well below the experts' size): teacher-forced logits within
 the float32 tolerance of tests/test_transformers_families.py (1e-5 of max|logit|) and greedy
-tokens. Results: ``exact``, ``mismatch (...)``, ``refused: <one line>``, ``crash: <type: msg>``,
-``skip: <reason>``.
+tokens. A type with no generation class is streamed with ``load(..., model_class=<its Auto
+class>)`` and compared on its model's output tensor alone (the head's logits, else
+last_hidden_state), teacher-forced over the same sequence within the same tolerance: it has
+no greedy tokens, and its row says what was compared. Results: ``exact``, ``exact (...)``,
+``mismatch (...)``, ``refused: <one line>``, ``crash: <type: msg>``, ``skip: <reason>``.
 
     python -m tests.model_coverage.transformers_matrix [--types a,b] [--shard i/n] [--json OUT]
                                                  [--write-docs docs/models.md]
@@ -153,11 +157,7 @@ PROMPT = [5, 9, 12, 3, 40, 22, 7, 8, 9, 10, 33, 2, 17, 61, 4, 4, 30, 12, 50, 6]
 NEW_TOKENS = 8
 REGION = "matrix:transformers"
 NO_EXPERTS = "the built model holds no experts-interface module"
-SUB_CONFIG = "a text sub-config: its parent row ({parent}) covers it"
-SUB_NOT_COVERED = (
-    "a text sub-config with no generation class of its own, and its parent row ({parent}) does "
-    "not stream exactly"
-)
+NO_MODEL = "no model class"  # a candidate transformers builds nothing for (a tower sub-config)
 
 
 def _transformers_dir() -> Path:
@@ -198,14 +198,13 @@ def has_a_model(model_type: str) -> bool:
     """Whether transformers builds a model for `model_type` by itself: a generation class or
     an AutoModel class. A candidate with neither (a vision or audio tower's sub-config) is no
     row, and this says so without building it."""
-    from transformers import AutoModel
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     from strata_stream.errors import ConfigError
     from strata_stream.transformers.loader import generation_class
 
     config_class = CONFIG_MAPPING[model_type]
-    if config_class in AutoModel._model_mapping:  # noqa: SLF001 - its class table
+    if output_class(config_class) is not None:
         return True
     try:
         generation_class(config_class())
@@ -214,6 +213,29 @@ def has_a_model(model_type: str) -> bool:
     except Exception:  # noqa: BLE001 - a config that needs arguments: let the row say
         return True
     return True
+
+
+def output_class(config_class: Any) -> Any | None:
+    """The Auto class a model with no generation class is built with, as a user would load it:
+    the one task head transformers maps for `config_class` (an ``AutoModelFor<Task>``: the
+    privacy filter's token classification), else AutoModel where its table maps it (a text
+    sub-config's text model); None where transformers maps none. Where several heads map it,
+    AutoModel: the output they all share."""
+    import transformers
+    from transformers.models.auto.auto_factory import _BaseAutoModelClass
+
+    autos = [getattr(transformers, n) for n in dir(transformers) if n.startswith("AutoModel")]
+    mapped = [
+        a
+        for a in autos
+        if isinstance(a, type)
+        and issubclass(a, _BaseAutoModelClass)
+        and config_class in a._model_mapping  # noqa: SLF001 - its class table
+    ]
+    heads = [a for a in mapped if a is not transformers.AutoModel]
+    if len(heads) == 1:
+        return heads[0]
+    return transformers.AutoModel if transformers.AutoModel in mapped else None
 
 
 def _window(values: list[Any]) -> list[Any]:
@@ -499,78 +521,75 @@ class Row:
 
     @property
     def exact(self) -> bool:
-        return self.result == "exact"
+        """Every comparison the row makes passed (``exact (...)``: which ones, where they are
+        not the logits and greedy tokens of a generation class)."""
+        return self.result == "exact" or self.result.startswith("exact (")
 
 
-class TextSubConfig(Exception):
-    """A text sub-config with no generation class of its own: `parent`'s row streams it."""
+@dataclass
+class Built:
+    """A tiny checkpoint's model: the class built (`cls`), the Auto class it was resolved from
+    where the type has no generation class (`auto`: passed to load as model_class), and
+    whether the model holds experts-interface modules (`moe`)."""
 
-    def __init__(self, parent: str) -> None:
-        super().__init__(parent)
-        self.parent = parent
-
-
-def _parent_of(config_class: Any) -> str | None:
-    """The model type whose config holds `config_class` as its text_config."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    for model_type, cls in CONFIG_MAPPING.items():
-        if _sub_configs(cls).get("text_config") is config_class:
-            return str(model_type)
-    return None
+    cls: type[Any]
+    auto: Any | None
+    moe: bool
 
 
-def build_tiny(model_type: str, path: Path) -> tuple[Any, bool]:
-    """A tiny random float32 checkpoint of `model_type` at `path`; returns (its generation
-    class, as `strata_stream.transformers.loader.generation_class` finds it, whether it holds
-    experts-interface modules). Raises on a failed build: ConfigError where the model has no
-    generation class, TextSubConfig where it is a text sub-config."""
+def _model_class(config: Any) -> tuple[type[Any], Any | None]:
+    """The class a row builds for `config`: its generation class (`generation_class`), else
+    the class `output_class` maps, resolved as load resolves it (`model_class_for`), with that
+    Auto class. ConfigError where transformers builds neither."""
+    from strata_stream.errors import ConfigError
+    from strata_stream.transformers.loader import generation_class, model_class_for
+
+    try:
+        return generation_class(config), None
+    except ConfigError:
+        pass
+    auto = output_class(type(config))
+    if auto is None:
+        raise ConfigError(f"{NO_MODEL} for {type(config).__name__}")
+    return model_class_for(config, auto), auto
+
+
+def build_tiny(model_type: str, path: Path) -> Built:
+    """A tiny random float32 checkpoint of `model_type` at `path`, of the class `_model_class`
+    finds. Raises on a failed build (ConfigError where transformers maps no model class)."""
     import torch
 
-    from strata_stream.errors import ConfigError
     from strata_stream.transformers.families import find_blocks
-    from strata_stream.transformers.loader import config_for, generation_class
+    from strata_stream.transformers.loader import config_for
     from strata_stream.transformers.random_model import randomize
 
     try:
         config = tiny_config(model_type)
-        try:
-            built: type[Any] | None = generation_class(config)
-        except ConfigError:
-            built = None
-        if built is not None:
-            with torch.device("meta"):  # does it build? (structure only)
-                built._from_config(config_for(built, config))
+        built, _ = _model_class(config)
+        with torch.device("meta"):  # does it build? (structure only)
+            built._from_config(config_for(built, config))
     except Exception as e:  # noqa: BLE001 - once more with the entries no default provides
         try:
             config = tiny_config(model_type, FALLBACK)
         except Exception:  # noqa: BLE001 - the first failure is the one to report
             raise e from None
-    try:
-        cls = generation_class(config)
-    except ConfigError:
-        # No generation class: a row only where its model holds experts-interface modules.
-        from transformers import AutoModel
-
-        try:
-            with torch.device("meta"):  # structure only: no weights are made
-                base = AutoModel.from_config(config)
-        except ValueError:  # no model class of its own either (a sub-config)
-            raise ConfigError(f"no generation or model class for {type(config).__name__}") from None
-        if not find_blocks(base):
-            return type(base), False
-        parent = _parent_of(type(config))
-        if parent is not None:
-            raise TextSubConfig(parent) from None
-        raise
+    cls, auto = _model_class(config)
     torch.manual_seed(0)
     model = cls._from_config(config_for(cls, config), dtype=torch.float32)
     if not find_blocks(model):
-        return cls, False
+        return Built(cls, auto, False)
     randomize(model, 0)
     model.config.dtype = "float32"
     model.save_pretrained(str(path))
-    return cls, True
+    return Built(cls, auto, True)
+
+
+def _output(out: Any) -> tuple[str, Any]:
+    """The output tensor a row compares for a model with no generation class: the head's
+    logits, else the base model's last_hidden_state (name, [T, ...] float32 array)."""
+    logits = getattr(out, "logits", None)
+    name, t = ("logits", logits) if logits is not None else ("last_hidden_state", out[0])
+    return name, t[0].float().numpy()
 
 
 def run_type_here(model_type: str, root: Path) -> Row:
@@ -590,25 +609,27 @@ def run_type_here(model_type: str, root: Path) -> Row:
         return Row(model_type, result, round(time.monotonic() - start, 1), prediction)
 
     try:
-        cls, moe = build_tiny(model_type, path)
-    except TextSubConfig as e:
-        return row(f"skip: {SUB_CONFIG.format(parent=e.parent)}")
+        built = build_tiny(model_type, path)
     except ConfigError as e:
-        return row(f"skip: no text generation ({_one_line(e)})")
+        return row(f"skip: {_one_line(e)}")
     except Exception as e:  # noqa: BLE001 - plain transformers itself fails
         return row(f"skip: plain transformers fails to build tiny ({type(e).__name__}: "
                    f"{_one_line(e)})")  # fmt: skip
-    if not moe:
+    if not built.moe:
         return row(f"skip: {NO_EXPERTS}")
+    generates = built.auto is None
 
-    def run(model: Any) -> tuple[Any, list[int]]:
+    def run(model: Any) -> tuple[str, Any, list[int]]:
+        """(what was compared, its teacher-forced [T, ...] array, greedy tokens or [])."""
         with torch.no_grad():
-            logits = model(torch.tensor([PROMPT])).logits[0].float().numpy()
-        out = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False)
-        return logits, [int(t) for t in out[0, len(PROMPT) :]]
+            out = model(torch.tensor([PROMPT]))
+        if not generates:
+            return (*_output(out), [])
+        toks = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False)
+        return "logits", out.logits[0].float().numpy(), [int(t) for t in toks[0, len(PROMPT) :]]
 
     try:
-        ref_model = cls.from_pretrained(
+        ref_model = built.cls.from_pretrained(
             str(path), dtype=torch.float32, attn_implementation="eager",
             experts_implementation="eager",
         ).eval()  # fmt: skip
@@ -625,14 +646,17 @@ def run_type_here(model_type: str, root: Path) -> Row:
             convert(path, pack, progress=False)
         except (ConfigError, PackError):
             # What load says first: its own refusal of the model, else the converter's.
-            load(path, pack_path=pack, config=config, progress=False)
+            load(path, pack_path=pack, config=config, progress=False, model_class=built.auto)
             raise
         with ExpertPack.open(pack) as p:
             arena = (2 * p.geometry.top_k + 1) * p.record_stride
         model = load(
             path, pack_path=pack, arena_bytes=arena, config=config, dtype=torch.float32,
-            attn_implementation="eager", progress=False,
+            attn_implementation="eager", progress=False, model_class=built.auto,
         )  # fmt: skip
+        if not isinstance(model, built.cls):  # load resolved the Auto class as the row did
+            return row(f"crash: load built {type(model).__mro__[1].__name__}, not "
+                       f"{built.cls.__name__}")  # fmt: skip
         engine = model.strata_engine
         prediction = f"router {engine.prediction.count('router')}/{len(engine.prediction)}"
         got = run(model)
@@ -645,16 +669,27 @@ def run_type_here(model_type: str, root: Path) -> Row:
     finally:
         if model is not None:
             model.strata_engine.close()
-    ref_logits, ref_tokens = ref
-    got_logits, got_tokens = got
-    scale = float(np.abs(ref_logits).max())
-    diff = float(np.abs(got_logits - ref_logits).max())
+    name, ref_out, ref_tokens = ref
+    _, got_out, got_tokens = got
+    scale = float(np.abs(ref_out).max())
+    diff = float(np.abs(got_out - ref_out).max())
     if not np.isfinite(diff) or diff > TOLERANCE * scale:
-        return row(f"mismatch (logits: max|diff| {diff:.3g} of max|logit| {scale:.3g})",
+        return row(f"mismatch ({name}: max|diff| {diff:.3g} of max|{name}| {scale:.3g})",
                    prediction)  # fmt: skip
     if got_tokens != ref_tokens:
         return row(f"mismatch (greedy tokens {got_tokens} vs {ref_tokens})", prediction)
+    if not generates:
+        return row(f"exact ({compared(built, name)})", prediction)
     return row("exact", prediction)
+
+
+def compared(built: Built, name: str) -> str:
+    """What a row with no generation class compared: `name` of the class its Auto class
+    builds, teacher-forced, and no greedy tokens."""
+    return (
+        f"no generation class: {built.auto.__name__}'s {built.cls.__name__} {name} "
+        "teacher-forced, no greedy tokens"
+    )
 
 
 def run_type(model_type: str, timeout: float) -> Row:
@@ -683,19 +718,19 @@ def run_type(model_type: str, timeout: float) -> Row:
 
 def closing_line(rows: list[Row]) -> str:
     """`transformers X.Y.Z: N of M MoE model types stream exactly` (M: every row, skipped ones
-    included, as the mlx-lm matrix counts), then how many of those that build and run tiny in
-    plain transformers as text generators stream exactly, and how many rows are text
-    sub-configs whose parent row streams them."""
+    included, as the mlx-lm matrix counts; N: the rows whose comparisons all pass), then how
+    many of those that build and run tiny in plain transformers stream exactly, and how many of
+    the exact rows have no generation class (compared on their model's output alone)."""
     import transformers
 
     ran = [r for r in rows if not r.result.startswith("skip")]
     exact = sum(r.exact for r in rows)
-    covered = SUB_CONFIG.split("{", 1)[0]
-    sub = sum(r.result.startswith(f"skip: {covered}") and "covers it" in r.result for r in rows)
+    no_generation = sum(r.result.startswith("exact (no generation class") for r in rows)
     return (
         f"transformers {transformers.__version__}: {exact} of {len(rows)} MoE model types stream "
         f"exactly ({exact} of the {len(ran)} that build and run tiny in plain transformers; "
-        f"{sub} of the skipped are text sub-configs their parent's row streams)"
+        f"{no_generation} of them have no generation class and are compared on their model's "
+        "output alone)"
     )
 
 
@@ -707,8 +742,9 @@ def table(rows: list[Row]) -> str:
         "tests.model_coverage.transformers_matrix --write-docs docs/models.md`: every model type "
         "whose model uses transformers' experts interface, a tiny random float32 checkpoint "
         "streamed at an arena of 2 x top-k + 1 expert records against plain transformers "
-        "(teacher-forced "
-        f"logits within {TOLERANCE:g} of max|logit|, {NEW_TOKENS} greedy tokens).",
+        f"(teacher-forced logits within {TOLERANCE:g} of max|logit|, {NEW_TOKENS} greedy tokens; "
+        "a type with no generation class: its model's output tensor, teacher-forced, within "
+        f"{TOLERANCE:g} of its max|value|).",
         "",
         "| model type | result |",
         "|---|---|",
@@ -740,25 +776,7 @@ def _line(row: Row) -> str:
 def _is_moe_row(row: Row) -> bool:
     """Rows of MoE model types: not the candidates whose built model holds no experts module,
     nor the sub-configs (a vision or audio encoder's) that have no model class of their own."""
-    return not row.result.startswith(
-        (f"skip: {NO_EXPERTS}", "skip: no text generation (no generation or model class for")
-    )
-
-
-def settle(rows: list[Row]) -> list[Row]:
-    """A text sub-config's row says its parent covers it only where the parent's row, run
-    with it, streams exactly; otherwise it says the parent does not."""
-    by_type = {r.model_type: r for r in rows}
-    pattern = re.compile("skip: " + re.escape(SUB_CONFIG).replace(r"\{parent\}", r"(\w+)"))
-    out = []
-    for r in rows:
-        m = pattern.fullmatch(r.result)
-        parent = by_type.get(m.group(1)) if m else None
-        if m and parent is not None and not parent.exact:
-            why = f"skip: {SUB_NOT_COVERED.format(parent=m.group(1))}"
-            r = Row(r.model_type, why, r.seconds, r.prediction)
-        out.append(r)
-    return out
+    return not row.result.startswith((f"skip: {NO_EXPERTS}", f"skip: {NO_MODEL} for"))
 
 
 def shard_of(items: list[str], shard: str) -> list[str]:
@@ -803,7 +821,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rows:
         # shards in any order; a type run again in a later file replaces its earlier row
         by_type = {r["model_type"]: Row(**r) for f in args.rows for r in json.loads(f.read_text())}
-        rows = settle([by_type[t] for t in sorted(by_type)])
+        rows = [by_type[t] for t in sorted(by_type)]
         for r in rows:
             print(_line(r))
         print(closing_line([r for r in rows if _is_moe_row(r)]))
@@ -831,7 +849,7 @@ def main(argv: list[str] | None = None) -> int:
             r = run_type(t, args.timeout)
             print(_line(r), flush=True)
             rows.append(r)
-    rows = settle([r for r in rows if _is_moe_row(r)])
+    rows = [r for r in rows if _is_moe_row(r)]
     print(f"({len(types)} candidate types in {time.monotonic() - start:.0f} s)")
     print(closing_line(rows))
     if args.json:
