@@ -1,8 +1,10 @@
 """strata_stream.transformers.families on experts modules of the kinds pack format version 4
 adds: gateless experts (up_proj, an activation, down_proj) are taken on by structure and their
 activation checked against the pack's relu2 on a probe; an experts module whose own forward
-applies weighted modules after the projections (a per-expert norm) is refused by name; the
-gated kinds' gate functions are told apart (the pack's activation must be the module's own).
+applies a norm around the interface's dispatch is taken on (that forward runs unchanged around
+the streamed dispatch), as is the interface's own post_expert_norm, and weights neither of them
+applies are refused by name; the gated kinds' gate functions are told apart (the pack's
+activation must be the module's own).
 """
 
 from __future__ import annotations
@@ -93,7 +95,10 @@ def test_gated_kinds_are_told_apart() -> None:
         check_activation(silu, "swiglu_softcap", 4.0, 25.0, "per_expert")
 
 
-def test_a_forward_that_applies_a_norm_after_the_experts_is_refused() -> None:
+def _normed(body: str) -> Any:
+    """A gateless experts class with a norm module and a forward of its own in front of the
+    decorated class's dispatch: `body` "calls" (super().forward, then its norm), "reads" (its
+    own projections instead) or "ignores" (super().forward alone: the norm applied by nobody)."""
     base = type(_gateless("relu2"))
 
     class NormedExperts(base):  # type: ignore[misc, valid-type]
@@ -101,10 +106,68 @@ def test_a_forward_that_applies_a_norm_after_the_experts_is_refused() -> None:
             super().__init__(config)
             self.post_expert_norm = torch.nn.LayerNorm(H)
 
-        def forward(self, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
-            out = super().forward(hidden_states, top_k_index, top_k_weights)
-            return self.post_expert_norm(out)
+        if body == "calls":
 
-    with pytest.raises(ConfigError, match=r"applies modules with weights besides the projections "
+            def forward(self, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
+                out = super().forward(hidden_states, top_k_index, top_k_weights)
+                return self.post_expert_norm(out)
+
+        elif body == "reads":
+
+            def forward(self, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
+                return self.post_expert_norm(hidden_states @ self.up_proj[0] @ self.down_proj[0])
+
+        else:
+
+            def forward(self, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
+                return super().forward(hidden_states, top_k_index, top_k_weights)
+
+    return NormedExperts(_Config())
+
+
+def test_a_forward_of_its_own_that_applies_a_norm_around_the_dispatch_is_taken_on() -> None:
+    # ergo's shape: the decorated class's dispatch is streamed, the class's own forward (and
+    # its norm) runs unchanged around it.
+    family = family_of(_normed("calls"), "fake")
+    assert family.own_forward and not family.post_norm and not family.gated
+
+
+def test_weights_the_interface_does_not_account_for_are_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match=r"fake: experts module NormedExperts has a forward of "
+                                          r"its own that reads the projections itself "
+                                          r"\(down_proj, up_proj\)"):  # fmt: skip
+        family_of(_normed("reads"), "fake")
+    with pytest.raises(ConfigError, match=r"fake: experts module NormedExperts holds modules with "
+                                          r"weights that neither the experts interface nor a "
+                                          r"forward of its own around the interface applies "
                                           r"\(post_expert_norm: LayerNorm\)"):  # fmt: skip
-        family_of(NormedExperts(_Config()), "fake")
+        family_of(_normed("ignores"), "fake")
+
+
+def test_the_interfaces_post_expert_norm_is_taken_on_and_a_missing_one_refused() -> None:
+    @use_experts_implementation(has_post_expert_norm=True)
+    class Experts(torch.nn.Module):
+        def __init__(self, config: Any, norm: bool = True) -> None:
+            super().__init__()
+            self.gate_up_proj = torch.nn.Parameter(torch.zeros(E, 2 * INTER, H))
+            self.down_proj = torch.nn.Parameter(torch.zeros(E, H, INTER))
+            self.act_fn = ACT2FN["silu"]
+            if norm:
+                self.post_expert_norm = torch.nn.LayerNorm(H)
+
+        def forward(self, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
+            return hidden_states
+
+    family = family_of(Experts(_Config()), "fake")
+    assert family.post_norm and not family.own_forward
+    with pytest.raises(ConfigError, match=r"fake: experts module Experts says every backend "
+                                          r"applies post_expert_norm \(has_post_expert_norm\), "
+                                          r"but has none"):  # fmt: skip
+        family_of(Experts(_Config(), norm=False), "fake")
+
+
+def test_experts_of_their_own_width_take_it_from_their_tensors() -> None:
+    # muse_spark's experts work at moe_hidden_size, between the block's own projections: the
+    # config's hidden_size is not theirs.
+    family = family_of(_gated("silu"), "fake", hidden=4 * H)
+    assert (family.hidden, family.moe_intermediate, family.transposed) == (H, INTER, False)

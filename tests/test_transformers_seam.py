@@ -164,7 +164,9 @@ def test_another_activation_is_refused_by_name(tmp_path: Path) -> None:
 
 
 def test_experts_the_pack_cannot_hold_are_one_line_naming_the_model_type() -> None:
-    """ergo's experts normalise each expert's output after down_proj, which no pack holds."""
+    """ergo's experts (a per-expert norm its own forward applies around the interface's
+    dispatch) are taken on; given a weighted module that nothing applies, they are refused in
+    one line naming the model type and the module."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
     from tests.model_coverage.transformers_matrix import tiny_config
 
@@ -172,8 +174,12 @@ def test_experts_the_pack_cannot_hold_are_one_line_naming_the_model_type() -> No
     model = causal_lm_class(config)._from_config(config)
     blocks = find_blocks(model)
     assert blocks
-    with pytest.raises(ConfigError, match=r"^ergo: .* the pack's experts end at down_proj") as e:
-        family_of(getattr(blocks[0][1], blocks[0][2]), "ergo")
+    experts = getattr(blocks[0][1], blocks[0][2])
+    assert family_of(experts, "ergo").own_forward
+    experts.unused_scale = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match=r"^ergo: .*\(unused_scale: Linear\); the pack's "
+                                          r"experts end at down_proj") as e:  # fmt: skip
+        family_of(experts, "ergo")
     assert len(str(e.value).splitlines()) == 1
 
 

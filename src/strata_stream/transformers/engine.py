@@ -33,6 +33,7 @@ from strata_stream.config import StreamConfig
 from strata_stream.errors import ConfigError
 from strata_stream.pack.reader import ExpertPack
 from strata_stream.stream import ExpertStream
+from strata_stream.transformers.experts import post_norm_of
 from strata_stream.transformers.families import Family, Router, find_router, route_ids
 from strata_stream.window import Window
 
@@ -58,6 +59,9 @@ class BlockRef:
     # The block's router, found by structure (families.find_router); None: this layer is
     # predicted from the expert profile instead.
     router: Router | None = None
+    # The norm the experts interface applies to each route's output before the mixture weights
+    # (the experts module's own post_expert_norm: experts.post_norm_of); None: none.
+    post_norm: Any = None
 
 
 class TorchMoeEngine:
@@ -93,6 +97,12 @@ class TorchMoeEngine:
             ref.router = find_router(
                 ref.block, ref.experts_attr, self.top_k, pack.geometry.n_experts, self.hidden
             )
+            ref.post_norm = post_norm_of(getattr(ref.block, ref.experts_attr), ref.family)
+        try:
+            self._check_routes(blocks)
+        except BaseException:
+            self.close()
+            raise
         # How each pack layer is predicted when it is the next layer: "router" (its router on
         # the previous layer's input) or "profile" (no router returns the ids: the Window's
         # expert profile stands in).
@@ -102,6 +112,26 @@ class TorchMoeEngine:
         except BaseException:
             self.close()
             raise
+
+    def _check_routes(self, blocks: list[BlockRef]) -> None:
+        """ConfigError where a block needs each route's output apart (a norm after each expert,
+        or a forward of its own that calls the dispatch once per route) and the backend
+        returns only the mixture."""
+        why = self.window.per_entry_unsupported
+        if self.on_cuda:  # moe_routed_device writes the mixture only
+            why = why or "per-route outputs are computed on host memory only"
+        # A forward of its own calls the dispatch once per route, top_k routes a token.
+        per_route = self.top_k > 1
+        need = [
+            r for r in blocks if r.post_norm is not None or (r.family.own_forward and per_route)
+        ]
+        if why and need:
+            ref = need[0]
+            raise ConfigError(
+                f"{ref.family.model_type}: experts module {ref.family.experts_class} (decoder "
+                f"layer {ref.decoder_layer}) needs each route's expert output apart, before the "
+                f"mixture; the {self.window.backend} backend returns only the mixture ({why})"
+            )
 
     def _fill_when_everything_fits(self) -> bool:
         """An arena with a slot for every expert reads them all now, as plain from_pretrained
@@ -151,8 +181,9 @@ class TorchMoeEngine:
         self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         """sum_k weights[:, k] * expert_{ids[:, k]}(x) for x [T, H], in x's dtype, on x's
-        device (the engine's: the CPU, or the GPU the cuda backend runs on); through `gather`
-        when it is set."""
+        device (the engine's: the CPU, or the GPU the cuda backend runs on), each expert's
+        output through the layer's post_norm first where it has one; through `gather` when it
+        is set. ids and weights are [T, top_k], or [T, 1]: one route a row (`_routes`)."""
         gather = self.gather
         if gather is not None:
             return gather(layer, x, ids, weights)
@@ -177,6 +208,10 @@ class TorchMoeEngine:
         if layer == 0:
             # A forward pass that failed part-way leaves the turn open at a later layer.
             self.window.restart_pass()
+        norm = self.blocks[layer].post_norm
+        per_route = ids.shape[-1] == 1 and self.top_k > 1
+        if norm is not None or per_route:
+            return self._routes(layer, x, ids, weights, norm, dtype)
         flat = x.detach().reshape(-1, self.hidden).contiguous()  # a view when already so
         preds = self.predictions(layer, flat)  # the routers take x in the model's dtype
         if self.on_cuda:
@@ -212,6 +247,65 @@ class TorchMoeEngine:
             x_dtype=dtype,
         )
         return torch.from_numpy(y).to(x.dtype).reshape(x.shape)
+
+    def _routes(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        norm: Any,
+        dtype: str,
+    ) -> torch.Tensor:
+        """`run_rows` where each route's expert output is needed apart, as the experts
+        interface's backends compute it: each route's down-projection output (in x's dtype),
+        through `norm` where the layer has one, times its weight, summed over the row's routes.
+
+        ids [T, top_k]: the usual call, with a norm after each expert (muse_spark). ids [T, 1]:
+        one route a row (ergo's own forward calls the dispatch with each token repeated once
+        per route, unit weights): rows that come in runs of top_k equal rows are one token's
+        routes, and are computed as that token's [top_k] routing (one expert pass, as the
+        model's routing is); any other rows each name their one expert top_k times (the same
+        expert's output, the rest unused), so any caller gets each row's own expert."""
+        rows = x.numel() // self.hidden
+        flat = x.detach().reshape(rows, self.hidden)
+        width = ids.shape[-1]
+        ids2, weights2 = ids.reshape(rows, width), weights.reshape(rows, width)
+        k = self.top_k
+        if width == k:
+            entries = self._entries(layer, flat, ids2, dtype)  # [T, k, H]
+        elif rows % k == 0 and torch.equal(
+            flat.view(-1, k, self.hidden), flat.view(-1, k, self.hidden)[:, :1].expand(-1, k, -1)
+        ):
+            tokens = flat.view(-1, k, self.hidden)[:, 0]
+            entries = self._entries(layer, tokens, ids2.reshape(-1, k), dtype).reshape(rows, 1, -1)
+        else:
+            entries = self._entries(layer, flat, ids2.expand(rows, k), dtype)[:, :1]
+        out = entries.to(x.dtype)
+        if norm is not None:
+            out = norm(out)
+        mixed: torch.Tensor = (out * weights2.unsqueeze(-1)).sum(dim=1)
+        return mixed.to(x.dtype).reshape(x.shape)
+
+    def _entries(self, layer: int, flat: torch.Tensor, ids: torch.Tensor, dtype: str) -> Any:
+        """Each route's expert output, unweighted ([T, top_k, H] float32) for x [T, H]."""
+        flat = flat.contiguous()
+        preds = self.predictions(layer, flat)
+        ids_h, _, pred1, pred2 = _host_tables([ids, torch.ones_like(ids, dtype=torch.float32),
+                                               *preds])  # fmt: skip
+        host = (flat.view(torch.int16) if flat.dtype == torch.bfloat16 else flat).numpy()
+        y = self.window.moe_routed(
+            layer,
+            host,
+            ids_h,
+            None,
+            pred1=pred1,
+            pred2=pred2,
+            arithmetic="float32",
+            x_dtype=dtype,
+            per_entry=True,
+        )
+        return torch.from_numpy(y)
 
 
 class _PinnedRouting:

@@ -21,9 +21,15 @@ its experts module is.
   (``has_gate`` False: ``up_proj`` and ``down_proj``) are compared the same way, their
   ``act_fn`` on a probe against the pack's relu2. Anything else is refused by name, never
   computed with the wrong function.
-- Experts the pack cannot hold (a norm after each expert, a forward of its own that applies
-  weighted modules besides the projections, no fused gate_up_proj) are refused with one line
-  naming the model type and the reason.
+- Modules with weights besides the projections are taken on where the interface accounts for
+  them (`unaccounted`, the one rule): the norm the decorator's ``has_post_expert_norm`` says
+  every backend applies to each route's output before the mixture weights (muse_spark's
+  ``post_expert_norm``, kept resident and applied by the engine to the streamed per-route
+  outputs), or modules that a forward of the experts class's own applies around the
+  interface class's dispatch (ergo's per-expert norm: the dispatch is streamed and that
+  forward runs unchanged). Any other weighted module, a forward of its own that reads the
+  projections itself, or experts without fused projections are refused with one line naming
+  the model type and the reason.
 
 The router predicts: layer l+1's router on layer l's input (engine.py). It is found by
 structure too (`find_router`): the block's child module whose forward returns the expert ids,
@@ -36,7 +42,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from strata_stream.errors import ConfigError
@@ -65,6 +71,12 @@ class Family:
     gate_out: Any
     concatenated: bool  # the decorator's marker: gate then up (True) or interleaved columns
     gated: bool = True  # False: up_proj and down_proj only; gate_out is act_fn on [rows, I]
+    # The decorator's has_post_expert_norm: every backend applies the module's post_expert_norm
+    # to each route's down-projection output before the mixture weights and the sum.
+    post_norm: bool = False
+    # The experts class has a forward of its own around the interface class's dispatch (ergo):
+    # only the dispatch is streamed, and that forward runs unchanged around it.
+    own_forward: bool = False
 
 
 def is_experts_module(module: Any) -> bool:
@@ -114,18 +126,14 @@ def family_of(experts: Any, model_type: str, hidden: int | None = None) -> Famil
     and the reason) where the pack cannot hold its experts."""
     cls = type(experts).__name__
     where = f"{model_type}: experts module {cls}"
-    if getattr(experts, "has_post_expert_norm", False):
-        raise ConfigError(
-            f"{where} applies a norm after each expert; the pack's experts end at down_proj"
-        )
-    extra = _extra_modules(experts)
-    if extra:
-        raise ConfigError(
-            f"{where} has a forward of its own that applies modules with weights besides the "
-            f"projections ({extra}); the pack's experts end at down_proj"
-        )
+    why = unaccounted(experts)
+    if why:
+        raise ConfigError(f"{where} {why}; the pack's experts end at down_proj")
+    post_norm = bool(getattr(experts, "has_post_expert_norm", False))
+    own_forward = bool(own_forwards(experts))
     if not experts.has_gate:
-        return _gateless_family(experts, model_type, where, hidden)
+        family = _gateless_family(experts, model_type, where, hidden)
+        return replace(family, post_norm=post_norm, own_forward=own_forward)
     if _param(experts, "gate_up_proj") is None:
         act = type(getattr(experts, "act_fn", None)).__name__
         raise ConfigError(
@@ -145,8 +153,11 @@ def family_of(experts: Any, model_type: str, hidden: int | None = None) -> Famil
     h = hidden if hidden is not None else int(getattr(config, "hidden_size", 0) or 0)
     rows = b == h and c == h and a == 2 * d  # [E, 2I, H] with [E, H, I]
     cols = a == h and d == h and b == 2 * c  # [E, H, 2I] with [E, I, H]
-    if rows and cols:  # 2I == H: the decorator's marker decides
-        rows, cols = not experts.is_transposed, bool(experts.is_transposed)
+    if not (rows or cols):
+        # Experts of their own width (muse_spark's moe_hidden_size, between the block's own
+        # projections): the shapes alone decide, since both orientations cannot fit one pair.
+        rows, cols = b == c and a == 2 * d, a == d and b == 2 * c
+        h = b if rows else a if cols else h
     if not (rows or cols):
         raise ConfigError(
             f"{where}: gate_up_proj [{e}, {a}, {b}] and down_proj [{e}, {c}, {d}] fit neither "
@@ -165,22 +176,84 @@ def family_of(experts: Any, model_type: str, hidden: int | None = None) -> Famil
         has_bias=has_bias,
         gate_out=_gate_out(experts, inter, where),
         concatenated=bool(experts.is_concatenated),
+        post_norm=post_norm,
+        own_forward=own_forward,
     )
 
 
-def _extra_modules(experts: Any) -> str:
-    """The weighted child modules (`name: Class`) of an experts module whose class replaces the
-    experts interface's forward with one of its own (ergo's per-expert norm after the
-    projections); "" for an experts module whose forward is the interface's."""
-    forward = getattr(type(experts), "forward", None)
-    if forward is None or hasattr(forward, "__wrapped__"):  # the decorator's dispatch
-        return ""
-    weighted = [
+# The experts interface's weights, which the pack holds (gated or not, with or without biases).
+PROJECTIONS = (
+    "gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias",
+)  # fmt: skip
+# The module the decorator's has_post_expert_norm makes every backend apply to each route.
+POST_NORM = "post_expert_norm"
+
+
+def interface_class(experts: Any) -> type[Any] | None:
+    """The experts-interface class in the module's MRO: the class use_experts_implementation
+    decorated, whose __init__ and forward are the decorator's (each wrapping the class's own,
+    so each carries ``__wrapped__``). None where there is none."""
+    for cls in type(experts).__mro__:
+        init, forward = vars(cls).get("__init__"), vars(cls).get("forward")
+        if hasattr(init, "__wrapped__") and hasattr(forward, "__wrapped__"):
+            return cls
+    return None
+
+
+def own_forwards(experts: Any) -> list[Any]:
+    """The forwards the experts class defines in front of the interface class's dispatch
+    (ergo's ErgoExperts.forward around its decorated ErgoExpertProjections): they run
+    unchanged when the dispatch is streamed. [] where the module's forward is the dispatch."""
+    iface = interface_class(experts)
+    if iface is None:
+        return []
+    mro = type(experts).__mro__
+    front = mro[: mro.index(iface)]
+    return [vars(c)["forward"] for c in front if "forward" in vars(c)]
+
+
+def unaccounted(experts: Any) -> str:
+    """Why the pack and the interface cannot serve this experts module, "" when they can: the
+    one rule for its weights besides the projections. A weighted child module is accounted for
+    when the interface applies it (``post_expert_norm`` under the decorator's
+    has_post_expert_norm: every backend applies it to each route's output before the mixture
+    weights) or when a forward of the class's own, in front of the interface class's dispatch,
+    applies it (that forward runs unchanged around the streamed dispatch). Such a forward must
+    leave the projections to the dispatch: the streamed module holds none."""
+    if interface_class(experts) is None:
+        return "has no class decorated by use_experts_implementation in its MRO"
+    names: set[str] = set()
+    for forward in own_forwards(experts):
+        code = getattr(inspect.unwrap(forward), "__code__", None)
+        names.update(code.co_names if code is not None else ())
+    reads = sorted(names.intersection(PROJECTIONS))
+    if reads:
+        return (
+            f"has a forward of its own that reads the projections itself ({', '.join(reads)}) "
+            "instead of calling the experts interface's dispatch"
+        )
+    post_norm = bool(getattr(experts, "has_post_expert_norm", False))
+    if post_norm and not isinstance(getattr(experts, POST_NORM, None), _module_type()):
+        return f"says every backend applies {POST_NORM} (has_post_expert_norm), but has none"
+    extra = [
         f"{name}: {type(child).__name__}"
         for name, child in experts.named_children()
         if any(True for _ in child.parameters())
+        and not (post_norm and name == POST_NORM)
+        and name not in names
     ]
-    return ", ".join(weighted)
+    if extra:
+        return (
+            f"holds modules with weights that neither the experts interface nor a forward of "
+            f"its own around the interface applies ({', '.join(extra)})"
+        )
+    return ""
+
+
+def _module_type() -> type[Any]:
+    import torch
+
+    return torch.nn.Module
 
 
 def _gateless_family(experts: Any, model_type: str, where: str, hidden: int | None) -> Family:

@@ -25,7 +25,7 @@ from strata_stream.errors import ConfigError, PackError
 from strata_stream.pack.reader import ExpertPack
 from strata_stream.paths import model_dir
 from strata_stream.transformers.engine import BlockRef, TorchMoeEngine
-from strata_stream.transformers.experts import EngineSlot, StreamedExperts
+from strata_stream.transformers.experts import EngineSlot, streamed_experts
 from strata_stream.transformers.families import check_activation, family_of, find_blocks
 
 _GiB = 1 << 30
@@ -55,7 +55,7 @@ def _replace_experts(model: torch.nn.Module, slot: EngineSlot) -> None:
     slot.blocks = []
     for layer, (decoder_layer, name, block, attr) in enumerate(found):
         family = family_of(getattr(block, attr), model_type)
-        setattr(block, attr, StreamedExperts(slot, layer, family.n_experts))
+        setattr(block, attr, streamed_experts(slot, layer, family, getattr(block, attr)))
         shape = (family.n_experts, family.moe_intermediate, family.hidden)
         slot.blocks.append((decoder_layer, name, block, family, shape, attr))
 
