@@ -272,12 +272,14 @@ class TorchMoeEngine:
         width = ids.shape[-1]
         ids2, weights2 = ids.reshape(rows, width), weights.reshape(rows, width)
         k = self.top_k
+        runs = flat.reshape(-1, k, self.hidden) if rows % k == 0 else None
         if width == k:
             entries = self._entries(layer, flat, ids2, dtype)  # [T, k, H]
-        elif rows % k == 0 and torch.equal(
-            flat.view(-1, k, self.hidden), flat.view(-1, k, self.hidden)[:, :1].expand(-1, k, -1)
-        ):
-            tokens = flat.view(-1, k, self.hidden)[:, 0]
+        elif width != 1:
+            raise ConfigError(f"the experts were called with {width} ids a row; the pack routes "
+                              f"{k} a token, or one a row")  # fmt: skip
+        elif runs is not None and torch.equal(runs, runs[:, :1].expand(-1, k, -1)):
+            tokens = runs[:, 0]
             entries = self._entries(layer, tokens, ids2.reshape(-1, k), dtype).reshape(rows, 1, -1)
         else:
             entries = self._entries(layer, flat, ids2.expand(rows, k), dtype)[:, :1]
