@@ -36,6 +36,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: 
 
 from strata_stream import ExpertPack, StreamConfig  # noqa: E402
 from strata_stream.convert import convert  # noqa: E402
+from strata_stream.errors import ConfigError  # noqa: E402
 from strata_stream.transformers import load  # noqa: E402
 from strata_stream.transformers.families import interface_class  # noqa: E402
 from strata_stream.transformers.loader import config_for, generation_class  # noqa: E402
@@ -183,5 +184,21 @@ def test_ergo_per_expert_norm_around_the_streamed_dispatch(tmp_path: Path) -> No
         got_rows = streamed.strata_engine.run(0, x, ids, weights)
         scale = float(want_rows.abs().max())
         assert float((got_rows - want_rows).abs().max()) <= TOLERANCE * scale
+        # Runs of top_k equal rows (ergo's repeat per route) from a non-contiguous x: each
+        # route's output, as its token's routing computes it.
+        top_k = oracle.config.num_experts_per_tok
+        tokens = torch.randn(oracle.config.hidden_size, 3, generator=gen).T  # [3, H], strided
+        repeated = tokens.repeat_interleave(top_k, dim=0).T.contiguous().T  # [3k, H], strided
+        assert not repeated.is_contiguous()
+        ids = torch.randint(0, oracle.config.num_experts, (3 * top_k, 1), generator=gen)
+        with torch.no_grad():
+            want_rows = interface_class(plain).forward(plain, repeated, ids, torch.ones_like(ids))
+        got_rows = streamed.strata_engine.run(0, repeated, ids, torch.ones(3 * top_k, 1))
+        scale = float(want_rows.abs().max())
+        assert float((got_rows - want_rows).abs().max()) <= TOLERANCE * scale
+        with pytest.raises(ConfigError, match=f"called with 6 ids for 2 rows; the pack routes "
+                                              f"{top_k} a token, or one a row"):  # fmt: skip
+            streamed.strata_engine.run(0, x[:2], torch.zeros(2, 3, dtype=torch.long),
+                                       torch.ones(2, 3))  # fmt: skip
     finally:
         streamed.strata_engine.close()

@@ -209,7 +209,13 @@ class TorchMoeEngine:
             # A forward pass that failed part-way leaves the turn open at a later layer.
             self.window.restart_pass()
         norm = self.blocks[layer].post_norm
-        per_route = ids.shape[-1] == 1 and self.top_k > 1
+        rows = x.numel() // self.hidden
+        if ids.numel() not in (rows, rows * self.top_k):
+            raise ConfigError(
+                f"the experts were called with {ids.numel()} ids for {rows} rows; the pack "
+                f"routes {self.top_k} a token, or one a row"
+            )
+        per_route = ids.numel() == rows and self.top_k > 1
         if norm is not None or per_route:
             return self._routes(layer, x, ids, weights, norm, dtype)
         flat = x.detach().reshape(-1, self.hidden).contiguous()  # a view when already so
@@ -269,15 +275,12 @@ class TorchMoeEngine:
         expert's output, the rest unused), so any caller gets each row's own expert."""
         rows = x.numel() // self.hidden
         flat = x.detach().reshape(rows, self.hidden)
-        width = ids.shape[-1]
+        width = ids.numel() // max(rows, 1)  # top_k, or 1 (run_rows checked)
         ids2, weights2 = ids.reshape(rows, width), weights.reshape(rows, width)
         k = self.top_k
         runs = flat.reshape(-1, k, self.hidden) if rows % k == 0 else None
         if width == k:
             entries = self._entries(layer, flat, ids2, dtype)  # [T, k, H]
-        elif width != 1:
-            raise ConfigError(f"the experts were called with {width} ids a row; the pack routes "
-                              f"{k} a token, or one a row")  # fmt: skip
         elif runs is not None and torch.equal(runs, runs[:, :1].expand(-1, k, -1)):
             tokens = runs[:, 0]
             entries = self._entries(layer, tokens, ids2.reshape(-1, k), dtype).reshape(rows, 1, -1)
