@@ -102,7 +102,14 @@ class ArenaBudget:
     prompt chunk of MAX_ROWS rows; kv: KV_SHARE of what is left (memory - in_use), for the KV
     cache and activations; margin: MARGIN_SHARE of it, at least MARGIN_MIN. dense: the bytes of
     the dense weights the front-end reported holding; they are counted once, inside in_use
-    where they are resident, and only the part in_use does not hold yet where they are not."""
+    where they are resident, and only the part in_use does not hold yet where they are not.
+    dense_pending: that part, where the front-end knows it; in_use is then the container's
+    charge plus it. The transformers front-end (transformers/dense_memory.py) copies the
+    weights a step reads whole out of the checkpoint's file mapping into anonymous memory
+    before sizing, where the charge holds them and the kernel cannot drop them, and leaves an
+    embedding a step reads by rows mapped, counted as one prompt chunk's rows: that is its
+    pending part. Without dense_pending, in_use is the larger of the charge and dense (a
+    front-end whose weights may or may not be resident yet)."""
 
     arena: int
     source: str  # "requested", "container", or what `memory` is ("memory", "GPU memory")
@@ -112,6 +119,7 @@ class ArenaBudget:
     scratch: int = 0
     kv: int = 0
     margin: int = 0
+    dense_pending: int | None = None
 
     @property
     def headroom(self) -> int:
@@ -128,6 +136,7 @@ class ArenaBudget:
             "scratch_bytes": self.scratch,
             "kv_bytes": self.kv,
             "margin_bytes": self.margin,
+            "dense_pending_bytes": self.dense_pending,
         }
 
 
@@ -146,6 +155,7 @@ def budget(
     available: int | None = None,
     memory: str = "memory",
     dense_bytes: int | None = None,
+    dense_pending: int | None = None,
 ) -> ArenaBudget:
     """The arena for a pack and how it was sized (ArenaBudget): `requested` if given (bytes, or
     a size with its unit: "8GB"), else what the memory leaves after what is in use, the scratch,
@@ -154,7 +164,8 @@ def budget(
     where it went, or when the container cannot hold an explicit one (check_fits).
     available: bytes free (default: this machine's memory, within its container's limit);
     memory names them in that error ("GPU memory" for an arena sized from a GPU's).
-    dense_bytes: the front-end's dense weights, reported, and counted where not yet resident."""
+    dense_bytes: the front-end's dense weights, reported, and counted where not yet resident;
+    dense_pending: the part of them not yet resident, where the front-end knows it (ArenaBudget)."""
     requested = requested_bytes(requested)
     g = pack.geometry
     stride = pack.record_stride
@@ -169,10 +180,13 @@ def budget(
             )
         arena = min(requested, everything)
         check_fits(arena)
-        return ArenaBudget(arena, "requested", arena, dense=dense_bytes)
-    if dense_bytes is not None and dense_bytes < 0:
-        raise ConfigError(f"dense_bytes must be >= 0, got {dense_bytes}")
-    total, in_use, source = _memory(available, memory, dense_bytes)
+        return ArenaBudget(
+            arena, "requested", arena, dense=dense_bytes, dense_pending=dense_pending
+        )
+    for name, value in (("dense_bytes", dense_bytes), ("dense_pending", dense_pending)):
+        if value is not None and value < 0:
+            raise ConfigError(f"{name} must be >= 0, got {value}")
+    total, in_use, source = _memory(available, memory, dense_bytes, dense_pending)
     scratch = min(scratch_bytes(pack), everything)
     left = total - in_use
     # Shares of what is left, not of the whole: under a tight limit the dense weights already
@@ -181,7 +195,9 @@ def budget(
     kv = int(KV_SHARE * max(left, 0))
     margin = max(MARGIN_MIN, int(MARGIN_SHARE * max(left, 0)))
     arena = min(everything, left - scratch - kv - margin)
-    found = ArenaBudget(arena, source, total, in_use, dense_bytes, scratch, kv, margin)
+    found = ArenaBudget(
+        arena, source, total, in_use, dense_bytes, scratch, kv, margin, dense_pending
+    )
     if arena < minimum:
         where = (
             f"of this container's {human_bytes(total)} limit, {human_bytes(in_use)} is in use "
@@ -200,7 +216,9 @@ def budget(
     return found
 
 
-def _memory(available: int | None, memory: str, dense: int | None) -> tuple[int, int, str]:
+def _memory(
+    available: int | None, memory: str, dense: int | None, pending: int | None
+) -> tuple[int, int, str]:
     """(memory the arena is taken from, bytes of it in use, its source) for budget()."""
     if available is not None:  # a figure of free memory the caller measured (a GPU's)
         return available, 0, memory
@@ -208,8 +226,9 @@ def _memory(available: int | None, memory: str, dense: int | None) -> tuple[int,
     found = container_memory.usage()
     if found is not None:
         # The dense weights are in the container's charge once loaded (anonymous memory, or
-        # mapped file pages): counted there, or by the front-end's figure while they are not.
-        in_use = max(found.in_use, dense or 0)
+        # mapped file pages): counted there, plus the part the front-end says is not yet; or,
+        # where it cannot say, by its whole figure while the charge is less.
+        in_use = found.in_use + pending if pending is not None else max(found.in_use, dense or 0)
         if found.limit - in_use <= machine:
             return found.limit, in_use, "container"
     return machine, 0, memory
@@ -221,9 +240,10 @@ def arena_size(
     available: int | None = None,
     memory: str = "memory",
     dense_bytes: int | None = None,
+    dense_pending: int | None = None,
 ) -> int:
     """budget(...).arena: the arena's bytes alone."""
-    return budget(pack, requested, available, memory, dense_bytes).arena
+    return budget(pack, requested, available, memory, dense_bytes, dense_pending).arena
 
 
 def ExpertStream_min_slots(top_k: int) -> int:  # noqa: N802 - mirrors ExpertStream::min_slots
