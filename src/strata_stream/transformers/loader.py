@@ -24,6 +24,7 @@ from strata_stream.convert.pack_cache import ensure_pack
 from strata_stream.errors import ConfigError, PackError
 from strata_stream.pack.reader import ExpertPack
 from strata_stream.paths import model_dir
+from strata_stream.transformers.dense_memory import settle
 from strata_stream.transformers.engine import BlockRef, TorchMoeEngine
 from strata_stream.transformers.experts import EngineSlot, streamed_experts
 from strata_stream.transformers.families import check_activation, family_of, find_blocks
@@ -247,30 +248,20 @@ def _device_arg(device: str | torch.device | None) -> torch.device:
     return torch.device("cuda", 0)
 
 
-def dense_bytes(model: Any) -> int:
-    """The bytes of the model's weights and buffers in host memory, each tensor once (tied
-    weights share theirs): the dense weights, since the streamed experts hold none."""
-    seen: set[int] = set()
-    total = 0
-    for t in (*model.parameters(), *model.buffers()):
-        if t.device.type != "cpu" or t.numel() == 0 or t.data_ptr() in seen:
-            continue
-        seen.add(t.data_ptr())
-        total += t.numel() * t.element_size()
-    return total
-
-
 def _arena_bytes(
-    pack: ExpertPack, requested: int | None, device: torch.device, dense: int
+    pack: ExpertPack,
+    requested: int | None,
+    device: torch.device,
+    dense: int,
+    pending: int | None = None,
 ) -> int:
     """The arena for `device`. On CUDA the arena is host memory (the stream's, which the IO
     threads fill) mirrored slot for slot in GPU memory (docs/cuda.md), so it must fit both:
     sized from the GPU memory free once the dense weights are there, with the KV cache's
     headroom (arena_budget), and from host memory likewise. `dense`: the dense weights' bytes
-    in host memory, counted in a container's charge even where their pages are not yet read
-    (transformers maps a checkpoint's tensors from its files: pages an arena could push out,
-    to be read again every token)."""
-    host = arena_size(pack, requested, dense_bytes=dense)
+    in host memory as dense_memory.settle counts them, `pending` the part of them no container
+    charge holds yet (the rows a step reads of an embedding left mapped): counted once."""
+    host = arena_size(pack, requested, dense_bytes=dense, dense_pending=pending)
     if device.type != "cuda":
         return host
     torch.cuda.empty_cache()  # torch's cached blocks are free for the arena too
@@ -398,11 +389,12 @@ def load(
             for i, (decoder_layer, _, block, family, _, attr) in enumerate(slot.blocks)
         ]
         base_cfg = config if config is not None else StreamConfig.from_env()
-        dense = dense_bytes(model)
-        cfg = base_cfg.replace(arena_bytes=_arena_bytes(pack, arena_bytes, dev, dense))
+        dense = settle(model, base_cfg.max_rows)  # before sizing: the charge then holds it
+        arena = _arena_bytes(pack, arena_bytes, dev, dense.counted, dense.pending)
+        cfg = base_cfg.replace(arena_bytes=arena)
         engine = TorchMoeEngine(pack, cfg, refs, dev)
     slot.engine = engine
-    object.__setattr__(model, "strata_dense_bytes", dense)
+    object.__setattr__(model, "strata_dense", dense)
     object.__setattr__(model, "strata_engine", engine)
     object.__setattr__(model, "strata_pack_path", pack_file)
     object.__setattr__(model, "strata_model_dir", model_path)
@@ -418,7 +410,7 @@ def describe(model: Any) -> dict[str, Any]:
     stats["n_slots"] = engine.stream.n_slots
     stats["device"] = str(engine.device)
     stats["backend"] = engine.window.backend
-    stats["dense_bytes"] = model.strata_dense_bytes  # in host memory; 0 with them on a GPU
+    stats.update(model.strata_dense.as_dict())  # in host memory; 0 with them on a GPU
     return stats
 
 
