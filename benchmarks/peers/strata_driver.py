@@ -11,8 +11,12 @@ on the CPU backend; transformers: a Hugging Face checkpoint with strata_stream.t
 model with plain mlx-lm or plain transformers (every expert in memory: the run a user without
 strata-stream makes). The first PROMPT ids go in as one forward pass, then DECODE ids one at a
 time with the KV cache (teacher-forced), each timed, the argmax of each position's logits
-recorded. The JSON adds the engine's figures over the decode steps and the storage bytes read
-while decoding (/proc/self/io: every thread, the engine's IO threads included).
+recorded. The JSON adds the engine's figures over the decode steps, the storage bytes read
+while decoding (/proc/self/io: every thread, the engine's IO threads included) and the
+stream's own (its IO threads' reads into the arena, next-layer prefetch included, where the
+Window's bytes_read counts the misses alone), the process's anonymous and file-backed resident
+memory after decoding (/proc/self/status), and on the transformers path the dense weights'
+bytes as the arena budget counted them (describe(): resident, left mapped, counted).
 """
 
 from __future__ import annotations
@@ -36,7 +40,19 @@ def storage_read_bytes() -> int:
     return -1
 
 
-def mlx_model(checkpoint: str, pack: str, arena: int | None, threads: int) -> tuple[Step, Any]:
+def resident_memory() -> dict[str, int]:
+    """RssAnon, RssFile and RssShmem of this process in bytes (/proc/self/status)."""
+    found = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("RssAnon", "RssFile", "RssShmem"):
+            found[key] = int(value.split()[0]) * 1024
+    return found
+
+
+def mlx_model(
+    checkpoint: str, pack: str, arena: int | None, threads: int
+) -> tuple[Step, Any, dict[str, int] | None]:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -56,10 +72,12 @@ def mlx_model(checkpoint: str, pack: str, arena: int | None, threads: int) -> tu
         logits = model(mx.array(ids)[None], cache=cache)
         return int(mx.argmax(logits[0, -1]).item())
 
-    return step, engine
+    return step, engine, None
 
 
-def torch_model(checkpoint: str, pack: str, arena: int | None, threads: int) -> tuple[Step, Any]:
+def torch_model(
+    checkpoint: str, pack: str, arena: int | None, threads: int
+) -> tuple[Step, Any, dict[str, int] | None]:
     import torch
 
     from strata_stream.serve.transformers_continuous import cache_argument
@@ -70,6 +88,7 @@ def torch_model(checkpoint: str, pack: str, arena: int | None, threads: int) -> 
 
         model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
         engine = None
+        dense = None
     else:
         from strata_stream.transformers import load
 
@@ -77,6 +96,7 @@ def torch_model(checkpoint: str, pack: str, arena: int | None, threads: int) -> 
             checkpoint, pack_path=pack, dtype=torch.bfloat16, progress=False, arena_bytes=arena
         )
         engine = model.strata_engine
+        dense = model.strata_dense.as_dict()
     model.eval()
     key = cache_argument(model)  # the keyword this transformers takes the KV cache by
     state: dict[str, Any] = {}
@@ -87,7 +107,7 @@ def torch_model(checkpoint: str, pack: str, arena: int | None, threads: int) -> 
         state[key] = o[key]
         return int(o.logits[0, -1].argmax())
 
-    return step, engine
+    return step, engine, dense
 
 
 def main() -> None:
@@ -98,8 +118,8 @@ def main() -> None:
     arena = None if arena_arg == "auto" else int(arena_arg)
     t_load = time.perf_counter()
     make = mlx_model if engine_name == "mlx" else torch_model
-    step, engine = make(checkpoint, pack, arena, threads)
-    row: dict[str, Any] = {"load_s": time.perf_counter() - t_load}
+    step, engine, dense = make(checkpoint, pack, arena, threads)
+    row: dict[str, Any] = {"load_s": time.perf_counter() - t_load, "dense": dense}
     t0 = time.perf_counter()
     top1 = [step(ids[:n_prompt])]
     row["prompt_s"] = time.perf_counter() - t0
@@ -124,13 +144,16 @@ def main() -> None:
         top1.append(step([ids[n_prompt + i]]))
         steps.append(time.perf_counter() - t0)
     row["decode_read_bytes"] = storage_read_bytes() - read_before
+    row["resident"] = resident_memory()
     row["step_s"] = steps
     row["top1"] = top1
     if engine is not None:
         total = engine.window.stats()["total"]
         hits, misses = int(total["hits"]), int(total["misses"])
         row["hit_rate"] = hits / (hits + misses) if hits + misses else None
-        row["engine_bytes_read_per_token"] = int(total["bytes_read"]) / n_decode
+        row["engine_bytes_read_per_token"] = int(total["bytes_read"]) / n_decode  # misses
+        stream_read = int(engine.stream.stats()["bytes_read"]) - int(stream_before["bytes_read"])
+        row["stream_bytes_read_per_token"] = stream_read / n_decode  # prefetch included
         row["arena_bytes"] = int(engine.stream.n_slots * engine.stream.record_stride)
         # Where the decode time went: the experts calls (of which the host's waits on urgent
         # reads, stall_s), the rest of the model (attention, dense layers, head) by difference,
