@@ -1,7 +1,10 @@
 """How large an arena a pack gets: the bytes asked for, or what available memory allows.
 
 Shared by every front-end (strata_stream.mlx_lm, strata_stream.transformers): it needs neither
-MLX nor torch.
+MLX nor torch. The dense weights a front-end holds are counted once (ArenaBudget): the
+transformers front-end makes the ones a step reads whole resident before sizing, so the
+container's charge holds them, and reports the rows a step reads of an embedding it leaves
+mapped as the part not yet held (dense_pending).
 """
 
 from __future__ import annotations
