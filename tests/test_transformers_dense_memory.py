@@ -161,3 +161,26 @@ def test_without_proc_maps_nothing_moves_and_everything_counts(
     whole = sum(t.numel() * t.element_size() for _, t in _tensors(model).values())
     assert (found.resident, found.counted, found.mapped, found.copied) == (whole, whole, 0, 0)
     assert _mapped_file(model.get_output_embeddings().weight) is not None
+
+
+def test_a_strided_view_of_a_mapped_file_stays_mapped_and_counts_whole(tmp_path: Path) -> None:
+    """Only a plain contiguous tensor is copied (a copy of the same shape and dtype replaces it
+    exactly); a transposed view of the same file pages stays where it is, reads the same values
+    after its neighbour's pages were paged out, and counts whole."""
+    from strata_stream.transformers.dense_memory import settle
+
+    values = np.arange(64 * 32, dtype=np.float32)
+    values.tofile(tmp_path / "w.bin")
+    mapped = torch.from_file(str(tmp_path / "w.bin"), shared=False, size=values.size,
+                             dtype=torch.float32).view(64, 32)  # fmt: skip
+    assert _mapped_file(mapped) is not None
+    model = torch.nn.Module()
+    model.a = torch.nn.Linear(32, 64, bias=False)
+    model.b = torch.nn.Linear(64, 32, bias=False)
+    model.a.weight = torch.nn.Parameter(mapped, requires_grad=False)
+    model.b.weight = torch.nn.Parameter(mapped.t(), requires_grad=False)
+    found = settle(model, rows=4)
+    assert _mapped_file(model.a.weight) is None and _mapped_file(model.b.weight) is not None
+    assert (found.copied, found.resident, found.mapped) == (values.nbytes, 2 * values.nbytes, 0)
+    assert np.array_equal(model.a.weight.numpy().ravel(), values)
+    assert np.array_equal(model.b.weight.numpy(), values.reshape(64, 32).T)

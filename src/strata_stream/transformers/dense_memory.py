@@ -18,16 +18,17 @@ them. `settle` sorts the weights by how a decoding step reads them:
   step reads one row per token, so it is counted as the rows of one prompt chunk (`rows`),
   not whole: its other pages are page cache the kernel may drop, and the arena gets the rest.
 
-Tensors already in anonymous memory (converted on load to another dtype, or built in memory)
-stay as they are and are counted whole; tensors on a GPU are not host memory and are not
-counted. Where there is no /proc/self/maps (not Linux) nothing is moved and every host tensor
-is counted whole.
+Tensors already in anonymous memory (converted on load to another dtype, or built in memory),
+and tensor subclasses (a quantizer's) or strided views, stay as they are and are counted
+whole; tensors on a GPU are not host memory and are not counted. Where there is no
+/proc/self/maps (not Linux) nothing is moved and every host tensor is counted whole.
 """
 
 from __future__ import annotations
 
 import bisect
 import ctypes
+import functools
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -133,12 +134,20 @@ def _madvise(address: int, length: int, advice: int, inward: bool) -> None:
         hi = -(-(address + length) // _PAGE) * _PAGE
     if hi <= lo:
         return
+    madvise = _libc_madvise()
+    if madvise is not None:
+        madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), ctypes.c_int(advice))
+
+
+@functools.cache
+def _libc_madvise() -> Any:
+    """libc's madvise, or None where there is none to call."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), ctypes.c_int(advice))
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
     except (OSError, AttributeError):
-        pass
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise
 
 
 def _groups(model: Any) -> Iterator[_Group]:
@@ -164,17 +173,17 @@ def _read_by_rows(group: _Group) -> bool:
     )
 
 
+def _movable(t: torch.Tensor) -> bool:
+    """A plain contiguous tensor, which a copy of the same shape, dtype and strides replaces
+    exactly; a tensor subclass (a quantizer's) or a strided view stays as it is."""
+    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_contiguous()
+
+
 def _resident_copy(t: torch.Tensor) -> torch.Tensor:
-    """`t` copied into anonymous memory with its dtype, shape and strides, the file pages it
+    """`t` (contiguous) copied into anonymous memory with its dtype and shape, the file pages it
     was read from paged out a chunk at a time."""
-    new = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="cpu")
-    src, dst = t.detach(), new
-    if not (src.is_contiguous() and dst.is_contiguous()):
-        with torch.no_grad():
-            dst.copy_(src)
-        _madvise(t.data_ptr(), t.numel() * t.element_size(), MADV_PAGEOUT, inward=True)
-        return new
-    flat_src, flat_dst = src.reshape(-1), dst.view(-1)
+    new = torch.empty(tuple(t.shape), dtype=t.dtype, device="cpu")
+    flat_src, flat_dst = t.detach().reshape(-1), new.view(-1)
     size = t.element_size()
     step = max(1, _CHUNK // size)
     for at in range(0, flat_src.numel(), step):
@@ -212,7 +221,7 @@ def settle(model: Any, rows: int) -> DenseMemory:
     resident = mapped = counted = copied = 0
     for group in _groups(model):
         t, n = group.tensor, group.nbytes
-        if maps is None or not maps.file_backed(t.data_ptr()):
+        if maps is None or not _movable(t) or not maps.file_backed(t.data_ptr()):
             resident += n
             counted += n
         elif _read_by_rows(group):
