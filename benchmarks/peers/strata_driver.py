@@ -41,12 +41,17 @@ def storage_read_bytes() -> int:
 
 
 def resident_memory() -> dict[str, int]:
-    """RssAnon, RssFile and RssShmem of this process in bytes (/proc/self/status)."""
+    """RssAnon, RssFile and RssShmem of this process (/proc/self/status), and of them what huge
+    pages map (/proc/self/smaps_rollup), in bytes."""
     found = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("RssAnon", "RssFile", "RssShmem"):
-            found[key] = int(value.split()[0]) * 1024
+    for source, keys in (
+        ("/proc/self/status", ("RssAnon", "RssFile", "RssShmem")),
+        ("/proc/self/smaps_rollup", ("AnonHugePages", "FilePmdMapped")),
+    ):
+        for line in Path(source).read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in keys:
+                found[key] = int(value.split()[0]) * 1024
     return found
 
 

@@ -39,7 +39,9 @@ import torch
 PROC_MAPS = "/proc/self/maps"  # module-level: tests point it elsewhere
 MADV_RANDOM = 1
 MADV_WILLNEED = 3
+MADV_HUGEPAGE = 14
 MADV_PAGEOUT = 21  # Linux 5.4; elsewhere madvise refuses it and the pages stay cached
+_HUGE = 2 << 20  # a transparent huge page: a copy smaller than one gets no such hint
 _CHUNK = 64 << 20  # bytes copied between page-outs: the page cache the copy holds at a time
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -183,8 +185,13 @@ def _resident_copy(t: torch.Tensor) -> torch.Tensor:
     """`t` (contiguous) copied into anonymous memory with its dtype and shape, the file pages it
     was read from paged out a chunk at a time."""
     new = torch.empty(tuple(t.shape), dtype=t.dtype, device="cpu")
-    flat_src, flat_dst = t.detach().reshape(-1), new.view(-1)
     size = t.element_size()
+    if t.numel() * size >= 2 * _HUGE:
+        # Huge pages where the kernel allows them (THP "madvise"), asked before the copy first
+        # touches the memory: the page cache maps a checkpoint in large folios, and a copy in
+        # 4 KB pages costs the matrix-vector products more TLB misses than the mapping did.
+        _madvise(new.data_ptr(), t.numel() * size, MADV_HUGEPAGE, inward=True)
+    flat_src, flat_dst = t.detach().reshape(-1), new.view(-1)
     step = max(1, _CHUNK // size)
     for at in range(0, flat_src.numel(), step):
         n = min(step, flat_src.numel() - at)
