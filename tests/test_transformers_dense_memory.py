@@ -184,3 +184,35 @@ def test_a_strided_view_of_a_mapped_file_stays_mapped_and_counts_whole(tmp_path:
     assert (found.copied, found.resident, found.mapped) == (values.nbytes, 2 * values.nbytes, 0)
     assert np.array_equal(model.a.weight.numpy().ravel(), values)
     assert np.array_equal(model.b.weight.numpy(), values.reshape(64, 32).T)
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping holding `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"address {address:#x} is in no mapping")
+
+
+def test_a_large_copy_asks_for_huge_pages(tmp_path: Path) -> None:
+    """A copy of several huge pages' size is advised MADV_HUGEPAGE before it is touched (the
+    mapping's VmFlags say 'hg'), as the page cache maps the checkpoint in large folios."""
+    from strata_stream.transformers.dense_memory import settle
+
+    n = 3 * (2 << 20) // 4  # float32 values: three huge pages' bytes
+    np.arange(n, dtype=np.float32).tofile(tmp_path / "w.bin")
+    mapped = torch.from_file(str(tmp_path / "w.bin"), shared=False, size=n, dtype=torch.float32)
+    model = torch.nn.Module()
+    model.a = torch.nn.Linear(n // 64, 64, bias=False)
+    model.a.weight = torch.nn.Parameter(mapped.view(64, n // 64), requires_grad=False)
+    settle(model, rows=4)
+    w = model.a.weight
+    assert _mapped_file(w) is None
+    assert "hg" in _vm_flags(w.data_ptr() + w.numel() * w.element_size() // 2)
+    assert np.array_equal(w.numpy().ravel(), np.arange(n, dtype=np.float32))
