@@ -5,7 +5,7 @@
 #   benchmarks/peers/device.sh run       # the interleaved runs: JSON, PNG and logs into $OUT;
 #                                        # again on the same machine to finish what one call
 #                                        # left (each call stops starting runs after a budget)
-#   benchmarks/peers/device.sh all       # both, for a machine with time to spare
+#   benchmarks/peers/device.sh all       # both, where one command may run longer
 # The trimmed llama.cpp source must travel with the tree: `python benchmarks/peers/llama_trim.py`
 # writes .peers-src/llama.cpp-trim.tar.xz (ignored by git: name .peers-src in the call's carry).
 # A pybind11 >= 3 wheel in .whl/ (carried too) is installed first, as tests/cuda/device_run.sh
@@ -18,7 +18,11 @@
 # `timeout` and its output is kept in $OUT/NAME.log (or /tmp/peers-gpu-out).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-what=${1:-all}
+what=${1:-}
+case "$what" in
+  prepare | run | all) ;;
+  *) echo "usage: benchmarks/peers/device.sh prepare|run|all"; exit 2 ;;
+esac
 out=${OUT:-/tmp/peers-gpu-out}
 work=${PEERS_WORK:-/tmp/peers-gpu}
 layers=${PEERS_LAYERS:-4}
