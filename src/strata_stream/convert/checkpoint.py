@@ -21,7 +21,11 @@ Two layouts are recognised, by tensor name, whatever the family:
   (E8M0) with gate and up interleaved row by row, and ``down_proj_blocks [E, H, I/32, 16]``:
   copied as they are, the rows split. inkling's ``experts.w13_weight [E, 2I, H]`` (gate and up
   rows interleaved) with ``w2_weight [E, H, I]`` is the rows orientation with gate and up rows
-  alternating.
+  alternating. Fused experts may work at a width of their own (muse_spark's moe_hidden_size):
+  where hidden_size fits neither orientation the shapes alone decide, and the pack's hidden
+  size is the experts'. Gateless experts as a bare stacked pair, ``up_proj`` and ``down_proj``
+  without ``.weight`` (ergo's ``feed_forward.up_proj [E, H, I]`` with ``down_proj [E, I, H]``,
+  or ``[E, I, H]`` with ``[E, H, I]``), are read likewise, told apart by hidden_size.
 
 Quantization is read from the shapes (bits = packed words * 32 / input width, group = input
 width / scale columns), per matrix and per layer, so per-layer overrides in config.json need no
@@ -87,6 +91,14 @@ _FUSED_FC = re.compile(
 _FUSED_W13 = re.compile(
     r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>(?:\w+\.)*?)experts)"
     r"\.(?P<mat>w13|w2)_weight$"
+)
+# Gateless experts as two stacked parameters without a Linear's ``.weight``: ergo's checkpoints'
+# feed_forward.up_proj [E, H, I] with down_proj [E, I, H] (transformers' conversion mapping
+# renames them experts.up_proj), or transformers' own experts.up_proj [E, I, H] with
+# down_proj [E, H, I]. Only 3-D tensors are experts; the orientation is read from the shapes.
+_FUSED_UP = re.compile(
+    r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>(?:\w+\.)*?)\w+)"
+    r"\.(?P<mat>up_proj|down_proj)$"
 )
 # Their fp8 variants' per-expert scales, which the converter does not apply.
 _W13_SCALED = re.compile(r"(?:^|\.)experts\.w(?:13|2)_weight_\w+$")
@@ -312,7 +324,12 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
         linear = _FUSED_LINEAR.match(name)
         if linear is not None and len(index.tensors[name].shape) == 2:
             continue  # a dense Linear named so (granitemoehybrid's shared_mlp), not experts
-        fm = _FUSED.match(name) or linear or _FUSED_FC.match(name) or _FUSED_W13.match(name)
+        up = _FUSED_UP.match(name)
+        if up is not None and (
+            len(index.tensors[name].shape) != 3 or f"{up['prefix']}.gate_proj" in index.tensors
+        ):
+            up = None  # a dense parameter named so, or gated experts: not gateless experts
+        fm = _FUSED.match(name) or linear or _FUSED_FC.match(name) or _FUSED_W13.match(name) or up
         if fm is not None:
             _add_fused(model_dir, index, layers, fm)
             continue
@@ -334,11 +351,18 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
         else:
             template = f"{m['prefix']}.{{e}}.{m['mat']}.{m['role']}"
             layer.names[key] = template
-    for layer in layers.values():
-        if layer.fused is not None:
-            _orient_fused(model_dir, index, layer, hidden)
+    widths = {
+        _orient_fused(model_dir, index, layer, hidden)
+        for layer in layers.values()
+        if layer.fused is not None
+    }
     if not layers:
-        raise ConfigError(f"{model_dir}: no routed expert tensors found")
+        raise ConfigError(f"{model_dir}: {model_type}: no routed expert tensors found")
+    if len(widths) > 1:
+        raise PackError(f"{model_dir}: the experts of different layers work at widths {widths}")
+    # Fused experts may work at a width of their own (muse_spark's moe_hidden_size, between the
+    # block's own projections): the pack's hidden size is theirs.
+    hidden = widths.pop() if widths else hidden
     ordered = tuple(layers[i] for i in sorted(layers))
 
     first = ordered[0]
@@ -641,16 +665,23 @@ def _add_fused(
         layer.fused = "halves"  # gate and up concatenated, whichever axis they are on
     elif m["mat"] in ("w13", "w2"):
         layer.fused = "interleaved"  # gate and up rows alternate
+    elif m["mat"] == "up_proj" or (m["mat"] == "down_proj" and layer.fused == "gateless"):
+        layer.fused = "gateless"
     mat = _FUSED_NAMES.get(m["mat"], m["mat"])
-    matrices = (0, 1) if mat == "gate_up_proj" else (2,)
+    matrices = {"gate_up_proj": (0, 1), "up_proj": (1,)}.get(mat, (2,))
     for matrix in matrices:
         layer.names[(matrix, role)] = name
 
 
-def _orient_fused(model_dir: Path, index: SafetensorsIndex, layer: _Layer, hidden: int) -> None:
+def _orient_fused(model_dir: Path, index: SafetensorsIndex, layer: _Layer, hidden: int) -> int:
     """Which orientation a fused layer has, from where hidden_size sits in both tensors:
     gate_up [E, 2I, H] with down [E, H, I] ("rows"), or gpt-oss's gate_up [E, H, 2I] with
-    down [E, I, H] ("columns"). The two cannot both fit one pair of shapes."""
+    down [E, I, H] ("columns"). The two cannot both fit one pair of shapes, so where
+    hidden_size fits neither, the shapes alone decide: experts of a width of their own. Gateless
+    pairs (up [E, I, H] with down [E, H, I], or the other way round) need hidden_size. Returns
+    the experts' width."""
+    if layer.fused == "gateless":
+        return _orient_gateless(model_dir, index, layer, hidden)
     try:
         gate_up = index.tensors[layer.names[(0, "weight")]].shape
         down = index.tensors[layer.names[(2, "weight")]].shape
@@ -667,9 +698,14 @@ def _orient_fused(model_dir: Path, index: SafetensorsIndex, layer: _Layer, hidde
                 f"down_proj_blocks {list(down)} are not [E, 2I, {hidden // 32}, 16] and "
                 f"[E, {hidden}, I/32, 16]"
             )
-        return
+        return hidden
     _, a, b = gate_up
     _, c, d = down
+    if not (b == hidden and c == hidden) and not (a == hidden and d == hidden):
+        if b == c and a == 2 * d:
+            hidden = b
+        elif a == d and b == 2 * c:
+            hidden = a
     if b == hidden and c == hidden and a == 2 * d:
         layer.fused = "rows_interleaved" if layer.fused == "interleaved" else "rows"
     elif layer.fused == "interleaved":
@@ -685,6 +721,32 @@ def _orient_fused(model_dir: Path, index: SafetensorsIndex, layer: _Layer, hidde
             f"fit neither [E, 2I, {hidden}] / [E, {hidden}, I] nor [E, {hidden}, 2I] / "
             f"[E, I, {hidden}]"
         )
+    return hidden
+
+
+def _orient_gateless(model_dir: Path, index: SafetensorsIndex, layer: _Layer, hidden: int) -> int:
+    """A gateless fused pair: up [E, I, H] with down [E, H, I] ("up_rows") or up [E, H, I] with
+    down [E, I, H] ("up_columns", ergo's); where I == H the Linear orientation ("up_rows")."""
+    try:
+        up = index.tensors[layer.names[(1, "weight")]].shape
+        down = index.tensors[layer.names[(2, "weight")]].shape
+    except KeyError:
+        raise PackError(
+            f"{model_dir}: decoder layer {layer.decoder_layer} lacks up_proj or down_proj"
+        ) from None
+    _, a, b = up
+    _, c, d = down
+    if b == hidden and c == hidden and a == d:
+        layer.fused = "up_rows"
+    elif a == hidden and d == hidden and b == c:
+        layer.fused = "up_columns"
+    else:
+        raise PackError(
+            f"{model_dir}: gateless experts up_proj [E, {a}, {b}] and down_proj [E, {c}, {d}] "
+            f"fit neither [E, I, {hidden}] / [E, {hidden}, I] nor [E, {hidden}, I] / "
+            f"[E, I, {hidden}]"
+        )
+    return hidden
 
 
 def _unfused_shape(shape: tuple[int, ...], fused: str, matrix: int, role: str) -> tuple[int, ...]:
@@ -697,6 +759,8 @@ def _unfused_shape(shape: tuple[int, ...], fused: str, matrix: int, role: str) -
         cols = g * 4 if role == "weight" else g  # 16 bytes a block are 4 words
         return (e, r // 2 if matrix < 2 else r, cols)
     e, a, b = shape
+    if fused.startswith("up_"):  # gateless: up and down whole
+        return (e, a, b) if fused == "up_rows" else (e, b, a)
     if matrix < 2:
         return (e, a // 2, b) if fused.startswith("rows") else (e, b // 2, a)
     return (e, a, b) if fused.startswith("rows") else (e, b, a)
@@ -716,6 +780,8 @@ def _unfuse(t: npt.NDArray[Any], fused: str, matrix: int, role: str) -> npt.NDAr
             half = t.shape[0] // 2
             return np.ascontiguousarray(t[:half] if matrix == 0 else t[half:])
         return np.ascontiguousarray(t[matrix::2])
+    if fused.startswith("up_"):  # gateless: up and down whole
+        return t if fused == "up_rows" else np.ascontiguousarray(t.T)
     if matrix == 2:
         return t if fused.startswith("rows") else np.ascontiguousarray(t.T)
     if fused == "rows_interleaved":
