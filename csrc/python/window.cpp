@@ -459,6 +459,14 @@ void init_window(py::module_& m) {
             return py::make_tuple(l.next, l.two_layer);
           },
           py::arg("layer"), py::arg("rows"))
+      .def(
+          "pass_layer",
+          [](Window& w, std::uint32_t layer) {
+            // The turn moves past a layer this pass runs no rows of (Window::pass_layer).
+            py::gil_scoped_release nogil;
+            w.pass_layer(layer, check_signals);
+          },
+          py::arg("layer"))
       // ---- turns and lifecycle ----
       .def("close",
            [](Window& w) {

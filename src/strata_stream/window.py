@@ -371,6 +371,25 @@ class Window(ProcessBound):
         nxt, two = self._w.wants_predictions(layer, rows)
         return bool(nxt), bool(two)
 
+    @property
+    def in_turn(self) -> bool:
+        """Whether a turn is open (this thread's or another's); False on a closed Window."""
+        return not self.closed and bool(self._w.in_turn)
+
+    @property
+    def next_layer(self) -> int:
+        """The layer the open turn calls next (0 outside a turn)."""
+        return 0 if self.closed else int(self._w.next_layer)
+
+    def pass_layer(self, layer: int) -> None:
+        """Move the turn past `layer`, which this pass runs no rows of: a decoder layer with
+        several experts sets (one pack layer each) whose pass's tokens chose none of this one,
+        where the turn's order still holds every pack layer. Its predicted reads go to limbo as
+        a call's unchosen ones do; at layer 0 it opens the turn, at the last layer it ends it,
+        as a call would; out of order it is a TurnError, as a call's."""
+        layer = self._layer_arg(layer)
+        self._routed_call(layer, lambda: self._w.pass_layer(layer))
+
     def _layer_arg(self, layer: int) -> int:
         """The layer argument of a layer call, checked: an open Window, an int in range."""
         self._check_open()

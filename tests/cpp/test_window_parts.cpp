@@ -62,6 +62,20 @@ TEST_CASE("TurnGate opens an implicit turn at layer 0 and keeps the layer order"
   CHECK_FALSE(g.in_turn());
 }
 
+TEST_CASE("TurnGate: a passed layer opens and continues the turn as a call of rows does",
+          "[parts]") {
+  TurnGate g;
+  TurnGate::Call call(g);
+  CHECK(g.enter(0, 0, /*pass=*/true) == TurnGate::Entry::Opens);  // an empty call would Skip
+  CHECK(g.in_turn());
+  CHECK_FALSE(g.advance(0, 3));
+  CHECK(kind_of([&] { g.enter(2, 0, true); }) == ErrorKind::Turn);  // out of order all the same
+  CHECK(g.enter(1, 0, true) == TurnGate::Entry::Continue);
+  CHECK_FALSE(g.advance(1, 3));
+  CHECK(g.enter(2, 0, true) == TurnGate::Entry::Continue);
+  CHECK(g.advance(2, 3));  // the implicit turn ends after its last layer, passed or run
+}
+
 TEST_CASE("TurnGate: an explicit turn never ends by the layer count", "[parts]") {
   TurnGate g;
   TurnGate::Call call(g);

@@ -49,13 +49,13 @@ std::uint32_t TurnGate::next_layer() const {
   return next_layer_;
 }
 
-TurnGate::Entry TurnGate::enter(std::uint32_t layer, std::uint32_t rows) {
+TurnGate::Entry TurnGate::enter(std::uint32_t layer, std::uint32_t rows, bool pass) {
   std::lock_guard<std::mutex> lk(mu_);
   if (turn_ == Kind::None) {
     if (layer != 0)
       throw EngineError(ErrorKind::Turn, "layer " + std::to_string(layer) +
                                              " called outside a turn: a turn starts at layer 0");
-    if (rows == 0) return Entry::Skip;
+    if (rows == 0 && !pass) return Entry::Skip;
     turn_ = Kind::Implicit;  // ends after layer L-1
     owner_ = std::this_thread::get_id();
     next_layer_ = 0;
@@ -65,7 +65,7 @@ TurnGate::Entry TurnGate::enter(std::uint32_t layer, std::uint32_t rows) {
     throw EngineError(ErrorKind::Turn, "layer " + std::to_string(layer) +
                                            " called out of order: this turn expects layer " +
                                            std::to_string(next_layer_) + " next");
-  return rows == 0 ? Entry::Skip : Entry::Continue;
+  return rows == 0 && !pass ? Entry::Skip : Entry::Continue;
 }
 
 bool TurnGate::advance(std::uint32_t layer, std::uint32_t n_layers) {

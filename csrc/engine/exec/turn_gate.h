@@ -44,9 +44,10 @@ class TurnGate {
 
   // ---- the busy holder's (a Call's) ----
   // A layer call of `rows` rows at `layer`: Opens an implicit turn at layer 0 (rows > 0),
-  // Continue in the open turn's order, Skip for an empty call. Throws Turn for a layer out of
-  // order or outside a turn.
-  Entry enter(std::uint32_t layer, std::uint32_t rows);
+  // Continue in the open turn's order, Skip for an empty call. `pass`: the caller moves the turn
+  // past a layer its pass does not run (Window::pass_layer), which opens and continues as a call
+  // with rows does, never Skip. Throws Turn for a layer out of order or outside a turn.
+  Entry enter(std::uint32_t layer, std::uint32_t rows, bool pass = false);
   // After layer `layer` of n_layers ran: whether that ended the implicit turn.
   bool advance(std::uint32_t layer, std::uint32_t n_layers);
   // begin_turn's check (Turn when an explicit turn is open): whether an implicit one is open.

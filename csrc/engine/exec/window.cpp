@@ -338,15 +338,23 @@ void Window::moe_routed_external(std::uint32_t layer, std::uint32_t rows, const 
       interrupt);
 }
 
+void Window::pass_layer(std::uint32_t layer, const InterruptCheck& interrupt) {
+  run_call(layer, 0, [](std::uint32_t, std::uint32_t, std::uint32_t) {}, interrupt, false, true);
+}
+
 void Window::run_call(std::uint32_t layer, std::uint32_t rows, const ChunkFn& run,
-                      const InterruptCheck& interrupt, bool queued) {
+                      const InterruptCheck& interrupt, bool queued, bool pass) {
   if (layer >= L_.n_layers)
     throw std::out_of_range("layer " + std::to_string(layer) + " out of range [0, " +
                             std::to_string(L_.n_layers) + ")");
   TurnGate::Call call(gate_);
-  const TurnGate::Entry entry = gate_.enter(layer, rows);
+  const TurnGate::Entry entry = gate_.enter(layer, rows, pass);
   if (entry == TurnGate::Entry::Skip) return;
-  if (layer == 0) recorder_.begin_pass(rows);  // a new pass over the model starts
+  if (layer == 0) pass_begun_ = false;  // a new pass over the model starts
+  if (!pass_begun_ && rows > 0) {
+    recorder_.begin_pass(rows);  // its tokens: the rows of its first call that runs any
+    pass_begun_ = true;
+  }
   try {
     // First, before anything may evict or unprotect a slot: the last call's kernels finished
     // (a call that returned with them queued left its layer's protections standing: I4).
@@ -354,7 +362,7 @@ void Window::run_call(std::uint32_t layer, std::uint32_t rows, const ChunkFn& ru
     if (entry == TurnGate::Entry::Opens) speculator_.start_turn(client_);
     std::vector<std::int32_t>& chosen = buf_.call_chosen;
     chosen.clear();
-    scratch_.bind(std::min(rows, opt_.max_rows), *backend_);
+    if (rows > 0) scratch_.bind(std::min(rows, opt_.max_rows), *backend_);
     std::uint32_t chunk = 0;
     for (std::uint32_t r0 = 0; r0 < rows; r0 += opt_.max_rows, ++chunk) {
       run(r0, std::min(opt_.max_rows, rows - r0), chunk);
@@ -421,7 +429,7 @@ void Window::after(std::uint32_t layer, std::uint32_t rows,
   // I4: layer+1's router may already run; I7: unchosen predictions of this layer to limbo.
   stream_.finish_layer(client_, layer, chosen.data(), chosen.size());
   LayerStats call;
-  call.calls = 1;
+  call.calls = rows > 0 ? 1 : 0;  // a passed layer (pass_layer) ran no call
   call.tokens = rows;
   recorder_.add_host_time(layer, timer, call);
 }

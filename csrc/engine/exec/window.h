@@ -105,6 +105,13 @@ class Window {
   // rows at `layer` uses: the plan's one decision (call_lookahead), less the predictions of a
   // layer that can do nothing (every expert of it published for good: Speculator::useful).
   Lookahead wants_predictions(std::uint32_t layer, std::uint32_t rows) const;
+  // Moves the turn past `layer`, which this pass runs no rows of (a decoder layer with several
+  // experts sets, one pack layer each, whose pass's tokens chose none of this one: the turn's
+  // layer order holds every pack layer). The layer's after-layer host point runs with nothing
+  // chosen, so its predicted reads go to limbo (I7) and layer+1 is protected next (I4); the
+  // turn opens at layer 0 and ends after layer L-1 as with a call of rows. Turn error out of
+  // order, as a call's.
+  void pass_layer(std::uint32_t layer, const InterruptCheck& interrupt = {});
 
   // Opens an explicit turn (ending an implicit one of this thread). Turn error if one is open.
   void begin_turn();
@@ -166,8 +173,9 @@ class Window {
   void abandon_call();
   void teardown();
   // ---- plan -> handshake -> execute ----
+  // pass: pass_layer's (rows 0, nothing to run, the turn still moves on).
   void run_call(std::uint32_t layer, std::uint32_t rows, const ChunkFn& chunk,
-                const InterruptCheck& interrupt, bool queued = false);
+                const InterruptCheck& interrupt, bool queued = false, bool pass = false);
   ChunkPlan plan(CallKind kind, std::uint32_t layer, std::uint32_t r0, std::uint32_t rows,
                  std::uint32_t distinct = 0, const Routed* routed = nullptr,
                  bool queued_done = false) const;
@@ -231,6 +239,9 @@ class Window {
   // The open turn ran a chunk off the decode path (prompt waves): its scratch is prompt-sized
   // and goes back at the turn's end (unless BUF_REUSE).
   bool turn_prompt_ = false;
+  // The recorder's pass has begun (its first call with rows): a pass whose first pack layers
+  // were passed (pass_layer) begins at its first call that runs rows.
+  bool pass_begun_ = false;
   // Handshake events. Values only grow: every chunk takes seq_ + 1, every prompt wave
   // wave_seq_ + 1, so a stale signal can never release a later wait.
   SharedEvent routed_, release1_, release2_, done_, wave_release_, wave_done_;
