@@ -27,6 +27,13 @@ Two layouts are recognised, by tensor name, whatever the family:
   without ``.weight`` (ergo's ``feed_forward.up_proj [E, H, I]`` with ``down_proj [E, I, H]``,
   or ``[E, I, H]`` with ``[E, H, I]``), are read likewise, told apart by hidden_size.
 
+Each experts module is one pack layer, in the order of (decoder layer, experts prefix): a decoder
+layer may hold several (ERNIE-4.5-VL's text and vision experts). Where a checkpoint lists several
+modules' experts as one per-expert list (ERNIE-4.5-VL's ``mlp.experts.{e}``: the text experts,
+then the vision ones), a list of k times the experts config.json gives one module is k sets of
+consecutive experts (`_split_sets`), each its own pack layer; the pack's model block records
+each set's first expert in the list (`expert_offsets`).
+
 Quantization is read from the shapes (bits = packed words * 32 / input width, group = input
 width / scale columns), per matrix and per layer, so per-layer overrides in config.json need no
 special handling: matrices stored in different formats (mlx-lm's quantization predicates) make
@@ -169,6 +176,10 @@ class _Layer:
     # mxfp4 *_blocks / *_scales (interleaved rows), "rows_interleaved" for inkling's w13_weight
     # [E, 2I, H] (gate and up rows alternate); None otherwise.
     fused: str | None = None
+    # A per-expert list that holds several experts sets of one decoder layer (`_split_sets`):
+    # this set's first expert in the list; 0 otherwise.
+    offset: int = 0
+    size: int = 0  # its experts (0: every expert the list holds)
 
 
 @dataclass(frozen=True)
@@ -223,7 +234,7 @@ class ExpertLayout:
             elif layer.stacked:
                 got = index.read_expert(name, expert)
             else:
-                got = index.read(name.format(e=expert))
+                got = index.read(name.format(e=layer.offset + expert))
             if digest is not None:
                 digest(name, np.ascontiguousarray(got).data)
             return got
@@ -311,7 +322,8 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
             f"({ungated}: mlx-lm's SwitchMLP); the pack holds gated experts (gate, up, down) "
             "only"
         )
-    layers: dict[int, _Layer] = {}
+    # By (decoder layer, experts prefix): a decoder layer may hold several experts modules.
+    layers: dict[tuple[int, str], _Layer] = {}
     hidden = int(config.get("hidden_size", 0))
     if not hidden:
         raise ConfigError(f"{model_dir}: config.json has no hidden_size")
@@ -342,7 +354,7 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
             if m is None:
                 continue
         i = int(m["layer"])
-        layer = layers.setdefault(i, _Layer(i, m["prefix"], stacked))
+        layer = layers.setdefault((i, m["prefix"]), _Layer(i, m["prefix"], stacked))
         if layer.stacked != stacked or layer.fused is not None:
             raise PackError(f"{model_dir}: layer {i} mixes expert tensor layouts")
         key = (_MATRIX[m["mat"]], m["role"])
@@ -363,7 +375,10 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
     # Fused experts may work at a width of their own (muse_spark's moe_hidden_size, between the
     # block's own projections): the pack's hidden size is theirs.
     hidden = widths.pop() if widths else hidden
-    ordered = tuple(layers[i] for i in sorted(layers))
+    # Pack layers in the order of (decoder layer, experts prefix): a decoder layer with several
+    # experts modules (text and vision experts, say) gives each its own pack layer, in the
+    # order of their paths, as the transformers loader orders the modules.
+    ordered = _split_sets(model_dir, index, config, tuple(layers[k] for k in sorted(layers)))
 
     first = ordered[0]
     roles = {r for (_, r) in first.names}
@@ -383,9 +398,8 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
         if layer.stacked:
             t = index.tensors[name]
             return t.dtype, t.shape
-        experts = [n for n in index.tensors if _per_expert_of(n, name)]
-        t = index.tensors[name.format(e=0)]
-        return t.dtype, (len(experts), *t.shape)
+        t = index.tensors[name.format(e=layer.offset)]
+        return t.dtype, (_set_size(index, layer, name), *t.shape)
 
     _, gshape = loc(first, (0 if gated else 1, "weight"))
     n_experts, inter = gshape[0], gshape[1]
@@ -466,6 +480,7 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
         "n_decoder_layers": int(config.get("num_hidden_layers", 0)),
         "decoder_layers": [layer.decoder_layer for layer in ordered],
         "experts_prefixes": [layer.prefix for layer in ordered],
+        "expert_offsets": [layer.offset for layer in ordered],
         "first_k_dense_replace": int(config.get("first_k_dense_replace", 0) or 0),
         "decoder_sparse_step": int(config.get("decoder_sparse_step", 1) or 1),
         "layout": (
@@ -619,6 +634,7 @@ def share_layout(layout: ExpertLayout, share: Share) -> ExpertLayout:
         **layout.model,
         "decoder_layers": [layer.decoder_layer for layer in layers],
         "experts_prefixes": [layer.prefix for layer in layers],
+        "expert_offsets": [layer.offset for layer in layers],
         "share": share.to_json(),
     }
     return replace(
@@ -636,6 +652,70 @@ def _to_st(name: str | None) -> str | None:
     return {"f32": "F32", "f16": "F16", "bf16": "BF16", "u32": "U32", "e8m0": "U8"}.get(name or "")
 
 
+# The config keys families name the routed experts of one experts module by (an int, or a list
+# with one entry per experts module of a decoder layer).
+_N_EXPERTS_KEYS = ("num_experts", "moe_num_experts", "num_local_experts", "n_routed_experts")
+
+
+def _set_sizes(config: dict[str, Any]) -> list[int]:
+    """The experts of each experts module of a decoder layer, as config.json says: [E] for an
+    int, the list where it gives one per module; [] where it says nothing usable."""
+    for key in _N_EXPERTS_KEYS:
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return [value]
+        if (
+            isinstance(value, list)
+            and value
+            and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
+        ):
+            return list(value)
+    return []
+
+
+def _listed(index: SafetensorsIndex, template: str) -> int:
+    """How many experts a per-expert tensor template names in the checkpoint."""
+    return sum(1 for n in index.tensors if _per_expert_of(n, template))
+
+
+def _set_size(index: SafetensorsIndex, layer: _Layer, template: str) -> int:
+    """The experts of `layer`'s set in a per-expert list (all of it for a list of one set)."""
+    return layer.size if layer.size else _listed(index, template)
+
+
+def _split_sets(
+    model_dir: Path, index: SafetensorsIndex, config: dict[str, Any], layers: tuple[_Layer, ...]
+) -> tuple[_Layer, ...]:
+    """Each per-expert list that holds several experts modules' sets, as one pack layer per set.
+
+    A checkpoint may list the experts of several experts modules of one decoder layer as one
+    list (ERNIE-4.5-VL's ``mlp.experts.{e}``: its text experts, then its vision experts, which
+    transformers' own conversion splits into equal consecutive chunks, one per module). Where
+    a list holds a whole multiple k > 1 of the experts config.json gives one module (or the sum
+    of the per-module counts it lists), it is k sets of consecutive experts, in order."""
+    sizes = _set_sizes(config)
+    out: list[_Layer] = []
+    for layer in layers:
+        if layer.stacked or not sizes:
+            out.append(layer)
+            continue
+        template = next(iter(layer.names.values()))
+        listed = _listed(index, template)
+        if len(sizes) == 1:
+            k = listed // sizes[0] if listed % sizes[0] == 0 else 1
+            chunks = [sizes[0]] * k
+        else:
+            chunks = sizes if sum(sizes) == listed else [listed]
+        if len(chunks) < 2:
+            out.append(layer)
+            continue
+        offset = 0
+        for n in chunks:
+            out.append(replace(layer, names=dict(layer.names), offset=offset, size=n))
+            offset += n
+    return tuple(out)
+
+
 def _per_expert_of(name: str, template: str) -> bool:
     head, _, tail = template.partition("{e}")
     middle = name[len(head) : len(name) - len(tail)] if name.endswith(tail) else ""
@@ -643,7 +723,10 @@ def _per_expert_of(name: str, template: str) -> bool:
 
 
 def _add_fused(
-    model_dir: Path, index: SafetensorsIndex, layers: dict[int, _Layer], m: re.Match[str]
+    model_dir: Path,
+    index: SafetensorsIndex,
+    layers: dict[tuple[int, str], _Layer],
+    m: re.Match[str],
 ) -> None:
     """Records one fused tensor (``experts.gate_up_proj``, ``.down_proj``, their ``_bias``;
     granitemoe's ``input_linear``/``output_linear``) under the pack's (matrix, role) keys; the
@@ -651,7 +734,7 @@ def _add_fused(
     i = int(m["layer"])
     name = m.group(0)
     t = index.tensors[name]
-    layer = layers.setdefault(i, _Layer(i, m["prefix"], True, fused="unknown"))
+    layer = layers.setdefault((i, m["prefix"]), _Layer(i, m["prefix"], True, fused="unknown"))
     if layer.fused is None:
         raise PackError(f"{model_dir}: layer {i} mixes expert tensor layouts")
     suffix = m.groupdict().get("suffix")
