@@ -215,9 +215,10 @@ def test_a_vision_model_generates_with_its_image_text_to_text_class() -> None:
     assert len(str(e.value).splitlines()) == 1
 
 
-def test_two_experts_modules_in_one_layer_are_one_line() -> None:
-    """Experts per modality (ernie4_5_vl_moe's text and vision sets in one decoder layer): the
-    pack holds one set per layer, so load says so instead of pairing a pack with the wrong set."""
+def test_two_experts_modules_in_one_layer_are_two_pack_layers() -> None:
+    """Experts per modality (ernie4_5_vl_moe's text and vision sets in one decoder layer): each
+    experts module is streamed as its own pack layer, in the order of (decoder layer, module
+    path), as the converter orders a checkpoint's sets (tests/test_transformers_sets.py)."""
     import copy
 
     from strata_stream.transformers.experts import EngineSlot
@@ -230,11 +231,11 @@ def test_two_experts_modules_in_one_layer_are_one_line() -> None:
     )  # fmt: skip
     model = transformers.Qwen3MoeForCausalLM(config)
     block = model.model.layers[1].mlp
-    block.vision_experts = copy.deepcopy(block.experts)
-    with pytest.raises(ConfigError, match=r"^qwen3_moe: decoder layer 1 holds two experts "
-                       r"modules \(.*mlp.experts and .*mlp.vision_experts\)") as e:  # fmt: skip
-        _replace_experts(model, EngineSlot())
-    assert len(str(e.value).splitlines()) == 1
+    block.a_experts = copy.deepcopy(block.experts)  # registered after, sorted before `experts`
+    slot = EngineSlot()
+    _replace_experts(model, slot)
+    assert [(b[0], b[5]) for b in slot.blocks] == [(0, "experts"), (1, "a_experts"), (1, "experts")]
+    assert [getattr(b[2], b[5]).layer for b in slot.blocks] == [0, 1, 2]
 
 
 def test_describe_reports_the_dense_weights_once(fam: Family, closing: list[Any]) -> None:

@@ -2,6 +2,10 @@
 
 Every streamed experts module calls `TorchMoeEngine.run(layer, ...)` in decoder order during a
 forward pass; the Window's turn is the pass (it opens at pack layer 0, closes after the last).
+A decoder layer may hold several experts modules (ERNIE-4.5-VL's text and vision experts), one
+pack layer each, of which a pass runs only those its tokens route to: the engine moves the turn
+past the others (`Window.pass_layer`), and predicts a pack layer only from the layers whose
+tokens run it next (the same experts set of an earlier decoder layer, `_predicts`).
 Only the expert ids and weights (and the predicted ids) cross to the host, as they are (no
 kernel casts them): the host widens them to the binding's int32 and float32, which changes no
 value.
@@ -62,6 +66,9 @@ class BlockRef:
     # The norm the experts interface applies to each route's output before the mixture weights
     # (the experts module's own post_expert_norm: experts.post_norm_of); None: none.
     post_norm: Any = None
+    # The experts module's path within its decoder layer (loader.set_path): what tells apart
+    # the experts sets of a decoder layer that holds several.
+    path: str = ""
 
 
 class TorchMoeEngine:
@@ -103,10 +110,20 @@ class TorchMoeEngine:
         except BaseException:
             self.close()
             raise
+        # Experts sets per decoder layer: a decoder layer may hold several experts modules
+        # (ERNIE-4.5-VL's text and vision experts), each its own pack layer, and a pass runs
+        # only those its tokens route to (`_reach` passes the others).
+        self.sets: dict[int, int] = {}
+        for ref in blocks:
+            self.sets[ref.decoder_layer] = self.sets.get(ref.decoder_layer, 0) + 1
         # How each pack layer is predicted when it is the next layer: "router" (its router on
-        # the previous layer's input) or "profile" (no router returns the ids: the Window's
-        # expert profile stands in).
-        self.prediction = ["router" if ref.router is not None else "profile" for ref in blocks]
+        # the previous pack layer's input), "two_layer" (its router on the input of the same
+        # experts set two pack layers before, when two-layer prediction is on: the pack layer
+        # before it is another set of a decoder layer, which those tokens do not run), "none"
+        # (the first layer of a set with no such layer before it), or "profile" (no router
+        # returns the ids: the Window's expert profile stands in).
+        self.prediction = [self._predicted_by(i) for i in range(len(blocks))]
+        self.passed_layers = 0  # pack layers a pass moved past without running (`_reach`)
         try:
             self.filled_at_load = self._fill_when_everything_fits()
         except BaseException:
@@ -149,11 +166,62 @@ class TorchMoeEngine:
 
     def stats(self) -> dict[str, Any]:
         """Window.stats() and how each layer is predicted (`prediction`: per pack layer
-        "router" or "profile"; `prediction_profile_layers`: how many are "profile")."""
+        "router", "two_layer", "none" or "profile"; `prediction_profile_layers` and
+        `prediction_two_layer_layers`, `prediction_none_layers`: how many are each), and
+        `passed_layers`: pack layers (experts sets) the passes moved past without running."""
         stats = self.window.stats()
         stats["prediction"] = list(self.prediction)
         stats["prediction_profile_layers"] = self.prediction.count("profile")
+        stats["prediction_two_layer_layers"] = self.prediction.count("two_layer")
+        stats["prediction_none_layers"] = self.prediction.count("none")
+        stats["passed_layers"] = self.passed_layers
         return stats
+
+    def _predicts(self, layer: int, nxt: int) -> bool:
+        """Whether the tokens of pack layer `layer` run pack layer `nxt` next (so that `nxt`'s
+        router on this layer's input predicts what they read): a layer of a later decoder
+        layer, the same experts set where that decoder layer holds several. A sibling set of
+        this decoder layer runs other tokens (the vision experts beside the text ones)."""
+        a, b = self.blocks[layer], self.blocks[nxt]
+        if b.decoder_layer <= a.decoder_layer:
+            return False
+        return self.sets[b.decoder_layer] == 1 or a.path == b.path
+
+    def _predicted_by(self, layer: int) -> str:
+        if self.blocks[layer].router is None:
+            return "profile"
+        if layer == 0 or self._predicts(layer - 1, layer):
+            return "router"
+        return "two_layer" if layer >= 2 and self._predicts(layer - 2, layer) else "none"
+
+    def _reach(self, layer: int) -> None:
+        """Moves the Window's turn to pack layer `layer`: past the layers this pass did not
+        run (the experts sets of a decoder layer none of its tokens chose), or, where the call
+        is for a layer before the turn's (a new pass, the last one having stopped part-way: it
+        failed, or its last sets ran no tokens), from a new turn at layer 0."""
+        w = self.window
+        nxt = w.next_layer if w.in_turn else 0
+        if layer < nxt:
+            w.restart_pass()
+            nxt = 0
+        for q in range(nxt, layer):
+            w.pass_layer(q)
+            self.passed_layers += 1
+
+    def leave_sets(self, last: int) -> None:
+        """After a decoder layer with several experts sets ran (a forward hook on the module
+        holding them, loader.py): moves the turn past its sets up to pack layer `last` that
+        the pass did not run, so the turn ends with the pass. Nothing while several passes
+        meet (`gather`: the serving thread drives the Window), or where the turn is already
+        past them."""
+        if self.gather is not None or self.closed or not self.window.in_turn:
+            return
+        nxt = self.window.next_layer
+        if nxt == 0 or nxt > last:
+            return
+        for q in range(nxt, last + 1):
+            self.window.pass_layer(q)
+            self.passed_layers += 1
 
     def predictions(self, layer: int, x: torch.Tensor) -> list[torch.Tensor | None]:
         """The ids routers l+1 (and l+2) pick on this layer's input, where the engine will use
@@ -162,7 +230,7 @@ class TorchMoeEngine:
         out: list[torch.Tensor | None] = [None, None]
         for d in (1, 2):
             nxt = layer + d
-            if want[d - 1] and nxt < len(self.blocks):
+            if want[d - 1] and nxt < len(self.blocks) and self._predicts(layer, nxt):
                 ref = self.blocks[nxt]
                 if ref.router is not None:
                     out[d - 1] = self._valid(route_ids(ref.router, x), x.shape[0])
@@ -205,9 +273,9 @@ class TorchMoeEngine:
         if dtype is None:
             raise ConfigError(f"the streamed experts take float32, float16 or bfloat16, got "
                               f"{x.dtype}")  # fmt: skip
-        if layer == 0:
-            # A forward pass that failed part-way leaves the turn open at a later layer.
-            self.window.restart_pass()
+        # Past the sets this pass does not run; a forward pass that failed part-way leaves the
+        # turn open at a later layer, which a call of an earlier one restarts.
+        self._reach(layer)
         norm = self.blocks[layer].post_norm
         rows = x.numel() // self.hidden
         if ids.numel() not in (rows, rows * self.top_k):

@@ -36,23 +36,27 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _EXPERT_KEYS = [r"\.experts\.(?:\d+\.)?(?:gate_up_proj|down_proj|gate_proj|up_proj|w[123])"]
 
 
+def set_path(path: str) -> str:
+    """An experts module's path within its decoder layer (``mlp.text_moe.experts`` of
+    ``model.language_model.layers.1.mlp.text_moe.experts``): what tells a decoder layer's
+    experts sets apart, in the model and in a checkpoint's tensor names alike."""
+    m = _LAYER.search(path + ".")
+    return path[m.end() :] if m is not None else path
+
+
 def _replace_experts(model: torch.nn.Module, slot: EngineSlot) -> None:
-    """Every experts-interface module of `model` (families.py) in decoder order, replaced by a
-    streamed one; ConfigError (one line) for experts the pack cannot hold."""
+    """Every experts-interface module of `model` (families.py), replaced by a streamed one, in
+    the pack's order: by decoder layer, and within a decoder layer that holds several experts
+    modules (ERNIE-4.5-VL's text and vision experts) by their paths, each its own pack layer
+    (convert/checkpoint.py orders a checkpoint's experts sets so). ConfigError (one line) for
+    experts the pack cannot hold."""
     model_type = str(getattr(model.config, "model_type", "unknown"))
     found: list[tuple[int, str, Any, str]] = []
     for name, block, attr in find_blocks(model):
         m = _LAYER.search(name + ".")
         if m is not None:
             found.append((int(m.group(1)), name, block, attr))
-    found.sort(key=lambda t: t[0])
-    pairs = zip(found, found[1:], strict=False)
-    for (layer, name, _, attr), (other, name2, _, attr2) in pairs:
-        if layer == other:  # experts per modality (text and vision sets in one layer)
-            raise ConfigError(
-                f"{model_type}: decoder layer {layer} holds two experts modules ({name}.{attr} "
-                f"and {name2}.{attr2}); the pack holds one set of routed experts per layer"
-            )
+    found.sort(key=lambda t: (t[0], set_path(f"{t[1]}.{t[3]}")))
     slot.blocks = []
     for layer, (decoder_layer, name, block, attr) in enumerate(found):
         family = family_of(getattr(block, attr), model_type)
@@ -285,8 +289,10 @@ def _check_pack(pack: ExpertPack, blocks: list[tuple[Any, ...]]) -> None:
     if meta.get("decoder_layers") != decoder_layers:
         raise PackError(
             f"{where}: holds the experts of decoder layers {meta.get('decoder_layers')}, but the "
-            f"model's sparse blocks are at {decoder_layers} (a pack of another model?)"
+            f"model's sparse blocks are at {decoder_layers} (a pack of another model, or made "
+            "from another layout of its experts?)"
         )
+    _check_sets(where, meta, blocks)
     g = pack.geometry
     for decoder_layer, _, _, family, (n_experts, inter, hidden), _ in blocks:
         if (g.n_experts, g.moe_intermediate, g.hidden) != (n_experts, inter, hidden):
@@ -297,6 +303,56 @@ def _check_pack(pack: ExpertPack, blocks: list[tuple[Any, ...]]) -> None:
             )
         # The pack's activation on the converter's gate/up split must be the experts' own.
         check_activation(family, g.activation, g.act_alpha, g.act_limit, meta.get("layout"))
+
+
+def _hook_sets(model: Any, blocks: list[tuple[Any, ...]], engine: TorchMoeEngine) -> None:
+    """For each decoder layer holding several experts modules: a forward hook on the module
+    that holds them all (ERNIE-4.5-VL's ``mlp``), which moves the Window's turn past the sets
+    the pass did not run once that module returns (TorchMoeEngine.leave_sets), so that a pass
+    whose tokens never chose the last decoder layer's last set still ends its turn."""
+    by_layer: dict[int, list[int]] = {}
+    for i, b in enumerate(blocks):
+        by_layer.setdefault(b[0], []).append(i)
+    for layers in by_layer.values():
+        if len(layers) < 2:
+            continue
+        paths = [str(blocks[i][1]).split(".") for i in layers]
+        common: list[str] = []
+        for parts in zip(*paths, strict=False):
+            if len(set(parts)) != 1:
+                break
+            common.append(parts[0])
+        holder = model.get_submodule(".".join(common))
+        last = layers[-1]
+        holder.register_forward_hook(lambda *_, last=last: engine.leave_sets(last))
+
+
+def _check_sets(where: str, meta: Mapping[str, Any], blocks: list[tuple[Any, ...]]) -> None:
+    """PackError unless each pack layer of a decoder layer with several experts modules holds
+    that module's experts: the checkpoint's experts prefix of each set names the module's path
+    where the sets are separate tensors; sets of one per-expert list (`expert_offsets`) are in
+    the modules' path order."""
+    prefixes = meta.get("experts_prefixes") or []
+    offsets = meta.get("expert_offsets") or [0] * len(blocks)
+    if len(prefixes) != len(blocks) or len(offsets) != len(blocks):
+        raise PackError(f"{where}: its model block does not describe {len(blocks)} experts sets")
+    for i, (decoder_layer, name, _, _, _, attr) in enumerate(blocks):
+        siblings = [j for j, b in enumerate(blocks) if b[0] == decoder_layer]
+        if len(siblings) < 2:
+            continue
+        shared = len({prefixes[j] for j in siblings}) == 1
+        module = set_path(f"{name}.{attr}")
+        if shared and offsets[i] != sum(blocks[j][4][0] for j in siblings if j < i):
+            raise PackError(
+                f"{where}: decoder layer {decoder_layer}'s experts set at {module} starts at "
+                f"expert {sum(blocks[j][4][0] for j in siblings if j < i)} of "
+                f"{prefixes[i]}, the pack's at {offsets[i]}"
+            )
+        if not shared and set_path(str(prefixes[i])) != module:
+            raise PackError(
+                f"{where}: decoder layer {decoder_layer}'s experts module {module} is the "
+                f"pack's {set_path(str(prefixes[i]))} (a pack made from another layout?)"
+            )
 
 
 def load(
@@ -385,8 +441,8 @@ def load(
     with ExpertPack.open(pack_file) as pack:
         _check_pack(pack, slot.blocks)
         refs = [
-            BlockRef(i, decoder_layer, block, family, attr)
-            for i, (decoder_layer, _, block, family, _, attr) in enumerate(slot.blocks)
+            BlockRef(i, decoder_layer, block, family, attr, path=set_path(f"{name}.{attr}"))
+            for i, (decoder_layer, name, block, family, _, attr) in enumerate(slot.blocks)
         ]
         base_cfg = config if config is not None else StreamConfig.from_env()
         dense = settle(model, base_cfg.max_rows)  # before sizing: the charge then holds it
@@ -394,6 +450,7 @@ def load(
         cfg = base_cfg.replace(arena_bytes=arena)
         engine = TorchMoeEngine(pack, cfg, refs, dev)
     slot.engine = engine
+    _hook_sets(model, slot.blocks, engine)
     object.__setattr__(model, "strata_dense", dense)
     object.__setattr__(model, "strata_engine", engine)
     object.__setattr__(model, "strata_pack_path", pack_file)
