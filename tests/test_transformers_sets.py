@@ -200,6 +200,32 @@ def test_a_pack_of_one_set_per_decoder_layer_is_refused(
     assert len(str(e.value).splitlines()) == 1
 
 
+def test_sets_of_different_widths_are_refused_in_one_line(tmp_path: Path) -> None:
+    """ERNIE-4.5-VL's released checkpoints have narrower vision experts than text ones: the pack
+    holds experts of one shape, so convert says so, naming the set."""
+    from tests.model_coverage.transformers_matrix import tiny_config
+
+    from strata_stream.errors import ConfigError
+    from strata_stream.transformers.loader import config_for, generation_class
+    from strata_stream.transformers.random_model import randomize
+
+    config = tiny_config(TYPE)
+    text = config.get_text_config()
+    wide = text.moe_intermediate_size[0]
+    text.moe_intermediate_size = [wide, wide // 2]
+    cls = generation_class(config)
+    model = cls._from_config(config_for(cls, config), dtype=torch.float32)
+    randomize(model, 0)
+    model.save_pretrained(str(tmp_path / "ckpt"))
+    n = text.moe_num_experts
+    with pytest.raises(
+        ConfigError, match=rf"decoder layer 1's experts {n}\.\.{2 * n - 1} of .*mlp\.experts are "
+        rf"{n} of intermediate width {wide // 2}, the first layer's {n} of {wide}"
+    ) as e:  # fmt: skip
+        convert(tmp_path / "ckpt", tmp_path / "p.strpk", progress=False)
+    assert len(str(e.value).splitlines()) == 1
+
+
 def test_pass_layer_moves_the_turn_past_a_layer(make_pack: Any) -> None:
     """Window.pass_layer: opens the turn at layer 0, keeps the layer order, ends it after the
     last layer; the layers called around a passed one compute what they compute alone."""

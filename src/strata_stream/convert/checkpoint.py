@@ -403,6 +403,20 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
 
     _, gshape = loc(first, (0 if gated else 1, "weight"))
     n_experts, inter = gshape[0], gshape[1]
+    for layer in ordered[1:]:
+        key = (0 if gated else 1, "weight")
+        if key not in layer.names:
+            continue  # said below, by the tensor it lacks
+        shape = loc(layer, key)[1]
+        if layer.size and (shape[0], shape[1]) != (n_experts, inter):
+            # Sets of one list (`_split_sets`): the modules of a decoder layer may differ.
+            raise ConfigError(
+                f"{model_dir}: decoder layer {layer.decoder_layer}'s experts "
+                f"{layer.offset}..{layer.offset + layer.size - 1} of {layer.prefix} are "
+                f"{shape[0]} of intermediate width {shape[1]}, the first layer's {n_experts} "
+                f"of {inter}: the pack holds experts of one shape (experts modules of "
+                "different widths in one model are not supported)"
+            )
     # Each matrix of each layer in the format its tensors are stored in: mlx-lm's quantization
     # predicates may give a projection or a layer its own (granitemoe's 8-bit down projection,
     # muse_spark's unquantized first and last layers). One format throughout is a version 2
