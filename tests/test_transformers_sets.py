@@ -56,8 +56,9 @@ class Ernie:
         from tests.model_coverage.transformers_matrix import build_tiny
 
         self.path = root / TYPE
-        self.cls, moe = build_tiny(TYPE, self.path)
-        assert moe
+        built = build_tiny(TYPE, self.path)
+        assert built.moe
+        self.cls = built.cls
         self.pack = root / f"{TYPE}.strpk"
         convert(self.path, self.pack, progress=False)
         with ExpertPack.open(self.pack) as p:
