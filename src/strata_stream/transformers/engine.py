@@ -283,7 +283,9 @@ class TorchMoeEngine:
                 f"the experts were called with {ids.numel()} ids for {rows} rows; the pack "
                 f"routes {self.top_k} a token, or one a row"
             )
-        per_route = ids.numel() == rows and self.top_k > 1
+        # An empty call (a set no token of the pass chose, ernie4_5_vl_moe's text experts on
+        # image tokens alone) has as many ids as rows, and is no per-route call.
+        per_route = 0 < rows == ids.numel() and self.top_k > 1
         if norm is not None or per_route:
             return self._routes(layer, x, ids, weights, norm, dtype)
         flat = x.detach().reshape(-1, self.hidden).contiguous()  # a view when already so
