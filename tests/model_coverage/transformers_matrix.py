@@ -195,9 +195,9 @@ def candidates() -> list[str]:
 
 
 def has_a_model(model_type: str) -> bool:
-    """Whether transformers builds a model for `model_type` by itself: a generation class or
-    an AutoModel class. A candidate with neither (a vision or audio tower's sub-config) is no
-    row, and this says so without building it."""
+    """Whether transformers builds a model for `model_type` by itself: a class one of its Auto
+    classes maps (`output_class`) or a generation class. A candidate with neither (a vision or
+    audio tower's sub-config) is no row, and this says so without building it."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     from strata_stream.errors import ConfigError
