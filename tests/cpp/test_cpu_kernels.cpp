@@ -1,7 +1,8 @@
 // matrix_dots (the CPU backend's expert passes) against the reference it must equal bit for
 // bit: MatrixView::row then dot, for every weight format, group size and scale format, row
 // ranges that do and do not fill its row blocks, input counts that do and do not fill its entry
-// blocks, and widths that are and are not multiples of dot's 16 lanes.
+// blocks (on both of its paths: dequantized in registers for a few inputs, through a tile for
+// many), and widths that are and are not multiples of dot's 16 lanes.
 #include <catch2/catch.hpp>
 
 #include <cmath>
@@ -89,7 +90,7 @@ struct Matrix {
 void require_dots_exact(const MatrixView& m, std::mt19937& rng) {
   std::normal_distribution<float> nd;
   std::vector<float> row(m.cols), tile;
-  for (std::uint32_t n_x : {1u, 2u, 3u, 4u, 5u, 8u, 9u}) {
+  for (std::uint32_t n_x : {1u, 2u, 3u, 4u, 5u, 6u, 7u, 8u, 9u, 16u}) {
     std::vector<std::vector<float>> inputs(n_x, std::vector<float>(m.cols));
     std::vector<const float*> xs;
     for (auto& x : inputs) {
@@ -124,6 +125,8 @@ TEST_CASE("matrix_dots is row then dot, bit for bit, for every weight format") {
       {WeightFormat::Q4, 384, 128, 1}, {WeightFormat::Q4, 96, 32, 2},  // 96: 16 past a 32
       // 16 or more groups a row: the scales widen 16 at a time, then one by one
       {WeightFormat::Q4, 1280, 64, 1}, {WeightFormat::Q4, 1024, 32, 2},
+      // groups of 16 columns: one nibble step a group
+      {WeightFormat::Q4, 160, 16, 1},  {WeightFormat::Mxfp4, 2048, 32, 0},
       {WeightFormat::Q8, 640, 32, 1},
       {WeightFormat::Q8, 256, 64, 2},  {WeightFormat::Q8, 128, 32, 0},
       {WeightFormat::Q8, 48, 16, 1},   {WeightFormat::Mxfp4, 256, 32, 0},

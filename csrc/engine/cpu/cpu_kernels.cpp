@@ -176,22 +176,31 @@ inline void widen_scales(const unsigned char* p, std::uint32_t fmt, std::size_t 
     return;
   }
   for (; i < n; i += 16) {
-    // Each block through a zero-padded copy: a row of fewer than 16 groups (a down matrix's)
-    // widens in one step too.
-    alignas(32) std::uint16_t part[16] = {};
+    // Whole blocks straight from the array; the last partial one (all of a row of fewer than 16
+    // groups, a down matrix's) through a zero-padded copy, so it widens in one step too.
     const std::uint32_t len = std::min(16u, n - i);
-    std::memcpy(part, p + 2 * (i0 + i), std::size_t(len) * 2);
-    const __m256i h = _mm256_load_si256(reinterpret_cast<const __m256i*>(part));
-    alignas(64) float wide[16];
-    if (fmt == 2) {
-      _mm512_store_si512(wide, _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-      std::memcpy(out + i, wide, std::size_t(len) * 4);
-      continue;
+    alignas(32) std::uint16_t part[16] = {};
+    const unsigned char* src = p + 2 * (i0 + i);
+    if (len < 16) {
+      std::memcpy(part, src, std::size_t(len) * 2);
+      src = reinterpret_cast<const unsigned char*>(part);
     }
-    const __m256i e = _mm256_and_si256(h, _mm256_set1_epi16(0x7C00));
-    if (_mm256_movemask_epi8(_mm256_cmpeq_epi16(e, _mm256_set1_epi16(0x7C00))) != 0) break;
-    _mm512_store_ps(wide, _mm512_cvtph_ps(h));  // exact for finite values, subnormals too
-    std::memcpy(out + i, wide, std::size_t(len) * 4);
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+    __m512 wide;
+    if (fmt == 2) {
+      wide = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    } else {
+      const __m256i e = _mm256_and_si256(h, _mm256_set1_epi16(0x7C00));
+      if (_mm256_movemask_epi8(_mm256_cmpeq_epi16(e, _mm256_set1_epi16(0x7C00))) != 0) break;
+      wide = _mm512_cvtph_ps(h);  // exact for finite values, subnormals too
+    }
+    if (len == 16) {
+      _mm512_storeu_ps(out + i, wide);
+    } else {
+      alignas(64) float tail[16];
+      _mm512_store_ps(tail, wide);
+      std::memcpy(out + i, tail, std::size_t(len) * 4);
+    }
   }
   for (; i < n; ++i) out[i] = scale_value(p, std::uint32_t(i0 + i), fmt);
 }
@@ -264,6 +273,208 @@ inline void dequant_row(const MatrixView& m, std::uint32_t r, float* out) {
 #endif
   m.row(r, out);
 }
+#if defined(__AVX512F__)
+// The fused path: a block of rows is dequantized 16 columns at a time in registers and each
+// vector goes straight into its (row, entry) accumulators, with no tile in between. The
+// accumulators are the tile path's (lane l takes columns l, l + 16, ... in order, by FMA, then
+// fold16) and each 16-column vector holds dequant_row's values, so the bits are the same; what
+// goes is the tile's store and reload, and the dequantization shares the FMA ports with the dots
+// instead of waiting for them.
+
+// Rows dequantized together on the fused path: independent FMA chains, and as many weight
+// streams in flight. With more entries fewer rows keep the accumulators in registers.
+template <std::uint32_t NE>
+constexpr std::uint32_t kFusedRows = NE <= 4 ? 4 : 2;
+// Entries the fused path takes in one pass over the rows; more go through the tile, which
+// dequantizes a row once for all of them.
+constexpr std::uint32_t kFusedEntries = 8;
+// Scales of a row block widened on the stack (rows x groups); a wider matrix takes the tile.
+constexpr std::uint32_t kFusedScales = 1024;
+
+// The 16 nibbles at p (8 bytes: columns 2j in byte j's low nibble, 2j + 1 in its high one) as
+// permute indices in column order: dword l's low 4 bits are column l's code (the permute reads
+// only those, so the rest needs no mask).
+inline __m512i nibble_index(const unsigned char* p) {
+  std::uint64_t v;
+  std::memcpy(&v, p, 8);
+#if defined(__AVX512VBMI__)
+  // Every qword holds the 8 bytes; qword k's dwords take the bytes at bits 8k and 8k + 4.
+  const __m512i shifts = _mm512_setr_epi64(
+      0x0000000400000000ll, 0x0000000C00000008ll, 0x0000001400000010ll, 0x0000001C00000018ll,
+      0x0000002400000020ll, 0x0000002C00000028ll, 0x0000003400000030ll, 0x0000003C00000038ll);
+  return _mm512_multishift_epi64_epi8(shifts, _mm512_set1_epi64(std::int64_t(v)));
+#else
+  // Qword k holds byte k; shifted by 28 its high nibble lands in dword 2k + 1's low bits.
+  const __m512i t = _mm512_cvtepu8_epi64(_mm_cvtsi64_si128(std::int64_t(v)));
+  return _mm512_or_si512(t, _mm512_slli_epi64(t, 28));
+#endif
+}
+
+// out[q * n_x + e] = fold16(acc[q][e]), the tile path's fold.
+template <std::uint32_t NR, std::uint32_t NE>
+inline void fold_out(const __m512 (&acc)[NR][NE], std::uint32_t n_x, float* out) {
+  for (std::uint32_t q = 0; q < NR; ++q)
+    for (std::uint32_t e = 0; e < NE; ++e) {
+      v16 a;
+      std::memcpy(&a, &acc[q][e], 64);
+      out[std::size_t(q) * n_x + e] = fold16(a);
+    }
+}
+
+// One row block (NR rows from r, NE entries) of the fused path; `load(q, c)` gives columns
+// [c, c + 16) of block row q and `group(g)` is called before group g's first column. Each row's
+// weights are asked for one block ahead of where the block reads them, spread over the block:
+// the rows of a range are contiguous, so this streams the next block while this one computes.
+template <std::uint32_t NR, std::uint32_t NE, class Group, class Load>
+inline void fused_block(const float* const* xs, std::uint32_t cols, std::uint32_t gs,
+                        const unsigned char* base, std::size_t row_bytes, std::uint32_t n_x,
+                        float* out, Group group, Load load) {
+  __m512 acc[NR][NE];
+#pragma GCC unroll 16
+  for (std::uint32_t q = 0; q < NR; ++q)
+#pragma GCC unroll 16
+    for (std::uint32_t e = 0; e < NE; ++e) acc[q][e] = _mm512_setzero_ps();
+  const float* x[NE];
+#pragma GCC unroll 16
+  for (std::uint32_t e = 0; e < NE; ++e) x[e] = xs[e];
+  // Bytes of a row per column, times 16: the prefetch keeps one line per row per 64 bytes.
+  const std::size_t step_bytes = row_bytes / (cols / 16);
+  const std::size_t ahead = NR * row_bytes;
+  for (std::uint32_t g0 = 0, g = 0; g0 < cols; g0 += gs, ++g) {
+    group(g);
+    for (std::uint32_t c = g0; c < g0 + gs; c += 16) {
+      const std::size_t off = std::size_t(c / 16) * step_bytes;
+      if (off % 64 < step_bytes)
+#pragma GCC unroll 16
+        for (std::uint32_t q = 0; q < NR; ++q)
+          _mm_prefetch(reinterpret_cast<const char*>(base + q * row_bytes + off + ahead),
+                       _MM_HINT_T0);
+      __m512 xv[NE];
+#pragma GCC unroll 16
+      for (std::uint32_t e = 0; e < NE; ++e) xv[e] = _mm512_loadu_ps(x[e] + c);
+#pragma GCC unroll 16
+      for (std::uint32_t q = 0; q < NR; ++q) {
+        const __m512 w = load(q, c);
+#pragma GCC unroll 16
+        for (std::uint32_t e = 0; e < NE; ++e) acc[q][e] = _mm512_fmadd_ps(w, xv[e], acc[q][e]);
+      }
+    }
+  }
+  fold_out(acc, n_x, out);
+}
+
+// Rows [r, r + NR) of m, entries xs[0, NE): out[q * n_x + e]. `sc`, `bi`: the block's scales and
+// biases widened (row q's group g at q * groups + g).
+template <std::uint32_t NR, std::uint32_t NE>
+void fused_rows(const MatrixView& m, std::uint32_t r, const float* const* xs, std::uint32_t n_x,
+                const float* sc, const float* bi, float* out) {
+  const std::uint32_t cols = m.cols, gs = m.group_size;
+  const std::uint32_t groups = gs ? cols / gs : 0;
+  switch (m.format) {
+    case WeightFormat::Q4:
+    case WeightFormat::Mxfp4: {
+      const std::size_t row_bytes = cols / 2;
+      const unsigned char* base = m.weight + std::size_t(r) * row_bytes;
+      const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      const __m512 fp4 = _mm512_loadu_ps(kFp4Values);
+      __m512 lut[NR];
+      auto load = [&](std::uint32_t q, std::uint32_t c) {
+        return _mm512_permutexvar_ps(nibble_index(base + q * row_bytes + c / 2), lut[q]);
+      };
+      // dequant_row's tables: Q4 s * q + b as one FMA, Mxfp4 FP4(q) * 2^(e - 127).
+      if (m.format == WeightFormat::Q4)
+        fused_block<NR, NE>(xs, cols, gs, base, row_bytes, n_x, out, [&](std::uint32_t g) {
+#pragma GCC unroll 16
+          for (std::uint32_t q = 0; q < NR; ++q)
+            lut[q] = _mm512_fmadd_ps(_mm512_set1_ps(sc[q * groups + g]), iota,
+                                     _mm512_set1_ps(bi[q * groups + g]));
+        }, load);
+      else
+        fused_block<NR, NE>(xs, cols, gs, base, row_bytes, n_x, out, [&](std::uint32_t g) {
+#pragma GCC unroll 16
+          for (std::uint32_t q = 0; q < NR; ++q)
+            lut[q] = _mm512_mul_ps(fp4, _mm512_set1_ps(sc[q * groups + g]));
+        }, load);
+      return;
+    }
+    case WeightFormat::Q8: {
+      const std::size_t row_bytes = cols;
+      const unsigned char* base = m.weight + std::size_t(r) * row_bytes;
+      __m512 s[NR], b[NR];
+      fused_block<NR, NE>(
+          xs, cols, gs, base, row_bytes, n_x, out,
+          [&](std::uint32_t g) {
+#pragma GCC unroll 16
+            for (std::uint32_t q = 0; q < NR; ++q) {
+              s[q] = _mm512_set1_ps(sc[q * groups + g]);
+              b[q] = _mm512_set1_ps(bi[q * groups + g]);
+            }
+          },
+          [&](std::uint32_t q, std::uint32_t c) {
+            const __m512i v = _mm512_cvtepu8_epi32(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + q * row_bytes + c)));
+            return _mm512_fmadd_ps(s[q], _mm512_cvtepi32_ps(v), b[q]);
+          });
+      return;
+    }
+    default: {  // BF16: the top half of a float32
+      const std::size_t row_bytes = std::size_t(cols) * 2;
+      const unsigned char* base = m.weight + std::size_t(r) * row_bytes;
+      fused_block<NR, NE>(
+          xs, cols, cols, base, row_bytes, n_x, out, [](std::uint32_t) {},
+          [&](std::uint32_t q, std::uint32_t c) {
+            const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                reinterpret_cast<const __m256i*>(base + q * row_bytes + 2 * std::size_t(c))));
+            return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+          });
+      return;
+    }
+  }
+}
+
+// Whether matrix_dots takes the fused path for m and n_x entries (the formats above, with
+// groups of whole 16-column steps whose scales fit the stack; cols % 16 == 0 is checked first).
+inline bool fused_fits(const MatrixView& m, std::uint32_t n_x) {
+  if (n_x == 0 || n_x > kFusedEntries) return false;
+  switch (m.format) {
+    case WeightFormat::BF16: return true;
+    case WeightFormat::Q4:
+    case WeightFormat::Mxfp4:
+    case WeightFormat::Q8:
+      return m.group_size != 0 && m.group_size % 16 == 0 && m.cols % m.group_size == 0 &&
+             kFusedRows<1> * (m.cols / m.group_size) <= kFusedScales;
+    default: return false;
+  }
+}
+
+// Rows [r0, r1) and all n_x entries on the fused path: blocks of kFusedRows<NE>, then single
+// rows for the rest.
+template <std::uint32_t NE>
+void fused_dots(const MatrixView& m, std::uint32_t r0, std::uint32_t r1, const float* const* xs,
+                float* out) {
+  constexpr std::uint32_t NR = kFusedRows<NE>;
+  const std::uint32_t groups = m.group_size ? m.cols / m.group_size : 0;
+  alignas(64) float sc[kFusedScales], bi[kFusedScales];
+  auto widen = [&](std::uint32_t r, std::uint32_t n) {
+    if (m.format == WeightFormat::Q4 || m.format == WeightFormat::Q8) {
+      widen_scales(m.scales, m.scale_format, std::size_t(r) * groups, n * groups, sc);
+      widen_scales(m.biases, m.scale_format, std::size_t(r) * groups, n * groups, bi);
+    } else if (m.format == WeightFormat::Mxfp4) {
+      for (std::uint32_t i = 0; i < n * groups; ++i)
+        sc[i] = e8m0_to_float(m.scales[std::size_t(r) * groups + i]);
+    }
+  };
+  std::uint32_t r = r0;
+  for (; r + NR <= r1; r += NR) {
+    widen(r, NR);
+    fused_rows<NR, NE>(m, r, xs, NE, sc, bi, out + std::size_t(r - r0) * NE);
+  }
+  for (; r < r1; ++r) {
+    widen(r, 1);
+    fused_rows<1, NE>(m, r, xs, NE, sc, bi, out + std::size_t(r - r0) * NE);
+  }
+}
+#endif
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif
@@ -505,6 +716,20 @@ void matrix_dots(const MatrixView& m, std::uint32_t r0, std::uint32_t r1, const 
     }
     return;
   }
+#if defined(__AVX512F__)
+  if (fused_fits(m, n_x)) {
+    switch (n_x) {
+      case 1: return fused_dots<1>(m, r0, r1, xs, out);
+      case 2: return fused_dots<2>(m, r0, r1, xs, out);
+      case 3: return fused_dots<3>(m, r0, r1, xs, out);
+      case 4: return fused_dots<4>(m, r0, r1, xs, out);
+      case 5: return fused_dots<5>(m, r0, r1, xs, out);
+      case 6: return fused_dots<6>(m, r0, r1, xs, out);
+      case 7: return fused_dots<7>(m, r0, r1, xs, out);
+      default: return fused_dots<8>(m, r0, r1, xs, out);
+    }
+  }
+#endif
   tile.resize(std::size_t(kBlockRows) * cols);
   for (std::uint32_t r = r0; r < r1; r += kBlockRows) {
     const std::uint32_t n = std::min(kBlockRows, r1 - r);
