@@ -204,6 +204,25 @@ inline void widen_scales(const unsigned char* p, std::uint32_t fmt, std::size_t 
   }
   for (; i < n; ++i) out[i] = scale_value(p, std::uint32_t(i0 + i), fmt);
 }
+
+// The 16 nibbles at p (8 bytes: columns 2j in byte j's low nibble, 2j + 1 in its high one) as
+// permute indices in column order: dword l's low 4 bits are column l's code (the permute reads
+// only those, so the rest needs no mask).
+inline __m512i nibble_index(const unsigned char* p) {
+  std::uint64_t v;
+  std::memcpy(&v, p, 8);
+#if defined(__AVX512VBMI__)
+  // Every qword holds the 8 bytes; qword k's dwords take the bytes at bits 8k and 8k + 4.
+  const __m512i shifts = _mm512_setr_epi64(
+      0x0000000400000000ll, 0x0000000C00000008ll, 0x0000001400000010ll, 0x0000001C00000018ll,
+      0x0000002400000020ll, 0x0000002C00000028ll, 0x0000003400000030ll, 0x0000003C00000038ll);
+  return _mm512_multishift_epi64_epi8(shifts, _mm512_set1_epi64(std::int64_t(v)));
+#else
+  // Qword k holds byte k; shifted by 28 its high nibble lands in dword 2k + 1's low bits.
+  const __m512i t = _mm512_cvtepu8_epi64(_mm_cvtsi64_si128(std::int64_t(v)));
+  return _mm512_or_si512(t, _mm512_slli_epi64(t, 28));
+#endif
+}
 #endif
 
 inline void dequant_row(const MatrixView& m, std::uint32_t r, float* out) {
@@ -231,14 +250,9 @@ inline void dequant_row(const MatrixView& m, std::uint32_t r, float* out) {
                              ? _mm512_fmadd_ps(_mm512_set1_ps(sc[g]), iota, _mm512_set1_ps(bi[g]))
                              : _mm512_mul_ps(fp4, _mm512_set1_ps(sc[g]));
       for (std::uint32_t i = 0; i < gs / 32; ++i, p += 16, out += 32) {
-        // 16 bytes hold columns 2j (low nibble) and 2j + 1 (high); the permute reads only an
-        // index's low 4 bits, so neither half needs a mask.
         _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-        const __m128i high = _mm_srli_epi16(bytes, 4);
-        const __m128i c0 = _mm_unpacklo_epi8(bytes, high), c1 = _mm_unpackhi_epi8(bytes, high);
-        _mm512_storeu_ps(out, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(c0), lut));
-        _mm512_storeu_ps(out + 16, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(c1), lut));
+        _mm512_storeu_ps(out, _mm512_permutexvar_ps(nibble_index(p), lut));
+        _mm512_storeu_ps(out + 16, _mm512_permutexvar_ps(nibble_index(p + 8), lut));
       }
     }
     return;
@@ -290,25 +304,6 @@ constexpr std::uint32_t kFusedRows = NE <= 4 ? 4 : 2;
 constexpr std::uint32_t kFusedEntries = 8;
 // Scales of a row block widened on the stack (rows x groups); a wider matrix takes the tile.
 constexpr std::uint32_t kFusedScales = 1024;
-
-// The 16 nibbles at p (8 bytes: columns 2j in byte j's low nibble, 2j + 1 in its high one) as
-// permute indices in column order: dword l's low 4 bits are column l's code (the permute reads
-// only those, so the rest needs no mask).
-inline __m512i nibble_index(const unsigned char* p) {
-  std::uint64_t v;
-  std::memcpy(&v, p, 8);
-#if defined(__AVX512VBMI__)
-  // Every qword holds the 8 bytes; qword k's dwords take the bytes at bits 8k and 8k + 4.
-  const __m512i shifts = _mm512_setr_epi64(
-      0x0000000400000000ll, 0x0000000C00000008ll, 0x0000001400000010ll, 0x0000001C00000018ll,
-      0x0000002400000020ll, 0x0000002C00000028ll, 0x0000003400000030ll, 0x0000003C00000038ll);
-  return _mm512_multishift_epi64_epi8(shifts, _mm512_set1_epi64(std::int64_t(v)));
-#else
-  // Qword k holds byte k; shifted by 28 its high nibble lands in dword 2k + 1's low bits.
-  const __m512i t = _mm512_cvtepu8_epi64(_mm_cvtsi64_si128(std::int64_t(v)));
-  return _mm512_or_si512(t, _mm512_slli_epi64(t, 28));
-#endif
-}
 
 // out[q * n_x + e] = fold16(acc[q][e]), the tile path's fold.
 template <std::uint32_t NR, std::uint32_t NE>
