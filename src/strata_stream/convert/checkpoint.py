@@ -12,20 +12,24 @@ Two layouts are recognised, by tensor name, whatever the family:
 - fused (transformers 5): ``...layers.{i}.{path}.experts.gate_up_proj`` and ``.down_proj``
   (float weights), with ``_bias`` tensors where the experts have Linear biases. Two
   orientations, told apart by which axis is hidden_size: ``gate_up_proj [E, 2I, H]`` (gate rows,
-  then up rows) with ``down_proj [E, H, I]``, as transformers 5's experts modules hold them;
-  and gpt-oss's ``gate_up_proj [E, H, 2I]`` (gate and up interleaved column by column) with
-  ``down_proj [E, I, H]``, as its save_pretrained writes them. Each expert is one pread of the
-  fused tensor, split and transposed into the pack's [rows, cols] matrices. gpt-oss's published
-  mxfp4 checkpoints hold ``gate_up_proj_blocks [E, 2I, H/32, 16]`` (uint8, two E2M1 codes a
-  byte, the low nibble first: MLX's mxfp4 words, byte for byte) and ``_scales [E, 2I, H/32]``
-  (E8M0) with gate and up interleaved row by row, and ``down_proj_blocks [E, H, I/32, 16]``:
-  copied as they are, the rows split. inkling's ``experts.w13_weight [E, 2I, H]`` (gate and up
-  rows interleaved) with ``w2_weight [E, H, I]`` is the rows orientation with gate and up rows
-  alternating. Fused experts may work at a width of their own (muse_spark's moe_hidden_size):
-  where hidden_size fits neither orientation the shapes alone decide, and the pack's hidden
-  size is the experts'. Gateless experts as a bare stacked pair, ``up_proj`` and ``down_proj``
-  without ``.weight`` (ergo's ``feed_forward.up_proj [E, H, I]`` with ``down_proj [E, I, H]``,
-  or ``[E, I, H]`` with ``[E, H, I]``), are read likewise, told apart by hidden_size.
+  then up rows) with ``down_proj [E, H, I]``, as transformers 5's experts modules hold them; and
+  gpt-oss's ``gate_up_proj [E, H, 2I]`` (gate and up interleaved column by column) with
+  ``down_proj [E, I, H]``, as its save_pretrained writes them. Names and shapes cannot tell that
+  interleaving from gate columns then up columns (openai_privacy_filter's): the split is the
+  experts module's own (`ColumnsSplit`: the caller's, else read from transformers' experts
+  module built from config.json, else assumed interleaved and recorded as assumed). Each expert
+  is one pread of the fused tensor, split and transposed into the pack's [rows, cols] matrices.
+  gpt-oss's published mxfp4 checkpoints hold ``gate_up_proj_blocks [E, 2I, H/32, 16]`` (uint8,
+  two E2M1 codes a byte, the low nibble first: MLX's mxfp4 words, byte for byte) and ``_scales
+  [E, 2I, H/32]`` (E8M0) with gate and up interleaved row by row, and ``down_proj_blocks [E, H,
+  I/32, 16]``: copied as they are, the rows split. inkling's ``experts.w13_weight [E, 2I, H]``
+  (gate and up rows interleaved) with ``w2_weight [E, H, I]`` is the rows orientation with gate
+  and up rows alternating. Fused experts may work at a width of their own (muse_spark's
+  moe_hidden_size): where hidden_size fits neither orientation the shapes alone decide, and the
+  pack's hidden size is the experts'. Gateless experts as a bare stacked pair, ``up_proj`` and
+  ``down_proj`` without ``.weight`` (ergo's ``feed_forward.up_proj [E, H, I]`` with ``down_proj
+  [E, I, H]``, or ``[E, I, H]`` with ``[E, H, I]``), are read likewise, told apart by
+  hidden_size.
 
 Each experts module is one pack layer, in the order of (decoder layer, experts prefix): a decoder
 layer may hold several (ERNIE-4.5-VL's text and vision experts). Where a checkpoint lists several
@@ -47,7 +51,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -121,6 +125,12 @@ _FUSED_NAMES = {
 _UNGATED = re.compile(r"(?:^|\.)switch_mlp\.fc1\.weight$")
 _MATRIX = {"gate_proj": 0, "up_proj": 1, "down_proj": 2, "w1": 0, "w3": 1, "w2": 2}
 _FLOAT_FORMATS = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
+# How a fused gate_up_proj [E, H, 2I] holds gate and up: interleaved column by column (gpt-oss)
+# or gate columns then up columns (openai_privacy_filter). Its name and shape are the same
+# either way; transformers' experts module says which (families.declared_concatenated).
+ColumnsSplit = Literal["interleaved", "halves"]
+# What a checkpoint whose experts module cannot be built is taken to hold (gpt-oss's).
+ASSUMED_COLUMNS_SPLIT: ColumnsSplit = "interleaved"
 # gpt-oss's clamped SwiGLU (mlx_lm.models.activations.SwigluOAI defaults).
 _OAI_ALPHA, _OAI_LIMIT = 1.702, 7.0
 
@@ -172,9 +182,10 @@ class _Layer:
     names: dict[tuple[int, str], str] = field(default_factory=dict)
     # Fused tensors (stacked is then True): "rows" for gate_up_proj [E, 2I, H] (gate rows, then
     # up rows), "columns" for gpt-oss's [E, H, 2I] (interleaved columns), "columns_halves" for
-    # aria's experts.fc1 [E, H, 2I] (gate columns, then up columns), "blocks" for gpt-oss's
-    # mxfp4 *_blocks / *_scales (interleaved rows), "rows_interleaved" for inkling's w13_weight
-    # [E, 2I, H] (gate and up rows alternate); None otherwise.
+    # aria's experts.fc1 [E, H, 2I] and openai_privacy_filter's gate_up_proj [E, H, 2I] (gate
+    # columns, then up columns: the experts module's split, see find_experts), "blocks" for
+    # gpt-oss's mxfp4 *_blocks / *_scales (interleaved rows), "rows_interleaved" for inkling's
+    # w13_weight [E, 2I, H] (gate and up rows alternate); None otherwise.
     fused: str | None = None
     # A per-expert list that holds several experts sets of one decoder layer (`_split_sets`):
     # this set's first expert in the list; 0 otherwise.
@@ -311,8 +322,43 @@ class ExpertLayout:
         return experts
 
 
-def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
-    """Locate and check the routed experts; raises ConfigError/PackError naming what is wrong."""
+_SPLITS: dict[tuple[str, bytes], ColumnsSplit | None] = {}
+
+
+def declared_columns_split(model_dir: Path) -> ColumnsSplit | None:
+    """The gate/up split of a fused gate_up_proj [E, H, 2I] as the checkpoint's transformers
+    experts module declares it (its is_concatenated, built from config.json on the meta
+    device); None where transformers is not importable or cannot build it. Kept per config
+    (find_experts runs on every load's source check)."""
+    try:
+        key = (str(model_dir.resolve()), (model_dir / "config.json").read_bytes())
+    except OSError:
+        return None
+    if key not in _SPLITS:
+        try:
+            from strata_stream.transformers.families import declared_concatenated
+        except ImportError:
+            _SPLITS[key] = None
+        else:
+            concatenated = declared_concatenated(model_dir)
+            _SPLITS[key] = (
+                None if concatenated is None else "halves" if concatenated else "interleaved"
+            )
+    return _SPLITS[key]
+
+
+def find_experts(
+    model_dir: Path, index: SafetensorsIndex, *, columns_split: ColumnsSplit | None = None
+) -> ExpertLayout:
+    """Locate and check the routed experts; raises ConfigError/PackError naming what is wrong.
+
+    `columns_split`: how a fused gate_up_proj [E, H, 2I] holds gate and up, where the caller
+    knows (the transformers loader, from the experts module it built); None: read from the
+    experts module transformers builds for config.json, else assumed interleaved. The pack's
+    model block records the split (layout ``fused_columns`` or ``fused_columns_halves``) and,
+    where it was assumed, says so (``columns_split_assumed``)."""
+    if columns_split not in (None, "interleaved", "halves"):
+        raise ConfigError(f"columns_split must be 'interleaved' or 'halves', got {columns_split!r}")
     config = read_config(model_dir)
     model_type = str(config.get("model_type", "unknown"))
     ungated = next((n for n in index.tensors if _UNGATED.search(n)), None)
@@ -375,6 +421,14 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
     # Fused experts may work at a width of their own (muse_spark's moe_hidden_size, between the
     # block's own projections): the pack's hidden size is theirs.
     hidden = widths.pop() if widths else hidden
+    columns = [layer for layer in layers.values() if layer.fused == "columns"]
+    assumed = False
+    if columns:
+        split = columns_split or declared_columns_split(model_dir)
+        assumed = split is None
+        if (split or ASSUMED_COLUMNS_SPLIT) == "halves":
+            for layer in columns:
+                layer.fused = "columns_halves"
     # Pack layers in the order of (decoder layer, experts prefix): a decoder layer with several
     # experts modules (text and vision experts, say) gives each its own pack layer, in the
     # order of their paths, as the transformers loader orders the modules.
@@ -501,6 +555,8 @@ def find_experts(model_dir: Path, index: SafetensorsIndex) -> ExpertLayout:
             f"fused_{first.fused}" if first.fused else "stacked" if first.stacked else "per_expert"
         ),
     }
+    if assumed:
+        model["columns_split_assumed"] = True
     return ExpertLayout(
         model_type,
         geometry,

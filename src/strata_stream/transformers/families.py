@@ -43,6 +43,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from strata_stream.errors import ConfigError
@@ -335,6 +336,49 @@ def _gate_out(experts: Any, inter: int, where: str) -> Any:
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != (_PROBE_ROWS, inter):
         raise ConfigError(f"{where}: its gate function does not map [T, 2I] to [T, I]")
     return out.detach().to(torch.float32)
+
+
+# The Auto classes `declared_concatenated` builds a checkpoint's model as, the first that maps
+# its config: every experts module a load builds is in one of them.
+_META_CLASSES = (
+    "AutoModel", "AutoModelForCausalLM", "AutoModelForImageTextToText",
+    "AutoModelForTokenClassification",
+)  # fmt: skip
+
+
+def declared_concatenated(model_dir: Path) -> bool | None:
+    """How the experts modules transformers builds for the checkpoint at `model_dir` split a
+    transposed gate_up_proj [E, H, 2I]: gate columns then up columns (True) or interleaved
+    column by column (False), by the decorator's is_concatenated (the marker Family.concatenated
+    reads too: the one rule for that split). The model is built from config.json on the meta
+    device (no weight is read, no remote code run). None where transformers is not importable
+    or cannot build it, where it has no such module, or where its modules disagree."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return None
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(model_dir))
+    except Exception:  # noqa: BLE001 - a config transformers cannot read: the marker is unknown
+        return None
+    model = None
+    for name in _META_CLASSES:
+        try:
+            with torch.device("meta"):
+                model = getattr(transformers, name).from_config(config)
+            break
+        except Exception:  # noqa: BLE001 - this Auto class does not map (or build) the config
+            continue
+    if model is None:
+        return None
+    found = {
+        bool(experts.is_concatenated)
+        for _, block, attr in find_blocks(model)
+        for experts in [getattr(block, attr)]
+        if experts.has_gate and experts.is_transposed
+    }
+    return found.pop() if len(found) == 1 else None
 
 
 def pack_gate(activation: str, alpha: float, limit: float, interleaved: bool) -> Callable[..., Any]:

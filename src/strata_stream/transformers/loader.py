@@ -27,7 +27,7 @@ from strata_stream.paths import model_dir
 from strata_stream.transformers.dense_memory import settle
 from strata_stream.transformers.engine import BlockRef, TorchMoeEngine
 from strata_stream.transformers.experts import EngineSlot, streamed_experts
-from strata_stream.transformers.families import check_activation, family_of, find_blocks
+from strata_stream.transformers.families import Family, check_activation, family_of, find_blocks
 
 _GiB = 1 << 30
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -301,8 +301,33 @@ def _check_pack(pack: ExpertPack, blocks: list[tuple[Any, ...]]) -> None:
                 f"hidden size {g.hidden}; the model's layer {decoder_layer} has {n_experts} of "
                 f"{inter} and {hidden}"
             )
+        _check_columns_split(where, meta, family)
         # The pack's activation on the converter's gate/up split must be the experts' own.
         check_activation(family, g.activation, g.act_alpha, g.act_limit, meta.get("layout"))
+
+
+def _check_columns_split(where: str, meta: dict[str, Any], family: Family) -> None:
+    """A pack whose fused gate_up_proj [E, H, 2I] split was not read from the experts module
+    (assumed interleaved by a convert that could not build the model, or by an older
+    strata-stream) is refused where the experts module's is_concatenated says otherwise, with
+    how to convert it again."""
+    layout = meta.get("layout")
+    if layout not in ("fused_columns", "fused_columns_halves") or not family.transposed:
+        return
+    halves = layout == "fused_columns_halves"
+    if halves == family.concatenated:
+        return
+    if not (meta.get("columns_split_assumed") or layout == "fused_columns"):
+        return  # the split the converter read from the names (aria's fc1): check_activation's
+    said = "gate columns then up columns" if halves else "interleaved columns"
+    own = "gate columns then up columns" if family.concatenated else "interleaved columns"
+    raise ConfigError(
+        f"{where} holds the experts' gate_up_proj as {said} (assumed when it was converted), "
+        f"but {family.model_type}'s experts module {family.experts_class} holds {own} "
+        f"(is_concatenated={family.concatenated}): remove the pack to have load convert it "
+        "again, or convert it again where transformers is importable (strata-stream convert "
+        "MODEL -o PACK --force)"
+    )
 
 
 def _hook_sets(model: Any, blocks: list[tuple[Any, ...]], engine: TorchMoeEngine) -> None:
