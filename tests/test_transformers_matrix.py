@@ -35,11 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.model_coverage.transformers_matrix import candidates, run_type  # noqa: E402
 
-# The seams the sample must stream exactly, one the pack cannot hold (refused by name: the
-# privacy filter's token classifier, built as the one head transformers maps for it, whose
-# experts split gate and up into concatenated halves of gpt-oss's fused layout), and a text
-# sub-config with no generation class of its own (load's model_class=AutoModel: its last
-# hidden state is compared, and it has no greedy tokens).
+# The seams the sample must stream exactly, and two types with no generation class (load's
+# model_class=): a text sub-config built as AutoModel (its last hidden state is compared) and
+# the privacy filter's token classifier, the one head transformers maps for it, whose experts
+# split gate and up into concatenated halves of gpt-oss's fused layout (its logits are
+# compared). Neither has greedy tokens.
 EXACT = ["qwen3_moe", "gpt_oss", "deepseek_v3", "mixtral", "qwen3_next", "qwen3_5_moe", "mistral4",
          "qwen3_vl_moe",
          # pack format version 4: gateless experts (relu2), SwiGLU between clamps, GELU-tanh
@@ -47,11 +47,13 @@ EXACT = ["qwen3_moe", "gpt_oss", "deepseek_v3", "mixtral", "qwen3_next", "qwen3_
          "nemotron_h", "hy_v4", "gemma4_text", "inkling2_text",
          # a forward of the experts class's own around the dispatch (a norm after each expert)
          "ergo"]  # fmt: skip
-REFUSED = ["openai_privacy_filter"]
-NO_GENERATION = {"qwen3_vl_moe_text": "AutoModel's Qwen3VLMoeTextModel last_hidden_state"}
-TYPES = (
-    candidates() if os.environ.get("STRATA_MATRIX") == "all" else [*EXACT, *REFUSED, *NO_GENERATION]
-)
+NO_GENERATION = {
+    "qwen3_vl_moe_text": "AutoModel's Qwen3VLMoeTextModel last_hidden_state",
+    "openai_privacy_filter": (
+        "AutoModelForTokenClassification's OpenAIPrivacyFilterForTokenClassification logits"
+    ),
+}
+TYPES = candidates() if os.environ.get("STRATA_MATRIX") == "all" else [*EXACT, *NO_GENERATION]
 
 
 @pytest.mark.parametrize("model_type", TYPES)
@@ -60,8 +62,6 @@ def test_model_type_streams_exactly_or_says_why(model_type: str) -> None:
     print(f"{model_type}: {row.result}")
     if model_type in EXACT:
         assert row.exact, row.result
-    elif model_type in REFUSED:
-        assert row.result.startswith(f"refused: {model_type}: "), row.result
     elif model_type in NO_GENERATION:
         assert row.exact, row.result
         assert row.result.startswith("exact (no generation class: "), row.result
