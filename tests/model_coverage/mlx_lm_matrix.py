@@ -496,7 +496,7 @@ def _compare(ref: tuple[Any, list[int]], got: tuple[Any, list[int]], rtol: float
 # What the design cannot serve, as strata-stream's own refusal says it: such a type is a skip
 # naming the reason, not a failure. Any other refusal fails the row.
 DESIGN_LIMITS = (
-    # mlx-lm's SwitchMLP (fc1, an activation, fc2): the pack holds gated experts only.
+    # mlx-lm's SwitchMLP (fc1, an activation, fc2): the converter reads gated experts only.
     "routed experts have one input projection and no gate",
     "its experts are mlx-lm SwitchMLP modules",
 )

@@ -365,8 +365,8 @@ def find_experts(
     if ungated is not None:
         raise ConfigError(
             f"{model_dir}: {model_type}'s routed experts have one input projection and no gate "
-            f"({ungated}: mlx-lm's SwitchMLP); the pack holds gated experts (gate, up, down) "
-            "only"
+            f"({ungated}: mlx-lm's SwitchMLP); the converter reads mlx-lm's gated experts "
+            "(gate, up, down) only, and the mlx-lm front-end computes no gateless activation"
         )
     # By (decoder layer, experts prefix): a decoder layer may hold several experts modules.
     layers: dict[tuple[int, str], _Layer] = {}
