@@ -127,7 +127,7 @@ _MATRIX = {"gate_proj": 0, "up_proj": 1, "down_proj": 2, "w1": 0, "w3": 1, "w2":
 _FLOAT_FORMATS = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
 # How a fused gate_up_proj [E, H, 2I] holds gate and up: interleaved column by column (gpt-oss)
 # or gate columns then up columns (openai_privacy_filter). Its name and shape are the same
-# either way; transformers' experts module says which (families.declared_concatenated).
+# either way; transformers' experts module says which (experts_interface.declared_concatenated).
 ColumnsSplit = Literal["interleaved", "halves"]
 # What a checkpoint whose experts module cannot be built is taken to hold (gpt-oss's).
 ASSUMED_COLUMNS_SPLIT: ColumnsSplit = "interleaved"
@@ -336,7 +336,7 @@ def declared_columns_split(model_dir: Path) -> ColumnsSplit | None:
         return None
     if key not in _SPLITS:
         try:
-            from strata_stream.transformers.families import declared_concatenated
+            from strata_stream.convert.experts_interface import declared_concatenated
         except ImportError:
             _SPLITS[key] = None
         else:

@@ -37,8 +37,7 @@ from strata_stream.config import StreamConfig
 from strata_stream.errors import ConfigError
 from strata_stream.pack.reader import ExpertPack
 from strata_stream.stream import ExpertStream
-from strata_stream.transformers.experts import post_norm_of
-from strata_stream.transformers.families import Family, Router, find_router, route_ids
+from strata_stream.transformers.families import Family, Router, find_router, post_norm_of, route_ids
 from strata_stream.window import Window
 
 _X_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -64,7 +63,7 @@ class BlockRef:
     # predicted from the expert profile instead.
     router: Router | None = None
     # The norm the experts interface applies to each route's output before the mixture weights
-    # (the experts module's own post_expert_norm: experts.post_norm_of); None: none.
+    # (the experts module's own post_expert_norm: families.post_norm_of); None: none.
     post_norm: Any = None
     # The experts module's path within its decoder layer (loader.set_path): what tells apart
     # the experts sets of a decoder layer that holds several.

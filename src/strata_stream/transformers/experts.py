@@ -129,12 +129,3 @@ def streamed_experts(
     if family.post_norm:
         streamed.add_module(POST_NORM, getattr(experts, POST_NORM))
     return streamed
-
-
-def post_norm_of(module: torch.nn.Module, family: Family) -> torch.nn.Module | None:
-    """The norm the engine applies to each streamed route's output (the experts module's own
-    post_expert_norm, where the interface's has_post_expert_norm says so); None otherwise."""
-    if not family.post_norm:
-        return None
-    norm = getattr(module, POST_NORM, None)
-    return norm if isinstance(norm, torch.nn.Module) else None

@@ -43,13 +43,15 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
+from strata_stream.convert.experts_interface import (
+    declared_concatenated as declared_concatenated,
+)
+from strata_stream.convert.experts_interface import find_blocks as find_blocks
+from strata_stream.convert.experts_interface import is_experts_module as is_experts_module
 from strata_stream.errors import ConfigError
 
-# The flags use_experts_implementation sets on every experts module it decorates.
-_MARKERS = ("has_gate", "has_bias", "is_transposed", "is_concatenated")
 # Probe of the gate function: [rows, 2I] values spanning both signs and beyond gpt-oss's clamp.
 _PROBE_ROWS = 8
 _PROBE_SPAN = 12.0
@@ -78,41 +80,6 @@ class Family:
     # The experts class has a forward of its own around the interface class's dispatch (ergo):
     # only the dispatch is streamed, and that forward runs unchanged around it.
     own_forward: bool = False
-
-
-def is_experts_module(module: Any) -> bool:
-    """An experts module of transformers' experts interface: the decorator's marker and a
-    forward taking (hidden_states, top_k_index, top_k_weights)."""
-    import torch
-
-    if not isinstance(module, torch.nn.Module):
-        return False
-    if not all(isinstance(getattr(module, m, None), bool) for m in _MARKERS):
-        return False
-    if not callable(getattr(type(module), "_apply_gate", None)):
-        return False
-    try:
-        params = inspect.signature(type(module).forward).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return len(positional) >= 4  # self, hidden_states, top_k_index, top_k_weights
-
-
-def find_blocks(model: Any) -> list[tuple[str, Any, Any]]:
-    """(path, block, experts module) of every experts-interface module in `model`, the block
-    being the module that holds it as its ``experts``-like child."""
-    found = []
-    modules = dict(model.named_modules())
-    for name, module in modules.items():
-        if not name or not is_experts_module(module):
-            continue
-        parent_name, _, attr = name.rpartition(".")
-        parent = modules.get(parent_name)
-        if parent is None:
-            continue
-        found.append((parent_name, parent, attr))
-    return found
 
 
 def _param(module: Any, name: str) -> Any:
@@ -340,47 +307,6 @@ def _gate_out(experts: Any, inter: int, where: str) -> Any:
 
 # The Auto classes `declared_concatenated` builds a checkpoint's model as, the first that maps
 # its config: every experts module a load builds is in one of them.
-_META_CLASSES = (
-    "AutoModel", "AutoModelForCausalLM", "AutoModelForImageTextToText",
-    "AutoModelForTokenClassification",
-)  # fmt: skip
-
-
-def declared_concatenated(model_dir: Path) -> bool | None:
-    """How the experts modules transformers builds for the checkpoint at `model_dir` split a
-    transposed gate_up_proj [E, H, 2I]: gate columns then up columns (True) or interleaved
-    column by column (False), by the decorator's is_concatenated (the marker Family.concatenated
-    reads too: the one rule for that split). The model is built from config.json on the meta
-    device (no weight is read, no remote code run). None where transformers is not importable
-    or cannot build it, where it has no such module, or where its modules disagree."""
-    try:
-        import torch
-        import transformers
-    except ImportError:
-        return None
-    try:
-        config = transformers.AutoConfig.from_pretrained(str(model_dir))
-    except Exception:  # noqa: BLE001 - a config transformers cannot read: the marker is unknown
-        return None
-    model = None
-    for name in _META_CLASSES:
-        try:
-            with torch.device("meta"):
-                model = getattr(transformers, name).from_config(config)
-            break
-        except Exception:  # noqa: BLE001 - this Auto class does not map (or build) the config
-            continue
-    if model is None:
-        return None
-    found = {
-        bool(experts.is_concatenated)
-        for _, block, attr in find_blocks(model)
-        for experts in [getattr(block, attr)]
-        if experts.has_gate and experts.is_transposed
-    }
-    return found.pop() if len(found) == 1 else None
-
-
 def pack_gate(activation: str, alpha: float, limit: float, interleaved: bool) -> Callable[..., Any]:
     """What the pack computes from a [T, 2I] gate-up output: its activation on the gate and up
     halves as the converter split them (interleaved columns, or gate then up)."""
@@ -488,3 +414,14 @@ def route_ids(router: Router, x: Any) -> Any:
     and a prediction is not one of the model's routings."""
     out = type(router.module).forward(router.module, x)
     return out if router.index is None else out[router.index]
+
+
+def post_norm_of(module: Any, family: Family) -> Any | None:
+    """The norm the engine applies to each streamed route's output (the experts module's own
+    post_expert_norm, where the interface's has_post_expert_norm says so); None otherwise."""
+    import torch
+
+    if not family.post_norm:
+        return None
+    norm = getattr(module, POST_NORM, None)
+    return norm if isinstance(norm, torch.nn.Module) else None
