@@ -48,6 +48,8 @@ def find_blocks(model: Any) -> list[tuple[str, Any, Any]]:
     return found
 
 
+# The Auto classes `declared_concatenated` builds a checkpoint's model as, the first that maps
+# its config: every experts module a load builds is in one of them.
 _META_CLASSES = (
     "AutoModel", "AutoModelForCausalLM", "AutoModelForImageTextToText",
     "AutoModelForTokenClassification",

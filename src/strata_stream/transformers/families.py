@@ -305,8 +305,6 @@ def _gate_out(experts: Any, inter: int, where: str) -> Any:
     return out.detach().to(torch.float32)
 
 
-# The Auto classes `declared_concatenated` builds a checkpoint's model as, the first that maps
-# its config: every experts module a load builds is in one of them.
 def pack_gate(activation: str, alpha: float, limit: float, interleaved: bool) -> Callable[..., Any]:
     """What the pack computes from a [T, 2I] gate-up output: its activation on the gate and up
     halves as the converter split them (interleaved columns, or gate then up)."""
