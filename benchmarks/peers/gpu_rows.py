@@ -60,7 +60,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 from llama_build import _cpu_flags  # noqa: E402
 from llama_trim import DEFAULT_OUT as TRIM_ARCHIVE  # noqa: E402
 from llama_trim import extract  # noqa: E402
-from run import _median_span, agreement, decode_tps, prompt_tps  # noqa: E402
+from run import _median_span, agreement, decode_tps, prompt_tps, write_region  # noqa: E402
 
 _GB = 1e9
 VOCAB = 151936
@@ -563,25 +563,14 @@ def plot(rows: list[dict[str, Any]], out: Path, prompt: int, head: str) -> None:
     _log(f"wrote {out}")
 
 
-def write_region(doc: Path, text: str) -> None:
-    """text between doc's GPU table markers; a page without them gets them appended."""
-    body = doc.read_text() if doc.exists() else ""
-    block = f"{BEGIN}\n{text}\n{END}"
-    if BEGIN in body and END in body:
-        body = body[: body.index(BEGIN)] + block + body[body.index(END) + len(END) :]
-    else:
-        body = body + ("\n" if body else "") + block + "\n"
-    doc.write_text(body)
-    _log(f"wrote the GPU table into {doc}")
-
-
 def report(a: argparse.Namespace, doc: dict[str, Any]) -> None:
     prompt = a.prompt_tokens
     text = table(doc["rows"], prompt)
     _log(doc["head"])
     _log(text)
     if a.table:
-        write_region(a.table, doc["head"] + "\n\n" + text)
+        write_region(a.table, doc["head"] + "\n\n" + text, (BEGIN, END))
+        _log(f"wrote the GPU table into {a.table}")
     if a.plot:
         plot(doc["rows"], a.plot, prompt, doc["head"])
 

@@ -369,17 +369,17 @@ def plot(rows: list[dict[str, Any]], out: Path, prompt: int) -> None:
 _BEGIN, _END = "<!-- peers:table -->", "<!-- /peers:table -->"
 
 
-def write_region(doc: Path, text: str) -> None:
+def write_region(doc: Path, text: str, markers: tuple[str, str] = (_BEGIN, _END)) -> None:
     """`text` between doc's table markers (the rest of the page is prose kept by hand); a page
-    without them gets the table appended."""
+    without them gets the table appended. gpu_rows.py writes its own table with its markers."""
+    begin, end = markers
     body = doc.read_text() if doc.exists() else ""
-    block = f"{_BEGIN}\n{text}\n{_END}"
-    if _BEGIN in body and _END in body:
-        body = body[: body.index(_BEGIN)] + block + body[body.index(_END) + len(_END) :]
+    block = f"{begin}\n{text}\n{end}"
+    if begin in body and end in body:
+        body = body[: body.index(begin)] + block + body[body.index(end) + len(end) :]
     else:
         body = body + ("\n" if body else "") + block + "\n"
     doc.write_text(body)
-    print(f"wrote the table into {doc}")
 
 
 def report(a: argparse.Namespace, rows: list[dict[str, Any]], head: str) -> None:
@@ -389,6 +389,7 @@ def report(a: argparse.Namespace, rows: list[dict[str, Any]], head: str) -> None
     print(text)
     if a.table:
         write_region(a.table, head + "\n\n" + text)
+        print(f"wrote the table into {a.table}")
     if a.plot:
         plot(rows, a.plot, a.prompt_tokens)
 
