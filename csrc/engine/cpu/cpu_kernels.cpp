@@ -15,6 +15,7 @@
 #include <arm_neon.h>
 #endif
 
+#include "common/fused_madd.h"
 #include "cpu/mlx_kernels.h"
 #include "residency/slot.h"
 #include "residency/smap.h"
@@ -35,27 +36,6 @@ typedef float v16 __attribute__((vector_size(64)));
 #pragma GCC diagnostic ignored "-Wpsabi"
 #endif
 
-// acc + a * b, fused wherever the target has FMA. This is the reference order itself, not an
-// optimisation: the compilers contract `acc += a * b` into an FMA whenever the target has one,
-// so the kernels state it rather than leave each expression to the contraction rules.
-inline v8 madd8(v8 acc, v8 a, v8 b) {
-#if defined(__FMA__)
-  return v8(_mm256_fmadd_ps(__m256(a), __m256(b), __m256(acc)));
-#elif defined(__aarch64__)
-  float f[3][8];
-  std::memcpy(f[0], &acc, 32);
-  std::memcpy(f[1], &a, 32);
-  std::memcpy(f[2], &b, 32);
-  vst1q_f32(f[0], vfmaq_f32(vld1q_f32(f[0]), vld1q_f32(f[1]), vld1q_f32(f[2])));
-  vst1q_f32(f[0] + 4, vfmaq_f32(vld1q_f32(f[0] + 4), vld1q_f32(f[1] + 4), vld1q_f32(f[2] + 4)));
-  v8 r;
-  std::memcpy(&r, f[0], 32);
-  return r;
-#else
-  return acc + a * b;
-#endif
-}
-
 inline v16 madd16(v16 acc, v16 a, v16 b) {
 #if defined(__AVX512F__)
   return v16(_mm512_fmadd_ps(__m512(a), __m512(b), __m512(acc)));
@@ -67,8 +47,8 @@ inline v16 madd16(v16 acc, v16 a, v16 b) {
   std::memcpy(&b1, reinterpret_cast<const char*>(&b) + 32, 32);
   std::memcpy(&c0, &acc, 32);
   std::memcpy(&c1, reinterpret_cast<const char*>(&acc) + 32, 32);
-  c0 = madd8(c0, a0, b0);
-  c1 = madd8(c1, a1, b1);
+  c0 = fused_madd8(c0, a0, b0);
+  c1 = fused_madd8(c1, a1, b1);
   v16 r;
   std::memcpy(&r, &c0, 32);
   std::memcpy(reinterpret_cast<char*>(&r) + 32, &c1, 32);
@@ -679,7 +659,7 @@ float dot(const float* a, const float* b, std::uint32_t n) {
   // Two 8-float vector accumulators (GCC/Clang vector extensions: AVX on x86-64, NEON pairs on
   // arm64) hide the add latency; the lane fold and the scalar tail run in a fixed order, so the
   // result depends only on the inputs. The multiply-adds are fused wherever the target has
-  // FMA (madd8), as matrix_dots' are.
+  // FMA (fused_madd8), as matrix_dots' are.
   v8 acc0 = {}, acc1 = {};
   std::size_t i = 0;
   const std::size_t len = n;
@@ -689,8 +669,8 @@ float dot(const float* a, const float* b, std::uint32_t n) {
     std::memcpy(&a1, a + i + 8, 32);
     std::memcpy(&b0, b + i, 32);
     std::memcpy(&b1, b + i + 8, 32);
-    acc0 = madd8(acc0, a0, b0);
-    acc1 = madd8(acc1, a1, b1);
+    acc0 = fused_madd8(acc0, a0, b0);
+    acc1 = fused_madd8(acc1, a1, b1);
   }
   v8 acc = acc0 + acc1;
   float tail = 0;

@@ -1,11 +1,12 @@
 #include "pack/weights.h"
 
+#include "common/fused_madd.h"
+
 namespace strata {
 namespace {
 
 typedef std::uint16_t h8v __attribute__((vector_size(16)));
 typedef std::uint32_t u8v __attribute__((vector_size(32)));
-typedef float f8v __attribute__((vector_size(32)));
 
 // A bfloat16 is the top half of its float32: eight at a time as a vector shift (the conversion
 // is exact, so this is bf16_to_float's value element for element).
@@ -52,7 +53,7 @@ void f16_row(const unsigned char* p, std::uint32_t cols, float* out) {
   }
 }
 
-// MLX affine dequant of one group, w = s * q + b, one 32-bit word at a time as a vector of its
+// MLX affine dequant of one group, w = s * q + b (fused: common/fused_madd.h), one 32-bit word at a time as a vector of its
 // 8 (q4) or 4 (q8, two words at once) codes: vector extensions make this AVX2/NEON.
 void affine_group(const std::uint32_t* gw, std::uint32_t group_words, std::uint32_t bits,
                   float s, float b, float* o) {
@@ -62,7 +63,7 @@ void affine_group(const std::uint32_t* gw, std::uint32_t group_words, std::uint3
     for (std::uint32_t i = 0; i < group_words; ++i) {
       const u8v word = {gw[i], gw[i], gw[i], gw[i], gw[i], gw[i], gw[i], gw[i]};
       const f8v q = __builtin_convertvector((word >> shift) & 15u, f8v);
-      const f8v v = sv * q + bv;
+      const f8v v = fused_madd8(bv, sv, q);
       std::memcpy(o + 8 * i, &v, 32);
     }
   } else {
@@ -70,7 +71,7 @@ void affine_group(const std::uint32_t* gw, std::uint32_t group_words, std::uint3
     for (std::uint32_t i = 0; i < group_words; i += 2) {  // group_words is even
       const u8v word = {gw[i], gw[i], gw[i], gw[i], gw[i + 1], gw[i + 1], gw[i + 1], gw[i + 1]};
       const f8v q = __builtin_convertvector((word >> shift) & 255u, f8v);
-      const f8v v = sv * q + bv;
+      const f8v v = fused_madd8(bv, sv, q);
       std::memcpy(o + 4 * i, &v, 32);
     }
   }
