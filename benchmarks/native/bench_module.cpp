@@ -37,7 +37,7 @@ PYBIND11_MODULE(_bench, m) {
           o.arena_bytes = (std::uint64_t(L.n_experts) + 1) * L.record_stride;
           ExpertStream stream(path, o);
           auto backend = make_cpu_backend(threads);
-          t = bench_kernels(stream, *backend, layer, rows, repeats, seed, flush_bytes);
+          t = bench_kernels(stream, *backend, layer, rows, repeats, seed, flush_bytes, threads);
         }
         py::list out;
         for (const auto& k : t) {
@@ -46,6 +46,8 @@ PYBIND11_MODULE(_bench, m) {
           d["seconds"] = k.seconds;
           d["flops"] = k.flops;
           d["weight_bytes"] = k.weight_bytes;
+          d["paired_read_bytes_per_s"] = k.paired_read_bytes_per_s;
+          d["paired_ratio"] = k.paired_ratio;
           out.append(d);
         }
         return out;
@@ -53,8 +55,10 @@ PYBIND11_MODULE(_bench, m) {
       py::arg("path"), py::kw_only(), py::arg("layer"), py::arg("rows"), py::arg("repeats") = 5,
       py::arg("threads") = 0, py::arg("seed") = 0, py::arg("flush_bytes") = 0,
       "Times each kernel of one MoE layer call of `layer` on the CPU backend (median of "
-      "`repeats`), every expert of the layer resident: [{op, seconds, flops, weight_bytes}]. "
-      "flush_bytes > 0: a buffer that large is read before each timed expert pass.");
+      "`repeats`), every expert of the layer resident: [{op, seconds, flops, weight_bytes, "
+      "paired_read_bytes_per_s, paired_ratio}]. flush_bytes > 0: a buffer that large is read "
+      "before each timed expert pass, and before the plain read of the chosen experts' records "
+      "each expert pass is paired with.");
 
   m.def(
       "bench_read_bandwidth",

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <set>
@@ -10,6 +11,7 @@
 
 #include "common/errors.h"
 #include "exec/scratch.h"
+#include "residency/smap.h"
 
 namespace strata {
 namespace {
@@ -49,6 +51,54 @@ double median_seconds(std::uint32_t repeats, Fn fn) {
   return median_seconds(repeats, fn, [] {});
 }
 
+struct Span {
+  const std::uint64_t* p;
+  std::size_t words;
+};
+
+// Seconds `threads` threads take to sum `spans` (thread t takes spans t, t + threads, ...),
+// thread start included, as a kernel pass pays its pool's wake-up.
+double read_spans(const std::vector<Span>& spans, unsigned threads) {
+  std::vector<std::uint64_t> sums(threads);
+  auto t0 = std::chrono::steady_clock::now();
+  std::vector<std::thread> pool;
+  for (unsigned t = 0; t < threads; ++t)
+    pool.emplace_back([&, t] {
+      for (std::size_t i = t; i < spans.size(); i += threads)
+        sums[t] += sum_words(spans[i].p, spans[i].words);
+    });
+  for (auto& th : pool) th.join();
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  for (std::uint64_t v : sums) g_sink += v;
+  return s;
+}
+
+// An expert pass timed beside a plain read of the same experts' records, both from memory
+// (`evict` before each): repeat r reads, evicts, runs the pass. The memory a virtual machine
+// shares with its host's other guests gives a bandwidth that moves from second to second, so
+// the pass is held to the read made next to it rather than to one measured before the set.
+KernelTiming paired_pass(const char* name, double flops, double bytes, std::uint32_t repeats,
+                         const std::vector<Span>& spans, double span_bytes, unsigned threads,
+                         const std::function<void()>& pass, const std::function<void()>& evict) {
+  std::vector<double> pass_s, read_bw, ratio;
+  for (std::uint32_t r = 0; r < std::max(1u, repeats); ++r) {
+    evict();
+    const double read_s = read_spans(spans, threads);
+    evict();
+    auto t0 = std::chrono::steady_clock::now();
+    pass();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    pass_s.push_back(s);
+    read_bw.push_back(span_bytes / read_s);
+    ratio.push_back((bytes / s) / (span_bytes / read_s));
+  }
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  return {name, median(pass_s), flops, bytes, median(read_bw), median(ratio)};
+}
+
 Command op(Op o, std::uint32_t layer, std::uint32_t rows, Pass pass = Pass::Resident) {
   Command c{};
   c.op = o;
@@ -63,7 +113,8 @@ Command op(Op o, std::uint32_t layer, std::uint32_t rows, Pass pass = Pass::Resi
 std::vector<KernelTiming> bench_kernels(ExpertStream& stream, Backend& backend,
                                         std::uint32_t layer, std::uint32_t rows,
                                         std::uint32_t repeats, std::uint32_t seed,
-                                        std::uint64_t flush_bytes) {
+                                        std::uint64_t flush_bytes, unsigned threads) {
+  if (threads == 0) threads = std::max(1u, std::thread::hardware_concurrency());
   const PackLayout& L = stream.layout();
   if (stream.n_slots() < L.n_experts)
     throw EngineError(ErrorKind::Config, "bench_kernels needs an arena holding a whole layer (" +
@@ -114,13 +165,20 @@ std::vector<KernelTiming> bench_kernels(ExpertStream& stream, Backend& backend,
     out.push_back({"route", median_seconds(repeats, [&] { run(op(Op::Route, layer, rows)); }),
                    2 * T * E * H, E * H * 4});
   out.push_back({"plan", median_seconds(repeats, [&] { run(op(Op::Plan, layer, rows)); }), 0, 0});
-  out.push_back({"gate_up",
-                 median_seconds(repeats, [&] { run(op(Op::GateUp, layer, rows)); }, evict),
-                 2 * 2 * T * k * I * H, 2 * U * matrix_bytes});
-  out.push_back({"down", median_seconds(repeats, [&] { run(op(Op::Down, layer, rows)); }, evict),
-                 2 * T * k * H * I, U * matrix_bytes});
-  out.push_back({"moe_mm", median_seconds(repeats, [&] { run(op(Op::MoeMM, layer, rows)); }, evict),
-                 3 * 2 * T * k * I * H, 3 * U * matrix_bytes});
+  // The chosen experts' whole records (gate, up, down and their scales), where the passes read.
+  std::vector<Span> spans;
+  for (std::int32_t e : unique) {
+    const std::uint32_t slot = smap_load(b.smap, layer * L.n_experts + std::uint32_t(e));
+    spans.push_back({reinterpret_cast<const std::uint64_t*>(b.arena + slot * b.slot_bytes),
+                     std::size_t(L.record_bytes / 8)});
+  }
+  const double span_bytes = double(spans.size()) * double(L.record_bytes / 8 * 8);
+  out.push_back(paired_pass("gate_up", 2 * 2 * T * k * I * H, 2 * U * matrix_bytes, repeats, spans,
+                            span_bytes, threads, [&] { run(op(Op::GateUp, layer, rows)); }, evict));
+  out.push_back(paired_pass("down", 2 * T * k * H * I, U * matrix_bytes, repeats, spans,
+                            span_bytes, threads, [&] { run(op(Op::Down, layer, rows)); }, evict));
+  out.push_back(paired_pass("moe_mm", 3 * 2 * T * k * I * H, 3 * U * matrix_bytes, repeats, spans,
+                            span_bytes, threads, [&] { run(op(Op::MoeMM, layer, rows)); }, evict));
   out.push_back({"combine", median_seconds(repeats, [&] { run(op(Op::Combine, layer, rows)); }),
                  T * k * H, 0});
   return out;
