@@ -16,9 +16,10 @@ kernels are held to, since the absolute figures move with the machine's load.
 
 A virtual machine's memory bandwidth also moves with its host's other guests, from one second
 to the next, so each timed expert pass is paired too: right before it (after its own flush) the
-same threads read the chosen experts' whole records from memory, and the "paired" column is the
-median over the repeats of the pass's GB/s over that read's ("pair read", GB/s). A pass at
-paired 1.0 reads its weights as fast as a plain sum of them does.
+same threads read what the pass reads (its matrices' weights and scales, for each chosen expert)
+from memory, and the "paired" column is the median over the repeats of the pass's GB/s over
+that read's ("pair read", GB/s). A pass at paired 1.0 reads its weights as fast as a plain sum
+of them does.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ PYBIND11_MODULE(_bench, m) {
       "Times each kernel of one MoE layer call of `layer` on the CPU backend (median of "
       "`repeats`), every expert of the layer resident: [{op, seconds, flops, weight_bytes, "
       "paired_read_bytes_per_s, paired_ratio}]. flush_bytes > 0: a buffer that large is read "
-      "before each timed expert pass, and before the plain read of the chosen experts' records "
+      "before each timed expert pass, and before the plain read of what the pass reads that "
       "each expert pass is paired with.");
 
   m.def(

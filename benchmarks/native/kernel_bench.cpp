@@ -165,20 +165,32 @@ std::vector<KernelTiming> bench_kernels(ExpertStream& stream, Backend& backend,
     out.push_back({"route", median_seconds(repeats, [&] { run(op(Op::Route, layer, rows)); }),
                    2 * T * E * H, E * H * 4});
   out.push_back({"plan", median_seconds(repeats, [&] { run(op(Op::Plan, layer, rows)); }), 0, 0});
-  // The chosen experts' whole records (gate, up, down and their scales), where the passes read.
-  std::vector<Span> spans;
-  for (std::int32_t e : unique) {
-    const std::uint32_t slot = smap_load(b.smap, layer * L.n_experts + std::uint32_t(e));
-    spans.push_back({reinterpret_cast<const std::uint64_t*>(b.arena + slot * b.slot_bytes),
-                     std::size_t(L.record_bytes / 8)});
-  }
-  const double span_bytes = double(spans.size()) * double(L.record_bytes / 8 * 8);
-  out.push_back(paired_pass("gate_up", 2 * 2 * T * k * I * H, 2 * U * matrix_bytes, repeats, spans,
-                            span_bytes, threads, [&] { run(op(Op::GateUp, layer, rows)); }, evict));
-  out.push_back(paired_pass("down", 2 * T * k * H * I, U * matrix_bytes, repeats, spans,
-                            span_bytes, threads, [&] { run(op(Op::Down, layer, rows)); }, evict));
-  out.push_back(paired_pass("moe_mm", 3 * 2 * T * k * I * H, 3 * U * matrix_bytes, repeats, spans,
-                            span_bytes, threads, [&] { run(op(Op::MoeMM, layer, rows)); }, evict));
+  // What each pass reads of the chosen experts: the tensors (weights and scales) of its
+  // matrices (0 gate, 1 up, 2 down), as 8-byte-word spans of their slots.
+  auto spans_of = [&](std::initializer_list<std::uint32_t> matrices) {
+    std::vector<Span> spans;
+    double bytes = 0;
+    for (std::int32_t e : unique) {
+      const std::uint32_t slot = smap_load(b.smap, layer * L.n_experts + std::uint32_t(e));
+      const unsigned char* base = b.arena + slot * b.slot_bytes;
+      for (const TensorEntry& t : L.tensors_of(layer)) {
+        if (std::find(matrices.begin(), matrices.end(), t.matrix) == matrices.end()) continue;
+        spans.push_back({reinterpret_cast<const std::uint64_t*>(base + t.offset / 8 * 8),
+                         std::size_t(t.nbytes / 8)});
+        bytes += double(t.nbytes / 8 * 8);
+      }
+    }
+    return std::make_pair(spans, bytes);
+  };
+  auto paired = [&](const char* name, double flops, double bytes,
+                    std::initializer_list<std::uint32_t> matrices, Op o) {
+    const auto [spans, span_bytes] = spans_of(matrices);
+    out.push_back(paired_pass(name, flops, bytes, repeats, spans, span_bytes, threads,
+                              [&] { run(op(o, layer, rows)); }, evict));
+  };
+  paired("gate_up", 2 * 2 * T * k * I * H, 2 * U * matrix_bytes, {0, 1}, Op::GateUp);
+  paired("down", 2 * T * k * H * I, U * matrix_bytes, {2}, Op::Down);
+  paired("moe_mm", 3 * 2 * T * k * I * H, 3 * U * matrix_bytes, {0, 1, 2}, Op::MoeMM);
   out.push_back({"combine", median_seconds(repeats, [&] { run(op(Op::Combine, layer, rows)); }),
                  T * k * H, 0});
   return out;

@@ -16,9 +16,9 @@ struct KernelTiming {
   double seconds;      // median over repeats
   double flops;        // floating-point operations of one run
   double weight_bytes; // expert (or router) bytes one run reads
-  // Expert passes only (else 0): the median bytes/s of a plain read of the chosen experts'
-  // records from memory made right before each run, and the median of each run's weight
-  // bytes/s over that read's.
+  // Expert passes only (else 0): the median bytes/s of a plain read from memory, made right
+  // before each run, of what the pass reads (its matrices' weights and scales, for each chosen
+  // expert), and the median of each run's weight bytes/s over that read's.
   double paired_read_bytes_per_s = 0;
   double paired_ratio = 0;
 };
