@@ -216,3 +216,40 @@ def test_a_large_copy_asks_for_huge_pages(tmp_path: Path) -> None:
     assert _mapped_file(w) is None
     assert "hg" in _vm_flags(w.data_ptr() + w.numel() * w.element_size() // 2)
     assert np.array_equal(w.numpy().ravel(), np.arange(n, dtype=np.float32))
+
+
+def test_copies_a_container_cannot_hold_are_not_made_and_sizing_refuses(
+    untied: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Copies bigger than a container's limit leaves would have the process killed during
+    them, with no message: none is made, and an arena sized from the memory is refused in one
+    line naming the dense weights and the limit."""
+    from strata_stream import container_memory
+    from strata_stream.errors import ConfigError
+
+    monkeypatch.setattr(container_memory, "binding", lambda: (3 << 30, 1 << 20))
+    with pytest.raises(ConfigError, match="not enough memory for the dense weights") as e:
+        load(untied.path, pack_path=untied.pack, config=BASE, dtype=torch.float32,
+             attn_implementation="eager", progress=False)  # fmt: skip
+    assert "1.00 MiB is left of this container's 3.00 GiB limit" in str(e.value)
+    assert "pass arena_bytes" in str(e.value)
+
+
+def test_an_explicit_arena_streams_with_the_weights_held_back_mapped(
+    untied: Model, monkeypatch: pytest.MonkeyPatch, closing: list[Any]
+) -> None:
+    from strata_stream.transformers import dense_memory
+
+    monkeypatch.setattr(dense_memory, "_copy_room", lambda: 0)
+    model = untied.load()
+    closing.append(model)
+    head = model.get_output_embeddings().weight
+    assert _mapped_file(head) is not None  # left where transformers mapped it
+    d = describe(model)
+    embed = model.get_input_embeddings().weight.data_ptr()
+    on_file = [t for p, (_, t) in _tensors(model).items() if p != embed and _mapped_file(t)]
+    whole = sum(t.numel() * t.element_size() for t in on_file)  # built in memory: resident
+    assert d["dense_copied_bytes"] == 0
+    assert d["dense_held_back_bytes"] == whole
+    got, want = logits(model), logits(untied.ref)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()

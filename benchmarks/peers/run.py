@@ -153,7 +153,7 @@ class Runner:
         else:
             log = (self.logs / f"run{n:03d}.log").read_text()
             row["error"] = log[-400:]
-            row["no_arena"] = "not enough memory for the experts" in log
+            row["no_arena"] = any(why in log for why in _NO_ROOM)
         self.rows.append(row)
         print(_line(row), flush=True)
         if self.a.json:
@@ -206,9 +206,16 @@ def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
     return {k: v.name if isinstance(v, Path) else v for k, v in d.items()}
 
 
+# strata-stream's refusals at load when a memory limit leaves it no room: for the arena after
+# the dense weights, or for the dense weights a step reads whole (arena_budget.py, and
+# transformers/loader.py's _held_back_message).
+_NO_ROOM = ("not enough memory for the experts", "not enough memory for the dense weights")
+
+
 def no_arena(r: dict[str, Any]) -> bool:
-    """The run stopped at load: the memory limit left no room for the experts' arena."""
-    return bool(r.get("no_arena")) or "not enough memory for the experts" in r.get("error", "")
+    """The run stopped at load: the memory limit left no room for the experts' arena, or for
+    the dense weights a step reads whole."""
+    return bool(r.get("no_arena")) or any(why in r.get("error", "") for why in _NO_ROOM)
 
 
 def decode_tps(r: dict[str, Any]) -> float | None:
@@ -225,7 +232,7 @@ def _line(r: dict[str, Any]) -> str:
         why = (
             "killed for memory"
             if r["oom_killed"]
-            else "no room for the arena"
+            else "refused at load: no room"
             if no_arena(r)
             else f"exit {r['returncode']}"
         )
@@ -273,7 +280,7 @@ def table(rows: list[dict[str, Any]], ref: dict[str, Any] | None, prompt: int) -
             why = (
                 "killed for memory"
                 if any(r["oom_killed"] for r in rs)
-                else "no room for the arena (the dense weights fill the limit)"
+                else "refused at load: the limit leaves no room (the dense weights fill it)"
                 if any(no_arena(r) for r in rs)
                 else "failed"
             )

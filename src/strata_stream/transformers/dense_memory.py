@@ -18,6 +18,13 @@ them. `settle` sorts the weights by how a decoding step reads them:
   step reads one row per token, so it is counted as the rows of one prompt chunk (`rows`),
   not whole: its other pages are page cache the kernel may drop, and the arena gets the rest.
 
+The copies are made only where they fit: inside a container whose memory limit leaves less
+than they need (with a chunk of page cache and the budget's margin), the kernel would kill the
+process during the copy, with no message. There nothing is copied, the weights stay mapped and
+count whole, and `held_back` says how many bytes: the loader then refuses an automatically sized
+arena in one line (an explicit arena_bytes streams anyway, the dense pages read again as the
+kernel drops them).
+
 Tensors already in anonymous memory (converted on load to another dtype, or built in memory),
 and tensor subclasses (a quantizer's) or strided views, stay as they are and are counted
 whole; tensors on a GPU are not host memory and are not counted. Where there is no
@@ -36,6 +43,9 @@ from typing import Any
 
 import torch
 
+from strata_stream import container_memory
+from strata_stream.arena_budget import MARGIN_MIN
+
 PROC_MAPS = "/proc/self/maps"  # module-level: tests point it elsewhere
 MADV_RANDOM = 1
 MADV_WILLNEED = 3
@@ -52,13 +62,16 @@ class DenseMemory:
 
     resident: in anonymous memory (charged to the process and its container), the copies
     `settle` made (`copied`) among it; mapped: left mapped from the checkpoint's files (read
-    by rows); counted: what the arena budget counts, resident plus the rows of one prompt
-    chunk of the mapped ones; pending: the part of counted no container charge holds yet."""
+    by rows, or `held_back`); counted: what the arena budget counts, resident plus the rows of
+    one prompt chunk of the embedding left mapped and the held-back weights whole; pending: the
+    part of counted no container charge holds yet; held_back: weights a step reads whole that
+    were left mapped because their copies did not fit the container's memory."""
 
     resident: int = 0
     mapped: int = 0
     counted: int = 0
     copied: int = 0
+    held_back: int = 0
 
     @property
     def pending(self) -> int:
@@ -70,6 +83,7 @@ class DenseMemory:
             "dense_resident_bytes": self.resident,
             "dense_mapped_bytes": self.mapped,
             "dense_copied_bytes": self.copied,
+            "dense_held_back_bytes": self.held_back,
         }
 
 
@@ -217,15 +231,24 @@ def _replace(group: _Group, new: torch.Tensor) -> None:
             getattr(module, kind)[name] = new
 
 
+def _copy_room() -> int | None:
+    """Bytes the copies may take: what the container's limit leaves (container_memory: its
+    charge less the page cache the kernel can drop) less one chunk of page cache the copy holds
+    at a time and the budget's margin; None outside a container."""
+    bound = container_memory.binding()
+    return None if bound is None else bound[1] - _CHUNK - MARGIN_MIN
+
+
 def settle(model: Any, rows: int) -> DenseMemory:
     """Sorts the model's host tensors as the module docstring says and returns their bytes:
-    file-backed tensors a step reads whole are copied into anonymous memory, file-backed ones it
-    reads by rows stay mapped and count `rows` rows (a prompt chunk's); anonymous ones count
-    whole."""
+    file-backed tensors a step reads whole are copied into anonymous memory where the copies
+    fit (else left mapped, held back, counted whole), file-backed ones it reads by rows stay
+    mapped and count `rows` rows (a prompt chunk's); anonymous ones count whole."""
     if rows < 1:
         raise ValueError(f"rows must be >= 1, got {rows}")
     maps = _maps()
-    resident = mapped = counted = copied = 0
+    resident = mapped = counted = 0
+    to_copy: list[_Group] = []
     for group in _groups(model):
         t, n = group.tensor, group.nbytes
         if maps is None or not _movable(t) or not maps.file_backed(t.data_ptr()):
@@ -238,11 +261,16 @@ def settle(model: Any, rows: int) -> DenseMemory:
             _madvise(t.data_ptr(), n, MADV_RANDOM, inward=False)
             _madvise(t.data_ptr(), n, MADV_PAGEOUT, inward=True)
         else:
-            _replace(group, _resident_copy(t))
-            resident += n
-            counted += n
-            copied += n
-    return DenseMemory(resident=resident, mapped=mapped, counted=counted, copied=copied)
+            to_copy.append(group)
+    wanted = sum(g.nbytes for g in to_copy)
+    room = _copy_room() if to_copy else None
+    if room is not None and wanted > room:
+        return DenseMemory(resident=resident, mapped=mapped + wanted, counted=counted + wanted,
+                           held_back=wanted)  # fmt: skip
+    for group in to_copy:
+        _replace(group, _resident_copy(group.tensor))
+    return DenseMemory(resident=resident + wanted, mapped=mapped, counted=counted + wanted,
+                       copied=wanted)  # fmt: skip
 
 
 __all__ = ["DenseMemory", "settle"]

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from strata_stream import container_memory
 from strata_stream.arena_budget import arena_size
 from strata_stream.config import StreamConfig
 from strata_stream.convert.pack_cache import ensure_pack
@@ -28,6 +29,7 @@ from strata_stream.transformers.dense_memory import settle
 from strata_stream.transformers.engine import BlockRef, TorchMoeEngine
 from strata_stream.transformers.experts import EngineSlot, streamed_experts
 from strata_stream.transformers.families import Family, check_activation, family_of, find_blocks
+from strata_stream.units import human_bytes
 
 _GiB = 1 << 30
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -280,6 +282,17 @@ def _arena_bytes(
     return min(host, arena_size(pack, None, available=free, memory="GPU memory"))
 
 
+def _held_back_message(held_back: int) -> str:
+    cap, left = container_memory.binding() or (0, 0)  # held back only where one binds
+    return (
+        f"not enough memory for the dense weights: every token reads {human_bytes(held_back)} of "
+        f"them whole (attention, output head, norms, routers), and {human_bytes(left)} is left "
+        f"of this container's {human_bytes(cap)} limit, so they cannot be made resident, and "
+        "left mapped the kernel would read them from disk again for every token; raise the "
+        "memory limit, or pass arena_bytes to stream the experts anyway"
+    )
+
+
 def _check_pack(pack: ExpertPack, blocks: list[tuple[Any, ...]]) -> None:
     meta = pack.metadata.get("model") or {}
     where = f"pack {pack.path}"
@@ -471,6 +484,8 @@ def load(
         ]
         base_cfg = config if config is not None else StreamConfig.from_env()
         dense = settle(model, base_cfg.max_rows)  # before sizing: the charge then holds it
+        if dense.held_back and arena_bytes is None:
+            raise ConfigError(_held_back_message(dense.held_back))
         arena = _arena_bytes(pack, arena_bytes, dev, dense.counted, dense.pending)
         cfg = base_cfg.replace(arena_bytes=arena)
         engine = TorchMoeEngine(pack, cfg, refs, dev)
