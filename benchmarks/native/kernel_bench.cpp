@@ -73,8 +73,8 @@ double read_spans(const std::vector<Span>& spans, unsigned threads) {
   return s;
 }
 
-// An expert pass timed beside a plain read of the same experts' records, both from memory
-// (`evict` before each): repeat r reads, evicts, runs the pass. The memory a virtual machine
+// An expert pass timed beside a plain read of what it reads (`spans`, `span_bytes` of them),
+// both from memory (`evict` before each): repeat r reads, evicts, runs the pass. The memory a virtual machine
 // shares with its host's other guests gives a bandwidth that moves from second to second, so
 // the pass is held to the read made next to it rather than to one measured before the set.
 KernelTiming paired_pass(const char* name, double flops, double bytes, std::uint32_t repeats,
