@@ -74,6 +74,19 @@ inline float fold16(v16 acc) {
   return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7])) + 0.0f;
 }
 
+#if defined(__AVX512F__)
+// out[q * n_x + e] = fold16(acc[q][e]): the fold of both matrix paths, the tile's and the fused.
+template <std::uint32_t NR, std::uint32_t NE>
+inline void fold_out(const __m512 (&acc)[NR][NE], std::uint32_t n_x, float* out) {
+  for (std::uint32_t q = 0; q < NR; ++q)
+    for (std::uint32_t e = 0; e < NE; ++e) {
+      v16 a;
+      std::memcpy(&a, &acc[q][e], 64);
+      out[std::size_t(q) * n_x + e] = fold16(a);
+    }
+}
+#endif
+
 // out[q * n_x + e] = dot(tile row q, xs[e], cols) for NR tile rows and NE entries starting at e0:
 // each (row, entry) is one accumulator with dot's lanes, so blocking changes no bit.
 template <std::uint32_t NR, std::uint32_t NE>
@@ -101,12 +114,7 @@ inline void dots_rows_entries(const float* tile, const float* const* xs, std::ui
 #pragma GCC unroll 16
       for (std::uint32_t e = 0; e < NE; ++e) acc[q][e] = _mm512_fmadd_ps(w[q], xv[e], acc[q][e]);
   }
-  for (std::uint32_t q = 0; q < NR; ++q)
-    for (std::uint32_t e = 0; e < NE; ++e) {
-      v16 a;
-      std::memcpy(&a, &acc[q][e], 64);
-      out[std::size_t(q) * n_x + e0 + e] = fold16(a);
-    }
+  fold_out(acc, n_x, out + e0);
 #else
   v16 acc[NR][NE] = {};
   for (std::uint32_t c = 0; c + 16 <= cols; c += 16) {
@@ -284,17 +292,6 @@ constexpr std::uint32_t kFusedRows = NE <= 4 ? 4 : 2;
 constexpr std::uint32_t kFusedEntries = 8;
 // Scales of a row block widened on the stack (rows x groups); a wider matrix takes the tile.
 constexpr std::uint32_t kFusedScales = 1024;
-
-// out[q * n_x + e] = fold16(acc[q][e]), the tile path's fold.
-template <std::uint32_t NR, std::uint32_t NE>
-inline void fold_out(const __m512 (&acc)[NR][NE], std::uint32_t n_x, float* out) {
-  for (std::uint32_t q = 0; q < NR; ++q)
-    for (std::uint32_t e = 0; e < NE; ++e) {
-      v16 a;
-      std::memcpy(&a, &acc[q][e], 64);
-      out[std::size_t(q) * n_x + e] = fold16(a);
-    }
-}
 
 // One row block (NR rows from r, NE entries) of the fused path; `load(q, c)` gives columns
 // [c, c + 16) of block row q and `group(g)` is called before group g's first column. Each row's
