@@ -826,6 +826,20 @@ def _add_fused(
         layer.names[(matrix, role)] = name
 
 
+def _fused_shapes(
+    model_dir: Path, index: SafetensorsIndex, layer: _Layer, first: int, names: str
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes of a fused layer's `first` weight (0 gate_up, 1 up) and of its down weight;
+    PackError naming `names` where the layer lacks either."""
+    try:
+        return (
+            index.tensors[layer.names[(first, "weight")]].shape,
+            index.tensors[layer.names[(2, "weight")]].shape,
+        )
+    except KeyError:
+        raise PackError(f"{model_dir}: decoder layer {layer.decoder_layer} lacks {names}") from None
+
+
 def _orient_fused(model_dir: Path, index: SafetensorsIndex, layer: _Layer, hidden: int) -> int:
     """Which orientation a fused layer has, from where hidden_size sits in both tensors:
     gate_up [E, 2I, H] with down [E, H, I] ("rows"), or gpt-oss's gate_up [E, H, 2I] with
@@ -835,14 +849,9 @@ def _orient_fused(model_dir: Path, index: SafetensorsIndex, layer: _Layer, hidde
     the experts' width."""
     if layer.fused == "gateless":
         return _orient_gateless(model_dir, index, layer, hidden)
-    try:
-        gate_up = index.tensors[layer.names[(0, "weight")]].shape
-        down = index.tensors[layer.names[(2, "weight")]].shape
-    except KeyError:
-        raise PackError(
-            f"{model_dir}: decoder layer {layer.decoder_layer} lacks experts.gate_up_proj or "
-            "experts.down_proj"
-        ) from None
+    gate_up, down = _fused_shapes(
+        model_dir, index, layer, 0, "experts.gate_up_proj or experts.down_proj"
+    )
     if layer.fused == "blocks":  # [E, 2I, H/32, 16] and [E, H, I/32, 16]
         if not (gate_up[2] * 32 == hidden and down[1] == hidden and gate_up[1] == 2 * down[2] * 32
                 and gate_up[3] == down[3] == 16):  # fmt: skip
@@ -880,13 +889,7 @@ def _orient_fused(model_dir: Path, index: SafetensorsIndex, layer: _Layer, hidde
 def _orient_gateless(model_dir: Path, index: SafetensorsIndex, layer: _Layer, hidden: int) -> int:
     """A gateless fused pair: up [E, I, H] with down [E, H, I] ("up_rows") or up [E, H, I] with
     down [E, I, H] ("up_columns", ergo's); where I == H the Linear orientation ("up_rows")."""
-    try:
-        up = index.tensors[layer.names[(1, "weight")]].shape
-        down = index.tensors[layer.names[(2, "weight")]].shape
-    except KeyError:
-        raise PackError(
-            f"{model_dir}: decoder layer {layer.decoder_layer} lacks up_proj or down_proj"
-        ) from None
+    up, down = _fused_shapes(model_dir, index, layer, 1, "up_proj or down_proj")
     _, a, b = up
     _, c, d = down
     if b == hidden and c == hidden and a == d:
