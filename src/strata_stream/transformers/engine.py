@@ -203,9 +203,7 @@ class TorchMoeEngine:
         if layer < nxt:
             w.restart_pass()
             nxt = 0
-        for q in range(nxt, layer):
-            w.pass_layer(q)
-            self.passed_layers += 1
+        self._pass_layers(nxt, layer)
 
     def leave_sets(self, last: int) -> None:
         """After a decoder layer with several experts sets ran (a forward hook on the module
@@ -218,7 +216,11 @@ class TorchMoeEngine:
         nxt = self.window.next_layer
         if nxt == 0 or nxt > last:
             return
-        for q in range(nxt, last + 1):
+        self._pass_layers(nxt, last + 1)
+
+    def _pass_layers(self, first: int, end: int) -> None:
+        """Moves the turn past pack layers [first, end), which this pass runs no rows of."""
+        for q in range(first, end):
             self.window.pass_layer(q)
             self.passed_layers += 1
 
