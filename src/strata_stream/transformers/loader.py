@@ -380,11 +380,11 @@ def _check_sets(where: str, meta: Mapping[str, Any], blocks: list[tuple[Any, ...
             continue
         shared = len({prefixes[j] for j in siblings}) == 1
         module = set_path(f"{name}.{attr}")
-        if shared and offsets[i] != sum(blocks[j][4][0] for j in siblings if j < i):
+        start = sum(blocks[j][4][0] for j in siblings if j < i)  # the experts of sets before it
+        if shared and offsets[i] != start:
             raise PackError(
                 f"{where}: decoder layer {decoder_layer}'s experts set at {module} starts at "
-                f"expert {sum(blocks[j][4][0] for j in siblings if j < i)} of "
-                f"{prefixes[i]}, the pack's at {offsets[i]}"
+                f"expert {start} of {prefixes[i]}, the pack's at {offsets[i]}"
             )
         if not shared and set_path(str(prefixes[i])) != module:
             raise PackError(
