@@ -191,7 +191,7 @@ def test_a_pack_of_one_set_per_decoder_layer_is_refused(
 ) -> None:
     """The experts list as one set of 2E experts per decoder layer (no split): the pack says
     which decoder layers its layers are, and load refuses it by that, naming both."""
-    monkeypatch.setattr(checkpoint_module, "_split_sets", lambda _d, _i, _c, layers: layers)
+    monkeypatch.setattr(checkpoint_module, "_split_sets", lambda _listed, _c, layers: layers)
     pack = tmp_path / "one-set.strpk"
     convert(ernie.path, pack, progress=False)
     with ExpertPack.open(pack) as p:

@@ -46,6 +46,7 @@ a version 3 pack, each in its own format.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable
@@ -432,7 +433,10 @@ def find_experts(
     # Pack layers in the order of (decoder layer, experts prefix): a decoder layer with several
     # experts modules (text and vision experts, say) gives each its own pack layer, in the
     # order of their paths, as the transformers loader orders the modules.
-    ordered = _split_sets(model_dir, index, config, tuple(layers[k] for k in sorted(layers)))
+    # Each per-expert template's count, once: every (layer, matrix, role) asks for it, and a
+    # count is a scan of every tensor name.
+    listed = functools.cache(functools.partial(_listed, index))
+    ordered = _split_sets(listed, config, tuple(layers[k] for k in sorted(layers)))
 
     first = ordered[0]
     roles = {r for (_, r) in first.names}
@@ -453,7 +457,7 @@ def find_experts(
             t = index.tensors[name]
             return t.dtype, t.shape
         t = index.tensors[name.format(e=layer.offset)]
-        return t.dtype, (_set_size(index, layer, name), *t.shape)
+        return t.dtype, (_set_size(listed, layer, name), *t.shape)
 
     _, gshape = loc(first, (0 if gated else 1, "weight"))
     n_experts, inter = gshape[0], gshape[1]
@@ -748,13 +752,14 @@ def _listed(index: SafetensorsIndex, template: str) -> int:
     return sum(1 for n in index.tensors if _per_expert_of(n, template))
 
 
-def _set_size(index: SafetensorsIndex, layer: _Layer, template: str) -> int:
-    """The experts of `layer`'s set in a per-expert list (all of it for a list of one set)."""
-    return layer.size if layer.size else _listed(index, template)
+def _set_size(listed: Callable[[str], int], layer: _Layer, template: str) -> int:
+    """The experts of `layer`'s set in a per-expert list (all of it for a list of one set;
+    `listed`: _listed over the checkpoint's index, kept per template by find_experts)."""
+    return layer.size if layer.size else listed(template)
 
 
 def _split_sets(
-    model_dir: Path, index: SafetensorsIndex, config: dict[str, Any], layers: tuple[_Layer, ...]
+    listed: Callable[[str], int], config: dict[str, Any], layers: tuple[_Layer, ...]
 ) -> tuple[_Layer, ...]:
     """Each per-expert list that holds several experts modules' sets, as one pack layer per set.
 
@@ -769,13 +774,12 @@ def _split_sets(
         if layer.stacked or not sizes:
             out.append(layer)
             continue
-        template = next(iter(layer.names.values()))
-        listed = _listed(index, template)
+        n_listed = listed(next(iter(layer.names.values())))
         if len(sizes) == 1:
-            k = listed // sizes[0] if listed % sizes[0] == 0 else 1
+            k = n_listed // sizes[0] if n_listed % sizes[0] == 0 else 1
             chunks = [sizes[0]] * k
         else:
-            chunks = sizes if sum(sizes) == listed else [listed]
+            chunks = sizes if sum(sizes) == n_listed else [n_listed]
         if len(chunks) < 2:
             out.append(layer)
             continue
